@@ -1,0 +1,113 @@
+"""validate, plan, schema: everything that needs no node."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from pdctl.errors import Issue, TopologyError
+from pdctl.plan import Plan, make_plan
+from pdctl.topology import Topology, default_topology_text, load_topology, load_topology_text, topology_schema
+
+
+def load_or_default(file: str | None) -> tuple[Topology, list[Issue], str]:
+    """Load FILE, or the embedded default (sim on localhost) when FILE is None."""
+    if file is None:
+        top, warnings = load_topology_text(default_topology_text(), "<default: local-sim.yaml>")
+        return top, warnings, "<default: local-sim.yaml>"
+    top, warnings = load_topology(file)
+    return top, warnings, file
+
+
+def print_warnings(warnings: list[Issue], filename: str) -> None:
+    for w in warnings:
+        click.secho(w.format(filename), fg="yellow", err=True)
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def validate(files: tuple[str, ...]) -> None:
+    """Check topology FILES against the schema and the semantic rules.
+
+    Every problem is printed as FILE:LINE:COL: dotted.path: message (hint). Exit 1 if any
+    file has an error; warnings alone exit 0.
+    """
+    failed = False
+    for file in files:
+        try:
+            _, warnings = load_topology(file)
+        except TopologyError as exc:
+            failed = True
+            for issue in exc.issues:
+                color = "red" if issue.severity == "error" else "yellow"
+                click.secho(issue.format(file), fg=color, err=True)
+            continue
+        print_warnings(warnings, file)
+        click.echo(f"{file}: ok")
+    if failed:
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON (argv, env, ports, GPUs, ranks).")
+def plan(file: str | None, as_json: bool) -> None:
+    """Show exactly what `up` would start for FILE (default: the embedded local sim topology).
+
+    Pure: touches no node. The table lists each process with its node, GPUs and ports;
+    --json adds argv, env, log paths and the weight group.
+    """
+    top, warnings, filename = load_or_default(file)
+    print_warnings(warnings, filename)
+    result = make_plan(top)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    render_plan(result)
+
+
+def render_plan(result: Plan) -> None:
+    console = Console()
+    table = Table(title=f"plan {result.name} ({result.engine})", show_lines=False)
+    for col in ("process", "role", "node", "GPUs", "ports", "command"):
+        table.add_column(col, overflow="fold")
+    for proc in result.processes:
+        ports = " ".join(f"{k}={v}" for k, v in proc.ports.items())
+        gpus = _ranges(proc.gpu_ids) or "-"
+        cmd = " ".join(proc.argv[1:4]) + (" ..." if len(proc.argv) > 4 else "")
+        table.add_row(proc.id, proc.role.value, proc.node, gpus, ports, cmd)
+    console.print(table)
+    console.print(f"router: {result.router_url}")
+    if result.weight_group:
+        wg = result.weight_group
+        ranks = ", ".join(f"{e.id}@{e.rank_offset}" for e in result.engines)
+        console.print(
+            f"weight group: {wg.backend} world_size={wg.world_size} at {wg.master_address}:{wg.master_port}; "
+            f"rank offsets: {ranks}"
+        )
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 3, 6)`` -> ``0-3,6``."""
+    parts: list[str] = []
+    for i in ids:
+        if parts and "-" in parts[-1] and int(parts[-1].split("-")[1]) == i - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{i}"
+        elif parts and "-" not in parts[-1] and int(parts[-1]) == i - 1:
+            parts[-1] = f"{parts[-1]}-{i}"
+        else:
+            parts.append(str(i))
+    return ",".join(parts)
+
+
+@click.command()
+def schema() -> None:
+    """Print the topology JSON Schema (draft 2020-12) for editors and CI."""
+    click.echo(json.dumps(topology_schema(), indent=2))
+
+
+COMMANDS = [validate, plan, schema]

@@ -1,0 +1,88 @@
+"""One error hierarchy for pdctl.
+
+    PdctlError                 anything pdctl reports to a user (CLI prints it, exit 1)
+    ├── TopologyError          the YAML is invalid; carries every Issue found
+    ├── AllocationError        the allocation-mode string is invalid; carries the column
+    ├── PlanError              a plan invariant failed (a bug or an impossible topology)
+    ├── RemoteError            SSH / local execution failed (unreachable, bad host key, ...)
+    ├── LifecycleError         up/down/status could not do what was asked
+    ├── SimError               the sim engine refused a request or a weight update
+    └── WeightSyncError        the trainer-side weight push failed
+
+Foreign errors (yaml, jsonschema, paramiko, aiohttp) are converted at their seam with
+``raise ... from exc`` so that the CLI never shows a traceback unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class PdctlError(Exception):
+    """Base class: an error with a message fit for a user."""
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem in a topology file.
+
+    ``path`` is dotted (``prefill.args.port``, ``nodes[1].host``); ``line``/``col`` are
+    1-based positions in the file, or 0 when unknown; ``severity`` is ``error`` or ``warning``.
+    """
+
+    path: str
+    message: str
+    line: int = 0
+    col: int = 0
+    severity: str = "error"
+    hint: str = ""
+
+    def format(self, filename: str) -> str:
+        where = f"{filename}:{self.line}:{self.col}" if self.line else filename
+        text = f"{where}: {self.path or '<root>'}: {self.message}"
+        if self.severity != "error":
+            text = f"{where}: {self.severity}: {self.path or '<root>'}: {self.message}"
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        return text
+
+
+class TopologyError(PdctlError):
+    """The topology is invalid. ``issues`` holds every error (and warning) found."""
+
+    def __init__(self, filename: str, issues: list[Issue]):
+        self.filename = filename
+        self.issues = issues
+        errors = [i for i in issues if i.severity == "error"]
+        super().__init__("\n".join(i.format(filename) for i in errors) or "invalid topology")
+
+
+class AllocationError(PdctlError):
+    """An allocation-mode string is invalid; ``col`` is the 1-based column of the fault."""
+
+    def __init__(self, message: str, text: str = "", col: int = 0):
+        self.text = text
+        self.col = col
+        self.reason = message
+        pointer = f"\n  {text}\n  {' ' * max(col - 1, 0)}^" if text and col else ""
+        super().__init__(f"{message}{pointer}")
+
+
+class PlanError(PdctlError):
+    """A plan invariant does not hold; the message names the invariant."""
+
+
+class RemoteError(PdctlError):
+    """Running something on a node failed; the message names the node."""
+
+
+class LifecycleError(PdctlError):
+    """up / down / status / logs could not complete."""
+
+
+class SimError(PdctlError):
+    """The sim engine rejected something."""
+
+
+class WeightSyncError(PdctlError):
+    """A trainer-side weight push failed."""

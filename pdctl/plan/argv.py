@@ -1,0 +1,124 @@
+"""Command lines: SGLang (or sim) servers, torchrun, the router. Full flag names only.
+
+``engine: sim`` gets exactly the flags ``engine: sglang`` gets, behind ``-m pdctl.sim``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pdctl.plan.model import url_host
+from pdctl.sglang import render_extra_args
+from pdctl.topology.model import Node, Role, ServerGroup, Topology
+
+ENGINE_MODULES = {"sglang": "sglang.launch_server", "sim": "pdctl.sim"}
+
+
+def engine_argv(
+    top: Topology,
+    group: ServerGroup,
+    node: Node,
+    *,
+    gpu_ids: tuple[int, ...],
+    http_port: int,
+    nccl_port: int,
+    bootstrap_port: int | None,
+    dist_init_addr: str | None,
+    nnodes: int,
+    node_rank: int,
+) -> tuple[str, ...]:
+    """argv of one engine server process (node rank ``node_rank`` of ``nnodes``)."""
+    argv = [node.python, "-m", ENGINE_MODULES[top.engine], "--model-path", top.model.path]
+    if top.model.served_name:
+        argv += ["--served-model-name", top.model.served_name]
+    if top.model.tokenizer:
+        argv += ["--tokenizer-path", top.model.tokenizer]
+    if top.model.dtype:
+        argv += ["--dtype", top.model.dtype]
+    bind = "127.0.0.1" if node.host == "localhost" else node.host
+    argv += ["--host", bind, "--port", str(http_port), "--tp-size", str(group.tp)]
+    if group.dp > 1:
+        argv += ["--dp-size", str(group.dp)]
+    if group.pp > 1:
+        argv += ["--pp-size", str(group.pp)]
+    if group.attn_dp > 1:
+        argv += ["--attn-dp-size", str(group.attn_dp)]
+    argv += ["--base-gpu-id", str(gpu_ids[0]), "--nccl-port", str(nccl_port)]
+    if group.role in (Role.PREFILL, Role.DECODE):
+        argv += ["--disaggregation-mode", group.role.value]
+        if bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if group.transfer_backend:
+            argv += ["--disaggregation-transfer-backend", group.transfer_backend]
+        if group.ib_device:
+            argv += ["--disaggregation-ib-device", group.ib_device]
+    if dist_init_addr:
+        argv += ["--dist-init-addr", dist_init_addr, "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    extra = dict(group.args)
+    if top.placement.colocate and top.placement.infer_frac and "mem-fraction-static" not in extra:
+        extra["mem-fraction-static"] = top.placement.infer_frac
+    argv += render_extra_args(extra)
+    return tuple(argv)
+
+
+def trainer_argv(
+    top: Topology, node: Node, *, nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int
+) -> tuple[str, ...]:
+    """torchrun (``python -m torch.distributed.run``) for one trainer node.
+
+    A command starting with ``python`` runs under torchrun's own interpreter (the node's);
+    ``python -m mod`` becomes ``-m mod``; anything else runs with ``--no-python``.
+    """
+    assert top.trainer is not None
+    cmd = list(top.trainer.command)
+    argv = [
+        node.python, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+        "--master-addr", master_addr, "--master-port", str(master_port),
+    ]  # fmt: skip
+    if cmd[0] in ("python", "python3") and len(cmd) > 1:
+        if cmd[1] == "-m" and len(cmd) > 2:
+            return (*argv, "-m", *cmd[2:])
+        return (*argv, *cmd[1:])
+    return (*argv, "--no-python", *cmd)
+
+
+def router_argv(
+    top: Topology,
+    node: Node,
+    *,
+    port: int,
+    metrics_port: int,
+    prefill: list[tuple[str, int | None]],
+    decode: list[str],
+    regular: list[str],
+) -> tuple[str, ...]:
+    """``python -m pdctl router ...`` with every worker of the plan."""
+    r = top.router
+    argv = [node.python, "-m", "pdctl", "router", "--host", r.host, "--port", str(port)]
+    argv += ["--prometheus-port", str(metrics_port), "--policy", r.policy]
+    if r.prefill_policy:
+        argv += ["--prefill-policy", r.prefill_policy]
+    if r.decode_policy:
+        argv += ["--decode-policy", r.decode_policy]
+    argv += ["--request-timeout-secs", f"{r.request_timeout_secs:g}"]
+    argv += ["--max-concurrent-requests", str(r.max_concurrent_requests)]
+    if r.api_key_env:
+        argv += ["--api-key-env", r.api_key_env]
+    if prefill or decode:
+        argv.append("--pd-disaggregation")
+        for url, bootstrap in prefill:
+            argv += ["--prefill", url, str(bootstrap) if bootstrap is not None else "none"]
+        for url in decode:
+            argv += ["--decode", url]
+    if regular:
+        argv += ["--worker-urls", *regular]
+    return tuple(argv)
+
+
+def node_url_host(node: Node) -> str:
+    return url_host(node.host)
+
+
+def compact_json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)

@@ -1,0 +1,167 @@
+"""GPU placement: which GPUs of which nodes each engine and the trainer get. Pure.
+
+Engines take whole GPUs, first fit in declaration order (or on their pinned nodes). An
+engine of ``tp*pp*dp`` GPUs fits in one node as a contiguous block (SGLang addresses GPUs
+as ``--base-gpu-id + i``), or spans whole nodes (then one server process per node).
+Failures are Issues that name the groups holding the GPUs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from pdctl.errors import Issue
+from pdctl.topology.model import Node, ServerGroup, Topology
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """One engine: ``slices`` is one (node, gpu_ids) per node rank, node rank 0 first."""
+
+    group: ServerGroup
+    index: int
+    slices: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.group.name}-{self.index}"
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    engines: tuple[EnginePlacement, ...]
+    trainer: tuple[tuple[str, tuple[int, ...]], ...]
+    """(node, gpu_ids) per trainer node, node rank order."""
+
+
+class _Pool:
+    """Free GPUs per node plus who took what, for messages."""
+
+    def __init__(self, nodes: tuple[Node, ...]):
+        self.nodes = {n.name: n for n in nodes}
+        self.free = {n.name: [True] * n.gpus for n in nodes}
+        self.users: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def take_block(self, node: str, count: int, user: str) -> tuple[int, ...] | None:
+        free = self.free[node]
+        run = 0
+        for i, ok in enumerate(free):
+            run = run + 1 if ok else 0
+            if run == count:
+                ids = tuple(range(i - count + 1, i + 1))
+                for g in ids:
+                    free[g] = False
+                self.users[node][user] += count
+                return ids
+        return None
+
+    def take_any(self, node: str, count: int, user: str) -> tuple[int, ...] | None:
+        ids = tuple(i for i, ok in enumerate(self.free[node]) if ok)[:count]
+        if len(ids) < count:
+            return None
+        for g in ids:
+            self.free[node][g] = False
+        self.users[node][user] += count
+        return ids
+
+    def fully_free(self, node: str) -> bool:
+        return bool(self.free[node]) and all(self.free[node])
+
+    def describe(self, names: list[str]) -> str:
+        parts = []
+        for name in names:
+            used = ", ".join(f"{u} {n}" for u, n in self.users[name].items()) or "nothing"
+            parts.append(f"{name}: {sum(self.free[name])}/{len(self.free[name])} free (taken by {used})")
+        return "; ".join(parts)
+
+
+def place_gpus(top: Topology) -> tuple[GpuLayout | None, list[Issue]]:
+    """Place every engine, then the trainer. Returns (layout, []) or (None, issues)."""
+    pool = _Pool(top.nodes)
+    engines: list[EnginePlacement] = []
+    issues: list[Issue] = []
+    for group in top.groups:
+        candidates = list(group.nodes) if group.nodes else [n.name for n in top.nodes]
+        for index in range(group.replicas):
+            placement, issue = _place_engine(pool, group, index, candidates)
+            if issue:
+                issues.append(issue)
+                break
+            engines.append(placement)
+    if issues:
+        return None, issues
+    trainer, trainer_issues = _place_trainer(top, pool, engines)
+    if trainer_issues:
+        return None, trainer_issues
+    return GpuLayout(tuple(engines), trainer), []
+
+
+def _place_engine(
+    pool: _Pool, group: ServerGroup, index: int, candidates: list[str]
+) -> tuple[EnginePlacement, Issue | None]:
+    size = group.gpus_per_engine
+    label = f"{group.name}-{index}"
+    where = group.path or group.role.value
+    biggest = max(pool.nodes[c].gpus for c in candidates)
+    if size <= biggest:
+        for node in candidates:
+            ids = pool.take_block(node, size, group.name)
+            if ids is not None:
+                return EnginePlacement(group, index, ((node, ids),)), None
+        msg = (
+            f"no room for engine {label} ({size} GPUs = tp {group.tp} x pp {group.pp} x dp {group.dp}): "
+            + pool.describe(candidates)
+        )
+        return _dummy(group, index), Issue(where, msg, hint="add nodes or GPUs, or lower replicas/tp")
+    # Larger than any node: whole nodes, one server process per node.
+    if any(size % pool.nodes[c].gpus for c in candidates if pool.nodes[c].gpus):
+        msg = (
+            f"engine {label} needs {size} GPUs, more than a node has ({biggest}); an engine that spans "
+            f"nodes must take whole nodes, so tp x pp x dp must be a multiple of the GPUs per node"
+        )
+        return _dummy(group, index), Issue(f"{where}.tp", msg, hint=f"use tp {biggest} or a multiple of it")
+    slices: list[tuple[str, tuple[int, ...]]] = []
+    got = 0
+    for node in candidates:
+        if got == size:
+            break
+        if pool.fully_free(node):
+            slices.append((node, tuple(range(pool.nodes[node].gpus))))
+            got += pool.nodes[node].gpus
+    if got != size:
+        msg = f"engine {label} needs {size} GPUs on whole free nodes: " + pool.describe(candidates)
+        return _dummy(group, index), Issue(where, msg, hint="add nodes, or pin groups to other nodes")
+    for node, ids in slices:
+        pool.take_any(node, len(ids), group.name)
+    return EnginePlacement(group, index, tuple(slices)), None
+
+
+def _dummy(group: ServerGroup, index: int) -> EnginePlacement:
+    return EnginePlacement(group, index, ())
+
+
+def _place_trainer(
+    top: Topology, pool: _Pool, engines: list[EnginePlacement]
+) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[Issue]]:
+    trainer = top.trainer
+    if trainer is None:
+        return (), []
+    if top.placement.colocate:
+        # Colocate: the trainer shares every engine GPU, 1:1 (TorchSpec's pairing).
+        per_node: dict[str, list[int]] = {}
+        for eng in engines:
+            for node, ids in eng.slices:
+                per_node.setdefault(node, []).extend(ids)
+        return tuple((n, tuple(sorted(ids))) for n, ids in per_node.items()), []
+    nodes = list(trainer.nodes) if trainer.nodes else [top.nodes[-1].name]
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for rank, node in enumerate(nodes):
+        count = trainer.nproc_per_node or pool.nodes[node].gpus
+        ids = pool.take_any(node, count, "trainer")
+        if ids is None:
+            msg = f"trainer needs {count} GPUs on node {node}: " + pool.describe([node])
+            path = f"trainer.nodes[{rank}]" if trainer.nodes else "trainer"
+            return (), [Issue(path, msg, hint="move the trainer to other nodes or lower nproc_per_node")]
+        out.append((node, ids))
+    return tuple(out), []

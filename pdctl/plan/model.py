@@ -1,0 +1,176 @@
+"""The plan: every process pdctl will start, exactly. The contract between YAML and what runs.
+
+``pdctl plan --json`` prints ``Plan.to_dict()``; tests assert on it; ``up`` executes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pdctl.errors import Issue
+from pdctl.topology.model import Role
+
+
+def url_host(host: str) -> str:
+    """Host as it appears in a URL: IPv6 in brackets, localhost as 127.0.0.1."""
+    if host == "localhost":
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchSpec:
+    """One OS process on one node.
+
+    ``ports`` names each port the process owns on its node: ``http``, ``nccl``,
+    ``bootstrap`` (prefill), ``dist_init`` (first of a block of ``dist_init_block``),
+    ``metrics`` (router), ``master`` and ``weight_group`` (trainer node rank 0).
+    """
+
+    id: str
+    role: Role
+    node: str
+    host: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    log_path: str
+    gpu_ids: tuple[int, ...] = ()
+    ports: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    dist_init_block: int = 0
+    engine_id: str | None = None
+    node_rank: int = 0
+    entrypoint: bool = False
+    """True for the one process per engine that serves HTTP requests (and the router)."""
+    health_path: str | None = None
+
+    @property
+    def url(self) -> str | None:
+        port = self.ports.get("http")
+        return f"http://{url_host(self.host)}:{port}" if port and self.entrypoint else None
+
+    def owned_ports(self) -> list[int]:
+        """Every port this process binds on its node, dist-init block included."""
+        out = [p for name, p in self.ports.items() if name != "dist_init"]
+        if "dist_init" in self.ports:
+            start = self.ports["dist_init"]
+            out.extend(range(start, start + self.dist_init_block))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "role": self.role.value,
+            "node": self.node,
+            "host": self.host,
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "cwd": self.cwd,
+            "log_path": self.log_path,
+            "gpu_ids": list(self.gpu_ids),
+            "ports": dict(self.ports),
+            "dist_init_block": self.dist_init_block,
+            "engine_id": self.engine_id,
+            "node_rank": self.node_rank,
+            "entrypoint": self.entrypoint,
+            "health_path": self.health_path,
+            "url": self.url,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSpec:
+    """One SGLang server (one lifecycle unit), possibly one process per node."""
+
+    id: str
+    group: str
+    role: Role
+    tp: int
+    gpus: int
+    process_ids: tuple[str, ...]
+    url: str
+    bootstrap_port: int | None
+    rank_offset: int | None = None
+    """First rank in the weight group (1 + GPUs of the engines before), if there is one."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "group": self.group,
+            "role": self.role.value,
+            "tp": self.tp,
+            "gpus": self.gpus,
+            "process_ids": list(self.process_ids),
+            "url": self.url,
+            "bootstrap_port": self.bootstrap_port,
+            "rank_offset": self.rank_offset,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightGroup:
+    """The flat broadcast group: trainer rank 0 is rank 0, then every engine GPU once."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str
+    bucket_mb: int
+
+    def to_dict(self, engines: tuple[EngineSpec, ...]) -> dict[str, Any]:
+        return {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "backend": self.backend,
+            "bucket_mb": self.bucket_mb,
+            "engines": [
+                {"id": e.id, "url": e.url, "rank_offset": e.rank_offset, "gpus": e.gpus}
+                for e in engines
+                if e.rank_offset is not None
+            ],
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Everything ``up`` will do. Pure data; deterministic for a given topology."""
+
+    name: str
+    engine: str
+    processes: tuple[LaunchSpec, ...]
+    engines: tuple[EngineSpec, ...]
+    router_id: str
+    weight_group: WeightGroup | None
+    warnings: tuple[Issue, ...] = ()
+
+    def process(self, process_id: str) -> LaunchSpec:
+        for spec in self.processes:
+            if spec.id == process_id:
+                return spec
+        raise KeyError(f"no process {process_id!r} in plan {self.name!r}")
+
+    @property
+    def router(self) -> LaunchSpec:
+        return self.process(self.router_id)
+
+    @property
+    def router_url(self) -> str:
+        """Where clients send traffic (the router's bind address, or its node's if 0.0.0.0)."""
+        return self.router.url or ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "engine": self.engine,
+            "router": {"id": self.router_id, "url": self.router.url},
+            "processes": [p.to_dict() for p in self.processes],
+            "engines": [e.to_dict() for e in self.engines],
+            "weight_group": self.weight_group.to_dict(self.engines) if self.weight_group else None,
+            "warnings": [{"path": w.path, "message": w.message} for w in self.warnings],
+        }

@@ -1,0 +1,252 @@
+"""make_plan(topology) -> Plan: pure and deterministic (no I/O, same YAML -> same plan).
+
+Order of everything (GPUs, ports, ids) is declaration order: prefill groups, decode
+groups, regular groups, then the router, then the trainer. Invariants are checked at the
+end; a violated one raises PlanError naming it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from types import MappingProxyType
+
+from pdctl.errors import Issue, PlanError, TopologyError
+from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
+from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
+from pdctl.plan.model import EngineSpec, LaunchSpec, Plan, WeightGroup, url_host
+from pdctl.plan.ports import PortCursors, PortOverflowError, dist_init_block_size
+from pdctl.topology.model import Node, Role, Topology
+
+WEIGHT_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def run_dir(node: Node, name: str) -> str:
+    return f"{node.workdir.rstrip('/')}/{name}"
+
+
+def make_plan(top: Topology) -> Plan:
+    """Plan every process of ``top``.
+
+    Raises:
+        TopologyError: GPUs or ports cannot be placed (issues name groups and nodes).
+        PlanError: an internal invariant failed.
+    """
+    layout, issues = place_gpus(top)
+    if layout is None:
+        raise TopologyError("<topology>", issues)
+    try:
+        plan = _build(top, layout)
+    except PortOverflowError as exc:
+        issue = Issue("ports.base", str(exc), hint="lower ports.base or spread engines over more nodes")
+        raise TopologyError("<topology>", [issue]) from exc
+    check_invariants(plan, colocate=top.placement.colocate)
+    return plan
+
+
+def _build(top: Topology, layout: GpuLayout) -> Plan:
+    cursors = PortCursors([n.name for n in top.nodes], top.port_base)
+    router_node = top.router_node
+    if top.router.port is not None:
+        cursors.reserve(router_node.name, top.router.port)
+    processes: list[LaunchSpec] = []
+    engines: list[EngineSpec] = []
+    for placement in layout.engines:
+        procs, engine = _plan_engine(top, placement, cursors)
+        processes += procs
+        engines.append(engine)
+    engines = _assign_rank_offsets(top, engines)
+
+    # Router.
+    r_port = top.router.port if top.router.port is not None else cursors.take(router_node.name)
+    metrics = cursors.take(router_node.name)
+    router_id = "router"
+    argv = router_argv(
+        top,
+        router_node,
+        port=r_port,
+        metrics_port=metrics,
+        prefill=[(e.url, e.bootstrap_port) for e in engines if e.role is Role.PREFILL],
+        decode=[e.url for e in engines if e.role is Role.DECODE],
+        regular=[e.url for e in engines if e.role is Role.REGULAR],
+    )
+    router_host = router_node.host if top.router.host in ("0.0.0.0", "::") else top.router.host
+    rdir = run_dir(router_node, top.name)
+    processes.append(
+        LaunchSpec(
+            id=router_id, role=Role.ROUTER, node=router_node.name, host=router_host, argv=argv,
+            env=MappingProxyType(dict(router_node.env)), cwd=rdir, log_path=f"{rdir}/logs/{router_id}.log",
+            ports=MappingProxyType({"http": r_port, "metrics": metrics}), entrypoint=True,
+            health_path="/health",
+        )
+    )  # fmt: skip
+    router_url = f"http://{url_host(router_host)}:{r_port}"
+
+    weight_group = None
+    if top.trainer is not None:
+        trainer_procs, weight_group = _plan_trainer(top, layout, cursors, engines, router_url)
+        processes += trainer_procs
+    warnings = cursors.warnings()
+    return Plan(
+        name=top.name, engine=top.engine, processes=tuple(processes), engines=tuple(engines),
+        router_id=router_id, weight_group=weight_group, warnings=tuple(warnings),
+    )  # fmt: skip
+
+
+def _plan_engine(
+    top: Topology, placement: EnginePlacement, cursors: PortCursors
+) -> tuple[list[LaunchSpec], EngineSpec]:
+    group = placement.group
+    engine_id = placement.engine_id
+    nnodes = len(placement.slices)
+    head = top.node(placement.slices[0][0])
+    # Head node first: http, nccl, bootstrap (prefill), dist-init block; then the other nodes.
+    node_ports = [(cursors.take(head.name), cursors.take(head.name))]
+    bootstrap = cursors.take(head.name) if group.role is Role.PREFILL else None
+    dist_addr = None
+    block = 0
+    dist_port = None
+    if nnodes > 1 or group.needs_dist_init:
+        block = dist_init_block_size(max(group.dp, group.attn_dp))
+        dist_port = cursors.take(head.name, block)
+        dist_addr = f"{url_host(head.host)}:{dist_port}"
+    for node_name, _ in placement.slices[1:]:
+        node_ports.append((cursors.take(node_name), cursors.take(node_name)))
+    procs: list[LaunchSpec] = []
+    url = ""
+    for rank, (node_name, gpu_ids) in enumerate(placement.slices):
+        node = top.node(node_name)
+        http, nccl = node_ports[rank]
+        argv = engine_argv(
+            top, group, node, gpu_ids=gpu_ids, http_port=http, nccl_port=nccl, bootstrap_port=bootstrap,
+            dist_init_addr=dist_addr, nnodes=nnodes, node_rank=rank,
+        )  # fmt: skip
+        ports = {"http": http, "nccl": nccl}
+        if rank == 0:
+            if bootstrap is not None:
+                ports["bootstrap"] = bootstrap
+            if dist_port is not None:
+                ports["dist_init"] = dist_port
+        pid = engine_id if nnodes == 1 else f"{engine_id}.{node.name}"
+        rdir = run_dir(node, top.name)
+        env = {**node.env, **group.env}
+        if top.placement.colocate and top.placement.mps:
+            env.update(_mps_env(node, top.name))
+        spec = LaunchSpec(
+            id=pid, role=group.role, node=node.name, host=node.host, argv=argv,
+            env=MappingProxyType(env), cwd=rdir, log_path=f"{rdir}/logs/{pid}.log", gpu_ids=gpu_ids,
+            ports=MappingProxyType(ports), dist_init_block=block if rank == 0 else 0, engine_id=engine_id,
+            node_rank=rank, entrypoint=rank == 0, health_path="/health" if rank == 0 else None,
+        )  # fmt: skip
+        if rank == 0:
+            url = spec.url or ""
+        procs.append(spec)
+    engine = EngineSpec(
+        id=engine_id, group=group.name, role=group.role, tp=group.tp, gpus=group.gpus_per_engine,
+        process_ids=tuple(p.id for p in procs), url=url, bootstrap_port=bootstrap,
+    )  # fmt: skip
+    return procs, engine
+
+
+def _mps_env(node: Node, name: str) -> dict[str, str]:
+    base = f"{run_dir(node, name)}/mps"
+    return {"CUDA_MPS_PIPE_DIRECTORY": f"{base}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{base}/log"}
+
+
+def _assign_rank_offsets(top: Topology, engines: list[EngineSpec]) -> list[EngineSpec]:
+    """Engine i gets rank_offset = 1 + GPUs of the engines before it (trainer rank 0 is 0)."""
+    if top.trainer is None or top.weights is None:
+        return engines
+    from dataclasses import replace
+
+    out = []
+    offset = 1
+    for engine in engines:
+        out.append(replace(engine, rank_offset=offset))
+        offset += engine.gpus
+    return out
+
+
+def _plan_trainer(
+    top: Topology, layout: GpuLayout, cursors: PortCursors, engines: list[EngineSpec], router_url: str
+) -> tuple[list[LaunchSpec], WeightGroup | None]:
+    assert top.trainer is not None
+    head = top.node(layout.trainer[0][0])
+    master_port = cursors.take(head.name)
+    weight_group = None
+    if top.weights is not None:
+        wg_port = cursors.take(head.name)
+        weight_group = WeightGroup(
+            master_address=url_host(head.host).strip("[]"), master_port=wg_port,
+            world_size=1 + sum(e.gpus for e in engines), group_name=top.weights.group_name,
+            backend=top.weights.backend, bucket_mb=top.weights.bucket_mb,
+        )  # fmt: skip
+    shared_env = {
+        "PDCTL_CLUSTER": top.name,
+        "PDCTL_ROUTER_URL": router_url,
+        "PDCTL_ENGINES": compact_json([{"id": e.id, "url": e.url, "role": e.role.value} for e in engines]),
+    }
+    if weight_group is not None:
+        shared_env["PDCTL_WEIGHT_GROUP"] = compact_json(weight_group.to_dict(tuple(engines)))
+        shared_env.update(WEIGHT_ENV)
+    if top.placement.colocate and top.placement.train_frac:
+        shared_env["PDCTL_TRAIN_FRAC"] = f"{top.placement.train_frac:g}"
+    procs = []
+    nnodes = len(layout.trainer)
+    for rank, (node_name, gpu_ids) in enumerate(layout.trainer):
+        node = top.node(node_name)
+        argv = trainer_argv(
+            top, node, nnodes=nnodes, node_rank=rank, nproc=len(gpu_ids),
+            master_addr=url_host(head.host).strip("[]"), master_port=master_port,
+        )  # fmt: skip
+        env = {**node.env, **shared_env, **top.trainer.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
+        if top.placement.colocate and top.placement.mps:
+            env.update(_mps_env(node, top.name))
+        ports = {"master": master_port} if rank == 0 else {}
+        if rank == 0 and weight_group is not None:
+            ports["weight_group"] = weight_group.master_port
+        pid = f"trainer.{node.name}"
+        rdir = run_dir(node, top.name)
+        procs.append(
+            LaunchSpec(
+                id=pid, role=Role.TRAINER, node=node.name, host=node.host, argv=argv,
+                env=MappingProxyType(env), cwd=rdir, log_path=f"{rdir}/logs/{pid}.log", gpu_ids=gpu_ids,
+                ports=MappingProxyType(ports), node_rank=rank,
+            )
+        )  # fmt: skip
+    return procs, weight_group
+
+
+def check_invariants(plan: Plan, *, colocate: bool) -> None:
+    """Raise PlanError naming the first invariant that does not hold.
+
+    - no GPU used twice on a node (colocate: at most one engine and one trainer rank);
+    - no port used twice on a node;
+    - every engine has exactly one entrypoint process;
+    - weight-group ranks 1..world_size-1 cover every engine GPU exactly once.
+    """
+    gpu_users: dict[tuple[str, int], list[str]] = defaultdict(list)
+    port_users: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for proc in plan.processes:
+        for gpu in proc.gpu_ids:
+            gpu_users[(proc.node, gpu)].append(proc.id)
+        for port in proc.owned_ports():
+            port_users[(proc.node, port)].append(proc.id)
+    for (node, gpu), users in gpu_users.items():
+        roles = Counter(plan.process(u).role is Role.TRAINER for u in users)
+        if len(users) > 1 and not (colocate and roles[True] <= 1 and roles[False] <= 1):
+            raise PlanError(f"invariant 'no GPU twice' broken: node {node} GPU {gpu} used by {', '.join(users)}")
+    for (node, port), users in port_users.items():
+        if len(users) > 1:
+            raise PlanError(f"invariant 'no port twice' broken: node {node} port {port} used by {', '.join(users)}")
+    for engine in plan.engines:
+        entry = [p for p in engine.process_ids if plan.process(p).entrypoint]
+        if len(entry) != 1:
+            raise PlanError(f"invariant 'one entrypoint per engine' broken: {engine.id} has {len(entry)}")
+    if plan.weight_group is not None:
+        ranks: list[int] = []
+        for engine in plan.engines:
+            if engine.rank_offset is None:
+                raise PlanError(f"invariant 'weight ranks cover engines' broken: {engine.id} has no rank")
+            ranks.extend(range(engine.rank_offset, engine.rank_offset + engine.gpus))
+        if sorted(ranks) != list(range(1, plan.weight_group.world_size)):
+            raise PlanError("invariant 'weight ranks cover every engine GPU exactly once' broken")

@@ -1,0 +1,51 @@
+"""SGLang's wire contract, in one place.
+
+The planner (flags), the router (PD bodies, endpoints), the sim (the server side) and the
+weight push (group and update bodies) import from here; none of them spells an SGLang
+endpoint or flag on its own. When SGLang changes, this package changes.
+Facts: ../shared/sglang-protocol.md (SGLang 0.5.23, sglang-router 0.3.2).
+"""
+
+from pdctl.sglang.flags import (
+    OWNED_FLAGS,
+    REMOVED_FLAGS,
+    FlagInfo,
+    ServerFlagTable,
+    check_extra_args,
+    render_extra_args,
+    server_flags,
+)
+from pdctl.sglang.protocol import (
+    BOOTSTRAP_FIELDS,
+    FAKE_BOOTSTRAP_HOST,
+    MAX_BOOTSTRAP_ROOM,
+    Endpoint,
+    batch_size_of,
+    generate_error_body,
+    init_weights_update_group_body,
+    inject_bootstrap,
+    openai_error_body,
+    supports_weight_update_session,
+    update_weights_from_distributed_body,
+)
+
+__all__ = [
+    "BOOTSTRAP_FIELDS",
+    "FAKE_BOOTSTRAP_HOST",
+    "MAX_BOOTSTRAP_ROOM",
+    "OWNED_FLAGS",
+    "REMOVED_FLAGS",
+    "Endpoint",
+    "FlagInfo",
+    "ServerFlagTable",
+    "batch_size_of",
+    "check_extra_args",
+    "generate_error_body",
+    "init_weights_update_group_body",
+    "inject_bootstrap",
+    "openai_error_body",
+    "render_extra_args",
+    "server_flags",
+    "supports_weight_update_session",
+    "update_weights_from_distributed_body",
+]

@@ -1,0 +1,157 @@
+"""SGLang HTTP endpoints and bodies (sglang-protocol.md sections 2, 4 and 5).
+
+Body builders return plain dicts ready for JSON; parsers accept what SGLang 0.5.x sends.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+# Decode treats a request whose bootstrap_host is this as fake: no KV is transferred
+# (SGLang disaggregation/utils.py FAKE_BOOTSTRAP_HOST, used by warm-up and /health).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+# Rooms are random in [0, 2**63 - 1]: SGLang stores them as signed int64.
+MAX_BOOTSTRAP_ROOM = 2**63 - 1
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+DEFAULT_GROUP_NAME = "weight_update_group"
+# /begin_weight_update and /end_weight_update exist from SGLang 0.5.21 on.
+WEIGHT_SESSION_SINCE = (0, 5, 21)
+
+
+class Endpoint(str, Enum):
+    """Every SGLang server path pdctl speaks (server side in the sim, client side elsewhere)."""
+
+    GENERATE = "/generate"
+    COMPLETIONS = "/v1/completions"
+    CHAT_COMPLETIONS = "/v1/chat/completions"
+    MODELS = "/v1/models"
+    HEALTH = "/health"
+    HEALTH_GENERATE = "/health_generate"
+    MODEL_INFO = "/model_info"
+    GET_MODEL_INFO = "/get_model_info"
+    SERVER_INFO = "/server_info"
+    GET_SERVER_INFO = "/get_server_info"
+    FLUSH_CACHE = "/flush_cache"
+    PAUSE_GENERATION = "/pause_generation"
+    CONTINUE_GENERATION = "/continue_generation"
+    ABORT_REQUEST = "/abort_request"
+    INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+    DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
+    UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+    UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+    BEGIN_WEIGHT_UPDATE = "/begin_weight_update"
+    END_WEIGHT_UPDATE = "/end_weight_update"
+    UPDATE_WEIGHT_VERSION = "/update_weight_version"
+    GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
+    METRICS = "/metrics"
+    # The prefill's bootstrap server (disaggregation/common/conn.py); pdctl's sim adds /kv.
+    BOOTSTRAP_HEALTH = "/health"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def supports_weight_update_session(version: str) -> bool:
+    """True when an SGLang ``version`` (e.g. ``0.5.23``) has begin/end weight-update sessions."""
+    parts: list[int] = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= WEIGHT_SESSION_SINCE
+
+
+def batch_size_of(body: dict[str, Any]) -> int | None:
+    """How many items a /generate body holds, or None for a single request.
+
+    Follows MiniLB's rule (sglang-protocol.md 2.1): ``text`` as a list, or ``input_ids``
+    whose first element is not an int, is a batch.
+    """
+    text = body.get("text")
+    if isinstance(text, list):
+        return len(text)
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and not isinstance(ids[0], int):
+        return len(ids)
+    return None
+
+
+def new_room() -> int:
+    """A fresh random bootstrap room in [0, 2**63 - 1]."""
+    return secrets.randbits(63)
+
+
+def inject_bootstrap(
+    body: dict[str, Any], *, host: str, port: int | None, batch_size: int | None
+) -> dict[str, Any]:
+    """A copy of ``body`` with ``bootstrap_host/port/room`` added; per item for batches.
+
+    ``host`` is the prefill's host as the router reaches it (IPv6 in brackets).
+    """
+    out = dict(body)
+    if batch_size is None:
+        out.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=new_room())
+    else:
+        out.update(
+            bootstrap_host=[host] * batch_size,
+            bootstrap_port=[port] * batch_size,
+            bootstrap_room=[new_room() for _ in range(batch_size)],
+        )
+    return out
+
+
+def init_weights_update_group_body(
+    *,
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str = "nccl",
+) -> dict[str, Any]:
+    """Body of ``POST /init_weights_update_group`` (sglang-protocol.md 4.1)."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def update_weights_from_distributed_body(
+    *,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str = DEFAULT_GROUP_NAME,
+    weight_version: str | None = None,
+    flush_cache: bool = False,
+    load_format: str | None = None,
+) -> dict[str, Any]:
+    """Body of ``POST /update_weights_from_distributed``; dtypes are torch names (``bfloat16``)."""
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(s) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "abort_all_requests": False,
+        "weight_version": weight_version,
+        "load_format": load_format,
+        "selector": "all",
+        "torch_empty_cache": False,
+    }
+
+
+def generate_error_body(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:
+    """The error body SGLang's native routes return: ``{"error": {"message": ...}}``."""
+    return {"error": {"message": message, "type": err_type, "code": status}}
+
+
+def openai_error_body(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:
+    """The error body of SGLang's OpenAI routes (``ErrorResponse``)."""
+    return {"object": "error", "message": message, "type": err_type, "param": None, "code": status}

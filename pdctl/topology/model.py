@@ -1,0 +1,282 @@
+"""The topology as frozen dataclasses.
+
+YAML enters only through ``Topology.from_dict`` after the schema check (schema.py); the
+semantic checks across objects live in validate.py. Derived facts are properties.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+DEFAULT_PORT_BASE = 20000
+DEFAULT_WORKDIR = "~/.pdctl/runs"
+
+
+class Role(str, Enum):
+    """What a process is. ``prefill``/``decode`` are PD engines, ``regular`` a non-PD engine."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    REGULAR = "regular"
+    ROUTER = "router"
+    TRAINER = "trainer"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_engine(self) -> bool:
+        return self in (Role.PREFILL, Role.DECODE, Role.REGULAR)
+
+
+def _frozen_map(raw: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(raw or {}))
+
+
+def _env(raw: Mapping[str, Any] | None) -> Mapping[str, str]:
+    return MappingProxyType({k: _env_value(v) for k, v in (raw or {}).items()})
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SSHConfig:
+    """How to reach a remote node. Unset fields fall back to ~/.ssh/config, then defaults."""
+
+    user: str | None = None
+    port: int | None = None
+    key: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_key: bool = False
+    """Record an unknown host's key (StrictHostKeyChecking=accept-new); a changed key is refused."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    """One machine. ``host`` is the address engines bind and peers use."""
+
+    name: str
+    host: str
+    gpus: int = 8
+    ssh: SSHConfig = field(default_factory=SSHConfig)
+    python: str = "python3"
+    """Interpreter on the node that runs engines, the router and torchrun."""
+    workdir: str = DEFAULT_WORKDIR
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def is_local(self) -> bool:
+        """True when processes run on this machine without SSH."""
+        return self.host in LOCAL_HOSTS
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Node:
+        host = raw["host"]
+        default_python = sys.executable if host in LOCAL_HOSTS else "python3"
+        return cls(
+            name=raw["name"],
+            host=host,
+            gpus=raw.get("gpus", 8),
+            ssh=SSHConfig(**raw.get("ssh", {})),
+            python=raw.get("python", default_python),
+            workdir=raw.get("workdir", DEFAULT_WORKDIR),
+            env=_env(raw.get("env")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    path: str
+    served_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerGroup:
+    """A set of identical engines of one role.
+
+    An engine uses ``tp * pp * dp`` GPUs; ``attn_dp`` splits attention inside the tp GPUs.
+    """
+
+    name: str
+    role: Role
+    replicas: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    attn_dp: int = 1
+    transfer_backend: str | None = None
+    ib_device: str | None = None
+    nodes: tuple[str, ...] | None = None
+    """Pin engines to these nodes, in order; None = first fit over all nodes."""
+    args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Extra SGLang flags (full names, no leading --), rendered after pdctl's own."""
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    path: str = ""
+    """Where the group is written (``decode``, ``prefill[1]``, ``allocation``), for messages."""
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_engine * self.replicas
+
+    @property
+    def needs_dist_init(self) -> bool:
+        """Attention-DP engines need a --dist-init-addr block even on one node."""
+        return self.attn_dp > 1 or self.dp > 1
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, role: Role, default_name: str, path: str) -> ServerGroup:
+        return cls(
+            path=path,
+            name=raw.get("name", default_name),
+            role=role,
+            replicas=raw.get("replicas", 1),
+            tp=raw.get("tp", 1),
+            pp=raw.get("pp", 1),
+            dp=raw.get("dp", 1),
+            attn_dp=raw.get("attn_dp", 1),
+            transfer_backend=raw.get("transfer_backend"),
+            ib_device=raw.get("ib_device"),
+            nodes=tuple(raw["nodes"]) if "nodes" in raw else None,
+            args=_frozen_map(raw.get("args")),
+            env=_env(raw.get("env")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterConfig:
+    node: str | None = None
+    """Node that runs the router; None = the first node."""
+    host: str = "127.0.0.1"
+    port: int | None = None
+    """None = next port of the router node's cursor."""
+    policy: str = "round_robin"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    api_key_env: str | None = None
+    """Environment variable holding the API key; the key never appears in files or logs."""
+    request_timeout_secs: float = 1800.0
+    max_concurrent_requests: int = -1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    command: tuple[str, ...]
+    nproc_per_node: int | None = None
+    """None = every GPU of the node (or world size / nodes from ``allocation``)."""
+    nodes: tuple[str, ...] | None = None
+    """None = the last node."""
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightsConfig:
+    backend: str = "nccl"
+    bucket_mb: int = 1024
+    group_name: str = "weight_update_group"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """``separate``: engines and trainer on disjoint GPUs; ``colocate``: shared under CUDA MPS."""
+
+    mode: str = "separate"
+    train_frac: float | None = None
+    infer_frac: float | None = None
+    mps: bool = True
+
+    @property
+    def colocate(self) -> bool:
+        return self.mode == "colocate"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """A whole cluster. Groups keep declaration order: prefill groups, decode, regular."""
+
+    name: str
+    model: ModelSpec
+    engine: str = "sglang"
+    nodes: tuple[Node, ...]
+    port_base: int = DEFAULT_PORT_BASE
+    allocation: str | None = None
+    groups: tuple[ServerGroup, ...] = ()
+    router: RouterConfig = field(default_factory=RouterConfig)
+    trainer: TrainerConfig | None = None
+    weights: WeightsConfig | None = None
+    placement: Placement = field(default_factory=Placement)
+
+    @property
+    def is_pd(self) -> bool:
+        return any(g.role in (Role.PREFILL, Role.DECODE) for g in self.groups)
+
+    def node(self, name: str) -> Node:
+        """The node called ``name``; raises KeyError naming the known nodes."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node {name!r}; nodes: {', '.join(n.name for n in self.nodes)}")
+
+    @property
+    def router_node(self) -> Node:
+        return self.node(self.router.node) if self.router.node else self.nodes[0]
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Topology:
+        """Build from schema-valid data. Allocation-DSL groups are merged by load.py."""
+        groups: list[ServerGroup] = []
+        for role in (Role.PREFILL, Role.DECODE, Role.REGULAR):
+            section = raw.get(role.value)
+            if isinstance(section, dict):
+                groups.append(ServerGroup.from_dict(section, role=role, default_name=role.value, path=role.value))
+            elif isinstance(section, list):
+                groups.extend(
+                    ServerGroup.from_dict(g, role=role, default_name=role.value, path=f"{role.value}[{i}]")
+                    for i, g in enumerate(section)
+                )
+        placement_raw = raw.get("placement", "separate")
+        placement = Placement(mode=placement_raw) if isinstance(placement_raw, str) else Placement(**placement_raw)
+        trainer = None
+        if "trainer" in raw:
+            t = raw["trainer"]
+            trainer = TrainerConfig(
+                command=tuple(t["command"]),
+                nproc_per_node=t.get("nproc_per_node"),
+                nodes=tuple(t["nodes"]) if "nodes" in t else None,
+                env=_env(t.get("env")),
+            )
+        engine = raw.get("engine", "sglang")
+        weights = None
+        if "weights" in raw or trainer is not None:
+            w = dict(raw.get("weights", {}))
+            w.setdefault("backend", "gloo" if engine == "sim" else "nccl")
+            weights = WeightsConfig(**w)
+        r = raw.get("router", {})
+        return cls(
+            name=raw["name"],
+            model=ModelSpec(**raw["model"]),
+            engine=engine,
+            nodes=tuple(Node.from_dict(n) for n in raw["nodes"]),
+            port_base=raw.get("ports", {}).get("base", DEFAULT_PORT_BASE),
+            allocation=raw.get("allocation"),
+            groups=tuple(groups),
+            router=RouterConfig(**r),
+            trainer=trainer,
+            weights=weights,
+            placement=placement,
+        )

@@ -1,0 +1,164 @@
+"""Read a topology YAML with positions and check it against the JSON Schema.
+
+Layer (a) of validation: shape, types, enums. Every problem becomes an ``Issue`` with a
+dotted path and the line/column of the offending key or value, so the CLI can print
+``FILE:LINE:COL: path: message``. yaml and jsonschema errors are converted here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import yaml
+
+from pdctl.errors import Issue
+
+PathKey = str | int
+Path = tuple[PathKey, ...]
+
+
+@cache
+def topology_schema() -> dict[str, Any]:
+    """The topology JSON Schema (draft 2020-12), shipped as package data."""
+    text = resources.files("pdctl").joinpath("schemas/topology.schema.json").read_text()
+    return json.loads(text)
+
+
+@cache
+def _validator() -> jsonschema.protocols.Validator:
+    schema = topology_schema()
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def dotted(path: Path) -> str:
+    """``("nodes", 1, "host")`` -> ``nodes[1].host``."""
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def parse_dotted(text: str) -> Path:
+    """``nodes[1].host`` -> ``("nodes", 1, "host")``; inverse of ``dotted``."""
+    out: list[PathKey] = []
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", text):
+        out.append(int(part[1:-1]) if part.startswith("[") else part)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SourceMap:
+    """Maps data paths to 1-based (line, col) of their key (mappings) or value (lists)."""
+
+    positions: dict[Path, tuple[int, int]]
+    values: dict[Path, tuple[int, int, str | None]] = field(default_factory=dict)
+    """Start of each scalar value, with its quote style (None = plain)."""
+
+    def locate(self, path: Path) -> tuple[int, int]:
+        """Position of ``path``, or of its deepest existing ancestor; (0, 0) if none."""
+        for cut in range(len(path), -1, -1):
+            pos = self.positions.get(tuple(path[:cut]))
+            if pos:
+                return pos
+        return (0, 0)
+
+    def attach(self, issue: Issue) -> Issue:
+        """``issue`` with line/col filled in from its dotted path (if it has none)."""
+        if issue.line:
+            return issue
+        line, col = self.locate(parse_dotted(issue.path))
+        return Issue(issue.path, issue.message, line, col, issue.severity, issue.hint)
+
+    def issue(self, path: Path, message: str, *, hint: str = "", severity: str = "error") -> Issue:
+        line, col = self.locate(path)
+        return Issue(path=dotted(path), message=message, line=line, col=col, hint=hint, severity=severity)
+
+
+def parse_yaml(text: str) -> tuple[Any, SourceMap, list[Issue]]:
+    """Parse YAML text into plain data plus a SourceMap. Syntax errors become Issues.
+
+    Duplicate mapping keys, which PyYAML silently overwrites, are reported as errors.
+    """
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None, SourceMap({}, {}), [Issue("", "the file is empty", 1, 1)]
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+        message = f"YAML syntax error: {exc.problem or exc}"
+        return None, SourceMap({}, {}), [Issue("", message, line, col)]
+    except yaml.YAMLError as exc:
+        return None, SourceMap({}, {}), [Issue("", f"YAML error: {exc}")]
+    positions: dict[Path, tuple[int, int]] = {(): (node.start_mark.line + 1, node.start_mark.column + 1)}
+    issues: list[Issue] = []
+    values: dict[Path, tuple[int, int, str | None]] = {}
+    for path, mark_node, value_node, duplicate in _walk(node, ()):
+        pos = (mark_node.start_mark.line + 1, mark_node.start_mark.column + 1)
+        if duplicate:
+            issues.append(Issue(dotted(path), "duplicate key (YAML keeps only the last one)", *pos))
+        positions.setdefault(path, pos)
+        if isinstance(value_node, yaml.ScalarNode):
+            mark = value_node.start_mark
+            values.setdefault(path, (mark.line + 1, mark.column + 1, value_node.style))
+    return data, SourceMap(positions, values), issues
+
+
+def _walk(node: yaml.Node, path: Path) -> Iterator[tuple[Path, yaml.Node, yaml.Node, bool]]:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[Any] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
+            child = (*path, key)
+            yield child, key_node, value_node, key in seen
+            seen.add(key)
+            yield from _walk(value_node, child)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            child = (*path, index)
+            yield child, item, item, False
+            yield from _walk(item, child)
+
+
+def check_schema(data: Any, source: SourceMap) -> list[Issue]:
+    """Every JSON Schema violation in ``data`` as an Issue, sorted by position."""
+    issues = [_to_issue(err, source) for err in _validator().iter_errors(data)]
+    return sorted(issues, key=lambda i: (i.line, i.col, i.path))
+
+
+def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
+    if error.context:
+        # oneOf/anyOf: report the branch that got furthest, not "is not valid under any".
+        error = jsonschema.exceptions.best_match(error.context)
+    path: Path = tuple(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = set(error.schema.get("properties", {}))
+        extra = [k for k in error.instance if k not in allowed]
+        key = extra[0] if extra else "?"
+        match = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+        hint = f"did you mean {match[0]!r}?" if match else "allowed: " + ", ".join(sorted(allowed))
+        return source.issue((*path, key), f"unknown key {key!r}", hint=hint)
+    if error.validator == "required":
+        return source.issue(path, error.message, hint="add it; see `pdctl schema`")
+    if error.validator == "pattern":
+        hint = error.schema.get("description") or f"must match {error.validator_value}"
+        return source.issue(path, f"{error.instance!r} is not a safe name", hint=hint)
+    if error.validator == "enum":
+        choices = ", ".join(str(c) for c in error.validator_value)
+        return source.issue(path, f"{error.instance!r} is not one of: {choices}")
+    return source.issue(path, error.message)

@@ -1,0 +1,208 @@
+"""Layer (c) of validation: rules across objects, one private function per section.
+
+Each returns Issues with dotted paths (positions are attached by load.py). All issues are
+collected; nothing stops at the first. GPU and port feasibility reuse the planner's own
+placement, so what validates is exactly what plans.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pdctl.errors import Issue, TopologyError
+from pdctl.sglang import check_extra_args
+from pdctl.topology.model import Role, Topology
+
+COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffers, fragmentation
+
+
+def validate(top: Topology) -> list[Issue]:
+    """Every semantic issue in ``top``; an empty list means it plans."""
+    issues: list[Issue] = []
+    for check in (_nodes, _node_refs, _groups, _pd_pairing, _extra_args, _weights, _trainer, _colocate, _router):
+        issues += check(top)
+    if not any(i.severity == "error" for i in issues):
+        issues += _feasibility(top)
+    return issues
+
+
+def _nodes(top: Topology) -> list[Issue]:
+    out = []
+    for field in ("name", "host"):
+        counts = Counter(getattr(n, field) for n in top.nodes)
+        for i, node in enumerate(top.nodes):
+            value = getattr(node, field)
+            if counts[value] > 1 and [getattr(n, field) for n in top.nodes].index(value) != i:
+                out.append(Issue(f"nodes[{i}].{field}", f"duplicate node {field} {value!r}", hint="each node once"))
+    local = [i for i, n in enumerate(top.nodes) if n.is_local]
+    if local and len(local) < len(top.nodes):
+        name = top.nodes[local[0]].name
+        out.append(
+            Issue(f"nodes[{local[0]}].host", f"node {name} is a loopback address but other nodes are remote, "
+                  "so they could not reach it", hint="use this machine's network address")
+        )  # fmt: skip
+    if top.engine == "sglang":
+        for i, node in enumerate(top.nodes):
+            if node.gpus == 0 and _node_used(top, node.name):
+                out.append(Issue(f"nodes[{i}].gpus", f"node {node.name} has 0 GPUs but runs GPU work"))
+    return out
+
+
+def _node_used(top: Topology, name: str) -> bool:
+    pinned = [n for g in top.groups for n in (g.nodes or ())]
+    return name in pinned or any(g.nodes is None for g in top.groups)
+
+
+def _node_refs(top: Topology) -> list[Issue]:
+    names = {n.name for n in top.nodes}
+    known = ", ".join(n.name for n in top.nodes)
+    out = []
+    for group in top.groups:
+        for i, ref in enumerate(group.nodes or ()):
+            if ref not in names:
+                out.append(Issue(f"{group.path}.nodes[{i}]", f"unknown node {ref!r}", hint=f"nodes: {known}"))
+    if top.trainer and top.trainer.nodes:
+        for i, ref in enumerate(top.trainer.nodes):
+            if ref not in names:
+                out.append(Issue(f"trainer.nodes[{i}]", f"unknown node {ref!r}", hint=f"nodes: {known}"))
+        dup = [n for n, c in Counter(top.trainer.nodes).items() if c > 1]
+        if dup:
+            out.append(Issue("trainer.nodes", f"node {dup[0]!r} listed twice", hint="one torchrun per node"))
+    if top.router.node and top.router.node not in names:
+        out.append(Issue("router.node", f"unknown node {top.router.node!r}", hint=f"nodes: {known}"))
+    return out
+
+
+def _groups(top: Topology) -> list[Issue]:
+    out = []
+    names = Counter(g.name for g in top.groups)
+    for group in top.groups:
+        if names[group.name] > 1:
+            out.append(Issue(f"{group.path}.name", f"duplicate group name {group.name!r}", hint="name each group"))
+        if group.tp % group.attn_dp:
+            out.append(
+                Issue(f"{group.path}.attn_dp", f"attn_dp {group.attn_dp} must divide tp {group.tp}",
+                      hint="attention DP splits the tp GPUs")
+            )  # fmt: skip
+        if group.role is Role.REGULAR and group.transfer_backend:
+            out.append(Issue(f"{group.path}.transfer_backend", "regular (non-PD) engines move no KV"))
+        if top.engine == "sglang" and group.transfer_backend == "fake":
+            out.append(
+                Issue(f"{group.path}.transfer_backend", "the fake backend moves no KV; outputs will be wrong",
+                      severity="warning")
+            )  # fmt: skip
+    if not top.groups:
+        out.append(Issue("", "no engines: add prefill and decode (or regular) groups, or an allocation"))
+    return out
+
+
+def _pd_pairing(top: Topology) -> list[Issue]:
+    roles = {g.role for g in top.groups}
+    out = []
+    if Role.PREFILL in roles and Role.DECODE not in roles:
+        out.append(Issue("prefill", "prefill engines without decode engines", hint="add a decode group"))
+    if Role.DECODE in roles and Role.PREFILL not in roles:
+        out.append(Issue("decode", "decode engines without prefill engines", hint="add a prefill group"))
+    if Role.REGULAR in roles and (Role.PREFILL in roles or Role.DECODE in roles):
+        out.append(
+            Issue("regular", "regular engines cannot share a router with PD engines",
+                  hint="run PD (prefill + decode) or regular engines, not both")
+        )  # fmt: skip
+    return out
+
+
+def _extra_args(top: Topology) -> list[Issue]:
+    out = []
+    for group in top.groups:
+        for key, message, hint in check_extra_args(group.args, allow_sim_flags=top.engine == "sim"):
+            out.append(Issue(f"{group.path}.args.{key}", message, hint=hint))
+    return out
+
+
+def _weights(top: Topology) -> list[Issue]:
+    if top.trainer is None or top.weights is None:
+        return []
+    out = []
+    for group in top.groups:
+        if group.dp > 1:
+            out.append(
+                Issue(f"{group.path}.dp", f"dp {group.dp}: SGLang refuses weight updates from distributed "
+                      "on a data-parallel engine (dp_size must be 1)",
+                      hint="use more replicas instead of dp, or attn_dp for attention DP")
+            )  # fmt: skip
+        if group.pp > 1:
+            out.append(
+                Issue(f"{group.path}.pp", f"pp {group.pp}: the flat weight group assumes pp 1 "
+                      "(rank = rank_offset + tp_rank)", hint="use pp 1 on engines that receive weights")
+            )  # fmt: skip
+    if top.engine == "sim" and top.weights.backend == "nccl":
+        out.append(Issue("weights.backend", "the sim engine runs on CPU and needs gloo", severity="warning"))
+    return out
+
+
+def _trainer(top: Topology) -> list[Issue]:
+    trainer = top.trainer
+    if trainer is None:
+        return []
+    out = []
+    nodes = trainer.nodes or (top.nodes[-1].name,)
+    for i, name in enumerate(nodes):
+        try:
+            node = top.node(name)
+        except KeyError:
+            continue
+        if trainer.nproc_per_node and trainer.nproc_per_node > node.gpus and top.engine == "sglang":
+            path = f"trainer.nodes[{i}]" if trainer.nodes else "trainer.nproc_per_node"
+            out.append(Issue(path, f"nproc_per_node {trainer.nproc_per_node} > node {name}'s {node.gpus} GPUs"))
+    return out
+
+
+def _colocate(top: Topology) -> list[Issue]:
+    p = top.placement
+    out = []
+    if not p.colocate:
+        if p.train_frac is not None or p.infer_frac is not None:
+            out.append(Issue("placement", "train_frac/infer_frac only apply to mode colocate"))
+        return out
+    if top.trainer is None:
+        return [Issue("placement.mode", "colocate shares GPUs with a trainer; add a trainer section")]
+    if p.train_frac is None or p.infer_frac is None:
+        out.append(Issue("placement", "colocate needs train_frac and infer_frac", hint="e.g. 0.45 and 0.45"))
+    elif p.train_frac + p.infer_frac + COLOCATE_HEADROOM > 1 + 1e-9:
+        out.append(
+            Issue("placement.infer_frac", f"train_frac {p.train_frac} + infer_frac {p.infer_frac} + "
+                  f"{COLOCATE_HEADROOM} headroom > 1", hint="lower one of them")
+        )  # fmt: skip
+    engine_gpus = sum(g.total_gpus for g in top.groups)
+    nodes = top.trainer.nodes
+    if top.trainer.nproc_per_node and nodes:
+        world = top.trainer.nproc_per_node * len(nodes)
+        if world != engine_gpus:
+            out.append(
+                Issue("trainer.nproc_per_node", f"colocate pairs one trainer rank with one engine GPU: "
+                      f"trainer world size {world} != engine count x TP = {engine_gpus}")
+            )  # fmt: skip
+    return out
+
+
+def _router(top: Topology) -> list[Issue]:
+    r = top.router
+    out = []
+    node = top.router_node
+    if not node.is_local and r.host in ("127.0.0.1", "localhost") and top.trainer and (top.trainer.nodes or ()):
+        if any(n != node.name for n in top.trainer.nodes or ()):
+            out.append(
+                Issue("router.host", f"the router binds 127.0.0.1 on {node.name}; the trainer on other nodes "
+                      "cannot reach it", severity="warning", hint="set router.host to 0.0.0.0 or the node address")
+            )  # fmt: skip
+    return out
+
+
+def _feasibility(top: Topology) -> list[Issue]:
+    from pdctl.plan import make_plan
+
+    try:
+        plan = make_plan(top)
+    except TopologyError as exc:
+        return exc.issues
+    return list(plan.warnings)
