@@ -18,9 +18,9 @@ import types
 
 def main() -> None:
     sys.modules.setdefault("triton", types.ModuleType("triton"))  # sglang imports it; a stub suffices
-    import sglang  # noqa: F401
     from importlib.metadata import version
 
+    import sglang  # noqa: F401
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser()

@@ -41,9 +41,12 @@ class _Pool:
     def __init__(self, nodes: tuple[Node, ...]):
         self.nodes = {n.name: n for n in nodes}
         self.free = {n.name: [True] * n.gpus for n in nodes}
+        self.free_count = {n.name: n.gpus for n in nodes}
         self.users: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     def take_block(self, node: str, count: int, user: str) -> tuple[int, ...] | None:
+        if self.free_count[node] < count:
+            return None
         free = self.free[node]
         run = 0
         for i, ok in enumerate(free):
@@ -52,6 +55,7 @@ class _Pool:
                 ids = tuple(range(i - count + 1, i + 1))
                 for g in ids:
                     free[g] = False
+                self.free_count[node] -= count
                 self.users[node][user] += count
                 return ids
         return None
@@ -62,11 +66,12 @@ class _Pool:
             return None
         for g in ids:
             self.free[node][g] = False
+        self.free_count[node] -= count
         self.users[node][user] += count
         return ids
 
     def fully_free(self, node: str) -> bool:
-        return bool(self.free[node]) and all(self.free[node])
+        return self.free_count[node] == len(self.free[node]) > 0
 
     def describe(self, names: list[str]) -> str:
         parts = []
@@ -83,8 +88,12 @@ def place_gpus(top: Topology) -> tuple[GpuLayout | None, list[Issue]]:
     issues: list[Issue] = []
     for group in top.groups:
         candidates = list(group.nodes) if group.nodes else [n.name for n in top.nodes]
+        biggest = max(pool.nodes[c].gpus for c in candidates)
         for index in range(group.replicas):
-            placement, issue = _place_engine(pool, group, index, candidates)
+            # First fit: skip the leading nodes that are already full (keeps 1024 nodes fast).
+            while len(candidates) > 1 and pool.free_count[candidates[0]] == 0:
+                candidates = candidates[1:]
+            placement, issue = _place_engine(pool, group, index, candidates, biggest)
             if issue:
                 issues.append(issue)
                 break
@@ -98,12 +107,11 @@ def place_gpus(top: Topology) -> tuple[GpuLayout | None, list[Issue]]:
 
 
 def _place_engine(
-    pool: _Pool, group: ServerGroup, index: int, candidates: list[str]
+    pool: _Pool, group: ServerGroup, index: int, candidates: list[str], biggest: int
 ) -> tuple[EnginePlacement, Issue | None]:
     size = group.gpus_per_engine
     label = f"{group.name}-{index}"
     where = group.path or group.role.value
-    biggest = max(pool.nodes[c].gpus for c in candidates)
     if size <= biggest:
         for node in candidates:
             ids = pool.take_block(node, size, group.name)

@@ -224,6 +224,7 @@ def check_invariants(plan: Plan, *, colocate: bool) -> None:
     - every engine has exactly one entrypoint process;
     - weight-group ranks 1..world_size-1 cover every engine GPU exactly once.
     """
+    by_id = {p.id: p for p in plan.processes}
     gpu_users: dict[tuple[str, int], list[str]] = defaultdict(list)
     port_users: dict[tuple[str, int], list[str]] = defaultdict(list)
     for proc in plan.processes:
@@ -232,14 +233,16 @@ def check_invariants(plan: Plan, *, colocate: bool) -> None:
         for port in proc.owned_ports():
             port_users[(proc.node, port)].append(proc.id)
     for (node, gpu), users in gpu_users.items():
-        roles = Counter(plan.process(u).role is Role.TRAINER for u in users)
-        if len(users) > 1 and not (colocate and roles[True] <= 1 and roles[False] <= 1):
+        if len(users) == 1:
+            continue
+        roles = Counter(by_id[u].role is Role.TRAINER for u in users)
+        if not (colocate and roles[True] <= 1 and roles[False] <= 1):
             raise PlanError(f"invariant 'no GPU twice' broken: node {node} GPU {gpu} used by {', '.join(users)}")
     for (node, port), users in port_users.items():
         if len(users) > 1:
             raise PlanError(f"invariant 'no port twice' broken: node {node} port {port} used by {', '.join(users)}")
     for engine in plan.engines:
-        entry = [p for p in engine.process_ids if plan.process(p).entrypoint]
+        entry = [p for p in engine.process_ids if by_id[p].entrypoint]
         if len(entry) != 1:
             raise PlanError(f"invariant 'one entrypoint per engine' broken: {engine.id} has {len(entry)}")
     if plan.weight_group is not None:

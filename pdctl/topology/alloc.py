@@ -205,7 +205,7 @@ class _Parser:
         name = None
         if self.peek() == "[":
             self.pos += 1
-            name, name_at = self.word()
+            name, _ = self.word()
             if not name:
                 raise self.fail("expected a name like [prefill] (letters, digits, _)")
             if self.peek() != "]":
@@ -307,14 +307,13 @@ def _validate(alloc: Allocation) -> None:
             ffn = comp.dims.ffn if isinstance(comp.dims, MoEDims) else dims
             if dims.p > 1 or ffn.e > 1:
                 raise fail(f"FSDP backend only supports data/tensor/context parallelism. Got strategy: {dims}", comp)
-        if comp.backend == "megatron" and isinstance(comp.dims, Dims) and dims.e > 1:
-            if dims.world_size % (dims.p * dims.e):
-                raise fail(
-                    f"Expert model parallel size {dims.e} cannot divide world size {dims.world_size}", comp
-                )
+        megatron_ep = comp.backend == "megatron" and isinstance(comp.dims, Dims) and dims.e > 1
+        if megatron_ep and dims.world_size % (dims.p * dims.e):
+            raise fail(f"Expert model parallel size {dims.e} cannot divide world size {dims.world_size}", comp)
     unnamed = [c for c in comps if c.name is None]
     if len(alloc.pools) >= 3 and unnamed:
-        raise fail(f"When using 3+ components, all must have names. Found {len(unnamed)} unnamed components.", unnamed[0])
+        message = f"When using 3+ components, all must have names. Found {len(unnamed)} unnamed components."
+        raise fail(message, unnamed[0])
     seen: set[str] = set()
     for comp in comps:
         if comp.name is not None:

@@ -58,7 +58,7 @@ def load_topology_text(text: str, filename: str = "<topology>") -> tuple[Topolog
         issues += alloc_issues
     if not any(i.severity == "error" for i in issues):
         issues += validate(top)
-    issues = [source.attach(i) for i in issues]
+    issues = sorted((source.attach(i) for i in issues), key=lambda i: (i.line, i.col, i.path))
     if any(i.severity == "error" for i in issues):
         raise TopologyError(filename, issues)
     return top, issues

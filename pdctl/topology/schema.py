@@ -137,14 +137,29 @@ def _walk(node: yaml.Node, path: Path) -> Iterator[tuple[Path, yaml.Node, yaml.N
 
 def check_schema(data: Any, source: SourceMap) -> list[Issue]:
     """Every JSON Schema violation in ``data`` as an Issue, sorted by position."""
-    issues = [_to_issue(err, source) for err in _validator().iter_errors(data)]
+    issues = [issue for err in _validator().iter_errors(data) for issue in _to_issues(err, source)]
     return sorted(issues, key=lambda i: (i.line, i.col, i.path))
 
 
-def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
+def _to_issues(error: jsonschema.ValidationError, source: SourceMap) -> list[Issue]:
     if error.context:
-        # oneOf/anyOf: report the branch that got furthest, not "is not valid under any".
-        error = jsonschema.exceptions.best_match(error.context)
+        # oneOf/anyOf: report the errors of the branches whose type matched the value (a
+        # mapping where a mapping or a list is allowed), not "is not valid under any of ...".
+        inner = [e for e in error.context if not (e.validator == "type" and not e.relative_path)]
+        wrong_type = [e for e in error.context if e.validator == "type" and not e.relative_path]
+        if inner:
+            return [issue for e in inner for issue in _to_issues(e, source)]
+        if wrong_type:
+            allowed = " or ".join(sorted({str(e.validator_value) for e in wrong_type} | _enum_values(error)))
+            return [source.issue(tuple(error.absolute_path), f"{error.instance!r} must be {allowed}")]
+    return [_to_issue(error, source)]
+
+
+def _enum_values(error: jsonschema.ValidationError) -> set[str]:
+    return {", ".join(map(repr, e.validator_value)) for e in error.context or () if e.validator == "enum"}
+
+
+def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
     path: Path = tuple(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
         allowed = set(error.schema.get("properties", {}))

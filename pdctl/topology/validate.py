@@ -187,14 +187,16 @@ def _colocate(top: Topology) -> list[Issue]:
 
 def _router(top: Topology) -> list[Issue]:
     r = top.router
-    out = []
+    out: list[Issue] = []
+    if r.node and r.node not in {n.name for n in top.nodes}:
+        return out  # reported by _node_refs
     node = top.router_node
-    if not node.is_local and r.host in ("127.0.0.1", "localhost") and top.trainer and (top.trainer.nodes or ()):
-        if any(n != node.name for n in top.trainer.nodes or ()):
-            out.append(
-                Issue("router.host", f"the router binds 127.0.0.1 on {node.name}; the trainer on other nodes "
-                      "cannot reach it", severity="warning", hint="set router.host to 0.0.0.0 or the node address")
-            )  # fmt: skip
+    loopback = not node.is_local and r.host in ("127.0.0.1", "localhost")
+    if loopback and top.trainer and any(n != node.name for n in top.trainer.nodes or ()):
+        out.append(
+            Issue("router.host", f"the router binds 127.0.0.1 on {node.name}; the trainer on other nodes "
+                  "cannot reach it", severity="warning", hint="set router.host to 0.0.0.0 or the node address")
+        )  # fmt: skip
     return out
 
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create .venv and install pdctl with what its tests and demo need. Idempotent.
+#   scripts/setup.sh            pdctl + test extras + SGLang's CPU parser (sglang-protocol.md 1.1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  need=()
+  command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+  command -v ip >/dev/null || need+=(iproute2)
+  if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/pip --disable-pip-version-check -q"
+$PIP install --upgrade pip >/dev/null 2>&1 || true
+# torch first, pinned to the CPU build (a bare "torch" would pull several GB of CUDA wheels).
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install torch==2.13.0
+$PIP install -e ".[test]"
+# SGLang's real argument parser on CPU: its import-time deps, then sglang without its GPU pins.
+if ! .venv/bin/python -c "import sglang" 2>/dev/null; then
+  $PIP install numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
+    ipython aiohttp
+  $PIP install --no-deps sglang==0.5.23
+fi
+echo "setup: .venv ready"

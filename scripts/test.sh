@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: set up, lint, run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check pdctl tests tools benchmarks
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,87 @@
+"""validate / plan / schema through the real click app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from pdctl.cli import cli
+from tests.conftest import REPO
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def all_commands():
+    out = []
+
+    def walk(group, prefix):
+        for name, cmd in group.commands.items():
+            out.append((*prefix, name))
+            if hasattr(cmd, "commands"):
+                walk(cmd, (*prefix, name))
+
+    walk(cli, ())
+    return out
+
+
+@pytest.mark.parametrize("command", all_commands(), ids=" ".join)
+def test_every_command_has_help(command) -> None:
+    result = run(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output and len(result.output.splitlines()) > 3
+
+
+def test_validate_ok_and_errors(write_yaml) -> None:
+    ok = run("validate", str(REPO / "topologies" / "2node-hetero-tp.yaml"))
+    assert ok.exit_code == 0 and ": ok" in ok.output
+    bad = write_yaml("name: t\nmodel: {path: m}\nnodes: [{name: n0, host: h}]\nprefill: {tp: 2, tpp: 1}\n")
+    result = run("validate", str(bad))
+    assert result.exit_code == 1
+    assert f"{bad}:4:18: prefill.tpp: unknown key 'tpp'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_validate_missing_file_is_usage_error() -> None:
+    result = run("validate", "/nonexistent/x.yaml")
+    assert result.exit_code == 1 and "cannot read topology" in result.output
+
+
+def test_usage_errors_exit_2() -> None:
+    assert run("validate").exit_code == 2
+    assert run("plan", "--bogus").exit_code == 2
+
+
+def test_plan_json_and_table() -> None:
+    result = run("plan", str(REPO / "topologies" / "2node-hetero-tp.yaml"), "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["weight_group"]["world_size"] == 9
+    assert {p["id"] for p in data["processes"]} >= {"prefill-0", "prefill-1", "decode-0", "router", "trainer.n1"}
+    table = run("plan", str(REPO / "topologies" / "2node-hetero-tp.yaml"))
+    assert table.exit_code == 0 and "decode-0" in table.output and "world_size=9" in table.output
+
+
+def test_plan_default_is_local_sim() -> None:
+    data = json.loads(run("plan", "--json").output)
+    assert data["engine"] == "sim" and data["router"]["url"].startswith("http://127.0.0.1:")
+
+
+def test_schema_prints_json_schema() -> None:
+    data = json.loads(run("schema").output)
+    assert data["$schema"].endswith("2020-12/schema") and "nodes" in data["required"]
+
+
+def test_internal_errors_have_no_traceback_without_debug(write_yaml, monkeypatch) -> None:
+    import pdctl.cli.topology_cmds as cmds
+
+    def boom(_):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(cmds, "make_plan", boom)
+    result = run("plan", str(REPO / "topologies" / "colocate.yaml"))
+    assert result.exit_code == 1 and "internal error: RuntimeError: kaboom" in result.output
+    assert "Traceback" not in result.output

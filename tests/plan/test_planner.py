@@ -1,0 +1,160 @@
+"""The planner: GPUs, port cursors, argv, weight-group ranks, invariants."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pdctl.errors import PlanError
+from pdctl.plan import make_plan
+from pdctl.plan.planner import check_invariants
+from pdctl.topology import load_topology, load_topology_text
+from tests.conftest import REPO, yaml_text
+
+
+def plan_of(name: str):
+    top, _ = load_topology(REPO / "topologies" / name)
+    return make_plan(top)
+
+
+def flag(argv, name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_plan_is_deterministic() -> None:
+    a = json.dumps(plan_of("2node-hetero-tp.yaml").to_dict(), sort_keys=True)
+    b = json.dumps(plan_of("2node-hetero-tp.yaml").to_dict(), sort_keys=True)
+    assert a == b
+
+
+def test_port_cursor_relays_across_groups_per_node() -> None:
+    plan = plan_of("2node-hetero-tp.yaml")
+    p0, p1, d0 = (plan.process(i) for i in ("prefill-0", "prefill-1", "decode-0"))
+    assert dict(p0.ports) == {"http": 20000, "nccl": 20001, "bootstrap": 20002}
+    assert dict(p1.ports) == {"http": 20003, "nccl": 20004, "bootstrap": 20005}
+    assert dict(d0.ports) == {"http": 20006, "nccl": 20007}
+    # trainer node n1 has its own cursor: master port then the weight-group rendezvous.
+    trainer = plan.process("trainer.n1")
+    assert dict(trainer.ports) == {"master": 20000, "weight_group": 20001}
+    assert plan.weight_group is not None and plan.weight_group.master_port == 20001
+
+
+def test_heterogeneous_tp_weight_group() -> None:
+    plan = plan_of("2node-hetero-tp.yaml")
+    offsets = {e.id: (e.rank_offset, e.gpus) for e in plan.engines}
+    assert offsets == {"prefill-0": (1, 2), "prefill-1": (3, 2), "decode-0": (5, 4)}
+    assert plan.weight_group.world_size == 9
+    env = dict(plan.process("trainer.n1").env)
+    group = json.loads(env["PDCTL_WEIGHT_GROUP"])
+    assert [e["rank_offset"] for e in group["engines"]] == [1, 3, 5]
+    assert env["NCCL_CUMEM_ENABLE"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+
+
+def test_gpus_are_contiguous_blocks_with_base_gpu_id() -> None:
+    plan = plan_of("2node-hetero-tp.yaml")
+    assert [plan.process(i).gpu_ids for i in ("prefill-0", "prefill-1", "decode-0")] == [
+        (0, 1), (2, 3), (4, 5, 6, 7)
+    ]  # fmt: skip
+    assert flag(plan.process("decode-0").argv, "--base-gpu-id") == "4"
+    assert flag(plan.process("decode-0").argv, "--tp-size") == "4"
+
+
+def test_tp16_engine_spans_two_nodes() -> None:
+    plan = plan_of("tp16-two-nodes.yaml")
+    heads = [p for p in plan.processes if p.engine_id == "decode-0"]
+    assert [p.id for p in heads] == ["decode-0.n1", "decode-0.n2"]
+    assert [p.entrypoint for p in heads] == [True, False]
+    for rank, proc in enumerate(heads):
+        assert flag(proc.argv, "--nnodes") == "2"
+        assert flag(proc.argv, "--node-rank") == str(rank)
+        assert flag(proc.argv, "--dist-init-addr") == "10.0.0.11:20002"
+    assert heads[0].dist_init_block == 30 + 8  # attn_dp 8
+    engine = next(e for e in plan.engines if e.id == "decode-0")
+    assert engine.url == "http://10.0.0.11:20000" and engine.gpus == 16
+    router = plan.router
+    assert router.argv.count("--decode") == 1  # only node rank 0 is registered
+
+
+def test_sglang_argv_has_full_flags_and_extra_args() -> None:
+    plan = plan_of("1node-1p1d.yaml")
+    argv = plan.process("prefill-0").argv
+    assert argv[:3] == ("/opt/venvs/serve/bin/python", "-m", "sglang.launch_server")
+    assert flag(argv, "--disaggregation-mode") == "prefill"
+    assert flag(argv, "--disaggregation-transfer-backend") == "mooncake"
+    assert flag(argv, "--chunked-prefill-size") == "8192"
+    assert flag(argv, "--host") == "10.0.0.10"
+    assert "--tp" not in argv and "--dp" not in argv
+    assert plan.process("prefill-0").log_path == "/scratch/pdctl/one-node/logs/prefill-0.log"
+
+
+def test_router_argv_carries_workers_and_api_key_env_only() -> None:
+    plan = plan_of("1node-1p1d.yaml")
+    argv = plan.router.argv
+    assert flag(argv, "--port") == "8000"
+    i = argv.index("--prefill")
+    assert argv[i + 1 : i + 3] == ("http://10.0.0.10:20000", "20002")
+    assert flag(argv, "--api-key-env") == "PDCTL_API_KEY"
+    assert "--api-key" not in argv
+    assert plan.router_url == "http://10.0.0.10:8000"  # 0.0.0.0 -> the node's address
+
+
+def test_sim_engine_gets_the_same_flags() -> None:
+    top, _ = load_topology(REPO / "topologies" / "1node-1p1d.yaml")
+    sglang_argv = make_plan(top).process("decode-0").argv
+    sim_argv = make_plan(replace(top, engine="sim")).process("decode-0").argv
+    assert sim_argv[2] == "pdctl.sim" and sglang_argv[3:] == sim_argv[3:]
+
+
+def test_colocate_pairs_trainer_with_engine_gpus_and_mps_env() -> None:
+    plan = plan_of("colocate.yaml")
+    trainer = plan.process("trainer.n0")
+    assert trainer.gpu_ids == tuple(range(8))
+    assert trainer.argv[-2:] == ("-m", "my_rl.train")
+    assert "CUDA_MPS_PIPE_DIRECTORY" in trainer.env and "CUDA_MPS_PIPE_DIRECTORY" in plan.process("decode-0").env
+    assert flag(plan.process("decode-0").argv, "--mem-fraction-static") == "0.45"
+
+
+def test_trainer_command_forms() -> None:
+    base = "name: t\nmodel: {path: m}\nnodes: [{name: n0, host: h, gpus: 2}]\nregular: {}\n"
+    for command, tail in [
+        ("[python, train.py, --x]", ("--master-port", "20004", "train.py", "--x")),
+        ("[python, -m, pkg.train]", ("-m", "pkg.train")),
+        ("[./run.sh, a]", ("--no-python", "./run.sh", "a")),
+    ]:
+        top, _ = load_topology_text(yaml_text(base + f"trainer: {{command: {command}, nproc_per_node: 1}}\n"))
+        argv = make_plan(top).process("trainer.n0").argv
+        assert argv[1:3] == ("-m", "torch.distributed.run")
+        assert argv[-len(tail) :] == tail
+
+
+def test_explicit_router_port_is_skipped_by_the_cursor() -> None:
+    text = "name: t\nmodel: {path: m}\nnodes: [{name: n0, host: h}]\nports: {base: 20000}\n"
+    top, _ = load_topology_text(yaml_text(text + "router: {port: 20001}\nprefill: {}\ndecode: {}\n"))
+    plan = make_plan(top)
+    assert dict(plan.process("prefill-0").ports) == {"http": 20000, "nccl": 20002, "bootstrap": 20003}
+
+
+def test_invariants_catch_a_port_or_gpu_used_twice() -> None:
+    plan = plan_of("1node-1p1d.yaml")
+    p, d = plan.process("prefill-0"), plan.process("decode-0")
+    clash = replace(d, ports={"http": p.ports["http"]})
+    bad = replace(plan, processes=tuple(clash if x.id == d.id else x for x in plan.processes))
+    with pytest.raises(PlanError, match="no port twice"):
+        check_invariants(bad, colocate=False)
+    gpu_clash = replace(d, gpu_ids=p.gpu_ids)
+    bad = replace(plan, processes=tuple(gpu_clash if x.id == d.id else x for x in plan.processes))
+    with pytest.raises(PlanError, match="no GPU twice"):
+        check_invariants(bad, colocate=False)
+    no_entry = replace(d, entrypoint=False)
+    bad = replace(plan, processes=tuple(no_entry if x.id == d.id else x for x in plan.processes))
+    with pytest.raises(PlanError, match="one entrypoint per engine"):
+        check_invariants(bad, colocate=False)
+
+
+def test_invariant_weight_ranks_cover_each_gpu_once() -> None:
+    plan = plan_of("2node-hetero-tp.yaml")
+    shifted = tuple(replace(e, rank_offset=1) for e in plan.engines)
+    with pytest.raises(PlanError, match="weight ranks"):
+        check_invariants(replace(plan, engines=shifted), colocate=False)

@@ -1,0 +1,110 @@
+"""Property tests: random valid topologies plan with invariants intact; random mutations of
+valid files never escape the clean error path (TopologyError / PdctlError only)."""
+
+from __future__ import annotations
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdctl.errors import PdctlError
+from pdctl.plan import make_plan
+from pdctl.plan.planner import check_invariants
+from pdctl.topology import load_topology_text
+from tests.conftest import TOPOLOGIES
+
+
+@st.composite
+def topologies(draw):
+    gpn = draw(st.sampled_from([1, 2, 4, 8]))
+    n_nodes = draw(st.integers(1, 6))
+    nodes = [{"name": f"n{i}", "host": f"10.1.0.{i + 1}", "gpus": gpn} for i in range(n_nodes)]
+    total = gpn * n_nodes
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn or t % gpn == 0]
+    p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+    budget = total
+    p_rep = draw(st.integers(1, max(1, budget // (2 * p_tp))))
+    d_rep = draw(st.integers(1, max(1, (budget - p_rep * p_tp) // d_tp or 1)))
+    data = {
+        "name": "prop",
+        "model": {"path": "/m"},
+        "engine": draw(st.sampled_from(["sglang", "sim"])),
+        "nodes": nodes,
+        "ports": {"base": draw(st.integers(10000, 30000))},
+        "prefill": {"replicas": p_rep, "tp": p_tp},
+        "decode": {"replicas": d_rep, "tp": d_tp, "attn_dp": draw(st.sampled_from([1, d_tp]))},
+        "router": {"host": "0.0.0.0"},
+    }
+    if draw(st.booleans()):
+        data["trainer"] = {"command": ["python", "t.py"], "nodes": [nodes[-1]["name"]], "nproc_per_node": 1}
+    return data
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(topologies())
+def test_valid_topologies_plan_with_invariants(data) -> None:
+    try:
+        top, _ = load_topology_text(yaml.safe_dump(data))
+    except PdctlError:
+        return  # over-committed draws are rejected cleanly; that path is the next test's
+    plan = make_plan(top)
+    check_invariants(plan, colocate=False)
+    ports = {}
+    for proc in plan.processes:
+        for port in proc.owned_ports():
+            assert (proc.node, port) not in ports
+            ports[(proc.node, port)] = proc.id
+            assert data["ports"]["base"] <= port <= 65535
+    assert len({e.url for e in plan.engines}) == len(plan.engines)
+    if plan.weight_group:
+        assert plan.weight_group.world_size == 1 + sum(e.gpus for e in plan.engines)
+
+
+EXAMPLES = [p.read_text() for p in TOPOLOGIES]
+JUNK = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 70000), st.text(max_size=12),
+    st.lists(st.integers(-1, 3), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)  # fmt: skip
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, (*prefix, i))
+
+
+def _set(node, path, value):
+    if not path:
+        return value
+    node[path[0]] = _set(node[path[0]], path[1:], value)
+    return node
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(EXAMPLES), st.data())
+def test_mutations_never_escape_the_error_path(text, data) -> None:
+    doc = yaml.safe_load(text)
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = list(_paths(doc))
+        path = data.draw(st.sampled_from(paths))
+        doc = _set(doc, path, data.draw(JUNK))
+    try:
+        top, _ = load_topology_text(yaml.safe_dump(doc))
+        make_plan(top)
+    except PdctlError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(EXAMPLES), st.integers(0, 2000), st.text(max_size=4))
+def test_text_corruption_never_escapes_the_error_path(text, at, junk) -> None:
+    cut = at % (len(text) + 1)
+    try:
+        top, _ = load_topology_text(text[:cut] + junk + text[cut:])
+        make_plan(top)
+    except PdctlError:
+        pass

@@ -1,0 +1,79 @@
+"""Every SGLang argv pdctl generates is accepted by SGLang 0.5.23's real ServerArgs parser,
+and the committed flag table matches that parser. Install per sglang-protocol.md 1.1."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+
+import pytest
+import yaml
+from hypothesis import given, settings
+
+from pdctl.errors import PdctlError
+from pdctl.plan import make_plan
+from pdctl.sglang import server_flags
+from pdctl.topology import load_topology, load_topology_text
+from tests.conftest import TOPOLOGIES
+from tests.plan.test_properties import topologies
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def parser() -> argparse.ArgumentParser:
+    sys.modules.setdefault("triton", types.ModuleType("triton"))  # sglang imports it; a stub suffices
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang not installed (see README)")
+    p = argparse.ArgumentParser(exit_on_error=False)
+    server_args.ServerArgs.add_cli_args(p)
+    return p
+
+
+def full_names(p: argparse.ArgumentParser) -> set[str]:
+    return {o for a in p._actions for o in a.option_strings}
+
+
+def check_argv(parser: argparse.ArgumentParser, argv: tuple[str, ...]) -> argparse.Namespace:
+    assert argv[1:3] == ("-m", "sglang.launch_server")
+    args = list(argv[3:])
+    names = full_names(parser)
+    for a in args:
+        if a.startswith("--"):
+            assert a in names, f"{a} is not a full SGLang flag name (abbreviations are accepted by argparse)"
+    ns, unknown = parser.parse_known_args(args)
+    assert not unknown, unknown
+    return ns
+
+
+@pytest.mark.parametrize("path", [p for p in TOPOLOGIES if "sim" not in p.name], ids=lambda p: p.name)
+def test_example_argv_parses(parser, path) -> None:
+    top, _ = load_topology(path)
+    plan = make_plan(top)
+    for proc in plan.processes:
+        if proc.role.is_engine:
+            ns = check_argv(parser, proc.argv)
+            assert ns.port == proc.ports["http"]
+            assert ns.model_path == top.model.path
+            if proc.role.value in ("prefill", "decode"):
+                assert ns.disaggregation_mode == proc.role.value
+
+
+@settings(max_examples=40, deadline=None)
+@given(topologies())
+def test_generated_argv_parses(parser, data) -> None:
+    data["engine"] = "sglang"
+    try:
+        top, _ = load_topology_text(yaml.safe_dump(data))
+    except PdctlError:
+        return
+    for proc in make_plan(top).processes:
+        if proc.role.is_engine:
+            ns = check_argv(parser, proc.argv)
+            assert ns.tp_size == int(proc.argv[proc.argv.index("--tp-size") + 1])
+
+
+def test_committed_flag_table_matches_the_parser(parser) -> None:
+    table = server_flags()
+    committed = {s for f in table.flags for s in (f.name, *f.aliases)}
+    assert committed == full_names(parser) - {"-h", "--help"}

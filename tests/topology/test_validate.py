@@ -1,0 +1,209 @@
+"""Schema and semantic validation: each rule has a test that fails without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdctl.errors import TopologyError
+from pdctl.topology import load_topology, load_topology_text
+from tests.conftest import TOPOLOGIES, yaml_text
+
+BASE = """\
+name: t
+model: {path: /m}
+nodes:
+  - {name: n0, host: 10.0.0.1, gpus: 8}
+  - {name: n1, host: 10.0.0.2, gpus: 8}
+"""
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(TopologyError) as info:
+        load_topology_text(yaml_text(text), "f.yaml")
+    return [i.format("f.yaml") for i in info.value.issues if i.severity == "error"]
+
+
+def one_error(text: str, *needles: str) -> str:
+    errs = errors_of(text)
+    hits = [e for e in errs if all(n in e for n in needles)]
+    assert hits, f"no error with {needles} in {errs}"
+    return hits[0]
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
+def test_every_example_validates(path) -> None:
+    top, _ = load_topology(path)
+    assert top.groups
+
+
+def test_error_format_points_at_line_and_column() -> None:
+    err = one_error(BASE + "prefill: {tp: 2, tpp: 3}\ndecode: {}\n", "unknown key 'tpp'")
+    assert err.startswith("f.yaml:6:18: prefill.tpp: unknown key 'tpp'")
+    assert "did you mean 'tp'" in err
+
+
+def test_yaml_syntax_error_has_position() -> None:
+    err = one_error("name: x\nmodel: {path: m\nnodes: []\n", "YAML syntax error")
+    assert err.startswith("f.yaml:3:")
+
+
+def test_duplicate_yaml_keys_are_errors() -> None:
+    one_error(BASE + "prefill: {}\ndecode: {}\nprefill: {tp: 2}\n", "duplicate key")
+
+
+def test_schema_types_and_enums() -> None:
+    one_error(BASE + "engine: vllm\nprefill: {}\ndecode: {}\n", "engine", "not one of")
+    one_error(BASE + "prefill: {tp: two}\ndecode: {}\n", "prefill.tp", "not of type 'integer'")
+    one_error(BASE.replace("name: t", "name: 'has space'") + "regular: {}\n", "not a safe name")
+    one_error(BASE + "regular: [{tp: 1}]\n", "regular[0]", "'name' is a required property")
+
+
+def test_unknown_node_references() -> None:
+    one_error(BASE + "prefill: {nodes: [n7]}\ndecode: {}\n", "prefill.nodes[0]", "unknown node 'n7'")
+    one_error(BASE + "regular: {}\nrouter: {node: zz}\n", "router.node", "unknown node")
+    one_error(BASE + "regular: {}\ntrainer: {command: [x], nodes: [q]}\n", "trainer.nodes[0]", "unknown node")
+
+
+def test_duplicate_node_names_and_hosts() -> None:
+    text = "name: t\nmodel: {path: /m}\nnodes:\n  - {name: a, host: h1}\n  - {name: a, host: h1}\nregular: {}\n"
+    errs = errors_of(text)
+    assert any("nodes[1].name: duplicate node name 'a'" in e for e in errs)
+    assert any("nodes[1].host: duplicate node host 'h1'" in e for e in errs)
+
+
+def test_gpu_overcommit_names_the_groups() -> None:
+    err = one_error(
+        BASE + "prefill: {replicas: 3, tp: 4}\ndecode: {replicas: 2, tp: 4}\n", "no room for engine decode-1"
+    )
+    assert "taken by prefill" in err and "decode" in err
+
+
+def test_engine_larger_than_node_must_take_whole_nodes() -> None:
+    one_error(BASE + "prefill: {tp: 12}\ndecode: {}\n", "prefill.tp", "must take whole nodes")
+    top, _ = load_topology_text(yaml_text(BASE + "regular: {tp: 16}\n"))
+    assert top.groups[0].gpus_per_engine == 16
+
+
+def test_prefill_and_decode_come_in_pairs() -> None:
+    one_error(BASE + "prefill: {}\n", "prefill without decode" if False else "prefill engines without decode")
+    one_error(BASE + "decode: {}\n", "decode engines without prefill")
+    one_error(BASE + "prefill: {}\ndecode: {}\nregular: {}\n", "regular engines cannot share")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ("{port: 5}", "--port is set by pdctl"),
+        ("{tp-size: 2}", "--tp-size is set by pdctl"),
+        ("{tensor-parallel-size: 2}", "--tp-size is set by pdctl"),
+        ("{base-gpu-id: 1}", "--base-gpu-id is set by pdctl"),
+        ("{nccl-port: 1}", "--nccl-port is set by pdctl"),
+        ("{dist-init-addr: 'a:1'}", "--dist-init-addr is set by pdctl"),
+        ("{nnodes: 2}", "--nnodes is set by pdctl"),
+        ("{node-rank: 1}", "--node-rank is set by pdctl"),
+        ("{host: 0.0.0.0}", "--host is set by pdctl"),
+        ("{disaggregation-mode: decode}", "--disaggregation-mode is set by pdctl"),
+        ("{disaggregation-bootstrap-port: 9}", "--disaggregation-bootstrap-port is set by pdctl"),
+        ("{chunked-prefil-size: 8}", "unknown SGLang 0.5.23 flag --chunked-prefil-size"),
+        ("{disaggregation-decode-tp: 2}", "not an SGLang 0.5.23 flag"),
+        ("{enable-metrics: 3}", "bare flag"),
+        ("{load-format: bogus}", "invalid choice 'bogus'"),
+        ("{mem-fraction-static: lots}", "takes an float"),
+        ("{model: x}", "is set by pdctl"),
+        ("{context-bucket: 5}", "is an alias"),
+    ],
+)
+def test_extra_args_checked_against_sglang_flags(args: str, needle: str) -> None:
+    err = one_error(BASE + f"prefill: {{args: {args}}}\ndecode: {{}}\n", needle)
+    assert "prefill.args." in err
+
+
+def test_good_extra_args_pass() -> None:
+    load_topology_text(
+        yaml_text(BASE + "prefill: {args: {chunked-prefill-size: 8192, enable-metrics: true}}\ndecode: {}\n")
+    )
+
+
+def test_sim_flags_only_for_sim_engine() -> None:
+    one_error(BASE + "prefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n", "unknown SGLang")
+    load_topology_text(
+        yaml_text(BASE + "engine: sim\nprefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n")
+    )
+
+
+def test_port_overflow_and_ephemeral_warning() -> None:
+    one_error(BASE + "ports: {base: 65534}\nprefill: {}\ndecode: {}\n", "ports.base", "past 65535")
+    _, warnings = load_topology_text(yaml_text(BASE + "ports: {base: 32765}\nprefill: {}\ndecode: {}\n"))
+    assert any("ephemeral" in w.message for w in warnings)
+    _, warnings = load_topology_text(yaml_text(BASE + "ports: {base: 20000}\nprefill: {}\ndecode: {}\n"))
+    assert not any("ephemeral" in w.message for w in warnings)
+
+
+def test_weight_push_refuses_dp() -> None:
+    trainer = "trainer: {command: [python, t.py], nodes: [n1], nproc_per_node: 2}\n"
+    one_error(BASE + "prefill: {dp: 2}\ndecode: {}\n" + trainer, "prefill.dp", "dp_size must be 1")
+    one_error(BASE + "prefill: {pp: 2}\ndecode: {}\n" + trainer, "prefill.pp")
+    load_topology_text(yaml_text(BASE + "prefill: {dp: 2}\ndecode: {}\n"))  # no trainer: fine
+
+
+def test_colocate_budget_and_pairing() -> None:
+    head = "name: c\nmodel: {path: /m}\nnodes: [{name: n0, host: h, gpus: 8}]\n"
+    groups = "prefill: {replicas: 2, tp: 2}\ndecode: {tp: 4}\n"
+    trainer = "trainer: {command: [python, t.py], nodes: [n0], nproc_per_node: 8}\n"
+    ok = "placement: {mode: colocate, train_frac: 0.45, infer_frac: 0.45}\n"
+    top, _ = load_topology_text(yaml_text(head + groups + trainer + ok))
+    assert top.placement.colocate
+    one_error(head + groups + trainer + ok.replace("0.45}", "0.5}"), "headroom > 1")
+    one_error(head + groups + trainer.replace("8}", "4}") + ok, "trainer world size 4 != engine count x TP = 8")
+    one_error(head + groups + "placement: colocate\n", "add a trainer section")
+
+
+def test_trainer_gpu_counts() -> None:
+    one_error(BASE + "regular: {}\ntrainer: {command: [x], nodes: [n1], nproc_per_node: 9}\n", "9 > node n1's 8")
+    one_error(
+        BASE + "prefill: {tp: 8}\ndecode: {tp: 8}\ntrainer: {command: [x], nodes: [n1], nproc_per_node: 1}\n",
+        "trainer needs 1 GPUs on node n1",
+    )
+
+
+def test_attn_dp_divides_tp() -> None:
+    one_error(BASE + "prefill: {tp: 4, attn_dp: 3}\ndecode: {}\n", "attn_dp 3 must divide tp 4")
+
+
+def test_local_and_remote_nodes_do_not_mix() -> None:
+    text = "name: t\nmodel: {path: /m}\nnodes: [{name: a, host: 127.0.0.1}, {name: b, host: 10.0.0.2}]\nregular: {}\n"
+    one_error(text, "loopback address")
+
+
+def test_allocation_builds_groups() -> None:
+    top, _ = load_topology_text(
+        yaml_text(BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4 + fsdp[trainer]:d8"\n'
+                  "router: {host: 0.0.0.0}\ntrainer: {command: [python, t.py], nodes: [n1]}\n")
+    )  # fmt: skip
+    assert [(g.name, g.role.value, g.replicas, g.tp) for g in top.groups] == [
+        ("prefill", "prefill", 2, 2),
+        ("decode", "decode", 1, 4),
+    ]
+    assert top.trainer is not None and top.trainer.nproc_per_node == 8
+
+
+def test_allocation_must_agree_with_explicit_groups() -> None:
+    text = BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4"\nprefill: {replicas: 2, tp: 2}\n'
+    one_error(text + "decode: {tp: 2}\n", "decode.tp", "tp 2 disagrees with allocation (t4")
+    load_topology_text(yaml_text(text + "decode: {tp: 4}\n"))
+    one_error(text + "decode: {tp: 4}\nregular: {name: extra}\n", "group 'extra' is missing from allocation")
+
+
+def test_allocation_error_points_into_the_string() -> None:
+    err = one_error(BASE + 'allocation: "sglang[prefill]:d2t0"\n', "positive number")
+    # The quote is at column 13, so character 20 of the string (the 0) is column 33.
+    assert err.startswith("f.yaml:6:33:")
+
+
+def test_allocation_needs_trainer_section_for_training_component() -> None:
+    one_error(BASE + 'allocation: "sglang[prefill]:d1 + sglang[decode]:d1 + fsdp[t]:d2"\n', "no trainer section")
+
+
+def test_all_errors_are_collected() -> None:
+    errs = errors_of(BASE + "prefill: {tp: 4, attn_dp: 3, args: {port: 1, nope-flag: 2}}\n")
+    assert len(errs) >= 4
