@@ -81,7 +81,11 @@ class LifecycleError(PdctlError):
 
 
 class SimError(PdctlError):
-    """The sim engine rejected something."""
+    """The sim engine rejected something; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class WeightSyncError(PdctlError):

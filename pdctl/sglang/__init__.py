@@ -25,6 +25,7 @@ from pdctl.sglang.protocol import (
     init_weights_update_group_body,
     inject_bootstrap,
     openai_error_body,
+    stream_error_chunk,
     supports_weight_update_session,
     update_weights_from_distributed_body,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "openai_error_body",
     "render_extra_args",
     "server_flags",
+    "stream_error_chunk",
     "supports_weight_update_session",
     "update_weights_from_distributed_body",
 ]

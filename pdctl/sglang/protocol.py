@@ -147,9 +147,14 @@ def update_weights_from_distributed_body(
     }
 
 
-def generate_error_body(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:
-    """The error body SGLang's native routes return: ``{"error": {"message": ...}}``."""
-    return {"error": {"message": message, "type": err_type, "code": status}}
+def generate_error_body(message: str) -> dict[str, Any]:
+    """The error body SGLang's native routes return (``http_server._create_error_response``)."""
+    return {"error": {"message": message}}
+
+
+def stream_error_chunk(message: str, *, status: int = 400) -> dict[str, Any]:
+    """The error SGLang sends inside an SSE stream before ``data: [DONE]``."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": status, "retryable": False}}
 
 
 def openai_error_body(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:

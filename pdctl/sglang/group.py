@@ -1,0 +1,56 @@
+"""The weight-update process group exactly as SGLang builds it.
+
+SGLang (``utils/common.py`` ``init_custom_process_group``) rendezvouses over TCP, wraps the
+store in ``PrefixStore(group_name)`` and creates a non-default group. Both sides must do the
+same or the store keys differ and the rendezvous hangs, so the sim (engine side) and
+``pdctl.weights`` (trainer side) both use this function. It never touches the default group,
+so a trainer under torchrun keeps its own.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
+
+
+def init_custom_process_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_secs: float = 300.0,
+) -> dist.ProcessGroup:
+    """Join the flat group as ``rank``; blocks until all ``world_size`` ranks have joined.
+
+    Rank 0 hosts the TCP store. Each side must call this concurrently with the others.
+    """
+    timeout = timedelta(seconds=timeout_secs)
+    init_method = f"tcp://{_url_host(master_address)}:{master_port}"
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefixed = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), prefixed, group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Tear down a group made by init_custom_process_group."""
+    dist.destroy_process_group(group)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

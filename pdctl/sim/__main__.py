@@ -1,0 +1,89 @@
+"""``python -m pdctl.sim <SGLang server flags>``: run one sim engine until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import signal
+import sys
+
+from pdctl.errors import PdctlError
+from pdctl.sim.args import build_parser, ignored_flags, sim_options
+from pdctl.sim.server import DEFAULT_BOOTSTRAP_PORT, SimConfig, SimServer, torch_threads
+
+log = logging.getLogger("pdctl.sim")
+
+
+def config_from_argv(argv: list[str]) -> SimConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on unknown flags, like SGLang
+    sim = sim_options(args)
+    level = (args.log_level or "info").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="[%(asctime)s] %(name)s %(message)s")
+    torch_threads(sim.threads)
+    ignored = ignored_flags(args)
+    if ignored:
+        log.info("accepted but ignored on CPU: %s", " ".join(ignored))
+    server_args = tuple((k, v) for k, v in sorted(vars(args).items()) if not k.startswith("sim_") and k != "api_key")
+    return SimConfig(
+        model_path=args.model_path,
+        host=args.host or "127.0.0.1",
+        port=args.port if args.port is not None else 30000,
+        served_model_name=args.served_model_name,
+        tokenizer_path=args.tokenizer_path,
+        tp_size=args.tp_size or 1,
+        disaggregation_mode=args.disaggregation_mode or "null",
+        bootstrap_port=args.disaggregation_bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
+        load_format=args.load_format or "auto",
+        random_seed=args.random_seed or 0,
+        weight_version=args.weight_version or "default",
+        enable_metrics=bool(args.enable_metrics),
+        api_key=args.api_key,
+        skip_server_warmup=bool(args.skip_server_warmup),
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests or 64,
+        prefill_ms_per_token=sim.prefill_ms_per_token,
+        decode_ms_per_step=sim.decode_ms_per_step,
+        server_args=server_args,
+        launch_command=shlex.join(["python", "-m", "pdctl.sim", *_redact(argv)]),
+    )
+
+
+def _redact(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a in ("--api-key", "--admin-api-key"):
+            out[i + 1] = "***"
+    return out
+
+
+async def serve(config: SimConfig) -> None:
+    server = SimServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    log.info("sim engine %s on %s (mode %s, tp %d)", config.model_path, server.url, config.disaggregation_mode,
+             config.tp_size)  # fmt: skip
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = config_from_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        asyncio.run(serve(config))
+    except PdctlError as exc:
+        log.error("%s", exc)
+        sys.exit(1)
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

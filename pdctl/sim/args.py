@@ -1,0 +1,76 @@
+"""The sim's command line: SGLang 0.5.23's full server flag set, plus ``--sim-*`` knobs.
+
+Built from the committed flag table, so every flag ``sglang.launch_server`` accepts is
+accepted here with the same arity and choices, and an unknown flag exits 2 as SGLang's
+argparse does. Flags that only mean something on a GPU are accepted and listed in the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pdctl.sglang import server_flags
+
+_TYPES = {"int": int, "float": float}
+# Flags the sim acts on; everything else set on the command line is logged as ignored.
+USED = {
+    "model_path", "served_model_name", "tokenizer_path", "host", "port", "tp_size", "dp_size", "pp_size",
+    "attn_dp_size", "base_gpu_id", "nccl_port", "dist_init_addr", "nnodes", "node_rank", "disaggregation_mode",
+    "disaggregation_bootstrap_port", "disaggregation_transfer_backend", "load_format", "random_seed",
+    "weight_version", "enable_metrics", "api_key", "log_level", "skip_server_warmup", "context_length",
+    "max_running_requests", "dtype", "mem_fraction_static",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The sim-only latency model and limits (documented as simulation, not measurement)."""
+
+    prefill_ms_per_token: float
+    decode_ms_per_step: float
+    threads: int
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdctl.sim",
+        description="pdctl's CPU stand-in for an SGLang server: SGLang's flags and HTTP API, a tiny real model.",
+    )
+    for flag in server_flags().flags:
+        names = [flag.name, *flag.aliases]
+        kwargs: dict = {"dest": flag.dest, "default": None}
+        if not flag.takes_value:
+            negated = [n for n in names if n.startswith("--no-")]
+            if negated and len(names) == 2:
+                parser.add_argument(*[n for n in names if n not in negated], action=argparse.BooleanOptionalAction, **kwargs)
+                continue
+            parser.add_argument(*names, action="store_true", **kwargs)
+            continue
+        if flag.nargs is not None:
+            kwargs["nargs"] = flag.nargs
+        if flag.choices:
+            kwargs["choices"] = list(flag.choices)
+        if flag.type_name in _TYPES:
+            kwargs["type"] = _TYPES[flag.type_name]
+        kwargs["required"] = flag.required
+        parser.add_argument(*names, **kwargs)
+    sim = parser.add_argument_group("sim only (latency model; simulation, not measurement)")
+    sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.0, help="Added per prompt token.")
+    sim.add_argument("--sim-decode-ms-per-step", type=float, default=0.0, help="Added per batched decode step.")
+    sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
+    return parser
+
+
+def ignored_flags(args: argparse.Namespace) -> list[str]:
+    """Flags given on the command line that the sim accepts but does not act on."""
+    out = []
+    for flag in server_flags().flags:
+        value = getattr(args, flag.dest, None)
+        if flag.dest not in USED and value not in (None, False):
+            out.append(flag.name)
+    return out
+
+
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    return SimOptions(args.sim_prefill_ms_per_token, args.sim_decode_ms_per_step, args.sim_threads)

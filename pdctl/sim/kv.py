@@ -1,0 +1,140 @@
+"""PD KV hand-off: the prefill's bootstrap server and the decode's fetch.
+
+A prefill keeps each prompt's KV under its ``bootstrap_room`` and serves it from an aiohttp
+server on ``--disaggregation-bootstrap-port`` (``GET /health`` -> ``OK`` as in SGLang, plus
+``GET /kv/{room}``, which long-polls until the room's KV exists: the router sends both legs
+at once, so decode usually asks before prefill is done). The body is binary: a 4-byte header
+length, a JSON header, then the KV tensor's raw float64 bytes. An entry is dropped once
+fetched, or after SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import time
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from pdctl.errors import SimError
+from pdctl.sim.engine import KVPayload
+from pdctl.sim.model import DTYPE
+
+POLL_SLICE_SECS = 10.0  # one long-poll request waits at most this long; the client loops
+
+
+def bootstrap_timeout_secs() -> float:
+    return float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "300"))
+
+
+def waiting_timeout_secs() -> float:
+    """How long decode waits for KV (SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s)."""
+    return float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "300"))
+
+
+def pack(payload: KVPayload) -> bytes:
+    kv = payload.kv.to(DTYPE).contiguous()
+    header = json.dumps(
+        {
+            "prompt_ids": payload.prompt_ids,
+            "shape": list(kv.shape),
+            "first_token": payload.first_token,
+            "first_logprob": payload.first_logprob,
+            "weight_version": payload.weight_version,
+        }
+    ).encode()
+    return struct.pack("!I", len(header)) + header + kv.numpy().tobytes()
+
+
+def unpack(data: bytes) -> KVPayload:
+    (size,) = struct.unpack("!I", data[:4])
+    header = json.loads(data[4 : 4 + size])
+    kv = torch.frombuffer(bytearray(data[4 + size :]), dtype=DTYPE).view(*header["shape"])
+    return KVPayload(header["prompt_ids"], kv, header["first_token"], header["first_logprob"], header["weight_version"])
+
+
+class KVStore:
+    """Rooms -> KV, owned by the event loop. ``put`` may be called from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.entries: dict[int, tuple[float, KVPayload]] = {}
+        self.waiters: dict[int, asyncio.Event] = {}
+
+    def put_threadsafe(self, room: int, payload: KVPayload) -> None:
+        self.loop.call_soon_threadsafe(self._put, room, payload)
+
+    def _put(self, room: int, payload: KVPayload) -> None:
+        self._expire()
+        self.entries[room] = (time.monotonic(), payload)
+        event = self.waiters.pop(room, None)
+        if event is not None:
+            event.set()
+
+    def _expire(self) -> None:
+        limit = time.monotonic() - bootstrap_timeout_secs()
+        for room in [r for r, (t, _) in self.entries.items() if t < limit]:
+            del self.entries[room]
+
+    async def take(self, room: int, wait_secs: float) -> KVPayload | None:
+        if room not in self.entries:
+            event = self.waiters.setdefault(room, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), wait_secs)
+            except asyncio.TimeoutError:
+                return None
+        entry = self.entries.pop(room, None)
+        return entry[1] if entry else None
+
+
+def bootstrap_app(store: KVStore) -> web.Application:
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def get_kv(request: web.Request) -> web.Response:
+        try:
+            room = int(request.match_info["room"])
+            wait = min(float(request.query.get("wait", POLL_SLICE_SECS)), POLL_SLICE_SECS)
+        except ValueError:
+            return web.json_response({"error": {"message": "bad room or wait"}}, status=400)
+        payload = await store.take(room, wait)
+        if payload is None:
+            return web.json_response({"error": {"message": f"no KV for room {room} yet"}}, status=404)
+        return web.Response(body=pack(payload), content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/kv/{room}", get_kv)
+    return app
+
+
+async def fetch_kv(
+    session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float
+) -> KVPayload:
+    """Fetch a room's KV from a prefill's bootstrap server, polling until ``timeout_secs``.
+
+    Raises SimError naming the room, the server and the timeout.
+    """
+    deadline = time.monotonic() + timeout_secs
+    url = f"http://{host}:{port}/kv/{room}"
+    last_error = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SimError(
+                f"KV for bootstrap_room {room} did not arrive from {host}:{port} within {timeout_secs:g}s "
+                f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT); last: {last_error}"
+            )
+        wait = min(left, POLL_SLICE_SECS)
+        try:
+            async with session.get(url, params={"wait": f"{wait:.3f}"}, timeout=aiohttp.ClientTimeout(total=wait + 5)) as resp:
+                if resp.status == 200:
+                    return unpack(await resp.read())
+                last_error = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            last_error = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,208 @@
+"""OpenAI-compatible routes of the sim: /v1/models, /v1/completions, /v1/chat/completions.
+
+The chat template is the sim's own (roles in ``<|role|>`` markers, then
+``<|assistant|>\\n``); PD fields the router injects (``bootstrap_*``, scalars or per-choice
+lists) are honoured as on /generate. Errors use SGLang's OpenAI ``ErrorResponse`` shape.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from pdctl.errors import SimError
+from pdctl.sglang import Endpoint, openai_error_body
+from pdctl.sim.engine import Request
+from pdctl.sim.model import encode
+from pdctl.sim.requests import ItemSpec
+from pdctl.sim.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from pdctl.sim.server import SimServer
+
+
+def add_routes(app: web.Application, server: SimServer) -> None:
+    routes = OpenAIRoutes(server)
+    app.router.add_get(Endpoint.MODELS.value, routes.models)
+    app.router.add_get("/v1/models/{model}", routes.model)
+    app.router.add_post(Endpoint.COMPLETIONS.value, routes.completions)
+    app.router.add_post(Endpoint.CHAT_COMPLETIONS.value, routes.chat)
+
+
+def chat_prompt(messages: Any) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise SimError("messages must be a non-empty list")
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise SimError("each message needs a role")
+        content = m.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _sampling(body: dict[str, Any], default_max: int | None) -> SamplingOptions:
+    if body.get("n", 1) != 1:
+        raise SimError("n > 1 is not supported by the sim engine")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+    raw: dict[str, Any] = {
+        "max_new_tokens": max_tokens, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"), "min_p": body.get("min_p"), "stop": body.get("stop"),
+        "stop_token_ids": body.get("stop_token_ids"), "ignore_eos": body.get("ignore_eos"),
+        "min_new_tokens": body.get("min_tokens"), "sampling_seed": body.get("seed"),
+    }  # fmt: skip
+    return SamplingOptions.from_json({k: v for k, v in raw.items() if v is not None})
+
+
+def _pick(value: Any, i: int) -> Any:
+    return value[i] if isinstance(value, list) else value
+
+
+class OpenAIRoutes:
+    def __init__(self, server: SimServer):
+        self.server = server
+
+    def _model_card(self) -> dict[str, Any]:
+        s = self.server
+        ctx = s.model.config.max_positions if s.model else None
+        return {"id": s.config.served_name, "object": "model", "created": int(s.started_at), "owned_by": "sglang",
+                "root": s.config.model_path, "parent": None, "max_model_len": ctx}  # fmt: skip
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.server.config.served_name:
+            body = openai_error_body(f"The model '{request.match_info['model']}' does not exist", status=404,
+                                     err_type="NotFoundError")  # fmt: skip
+            body["code"] = "model_not_found"
+            return web.json_response(body, status=404)
+        return web.json_response(self._model_card())
+
+    async def _items(self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions) -> list:
+        items = [
+            ItemSpec(None, ids, sampling, bool(body.get("logprobs")), _pick(body.get("bootstrap_host"), i),
+                     _pick(body.get("bootstrap_port"), i), _pick(body.get("bootstrap_room"), i))
+            for i, ids in enumerate(prompts)
+        ]  # fmt: skip
+        return await self.server.submit_items(items)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            prompts = _prompts(body.get("prompt"))
+            sampling = _sampling(body, 16)
+            pairs = await self._items(body, prompts, sampling)
+        except SimError as exc:
+            return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
+        except (json.JSONDecodeError, AttributeError) as exc:
+            return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
+        return await self._respond(request, body, pairs, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            prompts = [encode(chat_prompt(body.get("messages")))]
+            pairs = await self._items(body, prompts, _sampling(body, None))
+        except SimError as exc:
+            return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
+        except (json.JSONDecodeError, AttributeError) as exc:
+            return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
+        return await self._respond(request, body, pairs, chat=True)
+
+    async def _respond(self, request: web.Request, body: dict[str, Any], pairs: list, *, chat: bool) -> web.StreamResponse:
+        server = self.server
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        model = body.get("model") or server.config.served_name
+        try:
+            if body.get("stream"):
+                return await self._stream(request, pairs, rid, created, model, chat=chat)
+            choices = []
+            for index, (req, queue) in enumerate(pairs):
+                async for _ in server.events(req, queue):
+                    pass
+                choices.append(_choice(req, index, chat))
+            usage = _usage([r for r, _ in pairs])
+            obj = "chat.completion" if chat else "text_completion"
+            return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
+                                      "choices": choices, "usage": usage})  # fmt: skip
+        finally:
+            for req, _ in pairs:
+                if not req.finished:
+                    server.engine.abort(req.rid, "client disconnected")  # type: ignore[union-attr]
+
+    async def _stream(self, request: web.Request, pairs: list, rid: str, created: int, model: str, *, chat: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(choice: dict[str, Any]) -> None:
+            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        for index, (req, queue) in enumerate(pairs):
+            sent = ""
+            if chat:
+                await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            async for _ in self.server.events(req, queue):
+                text = req.text() if req.finished else ""
+                if not req.finished:
+                    from pdctl.sim.model import decode
+
+                    text = decode(req.output_ids)
+                delta, sent = text[len(sent) :], text
+                if delta:
+                    piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
+                    await send({"index": index, **piece, "finish_reason": None})
+            finish = _finish_reason(req)
+            end = {"delta": {}} if chat else {"text": "", "logprobs": None}
+            await send({"index": index, **end, "finish_reason": finish, "matched_stop": _matched(req)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _prompts(prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [encode(p) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) for p in prompt):
+            return [list(p) for p in prompt]
+    raise SimError("prompt must be a string, a list of strings, or token ids")
+
+
+def _finish_reason(req: Request) -> str | None:
+    if not req.finish:
+        return None
+    kind = req.finish.get("type")
+    return {"length": "length", "stop": "stop", "abort": "abort"}.get(kind, kind)
+
+
+def _matched(req: Request) -> Any:
+    return req.finish.get("matched") if req.finish else None
+
+
+def _choice(req: Request, index: int, chat: bool) -> dict[str, Any]:
+    if chat:
+        message = {"role": "assistant", "content": req.text(), "reasoning_content": None, "tool_calls": None}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": _finish_reason(req),
+                "matched_stop": _matched(req)}  # fmt: skip
+    return {"index": index, "text": req.text(), "logprobs": None, "finish_reason": _finish_reason(req),
+            "matched_stop": _matched(req)}  # fmt: skip
+
+
+def _usage(reqs: list[Request]) -> dict[str, int]:
+    prompt = sum(len(r.input_ids) for r in reqs)
+    completion = sum(len(r.output_ids) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,128 @@
+"""Parse SGLang ``/generate`` bodies into per-item specs, and shape responses like SGLang.
+
+Batch rules follow SGLang (``_normalize_bootstrap_params``): ``text`` as a list or
+``input_ids`` as a list of lists is a batch; a scalar ``bootstrap_room`` on a batch of n
+becomes ``room + i``; scalar host/port are repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pdctl.errors import SimError
+from pdctl.sim.engine import Request
+from pdctl.sim.model import encode
+from pdctl.sim.sampling import SamplingOptions
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One prompt of a /generate body."""
+
+    rid: str | None
+    input_ids: list[int]
+    sampling: SamplingOptions
+    return_logprob: bool
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+    bootstrap_room: int | None
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    items: list[ItemSpec]
+    is_batch: bool
+    stream: bool
+
+
+def parse_generate(body: Any) -> GenerateBody:
+    """Raises SimError (HTTP 400) with a message naming the field."""
+    if not isinstance(body, dict):
+        raise SimError("request body must be a JSON object")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise SimError("Either text or input_ids should be provided (exactly one).")
+    prompts: list[list[int]]
+    if text is not None:
+        if isinstance(text, str):
+            prompts, is_batch = [encode(text)], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, is_batch = [encode(t) for t in text], True
+        else:
+            raise SimError("text must be a string or a non-empty list of strings")
+    else:
+        if isinstance(ids, list) and ids and all(_is_token(i) for i in ids):
+            prompts, is_batch = [list(ids)], False
+        elif isinstance(ids, list) and ids and all(isinstance(x, list) and x and all(map(_is_token, x)) for x in ids):
+            prompts, is_batch = [list(x) for x in ids], True
+        else:
+            raise SimError("input_ids must be a non-empty list of token ids or a list of such lists")
+    n = len(prompts)
+    sampling = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
+    logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool)
+    rids = _per_item(body.get("rid"), n, "rid", str)
+    hosts = _per_item(body.get("bootstrap_host"), n, "bootstrap_host", str)
+    ports = _per_item(body.get("bootstrap_port"), n, "bootstrap_port", int)
+    room = body.get("bootstrap_room")
+    if isinstance(room, int) and not isinstance(room, bool) and is_batch:
+        rooms: list[Any] = [room + i for i in range(n)]
+    else:
+        rooms = _per_item(room, n, "bootstrap_room", int)
+    items = [
+        ItemSpec(
+            rid=rids[i], input_ids=prompts[i], sampling=SamplingOptions.from_json(sampling[i]),
+            return_logprob=bool(logprob[i]), bootstrap_host=hosts[i], bootstrap_port=ports[i], bootstrap_room=rooms[i],
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    return GenerateBody(items=items, is_batch=is_batch, stream=bool(body.get("stream", False)))
+
+
+def _is_token(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x
+
+
+def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise SimError(f"{name} has {len(value)} items for a batch of {n}")
+        for v in value:
+            if v is not None and not isinstance(v, kind):
+                raise SimError(f"{name} items must be {kind.__name__}")
+        return list(value)
+    if value is not None and not isinstance(value, kind):
+        raise SimError(f"{name} must be {kind.__name__}")
+    return [value] * n
+
+
+def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: bool) -> dict[str, Any]:
+    """SGLang's /generate output for ``req`` after its first ``n`` tokens."""
+    ids = req.output_ids[:n]
+    done = req.finish is not None and n == len(req.output_ids)
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish if done else None,
+        "prompt_tokens": len(req.input_ids),
+        "weight_version": weight_version,
+        "num_retractions": req.retractions,
+        "reasoning_tokens": 0,
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "e2e_latency": time.monotonic() - req.created,
+    }
+    if req.return_logprob:
+        # A PD decode returns no input logprobs: the router puts the prefill's in front.
+        meta["input_token_logprobs"] = (
+            [] if pd_decode else [[lp, tok, None] for lp, tok in zip(req.input_logprobs, req.input_ids, strict=False)]
+        )
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], ids, strict=True)]
+    text = req.text() if done else _partial_text(req, n)
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _partial_text(req: Request, n: int) -> str:
+    from pdctl.sim.model import decode
+
+    return decode(req.output_ids[:n])

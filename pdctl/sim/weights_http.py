@@ -1,0 +1,190 @@
+"""The sim's weight endpoints (sglang-protocol.md 4.1-4.2), SGLang 0.5.21+ semantics.
+
+Blocking work (rendezvous, broadcasts, disk reads) runs in a thread so the server keeps
+answering; the model is only touched under the engine's exclusive (writer) lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+
+from pdctl.errors import SimError
+from pdctl.sglang import Endpoint
+from pdctl.sim.weights import GroupSpec, tensor_specs
+
+if TYPE_CHECKING:
+    from pdctl.sim.server import SimServer
+
+NOT_FLUSHED = "Weights were updated, but the cache was not flushed because requests are still running or queued"
+
+
+def add_routes(app: web.Application, server: SimServer) -> None:
+    routes = WeightRoutes(server)
+    r = app.router
+    r.add_post(Endpoint.INIT_WEIGHTS_UPDATE_GROUP.value, routes.init_group)
+    r.add_post(Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP.value, routes.destroy_group)
+    r.add_post(Endpoint.BEGIN_WEIGHT_UPDATE.value, routes.begin)
+    r.add_post(Endpoint.END_WEIGHT_UPDATE.value, routes.end)
+    r.add_post(Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value, routes.update_from_distributed)
+    r.add_post(Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, routes.update_from_disk)
+    r.add_post(Endpoint.UPDATE_WEIGHT_VERSION.value, routes.update_version)
+    r.add_route("*", Endpoint.GET_WEIGHTS_BY_NAME.value, routes.get_weights_by_name)
+    r.add_post("/weights_checker", routes.checker)
+
+
+def weights_checksum(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of each parameter's float64 bytes; the sim's /weights_checker answer."""
+    return {
+        name: hashlib.sha256(p.detach().to(torch.float64).contiguous().numpy().tobytes()).hexdigest()
+        for name, p in model.named_parameters()
+    }
+
+
+def _ok(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+def _fail(message: str, status: int = 400, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": message, **extra}, status=status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise SimError(f"invalid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise SimError("body must be a JSON object")
+    return body
+
+
+class WeightRoutes:
+    def __init__(self, server: SimServer):
+        self.s = server
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            spec = GroupSpec.from_body(await _body(request))
+            await asyncio.to_thread(self.s.members.init, spec)  # type: ignore[union-attr]
+        except (SimError, RuntimeError, ValueError) as exc:
+            return _fail(f"Failed to initialize custom process group: {exc}")
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            await asyncio.to_thread(self.s.members.destroy)  # type: ignore[union-attr]
+        except (SimError, RuntimeError) as exc:
+            return _fail(str(exc))
+        return _ok("Succeeded to destroy custom process group.")
+
+    async def begin(self, request: web.Request) -> web.Response:
+        if self.s.weight_session_open:
+            return _fail("a weight-update session is already open")
+        self.s.weight_session_open = True
+        return _ok("Weight update session opened.")
+
+    async def end(self, request: web.Request) -> web.Response:
+        if not self.s.weight_session_open:
+            return _fail("no weight-update session is open")
+        self.s.weight_session_open = False
+        return _ok("Weight update session closed.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            specs = tensor_specs(body)
+        except SimError as exc:
+            return _fail(str(exc))
+        if not self.s.weight_session_open:
+            return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+        engine, members, model = self.s.engine, self.s.members, self.s.model
+        assert engine is not None and members is not None and model is not None
+
+        def run() -> str | None:
+            with engine.exclusive():
+                tensors = members.receive(specs, body.get("load_format"))
+                model.load_weights(tensors)
+                if body.get("weight_version") is not None:
+                    engine.weight_version = str(body["weight_version"])
+                if body.get("flush_cache", True) and engine.stats()["num_running_reqs"]:
+                    return NOT_FLUSHED
+            return None
+
+        try:
+            problem = await asyncio.to_thread(run)
+        except (SimError, RuntimeError) as exc:
+            return _fail(f"Failed to update parameter online: {exc}")
+        if problem:
+            return _fail(problem)
+        return _ok("Succeeded to update parameter online.")
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        engine, model = self.s.engine, self.s.model
+        assert engine is not None and model is not None
+        try:
+            body = await _body(request)
+            path = Path(str(body["model_path"]))
+        except (SimError, KeyError) as exc:
+            return _fail(f"update_weights_from_disk needs model_path ({exc})")
+
+        def run() -> None:
+            tensors = load_file(str(path / "model.safetensors"))
+            with engine.exclusive():
+                model.load_weights(list(tensors.items()))
+                if body.get("weight_version") is not None:
+                    engine.weight_version = str(body["weight_version"])
+
+        try:
+            await asyncio.to_thread(run)
+        except (SimError, OSError, RuntimeError) as exc:
+            return _fail(f"Failed to load weights from {path}: {exc}", num_paused_requests=0)
+        return _ok(f"Succeeded to update model weights from {path}.", num_paused_requests=0)
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        engine = self.s.engine
+        assert engine is not None
+        try:
+            body = await _body(request)
+            version = str(body["new_version"])
+        except (SimError, KeyError) as exc:
+            return _fail(f"update_weight_version needs new_version ({exc})")
+        if body.get("abort_all_requests", True):
+            engine.abort(None, "weight version updated")
+        engine.weight_version = version
+        return _ok(f"Weight version updated to {version}", new_version=version)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        model = self.s.model
+        assert model is not None
+        try:
+            body = await _body(request) if request.method == "POST" else dict(request.query)
+            name = str(body["name"])
+            truncate = int(body.get("truncate_size", 100))
+        except (SimError, KeyError, ValueError) as exc:
+            return web.json_response({"error": {"message": f"needs name ({exc})"}}, status=400)
+        params = dict(model.named_parameters())
+        if name not in params:
+            return web.json_response({"error": {"message": f"unknown parameter {name!r}"}}, status=400)
+        return web.json_response(params[name][:truncate].tolist())
+
+    async def checker(self, request: web.Request) -> web.Response:
+        model = self.s.model
+        assert model is not None
+        try:
+            body = await _body(request)
+        except SimError as exc:
+            return _fail(str(exc))
+        if body.get("action", "checksum") != "checksum":
+            return _fail("the sim's weights_checker knows only action checksum")
+        sums = weights_checksum(model)
+        total = hashlib.sha256("".join(sums[k] for k in sorted(sums)).encode()).hexdigest()
+        return _ok("checksum", checksum=total, checksums=sums, weight_version=self.s.weight_version)
