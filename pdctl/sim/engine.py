@@ -4,6 +4,12 @@ HTTP handlers ``submit`` requests; the scheduler thread admits them into KV slot
 prefill each), then runs one batched ``decode_step`` over every running request per
 iteration, streaming each new token back through the request's ``emit`` callback.
 
+Only the scheduler thread touches the model and the KV pool. Running requests are kept in
+dense slots 0..n-1 (a finished request's slot is refilled by moving the last one), so a
+step reads the KV as a view instead of gathering it. Other threads talk to the scheduler
+through ``_commands`` and wait for it to act (pause, continue) or mark requests finished
+(abort), which the scheduler reaps at the top of its next iteration.
+
 Pause modes follow SGLang: ``abort`` ends running and queued requests, ``retract`` sends
 running ones back to the queue (they re-prefill prompt + output on continue), ``in_place``
 keeps their KV and just stops stepping. ``exclusive()`` is the weight-update writer lock.
@@ -54,14 +60,14 @@ class Request:
     input_ids: list[int]
     sampling: SamplingOptions
     emit: Callable[[Request], None]
-    """Called on the scheduler thread after each new token and at the end; must not block."""
+    """Called after each new token and at the end (scheduler or caller thread); must not block."""
     mode: Mode = Mode.NORMAL
     return_logprob: bool = False
     room: int | None = None
     kv: KVPayload | None = None
-    slot: int | None = None
     reserved: bool = False
-    """True while ``slot`` is a reservation made before the KV arrived (decode)."""
+    """True while a decode request holds a capacity reservation made before its KV arrived."""
+    slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
@@ -75,12 +81,17 @@ class Request:
     def finished(self) -> bool:
         return self.finish is not None
 
+    @property
+    def kv_len(self) -> int:
+        """Positions of KV held: the prompt plus every output token but the pending last one."""
+        return len(self.input_ids) + max(len(self.output_ids) - 1, 0)
+
     def text(self) -> str:
         """Output text; a matched stop string is trimmed unless no_stop_trim."""
         out = decode(self.output_ids)
         matched = self.finish.get("matched") if self.finish else None
-        if isinstance(matched, str) and not self.sampling.no_stop_trim:
-            out = out[: out.find(matched)] if matched in out else out
+        if isinstance(matched, str) and not self.sampling.no_stop_trim and matched in out:
+            out = out[: out.find(matched)]
         return out
 
 
@@ -100,29 +111,27 @@ class Engine:
     ):
         self.model = model
         self.pool = KVPool(model.config, max_running)
-        self.max_running = max_running
+        self.capacity = max_running
         self.prefill_ms_per_token = prefill_ms_per_token
         self.decode_ms_per_step = decode_ms_per_step
         self.publish_kv = publish_kv
         self.weight_version = weight_version
+        self.on_finish: Callable[[Request], None] | None = None
         self._seeds = torch.Generator().manual_seed(random_seed)
         self._cond = threading.Condition()
-        self._model_lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._held: deque[Request] = deque()  # arrived during a weight update
-        self._running: list[Request] = []
-        self._reserved = 0  # slots held by decode requests waiting for their KV
+        self._running: list[Request] = []  # running[i].slot == i
+        self._reserved = 0
+        self._commands: deque[tuple[Callable[[], None], threading.Event]] = deque()
         self._paused = False
         self._updating = False
         self._stopping = False
         self._ids = itertools.count()
-        self.steps = 0
-        self.generated_tokens = 0
-        self.prompt_tokens = 0
-        self.on_finish: Callable[[Request], None] | None = None
+        self._step_lock = threading.Lock()  # held by the scheduler while it runs the model
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
 
-    # -- lifecycle -----------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
@@ -132,66 +141,83 @@ class Engine:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
-    # -- requests ------------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------
     def new_rid(self) -> str:
         return f"{time.time_ns():x}{next(self._ids):04x}"
 
     def submit(self, req: Request) -> None:
-        """Queue a request (thread-safe). A DECODE request must come with a reserved slot."""
+        """Queue a request (thread-safe)."""
         if req.generator is None and not req.sampling.greedy:
             seed = req.sampling.sampling_seed
             if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+                with self._cond:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
         with self._cond:
             (self._held if self._updating else self._waiting).append(req)
             self._cond.notify_all()
 
-    def reserve_slot(self) -> int | None:
-        """Hold a KV slot for a decode request while its KV is fetched (None if full)."""
+    def reserve_slot(self) -> bool:
+        """Reserve capacity for a decode request while its KV is fetched; False when full."""
         with self._cond:
-            slot = self.pool.alloc()
-            if slot is not None:
-                self._reserved += 1
-            return slot
+            if self._used() >= self.capacity:
+                return False
+            self._reserved += 1
+            return True
 
-    def release_slot(self, slot: int) -> None:
+    def release_slot(self) -> None:
         with self._cond:
-            self.pool.release(slot)
             self._reserved -= 1
             self._cond.notify_all()
+
+    def _used(self) -> int:
+        return len(self._running) + self._reserved
 
     def abort(self, rid: str | None, message: str = "Abort requested") -> int:
         """Abort one request (or all with rid None); returns how many were aborted."""
         with self._cond:
-            victims = [r for r in (*self._running, *self._waiting, *self._held) if rid is None or r.rid == rid]
+            victims = [
+                r for r in (*self._running, *self._waiting, *self._held)
+                if not r.finished and (rid is None or r.rid == rid)
+            ]  # fmt: skip
             for req in victims:
                 self._finish(req, {"type": "abort", "message": message})
-            self._cond.notify_all()
             return len(victims)
 
-    # -- pause / continue / exclusive --------------------------------------------------
+    # -- pause / continue / exclusive ---------------------------------------------------
     def pause(self, mode: str) -> None:
+        """Pause as SGLang's /pause_generation does; returns once the scheduler has acted."""
         if mode not in ("abort", "retract", "in_place"):
             raise SimError(f"pause mode must be abort, retract or in_place, not {mode!r}")
-        with self._cond:
+
+        def act() -> None:
             self._paused = True
             if mode == "abort":
                 for req in (*self._running, *self._waiting):
                     self._finish(req, {"type": "abort", "message": "Generation paused (abort)"})
             elif mode == "retract":
-                for req in list(self._running):
-                    self._running.remove(req)
-                    self.pool.release(req.slot)  # type: ignore[arg-type]
-                    req.slot = None
-                    req.retractions += 1
-                    self._waiting.appendleft(req)
-            self._cond.notify_all()
+                for req in reversed(self._running):
+                    if not req.finished:
+                        req.retractions += 1
+                        req.slot = None
+                        self._waiting.appendleft(req)
+                self._running.clear()
+
+        self._command(act)
 
     def resume(self) -> None:
-        with self._cond:
+        def act() -> None:
             self._paused = False
+
+        self._command(act)
+
+    def _command(self, act: Callable[[], None]) -> None:
+        done = threading.Event()
+        with self._cond:
+            self._commands.append((act, done))
             self._cond.notify_all()
+        if not done.wait(timeout=60):
+            raise SimError("the scheduler did not answer within 60 s")
 
     @property
     def paused(self) -> bool:
@@ -199,8 +225,9 @@ class Engine:
 
     @contextlib.contextmanager
     def exclusive(self, timeout_secs: float = 600.0) -> Iterator[None]:
-        """The weight-update writer lock: unless paused, stop admitting and wait for running
-        requests to finish; new ones wait until the update is done."""
+        """The weight-update writer lock: unless paused, stop admitting and wait until running
+        requests finish; requests that arrive meanwhile wait until the update is done. The
+        scheduler runs nothing while the caller holds it."""
         with self._cond:
             if self._updating:
                 raise SimError("another weight update is in progress")
@@ -208,34 +235,39 @@ class Engine:
             self._held.extend(self._waiting)
             self._waiting.clear()
             deadline = time.monotonic() + timeout_secs
-            while self._running and not self._paused:
+            while any(not r.finished for r in self._running) and not self._paused:
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    self._updating = False
+                    self._release_update()
                     raise SimError("timed out waiting for in-flight requests before the weight update")
+            self._cond.notify_all()
         try:
-            with self._model_lock:
+            with self._step_lock:
                 yield
         finally:
             with self._cond:
-                self._updating = False
-                self._waiting.extend(self._held)
-                self._held.clear()
-                self._cond.notify_all()
+                self._release_update()
+
+    def _release_update(self) -> None:
+        self._updating = False
+        self._waiting.extend(self._held)
+        self._held.clear()
+        self._cond.notify_all()
 
     def busy(self) -> bool:
         with self._cond:
-            return bool(self._running or self._waiting or self._held)
+            return any(not r.finished for r in (*self._running, *self._waiting, *self._held))
 
     def stats(self) -> dict[str, int]:
         with self._cond:
+            running = sum(1 for r in self._running if not r.finished)
             return {
-                "num_running_reqs": len(self._running),
+                "num_running_reqs": running,
                 "num_queue_reqs": len(self._waiting) + len(self._held),
                 "num_reserved_decode_slots": self._reserved,
-                "free_slots": len(self.pool.free),
+                "free_slots": self.capacity - len(self._running) - self._reserved,
             }
 
-    # -- the scheduler thread -----------------------------------------------------------
+    # -- the scheduler thread -----------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
@@ -244,30 +276,55 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     return
+                while self._commands:
+                    act, done = self._commands.popleft()
+                    act()
+                    done.set()
+                self._reap()
                 admit = []
                 while self._waiting and not self._paused and not self._updating:
                     req = self._waiting[0]
-                    slot = req.slot if req.reserved else self.pool.alloc()
-                    if slot is None:
+                    if req.finished:
+                        self._waiting.popleft()
+                        continue
+                    if not req.reserved and self._used() + len(admit) >= self.capacity:
                         break
                     self._waiting.popleft()
-                    req.slot = slot
                     if req.reserved:
-                        req.reserved = False  # the reserved slot becomes a running one
+                        req.reserved = False
                         self._reserved -= 1
+                    req.slot = len(self._running) + len(admit)
                     admit.append(req)
-                step = [r for r in self._running if not r.finished] if not self._paused else []
-            with self._model_lock:
+                step = bool(self._running) and not self._paused and not self._updating
+            with self._step_lock:
                 for req in admit:
                     self._start(req)
                 if step:
-                    self._step(step)
+                    self._step()
 
     def _has_work(self) -> bool:
+        if self._commands:
+            return True
         if self._paused or self._updating:
-            return False
+            return any(r.finished for r in self._running)
         head = self._waiting[0] if self._waiting else None
-        return bool(self._running) or (head is not None and (bool(self.pool.free) or head.reserved))
+        can_admit = head is not None and (head.reserved or self._used() < self.capacity or head.finished)
+        return bool(self._running) or can_admit
+
+    def _reap(self) -> None:
+        """Drop finished requests from the running set, keeping slots dense. Holds _cond."""
+        i = 0
+        while i < len(self._running):
+            req = self._running[i]
+            if not req.finished:
+                i += 1
+                continue
+            last = self._running.pop()
+            if last is not req:
+                self.pool.move(last.slot, i, last.kv_len)  # type: ignore[arg-type]
+                last.slot = i
+                self._running[i] = last
+            req.slot = None
 
     def _start(self, req: Request) -> None:
         try:
@@ -279,11 +336,8 @@ class Engine:
         except SimError as exc:
             with self._cond:
                 self._finish(req, {"type": "abort", "message": str(exc)})
-            return
         with self._cond:
-            if req.finished:
-                return
-            self._running.append(req)
+            self._running.append(req)  # finished ones are reaped next iteration, keeping slots dense
 
     def _prefill(self, req: Request) -> None:
         ids = req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
@@ -291,7 +345,6 @@ class Engine:
             time.sleep(len(ids) * self.prefill_ms_per_token / 1000)
         logits, kv = self.model.prefill(ids)
         self.pool.write(req.slot, kv)  # type: ignore[arg-type]
-        self.prompt_tokens += len(ids)
         if req.output_ids:  # re-prefill after retract: the pending token is already known
             return
         if req.return_logprob:
@@ -305,9 +358,8 @@ class Engine:
         token = sample(logits[-1], req.sampling, req.generator)
         logprob = float(torch.log_softmax(logits[-1], dim=-1)[token])
         if req.mode is Mode.PREFILL:
-            payload = KVPayload(list(ids), kv, token, logprob, self.weight_version)
             if req.room is not None and self.publish_kv is not None:
-                self.publish_kv(req.room, payload)
+                self.publish_kv(req.room, KVPayload(list(ids), kv, token, logprob, self.weight_version))
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             with self._cond:
@@ -315,33 +367,33 @@ class Engine:
             return
         self._emit_token(req, token, logprob)
 
-    def _step(self, batch: list[Request]) -> None:
+    def _step(self) -> None:
+        batch = self._running  # only this thread changes it (under _cond); slots are 0..n-1
         if self.decode_ms_per_step:
             time.sleep(self.decode_ms_per_step / 1000)
         ids = torch.tensor([r.output_ids[-1] for r in batch])
-        positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in batch])
-        slots = torch.tensor([r.slot for r in batch])
-        logits = self.model.decode_step(ids, positions, self.pool, slots)
-        logps = torch.log_softmax(logits, dim=-1)
-        self.steps += 1
+        positions = torch.tensor([r.kv_len for r in batch])
+        logits = self.model.decode_step(ids, positions, self.pool)
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        # log_softmax over [B, V] costs as much as a layer; only pay it when someone asked.
+        logps = torch.log_softmax(logits, dim=-1) if any(r.return_logprob for r in batch) else None
         for row, req in enumerate(batch):
-            if req.finished:  # aborted while the step ran
+            if req.finished:  # aborted meanwhile; reaped next iteration
                 continue
-            token = sample(logits[row], req.sampling, req.generator)
-            self._emit_token(req, token, float(logps[row, token]))
+            token = greedy[row] if req.sampling.greedy else sample(logits[row], req.sampling, req.generator)
+            self._emit_token(req, token, float(logps[row, token]) if logps is not None else 0.0)
 
     def _emit_token(self, req: Request, token: int, logprob: float) -> None:
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
-        self.generated_tokens += 1
         reason = self._finish_reason(req, token)
-        with self._cond:
-            if reason is not None:
+        if reason is not None:
+            with self._cond:
                 self._finish(req, reason)
-            else:
-                req.emit(req)
+        else:
+            req.emit(req)
 
     def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
         opts = req.sampling
@@ -352,9 +404,9 @@ class Engine:
             if token in opts.stop_token_ids:
                 return {"type": "stop", "matched": token}
             if opts.stop:
-                text = decode(req.output_ids)
+                tail = decode(req.output_ids[-64:])
                 for stop in opts.stop:
-                    if stop and stop in text:
+                    if stop and stop in tail:
                         return {"type": "stop", "matched": stop}
         if n >= opts.max_new_tokens:
             return {"type": "length", "length": opts.max_new_tokens}
@@ -363,16 +415,13 @@ class Engine:
         return None
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
-        """Mark finished, free its slot, deliver. Caller holds ``_cond``."""
+        """Mark finished and deliver. Caller holds ``_cond``; the scheduler frees the slot."""
         if req.finished:
             return
         req.finish = reason
-        for queue in (self._running, self._waiting, self._held):
+        for queue in (self._waiting, self._held):
             if req in queue:
                 queue.remove(req)
-        if req.slot is not None:
-            self.pool.release(req.slot)
-            req.slot = None
         if req.reserved:
             req.reserved = False
             self._reserved -= 1

@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, 1e-6)
 
 
 class Block(nn.Module):
@@ -144,19 +144,23 @@ class TinyLM(nn.Module):
         logits = self.lm_head(self.model["norm"](x))
         return logits, torch.stack(kv)
 
-    def decode_step(self, ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
-        """One token for each of B requests. Appends K/V at ``positions``; returns logits [B, V]."""
+    def decode_step(self, ids: torch.Tensor, positions: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """One token for each of B requests held in pool slots 0..B-1 (the scheduler keeps
+        running requests dense). Appends K/V at ``positions``; returns logits [B, V]."""
         c = self.config
+        batch = ids.shape[0]
+        rows = torch.arange(batch)
         x = self.model["embed_tokens"](ids) + self.model["embed_positions"](positions)  # [B, hidden]
         span = int(positions.max()) + 1
         mask = torch.arange(span)[None, :] <= positions[:, None]  # [B, span]
         for li, block in enumerate(self.model["layers"]):
             h = block.input_layernorm(x)
             q, k, v = (block.self_attn[n](h).view(-1, c.heads, c.head_dim) for n in ("q_proj", "k_proj", "v_proj"))
-            pool.k[li, slots, :, positions] = k
-            pool.v[li, slots, :, positions] = v
-            keys = pool.k[li, slots, :, :span]  # [B, heads, span, head_dim]
-            values = pool.v[li, slots, :, :span]
+            pool.k[li, rows, positions] = k
+            pool.v[li, rows, positions] = v
+            # Views, not copies: [B, span, heads, head_dim] -> [B, heads, span, head_dim].
+            keys = pool.k[li, :batch, :span].transpose(1, 2)
+            values = pool.v[li, :batch, :span].transpose(1, 2)
             att = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :])
             x = x + block.self_attn["o_proj"](att.reshape(-1, c.hidden))
             x = x + block.mlp_out(x)
@@ -177,25 +181,27 @@ class TinyLM(nn.Module):
 
 
 class KVPool:
-    """Preallocated KV for ``slots`` running requests: [layers, slots, heads, positions, head_dim]."""
+    """Preallocated KV for ``slots`` running requests: [layers, slots, positions, heads, head_dim].
+
+    Slot-major with positions next, so a batch of dense slots 0..B-1 is read as a view.
+    """
 
     def __init__(self, config: SimModelConfig, slots: int):
-        shape = (config.layers, slots, config.heads, config.max_positions, config.head_dim)
+        shape = (config.layers, slots, config.max_positions, config.heads, config.head_dim)
+        self.slots = slots
         self.k = torch.zeros(shape, dtype=DTYPE)
         self.v = torch.zeros(shape, dtype=DTYPE)
-        self.free = list(range(slots - 1, -1, -1))
-
-    def alloc(self) -> int | None:
-        return self.free.pop() if self.free else None
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
 
     def write(self, slot: int, kv: torch.Tensor) -> None:
         """Store a prompt's kv [layers, 2, heads, T, head_dim] into ``slot``."""
         t = kv.shape[3]
-        self.k[:, slot, :, :t] = kv[:, 0]
-        self.v[:, slot, :, :t] = kv[:, 1]
+        self.k[:, slot, :t] = kv[:, 0].transpose(1, 2)
+        self.v[:, slot, :t] = kv[:, 1].transpose(1, 2)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into ``dst`` (compaction)."""
+        self.k[:, dst, :length] = self.k[:, src, :length]
+        self.v[:, dst, :length] = self.v[:, src, :length]
 
 
 def resolve_model(model_path: str, load_format: str, context_length: int | None) -> TinyLM:

@@ -229,24 +229,23 @@ class SimServer:
             return
         if fake:  # SGLang moves no KV for 2.2.2.2 (warm-up, /health); the sim runs the prompt itself
             return
-        slot = self.engine.reserve_slot()
-        if slot is None:
+        if not self.engine.reserve_slot():
             raise SimError("no free KV slot for a decode request; the server is at --max-running-requests", status=503)
-        req.slot, req.reserved, req.mode = slot, True, Mode.DECODE
+        req.reserved, req.mode = True, Mode.DECODE
         port = item.bootstrap_port if item.bootstrap_port is not None else self.config.bootstrap_port
         started = time.monotonic()
         try:
             payload = await fetch_kv(self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs())
         except BaseException as exc:
-            self.engine.release_slot(slot)
-            req.slot, req.reserved = None, False
+            self.engine.release_slot()
+            req.reserved = False
             if isinstance(exc, SimError):
                 self.metrics.transfer_failed()
                 raise SimError(str(exc), status=500) from exc
             raise
         if payload.prompt_ids != req.input_ids:
-            self.engine.release_slot(slot)
-            req.slot, req.reserved = None, False
+            self.engine.release_slot()
+            req.reserved = False
             raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt", status=500)
         self.metrics.kv_transferred(time.monotonic() - started, payload.kv.numel() * payload.kv.element_size())
         req.kv = payload
