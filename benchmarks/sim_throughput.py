@@ -56,16 +56,28 @@ def measure(preset: str) -> dict:
     finally:
         engine.stop()
     b1, b32 = statistics.median(runs[1]), statistics.median(runs[32])
-    return {"model": f"sim://{preset}", "batch1_tok_s": b1, "batch32_tok_s": b32, "speedup": b32 / b1,
-            "runs": {str(k): v for k, v in runs.items()}}  # fmt: skip
+    return {
+        "model": f"sim://{preset}",
+        "batch1_tok_s": b1,
+        "batch32_tok_s": b32,
+        "speedup": b32 / b1,
+        "runs": {str(k): v for k, v in runs.items()},
+    }
 
 
 def main() -> None:
     torch.set_num_threads(1)
     rows = [measure("tiny"), measure("small")]
     RESULTS.mkdir(exist_ok=True)
-    meta = {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": 1, "rounds": ROUNDS, "new_tokens": NEW_TOKENS, "prompt_tokens": len(PROMPT)}  # fmt: skip
+    meta = {
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": 1,
+        "rounds": ROUNDS,
+        "new_tokens": NEW_TOKENS,
+        "prompt_tokens": len(PROMPT),
+    }
     (RESULTS / "sim_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["| model | batch 1 (tok/s) | batch 32 (tok/s) | batch 32 / batch 1 |", "|---|---|---|---|"]
     for r in rows:

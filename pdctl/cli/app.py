@@ -32,8 +32,9 @@ class PdctlGroup(click.Group):
         except Exception as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.secho(f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback)",
-                        fg="red", err=True)  # fmt: skip
+            click.secho(
+                f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback)", fg="red", err=True
+            )
             sys.exit(1)
 
 

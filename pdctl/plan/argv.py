@@ -72,10 +72,20 @@ def trainer_argv(
     assert top.trainer is not None
     cmd = list(top.trainer.command)
     argv = [
-        node.python, "-m", "torch.distributed.run",
-        "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-        "--master-addr", master_addr, "--master-port", str(master_port),
-    ]  # fmt: skip
+        node.python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(master_port),
+    ]
     if cmd[0] in ("python", "python3") and len(cmd) > 1:
         if cmd[1] == "-m" and len(cmd) > 2:
             return (*argv, "-m", *cmd[2:])

@@ -73,12 +73,19 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
     rdir = run_dir(router_node, top.name)
     processes.append(
         LaunchSpec(
-            id=router_id, role=Role.ROUTER, node=router_node.name, host=router_host, argv=argv,
-            env=MappingProxyType(dict(router_node.env)), cwd=rdir, log_path=f"{rdir}/logs/{router_id}.log",
-            ports=MappingProxyType({"http": r_port, "metrics": metrics}), entrypoint=True,
+            id=router_id,
+            role=Role.ROUTER,
+            node=router_node.name,
+            host=router_host,
+            argv=argv,
+            env=MappingProxyType(dict(router_node.env)),
+            cwd=rdir,
+            log_path=f"{rdir}/logs/{router_id}.log",
+            ports=MappingProxyType({"http": r_port, "metrics": metrics}),
+            entrypoint=True,
             health_path="/health",
         )
-    )  # fmt: skip
+    )
     router_url = f"http://{url_host(router_host)}:{r_port}"
 
     weight_group = None
@@ -87,9 +94,14 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
         processes += trainer_procs
     warnings = cursors.warnings()
     return Plan(
-        name=top.name, engine=top.engine, processes=tuple(processes), engines=tuple(engines),
-        router_id=router_id, weight_group=weight_group, warnings=tuple(warnings),
-    )  # fmt: skip
+        name=top.name,
+        engine=top.engine,
+        processes=tuple(processes),
+        engines=tuple(engines),
+        router_id=router_id,
+        weight_group=weight_group,
+        warnings=tuple(warnings),
+    )
 
 
 def _plan_engine(
@@ -117,9 +129,17 @@ def _plan_engine(
         node = top.node(node_name)
         http, nccl = node_ports[rank]
         argv = engine_argv(
-            top, group, node, gpu_ids=gpu_ids, http_port=http, nccl_port=nccl, bootstrap_port=bootstrap,
-            dist_init_addr=dist_addr, nnodes=nnodes, node_rank=rank,
-        )  # fmt: skip
+            top,
+            group,
+            node,
+            gpu_ids=gpu_ids,
+            http_port=http,
+            nccl_port=nccl,
+            bootstrap_port=bootstrap,
+            dist_init_addr=dist_addr,
+            nnodes=nnodes,
+            node_rank=rank,
+        )
         ports = {"http": http, "nccl": nccl}
         if rank == 0:
             if bootstrap is not None:
@@ -132,18 +152,35 @@ def _plan_engine(
         if top.placement.colocate and top.placement.mps:
             env.update(_mps_env(node, top.name))
         spec = LaunchSpec(
-            id=pid, role=group.role, node=node.name, host=node.host, argv=argv,
-            env=MappingProxyType(env), cwd=rdir, log_path=f"{rdir}/logs/{pid}.log", gpu_ids=gpu_ids,
-            ports=MappingProxyType(ports), dist_init_block=block if rank == 0 else 0, engine_id=engine_id,
-            node_rank=rank, entrypoint=rank == 0, health_path="/health" if rank == 0 else None,
-        )  # fmt: skip
+            id=pid,
+            role=group.role,
+            node=node.name,
+            host=node.host,
+            argv=argv,
+            env=MappingProxyType(env),
+            cwd=rdir,
+            log_path=f"{rdir}/logs/{pid}.log",
+            gpu_ids=gpu_ids,
+            ports=MappingProxyType(ports),
+            dist_init_block=block if rank == 0 else 0,
+            engine_id=engine_id,
+            node_rank=rank,
+            entrypoint=rank == 0,
+            health_path="/health" if rank == 0 else None,
+        )
         if rank == 0:
             url = spec.url or ""
         procs.append(spec)
     engine = EngineSpec(
-        id=engine_id, group=group.name, role=group.role, tp=group.tp, gpus=group.gpus_per_engine,
-        process_ids=tuple(p.id for p in procs), url=url, bootstrap_port=bootstrap,
-    )  # fmt: skip
+        id=engine_id,
+        group=group.name,
+        role=group.role,
+        tp=group.tp,
+        gpus=group.gpus_per_engine,
+        process_ids=tuple(p.id for p in procs),
+        url=url,
+        bootstrap_port=bootstrap,
+    )
     return procs, engine
 
 
@@ -176,10 +213,13 @@ def _plan_trainer(
     if top.weights is not None:
         wg_port = cursors.take(head.name)
         weight_group = WeightGroup(
-            master_address=url_host(head.host).strip("[]"), master_port=wg_port,
-            world_size=1 + sum(e.gpus for e in engines), group_name=top.weights.group_name,
-            backend=top.weights.backend, bucket_mb=top.weights.bucket_mb,
-        )  # fmt: skip
+            master_address=url_host(head.host).strip("[]"),
+            master_port=wg_port,
+            world_size=1 + sum(e.gpus for e in engines),
+            group_name=top.weights.group_name,
+            backend=top.weights.backend,
+            bucket_mb=top.weights.bucket_mb,
+        )
     shared_env = {
         "PDCTL_CLUSTER": top.name,
         "PDCTL_ROUTER_URL": router_url,
@@ -195,9 +235,14 @@ def _plan_trainer(
     for rank, (node_name, gpu_ids) in enumerate(layout.trainer):
         node = top.node(node_name)
         argv = trainer_argv(
-            top, node, nnodes=nnodes, node_rank=rank, nproc=len(gpu_ids),
-            master_addr=url_host(head.host).strip("[]"), master_port=master_port,
-        )  # fmt: skip
+            top,
+            node,
+            nnodes=nnodes,
+            node_rank=rank,
+            nproc=len(gpu_ids),
+            master_addr=url_host(head.host).strip("[]"),
+            master_port=master_port,
+        )
         env = {**node.env, **shared_env, **top.trainer.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
         if top.placement.colocate and top.placement.mps:
             env.update(_mps_env(node, top.name))
@@ -208,11 +253,19 @@ def _plan_trainer(
         rdir = run_dir(node, top.name)
         procs.append(
             LaunchSpec(
-                id=pid, role=Role.TRAINER, node=node.name, host=node.host, argv=argv,
-                env=MappingProxyType(env), cwd=rdir, log_path=f"{rdir}/logs/{pid}.log", gpu_ids=gpu_ids,
-                ports=MappingProxyType(ports), node_rank=rank,
+                id=pid,
+                role=Role.TRAINER,
+                node=node.name,
+                host=node.host,
+                argv=argv,
+                env=MappingProxyType(env),
+                cwd=rdir,
+                log_path=f"{rdir}/logs/{pid}.log",
+                gpu_ids=gpu_ids,
+                ports=MappingProxyType(ports),
+                node_rank=rank,
             )
-        )  # fmt: skip
+        )
     return procs, weight_group
 
 

@@ -83,9 +83,7 @@ def new_room() -> int:
     return secrets.randbits(63)
 
 
-def inject_bootstrap(
-    body: dict[str, Any], *, host: str, port: int | None, batch_size: int | None
-) -> dict[str, Any]:
+def inject_bootstrap(body: dict[str, Any], *, host: str, port: int | None, batch_size: int | None) -> dict[str, Any]:
     """A copy of ``body`` with ``bootstrap_host/port/room`` added; per item for batches.
 
     ``host`` is the prefill's host as the router reaches it (IPv6 in brackets).

@@ -65,8 +65,13 @@ async def serve(config: SimConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    log.info("sim engine %s on %s (mode %s, tp %d)", config.model_path, server.url, config.disaggregation_mode,
-             config.tp_size)  # fmt: skip
+    log.info(
+        "sim engine %s on %s (mode %s, tp %d)",
+        config.model_path,
+        server.url,
+        config.disaggregation_mode,
+        config.tp_size,
+    )
     try:
         await stop.wait()
     finally:

@@ -15,12 +15,35 @@ from pdctl.sglang import server_flags
 _TYPES = {"int": int, "float": float}
 # Flags the sim acts on; everything else set on the command line is logged as ignored.
 USED = {
-    "model_path", "served_model_name", "tokenizer_path", "host", "port", "tp_size", "dp_size", "pp_size",
-    "attn_dp_size", "base_gpu_id", "nccl_port", "dist_init_addr", "nnodes", "node_rank", "disaggregation_mode",
-    "disaggregation_bootstrap_port", "disaggregation_transfer_backend", "load_format", "random_seed",
-    "weight_version", "enable_metrics", "api_key", "log_level", "skip_server_warmup", "context_length",
-    "max_running_requests", "dtype", "mem_fraction_static",
-}  # fmt: skip
+    "model_path",
+    "served_model_name",
+    "tokenizer_path",
+    "host",
+    "port",
+    "tp_size",
+    "dp_size",
+    "pp_size",
+    "attn_dp_size",
+    "base_gpu_id",
+    "nccl_port",
+    "dist_init_addr",
+    "nnodes",
+    "node_rank",
+    "disaggregation_mode",
+    "disaggregation_bootstrap_port",
+    "disaggregation_transfer_backend",
+    "load_format",
+    "random_seed",
+    "weight_version",
+    "enable_metrics",
+    "api_key",
+    "log_level",
+    "skip_server_warmup",
+    "context_length",
+    "max_running_requests",
+    "dtype",
+    "mem_fraction_static",
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         if not flag.takes_value:
             negated = [n for n in names if n.startswith("--no-")]
             if negated and len(names) == 2:
-                parser.add_argument(*[n for n in names if n not in negated], action=argparse.BooleanOptionalAction, **kwargs)
+                parser.add_argument(
+                    *[n for n in names if n not in negated], action=argparse.BooleanOptionalAction, **kwargs
+                )
                 continue
             parser.add_argument(*names, action="store_true", **kwargs)
             continue

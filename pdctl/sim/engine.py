@@ -177,9 +177,10 @@ class Engine:
         """Abort one request (or all with rid None); returns how many were aborted."""
         with self._cond:
             victims = [
-                r for r in (*self._running, *self._waiting, *self._held)
+                r
+                for r in (*self._running, *self._waiting, *self._held)
                 if not r.finished and (rid is None or r.rid == rid)
-            ]  # fmt: skip
+            ]
             for req in victims:
                 self._finish(req, {"type": "abort", "message": message})
             return len(victims)

@@ -112,9 +112,7 @@ def bootstrap_app(store: KVStore) -> web.Application:
     return app
 
 
-async def fetch_kv(
-    session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float
-) -> KVPayload:
+async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float) -> KVPayload:
     """Fetch a room's KV from a prefill's bootstrap server, polling until ``timeout_secs``.
 
     Raises SimError naming the room, the server and the timeout.
@@ -131,7 +129,9 @@ async def fetch_kv(
             )
         wait = min(left, POLL_SLICE_SECS)
         try:
-            async with session.get(url, params={"wait": f"{wait:.3f}"}, timeout=aiohttp.ClientTimeout(total=wait + 5)) as resp:
+            async with session.get(
+                url, params={"wait": f"{wait:.3f}"}, timeout=aiohttp.ClientTimeout(total=wait + 5)
+            ) as resp:
                 if resp.status == 200:
                     return unpack(await resp.read())
                 last_error = f"HTTP {resp.status}"

@@ -24,12 +24,21 @@ class SimMetrics:
         self._prompt = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
         self._generated = Counter("sglang:generation_tokens", "Generated tokens", labels, registry=r)
         self._requests = Counter("sglang:num_requests", "Requests", labels, registry=r)
-        self._ttft = Histogram("sglang:time_to_first_token_seconds", "TTFT", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._ttft = Histogram(
+            "sglang:time_to_first_token_seconds", "TTFT", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
         self._itl = Histogram("sglang:inter_token_latency_seconds", "ITL", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._e2e = Histogram("sglang:e2e_request_latency_seconds", "E2E", labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self._transfer_failed = Counter("sglang:num_transfer_failed_reqs", "KV transfers that failed", labels, registry=r)
-        self._kv_ms = Histogram("sglang:kv_transfer_latency_ms", "KV transfer latency", labels, registry=r,
-                                buckets=(1, 5, 10, 50, 100, 500, 1000, 5000))  # fmt: skip
+        self._transfer_failed = Counter(
+            "sglang:num_transfer_failed_reqs", "KV transfers that failed", labels, registry=r
+        )
+        self._kv_ms = Histogram(
+            "sglang:kv_transfer_latency_ms",
+            "KV transfer latency",
+            labels,
+            registry=r,
+            buckets=(1, 5, 10, 50, 100, 500, 1000, 5000),
+        )
         self._kv_speed = Gauge("sglang:kv_transfer_speed_gb_s", "Last KV transfer speed", labels, registry=r)
         self.model_name = model_name
         self._lock = threading.Lock()

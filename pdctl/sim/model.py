@@ -73,7 +73,10 @@ class Block(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden)
         self.self_attn = nn.ModuleDict(
-            {n: nn.Linear(c.hidden, c.hidden, bias=False, dtype=DTYPE) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            {
+                n: nn.Linear(c.hidden, c.hidden, bias=False, dtype=DTYPE)
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+            }
         )
         self.post_attention_layernorm = RMSNorm(c.hidden)
         self.mlp = nn.ModuleDict(

@@ -52,11 +52,17 @@ def _sampling(body: dict[str, Any], default_max: int | None) -> SamplingOptions:
         raise SimError("n > 1 is not supported by the sim engine")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
     raw: dict[str, Any] = {
-        "max_new_tokens": max_tokens, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "top_k": body.get("top_k"), "min_p": body.get("min_p"), "stop": body.get("stop"),
-        "stop_token_ids": body.get("stop_token_ids"), "ignore_eos": body.get("ignore_eos"),
-        "min_new_tokens": body.get("min_tokens"), "sampling_seed": body.get("seed"),
-    }  # fmt: skip
+        "max_new_tokens": max_tokens,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "min_p": body.get("min_p"),
+        "stop": body.get("stop"),
+        "stop_token_ids": body.get("stop_token_ids"),
+        "ignore_eos": body.get("ignore_eos"),
+        "min_new_tokens": body.get("min_tokens"),
+        "sampling_seed": body.get("seed"),
+    }
     return SamplingOptions.from_json({k: v for k, v in raw.items() if v is not None})
 
 
@@ -71,26 +77,41 @@ class OpenAIRoutes:
     def _model_card(self) -> dict[str, Any]:
         s = self.server
         ctx = s.model.config.max_positions if s.model else None
-        return {"id": s.config.served_name, "object": "model", "created": int(s.started_at), "owned_by": "sglang",
-                "root": s.config.model_path, "parent": None, "max_model_len": ctx}  # fmt: skip
+        return {
+            "id": s.config.served_name,
+            "object": "model",
+            "created": int(s.started_at),
+            "owned_by": "sglang",
+            "root": s.config.model_path,
+            "parent": None,
+            "max_model_len": ctx,
+        }
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.server.config.served_name:
-            body = openai_error_body(f"The model '{request.match_info['model']}' does not exist", status=404,
-                                     err_type="NotFoundError")  # fmt: skip
+            body = openai_error_body(
+                f"The model '{request.match_info['model']}' does not exist", status=404, err_type="NotFoundError"
+            )
             body["code"] = "model_not_found"
             return web.json_response(body, status=404)
         return web.json_response(self._model_card())
 
     async def _items(self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions) -> list:
         items = [
-            ItemSpec(None, ids, sampling, bool(body.get("logprobs")), _pick(body.get("bootstrap_host"), i),
-                     _pick(body.get("bootstrap_port"), i), _pick(body.get("bootstrap_room"), i))
+            ItemSpec(
+                None,
+                ids,
+                sampling,
+                bool(body.get("logprobs")),
+                _pick(body.get("bootstrap_host"), i),
+                _pick(body.get("bootstrap_port"), i),
+                _pick(body.get("bootstrap_room"), i),
+            )
             for i, ids in enumerate(prompts)
-        ]  # fmt: skip
+        ]
         return await self.server.submit_items(items)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -116,7 +137,9 @@ class OpenAIRoutes:
             return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
         return await self._respond(request, body, pairs, chat=True)
 
-    async def _respond(self, request: web.Request, body: dict[str, Any], pairs: list, *, chat: bool) -> web.StreamResponse:
+    async def _respond(
+        self, request: web.Request, body: dict[str, Any], pairs: list, *, chat: bool
+    ) -> web.StreamResponse:
         server = self.server
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -131,8 +154,9 @@ class OpenAIRoutes:
                 choices.append(_choice(req, index, chat))
             usage = _usage([r for r, _ in pairs])
             obj = "chat.completion" if chat else "text_completion"
-            return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
-                                      "choices": choices, "usage": usage})  # fmt: skip
+            return web.json_response(
+                {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": usage}
+            )
         finally:
             for req, _ in pairs:
                 if not req.finished:
@@ -196,10 +220,20 @@ def _matched(req: Request) -> Any:
 def _choice(req: Request, index: int, chat: bool) -> dict[str, Any]:
     if chat:
         message = {"role": "assistant", "content": req.text(), "reasoning_content": None, "tool_calls": None}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": _finish_reason(req),
-                "matched_stop": _matched(req)}  # fmt: skip
-    return {"index": index, "text": req.text(), "logprobs": None, "finish_reason": _finish_reason(req),
-            "matched_stop": _matched(req)}  # fmt: skip
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": _finish_reason(req),
+            "matched_stop": _matched(req),
+        }
+    return {
+        "index": index,
+        "text": req.text(),
+        "logprobs": None,
+        "finish_reason": _finish_reason(req),
+        "matched_stop": _matched(req),
+    }
 
 
 def _usage(reqs: list[Request]) -> dict[str, int]:

@@ -72,16 +72,21 @@ def parse_generate(body: Any) -> GenerateBody:
         rooms = _per_item(room, n, "bootstrap_room", int)
     items = [
         ItemSpec(
-            rid=rids[i], input_ids=prompts[i], sampling=SamplingOptions.from_json(sampling[i]),
-            return_logprob=bool(logprob[i]), bootstrap_host=hosts[i], bootstrap_port=ports[i], bootstrap_room=rooms[i],
+            rid=rids[i],
+            input_ids=prompts[i],
+            sampling=SamplingOptions.from_json(sampling[i]),
+            return_logprob=bool(logprob[i]),
+            bootstrap_host=hosts[i],
+            bootstrap_port=ports[i],
+            bootstrap_room=rooms[i],
         )
         for i in range(n)
-    ]  # fmt: skip
+    ]
     return GenerateBody(items=items, is_batch=is_batch, stream=bool(body.get("stream", False)))
 
 
 def _is_token(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:

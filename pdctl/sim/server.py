@@ -111,10 +111,14 @@ class SimServer:
             self._runners.append(runner)
             self.bootstrap_port = _bound_port(runner) or c.bootstrap_port
         self.engine = Engine(
-            self.model, max_running=c.max_running_requests, random_seed=c.random_seed,
-            prefill_ms_per_token=c.prefill_ms_per_token, decode_ms_per_step=c.decode_ms_per_step,
-            publish_kv=self.kv_store.put_threadsafe if self.kv_store else None, weight_version=c.weight_version,
-        )  # fmt: skip
+            self.model,
+            max_running=c.max_running_requests,
+            random_seed=c.random_seed,
+            prefill_ms_per_token=c.prefill_ms_per_token,
+            decode_ms_per_step=c.decode_ms_per_step,
+            publish_kv=self.kv_store.put_threadsafe if self.kv_store else None,
+            weight_version=c.weight_version,
+        )
         self.engine.on_finish = self.metrics.observe_finished
         self.engine.start()
         self.session = aiohttp.ClientSession()
@@ -176,9 +180,10 @@ class SimServer:
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         key = self.config.api_key
         path = request.path
-        if key and not path.startswith(("/health", "/ready", "/metrics")):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                return web.json_response({"error": "Unauthorized"}, status=401)
+        # SGLang leaves health, readiness and metrics open for probes (utils/auth.py).
+        open_path = path.startswith(("/health", "/ready", "/metrics"))
+        if key and not open_path and request.headers.get("Authorization", "") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     # -- generation core ---------------------------------------------------------------------
@@ -199,9 +204,12 @@ class SimServer:
                     loop.call_soon_threadsafe(q.put_nowait, (len(req.output_ids), req.finish is not None))
 
                 req = Request(
-                    rid=item.rid or self.engine.new_rid(), input_ids=item.input_ids, sampling=item.sampling,
-                    emit=emit, return_logprob=item.return_logprob,
-                )  # fmt: skip
+                    rid=item.rid or self.engine.new_rid(),
+                    input_ids=item.input_ids,
+                    sampling=item.sampling,
+                    emit=emit,
+                    return_logprob=item.return_logprob,
+                )
                 await self._resolve_pd(req, item)
                 out.append((req, queue))
         except BaseException:
@@ -235,7 +243,9 @@ class SimServer:
         port = item.bootstrap_port if item.bootstrap_port is not None else self.config.bootstrap_port
         started = time.monotonic()
         try:
-            payload = await fetch_kv(self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs())
+            payload = await fetch_kv(
+                self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs()
+            )
         except BaseException as exc:
             self.engine.release_slot()
             req.reserved = False
@@ -321,8 +331,15 @@ class SimServer:
     async def _one_token(self, timeout_secs: float = 20.0) -> None:
         """SGLang's health probe: one token for input_ids [0] (fake bootstrap host in PD)."""
         pd = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0} if self.mode != "null" else {}
-        item = ItemSpec(None, [0], SamplingOptions(max_new_tokens=1, temperature=0.0), False,
-                        pd.get("bootstrap_host"), None, pd.get("bootstrap_room"))  # fmt: skip
+        item = ItemSpec(
+            None,
+            [0],
+            SamplingOptions(max_new_tokens=1, temperature=0.0),
+            False,
+            pd.get("bootstrap_host"),
+            None,
+            pd.get("bootstrap_room"),
+        )
         ((req, queue),) = await self.submit_items([item])
 
         async def drain() -> None:
@@ -353,14 +370,22 @@ class SimServer:
         c = self.config
         return web.json_response(
             {
-                "model_path": c.model_path, "served_model_name": c.served_name,
-                "tokenizer_path": c.tokenizer_path or c.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": self.weight_version,
-                "load_format": c.load_format, "reasoning_parser": None, "tool_call_parser": None,
-                "disaggregation_mode": self.mode, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": "pdctl-sim", "architectures": ["TinyLM"],
+                "model_path": c.model_path,
+                "served_model_name": c.served_name,
+                "tokenizer_path": c.tokenizer_path or c.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+                "load_format": c.load_format,
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": self.mode,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "pdctl-sim",
+                "architectures": ["TinyLM"],
             }
-        )  # fmt: skip
+        )
 
     async def server_info(self, _: web.Request) -> web.Response:
         assert self.engine is not None and self.model is not None
@@ -369,16 +394,23 @@ class SimServer:
         info = dict(c.server_args)
         info.update(
             {
-                "model_path": c.model_path, "port": self.port, "host": c.host, "tp_size": c.tp_size,
-                "disaggregation_mode": self.mode, "disaggregation_bootstrap_port": self.bootstrap_port,
-                "weight_version": self.weight_version, "launch_command": c.launch_command,
+                "model_path": c.model_path,
+                "port": self.port,
+                "host": c.host,
+                "tp_size": c.tp_size,
+                "disaggregation_mode": self.mode,
+                "disaggregation_bootstrap_port": self.bootstrap_port,
+                "weight_version": self.weight_version,
+                "launch_command": c.launch_command,
                 "max_total_num_tokens": c.max_running_requests * self.model.config.max_positions,
                 "max_req_input_len": self.model.config.max_positions - 1,
                 "internal_states": [{"last_gen_throughput": self.metrics.last_gen_throughput(), **stats}],
-                "startup_time": self.started_at, "version": SGLANG_VERSION, "frontend": "python",
+                "startup_time": self.started_at,
+                "version": SGLANG_VERSION,
+                "frontend": "python",
                 "engine": "pdctl-sim",
             }
-        )  # fmt: skip
+        )
         return web.json_response(info)
 
     async def flush_cache(self, _: web.Request) -> web.Response:
@@ -389,8 +421,10 @@ class SimServer:
                 text="Cache not flushed. Please check backend logs for more details. "
                 "(When there are running or waiting requests, the operation will not be performed.)\n",
             )
-        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
-                            "(When there are running or waiting requests, the operation will not be performed.)\n")  # fmt: skip
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         assert self.engine is not None

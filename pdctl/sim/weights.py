@@ -85,7 +85,9 @@ def receive(
             size = _nbytes(dtype, shape)
             itemsize = torch.empty((), dtype=dtype).element_size()
             if offset % itemsize:
-                raise SimError(f"Unaligned received tensor {name}: byte offset {offset} is not a multiple of {itemsize}")
+                raise SimError(
+                    f"Unaligned received tensor {name}: byte offset {offset} is not a multiple of {itemsize}"
+                )
             out.append((name, flat[offset : offset + size].view(dtype).view(shape).clone()))
             offset += size
         return out
@@ -134,14 +136,20 @@ class WeightGroupMember:
             raise SimError(f"weight update group {self.spec.group_name!r} already exists; destroy it first")  # type: ignore[union-attr]
         if spec.rank_offset < 1 or spec.rank_offset + self.tp_size > spec.world_size:
             raise SimError(
-                f"ranks {spec.rank_offset}..{spec.rank_offset + self.tp_size - 1} do not fit world_size {spec.world_size}"
+                f"ranks {spec.rank_offset}..{spec.rank_offset + self.tp_size - 1} "
+                f"do not fit world_size {spec.world_size}"
             )
         for i, (_, conn) in enumerate(self._helpers, start=1):
             conn.send(("init", spec, spec.rank_offset + i, timeout_secs))
         group = init_custom_process_group(
-            backend=spec.backend, master_address=spec.master_address, master_port=spec.master_port,
-            world_size=spec.world_size, rank=spec.rank_offset, group_name=spec.group_name, timeout_secs=timeout_secs,
-        )  # fmt: skip
+            backend=spec.backend,
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            world_size=spec.world_size,
+            rank=spec.rank_offset,
+            group_name=spec.group_name,
+            timeout_secs=timeout_secs,
+        )
         self._collect("init")
         self.group, self.spec = group, spec
 
@@ -198,9 +206,14 @@ def _helper_main(conn: Connection) -> None:  # pragma: no cover - runs in a chil
             if cmd[0] == "init":
                 _, spec, rank, timeout = cmd
                 group = init_custom_process_group(
-                    backend=spec.backend, master_address=spec.master_address, master_port=spec.master_port,
-                    world_size=spec.world_size, rank=rank, group_name=spec.group_name, timeout_secs=timeout,
-                )  # fmt: skip
+                    backend=spec.backend,
+                    master_address=spec.master_address,
+                    master_port=spec.master_port,
+                    world_size=spec.world_size,
+                    rank=rank,
+                    group_name=spec.group_name,
+                    timeout_secs=timeout,
+                )
                 conn.send((True, None))
             elif cmd[0] == "recv":
                 conn.send((True, checksum(receive(group, cmd[1], cmd[2]))))

@@ -105,7 +105,9 @@ class WeightRoutes:
         except SimError as exc:
             return _fail(str(exc))
         if not self.s.weight_session_open:
-            return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+            return _fail(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         engine, members, model = self.s.engine, self.s.members, self.s.model
         assert engine is not None and members is not None and model is not None
 

@@ -29,7 +29,7 @@ TRAINING_DIMS = "dtpce"
 ATTN_DIMS = "cdtp"
 FFN_DIMS = "detp"
 _HINTS = (
-    "\nHints:\n1. use colons, not dots: \"sglang:d4+fsdp:d4\", not \"sglang.d4+fsdp.d4\"."
+    '\nHints:\n1. use colons, not dots: "sglang:d4+fsdp:d4", not "sglang.d4+fsdp.d4".'
     "\n2. name components in brackets: sglang[prefill]:d2t2."
 )
 
@@ -271,8 +271,7 @@ def _resolve_moe(attn: dict[str, int], ffn: dict[str, int], parser: _Parser, ffn
     a = Dims(**attn)
     if "p" in ffn and ffn["p"] != a.p:
         raise parser.fail(
-            "Pipeline parallel size for attention and FFN modules must be identical. "
-            f"attn p={a.p}, ffn p={ffn['p']}.",
+            f"Pipeline parallel size for attention and FFN modules must be identical. attn p={a.p}, ffn p={ffn['p']}.",
             ffn_at,
         )
     ffn.setdefault("p", a.p)
@@ -280,8 +279,7 @@ def _resolve_moe(attn: dict[str, int], ffn: dict[str, int], parser: _Parser, ffn
         denom = ffn.get("e", 1) * ffn.get("t", 1) * ffn["p"]
         if a.world_size % denom:
             raise parser.fail(
-                f"Cannot derive expert dp: attention world size {a.world_size} is not divisible by "
-                f"e*t*p = {denom}.",
+                f"Cannot derive expert dp: attention world size {a.world_size} is not divisible by e*t*p = {denom}.",
                 ffn_at,
             )
         ffn["d"] = a.world_size // denom

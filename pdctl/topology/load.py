@@ -82,10 +82,14 @@ def _apply_allocation(top: Topology, data: dict[str, Any], source: SourceMap) ->
             role = Role(comp.pd_role) if comp.pd_role else Role.REGULAR
             groups.append(
                 ServerGroup(
-                    name=comp.name or role.value, role=role, replicas=comp.dims.d, tp=comp.dims.t,
-                    pp=comp.dims.p, path="allocation",
+                    name=comp.name or role.value,
+                    role=role,
+                    replicas=comp.dims.d,
+                    tp=comp.dims.t,
+                    pp=comp.dims.p,
+                    path="allocation",
                 )
-            )  # fmt: skip
+            )
         elif train_world is not None:
             issues.append(Issue("allocation", "pdctl runs one trainer; the allocation has two training components"))
         else:
@@ -105,8 +109,13 @@ def _apply_allocation(top: Topology, data: dict[str, Any], source: SourceMap) ->
         elif not top.placement.colocate:
             top = replace(top, placement=replace(top.placement, mode="colocate"))
     elif top.placement.colocate:
-        issues.append(Issue("allocation", "placement is colocate but the allocation separates pools with '+'",
-                            hint="write 'sglang[...]:... | fsdp[trainer]:...' to colocate"))  # fmt: skip
+        issues.append(
+            Issue(
+                "allocation",
+                "placement is colocate but the allocation separates pools with '+'",
+                hint="write 'sglang[...]:... | fsdp[trainer]:...' to colocate",
+            )
+        )
     return top, issues
 
 
@@ -120,17 +129,26 @@ def _compare_groups(explicit: tuple[ServerGroup, ...], dsl: list[ServerGroup]) -
     for g in dsl:
         mine = by_name.pop(g.name, None)
         if mine is None:
-            issues.append(Issue("allocation", f"allocation names group {g.name!r} that the file does not define",
-                                hint="add it, or rename the group to match"))  # fmt: skip
+            issues.append(
+                Issue(
+                    "allocation",
+                    f"allocation names group {g.name!r} that the file does not define",
+                    hint="add it, or rename the group to match",
+                )
+            )
             continue
         if mine.role is not g.role:
             issues.append(Issue(f"{mine.path}", f"group {g.name!r} is {mine.role} here but {g.role} in allocation"))
         for field, letter in (("replicas", "d"), ("tp", "t"), ("pp", "p")):
             if getattr(mine, field) != getattr(g, field):
                 issues.append(
-                    Issue(f"{mine.path}.{field}", f"{field} {getattr(mine, field)} disagrees with allocation "
-                          f"({letter}{getattr(g, field)} for {g.name!r})", hint="make them agree or drop one")
-                )  # fmt: skip
+                    Issue(
+                        f"{mine.path}.{field}",
+                        f"{field} {getattr(mine, field)} disagrees with allocation "
+                        f"({letter}{getattr(g, field)} for {g.name!r})",
+                        hint="make them agree or drop one",
+                    )
+                )
     for name, g in by_name.items():
         issues.append(Issue(g.path, f"group {name!r} is missing from allocation", hint="add it to allocation"))
     return issues
@@ -140,18 +158,28 @@ def _apply_trainer(top: Topology, world: int | None, alloc: Allocation) -> tuple
     if world is None:
         return top, []
     if top.trainer is None:
-        return top, [Issue("allocation", f"allocation has a training component of {world} GPUs but there is "
-                           "no trainer section", hint="add trainer: {command: [python, train.py]}")]  # fmt: skip
+        return top, [
+            Issue(
+                "allocation",
+                f"allocation has a training component of {world} GPUs but there is no trainer section",
+                hint="add trainer: {command: [python, train.py]}",
+            )
+        ]
     nodes = top.trainer.nodes or (top.nodes[-1].name,)
     if top.trainer.nproc_per_node is not None:
         have = top.trainer.nproc_per_node * len(nodes)
         if have != world:
-            return top, [Issue("trainer.nproc_per_node", f"trainer world size {have} (nproc_per_node x nodes) "
-                               f"disagrees with allocation ({world})")]  # fmt: skip
+            return top, [
+                Issue(
+                    "trainer.nproc_per_node",
+                    f"trainer world size {have} (nproc_per_node x nodes) disagrees with allocation ({world})",
+                )
+            ]
         return top, []
     if world % len(nodes):
-        return top, [Issue("trainer.nodes", f"allocation's trainer world size {world} does not divide over "
-                           f"{len(nodes)} node(s)")]  # fmt: skip
+        return top, [
+            Issue("trainer.nodes", f"allocation's trainer world size {world} does not divide over {len(nodes)} node(s)")
+        ]
     trainer = TrainerConfig(
         command=top.trainer.command, nproc_per_node=world // len(nodes), nodes=top.trainer.nodes, env=top.trainer.env
     )

@@ -38,9 +38,12 @@ def _nodes(top: Topology) -> list[Issue]:
     if local and len(local) < len(top.nodes):
         name = top.nodes[local[0]].name
         out.append(
-            Issue(f"nodes[{local[0]}].host", f"node {name} is a loopback address but other nodes are remote, "
-                  "so they could not reach it", hint="use this machine's network address")
-        )  # fmt: skip
+            Issue(
+                f"nodes[{local[0]}].host",
+                f"node {name} is a loopback address but other nodes are remote, so they could not reach it",
+                hint="use this machine's network address",
+            )
+        )
     if top.engine == "sglang":
         for i, node in enumerate(top.nodes):
             if node.gpus == 0 and _node_used(top, node.name):
@@ -81,16 +84,22 @@ def _groups(top: Topology) -> list[Issue]:
             out.append(Issue(f"{group.path}.name", f"duplicate group name {group.name!r}", hint="name each group"))
         if group.tp % group.attn_dp:
             out.append(
-                Issue(f"{group.path}.attn_dp", f"attn_dp {group.attn_dp} must divide tp {group.tp}",
-                      hint="attention DP splits the tp GPUs")
-            )  # fmt: skip
+                Issue(
+                    f"{group.path}.attn_dp",
+                    f"attn_dp {group.attn_dp} must divide tp {group.tp}",
+                    hint="attention DP splits the tp GPUs",
+                )
+            )
         if group.role is Role.REGULAR and group.transfer_backend:
             out.append(Issue(f"{group.path}.transfer_backend", "regular (non-PD) engines move no KV"))
         if top.engine == "sglang" and group.transfer_backend == "fake":
             out.append(
-                Issue(f"{group.path}.transfer_backend", "the fake backend moves no KV; outputs will be wrong",
-                      severity="warning")
-            )  # fmt: skip
+                Issue(
+                    f"{group.path}.transfer_backend",
+                    "the fake backend moves no KV; outputs will be wrong",
+                    severity="warning",
+                )
+            )
     if not top.groups:
         out.append(Issue("", "no engines: add prefill and decode (or regular) groups, or an allocation"))
     return out
@@ -105,9 +114,12 @@ def _pd_pairing(top: Topology) -> list[Issue]:
         out.append(Issue("decode", "decode engines without prefill engines", hint="add a prefill group"))
     if Role.REGULAR in roles and (Role.PREFILL in roles or Role.DECODE in roles):
         out.append(
-            Issue("regular", "regular engines cannot share a router with PD engines",
-                  hint="run PD (prefill + decode) or regular engines, not both")
-        )  # fmt: skip
+            Issue(
+                "regular",
+                "regular engines cannot share a router with PD engines",
+                hint="run PD (prefill + decode) or regular engines, not both",
+            )
+        )
     return out
 
 
@@ -126,15 +138,21 @@ def _weights(top: Topology) -> list[Issue]:
     for group in top.groups:
         if group.dp > 1:
             out.append(
-                Issue(f"{group.path}.dp", f"dp {group.dp}: SGLang refuses weight updates from distributed "
-                      "on a data-parallel engine (dp_size must be 1)",
-                      hint="use more replicas instead of dp, or attn_dp for attention DP")
-            )  # fmt: skip
+                Issue(
+                    f"{group.path}.dp",
+                    f"dp {group.dp}: SGLang refuses weight updates from distributed "
+                    "on a data-parallel engine (dp_size must be 1)",
+                    hint="use more replicas instead of dp, or attn_dp for attention DP",
+                )
+            )
         if group.pp > 1:
             out.append(
-                Issue(f"{group.path}.pp", f"pp {group.pp}: the flat weight group assumes pp 1 "
-                      "(rank = rank_offset + tp_rank)", hint="use pp 1 on engines that receive weights")
-            )  # fmt: skip
+                Issue(
+                    f"{group.path}.pp",
+                    f"pp {group.pp}: the flat weight group assumes pp 1 (rank = rank_offset + tp_rank)",
+                    hint="use pp 1 on engines that receive weights",
+                )
+            )
     if top.engine == "sim" and top.weights.backend == "nccl":
         out.append(Issue("weights.backend", "the sim engine runs on CPU and needs gloo", severity="warning"))
     return out
@@ -170,18 +188,24 @@ def _colocate(top: Topology) -> list[Issue]:
         out.append(Issue("placement", "colocate needs train_frac and infer_frac", hint="e.g. 0.45 and 0.45"))
     elif p.train_frac + p.infer_frac + COLOCATE_HEADROOM > 1 + 1e-9:
         out.append(
-            Issue("placement.infer_frac", f"train_frac {p.train_frac} + infer_frac {p.infer_frac} + "
-                  f"{COLOCATE_HEADROOM} headroom > 1", hint="lower one of them")
-        )  # fmt: skip
+            Issue(
+                "placement.infer_frac",
+                f"train_frac {p.train_frac} + infer_frac {p.infer_frac} + {COLOCATE_HEADROOM} headroom > 1",
+                hint="lower one of them",
+            )
+        )
     engine_gpus = sum(g.total_gpus for g in top.groups)
     nodes = top.trainer.nodes
     if top.trainer.nproc_per_node and nodes:
         world = top.trainer.nproc_per_node * len(nodes)
         if world != engine_gpus:
             out.append(
-                Issue("trainer.nproc_per_node", f"colocate pairs one trainer rank with one engine GPU: "
-                      f"trainer world size {world} != engine count x TP = {engine_gpus}")
-            )  # fmt: skip
+                Issue(
+                    "trainer.nproc_per_node",
+                    f"colocate pairs one trainer rank with one engine GPU: "
+                    f"trainer world size {world} != engine count x TP = {engine_gpus}",
+                )
+            )
     return out
 
 
@@ -194,9 +218,13 @@ def _router(top: Topology) -> list[Issue]:
     loopback = not node.is_local and r.host in ("127.0.0.1", "localhost")
     if loopback and top.trainer and any(n != node.name for n in top.trainer.nodes or ()):
         out.append(
-            Issue("router.host", f"the router binds 127.0.0.1 on {node.name}; the trainer on other nodes "
-                  "cannot reach it", severity="warning", hint="set router.host to 0.0.0.0 or the node address")
-        )  # fmt: skip
+            Issue(
+                "router.host",
+                f"the router binds 127.0.0.1 on {node.name}; the trainer on other nodes cannot reach it",
+                severity="warning",
+                hint="set router.host to 0.0.0.0 or the node address",
+            )
+        )
     return out
 
 

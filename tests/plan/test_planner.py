@@ -54,9 +54,7 @@ def test_heterogeneous_tp_weight_group() -> None:
 
 def test_gpus_are_contiguous_blocks_with_base_gpu_id() -> None:
     plan = plan_of("2node-hetero-tp.yaml")
-    assert [plan.process(i).gpu_ids for i in ("prefill-0", "prefill-1", "decode-0")] == [
-        (0, 1), (2, 3), (4, 5, 6, 7)
-    ]  # fmt: skip
+    assert [plan.process(i).gpu_ids for i in ("prefill-0", "prefill-1", "decode-0")] == [(0, 1), (2, 3), (4, 5, 6, 7)]
     assert flag(plan.process("decode-0").argv, "--base-gpu-id") == "4"
     assert flag(plan.process("decode-0").argv, "--tp-size") == "4"
 

@@ -62,9 +62,13 @@ def test_valid_topologies_plan_with_invariants(data) -> None:
 
 EXAMPLES = [p.read_text() for p in TOPOLOGIES]
 JUNK = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 70000), st.text(max_size=12),
-    st.lists(st.integers(-1, 3), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 70000),
+    st.text(max_size=12),
+    st.lists(st.integers(-1, 3), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
 
 
 def _paths(node, prefix=()):

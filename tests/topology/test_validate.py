@@ -126,9 +126,7 @@ def test_good_extra_args_pass() -> None:
 
 def test_sim_flags_only_for_sim_engine() -> None:
     one_error(BASE + "prefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n", "unknown SGLang")
-    load_topology_text(
-        yaml_text(BASE + "engine: sim\nprefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n")
-    )
+    load_topology_text(yaml_text(BASE + "engine: sim\nprefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n"))
 
 
 def test_port_overflow_and_ephemeral_warning() -> None:
@@ -177,9 +175,11 @@ def test_local_and_remote_nodes_do_not_mix() -> None:
 
 def test_allocation_builds_groups() -> None:
     top, _ = load_topology_text(
-        yaml_text(BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4 + fsdp[trainer]:d8"\n'
-                  "router: {host: 0.0.0.0}\ntrainer: {command: [python, t.py], nodes: [n1]}\n")
-    )  # fmt: skip
+        yaml_text(
+            BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4 + fsdp[trainer]:d8"\n'
+            "router: {host: 0.0.0.0}\ntrainer: {command: [python, t.py], nodes: [n1]}\n"
+        )
+    )
     assert [(g.name, g.role.value, g.replicas, g.tp) for g in top.groups] == [
         ("prefill", "prefill", 2, 2),
         ("decode", "decode", 1, 4),

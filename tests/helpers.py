@@ -1,0 +1,149 @@
+"""Test helpers: free ports, real sim processes, small HTTP clients (urllib, no extra deps)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: Any = None, *, timeout: float = 60, headers: dict | None = None):
+    """(status, parsed JSON or text). Never raises on HTTP errors."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    text = raw.decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def post(url: str, body: Any = None, **kw: Any):
+    return http("POST", url, body if body is not None else {}, **kw)
+
+
+def get(url: str, **kw: Any):
+    return http("GET", url, **kw)
+
+
+def sse(url: str, body: Any, timeout: float = 60) -> list[Any]:
+    """POST a streaming request; returns the parsed `data:` events (the last is "[DONE]")."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                payload = line[len("data: ") :]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def wait_http(url: str, timeout: float = 90, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout}s\n{_tail(log)}")
+
+
+def _tail(log: Path | None) -> str:
+    return log.read_text()[-3000:] if log and log.exists() else ""
+
+
+class SimProcess:
+    """A real ``python -m pdctl.sim`` process on a free port of 127.0.0.1."""
+
+    def __init__(self, tmp: Path, *args: str, name: str = "sim", env: dict | None = None):
+        self.port = free_port()
+        self.args = list(args)
+        self.bootstrap_port: int | None = None
+        if "prefill" in args and "--disaggregation-bootstrap-port" not in args:
+            self.bootstrap_port = free_port()
+            self.args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        self.log = tmp / f"{name}-{self.port}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SimProcess:
+        argv = [sys.executable, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        if "--model-path" not in self.args:
+            argv += ["--model-path", "sim://tiny"]
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        wait_http(f"{self.url}/health", proc=self.proc, log=self.log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def sims(tmp: Path, *specs: tuple[str, ...]) -> Iterator[list[SimProcess]]:
+    """Start several sims in parallel (each pays torch's import time once), stop them all."""
+    procs = [SimProcess(tmp, *spec, name=f"sim{i}") for i, spec in enumerate(specs)]
+    try:
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(SimProcess.start, procs))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def pd_body(body: dict, prefill: SimProcess, *, room: int, batch: int | None = None) -> dict:
+    out = dict(body)
+    if batch is None:
+        out.update(bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+    else:
+        out.update(
+            bootstrap_host=["127.0.0.1"] * batch,
+            bootstrap_port=[prefill.bootstrap_port] * batch,
+            bootstrap_room=[room + i for i in range(batch)],
+        )
+    return out

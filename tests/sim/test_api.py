@@ -1,0 +1,197 @@
+"""The sim's HTTP API: shapes, errors, pause modes, cache flush, auth, metrics, flags."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import SimProcess, get, post, sse
+
+
+def test_info_routes(trio) -> None:
+    regular, prefill, _ = trio
+    for path in ("/model_info", "/get_model_info"):
+        status, info = get(regular.url + path)
+        assert status == 200 and info["weight_version"] == "default" and info["is_generation"] is True
+    status, info = get(prefill.url + "/server_info")
+    assert status == 200 and info["disaggregation_mode"] == "prefill"
+    assert info["disaggregation_bootstrap_port"] == prefill.bootstrap_port and info["version"] == "0.5.23"
+    assert get(prefill.url + "/get_server_info")[0] == 200
+    status, models = get(regular.url + "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "sim://tiny"
+    assert get(regular.url + "/v1/models/nope")[0] == 404
+    assert get(f"http://127.0.0.1:{prefill.bootstrap_port}/health") == (200, "OK")
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({}, "Either text or input_ids"),
+        ({"text": "a", "input_ids": [1]}, "Either text or input_ids"),
+        ({"text": 5}, "text must be"),
+        ({"input_ids": [-1]}, "input_ids must be"),
+        ({"text": "a", "sampling_params": {"max_tokens": 3}}, "unknown field max_tokens"),
+        ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature must be a number"),
+        ({"text": "a", "sampling_params": {"regex": "a+"}}, "not supported by the sim"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "1 items for a batch of 2"),
+    ],
+)
+def test_bad_generate_requests_get_sglang_shaped_errors(trio, body, needle) -> None:
+    status, out = post(trio[0].url + "/generate", body)
+    assert status == 400
+    assert needle in str(out["error"])
+
+
+def test_pd_servers_refuse_requests_without_bootstrap(trio) -> None:
+    for server in trio[1:]:
+        status, out = post(server.url + "/generate", {"text": "x"})
+        assert status == 400 and "bootstrap_host" in out["error"]["message"]
+
+
+def test_stop_strings_and_tokens(trio) -> None:
+    url = trio[0].url + "/generate"
+    _, ref = post(url, {"text": "stop test", "sampling_params": {"max_new_tokens": 20, "temperature": 0}})
+    target = ref["text"][3:5]
+    _, out = post(
+        url, {"text": "stop test", "sampling_params": {"max_new_tokens": 20, "temperature": 0, "stop": [target]}}
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+    assert out["text"] == ref["text"][: ref["text"].find(target)]
+    tok = ref["output_ids"][2]
+    _, out = post(
+        url, {"text": "stop test", "sampling_params": {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [tok]}}
+    )
+    assert out["output_ids"] == ref["output_ids"][: ref["output_ids"].index(tok) + 1]
+
+
+def test_seeded_sampling_is_reproducible(trio) -> None:
+    url = trio[0].url + "/generate"
+    body = {
+        "text": "seed",
+        "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 42},
+    }
+    a, b = post(url, body)[1], post(url, body)[1]
+    assert a["output_ids"] == b["output_ids"]
+    body["sampling_params"]["sampling_seed"] = 43
+    assert post(url, body)[1]["output_ids"] != a["output_ids"]
+
+
+def test_openai_routes(trio) -> None:
+    url = trio[0].url
+    status, out = post(
+        url + "/v1/completions", {"model": "sim://tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0}
+    )
+    assert status == 200 and out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 5
+    status, gen = post(url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+    assert out["choices"][0]["text"] == gen["text"]
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    status, out = post(url + "/v1/chat/completions", chat)
+    assert status == 200 and out["choices"][0]["message"]["role"] == "assistant"
+    events = sse(url + "/v1/chat/completions", {**chat, "stream": True})
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == out["choices"][0]["message"]["content"] and events[-1] == "[DONE]"
+    status, err = post(url + "/v1/chat/completions", {"messages": []})
+    assert status == 400 and err["object"] == "error"
+
+
+def test_unknown_flag_exits_2_like_sglang() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--disaggregation-decode-tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "unrecognized arguments: --disaggregation-decode-tp" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--disaggregation-mode", "both"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "invalid choice: 'both'" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    proc = SimProcess(
+        tmp_path_factory.mktemp("g"), "--api-key", "s3cret", "--enable-metrics", "--sim-decode-ms-per-step", "20"
+    )
+    yield proc.start()
+    proc.stop()
+
+
+def test_api_key_protects_all_but_health_and_metrics(guarded) -> None:
+    assert post(guarded.url + "/generate", {"text": "x"})[0] == 401
+    auth = {"Authorization": "Bearer s3cret"}
+    assert (
+        post(guarded.url + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 1}}, headers=auth)[0] == 200
+    )
+    assert get(guarded.url + "/health")[0] == 200
+    status, text = get(guarded.url + "/metrics")
+    assert status == 200 and "sglang:num_running_reqs" in text and "sglang:generation_tokens_total" in text
+    assert "s3cret" not in get(guarded.url + "/server_info", headers=auth)[1].__repr__()
+
+
+def test_metrics_are_off_without_the_flag(trio) -> None:
+    assert get(trio[0].url + "/metrics")[0] == 404
+
+
+def slow_request(url: str, n: int = 50):
+    auth = {"Authorization": "Bearer s3cret"}
+    return post(
+        url + "/generate", {"text": "slow", "sampling_params": {"max_new_tokens": n, "temperature": 0}}, headers=auth
+    )
+
+
+def test_flush_cache_refused_while_busy_and_pause_modes(guarded) -> None:
+    auth = {"Authorization": "Bearer s3cret"}
+    url = guarded.url
+    _, ref = slow_request(url, 30)
+    with cf.ThreadPoolExecutor(2) as pool:
+        fut = pool.submit(slow_request, url)
+        time.sleep(0.4)
+        assert post(url + "/flush_cache", headers=auth)[0] == 400
+        assert post(url + "/pause_generation", {"mode": "abort"}, headers=auth)[1]["status"] == "ok"
+        status, out = fut.result()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    post(url + "/continue_generation", headers=auth)
+    assert post(url + "/flush_cache", headers=auth)[0] == 200
+    for mode in ("retract", "in_place"):
+        with cf.ThreadPoolExecutor(2) as pool:
+            fut = pool.submit(slow_request, url, 30)
+            time.sleep(0.3)
+            post(url + "/pause_generation", {"mode": mode}, headers=auth)
+            time.sleep(0.3)
+            assert not fut.done()  # paused, not aborted
+            post(url + "/continue_generation", headers=auth)
+            status, out = fut.result()
+        assert status == 200 and out["output_ids"] == ref["output_ids"], mode
+        assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
+
+
+def test_decode_without_prefill_times_out_clearly_and_frees_its_slot(tmp_path) -> None:
+    decode = SimProcess(
+        tmp_path,
+        "--disaggregation-mode",
+        "decode",
+        "--max-running-requests",
+        "2",
+        env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "1.5"},
+    ).start()
+    try:
+        dead = {"text": "x", "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 1}
+        with cf.ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda _: post(decode.url + "/generate", dead), range(3)))
+        statuses = sorted(s for s, _ in results)
+        assert statuses == [500, 500, 503]  # two slots wait for KV; the third finds none free
+        message = next(o for s, o in results if s == 500)["error"]["message"]
+        assert "bootstrap_room 1" in message and "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in message
+        info = get(decode.url + "/server_info")[1]["internal_states"][0]
+        assert info["num_reserved_decode_slots"] == 0 and info["free_slots"] == 2
+        assert post(decode.url + "/generate", {**dead, "bootstrap_host": "2.2.2.2"})[0] == 200
+    finally:
+        decode.stop()

@@ -1,0 +1,127 @@
+"""PD output equals non-PD output token for token: single, batch, stream, concurrent."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+
+from tests.helpers import pd_body, post, sse
+
+PROMPTS = [
+    "The capital of France is",
+    "def fib(n):",
+    "Once upon a time",
+    "1 2 3 4",
+    "pdctl",
+    "a" * 100,
+    "Hello, world! " * 5,
+    "zebra",
+    "SELECT * FROM",
+    '{"key":',
+]
+
+
+def pd_generate(trio, body, room, batch=None):
+    _, prefill, decode = trio
+    wire = pd_body(body, prefill, room=room, batch=batch)
+    with cf.ThreadPoolExecutor(2) as pool:
+        d = pool.submit(post, f"{decode.url}/generate", wire)
+        p = pool.submit(post, f"{prefill.url}/generate", wire)
+        assert p.result()[0] == 200, p.result()
+        return d.result()
+
+
+def greedy(prompt, n=24, **extra):
+    return {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}, **extra}
+
+
+def test_single_requests_match(trio) -> None:
+    regular = trio[0]
+    for i, prompt in enumerate(PROMPTS):
+        status, ref = post(f"{regular.url}/generate", greedy(prompt))
+        assert status == 200
+        status, out = pd_generate(trio, greedy(prompt), room=1000 + i)
+        assert status == 200, out
+        assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"]
+        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+
+
+def test_many_concurrent_requests_match(trio) -> None:
+    regular = trio[0]
+    rng = random.Random(7)
+    prompts = ["".join(rng.choice("abcdefgh xyz") for _ in range(rng.randint(1, 60))) for _ in range(48)]
+    lengths = [rng.randint(1, 40) for _ in prompts]
+    with cf.ThreadPoolExecutor(16) as pool:
+        refs = list(pool.map(lambda a: post(f"{regular.url}/generate", greedy(*a)), zip(prompts, lengths, strict=True)))
+        outs = list(
+            pool.map(lambda i: pd_generate(trio, greedy(prompts[i], lengths[i]), room=5000 + i), range(len(prompts)))
+        )
+    for (s1, ref), (s2, out) in zip(refs, outs, strict=True):
+        assert s1 == s2 == 200
+        assert out["output_ids"] == ref["output_ids"]
+
+
+def test_input_ids_and_text_batches_match(trio) -> None:
+    regular = trio[0]
+    ids = [[72, 101, 108], [100, 101, 102, 103], [65] * 30]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    _, ref = post(f"{regular.url}/generate", body)
+    status, out = pd_generate(trio, body, room=9000, batch=3)
+    assert status == 200 and [o["output_ids"] for o in out] == [r["output_ids"] for r in ref]
+    text = {"text": PROMPTS[:4], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    _, ref = post(f"{regular.url}/generate", text)
+    status, out = pd_generate(trio, text, room=9100, batch=4)
+    assert status == 200 and [o["text"] for o in out] == [r["text"] for r in ref]
+
+
+def test_scalar_room_on_a_batch_becomes_room_plus_i(trio) -> None:
+    regular, prefill, decode = trio
+    body = {
+        "input_ids": [[1, 2, 3], [4, 5, 6]],
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": 777,
+    }
+    with cf.ThreadPoolExecutor(2) as pool:
+        d = pool.submit(post, f"{decode.url}/generate", body)
+        post(f"{prefill.url}/generate", body)
+        status, out = d.result()
+    _, ref = post(f"{regular.url}/generate", {k: body[k] for k in ("input_ids", "sampling_params")})
+    assert status == 200 and [o["output_ids"] for o in out] == [r["output_ids"] for r in ref]
+
+
+def test_streams_match(trio) -> None:
+    regular, prefill, decode = trio
+    body = greedy("streaming works", 16, stream=True)
+    ref = sse(f"{regular.url}/generate", body)
+    wire = pd_body(body, prefill, room=4242)
+    with cf.ThreadPoolExecutor(2) as pool:
+        d = pool.submit(sse, f"{decode.url}/generate", wire)
+        pool.submit(sse, f"{prefill.url}/generate", wire).result()
+        out = d.result()
+    assert out[-1] == ref[-1] == "[DONE]"
+    assert out[-2]["output_ids"] == ref[-2]["output_ids"]
+    assert out[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+    assert all(e["text"] for e in out[:-1])  # cumulative text in every chunk, like SGLang
+
+
+def test_logprobs_merge_to_the_non_pd_ones(trio) -> None:
+    regular, prefill, decode = trio
+    body = greedy("logprobs", 6, return_logprob=True)
+    _, ref = post(f"{regular.url}/generate", body)
+    wire = pd_body(body, prefill, room=31337)
+    with cf.ThreadPoolExecutor(2) as pool:
+        d = pool.submit(post, f"{decode.url}/generate", wire)
+        _, p = pool.submit(post, f"{prefill.url}/generate", wire).result()
+        _, out = d.result()
+    merged = p["meta_info"]["input_token_logprobs"] + out["meta_info"]["input_token_logprobs"]
+    assert merged == ref["meta_info"]["input_token_logprobs"]
+    assert out["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+
+
+def test_fake_bootstrap_host_needs_no_prefill(trio) -> None:
+    decode = trio[2]
+    body = greedy("warm", 4, bootstrap_host="2.2.2.2", bootstrap_room=0)
+    status, out = post(f"{decode.url}/generate", body)
+    assert status == 200 and len(out["output_ids"]) == 4

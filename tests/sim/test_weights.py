@@ -1,0 +1,172 @@
+"""Weight updates over a real gloo group: this test is trainer rank 0, sims are the engines."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pdctl.sglang import init_weights_update_group_body, update_weights_from_distributed_body
+from pdctl.sglang.group import destroy_group, init_custom_process_group
+from pdctl.sim import resolve_model, save_checkpoint, weights_checksum
+from pdctl.sim.model import TinyLM, encode
+from tests.helpers import free_port, get, post, sims
+
+GROUP = "weight_update_group"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """A tp-1 sim and a tp-2 sim (one helper rank): 1 + 1 + 2 = world size 4."""
+    with sims(tmp_path_factory.mktemp("w"), (), ("--tp-size", "2")) as procs:
+        yield procs
+
+
+def join_group(engines, offsets, world):
+    port = free_port()
+    with cf.ThreadPoolExecutor(len(engines)) as pool:
+        futs = [
+            pool.submit(
+                post,
+                e.url + "/init_weights_update_group",
+                init_weights_update_group_body(
+                    master_address="127.0.0.1", master_port=port, rank_offset=o, world_size=world, backend="gloo"
+                ),
+            )
+            for e, o in zip(engines, offsets, strict=True)
+        ]
+        group = init_custom_process_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=port,
+            world_size=world,
+            rank=0,
+            group_name=GROUP,
+            timeout_secs=60,
+        )
+        for f in futs:
+            status, out = f.result()
+            assert status == 200 and out["success"], out
+    return group
+
+
+def push(engines, group, tensors, *, version=None, load_format=None):
+    """One update: HTTP to every engine concurrently with the broadcasts, in names order."""
+    body = update_weights_from_distributed_body(
+        names=[n for n, _ in tensors],
+        dtypes=[str(t.dtype).replace("torch.", "") for _, t in tensors],
+        shapes=[list(t.shape) for _, t in tensors],
+        weight_version=version,
+        load_format=load_format,
+    )
+    with cf.ThreadPoolExecutor(len(engines)) as pool:
+        futs = [pool.submit(post, e.url + "/update_weights_from_distributed", body) for e in engines]
+        if load_format == "flattened_bucket":
+            flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in tensors])
+            dist.broadcast(flat, src=0, group=group)
+        else:
+            for h in [dist.broadcast(t.contiguous(), src=0, group=group, async_op=True) for _, t in tensors]:
+                h.wait()
+        return [f.result() for f in futs]
+
+
+def reference_greedy(model: TinyLM, prompt: str, n: int) -> list[int]:
+    ids = encode(prompt)
+    out = []
+    for _ in range(n):
+        logits, _ = model.prefill(ids + out)
+        out.append(int(torch.argmax(logits[-1])))
+    return out
+
+
+def test_update_changes_the_model_exactly(engines) -> None:
+    group = join_group(engines, offsets=[1, 2], world=4)
+    try:
+        for e in engines:
+            assert post(e.url + "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []})[1][
+                "message"
+            ].startswith("update_weights_from_distributed must run between begin_weight_update()")
+            assert post(e.url + "/begin_weight_update", {"selector": "all"})[1]["success"]
+            assert "already open" in post(e.url + "/begin_weight_update", {})[1]["message"]
+        new = resolve_model("sim://tiny?seed=123", "auto", None)
+        # Sent as float32 in two buckets, the second flattened: what a trainer does.
+        tensors = [(n, p.to(torch.float32)) for n, p in new.named_parameters()]
+        half = len(tensors) // 2
+        for status, out in push(engines, group, tensors[:half]):
+            assert status == 200 and out["success"], out
+        for status, out in push(engines, group, tensors[half:], version="v1", load_format="flattened_bucket"):
+            assert status == 200 and out["success"], out
+        for e in engines:
+            assert post(e.url + "/end_weight_update", {})[1]["success"]
+        reference = resolve_model("sim://tiny", "auto", None)
+        reference.load_weights(tensors)
+        expected = weights_checksum(reference)
+        for e in engines:
+            status, out = post(e.url + "/weights_checker", {"action": "checksum"})
+            assert out["checksums"] == expected and out["weight_version"] == "v1"
+            assert get(e.url + "/model_info")[1]["weight_version"] == "v1"
+            name = "model.layers.0.self_attn.q_proj.weight"
+            read = post(e.url + "/get_weights_by_name", {"name": name, "truncate_size": 2})[1]
+            assert torch.tensor(read, dtype=torch.float32).equal(dict(tensors)[name][:2])
+            _, gen = post(
+                e.url + "/generate",
+                {
+                    "text": "after the push",
+                    "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+                },
+            )
+            assert gen["output_ids"] == reference_greedy(reference, "after the push", 12)
+            assert gen["meta_info"]["weight_version"] == "v1"
+    finally:
+        for e in engines:
+            post(e.url + "/destroy_weights_update_group", {"group_name": GROUP})
+        destroy_group(group)
+
+
+def test_flattened_bucket_alignment_rule(engines) -> None:
+    group = join_group(engines[:1], offsets=[1], world=2)
+    try:
+        post(engines[0].url + "/begin_weight_update", {})
+        bad = [
+            ("model.norm.weight", torch.ones(63, dtype=torch.float16)),
+            ("model.layers.0.input_layernorm.weight", torch.ones(64, dtype=torch.float32)),
+        ]
+        ((status, out),) = push(engines[:1], group, bad, load_format="flattened_bucket")
+        assert status == 400 and "Unaligned received tensor" in out["message"]
+        unknown = [("model.nope", torch.ones(4))]
+        ((status, out),) = push(engines[:1], group, unknown)
+        assert status == 400 and "unknown parameter 'model.nope'" in out["message"]
+        post(engines[0].url + "/end_weight_update", {})
+    finally:
+        post(engines[0].url + "/destroy_weights_update_group", {})
+        destroy_group(group)
+
+
+def test_group_errors_are_clear(engines) -> None:
+    status, out = post(engines[0].url + "/init_weights_update_group", {"master_address": "127.0.0.1"})
+    assert status == 400 and not out["success"] and "master_port" in out["message"]
+    status, out = post(
+        engines[1].url + "/init_weights_update_group",
+        init_weights_update_group_body(
+            master_address="127.0.0.1", master_port=1, rank_offset=3, world_size=4, backend="gloo"
+        ),
+    )
+    assert status == 400 and "do not fit world_size 4" in out["message"]
+    status, out = post(engines[0].url + "/destroy_weights_update_group", {})
+    assert status == 400 and "no weight update group" in out["message"]
+
+
+def test_update_from_disk_and_version(engines, tmp_path) -> None:
+    model = resolve_model("sim://tiny?seed=9", "auto", None)
+    save_checkpoint(model, tmp_path / "ckpt")
+    e = engines[0]
+    status, out = post(
+        e.url + "/update_weights_from_disk", {"model_path": str(tmp_path / "ckpt"), "weight_version": "disk"}
+    )
+    assert status == 200 and out["success"], out
+    assert post(e.url + "/weights_checker", {})[1]["checksums"] == weights_checksum(model)
+    status, out = post(e.url + "/update_weight_version", {"new_version": "v9"})
+    assert out["new_version"] == "v9" and get(e.url + "/model_info")[1]["weight_version"] == "v9"
+    assert post(e.url + "/update_weights_from_disk", {"model_path": "/nonexistent"})[0] == 400
