@@ -1,0 +1,360 @@
+"""The router's aiohttp application: routes, auth, request ids, admission, hold/release.
+
+``RouterServer`` has ``start()``/``stop()`` and ``async with``; port 0 binds a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdctl.router import errors
+from pdctl.router.config import RouterConfig
+from pdctl.router.dispatch import Dispatcher, RouteError
+from pdctl.router.jsonutil import loads
+from pdctl.router.metrics import RouterMetrics
+from pdctl.router.workers import WorkerRegistry
+from pdctl.sglang import Endpoint, batch_size_of
+
+log = logging.getLogger("pdctl.router")
+OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
+REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "request-id")
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.registry = WorkerRegistry(config)
+        for w in config.workers:
+            self.registry.add(w.url, w.role, w.bootstrap_port)
+        self.metrics = RouterMetrics()
+        self.dispatcher = Dispatcher(config, self.registry, self.metrics)
+        self.session: aiohttp.ClientSession | None = None
+        self._runners: list[web.AppRunner] = []
+        self.port = config.port
+        self.prometheus_port = config.prometheus_port
+        limit = config.max_concurrent_requests
+        self._slots = asyncio.Semaphore(limit) if limit > 0 else None
+        self._waiting = 0
+        self._open = asyncio.Event()  # cleared while held for a weight update
+        self._open.set()
+        self._active = 0  # requests past the hold gate
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.dispatcher.session = self.session
+        self.registry.start(self.session)
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, self.config.host, self.config.port, backlog=1024).start()
+        self._runners.append(runner)
+        self.port = _bound_port(runner) or self.config.port
+        if self.config.prometheus_port is not None:
+            metrics_app = web.Application()
+            metrics_app.router.add_get("/metrics", self.metrics_endpoint)
+            mrunner = web.AppRunner(metrics_app, access_log=None)
+            await mrunner.setup()
+            await web.TCPSite(mrunner, self.config.host, self.config.prometheus_port).start()
+            self._runners.append(mrunner)
+            self.prometheus_port = _bound_port(mrunner)
+
+    async def stop(self) -> None:
+        await self.registry.stop()
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        if self.session:
+            await self.session.close()
+
+    async def __aenter__(self) -> RouterServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def url(self) -> str:
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    # -- app --------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=512 * 1024 * 1024)
+        r = app.router
+        for path in (Endpoint.GENERATE, Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
+            r.add_post(path.value, self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/liveness", self.health)
+        r.add_get("/readiness", self.readiness)
+        r.add_get(Endpoint.HEALTH_GENERATE.value, self.health_generate)
+        for path in (Endpoint.MODEL_INFO, Endpoint.GET_MODEL_INFO, Endpoint.MODELS):
+            r.add_get(path.value, self.proxy_get)
+        for path in (Endpoint.SERVER_INFO, Endpoint.GET_SERVER_INFO):
+            r.add_get(path.value, self.server_info)
+        r.add_post(Endpoint.FLUSH_CACHE.value, self.flush_cache)
+        r.add_get("/workers", self.list_workers)
+        r.add_post("/workers", self.add_worker)
+        r.add_delete("/workers/{key:.+}", self.delete_worker)
+        r.add_get("/metrics", self.metrics_endpoint)
+        r.add_post("/pdctl/hold", self.hold)
+        r.add_post("/pdctl/release", self.release)
+        r.add_post("/pdctl/refresh", self.refresh)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        key = self.config.api_key
+        if key and not request.path.startswith(OPEN_PATHS):
+            given = request.headers.get("Authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key")
+        return await handler(request)
+
+    # -- traffic ------------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        route = request.path
+        request_id = next((request.headers[h] for h in REQUEST_ID_HEADERS if h in request.headers), None)
+        headers = {"X-Request-ID": request_id or uuid.uuid4().hex}
+        status = 500
+        try:
+            try:
+                body = loads(await request.read())
+                if not isinstance(body, dict):
+                    raise ValueError("body must be a JSON object")
+            except ValueError as exc:
+                status = 400
+                return errors.error_response(400, errors.BAD_REQUEST, f"invalid JSON body: {exc}", headers)
+            async with self._admission(), self._gate():
+                resp = await self._route(request, route, body, headers)
+            status = resp.status
+            return resp
+        except RouteError as exc:
+            status = exc.status
+            return errors.error_response(exc.status, exc.code, str(exc), headers)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.monotonic() - started)
+
+    async def _route(self, request: web.Request, route: str, body: dict[str, Any], headers: dict[str, str]):
+        if not self.config.pd_disaggregation:
+            return await self.dispatcher.regular_request(request, route, body, headers)
+        if route == Endpoint.GENERATE.value:
+            batch = batch_size_of(body)
+        elif route == Endpoint.COMPLETIONS.value:
+            batch = _prompt_batch(body.get("prompt"))
+        else:
+            batch = None  # chat: scalar fields (n > 1 is refused by the engines we drive)
+        return await self.dispatcher.pd_request(request, route, body, batch, headers)
+
+    @contextlib.asynccontextmanager
+    async def _admission(self):
+        """The concurrency limit: a bounded queue, then 429 (queue full) or 503 (queue timeout)."""
+        if self._slots is None:
+            yield
+            return
+        if self._slots.locked() and self._waiting >= self.config.queue_size:
+            raise RouteError(429, errors.QUEUE_FULL, f"too many requests: {self._waiting} already queued")
+        self._waiting += 1
+        self.metrics.queued.set(self._waiting)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.config.queue_timeout_secs)
+        except asyncio.TimeoutError:
+            raise RouteError(503, errors.QUEUE_TIMEOUT, "timed out waiting for a free slot") from None
+        finally:
+            self._waiting -= 1
+            self.metrics.queued.set(self._waiting)
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    @contextlib.asynccontextmanager
+    async def _gate(self):
+        """While held (weight update), new requests wait here; in-flight ones are counted."""
+        if not self._open.is_set():
+            try:
+                await asyncio.wait_for(self._open.wait(), self.config.max_hold_secs)
+            except asyncio.TimeoutError:
+                raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long") from None
+        self._active += 1
+        self._idle.clear()
+        self.metrics.in_flight.set(self._active)
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self.metrics.in_flight.set(self._active)
+            if self._active == 0:
+                self._idle.set()
+
+    # -- hold / release (weight updates) ----------------------------------------------------------------
+    async def hold(self, request: web.Request) -> web.Response:
+        """Stop admitting requests and wait for in-flight ones to finish (they are not failed)."""
+        body = await _json_or_empty(request)
+        timeout = float(body.get("timeout_secs", 300))
+        self._open.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return web.json_response({"held": True, "drained": False, "in_flight": self._active}, status=504)
+        return web.json_response({"held": True, "drained": True, "in_flight": 0})
+
+    async def release(self, request: web.Request) -> web.Response:
+        """Re-read every worker's health and weight version, then admit requests again."""
+        assert self.session is not None
+        await self.registry.check_all(self.session)
+        self._open.set()
+        return web.json_response({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
+
+    async def refresh(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        await self.registry.check_all(self.session)
+        return web.json_response({"workers": [w.to_dict() for w in self.registry.workers.values()]})
+
+    # -- info routes ---------------------------------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    def _ready(self) -> tuple[bool, int]:
+        healthy = [w for w in self.registry.workers.values() if w.healthy]
+        if self.config.pd_disaggregation:
+            roles = {w.role for w in healthy}
+            return {"prefill", "decode"} <= roles, len(healthy)
+        return bool(healthy), len(healthy)
+
+    async def readiness(self, _: web.Request) -> web.Response:
+        ready, healthy = self._ready()
+        body = {"status": "ready" if ready else "not_ready", "healthy_workers": healthy,
+                "total_workers": len(self.registry.workers)}  # fmt: skip
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def health_generate(self, _: web.Request) -> web.Response:
+        ready, _ = self._ready()
+        if ready:
+            return web.Response(text="At least one router has healthy workers")
+        return errors.error_response(503, errors.NO_WORKERS, "no healthy workers for every role")
+
+    async def proxy_get(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        role = "prefill" if self.config.pd_disaggregation else "regular"
+        workers = self.registry.routable(role) or self.registry.routable("decode")
+        if not workers:
+            return errors.error_response(503, errors.NO_WORKERS, "no healthy worker to ask")
+        try:
+            async with self.session.get(workers[0].url + request.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return errors.error_response(502, errors.WORKER_FAILED, f"{workers[0].url}: {exc}")
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        infos = await self._fan_out("GET", Endpoint.SERVER_INFO.value)
+        by_role: dict[str, list] = {"prefill": [], "decode": [], "regular": []}
+        internal = []
+        for worker, status, body in infos:
+            if status == 200 and isinstance(body, dict):
+                by_role[worker.role].append(body)
+                if worker.role != "prefill":
+                    internal.extend(body.get("internal_states", []))
+        return web.json_response({"router": "pdctl", "workers_count": len(self.registry.workers),
+                                  "internal_states": internal, **by_role})  # fmt: skip
+
+    async def flush_cache(self, _: web.Request) -> web.Response:
+        results = await self._fan_out("POST", Endpoint.FLUSH_CACHE.value)
+        failed = [w.url for w, status, _ in results if status != 200]
+        if failed:
+            return web.json_response(
+                {"status": "failed", "message": f"flush failed on {', '.join(failed)}"}, status=500
+            )
+        return web.json_response(
+            {"status": "success", "message": f"Successfully flushed cache on all {len(results)} HTTP workers"}
+        )
+
+    async def _fan_out(self, method: str, path: str) -> list[tuple[Any, int, Any]]:
+        assert self.session is not None
+
+        async def one(worker):
+            try:
+                async with self.session.request(
+                    method, worker.url + path, timeout=aiohttp.ClientTimeout(total=30)
+                ) as r:
+                    raw = await r.read()
+                    try:
+                        return worker, r.status, loads(raw)
+                    except ValueError:
+                        return worker, r.status, raw.decode(errors="replace")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                return worker, 0, str(exc)
+
+        return list(await asyncio.gather(*(one(w) for w in self.registry.workers.values())))
+
+    # -- /workers ------------------------------------------------------------------------------------------
+    async def list_workers(self, _: web.Request) -> web.Response:
+        workers = [w.to_dict() for w in self.registry.workers.values()]
+        stats = {f"{role}_count": len(self.registry.of_role(role)) for role in ("prefill", "decode", "regular")}
+        return web.json_response({"workers": workers, "total": len(workers), "stats": stats})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        url, role = body.get("url"), body.get("worker_type", "regular")
+        port = body.get("bootstrap_port")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return errors.error_response(400, errors.BAD_REQUEST, "url must be an http(s) URL")
+        if port is not None and not isinstance(port, int):
+            return errors.error_response(400, errors.BAD_REQUEST, "bootstrap_port must be an integer")
+        try:
+            # Runtime workers join unhealthy and enter rotation after passing health checks.
+            worker = self.registry.add(url, role, port, healthy=self.config.disable_health_check)
+        except ValueError as exc:
+            return errors.error_response(400, errors.BAD_REQUEST, str(exc))
+        if self.session is not None and not self.config.disable_health_check:
+            for _ in range(self.config.health_success_threshold):
+                await self.registry._check(self.session, worker)
+        return web.json_response({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
+
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        worker = self.registry.remove(request.match_info["key"])
+        if worker is None:
+            return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.match_info['key']}")
+        return web.json_response({"status": "removed", "worker_id": worker.id})
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(self.registry), content_type="text/plain")
+
+
+def _prompt_batch(prompt: Any) -> int | None:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return None
+
+
+async def _json_or_empty(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = loads(await request.read())
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _bound_port(runner: web.AppRunner) -> int | None:
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+    return None

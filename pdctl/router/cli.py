@@ -1,0 +1,146 @@
+"""``pdctl router``: the embedded router as a standalone server; flags modelled on sglang-router.
+
+    pdctl router --pd-disaggregation --prefill http://10.0.0.1:30000 8998 \\
+                 --decode http://10.0.0.2:30001 --policy round_robin --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from pdctl.router.app import RouterServer
+from pdctl.router.config import RouterConfig, WorkerSpec
+from pdctl.router.policies import REGISTRY
+
+log = logging.getLogger("pdctl.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdctl router",
+        description="pdctl's PD router. Binds 127.0.0.1 unless --host says otherwise.",
+    )
+    d = RouterConfig()
+    policies = sorted(REGISTRY)
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--pd-disaggregation", action="store_true", help="PD mode: --prefill and --decode workers.")
+    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="A prefill worker and its bootstrap port (or 'none'); repeat per worker.")  # fmt: skip
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="A decode worker; repeat.")
+    p.add_argument("--worker-urls", nargs="+", default=[], metavar="URL", help="Regular (non-PD) workers.")
+    p.add_argument("--policy", choices=policies, default=d.policy)
+    p.add_argument("--prefill-policy", choices=policies)
+    p.add_argument("--decode-policy", choices=policies)
+    p.add_argument("--api-key", help="Require 'Authorization: Bearer KEY' (prefer --api-key-env: argv is visible).")
+    p.add_argument("--api-key-env", metavar="VAR", help="Read the API key from this environment variable.")
+    p.add_argument("--prometheus-port", type=int, help="Also serve /metrics on this port.")
+    p.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs)
+    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests, help="-1: no limit.")
+    p.add_argument("--queue-size", type=int, default=d.queue_size)
+    p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
+    p.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
+    p.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
+    p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
+    p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold)
+    p.add_argument("--health-first-wait-secs", type=float, default=d.health_first_wait_secs)
+    p.add_argument("--disable-health-check", action="store_true")
+    p.add_argument("--retry-max-retries", type=int, default=d.retry_max_retries)
+    p.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms)
+    p.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms)
+    p.add_argument("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier)
+    p.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter_factor)
+    p.add_argument("--disable-retries", action="store_true")
+    p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
+    p.add_argument("--cb-success-threshold", type=int, default=d.cb_success_threshold)
+    p.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_duration_secs)
+    p.add_argument("--disable-circuit-breaker", action="store_true")
+    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold)
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
+    p.add_argument("--max-hold-secs", type=float, default=d.max_hold_secs)
+    p.add_argument("--log-level", choices=["debug", "info", "warn", "error"], default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RouterConfig:
+    workers: list[WorkerSpec] = []
+    for spec in args.prefill:
+        if len(spec) > 2:
+            parser.error(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(spec)}")
+        port = None
+        if len(spec) == 2 and spec[1].lower() != "none":
+            if not spec[1].isdigit():
+                parser.error(f"--prefill {spec[0]}: bootstrap port must be a number or 'none', got {spec[1]!r}")
+            port = int(spec[1])
+        workers.append(WorkerSpec(url=spec[0], role="prefill", bootstrap_port=port))
+    workers += [WorkerSpec(url=u, role="decode") for u in args.decode]
+    workers += [WorkerSpec(url=u, role="regular") for u in args.worker_urls]
+    for w in workers:
+        if not w.url.startswith(("http://", "https://")):
+            parser.error(f"worker URL must start with http:// or https://: {w.url}")
+    if (args.prefill or args.decode) and not args.pd_disaggregation:
+        parser.error("--prefill/--decode need --pd-disaggregation")
+    if args.pd_disaggregation and args.worker_urls:
+        parser.error("--worker-urls (regular workers) cannot be mixed with --pd-disaggregation")
+    api_key = args.api_key
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            parser.error(f"--api-key-env {args.api_key_env}: the variable is unset or empty")
+    return RouterConfig(
+        host=args.host, port=args.port, prometheus_port=args.prometheus_port, pd_disaggregation=args.pd_disaggregation,
+        workers=tuple(workers), policy=args.policy, prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy, api_key=api_key, request_timeout_secs=args.request_timeout_secs,
+        max_concurrent_requests=args.max_concurrent_requests, queue_size=args.queue_size,
+        queue_timeout_secs=args.queue_timeout_secs, health_check_interval_secs=args.health_check_interval_secs,
+        health_check_timeout_secs=args.health_check_timeout_secs,
+        health_failure_threshold=args.health_failure_threshold, health_success_threshold=args.health_success_threshold,
+        health_first_wait_secs=args.health_first_wait_secs, disable_health_check=args.disable_health_check,
+        retry_max_retries=args.retry_max_retries, retry_initial_backoff_ms=args.retry_initial_backoff_ms,
+        retry_max_backoff_ms=args.retry_max_backoff_ms, retry_backoff_multiplier=args.retry_backoff_multiplier,
+        retry_jitter_factor=args.retry_jitter_factor, disable_retries=args.disable_retries,
+        cb_failure_threshold=args.cb_failure_threshold, cb_success_threshold=args.cb_success_threshold,
+        cb_timeout_duration_secs=args.cb_timeout_duration_secs, disable_circuit_breaker=args.disable_circuit_breaker,
+        cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold, max_hold_secs=args.max_hold_secs,
+    )  # fmt: skip
+
+
+async def serve(config: RouterConfig) -> None:
+    server = RouterServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    roles = ", ".join(f"{w.role} {w.url}" for w in server.registry.workers.values()) or "no workers yet"
+    log.info("pdctl router on %s (%s); %s", server.url, "PD" if config.pd_disaggregation else "regular", roles)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = {"warn": logging.WARNING}.get(args.log_level, getattr(logging, args.log_level.upper()))
+    logging.basicConfig(level=level, format="[%(asctime)s] %(name)s %(levelname)s %(message)s")
+    config = config_from_args(args, parser)
+    try:
+        import uvloop  # faster event loop where installed
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        log.error("cannot start the router: %s", exc)
+        sys.exit(1)

@@ -1,0 +1,368 @@
+"""PD dispatch, top to bottom: select_pair -> add_bootstrap -> send_both -> shape_response.
+
+Failure rules (sglang-protocol.md 2.3, style.md R9), implemented as written:
+- both legs run as tasks owned by the request's handler, so a client that goes away
+  cancels both (and the engines abort them);
+- a prefill that fails cancels its decode leg, which would otherwise wait for KV until
+  SGLANG_DISAGGREGATION_WAITING_TIMEOUT; a decode that fails first cancels the prefill;
+- a failed leg (connection error or 5xx) is retried on a freshly selected pair with a new
+  bootstrap room, with exponential backoff and jitter, at most ``retry_max_retries`` times,
+  and only while nothing has been sent to the client;
+- a worker's 4xx is the client's fault: returned as is, never retried, and it counts as a
+  success for the circuit breaker;
+- prefill's ``input_token_logprobs`` are put in front of decode's only when asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdctl.router import errors
+from pdctl.router.config import RouterConfig
+from pdctl.router.jsonutil import dumps, loads
+from pdctl.router.metrics import RouterMetrics
+from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.workers import Worker, WorkerRegistry
+from pdctl.sglang import inject_bootstrap
+
+PREFILL_GRACE_SECS = 5.0  # how long a finished decode waits for its prefill's answer
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+class RouteError(Exception):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class Leg:
+    """A buffered response from one worker, or the exception that stopped it."""
+
+    status: int = 0
+    body: bytes = b""
+    content_type: str = "application/json"
+    error: BaseException | None = None
+
+    @property
+    def server_failed(self) -> bool:
+        return self.error is not None or self.status >= 500
+
+
+class Retry(Exception):
+    """This pair failed before anything reached the client; try another pair."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics):
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        opts = {
+            "cache_threshold": config.cache_threshold,
+            "balance_abs_threshold": config.balance_abs_threshold,
+            "balance_rel_threshold": config.balance_rel_threshold,
+        }
+        self.prefill_policy = make_policy(config.prefill_policy or config.policy, **opts)
+        self.decode_policy = make_policy(config.decode_policy or config.policy, **opts)
+        self.regular_policy = make_policy(config.policy, **opts)
+        self.session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_secs)
+
+    # -- phase 1: select ----------------------------------------------------------------------
+    def select_pair(self, ctx: RequestContext) -> tuple[Worker, Worker]:
+        """A prefill and a decode on the same weight version; RouteError (503) names what is missing."""
+        prefills = self.registry.routable("prefill")
+        if not prefills:
+            raise RouteError(503, errors.NO_PREFILL, "No prefill workers available (none healthy)")
+        decodes = self.registry.routable("decode")
+        if not decodes:
+            raise RouteError(503, errors.NO_DECODE, "No decode workers available (none healthy)")
+        versions = {d.weight_version for d in decodes}
+        pairable = [p for p in prefills if p.weight_version in versions]
+        if not pairable:
+            raise RouteError(
+                503,
+                errors.VERSION_MISMATCH,
+                "no prefill and decode share a weight version "
+                f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, decode {sorted(map(str, versions))})",
+            )
+        prefill = self.prefill_policy.select(pairable, ctx) or pairable[0]
+        same = [d for d in decodes if d.weight_version == prefill.weight_version]
+        decode = self.decode_policy.select(same, ctx) or same[0]
+        self.metrics.selected(prefill, decode)
+        return prefill, decode
+
+    def select_regular(self, ctx: RequestContext) -> Worker:
+        workers = self.registry.routable("regular")
+        if not workers:
+            raise RouteError(503, errors.NO_WORKERS, "No healthy workers available")
+        return self.regular_policy.select(workers, ctx) or workers[0]
+
+    # -- the request loop (retries) ---------------------------------------------------------------
+    async def pd_request(
+        self, request: web.Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        ctx = RequestContext(text=_text_of(body) if self._needs_text() else None)
+        stream = bool(body.get("stream"))
+        with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
+        for attempt in range(self._attempts()):
+            prefill, decode = self.select_pair(ctx)
+            # phase 2: a new room per attempt (a retried room could collide with the orphan)
+            wire = dumps(
+                inject_bootstrap(body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch)
+            )
+            with self.registry.in_flight(prefill, decode):
+                try:
+                    if stream:
+                        return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
+                    return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
+                except Retry as retry:
+                    self.metrics.retried(retry.code)
+                    if attempt + 1 >= self._attempts():
+                        raise RouteError(502, retry.code, f"{retry} (after {attempt + 1} attempt(s))") from None
+            await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
+    async def regular_request(
+        self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
+        ctx = RequestContext(text=_text_of(body) if self.regular_policy.needs_text else None)
+        data = dumps(body)
+        for attempt in range(self._attempts()):
+            worker = self.select_regular(ctx)
+            with self.registry.in_flight(worker):
+                try:
+                    if body.get("stream"):
+                        return await self._stream_one(request, path, data, worker, headers)
+                    leg = await self._post(worker, path, data, headers)
+                    self._judge(worker, leg, errors.WORKER_FAILED)
+                    return _respond(leg, headers)
+                except Retry as retry:
+                    self.metrics.retried(retry.code)
+                    if attempt + 1 >= self._attempts():
+                        raise RouteError(502, retry.code, f"{retry} (after {attempt + 1} attempt(s))") from None
+            await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
+    # -- phase 3: send both -----------------------------------------------------------------------
+    async def _send_both(
+        self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: dict[str, str], with_logprobs: bool
+    ) -> web.Response:
+        p_task = asyncio.create_task(self._post(prefill, path, wire, headers))
+        d_task = asyncio.create_task(self._post(decode, path, wire, headers))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done:
+                p_leg = p_task.result()
+                if p_leg.server_failed or p_leg.status >= 400:
+                    d_task.cancel()  # decode would wait for KV that never comes
+                    self._judge(prefill, p_leg, errors.PREFILL_FAILED)
+                    return _respond(p_leg, headers)  # a 4xx: the client's fault
+            d_leg = await d_task
+            self._judge(decode, d_leg, errors.DECODE_FAILED)
+            if d_leg.status >= 400 or not with_logprobs:
+                p_leg = await _settle(p_task)
+                if p_leg is not None:
+                    self.registry.record(prefill, not p_leg.server_failed)
+                return _respond(d_leg, headers)
+            p_leg = await p_task
+            self._judge(prefill, p_leg, errors.PREFILL_FAILED)
+            return _respond(_merge_logprobs(p_leg, d_leg), headers)
+        finally:
+            await _cancel(p_task, d_task)
+
+    async def _stream_both(
+        self,
+        request: web.Request,
+        path: str,
+        wire: bytes,
+        prefill: Worker,
+        decode: Worker,
+        headers: dict[str, str],
+        with_logprobs: bool,
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        p_task = asyncio.create_task(self._post(prefill, path, wire, headers))
+        d_head = asyncio.create_task(
+            self.session.post(decode.url + path, data=wire, headers=headers, timeout=self._timeout)
+        )
+        try:
+            done, _ = await asyncio.wait({p_task, d_head}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and (p_task.result().server_failed or p_task.result().status >= 400):
+                d_head.cancel()  # decode would wait for KV that never comes
+                self._judge(prefill, p_task.result(), errors.PREFILL_FAILED)
+                return _respond(p_task.result(), headers)
+            try:
+                upstream = await d_head
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self._judge(decode, Leg(error=exc), errors.DECODE_FAILED)
+                raise AssertionError("unreachable") from exc
+            async with upstream:
+                if upstream.status >= 400:
+                    leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
+                    self._judge(decode, leg, errors.DECODE_FAILED)
+                    return _respond(leg, headers)
+                if p_task.done() and p_task.result().server_failed:
+                    self._judge(prefill, p_task.result(), errors.PREFILL_FAILED)
+                resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
+                await resp.prepare(request)
+                prefix = None
+                if with_logprobs:
+                    p_leg = await p_task
+                    prefix = _first_input_logprobs(p_leg)
+                async for event in _sse_events(upstream):
+                    await resp.write(_prepend_logprobs(event, prefix) if prefix is not None else event)
+                self.registry.record(decode, True)
+                p_leg = await _settle(p_task)
+                if p_leg is not None:
+                    self.registry.record(prefill, not p_leg.server_failed)
+                await resp.write_eof()
+                return resp
+        finally:
+            await _cancel(p_task, d_head)
+
+    async def _stream_one(
+        self, request: web.Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        try:
+            upstream = await self.session.post(worker.url + path, data=data, headers=headers, timeout=self._timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._judge(worker, Leg(error=exc), errors.WORKER_FAILED)
+            raise AssertionError("unreachable") from exc
+        async with upstream:
+            if upstream.status >= 400:
+                leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
+                self._judge(worker, leg, errors.WORKER_FAILED)
+                return _respond(leg, headers)
+            resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            self.registry.record(worker, True)
+            await resp.write_eof()
+            return resp
+
+    async def _post(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Leg:
+        assert self.session is not None
+        try:
+            async with self.session.post(worker.url + path, data=data, headers=headers, timeout=self._timeout) as r:
+                return Leg(r.status, await r.read(), r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return Leg(error=exc)
+
+    def _judge(self, worker: Worker, leg: Leg, code: str) -> None:
+        """Record the outcome; raise Retry for a server-side failure."""
+        self.registry.record(worker, not leg.server_failed)
+        if leg.error is not None:
+            if isinstance(leg.error, aiohttp.ClientConnectionError | OSError):
+                self.registry.mark_failed(worker)
+            raise Retry(f"{worker.role} {worker.url} failed: {type(leg.error).__name__}: {leg.error}", code)
+        if leg.status >= 500:
+            raise Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _needs_text(self) -> bool:
+        return self.prefill_policy.needs_text or self.decode_policy.needs_text
+
+    def _attempts(self) -> int:
+        return 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
+
+    def _backoff(self, attempt: int) -> float:
+        c = self.config
+        base = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier**attempt, c.retry_max_backoff_ms)
+        return base * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000
+
+
+def _text_of(body: dict[str, Any]) -> str | None:
+    for key in ("text", "prompt"):
+        value = body.get(key)
+        if isinstance(value, str):
+            return value
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    return None
+
+
+async def _settle(task: asyncio.Task) -> Leg | None:
+    """The task's Leg if it ends within the grace period, else None (it is then cancelled)."""
+    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        return await asyncio.wait_for(asyncio.shield(task), PREFILL_GRACE_SECS)
+    return None
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def _pass_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _respond(leg: Leg, headers: dict[str, str]) -> web.Response:
+    return web.Response(status=leg.status, body=leg.body, content_type=leg.content_type, headers=headers)
+
+
+def _merge_logprobs(p_leg: Leg, d_leg: Leg) -> Leg:
+    """Put prefill's meta_info.input_token_logprobs in front of decode's (per item for batches)."""
+    try:
+        p, d = loads(p_leg.body), loads(d_leg.body)
+    except ValueError:
+        return d_leg
+    pairs = zip(p, d, strict=False) if isinstance(p, list) and isinstance(d, list) else [(p, d)]
+    for p_item, d_item in pairs:
+        if isinstance(p_item, dict) and isinstance(d_item, dict) and "meta_info" in d_item:
+            head = p_item.get("meta_info", {}).get("input_token_logprobs") or []
+            d_item["meta_info"]["input_token_logprobs"] = head + (d_item["meta_info"].get("input_token_logprobs") or [])
+    return Leg(d_leg.status, dumps(d), d_leg.content_type)
+
+
+def _first_input_logprobs(p_leg: Leg) -> list | None:
+    for line in p_leg.body.split(b"\n"):
+        if line.startswith(b"data: {"):
+            with contextlib.suppress(ValueError):
+                return loads(line[6:]).get("meta_info", {}).get("input_token_logprobs") or []
+    return []
+
+
+def _prepend_logprobs(event: bytes, prefix: list) -> bytes:
+    if not event.startswith(b"data: {"):
+        return event
+    try:
+        chunk = loads(event[6:].strip())
+    except ValueError:
+        return event
+    meta = chunk.get("meta_info")
+    if isinstance(meta, dict):
+        meta["input_token_logprobs"] = prefix + (meta.get("input_token_logprobs") or [])
+    return b"data: " + dumps(chunk) + b"\n\n"
+
+
+async def _sse_events(upstream: aiohttp.ClientResponse):
+    """Whole SSE events (``data: ...\\n\\n``) from a streaming response."""
+    buffer = b""
+    async for chunk in upstream.content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            yield event + b"\n\n"
+    if buffer:
+        yield buffer

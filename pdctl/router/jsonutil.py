@@ -1,0 +1,23 @@
+"""Fast JSON for the request path: orjson when installed, the stdlib otherwise."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    import orjson
+
+    def dumps(value: Any) -> bytes:
+        return orjson.dumps(value)
+
+    def loads(data: bytes | str) -> Any:
+        return orjson.loads(data)
+
+except ImportError:  # pragma: no cover - orjson is a dependency
+
+    def dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+    def loads(data: bytes | str) -> Any:
+        return json.loads(data)

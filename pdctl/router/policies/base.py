@@ -1,0 +1,29 @@
+"""Policy: pick one worker from a list of candidates (already healthy, same role, same version)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pdctl.router.workers import Worker
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a policy may look at: the request's text (for cache_aware), if any."""
+
+    text: str | None = None
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+    needs_text: ClassVar[bool] = False
+
+    @abstractmethod
+    def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
+        """One of ``workers`` (non-empty), or None when none is acceptable."""
+
+    def on_complete(self, worker: Worker, ok: bool) -> None:  # noqa: B027 - optional hook
+        """Called when a request to ``worker`` ends."""

@@ -1,0 +1,53 @@
+"""cache_aware: send a prompt where its longest prefix was sent before, unless load is skewed.
+
+Like sglang-router's: if the load is imbalanced (max - min > balance_abs_threshold and
+max > balance_rel_threshold * min) pick the least loaded worker; else the worker whose
+recent prompts share the longest prefix with this one, if that match covers at least
+``cache_threshold`` of the prompt; else the least loaded. Prefixes are kept per worker as a
+bounded list of recent prompts (the sim has no radix tree to mirror; this is enough to keep
+conversations sticky).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pdctl.router.policies.base import Policy, RequestContext
+
+if TYPE_CHECKING:
+    from pdctl.router.workers import Worker
+
+RECENT_PER_WORKER = 256
+
+
+class CacheAwarePolicy(Policy):
+    name = "cache_aware"
+    needs_text = True
+
+    def __init__(
+        self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5
+    ):
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = balance_abs_threshold
+        self.rel_threshold = balance_rel_threshold
+        self._recent: dict[str, deque[str]] = {}
+
+    def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
+        least = min(workers, key=lambda w: w.load)
+        most = max(workers, key=lambda w: w.load)
+        imbalanced = most.load - least.load > self.abs_threshold and most.load > self.rel_threshold * max(least.load, 1)
+        text = ctx.text or ""
+        if imbalanced or not text:
+            chosen = least
+        else:
+            best, best_len = least, 0
+            for w in workers:
+                match = max((len(os.path.commonprefix([text, p])) for p in self._recent.get(w.url, ())), default=0)
+                if match > best_len:
+                    best, best_len = w, match
+            chosen = best if best_len >= self.cache_threshold * len(text) else least
+        if text:
+            self._recent.setdefault(chosen.url, deque(maxlen=RECENT_PER_WORKER)).append(text)
+        return chosen

@@ -1,0 +1,192 @@
+"""Workers, their health, load, circuit breaker and weight version; the registry owns them.
+
+A worker is routable when it is healthy, its circuit is not open, and (for PD) it is on
+the weight version being paired. The health loop runs in app startup and is cancelled in
+cleanup; it logs only when a worker's state changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from pdctl.router.config import RouterConfig
+from pdctl.sglang import Endpoint
+
+log = logging.getLogger("pdctl.router")
+ROLES = ("regular", "prefill", "decode")
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str
+    bootstrap_port: int | None = None
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    healthy: bool = True
+    load: int = 0
+    weight_version: str | None = None
+    registered_at: float = field(default_factory=time.monotonic)
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    # circuit breaker
+    cb_failures: int = 0
+    cb_successes: int = 0
+    cb_open_until: float = 0.0
+    cb_half_open: bool = False
+
+    @property
+    def bootstrap_host(self) -> str:
+        """The prefill's host as the decode reaches it: the URL's host, IPv6 in brackets."""
+        host = urlsplit(self.url).hostname or ""
+        return f"[{host}]" if ":" in host else host
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "worker_type": self.role,
+            "is_healthy": self.healthy,
+            "load": self.load,
+            "bootstrap_port": self.bootstrap_port,
+            "weight_version": self.weight_version,
+            "circuit_open": self.cb_open_until > time.monotonic(),
+            "connection_mode": "HTTP",
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+        self._task: asyncio.Task | None = None
+        self.on_change: list = []
+
+    # -- membership --------------------------------------------------------------------------
+    def add(self, url: str, role: str, bootstrap_port: int | None = None, *, healthy: bool = True) -> Worker:
+        if role not in ROLES:
+            raise ValueError(f"worker_type must be one of {', '.join(ROLES)}")
+        url = url.rstrip("/")
+        if url in self.workers:
+            raise ValueError(f"worker {url} is already registered")
+        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, healthy=healthy)
+        self.workers[url] = worker
+        log.info("registered %s worker %s", role, url)
+        return worker
+
+    def remove(self, key: str) -> Worker | None:
+        for url, w in list(self.workers.items()):
+            if key in (w.id, url):
+                del self.workers[url]
+                log.info("removed %s worker %s", w.role, url)
+                return w
+        return None
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def routable(self, role: str) -> list[Worker]:
+        now = time.monotonic()
+        out = []
+        for w in self.workers.values():
+            if w.role != role or not w.healthy:
+                continue
+            if not self.config.disable_circuit_breaker and w.cb_open_until > now:
+                continue
+            out.append(w)
+        return out
+
+    # -- load and outcomes ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def in_flight(self, *workers: Worker) -> Iterator[None]:
+        for w in workers:
+            w.load += 1
+        try:
+            yield
+        finally:
+            for w in workers:
+                w.load -= 1
+
+    def record(self, worker: Worker, ok: bool) -> None:
+        """Circuit breaker bookkeeping; a 4xx is the client's fault and counts as ok."""
+        if self.config.disable_circuit_breaker:
+            return
+        if ok:
+            worker.cb_failures = 0
+            if worker.cb_half_open:
+                worker.cb_successes += 1
+                if worker.cb_successes >= self.config.cb_success_threshold:
+                    worker.cb_half_open = False
+                    log.warning("circuit closed for %s", worker.url)
+            return
+        worker.cb_successes = 0
+        worker.cb_failures += 1
+        if worker.cb_half_open or worker.cb_failures >= self.config.cb_failure_threshold:
+            worker.cb_open_until = time.monotonic() + self.config.cb_timeout_duration_secs
+            worker.cb_half_open = True  # after the timeout, trial requests decide
+            worker.cb_failures = 0
+            log.warning("circuit opened for %s for %.0fs", worker.url, self.config.cb_timeout_duration_secs)
+
+    # -- health -----------------------------------------------------------------------------------
+    def start(self, session: aiohttp.ClientSession) -> None:
+        if not self.config.disable_health_check:
+            self._task = asyncio.create_task(self._health_loop(session), name="pdctl-router-health")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _health_loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self.check_all(session)
+            await asyncio.sleep(self.config.health_check_interval_secs)
+
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        workers = list(self.workers.values())
+        if workers:
+            await asyncio.gather(*(self._check(session, w) for w in workers))
+
+    async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs)
+        ok = False
+        try:
+            async with session.get(worker.url + Endpoint.HEALTH.value, timeout=timeout) as resp:
+                ok = resp.status == 200
+            if ok:
+                async with session.get(worker.url + Endpoint.MODEL_INFO.value, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        worker.weight_version = (await resp.json()).get("weight_version")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            ok = False
+        self.observe_health(worker, ok)
+
+    def observe_health(self, worker: Worker, ok: bool) -> None:
+        c = self.config
+        if ok:
+            worker.consecutive_failures = 0
+            worker.consecutive_successes += 1
+            if not worker.healthy and worker.consecutive_successes >= c.health_success_threshold:
+                worker.healthy = True
+                log.warning("worker %s is healthy again", worker.url)
+            return
+        if time.monotonic() - worker.registered_at < c.health_first_wait_secs:
+            return  # cold start grace: compiling engines answer late
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        if worker.healthy and worker.consecutive_failures >= c.health_failure_threshold:
+            worker.healthy = False
+            log.warning("worker %s is unhealthy (%d failed checks)", worker.url, worker.consecutive_failures)
+
+    def mark_failed(self, worker: Worker) -> None:
+        """A request could not even connect: count it as a failed health check at once."""
+        self.observe_health(worker, False)
