@@ -96,7 +96,8 @@ class Dispatcher:
                 503,
                 errors.VERSION_MISMATCH,
                 "no prefill and decode share a weight version "
-                f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, decode {sorted(map(str, versions))})",
+                f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, "
+                f"decode {sorted(map(str, versions))})",
             )
         prefill = self.prefill_policy.select(pairable, ctx) or pairable[0]
         same = [d for d in decodes if d.weight_version == prefill.weight_version]

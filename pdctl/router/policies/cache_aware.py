@@ -10,7 +10,6 @@ conversations sticky).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -44,10 +43,18 @@ class CacheAwarePolicy(Policy):
         else:
             best, best_len = least, 0
             for w in workers:
-                match = max((len(os.path.commonprefix([text, p])) for p in self._recent.get(w.url, ())), default=0)
+                match = max((_common_prefix(text, p) for p in self._recent.get(w.url, ())), default=0)
                 if match > best_len:
                     best, best_len = w, match
             chosen = best if best_len >= self.cache_threshold * len(text) else least
         if text:
             self._recent.setdefault(chosen.url, deque(maxlen=RECENT_PER_WORKER)).append(text)
         return chosen
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,318 @@
+"""The node agent: ``python -m pdctl.agent COMMAND`` runs on a node (over SSH or locally).
+
+It is the only code that touches node processes, so local and SSH nodes behave the same.
+Input is JSON on stdin (environment values can be secret: they never go on a command
+line); output is one JSON object on stdout. Imports stay light (no torch) so it starts fast.
+
+Commands:
+    preflight   python/pdctl/sglang importable, GPUs visible, which planned ports are busy (and by whom)
+    spawn       start processes, each in its own session, stdout+stderr to its log file
+    wait-ready  poll local health URLs until 200, failing fast when a process dies
+    status      which recorded processes are alive; HTTP probes of local URLs
+    stop        SIGTERM whole process groups (and tagged escapees), wait, SIGKILL, verify
+    read        a log file's bytes from an offset (for `pdctl logs` and `-f`)
+    rm          remove a run directory (`down --purge`)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+RUN_ID_ENV = "PDCTL_RUN_ID"
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(path)
+
+
+def preflight(req: dict[str, Any]) -> dict[str, Any]:
+    import importlib.util
+
+    from pdctl import __version__
+
+    out: dict[str, Any] = {
+        "python": sys.executable,
+        "pdctl": __version__,
+        "sglang": importlib.util.find_spec("sglang") is not None,
+        "busy_ports": [],
+    }
+    if req.get("check_gpus"):
+        out["gpus"] = _visible_gpus()
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        out["ephemeral_range"] = [int(low), int(high)]
+    except OSError:
+        out["ephemeral_range"] = None
+    owners = _listeners()
+    host = req.get("host", "0.0.0.0")
+    for port in req.get("ports", []):
+        if port in owners or not _can_bind(host, port):
+            out["busy_ports"].append({"port": port, **owners.get(port, {"pid": None, "name": "unknown"})})
+    return out
+
+
+def _visible_gpus() -> int:
+    try:
+        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        return len([line for line in res.stdout.splitlines() if line.startswith("GPU ")])
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+
+
+def _listeners() -> dict[int, dict[str, Any]]:
+    owners: dict[int, dict[str, Any]] = {}
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.AccessDenied, OSError):
+        return owners
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr:
+            info: dict[str, Any] = {"pid": c.pid, "name": None, "cmdline": None}
+            if c.pid:
+                try:
+                    p = psutil.Process(c.pid)
+                    info.update(name=p.name(), cmdline=" ".join(p.cmdline())[:200])
+                except psutil.Error:
+                    pass
+            owners.setdefault(c.laddr.port, info)
+    return owners
+
+
+def _can_bind(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def spawn(req: dict[str, Any]) -> dict[str, Any]:
+    """Start each process in a new session; return pid, pgid and create_time per id."""
+    started = {}
+    for proc in req["processes"]:
+        cwd = _expand(proc["cwd"])
+        log_path = Path(_expand(proc["log_path"]))
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        Path(cwd).mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **proc["env"]}
+        with open(log_path, "ab", buffering=0) as log:
+            log.write(f"\n=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} {proc['id']}: start ===\n".encode())
+            child = subprocess.Popen(
+                proc["argv"], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )  # fmt: skip
+        started[proc["id"]] = {
+            "pid": child.pid,
+            "pgid": child.pid,
+            "create_time": psutil.Process(child.pid).create_time(),
+        }
+    return {"started": started}
+
+
+def _same(pid: int, create_time: float) -> psutil.Process | None:
+    """The process if it is still the one we started (pids are reused)."""
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
+            return p
+    except psutil.Error:
+        pass
+    return None
+
+
+def wait_ready(req: dict[str, Any]) -> dict[str, Any]:
+    """Poll each {id, url, pid, create_time} until 200; stop at the first death or the deadline."""
+    deadline = time.monotonic() + float(req["timeout_secs"])
+    pending = {t["id"]: t for t in req["targets"]}
+    while pending:
+        for tid, t in list(pending.items()):
+            if _same(t["pid"], t["create_time"]) is None:
+                return {"ready": False, "failed": tid, "reason": "process exited"}
+            if _http_ok(t["url"], timeout=float(req.get("probe_timeout_secs", 5))):
+                del pending[tid]
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            return {"ready": False, "failed": sorted(pending)[0], "reason": f"not healthy after {req['timeout_secs']}s"}
+        time.sleep(0.25)
+    return {"ready": True}
+
+
+def _http_ok(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _http_json(url: str, timeout: float) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def status(req: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for proc in req["processes"]:
+        p = _same(proc["pid"], proc["create_time"])
+        entry: dict[str, Any] = {"alive": p is not None}
+        if p is not None:
+            entry["uptime_secs"] = time.time() - proc["create_time"]
+            entry["rss_mb"] = _safe(lambda p=p: p.memory_info().rss / 2**20)
+        if p is not None and proc.get("health_url"):
+            entry["healthy"] = _http_ok(proc["health_url"], timeout=float(req.get("timeout_secs", 5)))
+        if p is not None and proc.get("info_url"):
+            info = _http_json(proc["info_url"], timeout=float(req.get("timeout_secs", 5)))
+            entry["info"] = info
+        out[proc["id"]] = entry
+    return {"processes": out}
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except psutil.Error:
+        return None
+
+
+def stop(req: dict[str, Any]) -> dict[str, Any]:
+    """SIGTERM every group (and any process tagged with the run id), wait, SIGKILL the rest.
+
+    A group member counts only if it was created after the group's leader: a reused pgid
+    cannot make us kill a stranger.
+    """
+    grace = float(req.get("grace_secs", 10))
+    run_id = req.get("run_id")
+    groups = _processes_by_pgid()
+    victims: dict[int, psutil.Process] = {}
+    for proc in req["processes"]:
+        for member in groups.get(proc["pgid"], []):
+            created = _safe(member.create_time)
+            if created is not None and created >= proc["create_time"] - 0.01:
+                victims[member.pid] = member
+    if run_id:
+        victims.update({p.pid: p for p in _tagged(run_id)})
+    victims.pop(os.getpid(), None)
+    procs = list(victims.values())
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    gone, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        _signal(p, signal.SIGKILL)
+    killed, alive = psutil.wait_procs(alive, timeout=5)
+    left = {p.pid for p in alive if _safe(p.status) not in (None, psutil.STATUS_ZOMBIE)}
+    if run_id:
+        left |= {p.pid for p in _tagged(run_id)}
+    return {"terminated": len(gone), "killed": len(killed), "left": sorted(left)}
+
+
+def _processes_by_pgid() -> dict[int, list[psutil.Process]]:
+    out: dict[int, list[psutil.Process]] = {}
+    for p in psutil.process_iter(["pid"]):
+        try:
+            out.setdefault(os.getpgid(p.pid), []).append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
+def _tagged(run_id: str) -> list[psutil.Process]:
+    """Processes whose environment carries this run's id (children that left the group)."""
+    out = []
+    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def read(req: dict[str, Any]) -> dict[str, Any]:
+    path = Path(_expand(req["path"]))
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        return {"error": f"{path}: {exc.strerror}", "size": 0, "data": ""}
+    offset = int(req.get("offset", -1))
+    if offset < 0:  # the last N lines
+        lines = int(req.get("lines", 50))
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read()
+        text = b"\n".join(data.split(b"\n")[-(lines + 1) :])
+        return {"size": size, "data": text.decode(errors="replace")}
+    with open(path, "rb") as f:
+        f.seek(min(offset, size))
+        data = f.read(1024 * 1024)
+    return {"size": offset + len(data), "data": data.decode(errors="replace")}
+
+
+def rm(req: dict[str, Any]) -> dict[str, Any]:
+    import shutil
+
+    removed = []
+    for path in req["paths"]:
+        p = Path(_expand(path))
+        if p.exists():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(str(p))
+    return {"removed": removed}
+
+
+COMMANDS = {
+    "preflight": preflight,
+    "spawn": spawn,
+    "wait-ready": wait_ready,
+    "status": status,
+    "stop": stop,
+    "read": read,
+    "rm": rm,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in COMMANDS:
+        print(json.dumps({"error": f"usage: python -m pdctl.agent {{{','.join(COMMANDS)}}} < request.json"}))
+        sys.exit(2)
+    raw = sys.stdin.read()
+    try:
+        result = COMMANDS[args[0]](json.loads(raw) if raw.strip() else {})
+    except Exception as exc:  # report, never a traceback on the wire
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        sys.exit(1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

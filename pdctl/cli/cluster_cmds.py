@@ -1,0 +1,161 @@
+"""up, down, status, logs: thin commands over pdctl.cluster."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import click
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from pdctl.cli.topology_cmds import load_or_default, print_warnings
+from pdctl.cluster import ClusterStatus, StateStore, down as cluster_down, logs as cluster_logs
+from pdctl.cluster import status as cluster_status
+from pdctl.cluster import up as cluster_up
+from pdctl.plan import make_plan
+
+console = Console(stderr=True)
+
+
+class Progress:
+    """A live table of process states, fed from worker threads."""
+
+    def __init__(self, ids: list[str]):
+        self.rows = {i: "planned" for i in ids}
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+        self.live = Live(self.render(), console=console, refresh_per_second=4, transient=False)
+        self.shown = False
+
+    def event(self, process: str, message: str) -> None:
+        with self.lock:
+            if not self.shown:  # only once something happens: an early refusal prints no table
+                self.live.start()
+                self.shown = True
+            if process in self.rows:
+                self.rows[process] = message
+            else:
+                console.log(f"{process}: {message}")
+        self.live.update(self.render())
+
+    def render(self) -> Table:
+        table = Table(title=f"pdctl up ({time.monotonic() - self.started:.1f}s)", expand=False)
+        table.add_column("process")
+        table.add_column("state")
+        for pid, state in self.rows.items():
+            color = "green" if state in ("healthy", "stopped") or state.startswith("started") else "yellow"
+            table.add_row(pid, f"[{color}]{state}[/]")
+        return table
+
+
+@click.command()
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--timeout", "timeout_secs", default=900.0, show_default=True, help="Seconds to wait for engines.")
+def up(file: str | None, timeout_secs: float) -> None:
+    """Launch FILE's cluster (default: the embedded sim topology on localhost).
+
+    Preflights every node (reachable, pdctl importable, ports free), starts engines, waits
+    until they are healthy, starts the router, then the trainer. On any failure or Ctrl-C
+    everything already started is stopped and the failing process's log tail is shown.
+    """
+    top, warnings, filename = load_or_default(file)
+    print_warnings(warnings, filename)
+    plan = make_plan(top)
+    progress = Progress([p.id for p in plan.processes])
+    try:
+        state = cluster_up(top, plan, ready_timeout_secs=timeout_secs, events=progress.event, source=filename)
+    finally:
+        if progress.shown:
+            progress.live.stop()
+    console.print(f"[green]cluster {state.name!r} is up[/] in {time.monotonic() - progress.started:.1f}s")
+    click.echo(f"router: {state.router_url}")
+    _print_status(cluster_status(state.name))
+
+
+@click.command()
+@click.argument("name", required=False)
+@click.option("--purge", is_flag=True, help="Also remove run directories (logs) on the nodes and the state.")
+def down(name: str | None, purge: bool) -> None:
+    """Stop every process of cluster NAME on every node; idempotent.
+
+    SIGTERM to whole process groups, SIGKILL after a grace period, trainer rank 0 last,
+    then a check that nothing of the cluster is left. An unreachable node keeps its
+    entries in the state so that running down again finishes the job.
+    """
+    store = StateStore()
+    name = store.resolve_name(name)
+    click.echo(cluster_down(name, store=store, purge=purge, events=lambda p, m: None))
+
+
+@click.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(name: str | None, as_json: bool) -> None:
+    """Each process of NAME: role, node, pid, alive, health, ports, weight version, uptime.
+
+    Exit 1 when anything is down or unhealthy.
+    """
+    store = StateStore()
+    result = cluster_status(store.resolve_name(name), store=store)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        _print_status(result)
+    if not result.ok:
+        sys.exit(1)
+
+
+def _print_status(result: ClusterStatus) -> None:
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    table = Table(title=f"{result.name}: {result.status}  router {result.router_url}")
+    for col in ("process", "role", "node", "pid", "alive", "health", "weights", "ports", "uptime"):
+        table.add_column(col)
+    for p in result.processes:
+        alive = "?" if p.alive is None else ("[green]yes[/]" if p.alive else "[red]no[/]")
+        health = "-" if p.healthy is None else ("[green]ok[/]" if p.healthy else "[red]failing[/]")
+        uptime = f"{p.uptime_secs:.0f}s" if p.uptime_secs is not None else "-"
+        ports = " ".join(f"{k}={v}" for k, v in p.ports.items())
+        table.add_row(p.id, p.role, p.node, str(p.pid), alive, health, p.weight_version or "-", ports, uptime)
+    out.print(table)
+    for p in result.processes:
+        if p.error:
+            out.print(f"[red]{p.node}: {p.error}[/]")
+    if result.router_workers is not None:
+        workers = ", ".join(
+            f"{w['worker_type']} {w['url']} ({'healthy' if w['is_healthy'] else 'UNHEALTHY'}, v={w.get('weight_version')})"
+            for w in result.router_workers
+        )
+        out.print(f"router workers: {workers or 'none'}")
+
+
+@click.command()
+@click.argument("args", nargs=-1)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new output.")
+@click.option("-n", "--lines", default=50, show_default=True, help="Lines of history to show.")
+def logs(args: tuple[str, ...], follow: bool, lines: int) -> None:
+    """Print the log of process PROC of cluster NAME: `pdctl logs [NAME] [PROC]`.
+
+    PROC defaults to the router; NAME to the only cluster there is.
+    """
+    store = StateStore()
+    if len(args) > 2:
+        raise click.UsageError("usage: pdctl logs [NAME] [PROC]")
+    names = store.names()
+    if len(args) == 2:
+        name, proc = args
+    elif len(args) == 1 and args[0] in names:
+        name, proc = args[0], "router"
+    else:
+        name, proc = store.resolve_name(None), (args[0] if args else "router")
+    try:
+        for chunk in cluster_logs(name, proc, lines=lines, follow=follow, store=store):
+            click.echo(chunk, nl=False)
+    except KeyboardInterrupt:
+        pass
+
+
+COMMANDS = [up, down, status, logs]

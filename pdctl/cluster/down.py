@@ -1,0 +1,104 @@
+"""``down``: stop every process of a cluster on every node; idempotent.
+
+Whole process groups get SIGTERM, then SIGKILL after a grace period, all nodes in
+parallel, trainer rank 0 last (it hosts the torch.distributed store; killing it first
+makes the other ranks fail their teardown). Processes that left their group are found by
+the run id in their environment. A node that cannot be reached keeps its processes in the
+state file so that a retry finishes the job.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+from pdctl.cluster.nodes import NodeSet
+from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.errors import LifecycleError, RemoteError
+
+Events = Callable[[str, str], None]
+GRACE_SECS = 10.0
+
+
+def _quiet(_: str, __: str) -> None:
+    pass
+
+
+def down(
+    name: str, *, store: StateStore | None = None, nodes: NodeSet | None = None, purge: bool = False,
+    events: Events = _quiet,
+) -> str:  # fmt: skip
+    """Stop cluster ``name``. Returns a one-line summary; raises LifecycleError if anything is left."""
+    store = store or StateStore()
+    with store.locked(name):
+        state = store.load(name)
+        if state is None:
+            return f"no cluster {name!r} in {store.root}; nothing to do"
+        nodes = nodes or NodeSet(state.node_objects().values())
+        if state.status == "down" and not state.processes:
+            summary = f"cluster {name!r} is already down"
+        else:
+            count = len(state.processes)
+            state.status = "stopping"
+            store.save(state)
+            stop_processes(state, nodes, events=events)
+            state.processes.clear()
+            state.status = "down"
+            store.save(state)
+            summary = f"cluster {name!r} is down ({count} processes stopped)"
+        if purge:
+            results = nodes.each(state.run_dirs, lambda ex: ex.agent("rm", {"paths": [state.run_dirs[ex.node.name]]}))
+            failed = [str(r) for r in results.values() if isinstance(r, RemoteError)]
+            if failed:
+                raise LifecycleError("purge failed (state kept): " + "; ".join(failed))
+            store.remove(name)
+            summary += "; logs and state removed"
+        return summary
+
+
+def stop_processes(
+    state: ClusterState, nodes: NodeSet, *, events: Events = _quiet, grace_secs: float = GRACE_SECS
+) -> None:
+    """Stop every recorded process (and run-id-tagged stragglers) on every node.
+
+    Processes confirmed gone are removed from ``state.processes``. Raises LifecycleError
+    naming unreachable nodes and survivors; what is left stays in the state.
+    """
+    last = [p for p in state.processes.values() if p.role == "trainer" and p.node_rank == 0]
+    last_node = last[0].node if last else None
+    first = [p for p in state.processes.values() if p not in last]
+    problems: list[str] = []
+    # Phase 1: everything but trainer rank 0. The run-id sweep skips rank 0's node until phase 2.
+    all_nodes = [n for n in state.node_objects() if n != last_node] + ([last_node] if last_node else [])
+    problems += _stop_phase(state, nodes, first, [n for n in all_nodes if n != last_node], events, grace_secs)
+    if last_node:
+        problems += _stop_phase(state, nodes, last, [last_node], events, grace_secs)
+    if problems:
+        raise LifecycleError("some processes may still run:\n  " + "\n  ".join(problems))
+
+
+def _stop_phase(state, nodes: NodeSet, records, sweep_nodes: list[str], events: Events, grace: float) -> list[str]:
+    by_node = defaultdict(list)
+    for rec in records:
+        by_node[rec.node].append(rec)
+    targets = list(dict.fromkeys([*by_node, *sweep_nodes]))
+    for rec in records:
+        events(rec.id, "stopping")
+
+    def stop(ex):
+        procs = [{"pid": r.pid, "pgid": r.pgid, "create_time": r.create_time} for r in by_node.get(ex.node.name, [])]
+        run_id = state.run_id if ex.node.name in sweep_nodes else None
+        return ex.agent("stop", {"processes": procs, "run_id": run_id, "grace_secs": grace}, timeout=grace + 60)
+
+    problems = []
+    for node, res in nodes.each(targets, stop).items():
+        if isinstance(res, RemoteError):
+            problems.append(f"{res} (its processes stay in the state file; retry `pdctl down {state.name}`)")
+            continue
+        if res["left"]:
+            problems.append(f"node {node}: pids {res['left']} survived SIGKILL")
+            continue
+        for rec in by_node.get(node, []):
+            state.processes.pop(rec.id, None)
+            events(rec.id, "stopped")
+    return problems

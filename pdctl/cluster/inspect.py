@@ -1,0 +1,127 @@
+"""``status`` and ``logs``: read-only views of a running cluster."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdctl.cluster.nodes import NodeSet
+from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.errors import LifecycleError, RemoteError
+from pdctl.sglang import Endpoint
+
+
+@dataclass
+class ProcessStatus:
+    id: str
+    role: str
+    node: str
+    pid: int
+    alive: bool | None  # None: node unreachable
+    healthy: bool | None = None
+    weight_version: str | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    uptime_secs: float | None = None
+    url: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.alive) and self.healthy is not False
+
+
+@dataclass
+class ClusterStatus:
+    name: str
+    status: str
+    router_url: str | None
+    processes: list[ProcessStatus]
+    router_workers: list[dict[str, Any]] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "up" and all(p.ok for p in self.processes)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {**asdict(self), "ok": self.ok}
+
+
+def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None = None) -> ClusterStatus:
+    store = store or StateStore()
+    state = _load(store, name)
+    nodes = nodes or NodeSet(state.node_objects().values())
+    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in state.processes.values():
+        query: dict[str, Any] = {"id": rec.id, "pid": rec.pid, "create_time": rec.create_time}
+        if rec.url and rec.health_path:
+            query["health_url"] = rec.url + ("/readiness" if rec.role == "router" else rec.health_path)
+            query["info_url"] = rec.url + ("/workers" if rec.role == "router" else Endpoint.MODEL_INFO.value)
+        by_node[rec.node].append(query)
+    results = nodes.each(by_node, lambda ex: ex.agent("status", {"processes": by_node[ex.node.name]}, timeout=60))
+    out: list[ProcessStatus] = []
+    router_workers = None
+    for rec in state.processes.values():
+        res = results.get(rec.node)
+        ps = ProcessStatus(
+            id=rec.id, role=rec.role, node=rec.node, pid=rec.pid, alive=None, ports=rec.ports, url=rec.url
+        )
+        if isinstance(res, RemoteError):
+            ps.error = str(res)
+        elif res is not None:
+            entry = res["processes"][rec.id]
+            ps.alive = entry["alive"]
+            ps.healthy = entry.get("healthy")
+            ps.uptime_secs = entry.get("uptime_secs")
+            info = entry.get("info")
+            if isinstance(info, dict):
+                if rec.role == "router":
+                    router_workers = info.get("workers")
+                else:
+                    ps.weight_version = info.get("weight_version")
+        out.append(ps)
+    return ClusterStatus(state.name, state.status, state.router_url, out, router_workers)
+
+
+def _load(store: StateStore, name: str) -> ClusterState:
+    state = store.load(name)
+    if state is None:
+        raise LifecycleError(f"no cluster {name!r} in {store.root}")
+    return state
+
+
+def _record(state: ClusterState, process: str):
+    if process in state.processes:
+        return state.processes[process]
+    for rec in state.plan.get("processes", []):
+        if rec["id"] == process:  # stopped, but its log is still on the node
+            return type("Rec", (), {"node": rec["node"], "log_path": rec["log_path"]})()
+    known = ", ".join(p["id"] for p in state.plan.get("processes", [])) or "none"
+    raise LifecycleError(f"no process {process!r} in cluster {state.name!r}; processes: {known}")
+
+
+def logs(
+    name: str, process: str, *, lines: int = 50, follow: bool = False, store: StateStore | None = None,
+    nodes: NodeSet | None = None, poll_secs: float = 0.5, stop: Callable[[], bool] = lambda: False,
+) -> Iterator[str]:  # fmt: skip
+    """Yield the last ``lines`` lines of a process's log, then (with follow) new text as it comes."""
+    store = store or StateStore()
+    state = _load(store, name)
+    rec = _record(state, process)
+    nodes = nodes or NodeSet(state.node_objects().values())
+    ex = nodes.executor(rec.node)
+    first = ex.agent("read", {"path": rec.log_path, "lines": lines}, timeout=30)
+    if "error" in first:
+        raise LifecycleError(f"node {rec.node}: {first['error']}")
+    yield first["data"]
+    offset = first["size"]
+    while follow and not stop():
+        time.sleep(poll_secs)
+        chunk = ex.agent("read", {"path": rec.log_path, "offset": offset}, timeout=30)
+        if chunk.get("data"):
+            yield chunk["data"]
+        offset = chunk.get("size", offset)

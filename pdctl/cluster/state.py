@@ -1,0 +1,153 @@
+"""The state file: ``.pdctl/NAME/state.json`` under $PDCTL_HOME or the working directory.
+
+Written atomically (temp file + rename), mode 0600, and locked (flock on ``lock``) while
+``up`` or ``down`` runs. It holds everything ``down`` needs without the YAML: how to reach
+every node and every process's pid, process group and start time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdctl.errors import LifecycleError
+from pdctl.topology.model import Node, SSHConfig
+
+
+def state_root() -> Path:
+    return Path(os.environ.get("PDCTL_HOME") or Path.cwd() / ".pdctl")
+
+
+@dataclass
+class ProcessRecord:
+    id: str
+    role: str
+    node: str
+    pid: int
+    pgid: int
+    create_time: float
+    log_path: str
+    ports: dict[str, int] = field(default_factory=dict)
+    url: str | None = None
+    health_path: str | None = None
+    engine_id: str | None = None
+    node_rank: int = 0
+
+
+@dataclass
+class ClusterState:
+    name: str
+    run_id: str
+    status: str  # starting | up | failed | stopping | down
+    nodes: list[dict[str, Any]]
+    router_url: str | None = None
+    processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    run_dirs: dict[str, str] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    source: str = ""
+
+    def node_objects(self) -> dict[str, Node]:
+        out = {}
+        for raw in self.nodes:
+            raw = dict(raw)
+            ssh = SSHConfig(**raw.pop("ssh", {}))
+            out[raw["name"]] = Node(ssh=ssh, **raw)
+        return out
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterState:
+        data = json.loads(text)
+        data["processes"] = {k: ProcessRecord(**v) for k, v in data.get("processes", {}).items()}
+        return cls(**data)
+
+
+def node_to_dict(node: Node) -> dict[str, Any]:
+    return {
+        "name": node.name, "host": node.host, "gpus": node.gpus, "python": node.python, "workdir": node.workdir,
+        "env": dict(node.env), "ssh": asdict(node.ssh),
+    }  # fmt: skip
+
+
+class StateStore:
+    def __init__(self, root: Path | None = None):
+        self.root = root or state_root()
+
+    def dir(self, name: str) -> Path:
+        return self.root / name
+
+    def path(self, name: str) -> Path:
+        return self.dir(name) / "state.json"
+
+    def load(self, name: str) -> ClusterState | None:
+        path = self.path(name)
+        if not path.exists():
+            return None
+        try:
+            return ClusterState.from_json(path.read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            raise LifecycleError(f"state file {path} is unreadable: {exc}") from exc
+
+    def save(self, state: ClusterState) -> None:
+        """Atomic, 0600: write a temp file in the same directory, fsync, rename."""
+        state.updated_at = time.time()
+        directory = self.dir(state.name)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = directory / f".state.json.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(state.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(state.name))
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.parent.name for p in self.root.glob("*/state.json"))
+
+    def remove(self, name: str) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir(name), ignore_errors=True)
+
+    @contextlib.contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        """Exclusive lock for up/down of ``name``; a second one fails at once, naming the holder."""
+        directory = self.dir(name)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                raise LifecycleError(f"another pdctl up/down of {name!r} is running (pid {holder})") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)
+
+    def resolve_name(self, name: str | None) -> str:
+        """NAME, or the only cluster there is; a clear error otherwise."""
+        if name:
+            return name
+        names = self.names()
+        if len(names) == 1:
+            return names[0]
+        if not names:
+            raise LifecycleError(f"no clusters in {self.root}; give a NAME or run `pdctl up` first")
+        raise LifecycleError(f"several clusters in {self.root} ({', '.join(names)}); give a NAME")

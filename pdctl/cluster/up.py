@@ -1,0 +1,223 @@
+"""``up``: preflight every node, launch engines, wait until healthy, router, then trainer.
+
+Nothing starts unless every node passes preflight. Every process is recorded in the state
+file as soon as its node reports its pid. Any failure, or Ctrl-C, stops everything already
+started (on every node) and raises LifecycleError with the failing process's last log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from pdctl.agent import RUN_ID_ENV
+from pdctl.cluster.down import stop_processes
+from pdctl.cluster.nodes import NodeSet
+from pdctl.cluster.state import ClusterState, ProcessRecord, StateStore, node_to_dict
+from pdctl.errors import LifecycleError, RemoteError
+from pdctl.plan import LaunchSpec, Plan
+from pdctl.plan.planner import run_dir
+from pdctl.topology.model import Role, Topology
+
+Events = Callable[[str, str], None]
+LOG_TAIL_LINES = 50
+
+
+def _quiet(_: str, __: str) -> None:
+    pass
+
+
+def up(
+    top: Topology,
+    plan: Plan,
+    *,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    ready_timeout_secs: float = 900.0,
+    events: Events = _quiet,
+    source: str = "",
+) -> ClusterState:
+    """Bring ``plan`` up. Returns the state (status ``up``).
+
+    Raises:
+        LifecycleError: preflight failed (nothing started), or launch failed (all stopped).
+    """
+    store = store or StateStore()
+    nodes = nodes or NodeSet(top.nodes)
+    with store.locked(plan.name):
+        existing = store.load(plan.name)
+        if existing and existing.status != "down" and existing.processes:
+            raise LifecycleError(
+                f"cluster {plan.name!r} is already {existing.status} with {len(existing.processes)} processes; "
+                f"run `pdctl down {plan.name}` first"
+            )
+        _preflight(top, plan, nodes, events)
+        state = ClusterState(
+            name=plan.name, run_id=uuid.uuid4().hex, status="starting",
+            nodes=[node_to_dict(n) for n in top.nodes], router_url=plan.router_url,
+            run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes}, plan=plan.to_dict(), source=source,
+        )  # fmt: skip
+        store.save(state)
+        try:
+            engines = [p for p in plan.processes if p.role.is_engine]
+            _launch(engines, state, store, nodes, top, events)
+            _wait_ready([p for p in engines if p.entrypoint], state, nodes, ready_timeout_secs, events)
+            router = [plan.router]
+            _launch(router, state, store, nodes, top, events)
+            _wait_ready(router, state, nodes, 60.0, events, path="/readiness")
+            trainers = [p for p in plan.processes if p.role is Role.TRAINER]
+            _launch(trainers, state, store, nodes, top, events)
+        except (Exception, KeyboardInterrupt) as exc:
+            events("up", "failed; stopping everything that started")
+            detail = _failure_detail(exc, state, nodes)
+            state.status = "failed"
+            store.save(state)
+            try:
+                stop_processes(state, nodes, events=events)
+                state.processes.clear()
+                state.status = "down"
+            except LifecycleError as cleanup:
+                detail += f"\ncleanup incomplete: {cleanup} (run `pdctl down {plan.name}` to retry)"
+            store.save(state)
+            raise LifecycleError(detail) from exc
+        state.status = "up"
+        store.save(state)
+        return state
+
+
+def _preflight(top: Topology, plan: Plan, nodes: NodeSet, events: Events) -> None:
+    ports: dict[str, list[int]] = defaultdict(list)
+    gpus: dict[str, int] = defaultdict(int)
+    for proc in plan.processes:
+        ports[proc.node].extend(proc.owned_ports())
+        if proc.gpu_ids:
+            gpus[proc.node] = max(gpus[proc.node], max(proc.gpu_ids) + 1)
+    check_gpus = top.engine == "sglang"
+    names = [n.name for n in top.nodes if n.name in ports]
+    events("preflight", f"checking {len(names)} node(s)")
+    results = nodes.each(
+        names,
+        lambda ex: ex.agent("preflight", {"ports": sorted(ports[ex.node.name]), "check_gpus": check_gpus}, timeout=60),
+    )
+    problems = []
+    for name, res in results.items():
+        if isinstance(res, RemoteError):
+            problems.append(str(res))
+            continue
+        for busy in res["busy_ports"]:
+            owner = (
+                f"pid {busy['pid']} ({busy.get('name') or '?'}: {busy.get('cmdline') or ''})"
+                if busy.get("pid")
+                else ("a process pdctl cannot see (another user?)")
+            )
+            problems.append(f"node {name}: port {busy['port']} is already in use by {owner}")
+        if top.engine == "sglang" and not res["sglang"]:
+            problems.append(f"node {name}: sglang is not importable by {res['python']} (pip install sglang)")
+        if check_gpus and res.get("gpus", 0) < gpus[name]:
+            problems.append(f"node {name}: the plan uses {gpus[name]} GPUs but {res.get('gpus', 0)} are visible")
+    if problems:
+        raise LifecycleError("preflight failed, nothing was started:\n  " + "\n  ".join(problems))
+    events("preflight", "ok")
+
+
+def _launch(
+    specs: list[LaunchSpec], state: ClusterState, store: StateStore, nodes: NodeSet, top: Topology, events: Events
+) -> None:
+    by_node: dict[str, list[LaunchSpec]] = defaultdict(list)
+    for spec in specs:
+        by_node[spec.node].append(spec)
+    secrets = _secret_env(top)
+
+    def launch(ex) -> dict[str, Any]:
+        payload = []
+        for spec in by_node[ex.node.name]:
+            env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
+            if spec.role is Role.ROUTER:
+                env.update(secrets)
+            payload.append(
+                {"id": spec.id, "argv": list(spec.argv), "env": env, "cwd": spec.cwd, "log_path": spec.log_path}
+            )
+            events(spec.id, "starting")
+        return ex.agent("spawn", {"processes": payload}, timeout=120)
+
+    results = nodes.each(list(by_node), launch)
+    errors = []
+    for node, res in results.items():
+        if isinstance(res, RemoteError):
+            errors.append(str(res))
+            continue
+        for spec in by_node[node]:
+            info = res["started"][spec.id]
+            state.processes[spec.id] = ProcessRecord(
+                id=spec.id, role=spec.role.value, node=spec.node, pid=info["pid"], pgid=info["pgid"],
+                create_time=info["create_time"], log_path=spec.log_path, ports=dict(spec.ports), url=spec.url,
+                health_path=spec.health_path, engine_id=spec.engine_id, node_rank=spec.node_rank,
+            )  # fmt: skip
+            events(spec.id, f"started pid {info['pid']} on {node}")
+    store.save(state)
+    if errors:
+        raise LifecycleError("launch failed: " + "; ".join(errors))
+
+
+def _secret_env(top: Topology) -> dict[str, str]:
+    """The router's API key, read from the control machine's environment; never logged or saved."""
+    name = top.router.api_key_env
+    if not name:
+        return {}
+    value = os.environ.get(name)
+    if not value:
+        raise LifecycleError(f"router.api_key_env is {name} but ${name} is unset or empty on this machine")
+    return {name: value}
+
+
+class ReadinessError(LifecycleError):
+    def __init__(self, process_id: str, reason: str):
+        super().__init__(f"{process_id} did not become ready: {reason}")
+        self.process_id = process_id
+
+
+def _wait_ready(
+    specs: list[LaunchSpec],
+    state: ClusterState,
+    nodes: NodeSet,
+    timeout: float,
+    events: Events,
+    path: str | None = None,
+) -> None:
+    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for spec in specs:
+        rec = state.processes[spec.id]
+        url = f"{spec.url}{path or spec.health_path or '/health'}"
+        by_node[spec.node].append({"id": spec.id, "url": url, "pid": rec.pid, "create_time": rec.create_time})
+        events(spec.id, "waiting until healthy")
+    results = nodes.each(
+        list(by_node),
+        lambda ex: ex.agent(
+            "wait-ready", {"targets": by_node[ex.node.name], "timeout_secs": timeout}, timeout=timeout + 60
+        ),
+    )
+    for res in results.values():
+        if isinstance(res, RemoteError):
+            raise res
+        if not res["ready"]:
+            raise ReadinessError(res["failed"], res["reason"])
+    for spec in specs:
+        events(spec.id, "healthy")
+
+
+def _failure_detail(exc: BaseException, state: ClusterState, nodes: NodeSet) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted; everything that started was stopped"
+    message = str(exc)
+    failed = getattr(exc, "process_id", None)
+    if failed and failed in state.processes:
+        rec = state.processes[failed]
+        try:
+            tail = nodes.executor(rec.node).agent("read", {"path": rec.log_path, "lines": LOG_TAIL_LINES}, timeout=30)
+            message += f"\n--- last {LOG_TAIL_LINES} lines of {rec.log_path} on {rec.node} ---\n{tail.get('data', '')}"
+        except RemoteError as read_error:
+            message += f"\n(could not read its log: {read_error})"
+    return message

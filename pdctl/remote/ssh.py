@@ -1,0 +1,125 @@
+"""Remote nodes over SSH (paramiko): ~/.ssh/config, ssh-agent and the topology's key; host
+keys checked against known_hosts; one connection per node, reused for every call.
+
+Host-key policy: an unknown host is refused unless ``ssh.accept_new_host_key`` is set (then
+its key is recorded, like StrictHostKeyChecking=accept-new); a changed key is always
+refused. paramiko and socket errors become RemoteError here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import threading
+from pathlib import Path
+
+import paramiko
+
+from pdctl.errors import RemoteError
+from pdctl.remote.base import Executor
+from pdctl.topology.model import Node
+
+CONNECT_TIMEOUT_SECS = 10.0
+
+
+class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """Record an unknown host's key in ``path``; paramiko itself refuses changed keys."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+class SSHExecutor(Executor):
+    def __init__(self, node: Node):
+        super().__init__(node)
+        self._client: paramiko.SSHClient | None = None
+        self._lock = threading.Lock()
+        cfg = paramiko.SSHConfig()
+        user_config = Path("~/.ssh/config").expanduser()
+        if user_config.is_file():
+            cfg = paramiko.SSHConfig.from_path(str(user_config))
+        found = cfg.lookup(node.host)
+        self.hostname = found.get("hostname", node.host)
+        self.port = node.ssh.port or int(found.get("port", 22))
+        self.user = node.ssh.user or found.get("user")
+        keys = [node.ssh.key] if node.ssh.key else list(found.get("identityfile", []))
+        self.key_files = [str(Path(k).expanduser()) for k in keys if Path(k).expanduser().is_file()]
+        if node.ssh.key and not self.key_files:
+            raise RemoteError(f"node {node.name}: ssh key {node.ssh.key} does not exist")
+        self.known_hosts = Path(node.ssh.known_hosts or "~/.ssh/known_hosts").expanduser()
+
+    @property
+    def where(self) -> str:
+        return f"node {self.node.name} ({self.user + '@' if self.user else ''}{self.hostname}:{self.port})"
+
+    def connect(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                return
+            client = paramiko.SSHClient()
+            if self.known_hosts.is_file():
+                client.load_host_keys(str(self.known_hosts))
+            elif not self.node.ssh.accept_new_host_key:
+                raise RemoteError(f"{self.where}: known_hosts file {self.known_hosts} does not exist")
+            if self.node.ssh.accept_new_host_key:
+                client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts))
+            else:
+                client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            try:
+                client.connect(
+                    self.hostname, port=self.port, username=self.user, key_filename=self.key_files or None,
+                    timeout=CONNECT_TIMEOUT_SECS, banner_timeout=CONNECT_TIMEOUT_SECS, auth_timeout=CONNECT_TIMEOUT_SECS,
+                    allow_agent=True, look_for_keys=not self.key_files,
+                )  # fmt: skip
+            except paramiko.BadHostKeyException as exc:
+                client.close()
+                raise RemoteError(
+                    f"{self.where}: host key does not match {self.known_hosts} (expected {exc.expected_key.get_name()}, "
+                    f"got {exc.key.get_name()}); refusing to connect. If the host was reinstalled, remove the old key "
+                    f"with `ssh-keygen -R {self.hostname}`"
+                ) from exc
+            except paramiko.AuthenticationException as exc:
+                client.close()
+                raise RemoteError(f"{self.where}: authentication failed ({exc}); check ssh.user and ssh.key") from exc
+            except paramiko.SSHException as exc:
+                client.close()
+                if "not found in known_hosts" in str(exc):
+                    raise RemoteError(
+                        f"{self.where}: host key unknown (not in {self.known_hosts}); add it with "
+                        f"`ssh-keyscan -p {self.port} {self.hostname} >> {self.known_hosts}` after checking it, "
+                        "or set ssh.accept_new_host_key: true"
+                    ) from exc
+                raise RemoteError(f"{self.where}: SSH error: {exc}") from exc
+            except (OSError, socket.timeout) as exc:
+                client.close()
+                raise RemoteError(f"{self.where}: unreachable: {exc}") from exc
+            self._client = client
+
+    def _run(self, argv: list[str], stdin: bytes, timeout: float) -> tuple[int, bytes, bytes]:
+        self.connect()
+        assert self._client is not None
+        # NOTE: the one place a remote shell sees our argv: quote every word.
+        command = shlex.join(argv)
+        try:
+            chan_in, chan_out, chan_err = self._client.exec_command(command, timeout=timeout)
+            chan_in.write(stdin)
+            chan_in.channel.shutdown_write()
+            out = chan_out.read()
+            err = chan_err.read()
+            code = chan_out.channel.recv_exit_status()
+        except (paramiko.SSHException, OSError, socket.timeout) as exc:
+            self.close()
+            raise RemoteError(f"{self.where}: `{' '.join(argv[2:])}` failed: {exc}") from exc
+        return code, out, err
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
