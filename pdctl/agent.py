@@ -112,9 +112,15 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
         with open(log_path, "ab", buffering=0) as log:
             log.write(f"\n=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} {proc['id']}: start ===\n".encode())
             child = subprocess.Popen(
-                proc["argv"], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
-            )  # fmt: skip
+                proc["argv"],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
         started[proc["id"]] = {
             "pid": child.pid,
             "pgid": child.pid,
@@ -242,9 +248,9 @@ def _tagged(run_id: str) -> list[psutil.Process]:
             continue
         try:
             with open(f"/proc/{p.pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    if p.status() != psutil.STATUS_ZOMBIE:
-                        out.append(p)
+                tagged = needle in f.read().split(b"\0")
+            if tagged and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
         except (OSError, psutil.Error):
             continue
     return out

@@ -13,7 +13,9 @@ from rich.live import Live
 from rich.table import Table
 
 from pdctl.cli.topology_cmds import load_or_default, print_warnings
-from pdctl.cluster import ClusterStatus, StateStore, down as cluster_down, logs as cluster_logs
+from pdctl.cluster import ClusterStatus, StateStore
+from pdctl.cluster import down as cluster_down
+from pdctl.cluster import logs as cluster_logs
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
 from pdctl.plan import make_plan
@@ -126,7 +128,8 @@ def _print_status(result: ClusterStatus) -> None:
             out.print(f"[red]{p.node}: {p.error}[/]")
     if result.router_workers is not None:
         workers = ", ".join(
-            f"{w['worker_type']} {w['url']} ({'healthy' if w['is_healthy'] else 'UNHEALTHY'}, v={w.get('weight_version')})"
+            f"{w['worker_type']} {w['url']} ({'healthy' if w['is_healthy'] else 'UNHEALTHY'}, "
+            f"v={w.get('weight_version')})"
             for w in result.router_workers
         )
         out.print(f"router workers: {workers or 'none'}")

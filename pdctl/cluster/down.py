@@ -25,9 +25,13 @@ def _quiet(_: str, __: str) -> None:
 
 
 def down(
-    name: str, *, store: StateStore | None = None, nodes: NodeSet | None = None, purge: bool = False,
+    name: str,
+    *,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    purge: bool = False,
     events: Events = _quiet,
-) -> str:  # fmt: skip
+) -> str:
     """Stop cluster ``name``. Returns a one-line summary; raises LifecycleError if anything is left."""
     store = store or StateStore()
     with store.locked(name):

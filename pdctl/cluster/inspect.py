@@ -105,9 +105,16 @@ def _record(state: ClusterState, process: str):
 
 
 def logs(
-    name: str, process: str, *, lines: int = 50, follow: bool = False, store: StateStore | None = None,
-    nodes: NodeSet | None = None, poll_secs: float = 0.5, stop: Callable[[], bool] = lambda: False,
-) -> Iterator[str]:  # fmt: skip
+    name: str,
+    process: str,
+    *,
+    lines: int = 50,
+    follow: bool = False,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    poll_secs: float = 0.5,
+    stop: Callable[[], bool] = lambda: False,
+) -> Iterator[str]:
     """Yield the last ``lines`` lines of a process's log, then (with follow) new text as it comes."""
     store = store or StateStore()
     state = _load(store, name)

@@ -76,9 +76,14 @@ class ClusterState:
 
 def node_to_dict(node: Node) -> dict[str, Any]:
     return {
-        "name": node.name, "host": node.host, "gpus": node.gpus, "python": node.python, "workdir": node.workdir,
-        "env": dict(node.env), "ssh": asdict(node.ssh),
-    }  # fmt: skip
+        "name": node.name,
+        "host": node.host,
+        "gpus": node.gpus,
+        "python": node.python,
+        "workdir": node.workdir,
+        "env": dict(node.env),
+        "ssh": asdict(node.ssh),
+    }
 
 
 class StateStore:

@@ -56,10 +56,15 @@ def up(
             )
         _preflight(top, plan, nodes, events)
         state = ClusterState(
-            name=plan.name, run_id=uuid.uuid4().hex, status="starting",
-            nodes=[node_to_dict(n) for n in top.nodes], router_url=plan.router_url,
-            run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes}, plan=plan.to_dict(), source=source,
-        )  # fmt: skip
+            name=plan.name,
+            run_id=uuid.uuid4().hex,
+            status="starting",
+            nodes=[node_to_dict(n) for n in top.nodes],
+            router_url=plan.router_url,
+            run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
+            plan=plan.to_dict(),
+            source=source,
+        )
         store.save(state)
         try:
             engines = [p for p in plan.processes if p.role.is_engine]
@@ -152,10 +157,19 @@ def _launch(
         for spec in by_node[node]:
             info = res["started"][spec.id]
             state.processes[spec.id] = ProcessRecord(
-                id=spec.id, role=spec.role.value, node=spec.node, pid=info["pid"], pgid=info["pgid"],
-                create_time=info["create_time"], log_path=spec.log_path, ports=dict(spec.ports), url=spec.url,
-                health_path=spec.health_path, engine_id=spec.engine_id, node_rank=spec.node_rank,
-            )  # fmt: skip
+                id=spec.id,
+                role=spec.role.value,
+                node=spec.node,
+                pid=info["pid"],
+                pgid=info["pgid"],
+                create_time=info["create_time"],
+                log_path=spec.log_path,
+                ports=dict(spec.ports),
+                url=spec.url,
+                health_path=spec.health_path,
+                engine_id=spec.engine_id,
+                node_rank=spec.node_rank,
+            )
             events(spec.id, f"started pid {info['pid']} on {node}")
     store.save(state)
     if errors:

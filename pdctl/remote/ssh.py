@@ -9,7 +9,6 @@ refused. paramiko and socket errors become RemoteError here and nowhere else.
 from __future__ import annotations
 
 import shlex
-import socket
 import threading
 from pathlib import Path
 
@@ -73,16 +72,22 @@ class SSHExecutor(Executor):
                 client.set_missing_host_key_policy(paramiko.RejectPolicy())
             try:
                 client.connect(
-                    self.hostname, port=self.port, username=self.user, key_filename=self.key_files or None,
-                    timeout=CONNECT_TIMEOUT_SECS, banner_timeout=CONNECT_TIMEOUT_SECS, auth_timeout=CONNECT_TIMEOUT_SECS,
-                    allow_agent=True, look_for_keys=not self.key_files,
-                )  # fmt: skip
+                    self.hostname,
+                    port=self.port,
+                    username=self.user,
+                    key_filename=self.key_files or None,
+                    timeout=CONNECT_TIMEOUT_SECS,
+                    banner_timeout=CONNECT_TIMEOUT_SECS,
+                    auth_timeout=CONNECT_TIMEOUT_SECS,
+                    allow_agent=True,
+                    look_for_keys=not self.key_files,
+                )
             except paramiko.BadHostKeyException as exc:
                 client.close()
                 raise RemoteError(
-                    f"{self.where}: host key does not match {self.known_hosts} (expected {exc.expected_key.get_name()}, "
-                    f"got {exc.key.get_name()}); refusing to connect. If the host was reinstalled, remove the old key "
-                    f"with `ssh-keygen -R {self.hostname}`"
+                    f"{self.where}: host key does not match {self.known_hosts} "
+                    f"(expected {exc.expected_key.get_name()}, got {exc.key.get_name()}); refusing to connect. "
+                    f"If the host was reinstalled, remove the old key with `ssh-keygen -R {self.hostname}`"
                 ) from exc
             except paramiko.AuthenticationException as exc:
                 client.close()
@@ -96,7 +101,7 @@ class SSHExecutor(Executor):
                         "or set ssh.accept_new_host_key: true"
                     ) from exc
                 raise RemoteError(f"{self.where}: SSH error: {exc}") from exc
-            except (OSError, socket.timeout) as exc:
+            except (TimeoutError, OSError) as exc:
                 client.close()
                 raise RemoteError(f"{self.where}: unreachable: {exc}") from exc
             self._client = client
@@ -113,7 +118,7 @@ class SSHExecutor(Executor):
             out = chan_out.read()
             err = chan_err.read()
             code = chan_out.channel.recv_exit_status()
-        except (paramiko.SSHException, OSError, socket.timeout) as exc:
+        except (TimeoutError, paramiko.SSHException, OSError) as exc:
             self.close()
             raise RemoteError(f"{self.where}: `{' '.join(argv[2:])}` failed: {exc}") from exc
         return code, out, err

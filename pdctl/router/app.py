@@ -239,8 +239,11 @@ class RouterServer:
 
     async def readiness(self, _: web.Request) -> web.Response:
         ready, healthy = self._ready()
-        body = {"status": "ready" if ready else "not_ready", "healthy_workers": healthy,
-                "total_workers": len(self.registry.workers)}  # fmt: skip
+        body = {
+            "status": "ready" if ready else "not_ready",
+            "healthy_workers": healthy,
+            "total_workers": len(self.registry.workers),
+        }
         return web.json_response(body, status=200 if ready else 503)
 
     async def health_generate(self, _: web.Request) -> web.Response:
@@ -270,8 +273,9 @@ class RouterServer:
                 by_role[worker.role].append(body)
                 if worker.role != "prefill":
                     internal.extend(body.get("internal_states", []))
-        return web.json_response({"router": "pdctl", "workers_count": len(self.registry.workers),
-                                  "internal_states": internal, **by_role})  # fmt: skip
+        return web.json_response(
+            {"router": "pdctl", "workers_count": len(self.registry.workers), "internal_states": internal, **by_role}
+        )
 
     async def flush_cache(self, _: web.Request) -> web.Response:
         results = await self._fan_out("POST", Endpoint.FLUSH_CACHE.value)

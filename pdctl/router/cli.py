@@ -30,8 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--pd-disaggregation", action="store_true", help="PD mode: --prefill and --decode workers.")
-    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="A prefill worker and its bootstrap port (or 'none'); repeat per worker.")  # fmt: skip
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="A prefill worker and its bootstrap port (or 'none'); repeat per worker.",
+    )
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="A decode worker; repeat.")
     p.add_argument("--worker-urls", nargs="+", default=[], metavar="URL", help="Regular (non-PD) workers.")
     p.add_argument("--policy", choices=policies, default=d.policy)
@@ -94,22 +100,40 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         if not api_key:
             parser.error(f"--api-key-env {args.api_key_env}: the variable is unset or empty")
     return RouterConfig(
-        host=args.host, port=args.port, prometheus_port=args.prometheus_port, pd_disaggregation=args.pd_disaggregation,
-        workers=tuple(workers), policy=args.policy, prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy, api_key=api_key, request_timeout_secs=args.request_timeout_secs,
-        max_concurrent_requests=args.max_concurrent_requests, queue_size=args.queue_size,
-        queue_timeout_secs=args.queue_timeout_secs, health_check_interval_secs=args.health_check_interval_secs,
+        host=args.host,
+        port=args.port,
+        prometheus_port=args.prometheus_port,
+        pd_disaggregation=args.pd_disaggregation,
+        workers=tuple(workers),
+        policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        api_key=api_key,
+        request_timeout_secs=args.request_timeout_secs,
+        max_concurrent_requests=args.max_concurrent_requests,
+        queue_size=args.queue_size,
+        queue_timeout_secs=args.queue_timeout_secs,
+        health_check_interval_secs=args.health_check_interval_secs,
         health_check_timeout_secs=args.health_check_timeout_secs,
-        health_failure_threshold=args.health_failure_threshold, health_success_threshold=args.health_success_threshold,
-        health_first_wait_secs=args.health_first_wait_secs, disable_health_check=args.disable_health_check,
-        retry_max_retries=args.retry_max_retries, retry_initial_backoff_ms=args.retry_initial_backoff_ms,
-        retry_max_backoff_ms=args.retry_max_backoff_ms, retry_backoff_multiplier=args.retry_backoff_multiplier,
-        retry_jitter_factor=args.retry_jitter_factor, disable_retries=args.disable_retries,
-        cb_failure_threshold=args.cb_failure_threshold, cb_success_threshold=args.cb_success_threshold,
-        cb_timeout_duration_secs=args.cb_timeout_duration_secs, disable_circuit_breaker=args.disable_circuit_breaker,
-        cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold, max_hold_secs=args.max_hold_secs,
-    )  # fmt: skip
+        health_failure_threshold=args.health_failure_threshold,
+        health_success_threshold=args.health_success_threshold,
+        health_first_wait_secs=args.health_first_wait_secs,
+        disable_health_check=args.disable_health_check,
+        retry_max_retries=args.retry_max_retries,
+        retry_initial_backoff_ms=args.retry_initial_backoff_ms,
+        retry_max_backoff_ms=args.retry_max_backoff_ms,
+        retry_backoff_multiplier=args.retry_backoff_multiplier,
+        retry_jitter_factor=args.retry_jitter_factor,
+        disable_retries=args.disable_retries,
+        cb_failure_threshold=args.cb_failure_threshold,
+        cb_success_threshold=args.cb_success_threshold,
+        cb_timeout_duration_secs=args.cb_timeout_duration_secs,
+        disable_circuit_breaker=args.disable_circuit_breaker,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        max_hold_secs=args.max_hold_secs,
+    )
 
 
 async def serve(config: RouterConfig) -> None:
