@@ -93,6 +93,8 @@ def _listeners() -> dict[int, dict[str, Any]]:
 def _can_bind(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Servers set SO_REUSEADDR too, so a port with only TIME_WAIT leftovers is free for them.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
         except OSError:

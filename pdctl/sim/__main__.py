@@ -25,6 +25,13 @@ def config_from_argv(argv: list[str]) -> SimConfig:
     ignored = ignored_flags(args)
     if ignored:
         log.info("accepted but ignored on CPU: %s", " ".join(ignored))
+    for flag, value in (
+        ("--tp-size", args.tp_size),
+        ("--max-running-requests", args.max_running_requests),
+        ("--context-length", args.context_length),
+    ):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     server_args = tuple((k, v) for k, v in sorted(vars(args).items()) if not k.startswith("sim_") and k != "api_key")
     return SimConfig(
         model_path=args.model_path,

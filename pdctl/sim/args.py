@@ -58,6 +58,7 @@ class SimOptions:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pdctl.sim",
+        usage="python -m pdctl.sim --model-path PATH [SGLang server flags] [--sim-* flags]  (-h lists them all)",
         description="pdctl's CPU stand-in for an SGLang server: SGLang's flags and HTTP API, a tiny real model.",
     )
     for flag in server_flags().flags:

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.netns import TestHosts, netns_unavailable
+
+
+@pytest.fixture(scope="session")
+def hosts(tmp_path_factory):
+    """Two real SSH test hosts in network namespaces (see tests/netns.py)."""
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(f"multi-host tests skipped: {reason}")
+    built = TestHosts(2, tmp_path_factory.mktemp("hosts")).start()
+    yield built
+    built.close()
+
+
+@pytest.fixture
+def clean_hosts(hosts):
+    """Asserts after the test that no process of ours is left on any host."""
+    yield hosts
+    strays = hosts.stray_pids()
+    hosts.kill_strays()
+    assert not strays, f"stray processes left on test hosts: {strays}"
+
+
+@pytest.fixture
+def pdctl_home(tmp_path, monkeypatch):
+    home = tmp_path / "pdctl-home"
+    monkeypatch.setenv("PDCTL_HOME", str(home))
+    return home

@@ -1,0 +1,169 @@
+"""pdctl up / status / down / logs over real SSH to test hosts in network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from pdctl.cluster import StateStore, down, logs, status, up
+from pdctl.errors import LifecycleError, PdctlError
+from pdctl.plan import make_plan
+from pdctl.topology import load_topology_text
+from tests.helpers import post
+
+pytestmark = pytest.mark.netns
+
+
+def topology(hosts, *, name="t", base=24000, decode_args=None, nodes=None, router_node="h0"):
+    data = {
+        "name": name,
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": nodes or [hosts.node(0), hosts.node(1)],
+        "ports": {"base": base},
+        "prefill": {"replicas": 1, "tp": 1, "nodes": ["h0"]},
+        "decode": {"replicas": 1, "tp": 1, "nodes": ["h1"], "args": decode_args or {}},
+        "router": {"host": "0.0.0.0", "node": router_node},
+    }
+    return load_topology_text(yaml.safe_dump(data))[0]
+
+
+def test_up_status_requests_down(clean_hosts, pdctl_home) -> None:
+    top = topology(clean_hosts)
+    plan = make_plan(top)
+    state = up(top, plan, ready_timeout_secs=120)
+    assert state.status == "up" and set(state.processes) == {"prefill-0", "decode-0", "router"}
+    st = status("t")
+    assert st.ok, st
+    assert {p.weight_version for p in st.processes if p.role != "router"} == {"default"}
+    assert {w["worker_type"] for w in st.router_workers} == {"prefill", "decode"}
+    # a few requests through the router, from the control side
+    for i in range(5):
+        code, out = post(
+            state.router_url + "/generate",
+            {"text": f"hello {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        )
+        assert code == 200 and out["meta_info"]["completion_tokens"] == 8, out
+    text = "".join(logs("t", "decode-0", lines=20))
+    assert "fired up and ready to roll" in text
+    # the state file is private
+    assert oct(StateStore().path("t").stat().st_mode & 0o777) == "0o600"
+    assert "down (3 processes stopped)" in down("t")
+    assert "already down" in down("t")  # idempotent
+    assert not status("t").ok
+
+
+def test_busy_port_refuses_before_launching(clean_hosts, pdctl_home) -> None:
+    top = topology(clean_hosts, base=24100)
+    plan = make_plan(top)
+    port = plan.process("decode-0").ports["http"]
+    blocker = clean_hosts.hosts[1].exec(
+        sys.executable,
+        "-c",
+        f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0',{port})); s.listen(); time.sleep(120)",
+    )
+    try:
+        time.sleep(1.0)
+        with pytest.raises(LifecycleError) as info:
+            up(top, plan, ready_timeout_secs=60)
+        message = str(info.value)
+        assert "preflight failed, nothing was started" in message
+        assert f"node h1: port {port} is already in use by pid {blocker.pid}" in message
+        assert "python" in message  # the owner's name
+        assert clean_hosts.hosts[0].pids() == []  # nothing started on the other host either
+    finally:
+        blocker.kill()
+        blocker.wait()
+
+
+def test_engine_dying_at_start_rolls_back_and_shows_its_log(clean_hosts, pdctl_home) -> None:
+    top = topology(clean_hosts, base=24200, decode_args={"max-running-requests": 0})
+    with pytest.raises(LifecycleError) as info:
+        up(top, make_plan(top), ready_timeout_secs=60)
+    message = str(info.value)
+    assert "decode-0 did not become ready: process exited" in message
+    assert "--max-running-requests must be >= 1, got 0" in message  # its log tail
+    state = StateStore().load("t")
+    assert state.status == "down" and not state.processes
+
+
+def test_up_killed_halfway_then_down_cleans_up(clean_hosts, pdctl_home, tmp_path) -> None:
+    top_file = tmp_path / "t.yaml"
+    top = topology(clean_hosts, base=24300)
+    nodes = [clean_hosts.node(0), clean_hosts.node(1)]
+    data = {
+        "name": "t",
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": nodes,
+        "ports": {"base": 24300},
+        "prefill": {"nodes": ["h0"]},
+        "decode": {"nodes": ["h1"]},
+        "router": {"host": "0.0.0.0"},
+    }
+    top_file.write_text(yaml.safe_dump(data))
+    assert top.name == "t"
+    env = {**os.environ, "PDCTL_HOME": str(pdctl_home)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdctl", "up", str(top_file)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    state_path = pdctl_home / "t" / "state.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if state_path.exists() and json.loads(state_path.read_text())["processes"]:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    state = json.loads(state_path.read_text())
+    assert state["status"] == "starting" and state["processes"]  # killed half way
+    assert clean_hosts.stray_pids()  # engines are running without their pdctl
+    result = subprocess.run(
+        [sys.executable, "-m", "pdctl", "down", "t"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "is down" in result.stdout
+
+
+def test_unreachable_host_is_a_clear_error(clean_hosts, pdctl_home) -> None:
+    ghost = clean_hosts.node(1)
+    ghost["host"] = f"10.77.{clean_hosts.subnet}.250"
+    top = topology(clean_hosts, base=24400, nodes=[clean_hosts.node(0), ghost])
+    with pytest.raises(LifecycleError) as info:
+        up(top, make_plan(top), ready_timeout_secs=60)
+    assert "preflight failed, nothing was started" in str(info.value)
+    assert f"node h1 (root@{ghost['host']}:22): unreachable" in str(info.value)
+
+
+def test_wrong_host_key_is_refused(clean_hosts, pdctl_home, tmp_path) -> None:
+    bad = tmp_path / "known_hosts"
+    lines = clean_hosts.known_hosts.read_text().splitlines()
+    other_key = lines[0].split(" ", 1)[1]  # h0's key claimed for h1
+    bad.write_text(f"{lines[0]}\n{clean_hosts.hosts[1].ip} {other_key}\n")
+    nodes = [clean_hosts.node(0, ssh={"known_hosts": str(bad)}), clean_hosts.node(1, ssh={"known_hosts": str(bad)})]
+    top = topology(clean_hosts, base=24500, nodes=nodes)
+    with pytest.raises(LifecycleError) as info:
+        up(top, make_plan(top), ready_timeout_secs=60)
+    assert "node h1" in str(info.value) and "host key does not match" in str(info.value)
+    # unknown host: refused by default, recorded with accept_new_host_key
+    unknown = tmp_path / "empty_known_hosts"
+    unknown.write_text("")
+    nodes = [clean_hosts.node(0), clean_hosts.node(1, ssh={"known_hosts": str(unknown)})]
+    top = topology(clean_hosts, base=24500, nodes=nodes)
+    with pytest.raises(PdctlError, match="host key unknown"):
+        up(top, make_plan(top), ready_timeout_secs=60)
+    nodes[1]["ssh"]["accept_new_host_key"] = True
+    top = topology(clean_hosts, base=24500, nodes=nodes)
+    up(top, make_plan(top), ready_timeout_secs=120)
+    assert clean_hosts.hosts[1].ip in unknown.read_text()
+    down("t")

@@ -1,0 +1,202 @@
+"""Real test hosts: one network namespace per host, each with its own sshd.
+
+A bridge in the root namespace joins a veth pair per host, on a private /24 used only for
+this (10.77.X.0/24, X from the pid so that concurrent runs do not collide); the control
+side is 10.77.X.1. sshd runs with a throwaway host key and an authorized throwaway client
+key; known_hosts is written here. The filesystem is shared, so the test venv works on every
+host. ``close()`` removes processes, namespaces, veths and the bridge even after failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def netns_unavailable() -> str | None:
+    """Why these hosts cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns)"
+    for tool in ("ip", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed"
+    if not Path("/usr/sbin/sshd").exists():
+        return "openssh-server not installed (scripts/setup.sh installs it)"
+    return None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+@dataclass
+class TestHost:
+    name: str
+    netns: str
+    ip: str
+    sshd: subprocess.Popen | None = None
+
+    def pids(self) -> list[int]:
+        """Every process in this host's namespace but its sshd (and sshd's session children)."""
+        out = _run("ip", "netns", "pids", self.netns, check=False).stdout.split()
+        pids = [int(p) for p in out]
+        keep = {self.sshd.pid} if self.sshd else set()
+        result = []
+        for pid in pids:
+            if pid in keep:
+                continue
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm.startswith("sshd"):
+                continue
+            result.append(pid)
+        return result
+
+    def exec(self, *argv: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], **kw)
+
+
+class TestHosts:
+    def __init__(self, count: int, tmp: Path):
+        self.tmp = tmp
+        tag = os.getpid() % 10000
+        self.subnet = 10 + os.getpid() % 240
+        self.prefix = f"pd{tag}"
+        self.bridge = f"{self.prefix}br"
+        self.gateway = f"10.77.{self.subnet}.1"
+        self.hosts = [TestHost(f"h{i}", f"{self.prefix}h{i}", f"10.77.{self.subnet}.{i + 2}") for i in range(count)]
+        self.client_key = tmp / "client_key"
+        self.known_hosts = tmp / "known_hosts"
+
+    # -- build ---------------------------------------------------------------------------
+    def start(self) -> TestHosts:
+        try:
+            self._network()
+            self._keys()
+            for i, host in enumerate(self.hosts):
+                self._sshd(i, host)
+            for host in self.hosts:
+                self._wait_port(host.ip, 22)
+        except Exception:
+            self.close()
+            raise
+        return self
+
+    def _network(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        for i, host in enumerate(self.hosts):
+            outer, inner = f"{self.prefix}v{i}", f"{self.prefix}p{i}"
+            _run("ip", "netns", "add", host.netns)
+            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            _run("ip", "link", "set", inner, "netns", host.netns)
+            _run("ip", "link", "set", outer, "master", self.bridge)
+            _run("ip", "link", "set", outer, "up")
+            ns = ("ip", "netns", "exec", host.netns)
+            _run(*ns, "ip", "addr", "add", f"{host.ip}/24", "dev", inner)
+            _run(*ns, "ip", "link", "set", inner, "up")
+            _run(*ns, "ip", "link", "set", "lo", "up")
+            _run(*ns, "ip", "route", "add", "default", "via", self.gateway)
+
+    def _keys(self) -> None:
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key))
+        (self.tmp / "authorized_keys").write_text((self.tmp / "client_key.pub").read_text())
+        lines = []
+        for i, host in enumerate(self.hosts):
+            key = self.tmp / f"host_key_{i}"
+            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
+            lines.append(
+                f"{host.ip} {(self.tmp / f'host_key_{i}.pub').read_text().split(' ')[0]} "
+                f"{(self.tmp / f'host_key_{i}.pub').read_text().split(' ')[1]}"
+            )
+        self.known_hosts.write_text("\n".join(lines) + "\n")
+
+    def _sshd(self, i: int, host: TestHost) -> None:
+        Path("/run/sshd").mkdir(exist_ok=True)
+        config = self.tmp / f"sshd_{i}.conf"
+        config.write_text(
+            "\n".join(
+                [
+                    "Port 22",
+                    f"ListenAddress {host.ip}",
+                    f"HostKey {self.tmp / f'host_key_{i}'}",
+                    f"AuthorizedKeysFile {self.tmp / 'authorized_keys'}",
+                    "PidFile none",
+                    "UsePAM no",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "PermitRootLogin prohibit-password",
+                    "StrictModes no",
+                    "PubkeyAuthentication yes",
+                    "MaxStartups 100:30:200",
+                    "MaxSessions 100",
+                    "LogLevel ERROR",
+                ]
+            )
+            + "\n"
+        )
+        log = (self.tmp / f"sshd_{i}.log").open("w")
+        host.sshd = host.exec("/usr/sbin/sshd", "-D", "-e", "-f", str(config), stdout=log, stderr=subprocess.STDOUT)
+
+    def _wait_port(self, ip: str, port: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=1):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"sshd on {ip}:{port} did not start")
+
+    # -- helpers for tests ------------------------------------------------------------------
+    def node(self, i: int, **extra) -> dict:
+        """A topology node entry for host i."""
+        ssh = {"user": "root", "key": str(self.client_key), "known_hosts": str(self.known_hosts)}
+        ssh.update(extra.pop("ssh", {}))
+        return {
+            "name": self.hosts[i].name,
+            "host": self.hosts[i].ip,
+            "gpus": 4,
+            "ssh": ssh,
+            "python": os.environ.get("PDCTL_TEST_PYTHON", _venv_python()),
+            "workdir": str(self.tmp / "runs" / self.hosts[i].name),
+            **extra,
+        }
+
+    def stray_pids(self) -> dict[str, list[int]]:
+        return {h.name: h.pids() for h in self.hosts if h.pids()}
+
+    def kill_strays(self) -> None:
+        for host in self.hosts:
+            for pid in host.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    # -- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        for host in self.hosts:
+            for pid in _run("ip", "netns", "pids", host.netns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            if host.sshd is not None:
+                with contextlib.suppress(Exception):
+                    host.sshd.kill()
+                    host.sshd.wait(timeout=5)
+            _run("ip", "netns", "del", host.netns, check=False)
+        for i in range(len(self.hosts)):
+            _run("ip", "link", "del", f"{self.prefix}v{i}", check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+
+
+def _venv_python() -> str:
+    import sys
+
+    return sys.executable
