@@ -85,8 +85,8 @@ def _tail(log: Path | None) -> str:
 class SimProcess:
     """A real ``python -m pdctl.sim`` process on a free port of 127.0.0.1."""
 
-    def __init__(self, tmp: Path, *args: str, name: str = "sim", env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, tmp: Path, *args: str, name: str = "sim", env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.args = list(args)
         self.bootstrap_port: int | None = None
         if "prefill" in args and "--disaggregation-bootstrap-port" not in args:
@@ -147,3 +147,69 @@ def pd_body(body: dict, prefill: SimProcess, *, room: int, batch: int | None = N
             bootstrap_room=[room + i for i in range(batch)],
         )
     return out
+
+
+class RouterProcess:
+    """A real ``python -m pdctl router`` process on a free port of 127.0.0.1."""
+
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.args = list(args)
+        self.log = tmp / f"router-{self.port}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_path: str = "/health") -> RouterProcess:
+        argv = [sys.executable, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        wait_http(self.url + ready_path, proc=self.proc, log=self.log)
+        return self
+
+    def stop(self) -> None:
+        SimProcess.stop(self)  # same terminate/kill dance
+
+
+def pd_router_args(prefills: list[SimProcess], decodes: list[SimProcess], *extra: str) -> list[str]:
+    args = ["--pd-disaggregation"]
+    for p in prefills:
+        args += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        args += ["--decode", d.url]
+    return [*args, *extra]
+
+
+class NullEngine:
+    """``python -m pdctl.sim.null``: answers at once; records bodies when asked."""
+
+    def __init__(self, tmp: Path, role: str, record: bool = False):
+        self.port = free_port()
+        self.role = role
+        self.bootstrap_port = free_port() if role == "prefill" else None
+        self.record = tmp / f"null-{role}-{self.port}.jsonl" if record else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> NullEngine:
+        argv = [sys.executable, "-m", "pdctl.sim.null", "--port", str(self.port), "--role", self.role]
+        if self.bootstrap_port:
+            argv += ["--bootstrap-port", str(self.bootstrap_port)]
+        if self.record:
+            argv += ["--record", str(self.record)]
+        self.proc = subprocess.Popen(argv, start_new_session=True)
+        wait_http(self.url + "/health", proc=self.proc)
+        return self
+
+    def bodies(self) -> list[dict]:
+        return [json.loads(line) for line in self.record.read_text().splitlines()] if self.record else []
+
+    def stop(self) -> None:
+        SimProcess.stop(self)

@@ -56,6 +56,9 @@ class RouterServer:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.dispatcher.session = self.session
+        # Learn every worker's health and weight version before taking traffic: pairing
+        # needs versions, and a request must not race the first health round.
+        await self.registry.check_all(self.session)
         self.registry.start(self.session)
         runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await runner.setup()

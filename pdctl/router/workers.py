@@ -148,8 +148,8 @@ class WorkerRegistry:
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await self.check_all(session)
             await asyncio.sleep(self.config.health_check_interval_secs)
+            await self.check_all(session)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         workers = list(self.workers.values())

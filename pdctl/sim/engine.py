@@ -123,6 +123,7 @@ class Engine:
         self._held: deque[Request] = deque()  # arrived during a weight update
         self._running: list[Request] = []  # running[i].slot == i
         self._reserved = 0
+        self._admitting: list[Request] = []  # popped from the queue, being prefilled
         self._commands: deque[tuple[Callable[[], None], threading.Event]] = deque()
         self._paused = False
         self._updating = False
@@ -178,7 +179,7 @@ class Engine:
         with self._cond:
             victims = [
                 r
-                for r in (*self._running, *self._waiting, *self._held)
+                for r in (*self._running, *self._admitting, *self._waiting, *self._held)
                 if not r.finished and (rid is None or r.rid == rid)
             ]
             for req in victims:
@@ -260,7 +261,7 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            running = sum(1 for r in self._running if not r.finished)
+            running = sum(1 for r in (*self._running, *self._admitting) if not r.finished)
             return {
                 "num_running_reqs": running,
                 "num_queue_reqs": len(self._waiting) + len(self._held),
@@ -296,6 +297,7 @@ class Engine:
                         self._reserved -= 1
                     req.slot = len(self._running) + len(admit)
                     admit.append(req)
+                self._admitting = list(admit)
                 step = bool(self._running) and not self._paused and not self._updating
             with self._step_lock:
                 for req in admit:
@@ -339,6 +341,7 @@ class Engine:
                 self._finish(req, {"type": "abort", "message": str(exc)})
         with self._cond:
             self._running.append(req)  # finished ones are reaped next iteration, keeping slots dense
+            self._admitting.remove(req)
 
     def _prefill(self, req: Request) -> None:
         ids = req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids

@@ -1,0 +1,137 @@
+"""``python -m pdctl.sim.null``: a null SGLang engine that answers at once.
+
+For router benchmarks and contract tests: no model, no KV; /generate (single, batch, stream),
+the OpenAI routes, /health, /model_info and /server_info answer immediately with
+SGLang-shaped bodies. ``--record FILE`` appends every request body (JSON lines), so tests
+can check what a router sends. A prefill role also answers on its bootstrap port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from pdctl.sglang import Endpoint, batch_size_of
+
+try:
+    import orjson
+
+    def _dumps(v: Any) -> bytes:
+        return orjson.dumps(v)
+except ImportError:  # pragma: no cover
+
+    def _dumps(v: Any) -> bytes:
+        return json.dumps(v).encode()
+
+
+def _item(i: int = 0) -> dict[str, Any]:
+    return {
+        "text": "ok",
+        "output_ids": [111, 107],
+        "meta_info": {
+            "id": f"null-{i}",
+            "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": 1,
+            "completion_tokens": 2,
+            "cached_tokens": 0,
+            "weight_version": "default",
+        },
+    }
+
+
+def make_app(role: str, record: str | None) -> web.Application:
+    log = open(record, "a") if record else None  # noqa: SIM115 - lives as long as the app
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if log:
+            log.write(raw.decode() + "\n")
+            log.flush()
+        body = json.loads(raw)
+        n = batch_size_of(body) if request.path == Endpoint.GENERATE.value else None
+        out: Any = [_item(i) for i in range(n)] if n else _item()
+        if request.path == Endpoint.CHAT_COMPLETIONS.value:
+            out = {
+                "id": "x",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}],
+            }
+        elif request.path == Endpoint.COMPLETIONS.value:
+            out = {
+                "id": "x",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+            }
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + _dumps(out) + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.Response(body=_dumps(out), content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": "null",
+                "weight_version": "default",
+                "disaggregation_mode": role,
+                "version": "0.5.23",
+                "internal_states": [],
+            }
+        )
+
+    app = web.Application()
+    for path in (Endpoint.GENERATE, Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
+        app.router.add_post(path.value, generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    for path in (Endpoint.MODEL_INFO, Endpoint.SERVER_INFO, Endpoint.GET_SERVER_INFO, Endpoint.GET_MODEL_INFO):
+        app.router.add_get(path.value, info)
+    return app
+
+
+async def serve(args: argparse.Namespace) -> None:
+    runner = web.AppRunner(make_app(args.role, args.record), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port, backlog=1024).start()
+    if args.role == "prefill" and args.bootstrap_port:
+        boot = web.Application()
+        boot.router.add_get("/health", lambda _: web.Response(text="OK"))
+        brunner = web.AppRunner(boot, access_log=None)
+        await brunner.setup()
+        await web.TCPSite(brunner, args.host, args.bootstrap_port).start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m pdctl.sim.null", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--role", choices=["regular", "prefill", "decode"], default="regular")
+    p.add_argument("--bootstrap-port", type=int)
+    p.add_argument("--record", help="Append every request body to this file (JSON lines).")
+    args = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Each policy on its own, and the circuit breaker / health thresholds of the registry."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pdctl.router import RouterConfig, WorkerRegistry, make_policy
+from pdctl.router.policies import RequestContext
+from pdctl.router.workers import Worker
+
+
+def workers(n: int) -> list[Worker]:
+    return [Worker(url=f"http://w{i}", role="decode") for i in range(n)]
+
+
+def test_round_robin_cycles() -> None:
+    ws, policy = workers(3), make_policy("round_robin")
+    assert [policy.select(ws, RequestContext()).url for _ in range(6)] == [w.url for w in ws] * 2
+
+
+def test_random_spreads() -> None:
+    ws, policy = workers(4), make_policy("random", seed=1)
+    counts = Counter(policy.select(ws, RequestContext()).url for _ in range(4000))
+    assert len(counts) == 4 and min(counts.values()) > 800
+
+
+def test_power_of_two_prefers_the_less_loaded() -> None:
+    ws = workers(2)
+    ws[0].load, ws[1].load = 10, 0
+    policy = make_policy("power_of_two", seed=3)
+    assert {policy.select(ws, RequestContext()).url for _ in range(50)} == {"http://w1"}
+
+
+def test_cache_aware_sticks_to_the_prefix_and_balances_load() -> None:
+    ws = workers(3)
+    policy = make_policy("cache_aware", cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    first = policy.select(ws, RequestContext(text="system prompt: you are helpful. user: hi"))
+    again = policy.select(ws, RequestContext(text="system prompt: you are helpful. user: bye"))
+    assert again is first
+    first.load = 50  # imbalance: the least loaded wins even with a prefix match
+    assert policy.select(ws, RequestContext(text="system prompt: you are helpful. user: x")) is not first
+
+
+def test_unknown_policy_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match="cache_aware, power_of_two, random, round_robin"):
+        make_policy("least_loaded")
+
+
+def test_health_thresholds_and_first_wait() -> None:
+    reg = WorkerRegistry(RouterConfig(health_failure_threshold=2, health_success_threshold=2, health_first_wait_secs=0))
+    w = reg.add("http://a", "decode")
+    reg.observe_health(w, False)
+    assert w.healthy
+    reg.observe_health(w, False)
+    assert not w.healthy and reg.routable("decode") == []
+    reg.observe_health(w, True)
+    assert not w.healthy
+    reg.observe_health(w, True)
+    assert w.healthy
+    grace = WorkerRegistry(RouterConfig(health_failure_threshold=1, health_first_wait_secs=60))
+    g = grace.add("http://b", "decode")
+    grace.observe_health(g, False)
+    assert g.healthy  # failures during the first-wait grace period do not count
+
+
+def test_circuit_breaker_opens_and_half_opens() -> None:
+    reg = WorkerRegistry(RouterConfig(cb_failure_threshold=2, cb_success_threshold=1, cb_timeout_duration_secs=0))
+    w = reg.add("http://a", "prefill", 8998)
+    reg.record(w, False)
+    reg.record(w, False)
+    assert w.cb_half_open
+    reg.record(w, True)
+    assert not w.cb_half_open
+    slow = WorkerRegistry(RouterConfig(cb_failure_threshold=1, cb_timeout_duration_secs=60))
+    s = slow.add("http://b", "prefill", 8998)
+    slow.record(s, False)
+    assert slow.routable("prefill") == []  # open circuit: out of rotation until the timeout
