@@ -55,7 +55,6 @@ class RouterServer:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.dispatcher.session = self.session
         # Learn every worker's health and weight version before taking traffic: pairing
         # needs versions, and a request must not race the first health round.
         await self.registry.check_all(self.session)
@@ -81,6 +80,7 @@ class RouterServer:
         self._runners.clear()
         if self.session:
             await self.session.close()
+        self.dispatcher.upstream.close()
 
     async def __aenter__(self) -> RouterServer:
         await self.start()
@@ -150,8 +150,8 @@ class RouterServer:
             status = exc.status
             return errors.error_response(exc.status, exc.code, str(exc), headers)
         finally:
-            self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.latency.labels(route).observe(time.monotonic() - started)
+            self.metrics.child(self.metrics.requests, route, str(status)).inc()
+            self.metrics.child(self.metrics.latency, route).observe(time.monotonic() - started)
 
     async def _route(self, request: web.Request, route: str, body: dict[str, Any], headers: dict[str, str]):
         if not self.config.pd_disaggregation:

@@ -21,7 +21,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from pdctl.router import errors
@@ -29,11 +28,20 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.jsonutil import dumps, loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.upstream import Response, UpstreamError, UpstreamPool
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
 
 PREFILL_GRACE_SECS = 5.0  # how long a finished decode waits for its prefill's answer
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+_HOP_HEADERS = {
+    b"content-length",
+    b"transfer-encoding",
+    b"connection",
+    b"keep-alive",
+    b"content-encoding",
+    b"date",
+    b"server",
+}
 
 
 class RouteError(Exception):
@@ -77,8 +85,8 @@ class Dispatcher:
         self.prefill_policy = make_policy(config.prefill_policy or config.policy, **opts)
         self.decode_policy = make_policy(config.decode_policy or config.policy, **opts)
         self.regular_policy = make_policy(config.policy, **opts)
-        self.session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_secs)
+        self.upstream = UpstreamPool()
+        self._timeout = config.request_timeout_secs
 
     # -- phase 1: select ----------------------------------------------------------------------
     def select_pair(self, ctx: RequestContext) -> tuple[Worker, Worker]:
@@ -194,81 +202,84 @@ class Dispatcher:
         headers: dict[str, str],
         with_logprobs: bool,
     ) -> web.StreamResponse:
-        assert self.session is not None
         p_task = asyncio.create_task(self._post(prefill, path, wire, headers))
-        d_head = asyncio.create_task(
-            self.session.post(decode.url + path, data=wire, headers=headers, timeout=self._timeout)
-        )
+        d_head = asyncio.create_task(self._open_stream(decode, path, wire, headers))
+        upstream: Response | None = None
         try:
             done, _ = await asyncio.wait({p_task, d_head}, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and (p_task.result().server_failed or p_task.result().status >= 400):
                 d_head.cancel()  # decode would wait for KV that never comes
                 self._judge(prefill, p_task.result(), errors.PREFILL_FAILED)
                 return _respond(p_task.result(), headers)
-            try:
-                upstream = await d_head
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self._judge(decode, Leg(error=exc), errors.DECODE_FAILED)
-                raise AssertionError("unreachable") from exc
-            async with upstream:
-                if upstream.status >= 400:
-                    leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
-                    self._judge(decode, leg, errors.DECODE_FAILED)
-                    return _respond(leg, headers)
-                if p_task.done() and p_task.result().server_failed:
-                    self._judge(prefill, p_task.result(), errors.PREFILL_FAILED)
-                resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
-                await resp.prepare(request)
-                prefix = None
-                if with_logprobs:
-                    p_leg = await p_task
-                    prefix = _first_input_logprobs(p_leg)
-                async for event in _sse_events(upstream):
-                    await resp.write(_prepend_logprobs(event, prefix) if prefix is not None else event)
-                self.registry.record(decode, True)
-                p_leg = await _settle(p_task)
-                if p_leg is not None:
-                    self.registry.record(prefill, not p_leg.server_failed)
-                await resp.write_eof()
-                return resp
+            upstream = await d_head
+            if isinstance(upstream, Leg):  # could not connect
+                self._judge(decode, upstream, errors.DECODE_FAILED)
+                raise AssertionError("unreachable")
+            if upstream.status >= 400:
+                leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
+                self._judge(decode, leg, errors.DECODE_FAILED)
+                return _respond(leg, headers)
+            resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
+            await resp.prepare(request)
+            prefix = None
+            if with_logprobs:
+                prefix = _first_input_logprobs(await p_task)
+            async for event in _sse_events(upstream):
+                await resp.write(_prepend_logprobs(event, prefix) if prefix is not None else event)
+            self.registry.record(decode, True)
+            p_leg = await _settle(p_task)
+            if p_leg is not None:
+                self.registry.record(prefill, not p_leg.server_failed)
+            await resp.write_eof()
+            return resp
         finally:
+            if upstream is not None and not isinstance(upstream, Leg):
+                upstream.close()
             await _cancel(p_task, d_head)
 
     async def _stream_one(
         self, request: web.Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
     ) -> web.StreamResponse:
-        assert self.session is not None
+        upstream = await self._open_stream(worker, path, data, headers)
+        if isinstance(upstream, Leg):
+            self._judge(worker, upstream, errors.WORKER_FAILED)
+            raise AssertionError("unreachable")
         try:
-            upstream = await self.session.post(worker.url + path, data=data, headers=headers, timeout=self._timeout)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            self._judge(worker, Leg(error=exc), errors.WORKER_FAILED)
-            raise AssertionError("unreachable") from exc
-        async with upstream:
             if upstream.status >= 400:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
                 self._judge(worker, leg, errors.WORKER_FAILED)
                 return _respond(leg, headers)
             resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
             await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 await resp.write(chunk)
             self.registry.record(worker, True)
             await resp.write_eof()
             return resp
+        finally:
+            upstream.close()
 
     async def _post(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Leg:
-        assert self.session is not None
         try:
-            async with self.session.post(worker.url + path, data=data, headers=headers, timeout=self._timeout) as r:
-                return Leg(r.status, await r.read(), r.content_type)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            r = await self.upstream.post(worker.url + path, data, headers, timeout=self._timeout)
+        except (UpstreamError, OSError) as exc:
+            return Leg(error=exc)
+        return Leg(r.status, r.body, r.content_type)
+
+    async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Response | Leg:
+        """Status and headers of a streamed response, or a Leg carrying the connection error."""
+        try:
+            return await asyncio.wait_for(
+                self.upstream.post(worker.url + path, data, headers, stream=True), self._timeout
+            )
+        except (UpstreamError, asyncio.TimeoutError, OSError) as exc:
             return Leg(error=exc)
 
     def _judge(self, worker: Worker, leg: Leg, code: str) -> None:
         """Record the outcome; raise Retry for a server-side failure."""
         self.registry.record(worker, not leg.server_failed)
         if leg.error is not None:
-            if isinstance(leg.error, aiohttp.ClientConnectionError | OSError):
+            if isinstance(leg.error, OSError):  # UpstreamError is a ConnectionError
                 self.registry.mark_failed(worker)
             raise Retry(f"{worker.role} {worker.url} failed: {type(leg.error).__name__}: {leg.error}", code)
         if leg.status >= 500:
@@ -314,8 +325,8 @@ async def _cancel(*tasks: asyncio.Task) -> None:
             await task
 
 
-def _pass_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+def _pass_headers(upstream: Response) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
 
 
 def _respond(leg: Leg, headers: dict[str, str]) -> web.Response:
@@ -357,10 +368,10 @@ def _prepend_logprobs(event: bytes, prefix: list) -> bytes:
     return b"data: " + dumps(chunk) + b"\n\n"
 
 
-async def _sse_events(upstream: aiohttp.ClientResponse):
+async def _sse_events(upstream: Response):
     """Whole SSE events (``data: ...\\n\\n``) from a streaming response."""
     buffer = b""
-    async for chunk in upstream.content.iter_any():
+    async for chunk in upstream.chunks():
         buffer += chunk
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)

@@ -25,12 +25,22 @@ class RouterMetrics:
         self.worker_health = Gauge("pdctl_router_worker_healthy", "1 if healthy", ["worker", "role"], registry=r)
         self.worker_load = Gauge("pdctl_router_worker_load", "Requests in flight", ["worker", "role"], registry=r)
 
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, cached: labels() costs microseconds on the hot path."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def selected(self, prefill: Worker, decode: Worker) -> None:
-        self.selection.labels(prefill.url, "prefill").inc()
-        self.selection.labels(decode.url, "decode").inc()
+        self.child(self.selection, prefill.url, "prefill").inc()
+        self.child(self.selection, decode.url, "decode").inc()
 
     def retried(self, reason: str) -> None:
-        self.retries.labels(reason).inc()
+        self.child(self.retries, reason).inc()
 
     def render(self, workers: WorkerRegistry) -> bytes:
         for w in workers.workers.values():

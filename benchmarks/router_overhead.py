@@ -1,0 +1,226 @@
+"""Router cost per request, side by side in one run, on the same null backends.
+
+Targets (closed loop, concurrency 64, /generate): the decode backend directly; pdctl router
+in PD mode; sglang-router 0.3.2 (Rust) in PD mode with round_robin; sglang-router's Python
+MiniLB (--mini-lb). Each target runs ROUNDS times, interleaved, and the median is kept.
+Reported: req/s, p50/p99 latency, and the router's CPU microseconds per request (psutil,
+user+system over the router's process tree during the measured window).
+
+    python benchmarks/router_overhead.py   # writes benchmarks/results/router_overhead.{json,md}
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+PY = sys.executable
+DURATION = 8.0
+CONCURRENCY = 64
+ROUNDS = 3
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def cpu_secs(proc: subprocess.Popen) -> float:
+    try:
+        root = psutil.Process(proc.pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            t = p.cpu_times()
+            total += t.user + t.system
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def measure(name: str, url: str, router: subprocess.Popen | None) -> dict:
+    subprocess.run(
+        [PY, str(ROOT / "loadgen.py"), url, "--concurrency", "8", "--duration", "1"], capture_output=True, check=True
+    )  # warm-up
+    before = cpu_secs(router) if router else 0.0
+    out = subprocess.run(
+        [PY, str(ROOT / "loadgen.py"), url, "--concurrency", str(CONCURRENCY), "--duration", str(DURATION)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    used = (cpu_secs(router) - before) if router else 0.0
+    row = json.loads(out.stdout)
+    row.update(
+        target=name, router_cpu_us_per_req=(used / row["requests"] * 1e6) if router and row["requests"] else None
+    )
+    return row
+
+
+def main() -> None:
+    prefill_port, boot_port, decode_port = free_port(), free_port(), free_port()
+    backends = [
+        start(
+            [
+                PY,
+                "-m",
+                "pdctl.sim.null",
+                "--port",
+                str(prefill_port),
+                "--role",
+                "prefill",
+                "--bootstrap-port",
+                str(boot_port),
+            ]
+        ),
+        start([PY, "-m", "pdctl.sim.null", "--port", str(decode_port), "--role", "decode"]),
+    ]
+    prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
+    wait(prefill + "/health")
+    wait(decode + "/health")
+
+    def pdctl_router(port: int) -> list[str]:
+        return [
+            PY,
+            "-m",
+            "pdctl",
+            "router",
+            "--port",
+            str(port),
+            "--pd-disaggregation",
+            "--prefill",
+            prefill,
+            str(boot_port),
+            "--decode",
+            decode,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "error",
+        ]
+
+    def sglang_router(port: int, mini: bool = False) -> list[str]:
+        argv = [
+            PY,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill,
+            str(boot_port),
+            "--decode",
+            decode,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "error",
+        ]
+        return [*argv, "--mini-lb"] if mini else argv
+
+    targets = {
+        "direct to decode": None,
+        "pdctl router (PD)": pdctl_router,
+        "sglang-router 0.3.2 (PD, Rust)": sglang_router,
+        "MiniLB (sglang-router --mini-lb)": lambda port: sglang_router(port, mini=True),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in targets}
+    try:
+        for _ in range(ROUNDS):
+            for name, make in targets.items():
+                if make is None:
+                    runs[name].append(measure(name, decode + "/generate", None))
+                    continue
+                port = free_port()
+                proc = start(make(port))
+                try:
+                    wait(f"http://127.0.0.1:{port}/health")
+                    time.sleep(1.0)
+                    runs[name].append(measure(name, f"http://127.0.0.1:{port}/generate", proc))
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+    finally:
+        for b in backends:
+            b.terminate()
+            b.wait(timeout=30)
+    rows = []
+    for name, rs in runs.items():
+        best = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]  # the median run by req/s
+        cpu = [r["router_cpu_us_per_req"] for r in rs if r["router_cpu_us_per_req"] is not None]
+        rows.append({**best, "router_cpu_us_per_req": statistics.median(cpu) if cpu else None, "all_runs": rs})
+    by = {r["target"]: r for r in rows}
+    pd, rust, mini = (
+        by["pdctl router (PD)"],
+        by["sglang-router 0.3.2 (PD, Rust)"],
+        by["MiniLB (sglang-router --mini-lb)"],
+    )
+    ratios = {
+        "pdctl_cpu_per_req_vs_sglang_router": pd["router_cpu_us_per_req"] / rust["router_cpu_us_per_req"],
+        "pdctl_rps_vs_minilb": pd["rps"] / mini["rps"],
+        "pdctl_rps_vs_sglang_router": pd["rps"] / rust["rps"],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    meta = {
+        "machine": platform.machine(),
+        "cpus": psutil.cpu_count(),
+        "python": platform.python_version(),
+        "duration_s": DURATION,
+        "concurrency": CONCURRENCY,
+        "rounds": ROUNDS,
+    }
+    (RESULTS / "router_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=2))
+    lines = ["| target | req/s | p50 ms | p99 ms | router CPU us/req | errors |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cpu = f"{r['router_cpu_us_per_req']:.0f}" if r["router_cpu_us_per_req"] else "-"
+        lines.append(
+            f"| {r['target']} | {r['rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {cpu} | {r['errors']} |"
+        )
+    lines += [
+        "",
+        f"pdctl CPU per request / sglang-router's: {ratios['pdctl_cpu_per_req_vs_sglang_router']:.2f}x (goal <= 1.5x)",
+        f"pdctl req/s / MiniLB's: {ratios['pdctl_rps_vs_minilb']:.2f}x (goal >= 3x)",
+        f"pdctl req/s / sglang-router's: {ratios['pdctl_rps_vs_sglang_router']:.2f}x",
+        f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}; "
+        "load generator, backends and router share this machine's CPUs.",
+    ]
+    (RESULTS / "router_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
