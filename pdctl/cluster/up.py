@@ -67,12 +67,12 @@ def up(
         )
         store.save(state)
         try:
+            # The router starts with the engines (its startup overlaps theirs); it admits each
+            # engine at the engine's first passed health check.
             engines = [p for p in plan.processes if p.role.is_engine]
-            _launch(engines, state, store, nodes, top, events)
+            _launch([*engines, plan.router], state, store, nodes, top, events)
             _wait_ready([p for p in engines if p.entrypoint], state, nodes, ready_timeout_secs, events)
-            router = [plan.router]
-            _launch(router, state, store, nodes, top, events)
-            _wait_ready(router, state, nodes, 60.0, events, path="/readiness")
+            _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             trainers = [p for p in plan.processes if p.role is Role.TRAINER]
             _launch(trainers, state, store, nodes, top, events)
         except (Exception, KeyboardInterrupt) as exc:

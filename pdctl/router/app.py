@@ -35,7 +35,7 @@ class RouterServer:
         self.config = config
         self.registry = WorkerRegistry(config)
         for w in config.workers:
-            self.registry.add(w.url, w.role, w.bootstrap_port)
+            self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.disable_health_check)
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(config, self.registry, self.metrics)
         self.session: aiohttp.ClientSession | None = None
@@ -55,8 +55,8 @@ class RouterServer:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        # Learn every worker's health and weight version before taking traffic: pairing
-        # needs versions, and a request must not race the first health round.
+        # One health round before taking traffic: workers that answer enter rotation with
+        # their weight version known; the others join as soon as a later round reaches them.
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
         runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
@@ -234,7 +234,11 @@ class RouterServer:
         return web.Response(text="OK")
 
     def _ready(self) -> tuple[bool, int]:
-        healthy = [w for w in self.registry.workers.values() if w.healthy]
+        """Ready once every registered worker has answered once and each role has a healthy one."""
+        workers = list(self.registry.workers.values())
+        healthy = [w for w in workers if w.healthy]
+        if not all(w.activated for w in workers):
+            return False, len(healthy)
         if self.config.pd_disaggregation:
             roles = {w.role for w in healthy}
             return {"prefill", "decode"} <= roles, len(healthy)
@@ -329,8 +333,7 @@ class RouterServer:
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, str(exc))
         if self.session is not None and not self.config.disable_health_check:
-            for _ in range(self.config.health_success_threshold):
-                await self.registry._check(self.session, worker)
+            await self.registry._check(self.session, worker)
         return web.json_response({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
 
     async def delete_worker(self, request: web.Request) -> web.Response:

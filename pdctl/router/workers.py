@@ -31,7 +31,9 @@ class Worker:
     role: str
     bootstrap_port: int | None = None
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    healthy: bool = True
+    healthy: bool = False
+    """A worker enters rotation at its first passed health check (then thresholds apply)."""
+    activated: bool = False
     load: int = 0
     weight_version: str | None = None
     registered_at: float = field(default_factory=time.monotonic)
@@ -55,6 +57,7 @@ class Worker:
             "url": self.url,
             "worker_type": self.role,
             "is_healthy": self.healthy,
+            "activated": self.activated,
             "load": self.load,
             "bootstrap_port": self.bootstrap_port,
             "weight_version": self.weight_version,
@@ -71,13 +74,13 @@ class WorkerRegistry:
         self.on_change: list = []
 
     # -- membership --------------------------------------------------------------------------
-    def add(self, url: str, role: str, bootstrap_port: int | None = None, *, healthy: bool = True) -> Worker:
+    def add(self, url: str, role: str, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
         if role not in ROLES:
             raise ValueError(f"worker_type must be one of {', '.join(ROLES)}")
         url = url.rstrip("/")
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
-        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, healthy=healthy)
+        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, healthy=healthy, activated=healthy)
         self.workers[url] = worker
         log.info("registered %s worker %s", role, url)
         return worker
@@ -148,7 +151,11 @@ class WorkerRegistry:
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await asyncio.sleep(self.config.health_check_interval_secs)
+            # Poll fast while some worker has never answered (engines still starting).
+            waiting = any(not w.activated for w in self.workers.values())
+            await asyncio.sleep(
+                min(0.5, self.config.health_check_interval_secs) if waiting else self.config.health_check_interval_secs
+            )
             await self.check_all(session)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
@@ -175,12 +182,15 @@ class WorkerRegistry:
         if ok:
             worker.consecutive_failures = 0
             worker.consecutive_successes += 1
-            if not worker.healthy and worker.consecutive_successes >= c.health_success_threshold:
+            if not worker.activated:
+                worker.activated = worker.healthy = True
+                log.warning("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
+            elif not worker.healthy and worker.consecutive_successes >= c.health_success_threshold:
                 worker.healthy = True
                 log.warning("worker %s is healthy again", worker.url)
             return
-        if time.monotonic() - worker.registered_at < c.health_first_wait_secs:
-            return  # cold start grace: compiling engines answer late
+        if not worker.activated or time.monotonic() - worker.registered_at < c.health_first_wait_secs:
+            return  # still starting, or in the cold-start grace: compiling engines answer late
         worker.consecutive_successes = 0
         worker.consecutive_failures += 1
         if worker.healthy and worker.consecutive_failures >= c.health_failure_threshold:

@@ -52,6 +52,10 @@ def test_health_thresholds_and_first_wait() -> None:
     reg = WorkerRegistry(RouterConfig(health_failure_threshold=2, health_success_threshold=2, health_first_wait_secs=0))
     w = reg.add("http://a", "decode")
     reg.observe_health(w, False)
+    assert not w.healthy and not w.activated  # still starting: out of rotation, failure not counted
+    reg.observe_health(w, True)
+    assert w.healthy and w.activated  # the first passed check admits it
+    reg.observe_health(w, False)
     assert w.healthy
     reg.observe_health(w, False)
     assert not w.healthy and reg.routable("decode") == []
@@ -61,19 +65,20 @@ def test_health_thresholds_and_first_wait() -> None:
     assert w.healthy
     grace = WorkerRegistry(RouterConfig(health_failure_threshold=1, health_first_wait_secs=60))
     g = grace.add("http://b", "decode")
+    grace.observe_health(g, True)
     grace.observe_health(g, False)
     assert g.healthy  # failures during the first-wait grace period do not count
 
 
 def test_circuit_breaker_opens_and_half_opens() -> None:
     reg = WorkerRegistry(RouterConfig(cb_failure_threshold=2, cb_success_threshold=1, cb_timeout_duration_secs=0))
-    w = reg.add("http://a", "prefill", 8998)
+    w = reg.add("http://a", "prefill", 8998, healthy=True)
     reg.record(w, False)
     reg.record(w, False)
     assert w.cb_half_open
     reg.record(w, True)
     assert not w.cb_half_open
     slow = WorkerRegistry(RouterConfig(cb_failure_threshold=1, cb_timeout_duration_secs=60))
-    s = slow.add("http://b", "prefill", 8998)
+    s = slow.add("http://b", "prefill", 8998, healthy=True)
     slow.record(s, False)
     assert slow.routable("prefill") == []  # open circuit: out of rotation until the timeout

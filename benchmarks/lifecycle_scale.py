@@ -1,0 +1,117 @@
+"""up + down wall time for 1, 2, 4 and 8 test hosts with 4 sim engines each (2 prefill + 2
+decode per host, router on the first), over real SSH to network-namespace hosts.
+
+Besides the totals, pdctl's own overhead is separated from the engines' start: overhead =
+(preflight until the first spawn) + (last engine healthy until up returns). The engines'
+start on this 2-core machine grows with their number (each sim imports torch), which is
+CPU contention, not pdctl; the overhead is what pdctl controls.
+
+    sudo .venv/bin/python benchmarks/lifecycle_scale.py   # needs root (ip netns), sshd
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from pdctl.cluster import StateStore, down, up  # noqa: E402
+from pdctl.plan import make_plan  # noqa: E402
+from pdctl.topology import load_topology_text  # noqa: E402
+from tests.netns import TestHosts, netns_unavailable  # noqa: E402
+
+RESULTS = ROOT / "results"
+SIZES = (1, 2, 4, 8)
+
+
+def measure(hosts: TestHosts, n: int, home: Path) -> dict:
+    names = [h.name for h in hosts.hosts[:n]]
+    data = {
+        "name": f"scale{n}",
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": [hosts.node(i) for i in range(n)],
+        "ports": {"base": 25000},
+        "prefill": {"replicas": 2 * n, "tp": 1, "nodes": names},
+        "decode": {"replicas": 2 * n, "tp": 1, "nodes": names},
+        "router": {"host": "0.0.0.0"},
+    }
+    top, _ = load_topology_text(yaml.safe_dump(data))
+    plan = make_plan(top)
+    marks: dict[str, float] = {}
+
+    def events(process: str, message: str) -> None:
+        now = time.monotonic()
+        if message == "starting":
+            marks.setdefault("first_spawn", now)
+        if message == "healthy" and process != "router":
+            marks["last_engine_healthy"] = now
+
+    store = StateStore(home)
+    t0 = time.monotonic()
+    up(top, plan, store=store, events=events, ready_timeout_secs=600)
+    t1 = time.monotonic()
+    down(top.name, store=store, purge=True)
+    t2 = time.monotonic()
+    overhead = (marks["first_spawn"] - t0) + (t1 - marks["last_engine_healthy"])
+    return {
+        "hosts": n,
+        "engines": 4 * n,
+        "up_s": t1 - t0,
+        "down_s": t2 - t1,
+        "total_s": t2 - t0,
+        "engines_start_s": marks["last_engine_healthy"] - marks["first_spawn"],
+        "pdctl_overhead_s": overhead,
+    }
+
+
+def main() -> None:
+    reason = netns_unavailable()
+    if reason:
+        sys.exit(f"cannot run: {reason}")
+    tmp = Path(tempfile.mkdtemp(prefix="pdctl-scale-"))
+    hosts = TestHosts(max(SIZES), tmp).start()
+    try:
+        rows = [measure(hosts, n, tmp / f"home{n}") for n in SIZES]
+    finally:
+        hosts.close()
+    base = rows[0]
+    for r in rows:
+        r["total_vs_1_host"] = r["total_s"] / base["total_s"]
+        r["overhead_vs_1_host"] = r["pdctl_overhead_s"] / base["pdctl_overhead_s"]
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"machine": platform.machine(), "python": platform.python_version(), "note": "2 CPU cores for all hosts"}
+    (RESULTS / "lifecycle_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [
+        "| hosts | engines | up (s) | down (s) | total (s) | x 1 host | engines' start (s) | pdctl overhead (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['hosts']} | {r['engines']} | {r['up_s']:.1f} | {r['down_s']:.1f} | {r['total_s']:.1f} | "
+            f"{r['total_vs_1_host']:.2f} | {r['engines_start_s']:.1f} | {r['pdctl_overhead_s']:.2f} |"
+        )
+    last = rows[-1]
+    lines += [
+        "",
+        f"Goal 1 (1 -> 8 hosts grows < 1.5x): total {last['total_vs_1_host']:.2f}x, "
+        f"pdctl overhead {last['overhead_vs_1_host']:.2f}x.",
+        f"Goal 2 (pdctl overhead < 2 s beyond the slowest engine's start): max "
+        f"{max(r['pdctl_overhead_s'] for r in rows):.2f} s.",
+        "All hosts share this machine's 2 CPU cores, so the engines' start grows with their count "
+        "(every sim imports torch); on real nodes each host has its own CPUs.",
+    ]
+    (RESULTS / "lifecycle_scale.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
