@@ -179,7 +179,7 @@ def main() -> None:
             b.terminate()
             b.wait(timeout=30)
     rows = []
-    for name, rs in runs.items():
+    for rs in runs.values():
         best = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]  # the median run by req/s
         cpu = [r["router_cpu_us_per_req"] for r in rs if r["router_cpu_us_per_req"] is not None]
         rows.append({**best, "router_cpu_us_per_req": statistics.median(cpu) if cpu else None, "all_runs": rs})

@@ -159,11 +159,11 @@ class TinyLM(nn.Module):
         for li, block in enumerate(self.model["layers"]):
             h = block.input_layernorm(x)
             q, k, v = (block.self_attn[n](h).view(-1, c.heads, c.head_dim) for n in ("q_proj", "k_proj", "v_proj"))
-            pool.k[li, rows, positions] = k
-            pool.v[li, rows, positions] = v
-            # Views, not copies: [B, span, heads, head_dim] -> [B, heads, span, head_dim].
-            keys = pool.k[li, :batch, :span].transpose(1, 2)
-            values = pool.v[li, :batch, :span].transpose(1, 2)
+            pool.k[li, rows, :, positions] = k
+            pool.v[li, rows, :, positions] = v
+            # Views, not copies: [B, heads, span, head_dim], each head's positions contiguous.
+            keys = pool.k[li, :batch, :, :span]
+            values = pool.v[li, :batch, :, :span]
             att = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :])
             x = x + block.self_attn["o_proj"](att.reshape(-1, c.hidden))
             x = x + block.mlp_out(x)
@@ -184,13 +184,13 @@ class TinyLM(nn.Module):
 
 
 class KVPool:
-    """Preallocated KV for ``slots`` running requests: [layers, slots, positions, heads, head_dim].
+    """Preallocated KV for ``slots`` running requests: [layers, slots, heads, positions, head_dim].
 
-    Slot-major with positions next, so a batch of dense slots 0..B-1 is read as a view.
+    Slot-major, so a batch of dense slots 0..B-1 is read as a view that attention takes as is.
     """
 
     def __init__(self, config: SimModelConfig, slots: int):
-        shape = (config.layers, slots, config.max_positions, config.heads, config.head_dim)
+        shape = (config.layers, slots, config.heads, config.max_positions, config.head_dim)
         self.slots = slots
         self.k = torch.zeros(shape, dtype=DTYPE)
         self.v = torch.zeros(shape, dtype=DTYPE)
@@ -198,13 +198,13 @@ class KVPool:
     def write(self, slot: int, kv: torch.Tensor) -> None:
         """Store a prompt's kv [layers, 2, heads, T, head_dim] into ``slot``."""
         t = kv.shape[3]
-        self.k[:, slot, :t] = kv[:, 0].transpose(1, 2)
-        self.v[:, slot, :t] = kv[:, 1].transpose(1, 2)
+        self.k[:, slot, :, :t] = kv[:, 0]
+        self.v[:, slot, :, :t] = kv[:, 1]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into ``dst`` (compaction)."""
-        self.k[:, dst, :length] = self.k[:, src, :length]
-        self.v[:, dst, :length] = self.v[:, src, :length]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
 def resolve_model(model_path: str, load_format: str, context_length: int | None) -> TinyLM:
