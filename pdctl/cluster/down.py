@@ -45,7 +45,10 @@ def down(
             count = len(state.processes)
             state.status = "stopping"
             store.save(state)
-            stop_processes(state, nodes, events=events)
+            try:
+                stop_processes(state, nodes, events=events)
+            finally:
+                store.save(state)  # what was stopped is forgotten even when a node failed
             state.processes.clear()
             state.status = "down"
             store.save(state)

@@ -66,8 +66,9 @@ def trainer_argv(
 ) -> tuple[str, ...]:
     """torchrun (``python -m torch.distributed.run``) for one trainer node.
 
-    A command starting with ``python`` runs under torchrun's own interpreter (the node's);
-    ``python -m mod`` becomes ``-m mod``; anything else runs with ``--no-python``.
+    ``python script.py ...`` runs under torchrun's own interpreter (the node's); ``python -m
+    mod`` becomes ``-m mod``; ``python -c ...`` and other interpreter flags run the node's
+    interpreter with ``--no-python``; anything else runs as is with ``--no-python``.
     """
     assert top.trainer is not None
     cmd = list(top.trainer.command)
@@ -89,6 +90,8 @@ def trainer_argv(
     if cmd[0] in ("python", "python3") and len(cmd) > 1:
         if cmd[1] == "-m" and len(cmd) > 2:
             return (*argv, "-m", *cmd[2:])
+        if cmd[1].startswith("-"):
+            return (*argv, "--no-python", node.python, *cmd[1:])
         return (*argv, *cmd[1:])
     return (*argv, "--no-python", *cmd)
 

@@ -167,3 +167,73 @@ def test_wrong_host_key_is_refused(clean_hosts, pdctl_home, tmp_path) -> None:
     up(top, make_plan(top), ready_timeout_secs=120)
     assert clean_hosts.hosts[1].ip in unknown.read_text()
     down("t")
+
+
+def test_trainer_starts_last_with_the_plan_env_and_stops_last(clean_hosts, pdctl_home) -> None:
+    data = yaml.safe_load(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "model": {"path": "sim://tiny"},
+                "engine": "sim",
+                "nodes": [clean_hosts.node(0), clean_hosts.node(1)],
+                "ports": {"base": 24600},
+                "prefill": {"nodes": ["h0"]},
+                "decode": {"nodes": ["h1"]},
+                "router": {"host": "0.0.0.0"},
+                "trainer": {
+                    "command": [
+                        "python",
+                        "-c",
+                        "import os,time; print('RANK', os.environ['RANK'], "
+                        "os.environ['PDCTL_ROUTER_URL'], os.environ['PDCTL_WEIGHT_GROUP'], flush=True); "
+                        "time.sleep(300)",
+                    ],
+                    "nproc_per_node": 1,
+                    "nodes": ["h1"],
+                },
+            }
+        )
+    )
+    top, _ = load_topology_text(yaml.safe_dump(data))
+    state = up(top, make_plan(top), ready_timeout_secs=120)
+    assert state.processes["trainer.h1"].role == "trainer"
+    deadline = time.monotonic() + 60
+    text = ""
+    while "RANK 0" not in text and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text = "".join(logs("t", "trainer.h1"))
+    assert "RANK 0" in text and state.router_url in text and '"world_size":3' in text
+    order = []
+    assert "down" in down("t", events=lambda p, m: order.append(p) if m == "stopped" else None)
+    assert order[-1] == "trainer.h1"  # trainer rank 0 last
+
+
+def test_status_fails_when_a_process_died(clean_hosts, pdctl_home) -> None:
+    top = topology(clean_hosts, base=24700)
+    state = up(top, make_plan(top), ready_timeout_secs=120)
+    os.kill(state.processes["decode-0"].pid, signal.SIGKILL)  # shared pid namespace: visible here
+    st = status("t")
+    assert not st.ok
+    assert next(p for p in st.processes if p.id == "decode-0").alive is False
+    down("t")
+
+
+def test_down_with_an_unreachable_node_keeps_state_and_a_retry_finishes(clean_hosts, pdctl_home) -> None:
+    top = topology(clean_hosts, base=24800)
+    up(top, make_plan(top), ready_timeout_secs=120)
+    inner = f"{clean_hosts.prefix}p1"
+    ns = clean_hosts.hosts[1].netns
+    subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", inner, "down"], check=True)
+    try:
+        with pytest.raises(LifecycleError) as info:
+            down("t")
+        assert "node h1" in str(info.value) and "retry `pdctl down t`" in str(info.value)
+        state = StateStore().load("t")
+        assert state.status == "stopping" and set(state.processes) == {"decode-0"}  # h0's are gone
+    finally:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", inner, "up"], check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "ip", "route", "replace", "default", "via", clean_hosts.gateway], check=False
+        )
+    assert "down (1 processes stopped)" in down("t")

@@ -120,6 +120,7 @@ def test_trainer_command_forms() -> None:
         ("[python, train.py, --x]", ("--master-port", "20004", "train.py", "--x")),
         ("[python, -m, pkg.train]", ("-m", "pkg.train")),
         ("[./run.sh, a]", ("--no-python", "./run.sh", "a")),
+        ("[python, -c, 'print(1)']", ("--no-python", "python3", "-c", "print(1)")),
     ]:
         top, _ = load_topology_text(yaml_text(base + f"trainer: {{command: {command}, nproc_per_node: 1}}\n"))
         argv = make_plan(top).process("trainer.n0").argv

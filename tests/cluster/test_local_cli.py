@@ -1,0 +1,59 @@
+"""The CLI end to end on localhost nodes (no SSH): up, requests, status, logs, down, down again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+from tests.helpers import post
+
+
+def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdctl", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_local_cli_round_trip(tmp_path) -> None:
+    base = 23000 + os.getpid() % 4000 // 10 * 10
+    topo = tmp_path / "local.yaml"
+    topo.write_text(
+        yaml.safe_dump(
+            {
+                "name": "loc",
+                "model": {"path": "sim://tiny"},
+                "engine": "sim",
+                "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
+                "ports": {"base": base},
+                "prefill": {},
+                "decode": {},
+                "router": {"policy": "cache_aware"},
+            }
+        )
+    )
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    up = pdctl("up", str(topo), env=env)
+    assert up.returncode == 0, up.stderr
+    url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
+    try:
+        code, out = post(url + "/generate", {"text": "cli", "sampling_params": {"max_new_tokens": 4}})
+        assert code == 200 and out["meta_info"]["completion_tokens"] == 4
+        st = pdctl("status", "--json", env=env)
+        assert st.returncode == 0 and json.loads(st.stdout)["ok"] is True
+        again = pdctl("up", str(topo), env=env)
+        assert again.returncode == 1 and "already up" in again.stderr and "Traceback" not in again.stderr
+        log = pdctl("logs", "loc", "prefill-0", "-n", "5", env=env)
+        assert log.returncode == 0 and "ready to roll" in log.stdout
+        assert pdctl("logs", "nope-proc", env=env).returncode == 1
+    finally:
+        down = pdctl("down", env=env)
+    assert down.returncode == 0 and "is down" in down.stdout
+    assert "already down" in pdctl("down", "loc", env=env).stdout
+    assert pdctl("status", "loc", env=env).returncode == 1
+    purge = pdctl("down", "loc", "--purge", env=env)
+    assert purge.returncode == 0 and not (tmp_path / "runs" / "loc").exists()
+    assert pdctl("down", "loc", env=env).stdout.startswith("no cluster 'loc'")

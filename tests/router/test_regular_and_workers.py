@@ -1,0 +1,64 @@
+"""Regular (non-PD) mode and runtime worker registration."""
+
+from __future__ import annotations
+
+from tests.helpers import RouterProcess, get, http, post
+
+
+def greedy(text, n=6):
+    return {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+
+
+def test_regular_mode_routes_to_regular_workers(fleet, tmp_path) -> None:
+    regular = fleet[0]
+    proc = RouterProcess(tmp_path, "--worker-urls", regular.url, "--policy", "power_of_two").start("/readiness")
+    try:
+        status, out = post(proc.url + "/generate", greedy("plain"))
+        assert status == 200 and out["output_ids"] == post(regular.url + "/generate", greedy("plain"))[1]["output_ids"]
+        events = __import__("tests.helpers", fromlist=["sse"]).sse(
+            proc.url + "/generate", {**greedy("s"), "stream": True}
+        )
+        assert events[-1] == "[DONE]"
+    finally:
+        proc.stop()
+
+
+def test_workers_can_join_and_leave_at_runtime(fleet, tmp_path) -> None:
+    _, prefill, d1, _ = fleet
+    proc = RouterProcess(tmp_path, "--pd-disaggregation", "--health-check-interval-secs", "0.5").start()
+    try:
+        status, out = post(proc.url + "/generate", greedy("nobody"))
+        assert status == 503 and out["error"]["code"] == "no_prefill_servers"
+        status, added = post(
+            proc.url + "/workers",
+            {"url": prefill.url, "worker_type": "prefill", "bootstrap_port": prefill.bootstrap_port},
+        )
+        assert status == 202 and added["status"] == "accepted"
+        assert post(proc.url + "/workers", {"url": d1.url, "worker_type": "decode"})[0] == 202
+        assert post(proc.url + "/workers", {"url": d1.url, "worker_type": "decode"})[0] == 400  # duplicate
+        assert post(proc.url + "/workers", {"url": "ftp://x", "worker_type": "decode"})[0] == 400
+        listed = get(proc.url + "/workers")[1]
+        assert listed["stats"] == {"prefill_count": 1, "decode_count": 1, "regular_count": 0}
+        assert post(proc.url + "/generate", greedy("joined"))[0] == 200
+        assert http("DELETE", proc.url + "/workers/" + added["worker_id"])[0] == 200
+        status, out = post(proc.url + "/generate", greedy("gone"))
+        assert status == 503 and out["error"]["code"] == "no_prefill_servers"
+        assert http("DELETE", proc.url + "/workers/nope")[0] == 404
+    finally:
+        proc.stop()
+
+
+def test_cli_rejects_bad_worker_specs(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    for args, needle in [
+        (["--prefill", "http://a:1", "8998"], "--prefill/--decode need --pd-disaggregation"),
+        (["--pd-disaggregation", "--prefill", "http://a:1", "x"], "bootstrap port must be a number"),
+        (["--pd-disaggregation", "--decode", "a:1"], "must start with http://"),
+        (["--api-key-env", "NOPE_UNSET_VAR"], "is unset or empty"),
+    ]:
+        res = subprocess.run(
+            [sys.executable, "-m", "pdctl", "router", *args], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)
