@@ -213,3 +213,48 @@ class NullEngine:
 
     def stop(self) -> None:
         SimProcess.stop(self)
+
+
+@contextlib.contextmanager
+def sglang_router(tmp: Path, prefills: list, decodes: list, *, expect_workers: int) -> Iterator[str]:
+    """The real sglang-router 0.3.2 (Rust gateway) in PD mode; yields its URL once ready."""
+    port = free_port()
+    log = tmp / f"sglang-router-{port}.log"
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for p in prefills:
+        argv += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        argv += ["--decode", d.url]
+    argv += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warn",
+    ]
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, out = get(url + "/readiness", timeout=2)
+                if status == 200 and out.get("healthy_workers") == expect_workers:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"sglang-router not ready:\n{log.read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -10,18 +10,12 @@ state file so that a retry finishes the job.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 
-from pdctl.cluster.nodes import NodeSet
+from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 
-Events = Callable[[str, str], None]
 GRACE_SECS = 10.0
-
-
-def _quiet(_: str, __: str) -> None:
-    pass
 
 
 def down(
@@ -30,7 +24,7 @@ def down(
     store: StateStore | None = None,
     nodes: NodeSet | None = None,
     purge: bool = False,
-    events: Events = _quiet,
+    events: Events = quiet,
 ) -> str:
     """Stop cluster ``name``. Returns a one-line summary; raises LifecycleError if anything is left."""
     store = store or StateStore()
@@ -64,7 +58,7 @@ def down(
 
 
 def stop_processes(
-    state: ClusterState, nodes: NodeSet, *, events: Events = _quiet, grace_secs: float = GRACE_SECS
+    state: ClusterState, nodes: NodeSet, *, events: Events = quiet, grace_secs: float = GRACE_SECS
 ) -> None:
     """Stop every recorded process (and run-id-tagged stragglers) on every node.
 

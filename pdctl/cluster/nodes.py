@@ -11,6 +11,12 @@ from pdctl.remote import Executor, executor_for
 from pdctl.topology.model import Node
 
 T = TypeVar("T")
+Events = Callable[[str, str], None]
+"""Progress callback: (process id or phase, message); called from worker threads."""
+
+
+def quiet(_: str, __: str) -> None:
+    """The default Events sink."""
 
 
 class NodeSet:

@@ -10,24 +10,18 @@ from __future__ import annotations
 import os
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 from pdctl.agent import RUN_ID_ENV
 from pdctl.cluster.down import stop_processes
-from pdctl.cluster.nodes import NodeSet
+from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, ProcessRecord, StateStore, node_to_dict
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
 from pdctl.topology.model import Role, Topology
 
-Events = Callable[[str, str], None]
 LOG_TAIL_LINES = 50
-
-
-def _quiet(_: str, __: str) -> None:
-    pass
 
 
 def up(
@@ -37,7 +31,7 @@ def up(
     store: StateStore | None = None,
     nodes: NodeSet | None = None,
     ready_timeout_secs: float = 900.0,
-    events: Events = _quiet,
+    events: Events = quiet,
     source: str = "",
 ) -> ClusterState:
     """Bring ``plan`` up. Returns the state (status ``up``).

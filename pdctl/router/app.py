@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdctl.httputil import start_site
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher, RouteError
@@ -59,19 +60,14 @@ class RouterServer:
         # their weight version known; the others join as soon as a later round reaches them.
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
-        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, self.config.host, self.config.port, backlog=1024).start()
+        # handler_cancellation: a client that goes away cancels both legs of its request.
+        runner, self.port = await start_site(self.app(), self.config.host, self.config.port, handler_cancellation=True)
         self._runners.append(runner)
-        self.port = _bound_port(runner) or self.config.port
         if self.config.prometheus_port is not None:
             metrics_app = web.Application()
             metrics_app.router.add_get("/metrics", self.metrics_endpoint)
-            mrunner = web.AppRunner(metrics_app, access_log=None)
-            await mrunner.setup()
-            await web.TCPSite(mrunner, self.config.host, self.config.prometheus_port).start()
+            mrunner, self.prometheus_port = await start_site(metrics_app, self.config.host, self.config.prometheus_port)
             self._runners.append(mrunner)
-            self.prometheus_port = _bound_port(mrunner)
 
     async def stop(self) -> None:
         await self.registry.stop()
@@ -360,11 +356,3 @@ async def _json_or_empty(request: web.Request) -> dict[str, Any]:
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
-
-
-def _bound_port(runner: web.AppRunner) -> int | None:
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        if server and server.sockets:
-            return int(server.sockets[0].getsockname()[1])
-    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,50 +121,56 @@ class Dispatcher:
         return self.regular_policy.select(workers, ctx) or workers[0]
 
     # -- the request loop (retries) ---------------------------------------------------------------
+    async def _with_retries(self, attempt_once: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Run ``attempt_once`` until it does not raise Retry, with backoff; then a 502."""
+        attempts = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
+        for attempt in range(attempts):
+            try:
+                return await attempt_once()
+            except Retry as retry:
+                self.metrics.retried(retry.code)
+                if attempt + 1 >= attempts:
+                    raise RouteError(502, retry.code, f"{retry} (after {attempt + 1} attempt(s))") from None
+            await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
     async def pd_request(
         self, request: web.Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
     ) -> web.StreamResponse:
         ctx = RequestContext(text=_text_of(body) if self._needs_text() else None)
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
-        for attempt in range(self._attempts()):
+
+        async def attempt() -> web.StreamResponse:
             prefill, decode = self.select_pair(ctx)
             # phase 2: a new room per attempt (a retried room could collide with the orphan)
-            wire = dumps(
-                inject_bootstrap(body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch)
+            bootstrapped = inject_bootstrap(
+                body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
             )
+            wire = dumps(bootstrapped)
             with self.registry.in_flight(prefill, decode):
-                try:
-                    if stream:
-                        return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
-                    return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
-                except Retry as retry:
-                    self.metrics.retried(retry.code)
-                    if attempt + 1 >= self._attempts():
-                        raise RouteError(502, retry.code, f"{retry} (after {attempt + 1} attempt(s))") from None
-            await asyncio.sleep(self._backoff(attempt))
-        raise AssertionError("unreachable")
+                if stream:
+                    return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
+                return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
+
+        return await self._with_retries(attempt)
 
     async def regular_request(
         self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> web.StreamResponse:
         ctx = RequestContext(text=_text_of(body) if self.regular_policy.needs_text else None)
         data = dumps(body)
-        for attempt in range(self._attempts()):
+
+        async def attempt() -> web.StreamResponse:
             worker = self.select_regular(ctx)
             with self.registry.in_flight(worker):
-                try:
-                    if body.get("stream"):
-                        return await self._stream_one(request, path, data, worker, headers)
-                    leg = await self._post(worker, path, data, headers)
-                    self._judge(worker, leg, errors.WORKER_FAILED)
-                    return _respond(leg, headers)
-                except Retry as retry:
-                    self.metrics.retried(retry.code)
-                    if attempt + 1 >= self._attempts():
-                        raise RouteError(502, retry.code, f"{retry} (after {attempt + 1} attempt(s))") from None
-            await asyncio.sleep(self._backoff(attempt))
-        raise AssertionError("unreachable")
+                if body.get("stream"):
+                    return await self._stream_one(request, path, data, worker, headers)
+                leg = await self._post(worker, path, data, headers)
+                self._judge(worker, leg, errors.WORKER_FAILED)
+                return _respond(leg, headers)
+
+        return await self._with_retries(attempt)
 
     # -- phase 3: send both -----------------------------------------------------------------------
     async def _send_both(
@@ -288,9 +295,6 @@ class Dispatcher:
     # -- helpers ---------------------------------------------------------------------------------------
     def _needs_text(self) -> bool:
         return self.prefill_policy.needs_text or self.decode_policy.needs_text
-
-    def _attempts(self) -> int:
-        return 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
 
     def _backoff(self, attempt: int) -> float:
         c = self.config

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdctl.httputil import start_site
 from pdctl.sglang import Endpoint, batch_size_of
 
 try:
@@ -100,15 +101,11 @@ def make_app(role: str, record: str | None) -> web.Application:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runner = web.AppRunner(make_app(args.role, args.record), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port, backlog=1024).start()
+    runner, _ = await start_site(make_app(args.role, args.record), args.host, args.port)
     if args.role == "prefill" and args.bootstrap_port:
         boot = web.Application()
         boot.router.add_get("/health", lambda _: web.Response(text="OK"))
-        brunner = web.AppRunner(boot, access_log=None)
-        await brunner.setup()
-        await web.TCPSite(brunner, args.host, args.bootstrap_port).start()
+        await start_site(boot, args.host, args.bootstrap_port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

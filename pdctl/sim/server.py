@@ -21,6 +21,7 @@ import torch
 from aiohttp import web
 
 from pdctl.errors import SimError
+from pdctl.httputil import start_site
 from pdctl.sglang import FAKE_BOOTSTRAP_HOST, Endpoint, generate_error_body, stream_error_chunk
 from pdctl.sim import openai, weights_http
 from pdctl.sim.engine import Engine, Mode, Request
@@ -104,12 +105,8 @@ class SimServer:
             self.members = WeightGroupMember(1)
         if self.mode == "prefill":
             self.kv_store = KVStore(loop)
-            runner = web.AppRunner(bootstrap_app(self.kv_store), access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, c.host, c.bootstrap_port)
-            await site.start()
+            runner, self.bootstrap_port = await start_site(bootstrap_app(self.kv_store), c.host, c.bootstrap_port)
             self._runners.append(runner)
-            self.bootstrap_port = _bound_port(runner) or c.bootstrap_port
         self.engine = Engine(
             self.model,
             max_running=c.max_running_requests,
@@ -122,11 +119,9 @@ class SimServer:
         self.engine.on_finish = self.metrics.observe_finished
         self.engine.start()
         self.session = aiohttp.ClientSession()
-        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, c.host, c.port).start()
+        # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
+        runner, self.port = await start_site(self.app(), c.host, c.port, handler_cancellation=True)
         self._runners.append(runner)
-        self.port = _bound_port(runner) or c.port
         if not c.skip_server_warmup:
             await self._one_token()
         self.status = "up"
@@ -462,14 +457,6 @@ async def _json(request: web.Request, default: Any = None) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SimError(f"invalid JSON: {exc}") from exc
-
-
-def _bound_port(runner: web.AppRunner) -> int | None:
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        if server and server.sockets:
-            return int(server.sockets[0].getsockname()[1])
-    return None
 
 
 def torch_threads(n: int) -> None:

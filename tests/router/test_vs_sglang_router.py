@@ -3,13 +3,9 @@ sim engines, give identical outputs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.helpers import free_port, get, post, sse
+from tests.helpers import post, sglang_router, sse
 
 pytest.importorskip("sglang_router", reason="sglang-router==0.3.2 is a test extra")
 
@@ -17,48 +13,8 @@ pytest.importorskip("sglang_router", reason="sglang-router==0.3.2 is a test extr
 @pytest.fixture(scope="module")
 def gateway(fleet, tmp_path_factory):
     _, prefill, d1, d2 = fleet
-    port = free_port()
-    log = tmp_path_factory.mktemp("gw") / "gateway.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        d1.url,
-        "--decode",
-        d2.url,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        "--prometheus-port",
-        str(free_port()),
-        "--log-level",
-        "warn",
-    ]
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            status, out = get(url + "/readiness", timeout=2)
-            if status == 200 and out.get("healthy_workers") == 3:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            pytest.fail(f"sglang-router not ready:\n{log.read_text()[-2000:]}")
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=15)
+    with sglang_router(tmp_path_factory.mktemp("gw"), [prefill], [d1, d2], expect_workers=3) as url:
+        yield url
 
 
 REQUESTS = [

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.helpers import free_port, get, post, sse
+from tests.helpers import get, post, sglang_router, sse
 
 pytest.importorskip("sglang_router", reason="sglang-router==0.3.2 is a test extra")
 
@@ -16,46 +12,8 @@ pytest.importorskip("sglang_router", reason="sglang-router==0.3.2 is a test extr
 @pytest.fixture(scope="module")
 def gateway(trio, tmp_path_factory):
     _, prefill, decode = trio
-    port = free_port()
-    log = tmp_path_factory.mktemp("router") / "router.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        decode.url,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        "--prometheus-port",
-        str(free_port()),
-        "--log-level",
-        "warn",
-    ]
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            status, out = get(url + "/readiness", timeout=2)
-            if status == 200 and out.get("healthy_workers") == 2:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            pytest.fail(f"sglang-router did not become ready:\n{log.read_text()[-2000:]}")
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=15)
+    with sglang_router(tmp_path_factory.mktemp("gw"), [prefill], [decode], expect_workers=2) as url:
+        yield url
 
 
 def test_registration_sees_both_roles(gateway, trio) -> None:
