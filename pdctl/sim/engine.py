@@ -376,16 +376,20 @@ class Engine:
         if self.decode_ms_per_step:
             time.sleep(self.decode_ms_per_step / 1000)
         ids = torch.tensor([r.output_ids[-1] for r in batch])
-        positions = torch.tensor([r.kv_len for r in batch])
+        positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in batch])
         logits = self.model.decode_step(ids, positions, self.pool)
         greedy = torch.argmax(logits, dim=-1).tolist()
         # log_softmax over [B, V] costs as much as a layer; only pay it when someone asked.
         logps = torch.log_softmax(logits, dim=-1) if any(r.return_logprob for r in batch) else None
+        emit = self._emit_token
         for row, req in enumerate(batch):
-            if req.finished:  # aborted meanwhile; reaped next iteration
+            if req.finish is not None:  # aborted meanwhile; reaped next iteration
                 continue
-            token = greedy[row] if req.sampling.greedy else sample(logits[row], req.sampling, req.generator)
-            self._emit_token(req, token, float(logps[row, token]) if logps is not None else 0.0)
+            opts = req.sampling
+            token = (
+                greedy[row] if opts.temperature <= 1e-6 or opts.top_k == 1 else sample(logits[row], opts, req.generator)
+            )
+            emit(req, token, float(logps[row, token]) if logps is not None else 0.0)
 
     def _emit_token(self, req: Request, token: int, logprob: float) -> None:
         if req.first_token_at is None:
@@ -402,6 +406,8 @@ class Engine:
     def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
         opts = req.sampling
         n = len(req.output_ids)
+        if n < opts.max_new_tokens and token != EOS_ID and not opts.stop and not opts.stop_token_ids:
+            return None if len(req.input_ids) + n < self.model.config.max_positions else {"type": "length", "length": n}
         if n > opts.min_new_tokens:
             if token == EOS_ID and not opts.ignore_eos:
                 return {"type": "stop", "matched": token}
