@@ -3,4 +3,12 @@
 from pdctl.plan.model import EngineSpec, LaunchSpec, Plan, WeightGroup, url_host
 from pdctl.plan.planner import check_invariants, make_plan
 
-__all__ = ["EngineSpec", "LaunchSpec", "Plan", "WeightGroup", "check_invariants", "make_plan", "url_host"]
+__all__ = [
+    "EngineSpec",
+    "LaunchSpec",
+    "Plan",
+    "WeightGroup",
+    "check_invariants",
+    "make_plan",
+    "url_host",
+]

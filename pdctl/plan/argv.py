@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-from pdctl.plan.model import url_host
 from pdctl.sglang import render_extra_args
 from pdctl.topology.model import Node, Role, ServerGroup, Topology
 
@@ -127,10 +126,6 @@ def router_argv(
     if regular:
         argv += ["--worker-urls", *regular]
     return tuple(argv)
-
-
-def node_url_host(node: Node) -> str:
-    return url_host(node.host)
 
 
 def compact_json(value: object) -> str:

@@ -11,4 +11,9 @@ def executor_for(node: Node) -> Executor:
     return LocalExecutor(node) if node.is_local else SSHExecutor(node)
 
 
-__all__ = ["Executor", "LocalExecutor", "SSHExecutor", "executor_for"]
+__all__ = [
+    "Executor",
+    "LocalExecutor",
+    "SSHExecutor",
+    "executor_for",
+]
