@@ -27,7 +27,7 @@ from pdctl.sim.sampling import SamplingOptions
 RESULTS = Path(__file__).parent / "results"
 PROMPT = list(range(40, 72))
 NEW_TOKENS = 128
-ROUNDS = 5
+ROUNDS = 9
 
 
 def tokens_per_sec(engine: Engine, batch: int) -> tuple[float, float]:
