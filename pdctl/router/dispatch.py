@@ -8,6 +8,7 @@ Failure rules (sglang-protocol.md 2.3, style.md R9), implemented as written:
 - a failed leg (connection error or 5xx) is retried on a freshly selected pair with a new
   bootstrap room, with exponential backoff and jitter, at most ``retry_max_retries`` times,
   and only while nothing has been sent to the client;
+- a leg that times out (``request_timeout_secs``) ends the request with a 504, not retried;
 - a worker's 4xx is the client's fault: returned as is, never retried, and it counts as a
   success for the circuit breaker;
 - prefill's ``input_token_logprobs`` are put in front of decode's only when asked for.
@@ -29,7 +30,7 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.jsonutil import dumps, loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, make_policy
-from pdctl.router.upstream import Response, UpstreamError, UpstreamPool
+from pdctl.router.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
 
@@ -295,6 +296,8 @@ class Dispatcher:
     def _judge(self, worker: Worker, leg: Leg, code: str) -> None:
         """Record the outcome; raise Retry for a server-side failure."""
         self.registry.record(worker, not leg.server_failed)
+        if isinstance(leg.error, UpstreamTimeout):  # not retried: another try would wait as long again
+            raise RouteError(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {leg.error}")
         if leg.error is not None:
             if isinstance(leg.error, OSError):  # UpstreamError is a ConnectionError
                 self.registry.mark_failed(worker)

@@ -23,6 +23,10 @@ class UpstreamError(ConnectionError):
     """The connection failed or closed before a complete response."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """No complete answer within the request timeout."""
+
+
 @dataclass
 class Response:
     status: int
@@ -73,7 +77,7 @@ class _Conn(asyncio.Protocol):
             self.timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
 
     def _time_out(self) -> None:
-        self._fail(UpstreamError("timed out"))
+        self._fail(UpstreamTimeout("no answer within the request timeout"))
         if self.queue is not None:
             self.queue.put_nowait(None)
         self.close()

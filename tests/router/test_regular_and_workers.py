@@ -62,3 +62,34 @@ def test_cli_rejects_bad_worker_specs(tmp_path) -> None:
             [sys.executable, "-m", "pdctl", "router", *args], capture_output=True, text=True, timeout=60
         )
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)
+
+
+def test_request_timeout_is_a_504_and_not_retried(tmp_path) -> None:
+    import time
+
+    from tests.helpers import sims
+
+    specs = [
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--sim-decode-ms-per-step", "100"),
+    ]
+    with sims(tmp_path, *specs) as (prefill, decode):
+        args = [
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(prefill.bootstrap_port),
+            "--decode",
+            decode.url,
+            "--request-timeout-secs",
+            "1",
+        ]
+        proc = RouterProcess(tmp_path, *args).start("/readiness")
+        try:
+            started = time.monotonic()
+            status, out = post(proc.url + "/generate", greedy("slow", 40))  # 40 steps x 100 ms > 1 s
+            assert status == 504 and out["error"]["code"] == "request_timeout"
+            assert time.monotonic() - started < 5  # one timeout, no retries
+            assert post(proc.url + "/generate", greedy("quick", 2))[0] == 200
+        finally:
+            proc.stop()
