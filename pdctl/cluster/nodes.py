@@ -42,8 +42,16 @@ class NodeSet:
             except RemoteError as exc:
                 return exc
 
-        with cf.ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
+        pool = cf.ThreadPoolExecutor(max_workers=min(32, len(names)))
+        try:
             return dict(zip(names, pool.map(one, names), strict=True))
+        except BaseException:
+            # Ctrl-C: do not wait for blocked node calls (a readiness wait can last minutes);
+            # the caller stops everything at once.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=False)
 
     def close(self) -> None:
         for ex in self.executors.values():

@@ -57,3 +57,48 @@ def test_local_cli_round_trip(tmp_path) -> None:
     purge = pdctl("down", "loc", "--purge", env=env)
     assert purge.returncode == 0 and not (tmp_path / "runs" / "loc").exists()
     assert pdctl("down", "loc", env=env).stdout.startswith("no cluster 'loc'")
+
+
+def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
+    import signal
+    import time
+
+    base = 26000 + os.getpid() % 2000 // 10 * 10
+    topo = tmp_path / "slow.yaml"
+    topo.write_text(
+        yaml.safe_dump(
+            {
+                "name": "slow",
+                "model": {"path": "sim://tiny"},
+                "engine": "sim",
+                "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
+                "ports": {"base": base},
+                "prefill": {},
+                # the decode's warm-up prompt takes 60 s: up is still waiting when Ctrl-C comes
+                "decode": {"args": {"sim-prefill-ms-per-token": 60000}},
+            }
+        )
+    )
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdctl", "up", str(topo)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    state_path = tmp_path / "home" / "slow" / "state.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (state_path.exists() and json.loads(state_path.read_text())["processes"]):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    pids = [p["pid"] for p in json.loads(state_path.read_text())["processes"].values()]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "interrupted; everything that started was stopped" in err
+    import psutil
+
+    for pid in pids:
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert not alive, f"pid {pid} survived"
+    assert json.loads(state_path.read_text())["status"] == "down"
