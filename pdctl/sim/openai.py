@@ -17,7 +17,7 @@ from aiohttp import web
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint, openai_error_body
 from pdctl.sim.engine import Request
-from pdctl.sim.model import encode
+from pdctl.sim.model import decode, encode
 from pdctl.sim.requests import ItemSpec
 from pdctl.sim.sampling import SamplingOptions
 
@@ -176,11 +176,8 @@ class OpenAIRoutes:
             if chat:
                 await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             async for _ in self.server.events(req, queue):
-                text = req.text() if req.finished else ""
-                if not req.finished:
-                    from pdctl.sim.model import decode
-
-                    text = decode(req.output_ids)
+                # Cumulative text, the stop string trimmed once finished; each chunk sends what is new.
+                text = req.text() if req.finished else decode(req.output_ids)
                 delta, sent = text[len(sent) :], text
                 if delta:
                     piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}

@@ -13,7 +13,7 @@ from typing import Any
 
 from pdctl.errors import SimError
 from pdctl.sim.engine import Request
-from pdctl.sim.model import encode
+from pdctl.sim.model import decode, encode
 from pdctl.sim.sampling import SamplingOptions
 
 
@@ -123,11 +123,5 @@ def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: boo
             [] if pd_decode else [[lp, tok, None] for lp, tok in zip(req.input_logprobs, req.input_ids, strict=False)]
         )
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], ids, strict=True)]
-    text = req.text() if done else _partial_text(req, n)
+    text = req.text() if done else decode(ids)
     return {"text": text, "output_ids": ids, "meta_info": meta}
-
-
-def _partial_text(req: Request, n: int) -> str:
-    from pdctl.sim.model import decode
-
-    return decode(req.output_ids[:n])
