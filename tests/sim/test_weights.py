@@ -170,3 +170,46 @@ def test_update_from_disk_and_version(engines, tmp_path) -> None:
     status, out = post(e.url + "/update_weight_version", {"new_version": "v9"})
     assert out["new_version"] == "v9" and get(e.url + "/model_info")[1]["weight_version"] == "v9"
     assert post(e.url + "/update_weights_from_disk", {"model_path": "/nonexistent"})[0] == 400
+
+
+def test_flush_cache_fails_the_update_while_requests_run(tmp_path) -> None:
+    """SGLang: with flush_cache true (the default) an update made while requests still run (paused
+    in place) loads the weights but reports the cache as not flushed."""
+    import time
+
+    with sims(tmp_path, ("--sim-decode-ms-per-step", "20")) as (engine,):
+        group = join_group([engine], offsets=[1], world=2)
+        try:
+            with cf.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(
+                    post,
+                    engine.url + "/generate",
+                    {"text": "long", "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}},
+                )
+                time.sleep(0.5)
+                post(engine.url + "/pause_generation", {"mode": "in_place"})
+                post(engine.url + "/begin_weight_update", {})
+                new = resolve_model("sim://tiny?seed=77", "auto", None)
+                tensors = [(n, p.to(torch.float32)) for n, p in new.named_parameters()][:2]
+                body = update_weights_from_distributed_body(
+                    names=[n for n, _ in tensors],
+                    dtypes=["float32"] * 2,
+                    shapes=[list(t.shape) for _, t in tensors],
+                    flush_cache=True,
+                )
+                with cf.ThreadPoolExecutor(1) as p2:
+                    fut = p2.submit(post, engine.url + "/update_weights_from_distributed", body)
+                    for _, t in tensors:
+                        dist.broadcast(t.contiguous(), src=0, group=group)
+                    status, out = fut.result()
+                assert status == 400 and "the cache was not flushed" in out["message"]
+                post(engine.url + "/end_weight_update", {})
+                post(engine.url + "/continue_generation", {})
+                assert running.result()[0] == 200
+            sums = post(engine.url + "/weights_checker", {})[1]["checksums"]
+            reference = resolve_model("sim://tiny", "auto", None)
+            reference.load_weights(tensors)
+            assert sums[tensors[0][0]] == weights_checksum(reference)[tensors[0][0]]  # loaded all the same
+        finally:
+            post(engine.url + "/destroy_weights_update_group", {})
+            destroy_group(group)
