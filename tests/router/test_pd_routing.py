@@ -185,7 +185,7 @@ def test_concurrency_limit_answers_429(fleet, tmp_path) -> None:
     proc = RouterProcess(tmp_path, *args).start()
     try:
         with cf.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: post(proc.url + "/generate", greedy(f"q{i}", 64)), range(8)))
+            results = list(pool.map(lambda i: post(proc.url + "/generate", greedy(f"q{i}", 256)), range(8)))
         codes = [s for s, _ in results]
         assert 429 in codes and 200 in codes
         body = next(o for s, o in results if s == 429)
