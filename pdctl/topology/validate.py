@@ -215,16 +215,18 @@ def _router(top: Topology) -> list[Issue]:
     if r.node and r.node not in {n.name for n in top.nodes}:
         return out  # reported by _node_refs
     node = top.router_node
-    loopback = not node.is_local and r.host in ("127.0.0.1", "localhost")
-    if loopback and top.trainer and any(n != node.name for n in top.trainer.nodes or ()):
-        out.append(
-            Issue(
-                "router.host",
-                f"the router binds 127.0.0.1 on {node.name}; the trainer on other nodes cannot reach it",
-                severity="warning",
-                hint="set router.host to 0.0.0.0 or the node address",
-            )
+    if node.is_local or r.host not in ("127.0.0.1", "localhost"):
+        return out
+    trainer_elsewhere = top.trainer is not None and any(n != node.name for n in top.trainer.nodes or ())
+    who = "clients on other machines (and the trainer on other nodes)" if trainer_elsewhere else "other machines"
+    out.append(
+        Issue(
+            "router.host",
+            f"the router binds 127.0.0.1 on remote node {node.name}; {who} cannot reach it",
+            severity="warning",
+            hint="set router.host to 0.0.0.0 or the node address (with router.api_key_env), or use an SSH tunnel",
         )
+    )
     return out
 
 

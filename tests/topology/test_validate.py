@@ -207,3 +207,10 @@ def test_allocation_needs_trainer_section_for_training_component() -> None:
 def test_all_errors_are_collected() -> None:
     errs = errors_of(BASE + "prefill: {tp: 4, attn_dp: 3, args: {port: 1, nope-flag: 2}}\n")
     assert len(errs) >= 4
+
+
+def test_router_on_loopback_of_a_remote_node_warns() -> None:
+    _, warnings = load_topology_text(yaml_text(BASE + "prefill: {}\ndecode: {}\n"))
+    assert any("binds 127.0.0.1 on remote node n0" in w.message for w in warnings)
+    _, warnings = load_topology_text(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0}\n"))
+    assert not any("binds 127.0.0.1" in w.message for w in warnings)
