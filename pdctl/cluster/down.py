@@ -32,29 +32,36 @@ def down(
         state = store.load(name)
         if state is None:
             return f"no cluster {name!r} in {store.root}; nothing to do"
-        nodes = nodes or NodeSet(state.node_objects().values())
-        if state.status == "down" and not state.processes:
-            summary = f"cluster {name!r} is already down"
-        else:
-            count = len(state.processes)
-            state.status = "stopping"
-            store.save(state)
-            try:
-                stop_processes(state, nodes, events=events)
-            finally:
-                store.save(state)  # what was stopped is forgotten even when a node failed
-            state.processes.clear()
-            state.status = "down"
-            store.save(state)
-            summary = f"cluster {name!r} is down ({count} processes stopped)"
-        if purge:
-            results = nodes.each(state.run_dirs, lambda ex: ex.agent("rm", {"paths": [state.run_dirs[ex.node.name]]}))
-            failed = [str(r) for r in results.values() if isinstance(r, RemoteError)]
-            if failed:
-                raise LifecycleError("purge failed (state kept): " + "; ".join(failed))
-            store.remove(name)
-            summary += "; logs and state removed"
-        return summary
+        if nodes is None:
+            with NodeSet(state.node_objects().values()) as owned:  # connections closed on return
+                return _down(state, store, owned, purge, events)
+        return _down(state, store, nodes, purge, events)
+
+
+def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, events: Events) -> str:
+    name = state.name
+    if state.status == "down" and not state.processes:
+        summary = f"cluster {name!r} is already down"
+    else:
+        count = len(state.processes)
+        state.status = "stopping"
+        store.save(state)
+        try:
+            stop_processes(state, nodes, events=events)
+        finally:
+            store.save(state)  # what was stopped is forgotten even when a node failed
+        state.processes.clear()
+        state.status = "down"
+        store.save(state)
+        summary = f"cluster {name!r} is down ({count} processes stopped)"
+    if purge:
+        results = nodes.each(state.run_dirs, lambda ex: ex.agent("rm", {"paths": [state.run_dirs[ex.node.name]]}))
+        failed = [str(r) for r in results.values() if isinstance(r, RemoteError)]
+        if failed:
+            raise LifecycleError("purge failed (state kept): " + "; ".join(failed))
+        store.remove(name)
+        summary += "; logs and state removed"
+    return summary
 
 
 def stop_processes(

@@ -54,7 +54,9 @@ class ClusterStatus:
 def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None = None) -> ClusterStatus:
     store = store or StateStore()
     state = _load(store, name)
-    nodes = nodes or NodeSet(state.node_objects().values())
+    if nodes is None:
+        with NodeSet(state.node_objects().values()) as owned:  # connections closed on return
+            return status(name, store=store, nodes=owned)
     by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in state.processes.values():
         query: dict[str, Any] = {"id": rec.id, "pid": rec.pid, "create_time": rec.create_time}

@@ -40,7 +40,11 @@ def up(
         LifecycleError: preflight failed (nothing started), or launch failed (all stopped).
     """
     store = store or StateStore()
-    nodes = nodes or NodeSet(top.nodes)
+    if nodes is None:
+        with NodeSet(top.nodes) as owned:  # SSH connections closed when up returns
+            return up(
+                top, plan, store=store, nodes=owned, ready_timeout_secs=ready_timeout_secs, events=events, source=source
+            )
     with store.locked(plan.name):
         existing = store.load(plan.name)
         if existing and existing.status != "down" and existing.processes:
