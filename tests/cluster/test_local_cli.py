@@ -102,3 +102,42 @@ def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
         alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         assert not alive, f"pid {pid} survived"
     assert json.loads(state_path.read_text())["status"] == "down"
+
+
+def test_logs_follow_sees_new_lines(tmp_path) -> None:
+    from pdctl.cluster import ClusterState, StateStore, logs
+
+    log = tmp_path / "runs" / "p.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("one\ntwo\nthree\n")
+    store = StateStore(tmp_path / "home")
+    node = {
+        "name": "me",
+        "host": "127.0.0.1",
+        "gpus": 1,
+        "python": sys.executable,
+        "workdir": str(tmp_path),
+        "env": {},
+        "ssh": {},
+    }
+    store.save(
+        ClusterState(
+            name="f",
+            run_id="r",
+            status="up",
+            nodes=[node],
+            plan={"processes": [{"id": "p", "node": "me", "log_path": str(log)}]},
+        )
+    )
+    polls = []
+
+    def stop() -> bool:
+        polls.append(1)
+        if len(polls) == 2:
+            with log.open("a") as f:
+                f.write("four\n")
+        return len(polls) > 4
+
+    chunks = list(logs("f", "p", lines=2, follow=True, store=store, poll_secs=0.05, stop=stop))
+    assert chunks[0].strip().splitlines() == ["two", "three"]
+    assert "".join(chunks[1:]) == "four\n"
