@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import time
@@ -51,6 +52,9 @@ class RouterServer:
         self._active = 0  # requests past the hold gate
         self._idle = asyncio.Event()
         self._idle.set()
+        self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
+        self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
+        self._ids = itertools.count()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -128,7 +132,7 @@ class RouterServer:
         started = time.monotonic()
         route = request.path
         request_id = next((request.headers[h] for h in REQUEST_ID_HEADERS if h in request.headers), None)
-        headers = {"X-Request-ID": request_id or uuid.uuid4().hex}
+        headers = {"X-Request-ID": request_id or f"{self._id_prefix}{next(self._ids):x}"}
         status = 500
         try:
             try:
@@ -138,8 +142,12 @@ class RouterServer:
             except ValueError as exc:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, f"invalid JSON body: {exc}", headers)
-            async with self._admission(), self._gate():
-                resp = await self._route(request, route, body, headers)
+            if self._slots is None and self._open.is_set():
+                resp = await self._counted(self._route(request, route, body, headers))  # the common, cheap path
+            else:
+                async with self._admission():
+                    await self._wait_open()
+                    resp = await self._counted(self._route(request, route, body, headers))
             status = resp.status
             return resp
         except RouteError as exc:
@@ -182,22 +190,22 @@ class RouterServer:
         finally:
             self._slots.release()
 
-    @contextlib.asynccontextmanager
-    async def _gate(self):
-        """While held (weight update), new requests wait here; in-flight ones are counted."""
+    async def _wait_open(self) -> None:
+        """While held for a weight update, new requests wait here (at most max_hold_secs)."""
         if not self._open.is_set():
             try:
                 await asyncio.wait_for(self._open.wait(), self.config.max_hold_secs)
             except asyncio.TimeoutError:
                 raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long") from None
+
+    async def _counted(self, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Count a request in flight (``hold`` waits for the count to reach zero)."""
         self._active += 1
         self._idle.clear()
-        self.metrics.in_flight.set(self._active)
         try:
-            yield
+            return await work
         finally:
             self._active -= 1
-            self.metrics.in_flight.set(self._active)
             if self._active == 0:
                 self._idle.set()
 
