@@ -153,7 +153,8 @@ class UpstreamPool:
         self.max_idle = max_idle_per_host
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (address, request-line prefix)
 
-    async def _acquire(self, key: tuple[str, int]) -> _Conn:
+    def _idle_conn(self, key: tuple[str, int]) -> _Conn | None:
+        """A pooled connection, ready for a new request (synchronous: no coroutine on the hot path)."""
         idle = self._idle[key]
         while idle:
             conn = idle.pop()
@@ -161,6 +162,9 @@ class UpstreamPool:
                 conn.reused = True
                 conn._reset()
                 return conn
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(lambda: _Conn(self, key), key[0], key[1])
         return conn
@@ -191,25 +195,26 @@ class UpstreamPool:
         """
         key, prefix = self._target(url)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        head = prefix + f"Content-Length: {len(body)}\r\n{extra}\r\n".encode()
-        host = f"{key[0]}:{key[1]}"
+        data = prefix + f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
         for attempt in range(2):
-            try:
-                conn = await self._acquire(key)
-            except OSError as exc:
-                raise UpstreamError(f"cannot connect to {host}: {exc}") from exc
+            conn = self._idle_conn(key)
+            if conn is None:
+                try:
+                    conn = await self._connect(key)
+                except OSError as exc:
+                    raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
             conn.streaming = stream
             if stream:
                 conn.queue = asyncio.Queue()
             conn.arm(timeout)
             try:
                 assert conn.transport is not None
-                conn.transport.write(head + body)
-                status = await conn.head
-                content_type = _content_type(conn.headers)
+                conn.transport.write(data)
                 if stream:
-                    return Response(status, conn.headers, content_type=content_type, _conn=conn)
-                await conn.done
+                    status = await conn.head
+                    return Response(status, conn.headers, content_type=_content_type(conn.headers), _conn=conn)
+                await conn.done  # one wake-up per request: the head is complete when the message is
+                status = conn.head.result()
             except UpstreamError:
                 conn.close()
                 if attempt == 0 and conn.reused and not conn.got_bytes:
@@ -219,7 +224,7 @@ class UpstreamPool:
                 conn.close()  # cancelled: the engine must see the client leave
                 raise
             self.release(conn)
-            return Response(status, conn.headers, b"".join(conn.body), content_type)
+            return Response(status, conn.headers, b"".join(conn.body), _content_type(conn.headers))
         raise AssertionError("unreachable")
 
     def close(self) -> None:
