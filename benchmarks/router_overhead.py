@@ -3,6 +3,9 @@
 Targets (closed loop, concurrency 64, /generate): the decode backend directly; pdctl router
 in PD mode; sglang-router 0.3.2 (Rust) in PD mode with round_robin; sglang-router's Python
 MiniLB (--mini-lb). Each target runs ROUNDS times, interleaved, and the median is kept.
+With two or more CPUs the router under test is pinned to the last CPU and the load generator
+and backends to the others, so that they do not take turns on the router's core (unpinned,
+the CPU-per-request figures of every router swung by +-40% from run to run here).
 Reported: req/s, p50/p99 latency, and the router's CPU microseconds per request (psutil,
 user+system over the router's process tree during the measured window).
 
@@ -12,6 +15,7 @@ user+system over the router's process tree during the measured window).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -27,7 +31,7 @@ RESULTS = ROOT / "results"
 PY = sys.executable
 DURATION = 8.0
 CONCURRENCY = 64
-ROUNDS = 3
+ROUNDS = 5
 
 
 def free_port() -> int:
@@ -51,8 +55,19 @@ def wait(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-def start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+CPUS = sorted(os.sched_getaffinity(0))
+ROUTER_CPUS = {CPUS[-1]} if len(CPUS) > 1 else set(CPUS)
+OTHER_CPUS = set(CPUS[:-1]) if len(CPUS) > 1 else set(CPUS)
+
+
+def start(argv: list[str], cpus: set[int] = OTHER_CPUS) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    )
 
 
 def cpu_secs(proc: subprocess.Popen) -> float:
@@ -67,16 +82,22 @@ def cpu_secs(proc: subprocess.Popen) -> float:
         return 0.0
 
 
+def _pin_to_others() -> None:
+    os.sched_setaffinity(0, OTHER_CPUS)
+
+
 def measure(name: str, url: str, router: subprocess.Popen | None) -> dict:
+    loadgen = [PY, str(ROOT / "loadgen.py"), url]
     subprocess.run(
-        [PY, str(ROOT / "loadgen.py"), url, "--concurrency", "8", "--duration", "1"], capture_output=True, check=True
+        [*loadgen, "--concurrency", "8", "--duration", "1"], capture_output=True, check=True, preexec_fn=_pin_to_others
     )  # warm-up
     before = cpu_secs(router) if router else 0.0
     out = subprocess.run(
-        [PY, str(ROOT / "loadgen.py"), url, "--concurrency", str(CONCURRENCY), "--duration", str(DURATION)],
+        [*loadgen, "--concurrency", str(CONCURRENCY), "--duration", str(DURATION)],
         capture_output=True,
         text=True,
         check=True,
+        preexec_fn=_pin_to_others,
     )
     used = (cpu_secs(router) - before) if router else 0.0
     row = json.loads(out.stdout)
@@ -166,7 +187,7 @@ def main() -> None:
                     runs[name].append(measure(name, decode + "/generate", None))
                     continue
                 port = free_port()
-                proc = start(make(port))
+                proc = start(make(port), ROUTER_CPUS)
                 try:
                     wait(f"http://127.0.0.1:{port}/health")
                     time.sleep(1.0)
@@ -216,7 +237,7 @@ def main() -> None:
         f"pdctl req/s / MiniLB's: {ratios['pdctl_rps_vs_minilb']:.2f}x (goal >= 3x)",
         f"pdctl req/s / sglang-router's: {ratios['pdctl_rps_vs_sglang_router']:.2f}x",
         f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}; "
-        "load generator, backends and router share this machine's CPUs.",
+        f"the router runs on CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
     ]
     (RESULTS / "router_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -29,7 +29,6 @@ from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
 OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
-REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "request-id")
 
 
 class RouterServer:
@@ -96,7 +95,9 @@ class RouterServer:
 
     # -- app --------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=512 * 1024 * 1024)
+        # The auth middleware only when a key is set: every middleware costs each request.
+        middlewares = [self._auth] if self.config.api_key else []
+        app = web.Application(middlewares=middlewares, client_max_size=512 * 1024 * 1024)
         r = app.router
         for path in (Endpoint.GENERATE, Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
             r.add_post(path.value, self.generate)
@@ -131,7 +132,8 @@ class RouterServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         route = request.path
-        request_id = next((request.headers[h] for h in REQUEST_ID_HEADERS if h in request.headers), None)
+        h = request.headers
+        request_id = h.get("X-Request-ID") or h.get("X-Correlation-ID") or h.get("Request-ID")
         headers = {"X-Request-ID": request_id or f"{self._id_prefix}{next(self._ids):x}"}
         status = 500
         try:

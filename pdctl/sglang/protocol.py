@@ -5,6 +5,7 @@ Body builders return plain dicts ready for JSON; parsers accept what SGLang 0.5.
 
 from __future__ import annotations
 
+import random
 import secrets
 from collections.abc import Sequence
 from enum import Enum
@@ -78,9 +79,12 @@ def batch_size_of(body: dict[str, Any]) -> int | None:
     return None
 
 
+_ROOMS = random.Random(secrets.randbits(64))  # rooms must be unique, not secret: no syscall per request
+
+
 def new_room() -> int:
     """A fresh random bootstrap room in [0, 2**63 - 1]."""
-    return secrets.randbits(63)
+    return _ROOMS.getrandbits(63)
 
 
 def inject_bootstrap(body: dict[str, Any], *, host: str, port: int | None, batch_size: int | None) -> dict[str, Any]:
