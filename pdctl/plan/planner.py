@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from types import MappingProxyType
+from typing import Any
 
 from pdctl.errors import Issue, PlanError, TopologyError
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
@@ -70,18 +71,16 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
         regular=[e.url for e in engines if e.role is Role.REGULAR],
     )
     router_host = router_node.host if top.router.host in ("0.0.0.0", "::") else top.router.host
-    rdir = run_dir(router_node, top.name)
     processes.append(
-        LaunchSpec(
-            id=router_id,
-            role=Role.ROUTER,
-            node=router_node.name,
+        _spec(
+            top,
+            router_node,
+            router_id,
+            Role.ROUTER,
+            argv,
+            dict(router_node.env),
+            {"http": r_port, "metrics": metrics},
             host=router_host,
-            argv=argv,
-            env=MappingProxyType(dict(router_node.env)),
-            cwd=rdir,
-            log_path=f"{rdir}/logs/{router_id}.log",
-            ports=MappingProxyType({"http": r_port, "metrics": metrics}),
             entrypoint=True,
             health_path="/health",
         )
@@ -147,21 +146,15 @@ def _plan_engine(
             if dist_port is not None:
                 ports["dist_init"] = dist_port
         pid = engine_id if nnodes == 1 else f"{engine_id}.{node.name}"
-        rdir = run_dir(node, top.name)
-        env = {**node.env, **group.env}
-        if top.placement.colocate and top.placement.mps:
-            env.update(_mps_env(node, top.name))
-        spec = LaunchSpec(
-            id=pid,
-            role=group.role,
-            node=node.name,
-            host=node.host,
-            argv=argv,
-            env=MappingProxyType(env),
-            cwd=rdir,
-            log_path=f"{rdir}/logs/{pid}.log",
+        spec = _spec(
+            top,
+            node,
+            pid,
+            group.role,
+            argv,
+            {**node.env, **group.env},
+            ports,
             gpu_ids=gpu_ids,
-            ports=MappingProxyType(ports),
             dist_init_block=block if rank == 0 else 0,
             engine_id=engine_id,
             node_rank=rank,
@@ -182,6 +175,37 @@ def _plan_engine(
         bootstrap_port=bootstrap,
     )
     return procs, engine
+
+
+def _spec(
+    top: Topology,
+    node: Node,
+    pid: str,
+    role: Role,
+    argv: tuple[str, ...],
+    env: dict[str, str],
+    ports: dict[str, int],
+    *,
+    host: str | None = None,
+    **extra: Any,
+) -> LaunchSpec:
+    """One process in its node's run directory, logging to ``logs/PID.log``; GPU processes of a
+    colocated topology also get the MPS pipe and log directories."""
+    if top.placement.colocate and top.placement.mps and role is not Role.ROUTER:
+        env = {**env, **_mps_env(node, top.name)}
+    rdir = run_dir(node, top.name)
+    return LaunchSpec(
+        id=pid,
+        role=role,
+        node=node.name,
+        host=host or node.host,
+        argv=argv,
+        env=MappingProxyType(env),
+        cwd=rdir,
+        log_path=f"{rdir}/logs/{pid}.log",
+        ports=MappingProxyType(ports),
+        **extra,
+    )
 
 
 def _mps_env(node: Node, name: str) -> dict[str, str]:
@@ -244,27 +268,11 @@ def _plan_trainer(
             master_port=master_port,
         )
         env = {**node.env, **shared_env, **top.trainer.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
-        if top.placement.colocate and top.placement.mps:
-            env.update(_mps_env(node, top.name))
         ports = {"master": master_port} if rank == 0 else {}
         if rank == 0 and weight_group is not None:
             ports["weight_group"] = weight_group.master_port
-        pid = f"trainer.{node.name}"
-        rdir = run_dir(node, top.name)
         procs.append(
-            LaunchSpec(
-                id=pid,
-                role=Role.TRAINER,
-                node=node.name,
-                host=node.host,
-                argv=argv,
-                env=MappingProxyType(env),
-                cwd=rdir,
-                log_path=f"{rdir}/logs/{pid}.log",
-                gpu_ids=gpu_ids,
-                ports=MappingProxyType(ports),
-                node_rank=rank,
-            )
+            _spec(top, node, f"trainer.{node.name}", Role.TRAINER, argv, env, ports, gpu_ids=gpu_ids, node_rank=rank)
         )
     return procs, weight_group
 

@@ -16,7 +16,6 @@ from pdctl.sglang.flags import (
     server_flags,
 )
 from pdctl.sglang.protocol import (
-    BOOTSTRAP_FIELDS,
     FAKE_BOOTSTRAP_HOST,
     MAX_BOOTSTRAP_ROOM,
     Endpoint,
@@ -31,7 +30,6 @@ from pdctl.sglang.protocol import (
 )
 
 __all__ = [
-    "BOOTSTRAP_FIELDS",
     "FAKE_BOOTSTRAP_HOST",
     "MAX_BOOTSTRAP_ROOM",
     "OWNED_FLAGS",

@@ -16,7 +16,6 @@ from typing import Any
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 # Rooms are random in [0, 2**63 - 1]: SGLang stores them as signed int64.
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 DEFAULT_GROUP_NAME = "weight_update_group"
 # /begin_weight_update and /end_weight_update exist from SGLang 0.5.21 on.
 WEIGHT_SESSION_SINCE = (0, 5, 21)
@@ -48,8 +47,6 @@ class Endpoint(str, Enum):
     UPDATE_WEIGHT_VERSION = "/update_weight_version"
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     METRICS = "/metrics"
-    # The prefill's bootstrap server (disaggregation/common/conn.py); pdctl's sim adds /kv.
-    BOOTSTRAP_HEALTH = "/health"
 
     def __str__(self) -> str:
         return self.value

@@ -221,10 +221,6 @@ class Engine:
         if not done.wait(timeout=60):
             raise SimError("the scheduler did not answer within 60 s")
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     @contextlib.contextmanager
     def exclusive(self, timeout_secs: float = 600.0) -> Iterator[None]:
         """The weight-update writer lock: unless paused, stop admitting and wait until running
