@@ -29,9 +29,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
-DURATION = 8.0
+DURATION = float(os.environ.get("ROUTER_BENCH_DURATION", 8.0))
 CONCURRENCY = 64
-ROUNDS = 5
+ROUNDS = int(os.environ.get("ROUTER_BENCH_ROUNDS", 5))
 
 
 def free_port() -> int:

@@ -1,6 +1,8 @@
-"""The router's aiohttp application: routes, auth, request ids, admission, hold/release.
+"""The router's application: routes, auth, request ids, admission, hold/release.
 
 ``RouterServer`` has ``start()``/``stop()`` and ``async with``; port 0 binds a free port.
+It serves on pdctl's own HTTP server (``pdctl.router.server``); aiohttp's client is kept
+for the cold paths (health checks, fan-outs, proxied GETs).
 """
 
 from __future__ import annotations
@@ -12,23 +14,23 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from pdctl.httputil import start_site
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher, RouteError
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
+from pdctl.router.server import HttpServer, Reply, Request, Routes, json_reply, text_reply
 from pdctl.router.workers import WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
 OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
+MAX_BODY = 512 * 1024 * 1024
 
 
 class RouterServer:
@@ -40,7 +42,7 @@ class RouterServer:
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(config, self.registry, self.metrics)
         self.session: aiohttp.ClientSession | None = None
-        self._runners: list[web.AppRunner] = []
+        self._servers: list[HttpServer] = []
         self.port = config.port
         self.prometheus_port = config.prometheus_port
         limit = config.max_concurrent_requests
@@ -54,6 +56,8 @@ class RouterServer:
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count()
+        self._auth_header = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.routes = self._routes()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,20 +67,21 @@ class RouterServer:
         # their weight version known; the others join as soon as a later round reaches them.
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
-        # handler_cancellation: a client that goes away cancels both legs of its request.
-        runner, self.port = await start_site(self.app(), self.config.host, self.config.port, handler_cancellation=True)
-        self._runners.append(runner)
+        main = HttpServer(self.handle, errors.server_error, max_body=MAX_BODY)
+        self.port = await main.start(self.config.host, self.config.port)
+        self._servers.append(main)
         if self.config.prometheus_port is not None:
-            metrics_app = web.Application()
-            metrics_app.router.add_get("/metrics", self.metrics_endpoint)
-            mrunner, self.prometheus_port = await start_site(metrics_app, self.config.host, self.config.prometheus_port)
-            self._runners.append(mrunner)
+            metrics_routes = Routes()
+            metrics_routes.add("GET", "/metrics", self.metrics_endpoint)
+            prom = HttpServer(lambda r: _route(metrics_routes, r), errors.server_error, max_body=1024 * 1024)
+            self.prometheus_port = await prom.start(self.config.host, self.config.prometheus_port)
+            self._servers.append(prom)
 
     async def stop(self) -> None:
         await self.registry.stop()
-        for runner in reversed(self._runners):
-            await runner.cleanup()
-        self._runners.clear()
+        for server in reversed(self._servers):
+            await server.stop()
+        self._servers.clear()
         if self.session:
             await self.session.close()
         self.dispatcher.upstream.close()
@@ -93,52 +98,48 @@ class RouterServer:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
-    # -- app --------------------------------------------------------------------------------------------
-    def app(self) -> web.Application:
-        # The auth middleware only when a key is set: every middleware costs each request.
-        middlewares = [self._auth] if self.config.api_key else []
-        app = web.Application(middlewares=middlewares, client_max_size=512 * 1024 * 1024)
-        r = app.router
+    # -- routes -------------------------------------------------------------------------------------------
+    def _routes(self) -> Routes:
+        r = Routes()
         for path in (Endpoint.GENERATE, Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
-            r.add_post(path.value, self.generate)
-        r.add_get("/health", self.health)
-        r.add_get("/liveness", self.health)
-        r.add_get("/readiness", self.readiness)
-        r.add_get(Endpoint.HEALTH_GENERATE.value, self.health_generate)
+            r.add("POST", path.value, self.generate)
+        r.add("GET", "/health", self.health)
+        r.add("GET", "/liveness", self.health)
+        r.add("GET", "/readiness", self.readiness)
+        r.add("GET", Endpoint.HEALTH_GENERATE.value, self.health_generate)
         for path in (Endpoint.MODEL_INFO, Endpoint.GET_MODEL_INFO, Endpoint.MODELS):
-            r.add_get(path.value, self.proxy_get)
+            r.add("GET", path.value, self.proxy_get)
         for path in (Endpoint.SERVER_INFO, Endpoint.GET_SERVER_INFO):
-            r.add_get(path.value, self.server_info)
-        r.add_post(Endpoint.FLUSH_CACHE.value, self.flush_cache)
-        r.add_get("/workers", self.list_workers)
-        r.add_post("/workers", self.add_worker)
-        r.add_delete("/workers/{key:.+}", self.delete_worker)
-        r.add_get("/metrics", self.metrics_endpoint)
-        r.add_post("/pdctl/hold", self.hold)
-        r.add_post("/pdctl/release", self.release)
-        r.add_post("/pdctl/refresh", self.refresh)
-        return app
+            r.add("GET", path.value, self.server_info)
+        r.add("POST", Endpoint.FLUSH_CACHE.value, self.flush_cache)
+        r.add("GET", "/workers", self.list_workers)
+        r.add("POST", "/workers", self.add_worker)
+        r.add_prefix("DELETE", "/workers/", self.delete_worker)
+        r.add("GET", "/metrics", self.metrics_endpoint)
+        r.add("POST", "/pdctl/hold", self.hold)
+        r.add("POST", "/pdctl/release", self.release)
+        r.add("POST", "/pdctl/refresh", self.refresh)
+        return r
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        key = self.config.api_key
-        if key and not request.path.startswith(OPEN_PATHS):
-            given = request.headers.get("Authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    async def handle(self, request: Request) -> Reply:
+        """Every request: API key (when set, except on OPEN_PATHS), then its route."""
+        if self._auth_header is not None and not request.path.startswith(OPEN_PATHS):
+            given = request.headers.get("authorization", "").encode("latin-1")
+            if not secrets.compare_digest(given, self._auth_header):
                 return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key")
-        return await handler(request)
+        return await _route(self.routes, request)
 
     # -- traffic ------------------------------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: Request) -> Reply:
         started = time.monotonic()
         route = request.path
         h = request.headers
-        request_id = h.get("X-Request-ID") or h.get("X-Correlation-ID") or h.get("Request-ID")
+        request_id = h.get("x-request-id") or h.get("x-correlation-id") or h.get("request-id")
         headers = {"X-Request-ID": request_id or f"{self._id_prefix}{next(self._ids):x}"}
         status = 500
         try:
             try:
-                body = loads(await request.read())
+                body = loads(request.body)
                 if not isinstance(body, dict):
                     raise ValueError("body must be a JSON object")
             except ValueError as exc:
@@ -150,7 +151,7 @@ class RouterServer:
                 async with self._admission():
                     await self._wait_open()
                     resp = await self._counted(self._route(request, route, body, headers))
-            status = resp.status
+            status = resp.status or 200  # a streamed reply has answered 200
             return resp
         except RouteError as exc:
             status = exc.status
@@ -159,7 +160,7 @@ class RouterServer:
             self.metrics.child(self.metrics.requests, route, str(status)).inc()
             self.metrics.child(self.metrics.latency, route).observe(time.monotonic() - started)
 
-    async def _route(self, request: web.Request, route: str, body: dict[str, Any], headers: dict[str, str]):
+    async def _route(self, request: Request, route: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
         if not self.config.pd_disaggregation:
             return await self.dispatcher.regular_request(request, route, body, headers)
         if route == Endpoint.GENERATE.value:
@@ -200,7 +201,7 @@ class RouterServer:
             except asyncio.TimeoutError:
                 raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long") from None
 
-    async def _counted(self, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    async def _counted(self, work: Awaitable[Reply]) -> Reply:
         """Count a request in flight (``hold`` waits for the count to reach zero)."""
         self._active += 1
         self._idle.clear()
@@ -212,7 +213,7 @@ class RouterServer:
                 self._idle.set()
 
     # -- hold / release (weight updates) ----------------------------------------------------------------
-    async def hold(self, request: web.Request) -> web.Response:
+    async def hold(self, request: Request) -> Reply:
         """Stop admitting requests and wait for in-flight ones to finish (they are not failed)."""
         body = await _json_or_empty(request)
         timeout = float(body.get("timeout_secs", 300))
@@ -220,24 +221,24 @@ class RouterServer:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
-            return web.json_response({"held": True, "drained": False, "in_flight": self._active}, status=504)
-        return web.json_response({"held": True, "drained": True, "in_flight": 0})
+            return json_reply({"held": True, "drained": False, "in_flight": self._active}, 504)
+        return json_reply({"held": True, "drained": True, "in_flight": 0})
 
-    async def release(self, request: web.Request) -> web.Response:
+    async def release(self, request: Request) -> Reply:
         """Re-read every worker's health and weight version, then admit requests again."""
         assert self.session is not None
         await self.registry.check_all(self.session)
         self._open.set()
-        return web.json_response({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
+        return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
 
-    async def refresh(self, request: web.Request) -> web.Response:
+    async def refresh(self, request: Request) -> Reply:
         assert self.session is not None
         await self.registry.check_all(self.session)
-        return web.json_response({"workers": [w.to_dict() for w in self.registry.workers.values()]})
+        return json_reply({"workers": [w.to_dict() for w in self.registry.workers.values()]})
 
     # -- info routes ---------------------------------------------------------------------------------------
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response(text="OK")
+    async def health(self, _: Request) -> Reply:
+        return text_reply("OK")
 
     def _ready(self) -> tuple[bool, int]:
         """Ready once every registered worker has answered once and each role has a healthy one."""
@@ -250,22 +251,22 @@ class RouterServer:
             return {"prefill", "decode"} <= roles, len(healthy)
         return bool(healthy), len(healthy)
 
-    async def readiness(self, _: web.Request) -> web.Response:
+    async def readiness(self, _: Request) -> Reply:
         ready, healthy = self._ready()
         body = {
             "status": "ready" if ready else "not_ready",
             "healthy_workers": healthy,
             "total_workers": len(self.registry.workers),
         }
-        return web.json_response(body, status=200 if ready else 503)
+        return json_reply(body, 200 if ready else 503)
 
-    async def health_generate(self, _: web.Request) -> web.Response:
+    async def health_generate(self, _: Request) -> Reply:
         ready, _ = self._ready()
         if ready:
-            return web.Response(text="At least one router has healthy workers")
+            return text_reply("At least one router has healthy workers")
         return errors.error_response(503, errors.NO_WORKERS, "no healthy workers for every role")
 
-    async def proxy_get(self, request: web.Request) -> web.Response:
+    async def proxy_get(self, request: Request) -> Reply:
         assert self.session is not None
         role = "prefill" if self.config.pd_disaggregation else "regular"
         workers = self.registry.routable(role) or self.registry.routable("decode")
@@ -273,11 +274,11 @@ class RouterServer:
             return errors.error_response(503, errors.NO_WORKERS, "no healthy worker to ask")
         try:
             async with self.session.get(workers[0].url + request.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
-                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+                return Reply(r.status, await r.read(), r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return errors.error_response(502, errors.WORKER_FAILED, f"{workers[0].url}: {exc}")
 
-    async def server_info(self, _: web.Request) -> web.Response:
+    async def server_info(self, _: Request) -> Reply:
         infos = await self._fan_out("GET", Endpoint.SERVER_INFO.value)
         by_role: dict[str, list] = {"prefill": [], "decode": [], "regular": []}
         internal = []
@@ -286,18 +287,16 @@ class RouterServer:
                 by_role[worker.role].append(body)
                 if worker.role != "prefill":
                     internal.extend(body.get("internal_states", []))
-        return web.json_response(
+        return json_reply(
             {"router": "pdctl", "workers_count": len(self.registry.workers), "internal_states": internal, **by_role}
         )
 
-    async def flush_cache(self, _: web.Request) -> web.Response:
+    async def flush_cache(self, _: Request) -> Reply:
         results = await self._fan_out("POST", Endpoint.FLUSH_CACHE.value)
         failed = [w.url for w, status, _ in results if status != 200]
         if failed:
-            return web.json_response(
-                {"status": "failed", "message": f"flush failed on {', '.join(failed)}"}, status=500
-            )
-        return web.json_response(
+            return json_reply({"status": "failed", "message": f"flush failed on {', '.join(failed)}"}, status=500)
+        return json_reply(
             {"status": "success", "message": f"Successfully flushed cache on all {len(results)} HTTP workers"}
         )
 
@@ -320,12 +319,12 @@ class RouterServer:
         return list(await asyncio.gather(*(one(w) for w in self.registry.workers.values())))
 
     # -- /workers ------------------------------------------------------------------------------------------
-    async def list_workers(self, _: web.Request) -> web.Response:
+    async def list_workers(self, _: Request) -> Reply:
         workers = [w.to_dict() for w in self.registry.workers.values()]
         stats = {f"{role}_count": len(self.registry.of_role(role)) for role in ("prefill", "decode", "regular")}
-        return web.json_response({"workers": workers, "total": len(workers), "stats": stats})
+        return json_reply({"workers": workers, "total": len(workers), "stats": stats})
 
-    async def add_worker(self, request: web.Request) -> web.Response:
+    async def add_worker(self, request: Request) -> Reply:
         body = await _json_or_empty(request)
         url, role = body.get("url"), body.get("worker_type", "regular")
         port = body.get("bootstrap_port")
@@ -340,16 +339,16 @@ class RouterServer:
             return errors.error_response(400, errors.BAD_REQUEST, str(exc))
         if self.session is not None and not self.config.disable_health_check:
             await self.registry._check(self.session, worker)
-        return web.json_response({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
+        return json_reply({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
 
-    async def delete_worker(self, request: web.Request) -> web.Response:
-        worker = self.registry.remove(request.match_info["key"])
+    async def delete_worker(self, request: Request) -> Reply:
+        worker = self.registry.remove(request.tail)
         if worker is None:
-            return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.match_info['key']}")
-        return web.json_response({"status": "removed", "worker_id": worker.id})
+            return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.tail}")
+        return json_reply({"status": "removed", "worker_id": worker.id})
 
-    async def metrics_endpoint(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(self.registry), content_type="text/plain")
+    async def metrics_endpoint(self, _: Request) -> Reply:
+        return Reply(200, self.metrics.render(self.registry), "text/plain; version=0.0.4; charset=utf-8")
 
 
 def _prompt_batch(prompt: Any) -> int | None:
@@ -358,11 +357,20 @@ def _prompt_batch(prompt: Any) -> int | None:
     return None
 
 
-async def _json_or_empty(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
+async def _route(routes: Routes, request: Request) -> Reply:
+    handler = routes.find(request)
+    if handler is None:
+        return errors.error_response(404, errors.NOT_FOUND, f"no route {request.path}")
+    if handler is False:
+        return errors.error_response(405, errors.METHOD_NOT_ALLOWED, f"{request.method} not allowed on {request.path}")
+    return await handler(request)
+
+
+async def _json_or_empty(request: Request) -> dict[str, Any]:
+    if not request.body:
         return {}
     try:
-        body = loads(await request.read())
+        body = loads(request.body)
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}

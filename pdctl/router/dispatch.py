@@ -23,13 +23,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.jsonutil import dumps, loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.server import STREAMED, Reply, Request
 from pdctl.router.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
@@ -122,7 +121,7 @@ class Dispatcher:
         return self.regular_policy.select(workers, ctx) or workers[0]
 
     # -- the request loop (retries) ---------------------------------------------------------------
-    async def _with_retries(self, attempt_once: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _with_retries(self, attempt_once: Callable[[], Awaitable[Reply]]) -> Reply:
         """Run ``attempt_once`` until it does not raise Retry, with backoff; then a 502."""
         attempts = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
         for attempt in range(attempts):
@@ -136,13 +135,13 @@ class Dispatcher:
         raise AssertionError("unreachable")
 
     async def pd_request(
-        self, request: web.Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
-    ) -> web.StreamResponse:
+        self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
+    ) -> Reply:
         ctx = RequestContext(text=_text_of(body) if self._needs_text() else None)
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
 
-        async def attempt() -> web.StreamResponse:
+        async def attempt() -> Reply:
             prefill, decode = self.select_pair(ctx)
             # phase 2: a new room per attempt (a retried room could collide with the orphan)
             bootstrapped = inject_bootstrap(
@@ -157,12 +156,12 @@ class Dispatcher:
         return await self._with_retries(attempt)
 
     async def regular_request(
-        self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> web.StreamResponse:
+        self, request: Request, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Reply:
         ctx = RequestContext(text=_text_of(body) if self.regular_policy.needs_text else None)
         data = dumps(body)
 
-        async def attempt() -> web.StreamResponse:
+        async def attempt() -> Reply:
             worker = self.select_regular(ctx)
             with self.registry.in_flight(worker):
                 if body.get("stream"):
@@ -176,7 +175,7 @@ class Dispatcher:
     # -- phase 3: send both -----------------------------------------------------------------------
     async def _send_both(
         self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: dict[str, str], with_logprobs: bool
-    ) -> web.Response:
+    ) -> Reply:
         p_task = asyncio.create_task(self._post(prefill, path, wire, headers))
         d_task = asyncio.create_task(self._post(decode, path, wire, headers))
         prefill_failed = False
@@ -212,14 +211,14 @@ class Dispatcher:
 
     async def _stream_both(
         self,
-        request: web.Request,
+        request: Request,
         path: str,
         wire: bytes,
         prefill: Worker,
         decode: Worker,
         headers: dict[str, str],
         with_logprobs: bool,
-    ) -> web.StreamResponse:
+    ) -> Reply:
         p_task = asyncio.create_task(self._post(prefill, path, wire, headers))
         d_head = asyncio.create_task(self._open_stream(decode, path, wire, headers))
         upstream: Response | None = None
@@ -237,8 +236,7 @@ class Dispatcher:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
                 self._judge(decode, leg, errors.DECODE_FAILED)
                 return _respond(leg, headers)
-            resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
-            await resp.prepare(request)
+            resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
             prefix = None
             if with_logprobs:
                 prefix = _first_input_logprobs(await p_task)
@@ -248,16 +246,16 @@ class Dispatcher:
             p_leg = await _settle(p_task)
             if p_leg is not None:
                 self.registry.record(prefill, not p_leg.server_failed)
-            await resp.write_eof()
-            return resp
+            await resp.end()
+            return STREAMED
         finally:
             if upstream is not None and not isinstance(upstream, Leg):
                 upstream.close()
             await _cancel(p_task, d_head)
 
     async def _stream_one(
-        self, request: web.Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
-    ) -> web.StreamResponse:
+        self, request: Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
+    ) -> Reply:
         upstream = await self._open_stream(worker, path, data, headers)
         if isinstance(upstream, Leg):
             self._judge(worker, upstream, errors.WORKER_FAILED)
@@ -267,13 +265,12 @@ class Dispatcher:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
                 self._judge(worker, leg, errors.WORKER_FAILED)
                 return _respond(leg, headers)
-            resp = web.StreamResponse(status=upstream.status, headers={**_pass_headers(upstream), **headers})
-            await resp.prepare(request)
+            resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
             async for chunk in upstream.chunks():
                 await resp.write(chunk)
             self.registry.record(worker, True)
-            await resp.write_eof()
-            return resp
+            await resp.end()
+            return STREAMED
         finally:
             upstream.close()
 
@@ -346,8 +343,8 @@ def _pass_headers(upstream: Response) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
 
 
-def _respond(leg: Leg, headers: dict[str, str]) -> web.Response:
-    return web.Response(status=leg.status, body=leg.body, content_type=leg.content_type, headers=headers)
+def _respond(leg: Leg, headers: dict[str, str]) -> Reply:
+    return Reply(leg.status, leg.body, leg.content_type, headers)
 
 
 def _merge_logprobs(p_leg: Leg, d_leg: Leg) -> Leg:

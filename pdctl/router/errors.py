@@ -5,7 +5,7 @@ Codes are stable snake_case constants; tests assert on them.
 
 from __future__ import annotations
 
-from aiohttp import web
+from pdctl.router.server import Reply, json_reply
 
 NO_PREFILL = "no_prefill_servers"
 NO_DECODE = "no_decode_servers"
@@ -21,13 +21,31 @@ TIMEOUT = "request_timeout"
 BAD_REQUEST = "invalid_request"
 NOT_FOUND = "not_found"
 HELD_TIMEOUT = "held_too_long"
+METHOD_NOT_ALLOWED = "method_not_allowed"
+TOO_LARGE = "request_too_large"
+INTERNAL = "internal_error"
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+# The code for an error the HTTP server finds itself (before any handler runs).
+_SERVER_CODES = {400: BAD_REQUEST, 404: NOT_FOUND, 405: METHOD_NOT_ALLOWED, 413: TOO_LARGE}
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def error_body(status: int, code: str, message: str) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "code": code}}
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(status, code, message), status=status, headers=headers)
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Reply:
+    return json_reply(error_body(status, code, message), status, headers)
+
+
+def server_error(status: int, message: str) -> Reply:
+    """The Reply for an error the HTTP server found (bad request, not found, too large, 500)."""
+    return error_response(status, _SERVER_CODES.get(status, INTERNAL), message)

@@ -1,0 +1,241 @@
+"""pdctl's HTTP/1.1 server (pdctl.router.server) over real sockets, byte for byte where it matters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdctl.router.errors import server_error
+from pdctl.router.server import STREAMED, HttpServer, Reply, Request, Routes, json_reply
+
+PAD = "x" * 4096
+
+
+class App:
+    """Handlers that show what the server handed them, plus ones that stream, hang and fail."""
+
+    def __init__(self) -> None:
+        self.routes = Routes()
+        self.cancelled = asyncio.Event()
+        self.started = asyncio.Event()
+        self.routes.add("POST", "/echo", self.echo)
+        self.routes.add("GET", "/echo", self.echo)
+        self.routes.add("POST", "/hang", self.hang)
+        self.routes.add("GET", "/stream", self.stream)
+        self.routes.add("GET", "/boom", self.boom)
+        self.routes.add("GET", "/break-stream", self.break_stream)
+        self.routes.add_prefix("DELETE", "/items/", self.delete)
+
+    async def dispatch(self, request: Request) -> Reply:
+        handler = self.routes.find(request)
+        if handler is None:
+            return server_error(404, "no route")
+        if handler is False:
+            return server_error(405, "wrong method")
+        return await handler(request)
+
+    async def echo(self, r: Request) -> Reply:
+        return json_reply(
+            {"method": r.method, "path": r.path, "query": r.query, "headers": r.headers, "body": r.body.decode()},
+            headers={"X-Seen": "1"},
+        )
+
+    async def hang(self, r: Request) -> Reply:
+        self.started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return Reply(200)
+
+    async def stream(self, r: Request) -> Reply:
+        writer = await r.stream(200, {"Content-Type": "text/event-stream"})
+        self.written = 0
+        for i in range(int(r.query.split("=")[1]) if r.query else 3):
+            await writer.write(f"data: {i} {PAD}\n\n".encode())
+            self.written += 1
+        await writer.end()
+        return STREAMED
+
+    async def boom(self, r: Request) -> Reply:
+        raise RuntimeError("a bug")
+
+    async def break_stream(self, r: Request) -> Reply:
+        writer = await r.stream(200, {"Content-Type": "text/event-stream"})
+        await writer.write(b"data: 0\n\n")
+        raise ConnectionError("upstream died")
+
+    async def delete(self, r: Request) -> Reply:
+        return json_reply({"deleted": r.tail})
+
+
+def run(test: Callable[[App, int], Awaitable[None]], **server_kw) -> None:
+    async def main() -> None:
+        app = App()
+        server = HttpServer(app.dispatch, server_error, **server_kw)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            await asyncio.wait_for(test(app, port), 30)
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+async def exchange(port: int, data: bytes, *, until_closed: bool = True, read_for: float = 2.0) -> bytes:
+    """Send raw bytes; read until the server closes (or ``read_for`` seconds pass)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = b""
+    try:
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), read_for)
+            if not chunk:
+                break
+            out += chunk
+    except asyncio.TimeoutError:
+        if until_closed:
+            raise
+    writer.close()
+    return out
+
+
+def test_keep_alive_serves_many_requests_on_one_connection() -> None:
+    async def test(app: App, port: int) -> None:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            for i in range(20):
+                async with s.post(f"http://127.0.0.1:{port}/echo?i={i}", json={"n": i}) as r:
+                    body = await r.json()
+                    assert r.status == 200 and r.headers["X-Seen"] == "1" and "Date" in r.headers
+                    assert body["query"] == f"i={i}" and json.loads(body["body"]) == {"n": i}
+                    assert body["headers"]["content-type"] == "application/json"  # names lower-cased
+        # limit=1 and 20 answers: every request went over the same kept-alive connection
+        assert len(connector._conns) <= 1
+
+    run(test)
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    async def test(app: App, port: int) -> None:
+        reqs = b"".join(
+            f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {len(str(i))}\r\n\r\n{i}".encode() for i in range(5)
+        )
+        out = await exchange(port, reqs + b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        bodies = [json.loads(part.split(b"\r\n\r\n", 1)[1]) for part in out.split(b"HTTP/1.1 200 OK\r\n")[1:]]
+        assert [b["body"] for b in bodies] == ["0", "1", "2", "3", "4", ""]
+        assert out.count(b"Connection: close") == 1  # only the last one, then the server closed
+
+    run(test)
+
+
+def test_chunked_request_body_and_expect_100_continue() -> None:
+    async def test(app: App, port: int) -> None:
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n"
+        body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+        out = await exchange(port, head + b"Connection: close\r\n\r\n" + body)
+        assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+        assert json.loads(out.split(b"\r\n\r\n")[-1])["body"] == "hello world"
+
+    run(test)
+
+
+def test_http10_closes_unless_keep_alive_is_asked_for() -> None:
+    async def test(app: App, port: int) -> None:
+        out = await exchange(port, b"GET /echo HTTP/1.0\r\n\r\n")  # the server must close: exchange waits for it
+        assert b"Connection: close" in out
+        out = await exchange(
+            port, b"GET /echo HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", until_closed=False, read_for=0.5
+        )
+        assert b"Connection: keep-alive" in out
+
+    run(test)
+
+
+def test_errors_found_by_the_server_share_the_error_shape() -> None:
+    async def test(app: App, port: int) -> None:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/nope") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+            async with s.put(f"http://127.0.0.1:{port}/echo") as r:
+                assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+            async with s.get(f"http://127.0.0.1:{port}/boom") as r:  # a handler bug: 500, server keeps serving
+                assert r.status == 500 and (await r.json())["error"]["code"] == "internal_error"
+            async with s.delete(f"http://127.0.0.1:{port}/items/http%3A%2F%2Fa%3A1") as r:
+                assert (await r.json())["deleted"] == "http://a:1"
+        out = await exchange(port, b"GARBAGE\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400 Bad Request") and b"invalid_request" in out
+
+    run(test)
+
+
+def test_body_over_the_limit_is_a_413_and_the_connection_closes() -> None:
+    async def test(app: App, port: int) -> None:
+        out = await exchange(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000)
+        assert out.startswith(b"HTTP/1.1 413") and b"request_too_large" in out
+        chunked = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"y" * 1024
+        out = await exchange(port, chunked + b"\r\n400\r\n" + b"y" * 1024 + b"\r\n0\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 413")
+
+    run(test, max_body=1500)
+
+
+def test_streamed_reply_is_chunked_and_flow_controlled() -> None:
+    async def test(app: App, port: int) -> None:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/stream?n=4000") as r:  # 16 MB
+            assert r.headers["Transfer-Encoding"] == "chunked"
+            assert r.headers["Content-Type"] == "text/event-stream"
+            await asyncio.sleep(0.5)  # not reading: the writer must wait, not buffer without bound
+            assert app.written < 4000
+            text = (await r.read()).decode()
+        assert text == "".join(f"data: {i} {PAD}\n\n" for i in range(4000))
+
+    run(test)
+
+
+def test_a_stream_that_breaks_half_way_closes_the_connection() -> None:
+    async def test(app: App, port: int) -> None:
+        out = await exchange(port, b"GET /break-stream HTTP/1.1\r\nHost: x\r\n\r\n")  # returns: the server closed
+        assert out.startswith(b"HTTP/1.1 200 OK") and b"data: 0" in out
+        assert b"0\r\n\r\n" not in out.split(b"data: 0")[1]  # no clean end of body: the client sees it broke
+
+    run(test)
+
+
+def test_client_that_goes_away_cancels_its_handler() -> None:
+    async def test(app: App, port: int) -> None:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /hang HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        await app.started.wait()
+        writer.close()
+        await asyncio.wait_for(app.cancelled.wait(), 5)
+
+    run(test)
+
+
+def test_idle_keep_alive_connections_are_closed() -> None:
+    async def test(app: App, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server, nothing sent
+        writer.close()
+
+    run(test, keepalive_timeout=0.3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_never_break_the_server(garbage: bytes) -> None:
+    async def test(app: App, port: int) -> None:
+        out = await exchange(port, garbage, until_closed=False, read_for=0.2)
+        assert out == b"" or out.startswith(b"HTTP/1.1 ")
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/echo") as r:
+            assert r.status == 200  # and it still serves the next client
+
+    run(test)
