@@ -210,8 +210,13 @@ def main() -> None:
         by["sglang-router 0.3.2 (PD, Rust)"],
         by["MiniLB (sglang-router --mini-lb)"],
     )
+    per_round = [
+        a["router_cpu_us_per_req"] / b["router_cpu_us_per_req"]
+        for a, b in zip(pd["all_runs"], rust["all_runs"], strict=True)
+    ]
     ratios = {
         "pdctl_cpu_per_req_vs_sglang_router": pd["router_cpu_us_per_req"] / rust["router_cpu_us_per_req"],
+        "pdctl_cpu_per_req_vs_sglang_router_per_round": per_round,
         "pdctl_rps_vs_minilb": pd["rps"] / mini["rps"],
         "pdctl_rps_vs_sglang_router": pd["rps"] / rust["rps"],
     }
@@ -234,6 +239,7 @@ def main() -> None:
     lines += [
         "",
         f"pdctl CPU per request / sglang-router's: {ratios['pdctl_cpu_per_req_vs_sglang_router']:.2f}x (goal <= 1.5x)",
+        f"same ratio within each round: {', '.join(f'{r:.2f}x' for r in per_round)}",
         f"pdctl req/s / MiniLB's: {ratios['pdctl_rps_vs_minilb']:.2f}x (goal >= 3x)",
         f"pdctl req/s / sglang-router's: {ratios['pdctl_rps_vs_sglang_router']:.2f}x",
         f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}; "

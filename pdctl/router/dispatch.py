@@ -21,7 +21,7 @@ import contextlib
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
@@ -124,15 +124,16 @@ class Dispatcher:
     async def _with_retries(self, attempt_once: Callable[[], Awaitable[Reply]]) -> Reply:
         """Run ``attempt_once`` until it does not raise Retry, with backoff; then a 502."""
         attempts = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
-        for attempt in range(attempts):
+        attempt = 0
+        while True:
             try:
                 return await attempt_once()
             except Retry as retry:
                 self.metrics.retried(retry.code)
-                if attempt + 1 >= attempts:
-                    raise RouteError(502, retry.code, f"{retry} (after {attempt + 1} attempt(s))") from None
-            await asyncio.sleep(self._backoff(attempt))
-        raise AssertionError("unreachable")
+                attempt += 1
+                if attempt >= attempts:
+                    raise RouteError(502, retry.code, f"{retry} (after {attempt} attempt(s))") from None
+            await asyncio.sleep(self._backoff(attempt - 1))
 
     async def pd_request(
         self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
@@ -148,10 +149,15 @@ class Dispatcher:
                 body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
             )
             wire = dumps(bootstrapped)
-            with self.registry.in_flight(prefill, decode):
+            prefill.load += 1
+            decode.load += 1
+            try:
                 if stream:
                     return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
                 return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
+            finally:
+                prefill.load -= 1
+                decode.load -= 1
 
         return await self._with_retries(attempt)
 
@@ -163,12 +169,15 @@ class Dispatcher:
 
         async def attempt() -> Reply:
             worker = self.select_regular(ctx)
-            with self.registry.in_flight(worker):
+            worker.load += 1
+            try:
                 if body.get("stream"):
                     return await self._stream_one(request, path, data, worker, headers)
                 leg = await self._post(worker, path, data, headers)
                 self._judge(worker, leg, errors.WORKER_FAILED)
                 return _respond(leg, headers)
+            finally:
+                worker.load -= 1
 
         return await self._with_retries(attempt)
 
@@ -220,7 +229,7 @@ class Dispatcher:
         with_logprobs: bool,
     ) -> Reply:
         p_task = asyncio.create_task(self._post(prefill, path, wire, headers))
-        d_head = asyncio.create_task(self._open_stream(decode, path, wire, headers))
+        d_head = asyncio.create_task(self._open_stream(decode, path, wire, headers, errors.DECODE_FAILED))
         upstream: Response | None = None
         try:
             done, _ = await asyncio.wait({p_task, d_head}, return_when=asyncio.FIRST_COMPLETED)
@@ -229,9 +238,6 @@ class Dispatcher:
                 self._judge(prefill, p_task.result(), errors.PREFILL_FAILED)
                 return _respond(p_task.result(), headers)
             upstream = await d_head
-            if isinstance(upstream, Leg):  # could not connect
-                self._judge(decode, upstream, errors.DECODE_FAILED)
-                raise AssertionError("unreachable")
             if upstream.status >= 400:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
                 self._judge(decode, leg, errors.DECODE_FAILED)
@@ -249,17 +255,14 @@ class Dispatcher:
             await resp.end()
             return STREAMED
         finally:
-            if upstream is not None and not isinstance(upstream, Leg):
+            if upstream is not None:
                 upstream.close()
             await _cancel(p_task, d_head)
 
     async def _stream_one(
         self, request: Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
     ) -> Reply:
-        upstream = await self._open_stream(worker, path, data, headers)
-        if isinstance(upstream, Leg):
-            self._judge(worker, upstream, errors.WORKER_FAILED)
-            raise AssertionError("unreachable")
+        upstream = await self._open_stream(worker, path, data, headers, errors.WORKER_FAILED)
         try:
             if upstream.status >= 400:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
@@ -281,26 +284,36 @@ class Dispatcher:
             return Leg(error=exc)
         return Leg(r.status, r.body, r.content_type)
 
-    async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Response | Leg:
-        """Status and headers of a streamed response, or a Leg carrying the connection error."""
+    async def _open_stream(
+        self, worker: Worker, path: str, data: bytes, headers: dict[str, str], code: str
+    ) -> Response:
+        """Status and headers of a streamed response; a failure to get them raises like ``_fail``."""
         try:
             return await asyncio.wait_for(
                 self.upstream.post(worker.url + path, data, headers, stream=True), self._timeout
             )
-        except (UpstreamError, asyncio.TimeoutError, OSError) as exc:
-            return Leg(error=exc)
+        except asyncio.TimeoutError:
+            self._fail(worker, UpstreamTimeout("no response head within the request timeout"), code)
+        except (UpstreamError, OSError) as exc:
+            self._fail(worker, exc, code)
 
     def _judge(self, worker: Worker, leg: Leg, code: str) -> None:
-        """Record the outcome; raise Retry for a server-side failure."""
-        self.registry.record(worker, not leg.server_failed)
-        if isinstance(leg.error, UpstreamTimeout):  # not retried: another try would wait as long again
-            raise RouteError(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {leg.error}")
+        """Record the outcome; raise (see ``_fail``) for a server-side failure."""
         if leg.error is not None:
-            if isinstance(leg.error, OSError):  # UpstreamError is a ConnectionError
-                self.registry.mark_failed(worker)
-            raise Retry(f"{worker.role} {worker.url} failed: {type(leg.error).__name__}: {leg.error}", code)
+            self._fail(worker, leg.error, code)
+        self.registry.record(worker, leg.status < 500)
         if leg.status >= 500:
             raise Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code)
+
+    def _fail(self, worker: Worker, error: BaseException, code: str) -> NoReturn:
+        """Record a leg that got no answer: 504 for a timeout (another try would wait as long
+        again), else Retry; a connection failure also counts as a failed health check."""
+        self.registry.record(worker, False)
+        if isinstance(error, UpstreamTimeout):
+            raise RouteError(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {error}")
+        if isinstance(error, OSError):  # UpstreamError is a ConnectionError
+            self.registry.mark_failed(worker)
+        raise Retry(f"{worker.role} {worker.url} failed: {type(error).__name__}: {error}", code)
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _needs_text(self) -> bool:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -45,7 +45,7 @@ class Worker:
     cb_open_until: float = 0.0
     cb_half_open: bool = False
 
-    @property
+    @functools.cached_property
     def bootstrap_host(self) -> str:
         """The prefill's host as the decode reaches it: the URL's host, IPv6 in brackets."""
         host = urlsplit(self.url).hostname or ""
@@ -107,17 +107,7 @@ class WorkerRegistry:
             out.append(w)
         return out
 
-    # -- load and outcomes ---------------------------------------------------------------------
-    @contextlib.contextmanager
-    def in_flight(self, *workers: Worker) -> Iterator[None]:
-        for w in workers:
-            w.load += 1
-        try:
-            yield
-        finally:
-            for w in workers:
-                w.load -= 1
-
+    # -- outcomes ----------------------------------------------------------------------------------
     def record(self, worker: Worker, ok: bool) -> None:
         """Circuit breaker bookkeeping; a 4xx is the client's fault and counts as ok."""
         if self.config.disable_circuit_breaker:

@@ -93,3 +93,23 @@ def test_request_timeout_is_a_504_and_not_retried(tmp_path) -> None:
             assert post(proc.url + "/generate", greedy("quick", 2))[0] == 200
         finally:
             proc.stop()
+
+
+def test_a_worker_that_never_answers_is_a_504_streamed_or_not(tmp_path) -> None:
+    import socket
+    import time
+
+    with socket.socket() as black_hole:  # listens, never accepts: connections open, nothing comes back
+        black_hole.bind(("127.0.0.1", 0))
+        black_hole.listen(64)
+        url = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
+        args = ["--worker-urls", url, "--disable-health-check", "--request-timeout-secs", "1"]
+        proc = RouterProcess(tmp_path, *args).start()
+        try:
+            for body in (greedy("x"), {**greedy("x"), "stream": True}):
+                started = time.monotonic()
+                status, out = post(proc.url + "/generate", body)
+                assert status == 504 and out["error"]["code"] == "request_timeout", out
+                assert time.monotonic() - started < 5  # one timeout, no retries
+        finally:
+            proc.stop()
