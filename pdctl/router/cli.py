@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -143,12 +144,23 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    _tune_gc()
     roles = ", ".join(f"{w.role} {w.url}" for w in server.registry.workers.values()) or "no workers yet"
     log.info("pdctl router on %s (%s); %s", server.url, "PD" if config.pd_disaggregation else "regular", roles)
     try:
         await stop.wait()
     finally:
         await server.stop()
+
+
+def _tune_gc() -> None:
+    """Run the cyclic GC far less often: the router makes many short-lived objects per request,
+    and with the default gen-0 threshold (700) collections were 11% of its CPU in a native
+    profile. What exists after start-up (modules, config, workers) is frozen out of collections;
+    the few cycles requests make are still collected."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def main(argv: list[str]) -> None:

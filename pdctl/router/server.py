@@ -178,6 +178,8 @@ class HttpServer:
 class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer):
         self.server = server
+        # Cached: on Python 3.11 each asyncio.get_running_loop() is a getpid() syscall.
+        self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.pending: collections.deque[Request] = collections.deque()
@@ -218,7 +220,7 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = self.loop.create_future()
 
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
@@ -277,7 +279,7 @@ class _Connection(asyncio.Protocol):
             _conn=self,
         )
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve(request))
+            self.task = self.loop.create_task(self._serve(request))
         else:
             self.pending.append(request)  # pipelined: answered in order after the current one
 
@@ -310,8 +312,7 @@ class _Connection(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         if self.transport is not None and self.task is None:
-            loop = asyncio.get_running_loop()
-            self.idle_timer = loop.call_later(self.server.keepalive_timeout, self.close)
+            self.idle_timer = self.loop.call_later(self.server.keepalive_timeout, self.close)
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer an error the server found itself, then close the connection."""

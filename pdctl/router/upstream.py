@@ -54,6 +54,8 @@ class Response:
 class _Conn(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]):
         self.pool, self.key = pool, key
+        # Cached: on Python 3.11 each asyncio.get_running_loop() is a getpid() syscall.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -61,7 +63,7 @@ class _Conn(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.got_bytes = False
@@ -74,7 +76,7 @@ class _Conn(asyncio.Protocol):
     def arm(self, timeout: float | None) -> None:
         """Fail this request with TimeoutError after ``timeout`` seconds (a timer, not a task)."""
         if timeout is not None:
-            self.timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
+            self.timer = self.loop.call_later(timeout, self._time_out)
 
     def _time_out(self) -> None:
         self._fail(UpstreamTimeout("no answer within the request timeout"))

@@ -68,6 +68,25 @@ def test_round_robin_alternates_decodes(router, fleet) -> None:
     assert (picks(router, d1.url) - before[0], picks(router, d2.url) - before[1]) == (3, 3)
 
 
+def test_worker_load_returns_to_zero_after_mixed_traffic(router) -> None:
+    def one(i: int):
+        if i % 4 == 0:
+            return 200 if sse(router.url + "/generate", greedy(f"load {i}", 4, stream=True))[-1] == "[DONE]" else 0
+        if i % 4 == 1:
+            return post(router.url + "/generate", greedy(f"load {i}", 4, return_logprob=True))[0]
+        if i % 4 == 2:
+            return post(router.url + "/generate", {"text": "bad", "sampling_params": {"max_new_tokens": -1}})[0]
+        return post(router.url + "/generate", greedy(f"load {i}", 4))[0]
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(one, range(48)))
+    assert statuses.count(400) == 12 and statuses.count(200) == 36
+    deadline = time.monotonic() + 10  # a prefill leg may end just after its reply went out
+    while any(w["load"] for w in get(router.url + "/workers")[1]["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [w["load"] for w in get(router.url + "/workers")[1]["workers"]] == [0, 0, 0]
+
+
 def test_request_id_kept_or_generated(router) -> None:
     req = urllib.request.Request(
         router.url + "/generate",
