@@ -241,17 +241,15 @@ class SimServer:
             payload = await fetch_kv(
                 self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs()
             )
-        except BaseException as exc:
+            if payload.prompt_ids != req.input_ids:
+                raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt")
+        except BaseException as exc:  # the reserved slot is given back on every failure
             self.engine.release_slot()
             req.reserved = False
             if isinstance(exc, SimError):
                 self.metrics.transfer_failed()
                 raise SimError(str(exc), status=500) from exc
             raise
-        if payload.prompt_ids != req.input_ids:
-            self.engine.release_slot()
-            req.reserved = False
-            raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt", status=500)
         self.metrics.kv_transferred(time.monotonic() - started, payload.kv.numel() * payload.kv.element_size())
         req.kv = payload
 
