@@ -10,7 +10,8 @@ server does what the router needs and nothing more:
   for the client to drain (flow control);
 - a client that goes away cancels its handler (the router's contract: both legs of a PD
   request are cancelled, and the engines abort them);
-- idle keep-alive connections closed after ``keepalive_timeout`` seconds.
+- idle keep-alive connections, and clients that trickle headers (slowloris), closed after
+  ``keepalive_timeout`` seconds.
 
 Handlers take a ``Request`` and return a ``Reply``, or ``STREAMED`` after writing through
 ``Request.stream()``. Routes are exact ``(method, path)`` pairs plus path prefixes.
@@ -191,6 +192,7 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._refused = False  # the current message is being refused (too large)
+        self._in_body = False  # between a request's headers and its end
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,9 +238,6 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
         self._url = b""
         self._headers = {}
         self._body = []
@@ -251,6 +250,12 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        # The idle timer runs until a request's headers are in: a client that trickles
+        # headers (slowloris) is closed like an idle one; a body may take its time.
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        self._in_body = True
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body:
             self._refuse(413, f"request body of {length} bytes is over the {self.server.max_body}-byte limit")
@@ -266,6 +271,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         url = self._url
         path, _, query = url.partition(b"?")
         request = Request(
@@ -311,7 +317,7 @@ class _Connection(asyncio.Protocol):
         self._arm_idle()
 
     def _arm_idle(self) -> None:
-        if self.transport is not None and self.task is None:
+        if self.transport is not None and self.task is None and not self._in_body:
             self.idle_timer = self.loop.call_later(self.server.keepalive_timeout, self.close)
 
     def _refuse(self, status: int, message: str) -> None:

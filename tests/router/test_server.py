@@ -220,10 +220,21 @@ def test_client_that_goes_away_cancels_its_handler() -> None:
     run(test)
 
 
-def test_idle_keep_alive_connections_are_closed() -> None:
+def test_idle_keep_alive_connections_and_trickled_headers_are_closed() -> None:
     async def test(app: App, port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server, nothing sent
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a slow body is not cut
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        await asyncio.sleep(0.6)
+        writer.write(b"cd")
+        answer = await asyncio.wait_for(reader.read(), 5)  # then idle again: closed after the answer
+        assert answer.startswith(b"HTTP/1.1 200 OK") and b'"body":"abcd"' in answer
         writer.close()
 
     run(test, keepalive_timeout=0.3)
