@@ -203,8 +203,13 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._connections.discard(self)
         self.transport = None
+        # The parser and the idle timer hold bound methods of self: drop them so that a closed
+        # connection is freed by reference counting, not left for a full GC (the router runs
+        # the GC rarely, see pdctl.router.cli).
+        self.parser = None  # type: ignore[assignment]
         if self.idle_timer is not None:
             self.idle_timer.cancel()
+            self.idle_timer = None
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its handler (and the engines' work) stops
         self.pending.clear()

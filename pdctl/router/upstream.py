@@ -97,6 +97,8 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.parser = None  # type: ignore[assignment]  # it holds bound methods of self: a cycle
+        self._cancel_timer()
         if self.queue is not None:
             self.queue.put_nowait(None)
         self._fail(UpstreamError(f"connection closed: {exc or 'by peer'}"))
@@ -115,8 +117,7 @@ class _Conn(asyncio.Protocol):
             self.body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        self._cancel_timer()
         if self.queue is not None:
             self.queue.put_nowait(None)
         if not self.done.done():
@@ -141,10 +142,14 @@ class _Conn(asyncio.Protocol):
         finally:
             self.pool.release(self)
 
-    def close(self) -> None:
-        self.closed = True
+    def _cancel_timer(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None  # the handle holds a bound method of self
+
+    def close(self) -> None:
+        self.closed = True
+        self._cancel_timer()
         if self.transport is not None:
             self.transport.close()
 
