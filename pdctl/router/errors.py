@@ -26,7 +26,7 @@ TOO_LARGE = "request_too_large"
 INTERNAL = "internal_error"
 
 # The code for an error the HTTP server finds itself (before any handler runs).
-_SERVER_CODES = {400: BAD_REQUEST, 404: NOT_FOUND, 405: METHOD_NOT_ALLOWED, 413: TOO_LARGE}
+_SERVER_CODES = {400: BAD_REQUEST, 404: NOT_FOUND, 405: METHOD_NOT_ALLOWED, 413: TOO_LARGE, 431: TOO_LARGE}
 
 _TYPES = {
     400: "invalid_request_error",
@@ -34,6 +34,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
 }
 

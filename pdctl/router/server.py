@@ -4,7 +4,8 @@ Why not aiohttp's server: in profiles of the router under load, aiohttp's reques
 handler dispatch and response writing were about 40% of the router's CPU per request. This
 server does what the router needs and nothing more:
 
-- keep-alive, and pipelined requests answered in order;
+- keep-alive, and pipelined requests answered in order (reading pauses when 32 wait);
+- request line + headers up to 64 KiB (431 beyond);
 - request bodies with Content-Length or chunked, ``Expect: 100-continue``, a size limit (413);
 - whole responses with Content-Length, or streamed ones with chunked encoding that wait
   for the client to drain (flow control);
@@ -36,6 +37,8 @@ from pdctl.router.jsonutil import dumps
 
 log = logging.getLogger("pdctl.router.server")
 
+MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is refused with a 431
+MAX_PIPELINED = 32  # requests parsed ahead of their answers; then reading pauses
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -191,6 +194,7 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._size = 0
+        self._head_size = 0
         self._refused = False  # the current message is being refused (too large)
         self._in_body = False  # between a request's headers and its end
 
@@ -247,12 +251,21 @@ class _Connection(asyncio.Protocol):
         self._headers = {}
         self._body = []
         self._size = 0
+        self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._count_head(len(name) + len(value))
+
+    def _count_head(self, n: int) -> None:
+        self._head_size += n
+        if self._head_size > MAX_HEAD_BYTES:
+            self._refuse(431, f"request line and headers are over {MAX_HEAD_BYTES} bytes")
+            raise httptools.HttpParserError("head too large")  # stop parsing this connection
 
     def on_headers_complete(self) -> None:
         # The idle timer runs until a request's headers are in: a client that trickles
@@ -291,8 +304,10 @@ class _Connection(asyncio.Protocol):
         )
         if self.task is None:
             self.task = self.loop.create_task(self._serve(request))
-        else:
-            self.pending.append(request)  # pipelined: answered in order after the current one
+            return
+        self.pending.append(request)  # pipelined: answered in order after the current one
+        if len(self.pending) >= MAX_PIPELINED and self.transport is not None:
+            self.transport.pause_reading()  # bounded memory: read on once answers catch up
 
     # -- answering -------------------------------------------------------------------------
     async def _serve(self, request: Request) -> None:
@@ -318,6 +333,8 @@ class _Connection(asyncio.Protocol):
             if not self.pending:
                 break
             request = self.pending.popleft()
+            if len(self.pending) == MAX_PIPELINED // 2 and self.transport is not None:
+                self.transport.resume_reading()
         self.task = None
         self._arm_idle()
 

@@ -136,6 +136,22 @@ def test_pipelined_requests_are_answered_in_order() -> None:
     run(test)
 
 
+def test_a_long_pipeline_pauses_reading_and_is_answered_in_full() -> None:
+    async def test(app: App, port: int) -> None:
+        # Far more than MAX_PIPELINED, and more bytes (800 KB) than one read: reading must pause
+        # once the queue is full and resume as answers go out, or the rest is never read.
+        n, size = 400, 2000
+        reqs = b"".join(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (size, str(i).encode().ljust(size))
+            for i in range(n)
+        )
+        out = await exchange(port, reqs + b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        bodies = [json.loads(part.split(b"\r\n\r\n", 1)[1]) for part in out.split(b"HTTP/1.1 200 OK\r\n")[1:]]
+        assert [b["body"].strip() for b in bodies] == [*map(str, range(n)), ""]
+
+    run(test)
+
+
 def test_chunked_request_body_and_expect_100_continue() -> None:
     async def test(app: App, port: int) -> None:
         head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n"
@@ -172,6 +188,9 @@ def test_errors_found_by_the_server_share_the_error_shape() -> None:
                 assert (await r.json())["deleted"] == "http://a:1"
         out = await exchange(port, b"GARBAGE\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 400 Bad Request") and b"invalid_request" in out
+        huge = b"".join(b"X-Pad-%d: %b\r\n" % (i, b"y" * 1000) for i in range(100))  # 100 KB of headers
+        out = await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n" + huge + b"\r\n")
+        assert out.startswith(b"HTTP/1.1 431") and b"request_too_large" in out
 
     run(test)
 
