@@ -23,16 +23,25 @@ NOT_FOUND = "not_found"
 HELD_TIMEOUT = "held_too_long"
 METHOD_NOT_ALLOWED = "method_not_allowed"
 TOO_LARGE = "request_too_large"
+REQUEST_TIMEOUT = "request_body_timeout"
 INTERNAL = "internal_error"
 
 # The code for an error the HTTP server finds itself (before any handler runs).
-_SERVER_CODES = {400: BAD_REQUEST, 404: NOT_FOUND, 405: METHOD_NOT_ALLOWED, 413: TOO_LARGE, 431: TOO_LARGE}
+_SERVER_CODES = {
+    400: BAD_REQUEST,
+    404: NOT_FOUND,
+    405: METHOD_NOT_ALLOWED,
+    413: TOO_LARGE,
+    431: TOO_LARGE,
+    408: REQUEST_TIMEOUT,
+}
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_error",

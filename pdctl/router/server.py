@@ -12,7 +12,8 @@ server does what the router needs and nothing more:
 - a client that goes away cancels its handler (the router's contract: both legs of a PD
   request are cancelled, and the engines abort them);
 - idle keep-alive connections, and clients that trickle headers (slowloris), closed after
-  ``keepalive_timeout`` seconds.
+  ``keepalive_timeout`` seconds; a request body must be in within ``body_timeout`` seconds
+  of its headers.
 
 Handlers take a ``Request`` and return a ``Reply``, or ``STREAMED`` after writing through
 ``Request.stream()``. Routes are exact ``(method, path)`` pairs plus path prefixes.
@@ -154,11 +155,13 @@ class HttpServer:
         *,
         max_body: int = 512 * 1024 * 1024,
         keepalive_timeout: float = 75.0,
+        body_timeout: float = 120.0,
     ):
         self.dispatch = dispatch
         self.on_error = on_error
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout
+        self.body_timeout = body_timeout
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
         self.port = 0
@@ -189,6 +192,7 @@ class _Connection(asyncio.Protocol):
         self.pending: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.body_timer: asyncio.TimerHandle | None = None
         self._writable: asyncio.Future | None = None  # set while the client is not reading
         self._url = b""
         self._headers: dict[str, str] = {}
@@ -211,9 +215,10 @@ class _Connection(asyncio.Protocol):
         # connection is freed by reference counting, not left for a full GC (the router runs
         # the GC rarely, see pdctl.router.cli).
         self.parser = None  # type: ignore[assignment]
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+        for timer in (self.idle_timer, self.body_timer):
+            if timer is not None:
+                timer.cancel()
+        self.idle_timer = self.body_timer = None
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its handler (and the engines' work) stops
         self.pending.clear()
@@ -228,6 +233,13 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if not self._refused:
                 self._refuse(400, f"malformed HTTP request: {exc}")
+        else:
+            if self._in_body and self.body_timer is None:  # armed only when a body spans reads
+                self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_too_slow)
+
+    def _body_too_slow(self) -> None:
+        self.body_timer = None
+        self._refuse(408, f"request body not received within {self.server.body_timeout:g} s of its headers")
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
@@ -290,6 +302,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
         url = self._url
         path, _, query = url.partition(b"?")
         request = Request(

@@ -248,15 +248,20 @@ def test_idle_keep_alive_connections_and_trickled_headers_are_closed() -> None:
         writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\n")  # headers never finish
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a slow body is not cut
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a body slower than idle is not cut
         writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
         await asyncio.sleep(0.6)
         writer.write(b"cd")
         answer = await asyncio.wait_for(reader.read(), 5)  # then idle again: closed after the answer
         assert answer.startswith(b"HTTP/1.1 200 OK") and b'"body":"abcd"' in answer
         writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # but a body has its own limit
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_body_timeout" in answer
+        writer.close()
 
-    run(test, keepalive_timeout=0.3)
+    run(test, keepalive_timeout=0.3, body_timeout=1.5)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
