@@ -275,18 +275,20 @@ class Dispatcher:
         """The reply does not need prefill's answer: record its outcome when it comes, without
         holding the reply, and cancel it if it takes longer than PREFILL_GRACE_SECS."""
 
-        if task.done():  # the common case: prefill answers first
-            if not task.cancelled():
-                self.registry.record(prefill, not task.result().server_failed)
-            return
-
         def record(t: asyncio.Task[Leg]) -> None:
-            timer.cancel()
             if not t.cancelled():
                 self.registry.record(prefill, not t.result().server_failed)
 
+        if task.done():  # the common case: prefill answered first
+            record(task)
+            return
         timer = self.loop.call_later(PREFILL_GRACE_SECS, task.cancel)
-        task.add_done_callback(record)
+
+        def settle(t: asyncio.Task[Leg]) -> None:
+            timer.cancel()  # the handle would keep the task alive until it fires
+            record(t)
+
+        task.add_done_callback(settle)
 
     async def _stream_one(
         self, request: Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
