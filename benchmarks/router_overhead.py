@@ -129,6 +129,10 @@ def main() -> None:
     wait(prefill + "/health")
     wait(decode + "/health")
 
+    # the same workers and policy for both routers
+    pd_workers = ["--pd-disaggregation", "--prefill", prefill, str(boot_port), "--decode", decode]
+    pd_workers += ["--policy", "round_robin"]
+
     def pdctl_router(port: int) -> list[str]:
         return [
             PY,
@@ -137,14 +141,7 @@ def main() -> None:
             "router",
             "--port",
             str(port),
-            "--pd-disaggregation",
-            "--prefill",
-            prefill,
-            str(boot_port),
-            "--decode",
-            decode,
-            "--policy",
-            "round_robin",
+            *pd_workers,
             "--log-level",
             "error",
         ]
@@ -154,18 +151,11 @@ def main() -> None:
             PY,
             "-m",
             "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill,
-            str(boot_port),
-            "--decode",
-            decode,
+            *pd_workers,
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
-            "--policy",
-            "round_robin",
             "--prometheus-port",
             str(free_port()),
             "--log-level",

@@ -18,25 +18,27 @@ def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedPr
     )
 
 
+def local_topology(tmp_path, name: str, base: int, **sections) -> str:
+    """A one-node localhost sim topology with a prefill and a decode; ``sections`` override."""
+    topo = tmp_path / f"{name}.yaml"
+    body = {
+        "name": name,
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
+        "ports": {"base": base},
+        "prefill": {},
+        "decode": {},
+        **sections,
+    }
+    topo.write_text(yaml.safe_dump(body))
+    return str(topo)
+
+
 def test_local_cli_round_trip(tmp_path) -> None:
-    base = 23000 + os.getpid() % 4000 // 10 * 10
-    topo = tmp_path / "local.yaml"
-    topo.write_text(
-        yaml.safe_dump(
-            {
-                "name": "loc",
-                "model": {"path": "sim://tiny"},
-                "engine": "sim",
-                "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
-                "ports": {"base": base},
-                "prefill": {},
-                "decode": {},
-                "router": {"policy": "cache_aware"},
-            }
-        )
-    )
+    topo = local_topology(tmp_path, "loc", 23000 + os.getpid() % 4000 // 10 * 10, router={"policy": "cache_aware"})
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
-    up = pdctl("up", str(topo), env=env)
+    up = pdctl("up", topo, env=env)
     assert up.returncode == 0, up.stderr
     url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
     try:
@@ -44,7 +46,7 @@ def test_local_cli_round_trip(tmp_path) -> None:
         assert code == 200 and out["meta_info"]["completion_tokens"] == 4
         st = pdctl("status", "--json", env=env)
         assert st.returncode == 0 and json.loads(st.stdout)["ok"] is True
-        again = pdctl("up", str(topo), env=env)
+        again = pdctl("up", topo, env=env)
         assert again.returncode == 1 and "already up" in again.stderr and "Traceback" not in again.stderr
         log = pdctl("logs", "loc", "prefill-0", "-n", "5", env=env)
         assert log.returncode == 0 and "ready to roll" in log.stdout
@@ -63,25 +65,12 @@ def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
     import signal
     import time
 
-    base = 26000 + os.getpid() % 2000 // 10 * 10
-    topo = tmp_path / "slow.yaml"
-    topo.write_text(
-        yaml.safe_dump(
-            {
-                "name": "slow",
-                "model": {"path": "sim://tiny"},
-                "engine": "sim",
-                "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
-                "ports": {"base": base},
-                "prefill": {},
-                # the decode's warm-up prompt takes 60 s: up is still waiting when Ctrl-C comes
-                "decode": {"args": {"sim-prefill-ms-per-token": 60000}},
-            }
-        )
-    )
+    # the decode's warm-up prompt takes 60 s: up is still waiting when Ctrl-C comes
+    slow = {"args": {"sim-prefill-ms-per-token": 60000}}
+    topo = local_topology(tmp_path, "slow", 26000 + os.getpid() % 2000 // 10 * 10, decode=slow)
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdctl", "up", str(topo)],
+        [sys.executable, "-m", "pdctl", "up", topo],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

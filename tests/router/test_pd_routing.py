@@ -6,7 +6,7 @@ import concurrent.futures as cf
 import time
 import urllib.request
 
-from tests.helpers import RouterProcess, get, post, sse
+from tests.helpers import RouterProcess, get, pd_router_args, post, sse
 
 
 def greedy(text, n=16, **extra):
@@ -167,16 +167,7 @@ def test_hold_drains_and_release_resumes_without_failures(router) -> None:
 
 def test_api_key(fleet, tmp_path) -> None:
     _, prefill, d1, _ = fleet
-    args = [
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        d1.url,
-        "--api-key-env",
-        "ROUTER_KEY",
-    ]
+    args = pd_router_args([prefill], [d1], "--api-key-env", "ROUTER_KEY")
     proc = RouterProcess(tmp_path, *args, env={"ROUTER_KEY": "k3y"}).start()
     try:
         assert post(proc.url + "/generate", greedy("x", 1))[0] == 401
@@ -189,18 +180,7 @@ def test_api_key(fleet, tmp_path) -> None:
 
 def test_concurrency_limit_answers_429(fleet, tmp_path) -> None:
     _, prefill, d1, _ = fleet
-    args = [
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        d1.url,
-        "--max-concurrent-requests",
-        "1",
-        "--queue-size",
-        "1",
-    ]
+    args = pd_router_args([prefill], [d1], "--max-concurrent-requests", "1", "--queue-size", "1")
     proc = RouterProcess(tmp_path, *args).start()
     try:
         with cf.ThreadPoolExecutor(8) as pool:

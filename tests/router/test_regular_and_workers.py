@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.helpers import RouterProcess, get, http, post
+from tests.helpers import RouterProcess, get, http, pd_router_args, post
 
 
 def greedy(text, n=6):
@@ -74,16 +74,7 @@ def test_request_timeout_is_a_504_and_not_retried(tmp_path) -> None:
         ("--disaggregation-mode", "decode", "--sim-decode-ms-per-step", "100"),
     ]
     with sims(tmp_path, *specs) as (prefill, decode):
-        args = [
-            "--pd-disaggregation",
-            "--prefill",
-            prefill.url,
-            str(prefill.bootstrap_port),
-            "--decode",
-            decode.url,
-            "--request-timeout-secs",
-            "1",
-        ]
+        args = pd_router_args([prefill], [decode], "--request-timeout-secs", "1")
         proc = RouterProcess(tmp_path, *args).start("/readiness")
         try:
             started = time.monotonic()

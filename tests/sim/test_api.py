@@ -99,19 +99,13 @@ def test_openai_routes(trio) -> None:
 
 
 def test_unknown_flag_exits_2_like_sglang() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--disaggregation-decode-tp", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    def sim(*flags: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", *flags]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    result = sim("--disaggregation-decode-tp", "2")
     assert result.returncode == 2 and "unrecognized arguments: --disaggregation-decode-tp" in result.stderr
-    result = subprocess.run(
-        [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--disaggregation-mode", "both"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = sim("--disaggregation-mode", "both")
     assert result.returncode == 2 and "invalid choice: 'both'" in result.stderr
 
 
