@@ -67,15 +67,24 @@ class RouterServer:
         # their weight version known; the others join as soon as a later round reaches them.
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
-        main = HttpServer(self.handle, errors.server_error, max_body=MAX_BODY)
-        self.port = await main.start(self.config.host, self.config.port)
-        self._servers.append(main)
-        if self.config.prometheus_port is not None:
-            metrics_routes = Routes()
-            metrics_routes.add("GET", "/metrics", self.metrics_endpoint)
-            prom = HttpServer(lambda r: _route(metrics_routes, r), errors.server_error, max_body=1024 * 1024)
-            self.prometheus_port = await prom.start(self.config.host, self.config.prometheus_port)
-            self._servers.append(prom)
+        try:
+            main = HttpServer(self.handle, errors.server_error, max_body=MAX_BODY)
+            self.port = await self._listen(main, self.config.port)
+            if self.config.prometheus_port is not None:
+                metrics_routes = Routes()
+                metrics_routes.add("GET", "/metrics", self.metrics_endpoint)
+                prom = HttpServer(lambda r: _route(metrics_routes, r), errors.server_error, max_body=1024 * 1024)
+                self.prometheus_port = await self._listen(prom, self.config.prometheus_port)
+        except OSError:
+            await self.stop()  # a busy port or a bad host: give back what started
+            raise
+
+    async def _listen(self, server: HttpServer, port: int) -> int:
+        self._servers.append(server)
+        try:
+            return await server.start(self.config.host, port)
+        except OSError as exc:
+            raise OSError(f"cannot listen on {self.config.host}:{port}: {exc.strerror or exc}") from exc
 
     async def stop(self) -> None:
         await self.registry.stop()

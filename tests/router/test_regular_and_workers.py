@@ -104,3 +104,23 @@ def test_a_worker_that_never_answers_is_a_504_streamed_or_not(tmp_path) -> None:
                 assert time.monotonic() - started < 5  # one timeout, no retries
         finally:
             proc.stop()
+
+
+def test_busy_port_or_bad_host_is_one_clear_line(tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for flags, where in [
+            (["--port", port], f"127.0.0.1:{port}"),
+            (["--port", "0", "--prometheus-port", port], f"127.0.0.1:{port}"),
+            (["--host", "no-such-host.invalid", "--port", "0"], "no-such-host.invalid:0"),
+        ]:
+            argv = [sys.executable, "-m", "pdctl", "router", *flags, "--worker-urls", "http://127.0.0.1:1"]
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 1 and f"cannot listen on {where}" in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr and "Unclosed" not in result.stderr  # all given back
