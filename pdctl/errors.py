@@ -89,4 +89,15 @@ class SimError(PdctlError):
 
 
 class WeightSyncError(PdctlError):
-    """A trainer-side weight push failed."""
+    """A trainer-side weight push failed.
+
+    ``engine`` names the engine at fault (None when the trainer or the router failed),
+    ``phase`` the step of the transaction (connect, probe, hold, pause, begin, transfer, end,
+    version, verify, continue, release), ``report`` what the push did anyway (a PushReport).
+    """
+
+    def __init__(self, message: str, *, engine: str | None = None, phase: str | None = None, report: object = None):
+        super().__init__(message)
+        self.engine = engine
+        self.phase = phase
+        self.report = report

@@ -51,6 +51,9 @@ class RouterServer:
         self._open = asyncio.Event()  # cleared while held for a weight update
         self._open.set()
         self._active = 0  # requests past the hold gate
+        self._txn: str | None = None  # the weight push holding the router, if it said which
+        self._txn_engines: list[str] = []
+        self._lease: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
@@ -223,19 +226,63 @@ class RouterServer:
 
     # -- hold / release (weight updates) ----------------------------------------------------------------
     async def hold(self, request: Request) -> Reply:
-        """Stop admitting requests and wait for in-flight ones to finish (they are not failed)."""
+        """Stop admitting requests and wait for in-flight ones to finish (they are not failed).
+
+        A weight push sends ``txn``, ``engines`` and ``lease_secs`` and repeats the call to renew
+        the lease; a push that stops renewing (its trainer died) is treated as failed: its
+        engines leave rotation (their weights may be partial) and requests are admitted again.
+        """
         body = await _json_or_empty(request)
         timeout = float(body.get("timeout_secs", 300))
+        txn = body.get("txn")
+        if txn is not None:
+            txn = str(txn)
+            if self._txn is not None and self._txn != txn:
+                return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
+            self._txn = txn
+            self._txn_engines = [str(u).rstrip("/") for u in body.get("engines", [])]
+            lease = float(body.get("lease_secs", 60))
+            if self._lease is not None:
+                self._lease.cancel()
+            self._lease = asyncio.get_running_loop().call_later(lease, self._lease_expired, txn, lease)
+        if self._open.is_set():
+            log.info("held for a weight update%s; draining %d in-flight request(s)",
+                     f" ({txn})" if txn else "", self._active)
         self._open.clear()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.001))
         except asyncio.TimeoutError:
             return json_reply({"held": True, "drained": False, "in_flight": self._active}, 504)
         return json_reply({"held": True, "drained": True, "in_flight": 0})
 
+    def _lease_expired(self, txn: str, lease: float) -> None:
+        if self._txn != txn:
+            return
+        log.error("weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
+                  "rotation until a later push reaches them; admitting requests again", txn, lease,
+                  len(self._txn_engines))
+        for url in self._txn_engines:
+            self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
+        self._txn, self._txn_engines, self._lease = None, [], None
+        self._open.set()
+
     async def release(self, request: Request) -> Reply:
-        """Re-read every worker's health and weight version, then admit requests again."""
+        """Re-read every worker's health and weight version, then admit requests again.
+
+        ``complete`` lists engines that hold the pushed version (back into rotation);
+        ``failed`` maps engines that do not to why (out of rotation until a later push).
+        """
         assert self.session is not None
+        body = await _json_or_empty(request)
+        for url in body.get("complete", []) or []:
+            self.registry.set_quarantine(str(url), None)
+        failed = body.get("failed") or {}
+        if isinstance(failed, dict):
+            for url, reason in failed.items():
+                self.registry.set_quarantine(str(url), str(reason))
+        if self._lease is not None:
+            self._lease.cancel()
+        self._txn, self._txn_engines, self._lease = None, [], None
         await self.registry.check_all(self.session)
         self._open.set()
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})

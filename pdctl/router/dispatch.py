@@ -103,10 +103,10 @@ class Dispatcher:
         """A prefill and a decode on the same weight version; RouteError (503) names what is missing."""
         prefills = self.registry.routable("prefill")
         if not prefills:
-            raise RouteError(503, errors.NO_PREFILL, "No prefill workers available (none healthy)")
+            raise RouteError(503, errors.NO_PREFILL, "No prefill workers available" + self._why_none("prefill"))
         decodes = self.registry.routable("decode")
         if not decodes:
-            raise RouteError(503, errors.NO_DECODE, "No decode workers available (none healthy)")
+            raise RouteError(503, errors.NO_DECODE, "No decode workers available" + self._why_none("decode"))
         versions = {d.weight_version for d in decodes}
         pairable = [p for p in prefills if p.weight_version in versions]
         if not pairable:
@@ -123,10 +123,16 @@ class Dispatcher:
         self.metrics.selected(prefill, decode)
         return prefill, decode
 
+    def _why_none(self, role: str) -> str:
+        held = [w for w in self.registry.of_role(role) if w.quarantined]
+        if held:
+            return f" ({len(held)} out of rotation for their weights: {held[0].quarantined})"
+        return " (none healthy)"
+
     def select_regular(self, ctx: RequestContext) -> Worker:
         workers = self.registry.routable("regular")
         if not workers:
-            raise RouteError(503, errors.NO_WORKERS, "No healthy workers available")
+            raise RouteError(503, errors.NO_WORKERS, "No healthy workers available" + self._why_none("regular"))
         return self.regular_policy.select(workers, ctx) or workers[0]
 
     # -- the request loop (retries) ---------------------------------------------------------------

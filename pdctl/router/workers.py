@@ -44,6 +44,8 @@ class Worker:
     cb_successes: int = 0
     cb_open_until: float = 0.0
     cb_half_open: bool = False
+    quarantined: str | None = None
+    """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
 
     @functools.cached_property
     def bootstrap_host(self) -> str:
@@ -62,6 +64,7 @@ class Worker:
             "bootstrap_port": self.bootstrap_port,
             "weight_version": self.weight_version,
             "circuit_open": self.cb_open_until > time.monotonic(),
+            "quarantined": self.quarantined,
             "connection_mode": "HTTP",
         }
 
@@ -72,6 +75,8 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
         self.on_change: list = []
+        self.quarantine: dict[str, str] = {}
+        """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
 
     # -- membership --------------------------------------------------------------------------
     def add(self, url: str, role: str, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
@@ -81,6 +86,7 @@ class WorkerRegistry:
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
         worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, healthy=healthy, activated=healthy)
+        worker.quarantined = self.quarantine.get(url)
         self.workers[url] = worker
         log.info("registered %s worker %s", role, url)
         return worker
@@ -96,11 +102,26 @@ class WorkerRegistry:
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]
 
+    def set_quarantine(self, url: str, reason: str | None) -> None:
+        """Take a worker out of rotation for its weights (``reason``), or back in (None)."""
+        url = url.rstrip("/")
+        if reason is None:
+            self.quarantine.pop(url, None)
+        else:
+            self.quarantine[url] = reason
+        worker = self.workers.get(url)
+        if worker is not None and worker.quarantined != reason:
+            worker.quarantined = reason
+            if reason is None:
+                log.warning("worker %s is back in rotation (it holds the pushed weights)", url)
+            else:
+                log.warning("worker %s is out of rotation: %s", url, reason)
+
     def routable(self, role: str) -> list[Worker]:
         now = time.monotonic()
         out = []
         for w in self.workers.values():
-            if w.role != role or not w.healthy:
+            if w.role != role or not w.healthy or w.quarantined:
                 continue
             if not self.config.disable_circuit_breaker and w.cb_open_until > now:
                 continue

@@ -19,6 +19,8 @@ MAX_BOOTSTRAP_ROOM = 2**63 - 1
 DEFAULT_GROUP_NAME = "weight_update_group"
 # /begin_weight_update and /end_weight_update exist from SGLang 0.5.21 on.
 WEIGHT_SESSION_SINCE = (0, 5, 21)
+# load_format "flattened_bucket" (one uint8 broadcast per update call) exists from 0.5.12 on.
+FLATTENED_BUCKET_SINCE = (0, 5, 12)
 
 
 class Endpoint(str, Enum):
@@ -46,19 +48,29 @@ class Endpoint(str, Enum):
     END_WEIGHT_UPDATE = "/end_weight_update"
     UPDATE_WEIGHT_VERSION = "/update_weight_version"
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
+    WEIGHTS_CHECKER = "/weights_checker"
     METRICS = "/metrics"
 
     def __str__(self) -> str:
         return self.value
 
 
-def supports_weight_update_session(version: str) -> bool:
-    """True when an SGLang ``version`` (e.g. ``0.5.23``) has begin/end weight-update sessions."""
+def _version_tuple(version: str) -> tuple[int, ...]:
     parts: list[int] = []
     for piece in version.split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits) if digits else 0)
-    return tuple(parts) >= WEIGHT_SESSION_SINCE
+    return tuple(parts)
+
+
+def supports_weight_update_session(version: str) -> bool:
+    """True when an SGLang ``version`` (e.g. ``0.5.23``) has begin/end weight-update sessions."""
+    return _version_tuple(version) >= WEIGHT_SESSION_SINCE
+
+
+def supports_flattened_bucket(version: str) -> bool:
+    """True when an SGLang ``version`` accepts ``load_format: flattened_bucket`` updates."""
+    return _version_tuple(version) >= FLATTENED_BUCKET_SINCE
 
 
 def batch_size_of(body: dict[str, Any]) -> int | None:
@@ -144,6 +156,25 @@ def update_weights_from_distributed_body(
         "selector": "all",
         "torch_empty_cache": False,
     }
+
+
+def pause_generation_body(mode: str = "retract") -> dict[str, Any]:
+    """Body of ``POST /pause_generation`` (0.5.12+): ``abort`` | ``retract`` | ``in_place``."""
+    return {"mode": mode}
+
+
+def update_weight_version_body(version: str) -> dict[str, Any]:
+    """Body of ``POST /update_weight_version``; running requests are not aborted."""
+    return {"new_version": version, "abort_all_requests": False}
+
+
+def destroy_weights_update_group_body(group_name: str = DEFAULT_GROUP_NAME) -> dict[str, Any]:
+    return {"group_name": group_name}
+
+
+def update_weights_from_disk_body(model_path: str, *, weight_version: str | None = None) -> dict[str, Any]:
+    """Body of ``POST /update_weights_from_disk`` (sglang-protocol.md 4.1)."""
+    return {"model_path": model_path, "abort_all_requests": False, "weight_version": weight_version}
 
 
 def generate_error_body(message: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint
 from pdctl.sim.weights import GroupSpec, tensor_specs
+from pdctl.weights.buckets import tensor_checksum
 
 if TYPE_CHECKING:
     from pdctl.sim.server import SimServer
@@ -36,7 +37,7 @@ def add_routes(app: web.Application, server: SimServer) -> None:
     r.add_post(Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, routes.update_from_disk)
     r.add_post(Endpoint.UPDATE_WEIGHT_VERSION.value, routes.update_version)
     r.add_route("*", Endpoint.GET_WEIGHTS_BY_NAME.value, routes.get_weights_by_name)
-    r.add_post("/weights_checker", routes.checker)
+    r.add_post(Endpoint.WEIGHTS_CHECKER.value, routes.checker)
 
 
 def weights_checksum(model: torch.nn.Module) -> dict[str, str]:
@@ -187,6 +188,19 @@ class WeightRoutes:
             return _fail(str(exc))
         if body.get("action", "checksum") != "checksum":
             return _fail("the sim's weights_checker knows only action checksum")
-        sums = weights_checksum(model)
-        total = hashlib.sha256("".join(sums[k] for k in sorted(sums)).encode()).hexdigest()
-        return _ok("checksum", checksum=total, checksums=sums, weight_version=self.s.weight_version)
+        names, mode = body.get("names"), body.get("mode")
+        if names is None and mode is None:  # the whole model, sha256 of every parameter
+            sums = weights_checksum(model)
+            total = hashlib.sha256("".join(sums[k] for k in sorted(sums)).encode()).hexdigest()
+            return _ok("checksum", checksum=total, checksums=sums, weight_version=self.s.weight_version)
+        # Named tensors, computed as pdctl.weights computes the trainer's (sample or full).
+        params = dict(model.named_parameters())
+        wanted = list(params) if names is None else [str(n) for n in names]
+        unknown = [n for n in wanted if n not in params]
+        if unknown:
+            return _fail(f"unknown parameter {unknown[0]!r}")
+        try:
+            sums = {n: tensor_checksum(n, params[n], str(mode or "full")) for n in wanted}
+        except ValueError as exc:
+            return _fail(str(exc))
+        return _ok("checksum", checksums=sums, weight_version=self.s.weight_version)

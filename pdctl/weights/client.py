@@ -1,0 +1,89 @@
+"""A small synchronous JSON client for engines and the router, and concurrent fan-outs.
+
+The trainer side stays synchronous (a training loop calls ``push`` between steps); calls that
+must overlap (every engine's ``/init_weights_update_group`` with the trainer's rendezvous, one
+update body per engine with the broadcast) run on a thread pool. Each failure is kept as a
+``CallFailure`` that says whether the engine was unreachable (``transport``) or answered with
+an error, because the two mean different things for who is at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CallFailure:
+    """An HTTP call that did not succeed: ``transport`` when no answer came (refused, reset,
+    timed out), else the engine's status and message."""
+
+    url: str
+    message: str
+    transport: bool
+    status: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.message} (HTTP {self.status})" if self.status else self.message
+
+
+class JsonClient:
+    """POST/GET JSON with a timeout and an optional bearer key; never raises for HTTP errors."""
+
+    def __init__(self, api_key: str | None = None, timeout_secs: float = 120.0):
+        self.api_key = api_key
+        self.timeout_secs = timeout_secs
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdctl-weights-http")
+
+    def call(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
+        """The parsed JSON (or text) of a 2xx answer whose ``success`` is not false, else a CallFailure."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_secs or self.timeout_secs) as resp:
+                raw, status = resp.read(), resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+        except (TimeoutError, urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            return CallFailure(url, f"no answer from {url}: {reason}", transport=True)
+        parsed = _parse(raw)
+        if status >= 400 or (isinstance(parsed, dict) and parsed.get("success") is False):
+            return CallFailure(url, f"{url} answered: {_message(parsed)}", transport=False, status=status)
+        return parsed
+
+    def post(self, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
+        return self.call("POST", url, body if body is not None else {}, timeout_secs)
+
+    def get(self, url: str, timeout_secs: float | None = None) -> Any:
+        return self.call("GET", url, None, timeout_secs)
+
+    def submit(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Future:
+        return self.pool.submit(self.call, method, url, body, timeout_secs)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _parse(raw: bytes) -> Any:
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _message(parsed: Any) -> str:
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(parsed.get("message") or error or parsed)
+    return str(parsed).strip()[:500]

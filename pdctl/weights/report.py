@@ -1,0 +1,75 @@
+"""What a push did: bytes, buckets, collective calls, seconds per phase, and who got it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("pdctl.weights")
+
+PHASES = ("probe", "hold", "pause", "begin", "transfer", "end", "version", "verify", "continue", "release")
+
+
+@dataclass
+class PushReport:
+    """Filled in by ``WeightSync.push``.
+
+    ``engines``: ids that hold ``version`` completely (checked by ``verify`` unless it is off);
+    ``failed``: id -> ``phase: reason`` for engines left without it (out of the router's rotation);
+    ``skipped``: ids that did not answer before the push began (also out of rotation);
+    ``phases``: seconds per phase (a retry on the surviving engines adds to the same phases);
+    ``pushed``: False on trainer ranks other than 0, which send nothing.
+    """
+
+    version: str
+    pushed: bool = True
+    engines: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    collectives: int = 0
+    http_calls: int = 0
+    load_format: str = "names"
+    verify: str = "off"
+    retried: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Everything but the transfer itself."""
+        return self.seconds - self.phases.get("transfer", 0.0)
+
+    @property
+    def transfer_gbps(self) -> float:
+        """Bytes moved per second of the transfer phase, in GB/s (10^9)."""
+        secs = self.phases.get("transfer", 0.0)
+        return self.bytes / secs / 1e9 if secs else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "seconds": self.seconds,
+            "overhead_seconds": self.overhead_seconds,
+            "transfer_gbps": self.transfer_gbps,
+        }
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase (added to any earlier time of the same phase) and log it."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            secs = time.perf_counter() - started
+            self.phases[name] = self.phases.get(name, 0.0) + secs
+            log.info("weights %s: %s %.3fs", self.version, name, secs)

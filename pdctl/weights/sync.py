@@ -1,0 +1,823 @@
+"""``WeightSync``: trainer rank 0 pushes weights into every prefill and decode engine.
+
+One flat broadcast group (sglang-protocol.md 4.2-4.3): the trainer is rank 0, engine i takes
+ranks ``rank_offset_i .. rank_offset_i + gpus_i - 1`` with ``rank_offset_i = 1 + GPUs of the
+engines before it``, prefill and decode alike, so engines of different TP share one group.
+NCCL on CUDA, gloo on CPU: the same code with another ``backend``.
+
+A push is one fleet-wide transaction, every phase timed in the returned ``PushReport``:
+
+    probe     GET /server_info on every engine; rebuild the group if the engine set changed
+    hold      the router stops admitting and drains in-flight requests (a lease it renews)
+    pause     /pause_generation (retract by default: nothing is lost) and /flush_cache
+    begin     /begin_weight_update (SGLang 0.5.21+)
+    transfer  per bucket: one /update_weights_from_distributed to every engine at once, then the
+              broadcast (one flattened uint8 tensor, or one per tensor in ``names`` order)
+    end       /end_weight_update
+    version   /update_weight_version: set only once every bucket is in, so an engine that stops
+              half way never claims the new version
+    verify    the engines' checksums of the pushed tensors against the trainer's
+    continue  /continue_generation
+    release   the router re-reads versions and resumes; engines that did not get the whole
+              version stay out of its rotation until a later push reaches them
+
+Failure: an engine that dies or refuses, or does not answer within ``timeout_secs``, ends the
+transaction with ``WeightSyncError`` naming it and the phase. Before raising, when the tensors
+can be read again (a list, a dict's items, anything that is not a one-shot iterator), the push
+is redone on the surviving engines over a rebuilt group, so the fleet keeps serving a complete
+version; the failed engine stays out of rotation until a later push (which rebuilds the group
+to take it back in). A trainer killed mid-push stops renewing the router's lease: the router
+then takes every engine of the push out of rotation, and the next trainer's ``connect`` clears
+what the dead one left open on the engines (session, group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdctl.errors import WeightSyncError
+from pdctl.sglang import (
+    DEFAULT_GROUP_NAME,
+    Endpoint,
+    destroy_weights_update_group_body,
+    init_weights_update_group_body,
+    pause_generation_body,
+    supports_flattened_bucket,
+    supports_weight_update_session,
+    update_weight_version_body,
+    update_weights_from_disk_body,
+    update_weights_from_distributed_body,
+)
+from pdctl.sglang.group import init_custom_process_group
+from pdctl.weights.buckets import Bucket, buckets, tensor_checksum
+from pdctl.weights.client import CallFailure, JsonClient
+from pdctl.weights.report import PushReport
+
+log = logging.getLogger("pdctl.weights")
+MIB = 1024 * 1024
+WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
+ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
+API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
+"""Names the variable holding the router's (and engines') API key; the key itself is never in the plan."""
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One engine as the trainer sees it: its HTTP entrypoint and how many ranks it takes (its GPUs)."""
+
+    id: str
+    url: str
+    gpus: int = 1
+
+    @classmethod
+    def coerce(cls, value: EngineTarget | Mapping[str, Any] | str, index: int) -> EngineTarget:
+        if isinstance(value, EngineTarget):
+            return value
+        if isinstance(value, str):
+            return cls(id=f"engine-{index}", url=value.rstrip("/"))
+        return cls(
+            id=str(value.get("id") or f"engine-{index}"),
+            url=str(value["url"]).rstrip("/"),
+            gpus=int(value.get("gpus") or value.get("tp") or 1),
+        )
+
+
+@dataclass(frozen=True)
+class Member:
+    """An engine in the current group."""
+
+    target: EngineTarget
+    rank_offset: int
+    startup_time: Any
+    sglang_version: str
+    is_sim: bool
+
+    @property
+    def id(self) -> str:
+        return self.target.id
+
+    @property
+    def url(self) -> str:
+        return self.target.url
+
+
+class _EngineFault(Exception):
+    """Inside a push: these engines failed in this phase (id -> reason)."""
+
+    def __init__(self, phase: str, culprits: dict[str, str]):
+        super().__init__(f"{phase}: {culprits}")
+        self.phase = phase
+        self.culprits = culprits
+
+
+class WeightSync:
+    """Connects trainer rank 0 to every engine and pushes weights; see the module docstring.
+
+    Only trainer rank 0 talks to engines. On other ranks ``connect`` and ``close`` do nothing
+    and ``push`` reads the tensors it is given and drops them (so collectives inside that
+    iterable, such as ``full_tensors``' all-gathers of an FSDP2 model, run on every rank) and
+    returns a report with ``pushed=False``. The rank is ``rank`` if given, else ``$RANK``
+    (torchrun), else 0.
+
+    Options: ``bucket_mb`` (bytes per update call), ``timeout_secs`` (each engine call and each
+    collective), ``pause_mode`` (``retract`` | ``abort`` | ``in_place``), ``verify`` (``auto``:
+    ``sample`` on pdctl's sim, off on SGLang whose ``/weights_checker`` differs; ``sample`` |
+    ``full`` | ``off``), ``load_format`` (``auto``: ``flattened_bucket`` where every engine's
+    SGLang has it, else one broadcast per tensor), ``recover`` (redo a failed push on the
+    surviving engines), ``lease_secs`` (how long the router waits for a silent trainer).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineTarget | Mapping[str, Any] | str],
+        *,
+        master_address: str,
+        master_port: int,
+        backend: str = "gloo",
+        router_url: str | None = None,
+        group_name: str = DEFAULT_GROUP_NAME,
+        bucket_mb: int = 512,
+        api_key: str | None = None,
+        timeout_secs: float = 120.0,
+        pause_mode: str = "retract",
+        verify: str = "auto",
+        load_format: str = "auto",
+        recover: bool = True,
+        lease_secs: float = 30.0,
+        hold_timeout_secs: float = 300.0,
+        rank: int | None = None,
+    ):
+        self.engines = tuple(EngineTarget.coerce(e, i) for i, e in enumerate(engines))
+        if len({e.url for e in self.engines}) != len(self.engines):
+            raise WeightSyncError("an engine URL is listed twice")
+        if verify not in ("auto", "sample", "full", "off"):
+            raise WeightSyncError(f"verify must be auto, sample, full or off, not {verify!r}")
+        if load_format not in ("auto", "flattened_bucket", "names"):
+            raise WeightSyncError(f"load_format must be auto, flattened_bucket or names, not {load_format!r}")
+        if pause_mode not in ("retract", "abort", "in_place"):
+            raise WeightSyncError(f"pause_mode must be retract, abort or in_place, not {pause_mode!r}")
+        self.master_address = master_address
+        self.master_port = int(master_port)
+        self.backend = backend
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.group_name = group_name
+        self.bucket_bytes = max(1, int(bucket_mb * MIB))
+        self.timeout_secs = timeout_secs
+        self.pause_mode = pause_mode
+        self.verify = verify
+        self.load_format = load_format
+        self.recover = recover
+        self.lease_secs = lease_secs
+        self.hold_timeout_secs = hold_timeout_secs
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
+        self._group: dist.ProcessGroup | None = None
+        self._members: tuple[Member, ...] = ()
+        self._abandoned: list[Any] = []  # groups and works left pending by a failure; kept alive on purpose
+        self._active_name = group_name
+        self._pending: list[Any] = []  # the last bucket's broadcasts, if a failure left them unfinished
+        self._pushes = itertools.count(1)
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **options: Any) -> WeightSync:
+        """Build from the environment ``pdctl up`` gives the trainer (``PDCTL_WEIGHT_GROUP`` etc.).
+
+        ``options`` override any constructor argument (``bucket_mb``, ``verify``, ...).
+        """
+        env = os.environ if env is None else env
+        raw = env.get(WEIGHT_GROUP_ENV)
+        if not raw:
+            raise WeightSyncError(
+                f"${WEIGHT_GROUP_ENV} is not set: run the trainer with `pdctl up` on a topology with a `weights` "
+                "section, or build WeightSync(engines, master_address=..., master_port=...) yourself"
+            )
+        try:
+            group = json.loads(raw)
+            kwargs: dict[str, Any] = {
+                "engines": [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in group["engines"]],
+                "master_address": group["master_address"],
+                "master_port": int(group["master_port"]),
+                "backend": group.get("backend", "nccl"),
+                "group_name": group.get("group_name", DEFAULT_GROUP_NAME),
+                "bucket_mb": group.get("bucket_mb", 512),
+            }
+        except (ValueError, KeyError, TypeError) as exc:
+            raise WeightSyncError(f"${WEIGHT_GROUP_ENV} is not a pdctl weight group: {exc}") from exc
+        kwargs["router_url"] = env.get(ROUTER_URL_ENV) or None
+        key_var = env.get(API_KEY_ENV_ENV)
+        kwargs["api_key"] = env.get(key_var) if key_var else None
+        kwargs.update(options)
+        return cls(**kwargs)
+
+    @property
+    def is_pusher(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        """The engines in the current group (empty before ``connect``)."""
+        return self._members
+
+    def __enter__(self) -> WeightSync:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- group ---------------------------------------------------------------------------------------------
+    def connect(self) -> WeightSync:
+        """Build the flat group over every engine that answers (rank 0 only; others return at once).
+
+        Clears what an earlier trainer may have left on the engines (an open update session, a
+        group). Raises WeightSyncError (phase ``connect``) naming an engine that refuses to join.
+        """
+        if not self.is_pusher:
+            return self
+        report = PushReport(version="connect")
+        live, infos = self._probe(report)
+        self._build(live, infos)
+        return self
+
+    def close(self) -> None:
+        """Destroy the group on the engines and here. Idempotent; rank 0 only does anything."""
+        if self.is_pusher and self._members:
+            self._fanout_quiet(
+                self._members,
+                Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
+                destroy_weights_update_group_body(self._active_name),
+            )
+        self._drop_group()
+        self.client.close()
+
+    def _probe(self, report: PushReport) -> tuple[list[EngineTarget], dict[str, dict[str, Any]]]:
+        futures = {
+            e.id: self.client.submit("GET", e.url + Endpoint.SERVER_INFO.value, timeout_secs=10) for e in self.engines
+        }
+        infos: dict[str, dict[str, Any]] = {}
+        for engine in self.engines:
+            result = futures[engine.id].result()
+            if isinstance(result, CallFailure) or not isinstance(result, dict):
+                log.warning("weights: engine %s is not answering (%s); pushing without it", engine.id, result)
+                report.skipped.append(engine.id)
+            else:
+                infos[engine.id] = result
+        live = [e for e in self.engines if e.id in infos]
+        if not live:
+            raise WeightSyncError("no engine answered /server_info; nothing to push to", phase="probe", report=report)
+        return live, infos
+
+    def _signature(self, live: list[EngineTarget], infos: dict[str, dict[str, Any]]) -> tuple:
+        return tuple((e.url, infos[e.id].get("startup_time")) for e in live)
+
+    def _build(self, live: list[EngineTarget], infos: dict[str, dict[str, Any]]) -> None:
+        """(Re)build the group over ``live``: engines' init calls run while rank 0 rendezvouses."""
+        if self._members:
+            self._fanout_quiet(
+                self._members,
+                Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
+                destroy_weights_update_group_body(self._active_name),
+            )
+        self._drop_group()
+        # Whatever an earlier trainer left open: a session (it died mid-push), its group.
+        self._fanout_quiet(live, Endpoint.END_WEIGHT_UPDATE, {})
+        for stale in {self.group_name, self._active_name}:
+            self._fanout_quiet(live, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, destroy_weights_update_group_body(stale))
+        members, offset = [], 1
+        for engine in live:
+            info = infos[engine.id]
+            members.append(
+                Member(
+                    engine,
+                    offset,
+                    info.get("startup_time"),
+                    str(info.get("version", "0")),
+                    info.get("engine") == "pdctl-sim",
+                )
+            )
+            offset += engine.gpus
+        world_size = offset
+        port = self._rendezvous_port()
+        # A group left with a pending collective keeps its name registered in torch: a new name.
+        name = self.group_name if not self._abandoned else f"{self.group_name}-{len(self._abandoned)}"
+        self._active_name = name
+        futures = {
+            m.id: self.client.submit(
+                "POST",
+                m.url + Endpoint.INIT_WEIGHTS_UPDATE_GROUP.value,
+                init_weights_update_group_body(
+                    master_address=self.master_address,
+                    master_port=port,
+                    rank_offset=m.rank_offset,
+                    world_size=world_size,
+                    group_name=name,
+                    backend=self.backend,
+                ),
+            )
+            for m in members
+        }
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["group"] = init_custom_process_group(
+                    backend=self.backend,
+                    master_address=self.master_address,
+                    master_port=port,
+                    world_size=world_size,
+                    rank=0,
+                    group_name=name,
+                    timeout_secs=self.timeout_secs,
+                )
+            except Exception as exc:  # reported below with the engines' answers
+                box["error"] = exc
+
+        # The engines' HTTP calls block inside the rendezvous until rank 0 joins: both sides at once.
+        joiner = threading.Thread(target=join, name="pdctl-weights-rendezvous", daemon=True)
+        joiner.start()
+        deadline = time.monotonic() + self.timeout_secs + 5
+        while True:
+            if "error" in box:
+                break
+            failed = _failures(futures)
+            if failed:
+                self._abandoned.append(joiner)  # its rendezvous times out on its own
+                engine = next(iter(failed))
+                raise WeightSyncError(
+                    f"engine {engine} did not join the weight group: {failed[engine]}", engine=engine, phase="connect"
+                )
+            if not joiner.is_alive() and all(f.done() for f in futures.values()):
+                break
+            if time.monotonic() > deadline:
+                waiting = [i for i, f in futures.items() if not f.done()]
+                raise WeightSyncError(
+                    f"the weight group did not form within {self.timeout_secs:.0f}s (waiting for {waiting or 'rank 0'})",
+                    engine=waiting[0] if waiting else None,
+                    phase="connect",
+                )
+            time.sleep(0.005)
+        if "error" in box:  # the engines' calls now wait for a rank 0 that never comes: abandon them
+            raise WeightSyncError(
+                f"rank 0 could not join the weight group on port {port}: {box['error']}", phase="connect"
+            ) from box["error"]
+        self._group = box["group"]
+        self._members = tuple(members)
+        self._signature_now = self._signature(live, infos)
+        log.info("weights: group %s of %d ranks over %d engines (port %d)", name, world_size, len(members), port)
+
+    def _rendezvous_port(self) -> int:
+        """The planned port while it is free; else a free one (an abandoned rendezvous may hold it)."""
+        for port in (self.master_port, 0):
+            with socket.socket(socket.AF_INET6 if ":" in self.master_address else socket.AF_INET) as s:
+                try:
+                    s.bind((self.master_address, port))
+                except OSError:
+                    continue
+                return port or s.getsockname()[1]
+        raise WeightSyncError(f"no free port on {self.master_address} for the weight group", phase="connect")
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._group)
+        self._group = None
+        self._members = ()
+
+    def _abandon_group(self) -> None:
+        """After a failed collective: destroy the group, unless an op is still pending on it (a
+        live rank that never received): then keep it alive until that op times out on its own."""
+        if any(not w.is_completed() for w in self._pending):
+            if self._group is not None:
+                self._abandoned.append((self._group, self._pending))
+            self._group = None
+        self._pending = []
+        self._drop_group()
+
+    # -- push ---------------------------------------------------------------------------------------------
+    def push(self, named_tensors: NamedTensors | Callable[[], NamedTensors], version: str | None = None) -> PushReport:
+        """Push ``(name, tensor)`` pairs into every engine as version ``version`` (default ``push-N``).
+
+        ``named_tensors`` may be a callable returning the pairs (then a failed push can be redone
+        on the surviving engines). Returns the report; raises WeightSyncError naming the engine
+        and phase when any engine did not get the whole version (``error.report`` says which did).
+        """
+        number = next(self._pushes)
+        version = version or f"push-{number}"
+        if not self.is_pusher:
+            for _ in _tensor_source(named_tensors)[0]():
+                pass
+            return PushReport(version=version, pushed=False)
+        source, reusable = _tensor_source(named_tensors)
+        report = PushReport(version=version)
+        with report.phase("probe"):
+            live, infos = self._probe(report)
+            if self._group is None or self._signature(live, infos) != self._signature_now:
+                if self._group is not None:
+                    log.warning("weights: the engine set changed; rebuilding the group")
+                try:
+                    self._build(live, infos)
+                except WeightSyncError as exc:
+                    exc.report = report
+                    raise
+        members = self._members
+        txn = _Lease(self) if self.router_url else None
+        try:
+            if txn is not None:
+                with report.phase("hold"):
+                    txn.hold([e.url for e in self.engines], version)
+            try:
+                self._transaction(members, source, version, report)
+            except _EngineFault as fault:
+                self._recover(fault, members, source if reusable else None, version, report)
+            if txn is not None:
+                with report.phase("release"):
+                    txn.release(self._complete_urls(report), self._failed_urls(report))
+        except BaseException:
+            if txn is not None:
+                txn.abort(self._failed_urls(report, everyone=True))
+            raise
+        finally:
+            if txn is not None:
+                txn.stop()
+        if report.failed:
+            engine, reason = next(iter(report.failed.items()))
+            raise WeightSyncError(
+                f"weight push {version} failed on engine {engine} ({reason}); "
+                + (
+                    f"engines {', '.join(report.engines)} hold it completely"
+                    if report.engines
+                    else "no engine holds it"
+                )
+                + "; engines without it are out of the router's rotation until a later push reaches them",
+                engine=engine,
+                phase=reason.split(":", 1)[0],
+                report=report,
+            )
+        log.info(
+            "weights %s: pushed %.1f MB in %d buckets to %d engines in %.3fs (transfer %.3fs)",
+            version,
+            report.bytes / 1e6,
+            report.buckets,
+            len(report.engines),
+            report.seconds,
+            report.phases.get("transfer", 0.0),
+        )
+        return report
+
+    def _complete_urls(self, report: PushReport) -> list[str]:
+        by_id = {e.id: e.url for e in self.engines}
+        return [by_id[i] for i in report.engines]
+
+    def _failed_urls(self, report: PushReport, everyone: bool = False) -> dict[str, str]:
+        by_id = {e.id: e for e in self.engines}
+        out = {by_id[i].url: f"missed weight push {report.version} (not answering)" for i in report.skipped}
+        out.update({by_id[i].url: f"weight push {report.version} failed: {why}" for i, why in report.failed.items()})
+        if everyone:  # the push stopped half way: only engines it verified complete stay in rotation
+            out.update(
+                {
+                    e.url: f"weight push {report.version} did not finish"
+                    for e in self.engines
+                    if e.id not in report.engines
+                }
+            )
+        return out
+
+    def _recover(
+        self,
+        fault: _EngineFault,
+        members: tuple[Member, ...],
+        source: Callable[[], NamedTensors] | None,
+        version: str,
+        report: PushReport,
+    ) -> None:
+        """After ``fault``: record the culprits, then get the survivors to a complete version if possible."""
+        for engine, reason in fault.culprits.items():
+            report.failed[engine] = f"{fault.phase}: {reason}"
+            log.error("weights %s: engine %s failed in %s: %s", version, engine, fault.phase, reason)
+        survivors = [m for m in members if m.id not in fault.culprits]
+        if fault.phase in ("verify", "continue"):  # every bucket is in: the survivors hold the version
+            self._fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
+            report.engines = [m.id for m in survivors]
+            return
+        if fault.phase == "transfer":
+            self._abandon_group()  # a collective failed: the group is unusable on every rank
+        self._fanout_quiet(survivors, Endpoint.END_WEIGHT_UPDATE, {})
+        if self.recover and survivors and source is not None:
+            try:
+                report.retried = True
+                live, infos = self._probe(report)
+                alive = [e for e in live if e.id in {m.id for m in survivors}]
+                if alive:
+                    self._build(alive, infos)
+                    self._transaction(self._members, source, version, report)
+                    return
+            except _EngineFault as again:
+                for engine, reason in again.culprits.items():
+                    report.failed.setdefault(engine, f"retry {again.phase}: {reason}")
+                self._abandon_group()
+            except WeightSyncError as again:
+                report.failed.setdefault(again.engine or "rank 0", f"retry {again.phase}: {again}")
+                self._abandon_group()
+        for m in survivors:  # their weights may be partial: out of rotation until a later push
+            report.failed.setdefault(
+                m.id, f"{fault.phase}: left with partial weights when {', '.join(fault.culprits)} failed"
+            )
+        self._fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
+
+    def _transaction(
+        self, members: tuple[Member, ...], source: Callable[[], NamedTensors], version: str, report: PushReport
+    ) -> None:
+        """pause -> begin -> buckets -> end -> version -> verify -> continue; raises _EngineFault."""
+        with report.phase("pause"):
+            self._fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
+            refused = self._fanout_quiet(members, Endpoint.FLUSH_CACHE, {})
+            for engine_id in refused:  # only requests sent around the router keep a cache busy
+                log.warning(
+                    "weights %s: %s kept its cache (requests queued); stale prefixes may be reused", version, engine_id
+                )
+        sessions = [m for m in members if supports_weight_update_session(m.sglang_version)]
+        with report.phase("begin"):
+            if sessions:
+                self._fanout(tuple(sessions), "begin", Endpoint.BEGIN_WEIGHT_UPDATE, {"selector": "all"})
+        flattened = self.load_format == "flattened_bucket" or (
+            self.load_format == "auto" and all(supports_flattened_bucket(m.sglang_version) for m in members)
+        )
+        verify = self.verify if self.verify != "auto" else ("sample" if all(m.is_sim for m in members) else "off")
+        report.load_format = "flattened_bucket" if flattened else "names"
+        report.verify = verify
+        sums: dict[str, str] = {}
+        report.bytes = report.tensors = report.buckets = 0
+        checksum_secs = 0.0
+        with report.phase("transfer"):
+            for bucket in buckets(source(), self.bucket_bytes):
+                self._send_bucket(members, bucket, flattened, report)
+                if verify != "off":
+                    started = time.perf_counter()
+                    sums.update(
+                        (n, tensor_checksum(n, t, verify)) for n, t in zip(bucket.names, bucket.tensors, strict=True)
+                    )
+                    checksum_secs += time.perf_counter() - started
+        report.phases["transfer"] -= checksum_secs  # the trainer's checksums count as verify time
+        report.phases["verify"] = report.phases.get("verify", 0.0) + checksum_secs
+        with report.phase("end"):
+            if sessions:
+                self._fanout(tuple(sessions), "end", Endpoint.END_WEIGHT_UPDATE, {})
+        with report.phase("version"):
+            self._fanout(members, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
+        with report.phase("verify"):
+            if verify != "off":
+                self._verify(members, sums, verify)
+        with report.phase("continue"):
+            self._fanout(members, "continue", Endpoint.CONTINUE_GENERATION, {})
+        report.engines = [m.id for m in members]
+
+    def _send_bucket(self, members: tuple[Member, ...], bucket: Bucket, flattened: bool, report: PushReport) -> None:
+        body = update_weights_from_distributed_body(
+            names=bucket.names,
+            dtypes=bucket.dtypes,
+            shapes=bucket.shapes,
+            group_name=self._active_name,
+            weight_version=None,
+            flush_cache=False,
+            load_format="flattened_bucket" if flattened else None,
+        )
+        tensors = [bucket.flat()] if flattened else list(bucket.tensors)
+        futures = {
+            m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value, body)
+            for m in members
+        }
+        assert self._group is not None
+        works = [dist.broadcast(t, src=0, group=self._group, async_op=True) for t in tensors]
+        self._await(works, futures)
+        report.bytes += bucket.nbytes
+        report.tensors += len(bucket.names)
+        report.buckets += 1
+        report.collectives += len(works)
+        report.http_calls += len(futures)
+
+    def _await(self, works: list[Any], futures: dict[str, Future]) -> None:
+        """Wait for the broadcasts and every engine's answer. An engine that fails before the
+        broadcasts complete would leave them pending (a live rank that never receives): stop
+        waiting after a short grace and abandon the group."""
+        deadline = time.monotonic() + self.timeout_secs
+        failed_since: float | None = None
+        while not all(w.is_completed() for w in works):
+            if failed_since is None and _failures(futures):
+                failed_since = time.monotonic()
+            now = time.monotonic()
+            if (failed_since is not None and now - failed_since > 1.0) or now > deadline:
+                self._pending = works
+                raise _EngineFault("transfer", self._culprits(futures, deadline))
+            time.sleep(0.001)
+        error: Exception | None = None
+        for work in works:
+            try:
+                work.wait()
+            except Exception as exc:  # a peer died: the engines' answers say which
+                error = exc
+        answers = _failures(futures, wait_until=deadline)
+        if answers or error is not None:
+            raise _EngineFault("transfer", self._culprits(futures, deadline, error))
+
+    def _culprits(self, futures: dict[str, Future], deadline: float, error: Exception | None = None) -> dict[str, str]:
+        """Who is at fault: engines that gave no answer (dead, hung) before engines that answered
+        with an error (the others fail with 'connection closed by peer' when one dies)."""
+        grace = min(deadline, time.monotonic() + 5.0)
+        failures = _failures(futures, wait_until=grace)
+        silent = {i: f"no answer within {self.timeout_secs:.0f}s" for i, f in futures.items() if not f.done()}
+        transport = {i: f.message for i, f in failures.items() if f.transport}
+        if transport or silent:
+            return {**transport, **silent}
+        if failures:
+            return {i: f.message for i, f in failures.items()}
+        return {"rank 0": f"broadcast failed: {error}"}
+
+    def _verify(self, members: tuple[Member, ...], sums: dict[str, str], mode: str) -> None:
+        body = {"action": "checksum", "names": list(sums), "mode": mode}
+        results = self._fanout(members, "verify", Endpoint.WEIGHTS_CHECKER, body)
+        wrong: dict[str, str] = {}
+        for m in members:
+            theirs = results[m.id].get("checksums", {}) if isinstance(results[m.id], dict) else {}
+            bad = [n for n, s in sums.items() if theirs.get(n) != s]
+            if bad:
+                wrong[m.id] = f"checksum differs for {len(bad)} tensor(s), first {bad[0]}"
+        if wrong:
+            raise _EngineFault("verify", wrong)
+
+    # -- fan-outs ----------------------------------------------------------------------------------------
+    def _fanout(self, members: tuple[Member, ...], phase: str, endpoint: Endpoint, body: Any) -> dict[str, Any]:
+        futures = {m.id: self.client.submit("POST", m.url + endpoint.value, body) for m in members}
+        results = {i: f.result() for i, f in futures.items()}
+        failed = {i: str(r) for i, r in results.items() if isinstance(r, CallFailure)}
+        if failed:
+            raise _EngineFault(phase, failed)
+        return results
+
+    def _fanout_quiet(self, targets: Iterable[Member | EngineTarget], endpoint: Endpoint, body: Any) -> list[str]:
+        """Best-effort calls (cleanup); returns the ids that failed."""
+        futures = {t.id: self.client.submit("POST", t.url + endpoint.value, body, timeout_secs=30) for t in targets}
+        return [i for i, f in futures.items() if isinstance(f.result(), CallFailure)]
+
+    # -- from disk -------------------------------------------------------------------------------------------
+    def load_from_disk(self, model_path: str, version: str | None = None) -> PushReport:
+        """``/update_weights_from_disk`` on every engine under the same transaction rules (hold,
+        pause, version set last, release with failures out of rotation). Needs no group."""
+        version = version or f"disk-{next(self._pushes)}"
+        report = PushReport(version=version, load_format="disk")
+        with report.phase("probe"):
+            live, infos = self._probe(report)
+        members = tuple(
+            Member(
+                e,
+                0,
+                infos[e.id].get("startup_time"),
+                str(infos[e.id].get("version", "0")),
+                infos[e.id].get("engine") == "pdctl-sim",
+            )
+            for e in live
+        )
+        txn = _Lease(self) if self.router_url else None
+        try:
+            if txn is not None:
+                with report.phase("hold"):
+                    txn.hold([e.url for e in self.engines], version)
+            try:
+                with report.phase("pause"):
+                    self._fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
+                with report.phase("transfer"):
+                    self._fanout(
+                        members, "load", Endpoint.UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_path)
+                    )
+                with report.phase("version"):
+                    self._fanout(
+                        members, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version)
+                    )
+                with report.phase("continue"):
+                    self._fanout(members, "continue", Endpoint.CONTINUE_GENERATION, {})
+                report.engines = [m.id for m in members]
+            except _EngineFault as fault:
+                for engine, reason in fault.culprits.items():
+                    report.failed[engine] = f"{fault.phase}: {reason}"
+                report.engines = [m.id for m in members if m.id not in report.failed and fault.phase != "load"]
+                for m in members:
+                    if m.id not in report.engines:
+                        report.failed.setdefault(m.id, f"{fault.phase}: not loaded")
+                self._fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
+            if txn is not None:
+                with report.phase("release"):
+                    txn.release(self._complete_urls(report), self._failed_urls(report))
+        except BaseException:
+            if txn is not None:
+                txn.abort(self._failed_urls(report, everyone=True))
+            raise
+        finally:
+            if txn is not None:
+                txn.stop()
+        if report.failed:
+            engine, reason = next(iter(report.failed.items()))
+            raise WeightSyncError(
+                f"loading {model_path} failed on engine {engine} ({reason})",
+                engine=engine,
+                phase=reason.split(":", 1)[0],
+                report=report,
+            )
+        return report
+
+
+class _Lease:
+    """The router side of a push: hold (drain) with a lease renewed while the push runs, then
+    release naming the engines that got the version and those that did not."""
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+        self.txn = f"{os.getpid()}-{time.monotonic_ns()}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
+        url = f"{self.sync.router_url}{path}"
+        return self.sync.client.post(url, body, timeout_secs=timeout)
+
+    def hold(self, engines: list[str], version: str) -> None:
+        body = {
+            "txn": self.txn,
+            "version": version,
+            "engines": engines,
+            "lease_secs": self.sync.lease_secs,
+            "timeout_secs": self.sync.hold_timeout_secs,
+        }
+        result = self._call("/pdctl/hold", body, self.sync.hold_timeout_secs + 10)
+        if isinstance(result, CallFailure) or not result.get("drained", False):
+            self._call("/pdctl/release", {"txn": self.txn}, 30)
+            raise WeightSyncError(
+                f"the router at {self.sync.router_url} did not drain for the push: {result}", phase="hold"
+            )
+        self._thread = threading.Thread(target=self._renew, args=(body,), name="pdctl-weights-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self, body: dict[str, Any]) -> None:
+        while not self._stop.wait(self.sync.lease_secs / 3):
+            result = self._call("/pdctl/hold", {**body, "timeout_secs": 0}, 10)
+            if isinstance(result, CallFailure):
+                log.warning("weights: could not renew the router's hold: %s", result)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def release(self, complete: list[str], failed: dict[str, str]) -> None:
+        self._stop.set()
+        result = self._call("/pdctl/release", {"txn": self.txn, "complete": complete, "failed": failed}, 60)
+        if isinstance(result, CallFailure):
+            raise WeightSyncError(f"the router did not resume after the push: {result}", phase="release")
+
+    def abort(self, failed: dict[str, str]) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._call("/pdctl/release", {"txn": self.txn, "complete": [], "failed": failed}, 30)
+
+
+def _tensor_source(named_tensors: NamedTensors | Callable[[], NamedTensors]) -> tuple[Callable[[], NamedTensors], bool]:
+    """A function returning the pairs, and whether it can be called again (an iterator cannot)."""
+    if callable(named_tensors) and not isinstance(named_tensors, Iterable):
+        return named_tensors, True
+    if isinstance(named_tensors, Iterator):
+        box = [named_tensors]
+
+        def once() -> NamedTensors:
+            if not box:
+                raise WeightSyncError("the tensors were an iterator and were already read; pass a list or a callable")
+            return box.pop()
+
+        return once, False
+    if isinstance(named_tensors, Mapping):
+        return (lambda: named_tensors.items()), True
+    return (lambda: named_tensors), True
+
+
+def _failures(futures: dict[str, Future], wait_until: float | None = None) -> dict[str, CallFailure]:
+    out = {}
+    for engine_id, future in futures.items():
+        if wait_until is not None and not future.done():
+            with contextlib.suppress(Exception):
+                future.result(timeout=max(0.0, wait_until - time.monotonic()))
+        if future.done():
+            result = future.result()
+            if isinstance(result, CallFailure):
+                out[engine_id] = result
+    return out
