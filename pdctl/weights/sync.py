@@ -367,7 +367,8 @@ class WeightSync:
             if time.monotonic() > deadline:
                 waiting = [i for i, f in futures.items() if not f.done()]
                 raise WeightSyncError(
-                    f"the weight group did not form within {self.timeout_secs:.0f}s (waiting for {waiting or 'rank 0'})",
+                    f"the weight group did not form within {self.timeout_secs:.0f}s "
+                    f"(waiting for {waiting or 'rank 0'})",
                     engine=waiting[0] if waiting else None,
                     phase="connect",
                 )
