@@ -599,10 +599,18 @@ class WeightSync:
             load_format="flattened_bucket" if flattened else None,
         )
         tensors = [bucket.flat()] if flattened else list(bucket.tensors)
-        futures = {
-            m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value, body)
-            for m in members
-        }
+        # Connect to every engine before the broadcast starts: gloo relays a broadcast through
+        # other ranks, so one dead engine would leave the live ones waiting inside it.
+        urls = {m.id: m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value for m in members}
+        conns = {i: self.client.pool.submit(self.client.connect, url) for i, url in urls.items()}
+        opened = {i: f.result() for i, f in conns.items()}
+        refused = {i: c.message for i, c in opened.items() if isinstance(c, CallFailure)}
+        if refused:
+            for conn in opened.values():
+                if not isinstance(conn, CallFailure):
+                    conn.close()
+            raise _EngineFault("transfer", refused)
+        futures = {i: self.client.pool.submit(self.client.send, opened[i], urls[i], body) for i in urls}
         assert self._group is not None
         works = [dist.broadcast(t, src=0, group=self._group, async_op=True) for t in tensors]
         self._await(works, futures)

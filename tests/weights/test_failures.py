@@ -1,0 +1,179 @@
+"""Failure rules of a push (pdctl.weights.sync docstring): an engine killed mid-push, a trainer
+killed mid-push, and pushes while requests run through the router."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from pdctl.sim import weights_checksum
+from pdctl.sim.model import PRESETS, TinyLM
+from pdctl.weights import WeightSync, WeightSyncError
+from tests.helpers import SimProcess, free_port, get, post, sse
+from tests.weights.conftest import targets
+
+GREEDY = {"sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+
+
+def model(seed: int) -> TinyLM:
+    return TinyLM(replace(PRESETS["tiny"], seed=seed))
+
+
+def checksums(proc) -> dict:
+    return post(proc.url + "/weights_checker", {"action": "checksum"})[1]["checksums"]
+
+
+def workers(router) -> dict[str, dict]:
+    return {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+def test_engine_killed_mid_push(fleet, tmp_path):
+    procs, router = fleet
+    victim = procs[1]  # the tp-2 prefill: the fleet can still serve with the other prefill
+    trainer = model(seed=21)
+    params = list(trainer.named_parameters())
+    killed = []
+
+    def tensors():  # callable: the push can be redone on the survivors
+        for i, pair in enumerate(params):
+            if i == len(params) // 2 and not killed:
+                os.killpg(victim.proc.pid, signal.SIGKILL)
+                victim.proc.wait()
+                killed.append(True)
+            yield pair
+
+    sync = WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url,
+                      bucket_mb=0.01, timeout_secs=60)
+    try:
+        sync.connect()
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as err:
+            sync.push(tensors, version="seed21")
+        assert time.monotonic() - started < 30
+        assert err.value.engine == "e1" and err.value.phase == "transfer"
+        report = err.value.report
+        assert report.retried and report.engines == ["e0", "e2"] and set(report.failed) == {"e1"}
+        expected = weights_checksum(trainer)
+        assert checksums(procs[0]) == expected and checksums(procs[2]) == expected
+        state = workers(router)
+        assert state[victim.url]["quarantined"] and not state[procs[0].url]["quarantined"]
+        # The fleet serves on the engines holding the complete version.
+        for _ in range(4):
+            status, out = post(router.url + "/generate", {"text": "still up", **GREEDY})
+            assert status == 200 and out["meta_info"]["weight_version"] == "seed21", out
+        # Restart the engine (initial weights): a later push rebuilds the group and takes it back.
+        restarted = SimProcess(tmp_path, *victim.args, port=victim.port, name="restarted").start()
+        procs[1] = restarted
+        report = sync.push(params, version="seed21-again")
+        assert report.engines == ["e0", "e1", "e2"] and not report.failed
+        assert checksums(restarted) == expected
+        wait_for(lambda: not workers(router)[victim.url]["quarantined"])
+    finally:
+        sync.close()
+
+
+def test_trainer_killed_mid_push(fleet, tmp_path):
+    procs, router = fleet
+    marker = tmp_path / "stalled"
+    argv = [sys.executable, "-m", "tests.weights.trainer_main", "--engines", json.dumps(targets(procs)),
+            "--port", str(free_port()), "--router", router.url, "--stall-after", "9", "--marker", str(marker)]
+    log = (tmp_path / "trainer.log").open("w")
+    trainer = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(marker.exists, timeout=60)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        # The lease (3 s) runs out: every engine of the push leaves rotation; the router admits again
+        # and answers at once instead of holding requests.
+        wait_for(lambda: all(w["quarantined"] for w in workers(router).values()), timeout=20)
+        started = time.monotonic()
+        status, out = post(router.url + "/generate", {"text": "anyone?", **GREEDY})
+        assert status == 503 and "out of rotation" in json.dumps(out)
+        assert time.monotonic() - started < 5
+        # A new trainer connects (clearing the dead one's session and group) and pushes.
+        fresh = model(seed=31)
+        with WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(),
+                        router_url=router.url, timeout_secs=60) as sync:
+            report = sync.push(list(fresh.named_parameters()), version="seed31")
+        assert report.engines == ["e0", "e1", "e2"]
+        expected = weights_checksum(fresh)
+        assert all(checksums(p) == expected for p in procs)
+        status, out = post(router.url + "/generate", {"text": "anyone?", **GREEDY})
+        assert status == 200 and out["meta_info"]["weight_version"] == "seed31"
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+
+
+def test_pushes_under_load_fail_no_request(fleet):
+    procs, router = fleet
+    stop = threading.Event()
+    failures: list = []
+    seen: Counter = Counter()
+    outputs: dict = {}
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            prompt = f"load {i % 3}"
+            try:
+                if i % 2:
+                    events = sse(router.url + "/generate", {"text": prompt, "stream": True, **GREEDY})
+                    chunks = [e for e in events if e != "[DONE]"]
+                    if events[-1] != "[DONE]" or any("error" in c for c in chunks):
+                        failures.append(events[-2:])
+                        continue
+                    versions = {c["meta_info"]["weight_version"] for c in chunks}
+                    if len(versions) != 1:
+                        failures.append(("mixed versions in one stream", versions))
+                    result = chunks[-1]
+                else:
+                    status, result = post(router.url + "/generate", {"text": prompt, **GREEDY})
+                    if status != 200:
+                        failures.append((status, result))
+                        continue
+                version = result["meta_info"]["weight_version"]
+                with lock:
+                    seen[version] += 1
+                    # Greedy: one prompt on one version always gives one output.
+                    key = (prompt, version)
+                    if outputs.setdefault(key, result["output_ids"]) != result["output_ids"]:
+                        failures.append(("two outputs for one version", key))
+            except Exception as exc:  # a broken stream or connection is a failure too
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        with WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(),
+                        router_url=router.url, timeout_secs=60) as sync:
+            for seed in (41, 42, 43):
+                time.sleep(1.0)
+                sync.push(list(model(seed).named_parameters()), version=f"load-{seed}")
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not failures, failures[:5]
+    assert {"load-41", "load-42", "load-43"} <= set(seen), seen
+    assert sum(seen.values()) > 30
