@@ -37,6 +37,17 @@ from pdctl.sim.sampling import SamplingOptions, sample
 log = logging.getLogger("pdctl.sim")
 
 
+TOP_LOGPROBS_SENT = 20
+"""Top logprobs a prefill computes for the first token, for a decode that asks (OpenAI's maximum)."""
+
+
+def _top(logps: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    if k <= 0:
+        return []
+    values, ids = torch.topk(logps, min(k, logps.numel()))
+    return list(zip(values.tolist(), ids.tolist(), strict=True))
+
+
 class Mode(str, Enum):
     NORMAL = "normal"
     PREFILL = "prefill"  # PD prefill: run the prompt, publish KV under the room, return 1 token
@@ -52,6 +63,8 @@ class KVPayload:
     first_token: int
     first_logprob: float
     weight_version: str
+    first_top: list[tuple[float, int]] = field(default_factory=list)
+    """The first token's top logprobs (for a decode asked for ``top_logprobs_num``)."""
 
 
 @dataclass(eq=False)
@@ -63,6 +76,7 @@ class Request:
     """Called after each new token and at the end (scheduler or caller thread); must not block."""
     mode: Mode = Mode.NORMAL
     return_logprob: bool = False
+    top_logprobs_num: int = 0
     room: int | None = None
     kv: KVPayload | None = None
     reserved: bool = False
@@ -70,6 +84,7 @@ class Request:
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     retractions: int = 0
@@ -329,6 +344,8 @@ class Engine:
         try:
             if req.mode is Mode.DECODE and req.kv is not None and req.retractions == 0:
                 self.pool.write(req.slot, req.kv.kv)  # type: ignore[arg-type]
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(req.kv.first_top[: req.top_logprobs_num])
                 self._emit_token(req, req.kv.first_token, req.kv.first_logprob)
             else:
                 self._prefill(req)
@@ -356,10 +373,15 @@ class Engine:
                 self._finish(req, {"type": "length", "length": 0})
             return
         token = sample(logits[-1], req.sampling, req.generator)
-        logprob = float(torch.log_softmax(logits[-1], dim=-1)[token])
+        last = torch.log_softmax(logits[-1], dim=-1)
+        logprob = float(last[token])
+        # A decode may be asked for the first token's top logprobs: the prefill always sends some.
+        top = _top(last, max(req.top_logprobs_num, TOP_LOGPROBS_SENT if req.mode is Mode.PREFILL else 0))
+        if req.top_logprobs_num:
+            req.output_top_logprobs.append(top[: req.top_logprobs_num])
         if req.mode is Mode.PREFILL:
             if req.room is not None and self.publish_kv is not None:
-                self.publish_kv(req.room, KVPayload(list(ids), kv, token, logprob, self.weight_version))
+                self.publish_kv(req.room, KVPayload(list(ids), kv, token, logprob, self.weight_version, top))
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             with self._cond:
@@ -376,7 +398,9 @@ class Engine:
         logits = self.model.decode_step(ids, positions, self.pool)
         greedy = torch.argmax(logits, dim=-1).tolist()
         # log_softmax over [B, V] costs as much as a layer; only pay it when someone asked.
-        logps = torch.log_softmax(logits, dim=-1) if any(r.return_logprob for r in batch) else None
+        logps = (
+            torch.log_softmax(logits, dim=-1) if any(r.return_logprob or r.top_logprobs_num for r in batch) else None
+        )
         emit = self._emit_token
         for row, req in enumerate(batch):
             if req.finish is not None:  # aborted meanwhile; reaped next iteration
@@ -385,6 +409,8 @@ class Engine:
             token = (
                 greedy[row] if opts.temperature <= 1e-6 or opts.top_k == 1 else sample(logits[row], opts, req.generator)
             )
+            if req.top_logprobs_num and logps is not None:
+                req.output_top_logprobs.append(_top(logps[row], req.top_logprobs_num))
             emit(req, token, float(logps[row, token]) if logps is not None else 0.0)
 
     def _emit_token(self, req: Request, token: int, logprob: float) -> None:

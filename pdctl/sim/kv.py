@@ -44,6 +44,7 @@ def pack(payload: KVPayload) -> bytes:
             "shape": list(kv.shape),
             "first_token": payload.first_token,
             "first_logprob": payload.first_logprob,
+            "first_top": payload.first_top,
             "weight_version": payload.weight_version,
         }
     ).encode()
@@ -54,7 +55,14 @@ def unpack(data: bytes) -> KVPayload:
     (size,) = struct.unpack("!I", data[:4])
     header = json.loads(data[4 : 4 + size])
     kv = torch.frombuffer(bytearray(data[4 + size :]), dtype=DTYPE).view(*header["shape"])
-    return KVPayload(header["prompt_ids"], kv, header["first_token"], header["first_logprob"], header["weight_version"])
+    return KVPayload(
+        header["prompt_ids"],
+        kv,
+        header["first_token"],
+        header["first_logprob"],
+        header["weight_version"],
+        [tuple(pair) for pair in header.get("first_top", [])],
+    )
 
 
 class KVStore:

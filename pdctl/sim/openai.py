@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -47,9 +48,32 @@ def chat_prompt(messages: Any) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+def _samples(body: dict[str, Any]) -> int:
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SimError("n must be a positive integer")
+    return n
+
+
+def _top_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """None: no logprobs; else how many alternatives per token (completions: ``logprobs: N``;
+    chat: ``logprobs: true`` with ``top_logprobs: N``)."""
+    if chat:
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs") or 0
+    else:
+        if body.get("logprobs") is None or body.get("logprobs") is False:
+            return None
+        top = body.get("logprobs")
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise SimError("top_logprobs must be an integer in [0, 20]")
+    return top
+
+
 def _sampling(body: dict[str, Any], default_max: int | None) -> SamplingOptions:
-    if body.get("n", 1) != 1:
-        raise SimError("n > 1 is not supported by the sim engine")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
     raw: dict[str, Any] = {
         "max_new_tokens": max_tokens,
@@ -99,19 +123,31 @@ class OpenAIRoutes:
             return web.json_response(body, status=404)
         return web.json_response(self._model_card())
 
-    async def _items(self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions) -> list:
-        items = [
-            ItemSpec(
-                None,
-                ids,
-                sampling,
-                bool(body.get("logprobs")),
-                _pick(body.get("bootstrap_host"), i),
-                _pick(body.get("bootstrap_port"), i),
-                _pick(body.get("bootstrap_room"), i),
-            )
-            for i, ids in enumerate(prompts)
-        ]
+    async def _items(
+        self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions, top: int | None
+    ) -> list:
+        # n > 1: each prompt becomes n requests, prompt-major (choice index i * n + j); in PD both
+        # legs expand alike, so sample j uses bootstrap room + j on each side.
+        n = _samples(body)
+        items = []
+        for i, ids in enumerate(prompts):
+            room = _pick(body.get("bootstrap_room"), i)
+            for j in range(n):
+                seeded = sampling
+                if j and sampling.sampling_seed is not None:
+                    seeded = replace(sampling, sampling_seed=sampling.sampling_seed + j)
+                items.append(
+                    ItemSpec(
+                        None,
+                        ids,
+                        seeded,
+                        top is not None,
+                        _pick(body.get("bootstrap_host"), i),
+                        _pick(body.get("bootstrap_port"), i),
+                        room + j if isinstance(room, int) else room,
+                        top_logprobs_num=top or 0,
+                    )
+                )
         return await self.server.submit_items(items)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -119,7 +155,7 @@ class OpenAIRoutes:
             body = await request.json()
             prompts = _prompts(body.get("prompt"))
             sampling = _sampling(body, 16)
-            pairs = await self._items(body, prompts, sampling)
+            pairs = await self._items(body, prompts, sampling, _top_logprobs(body, chat=False))
         except SimError as exc:
             return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
         except (json.JSONDecodeError, AttributeError) as exc:
@@ -130,7 +166,7 @@ class OpenAIRoutes:
         try:
             body = await request.json()
             prompts = [encode(chat_prompt(body.get("messages")))]
-            pairs = await self._items(body, prompts, _sampling(body, None))
+            pairs = await self._items(body, prompts, _sampling(body, None), _top_logprobs(body, chat=True))
         except SimError as exc:
             return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
         except (json.JSONDecodeError, AttributeError) as exc:
@@ -151,7 +187,7 @@ class OpenAIRoutes:
             for index, (req, queue) in enumerate(pairs):
                 async for _ in server.events(req, queue):
                     pass
-                choices.append(_choice(req, index, chat))
+                choices.append(_choice(req, index, chat, body))
             usage = _usage([r for r, _ in pairs])
             obj = "chat.completion" if chat else "text_completion"
             return web.json_response(
@@ -214,20 +250,56 @@ def _matched(req: Request) -> Any:
     return req.finish.get("matched") if req.finish else None
 
 
-def _choice(req: Request, index: int, chat: bool) -> dict[str, Any]:
+def _token_text(token: int) -> str:
+    return decode([token])
+
+
+def _logprobs(req: Request, chat: bool) -> dict[str, Any] | None:
+    """OpenAI's logprobs object for the generated tokens (None when not asked for)."""
+    if not req.return_logprob:
+        return None
+    ids, lps = req.output_ids, req.output_logprobs
+    tops = req.output_top_logprobs if req.top_logprobs_num else [[] for _ in ids]
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": _token_text(tok),
+                    "logprob": lp,
+                    "bytes": [tok] if tok < 256 else None,
+                    "top_logprobs": [
+                        {"token": _token_text(t), "logprob": v, "bytes": [t] if t < 256 else None} for v, t in top
+                    ],
+                }
+                for tok, lp, top in zip(ids, lps, tops, strict=False)
+            ]
+        }
+    offsets, at = [], 0
+    for tok in ids:
+        offsets.append(at)
+        at += len(_token_text(tok))
+    return {
+        "tokens": [_token_text(t) for t in ids],
+        "token_logprobs": list(lps),
+        "top_logprobs": [{_token_text(t): v for v, t in top} for top in tops] if req.top_logprobs_num else None,
+        "text_offset": offsets,
+    }
+
+
+def _choice(req: Request, index: int, chat: bool, body: dict[str, Any] | None = None) -> dict[str, Any]:
     if chat:
         message = {"role": "assistant", "content": req.text(), "reasoning_content": None, "tool_calls": None}
         return {
             "index": index,
             "message": message,
-            "logprobs": None,
+            "logprobs": _logprobs(req, chat=True),
             "finish_reason": _finish_reason(req),
             "matched_stop": _matched(req),
         }
     return {
         "index": index,
         "text": req.text(),
-        "logprobs": None,
+        "logprobs": _logprobs(req, chat=False),
         "finish_reason": _finish_reason(req),
         "matched_stop": _matched(req),
     }

@@ -8,7 +8,7 @@ becomes ``room + i``; scalar host/port are repeated.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdctl.errors import SimError
@@ -28,6 +28,7 @@ class ItemSpec:
     bootstrap_host: str | None
     bootstrap_port: int | None
     bootstrap_room: int | None
+    top_logprobs_num: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,24 +66,34 @@ def parse_generate(body: Any) -> GenerateBody:
     rids = _per_item(body.get("rid"), n, "rid", str)
     hosts = _per_item(body.get("bootstrap_host"), n, "bootstrap_host", str)
     ports = _per_item(body.get("bootstrap_port"), n, "bootstrap_port", int)
+    tops = _per_item(body.get("top_logprobs_num"), n, "top_logprobs_num", int)
     room = body.get("bootstrap_room")
     if isinstance(room, int) and not isinstance(room, bool) and is_batch:
         rooms: list[Any] = [room + i for i in range(n)]
     else:
         rooms = _per_item(room, n, "bootstrap_room", int)
-    items = [
-        ItemSpec(
-            rid=rids[i],
-            input_ids=prompts[i],
-            sampling=SamplingOptions.from_json(sampling[i]),
-            return_logprob=bool(logprob[i]),
-            bootstrap_host=hosts[i],
-            bootstrap_port=ports[i],
-            bootstrap_room=rooms[i],
-        )
-        for i in range(n)
-    ]
-    return GenerateBody(items=items, is_batch=is_batch, stream=bool(body.get("stream", False)))
+    # n > 1 (parallel sampling, GRPO groups): each prompt becomes n requests, prompt-major. In PD
+    # both legs expand alike, so sample j of a prompt uses bootstrap room + j on each side.
+    samples = [int((sampling[i] or {}).get("n") or 1) for i in range(n)]
+    items = []
+    for i in range(n):
+        options = SamplingOptions.from_json(sampling[i])
+        for j in range(samples[i]):
+            if j and options.sampling_seed is not None:
+                options = replace(options, sampling_seed=options.sampling_seed + 1)
+            items.append(
+                ItemSpec(
+                    rid=f"{rids[i]}-{j}" if rids[i] and samples[i] > 1 else rids[i],
+                    input_ids=prompts[i],
+                    sampling=options,
+                    return_logprob=bool(logprob[i]) or bool(tops[i]),
+                    bootstrap_host=hosts[i],
+                    bootstrap_port=ports[i],
+                    bootstrap_room=rooms[i] + j if rooms[i] is not None else None,
+                    top_logprobs_num=int(tops[i] or 0),
+                )
+            )
+    return GenerateBody(items=items, is_batch=is_batch or len(items) > 1, stream=bool(body.get("stream", False)))
 
 
 def _is_token(x: Any) -> bool:
@@ -123,5 +134,9 @@ def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: boo
             [] if pd_decode else [[lp, tok, None] for lp, tok in zip(req.input_logprobs, req.input_ids, strict=False)]
         )
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], ids, strict=True)]
+    if req.top_logprobs_num:
+        # SGLang: per position a list of [logprob, token_id, text]; input positions are not computed here.
+        meta["input_top_logprobs"] = [None] * len(req.input_ids) if not pd_decode else []
+        meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in top] for top in req.output_top_logprobs[:n]]
     text = req.text() if done else decode(ids)
     return {"text": text, "output_ids": ids, "meta_info": meta}

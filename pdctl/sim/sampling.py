@@ -1,7 +1,7 @@
 """Sampling parameters as SGLang accepts them, and the sampler.
 
 Keys are checked strictly like SGLang's ``SamplingParams`` (an unknown key is rejected);
-keys the sim cannot honour (structured output, n > 1, beams) are refused with a clear error
+keys the sim cannot honour (structured output, beams) are refused with a clear error
 instead of being silently ignored.
 """
 
@@ -80,8 +80,9 @@ class SamplingOptions:
         for key in _UNSUPPORTED:
             if raw.get(key) not in (None, [], {}):
                 raise SimError(f"sampling_params.{key} is not supported by the sim engine")
-        if raw.get("n") not in (None, 1):
-            raise SimError("sampling_params.n > 1 is not supported by the sim engine")
+        n = raw.get("n", 1)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SimError("n must be a positive integer")  # the caller expands n > 1 into n requests
         stop = raw.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         opts = cls(

@@ -204,6 +204,7 @@ class SimServer:
                     sampling=item.sampling,
                     emit=emit,
                     return_logprob=item.return_logprob,
+                    top_logprobs_num=item.top_logprobs_num,
                 )
                 await self._resolve_pd(req, item)
                 out.append((req, queue))
