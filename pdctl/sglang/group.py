@@ -9,6 +9,7 @@ so a trainer under torchrun keeps its own.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from torch.distributed.distributed_c10d import (
     _world,
     rendezvous,
 )
+
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def init_custom_process_group(
@@ -37,7 +41,17 @@ def init_custom_process_group(
     """
     timeout = timedelta(seconds=timeout_secs)
     init_method = f"tcp://{_url_host(master_address)}:{master_port}"
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    # Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True makes a tcp:// rendezvous join the
+    # agent's store instead of hosting its own: rank 0 would wait forever (AReaL sets it False).
+    saved = os.environ.get(AGENT_STORE_ENV)
+    os.environ[AGENT_STORE_ENV] = "False"
+    try:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    finally:
+        if saved is None:
+            os.environ.pop(AGENT_STORE_ENV, None)
+        else:
+            os.environ[AGENT_STORE_ENV] = saved
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(

@@ -1,0 +1,127 @@
+"""An RL loop on the sim: group-relative policy gradient (GRPO-style) with weight pushes.
+
+The trainer keeps its own copy of the sim model, samples groups of rollouts per prompt through
+pdctl's router (``n`` samples per prompt), scores them with a toy reward (the share of
+characters in a target set), takes policy-gradient steps, and every ``--push-every`` steps
+pushes its weights into every prefill and decode engine with ``pdctl.weights``. It logs one
+JSON line per step: mean reward, the weight version the rollouts came from, push times.
+
+``pdctl up topologies/rl-sim.yaml`` runs it under torchrun (one CPU rank, gloo group).
+To adapt it to a real model: replace ``TinyLM`` with your policy, ``score`` with your reward,
+``logprobs_of`` with your model's forward; with FSDP2 push ``full_tensors(model, dtype=...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pdctl.sim.model import TinyLM, encode, resolve_model
+from pdctl.weights import WeightSync
+from pdctl.weights.sync import ROUTER_URL_ENV
+
+PROMPTS = ("The cat", "Once upon", "Hello", "RL on CPU")
+TARGET = set("aeiou ")
+
+
+def score(text: str) -> float:
+    """The toy reward: the share of characters that are vowels or spaces."""
+    return sum(ch in TARGET for ch in text) / max(len(text), 1)
+
+
+def rollouts(router_url: str, prompts: Sequence[str], group: int, max_new_tokens: int, seed: int) -> list[dict]:
+    """``group`` samples per prompt through the router (prompt-major), each with output_ids."""
+    body = {
+        "text": list(prompts),
+        "sampling_params": {"n": group, "temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed},
+    }
+    request = urllib.request.Request(
+        router_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def logprobs_of(model: TinyLM, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Sum of log-probabilities of ``output`` after ``prompt`` under ``model`` (differentiable)."""
+    logits, _ = model.prefill(prompt + output)
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logp[torch.arange(len(output)), torch.tensor(output)].sum()
+
+
+def train(sync: WeightSync, router_url: str, model: TinyLM, args: argparse.Namespace, log: Any = None) -> list[dict]:
+    """Run ``args.steps`` steps; returns the per-step records (also written to ``log``)."""
+    model.requires_grad_(True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    records = []
+    prompts = [encode(p) for p in PROMPTS]
+    for step in range(1, args.steps + 1):
+        outs = rollouts(router_url, PROMPTS, args.group, args.max_new_tokens, seed=args.seed * 100_000 + step)
+        rewards = torch.tensor([score(o["text"]) for o in outs], dtype=torch.float64).view(len(PROMPTS), args.group)
+        advantages = (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + 1e-6)
+        loss = torch.zeros((), dtype=torch.float64)
+        for index, out in enumerate(outs):
+            ids = [t for t in out["output_ids"] if t < model.config.vocab_size]
+            if ids:
+                p = index // args.group
+                loss = loss - advantages.view(-1)[index] * logprobs_of(model, prompts[p], ids) / len(outs)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        record: dict[str, Any] = {
+            "step": step,
+            "reward": float(rewards.mean()),
+            "rollout_version": outs[0]["meta_info"]["weight_version"],
+        }
+        if step % args.push_every == 0:
+            report = sync.push([(n, p.detach()) for n, p in model.named_parameters()], version=f"step-{step}")
+            record.update(pushed=report.version, push_seconds=round(report.seconds, 4))
+        records.append(record)
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    return records
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="sim://tiny", help="the engines' --model-path (the trainer starts equal)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt (n)")
+    parser.add_argument("--push-every", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log", default="rewards.jsonl", help="JSON lines, one per step (relative to the run dir)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    model = resolve_model(args.model, "auto", None)
+    router_url = os.environ[ROUTER_URL_ENV]
+    started = time.monotonic()
+    with WeightSync.from_env() as sync, open(args.log, "w") as log:
+        records = train(sync, router_url, model, args, log)
+    first, last = records[:5], records[-5:]
+    print(
+        f"rl_sim: reward {sum(r['reward'] for r in first) / len(first):.3f} -> "
+        f"{sum(r['reward'] for r in last) / len(last):.3f} in {len(records)} steps, {time.monotonic() - started:.1f}s",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()
