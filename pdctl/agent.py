@@ -111,10 +111,15 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         Path(cwd).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **proc["env"]}
+        argv = list(proc["argv"])
+        if proc.get("exit_file"):  # keep the exit status (the trainer's), see pdctl.exitcode
+            exit_file = _expand(proc["exit_file"])
+            Path(exit_file).unlink(missing_ok=True)
+            argv = [sys.executable, "-m", "pdctl.exitcode", exit_file, "--", *argv]
         with open(log_path, "ab", buffering=0) as log:
             log.write(f"\n=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} {proc['id']}: start ===\n".encode())
             child = subprocess.Popen(
-                proc["argv"],
+                argv,
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -181,6 +186,11 @@ def status(req: dict[str, Any]) -> dict[str, Any]:
     for proc in req["processes"]:
         p = _same(proc["pid"], proc["create_time"])
         entry: dict[str, Any] = {"alive": p is not None}
+        if p is None and proc.get("exit_file"):
+            try:
+                entry["exit_code"] = json.loads(Path(_expand(proc["exit_file"])).read_text())["exit_code"]
+            except (OSError, ValueError, KeyError):
+                entry["exit_code"] = None  # killed before it could write (SIGKILL of the group)
         if p is not None:
             entry["uptime_secs"] = time.time() - proc["create_time"]
             entry["rss_mb"] = _safe(lambda p=p: p.memory_info().rss / 2**20)

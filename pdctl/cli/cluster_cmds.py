@@ -118,6 +118,8 @@ def _print_status(result: ClusterStatus) -> None:
         table.add_column(col)
     for p in result.processes:
         alive = "?" if p.alive is None else ("[green]yes[/]" if p.alive else "[red]no[/]")
+        if p.alive is False and p.exit_code is not None:
+            alive = f"[{'green' if p.exit_code == 0 else 'red'}]exited {p.exit_code}[/]"
         health = "-" if p.healthy is None else ("[green]ok[/]" if p.healthy else "[red]failing[/]")
         uptime = f"{p.uptime_secs:.0f}s" if p.uptime_secs is not None else "-"
         ports = " ".join(f"{k}={v}" for k, v in p.ports.items())

@@ -27,6 +27,8 @@ class ProcessStatus:
     uptime_secs: float | None = None
     url: str | None = None
     error: str | None = None
+    exit_code: int | None = None
+    """For a process that has exited and whose status was kept (trainers)."""
 
     @property
     def ok(self) -> bool:
@@ -60,6 +62,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in state.processes.values():
         query: dict[str, Any] = {"id": rec.id, "pid": rec.pid, "create_time": rec.create_time}
+        if rec.exit_file:
+            query["exit_file"] = rec.exit_file
         if rec.url and rec.health_path:
             query["health_url"] = rec.url + ("/readiness" if rec.role == "router" else rec.health_path)
             query["info_url"] = rec.url + ("/workers" if rec.role == "router" else Endpoint.MODEL_INFO.value)
@@ -79,6 +83,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
             ps.alive = entry["alive"]
             ps.healthy = entry.get("healthy")
             ps.uptime_secs = entry.get("uptime_secs")
+            ps.exit_code = entry.get("exit_code")
             info = entry.get("info")
             if isinstance(info, dict):
                 if rec.role == "router":

@@ -39,6 +39,8 @@ class ProcessRecord:
     health_path: str | None = None
     engine_id: str | None = None
     node_rank: int = 0
+    exit_file: str | None = None
+    """Where the process's exit status is written (trainers: ``pdctl.exitcode``)."""
 
 
 @dataclass

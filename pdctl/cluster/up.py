@@ -8,6 +8,7 @@ started (on every node) and raises LifecycleError with the failing process's las
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -22,6 +23,8 @@ from pdctl.plan.planner import run_dir
 from pdctl.topology.model import Role, Topology
 
 LOG_TAIL_LINES = 50
+TRAINER_GRACE_SECS = 3.0
+"""How long ``up`` watches a just-started trainer: an exit with an error in that time fails ``up``."""
 
 
 def up(
@@ -73,6 +76,7 @@ def up(
             _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             trainers = [p for p in plan.processes if p.role is Role.TRAINER]
             _launch(trainers, state, store, nodes, top, events)
+            _watch_trainers(trainers, state, nodes, events)
         except (Exception, KeyboardInterrupt) as exc:
             events("up", "failed; stopping everything that started")
             detail = _failure_detail(exc, state, nodes)
@@ -140,9 +144,10 @@ def _launch(
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
             if spec.role is Role.ROUTER:
                 env.update(secrets)
-            payload.append(
-                {"id": spec.id, "argv": list(spec.argv), "env": env, "cwd": spec.cwd, "log_path": spec.log_path}
-            )
+            entry = {"id": spec.id, "argv": list(spec.argv), "env": env, "cwd": spec.cwd, "log_path": spec.log_path}
+            if spec.role is Role.TRAINER:
+                entry["exit_file"] = _exit_file(spec)
+            payload.append(entry)
             events(spec.id, "starting")
         return ex.agent("spawn", {"processes": payload}, timeout=120)
 
@@ -167,11 +172,41 @@ def _launch(
                 health_path=spec.health_path,
                 engine_id=spec.engine_id,
                 node_rank=spec.node_rank,
+                exit_file=_exit_file(spec) if spec.role is Role.TRAINER else None,
             )
             events(spec.id, f"started pid {info['pid']} on {node}")
     store.save(state)
     if errors:
         raise LifecycleError("launch failed: " + "; ".join(errors))
+
+
+def _exit_file(spec: LaunchSpec) -> str:
+    return spec.log_path + ".exit"
+
+
+def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet, events: Events) -> None:
+    """Fail ``up`` if a trainer exits with an error within TRAINER_GRACE_SECS of its start."""
+    if not specs:
+        return
+    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for spec in specs:
+        rec = state.processes[spec.id]
+        by_node[spec.node].append(
+            {"id": spec.id, "pid": rec.pid, "create_time": rec.create_time, "exit_file": rec.exit_file}
+        )
+    deadline = time.monotonic() + TRAINER_GRACE_SECS
+    while True:
+        results = nodes.each(list(by_node), lambda ex: ex.agent("status", {"processes": by_node[ex.node.name]}))
+        for res in results.values():
+            if isinstance(res, RemoteError):
+                raise res
+            for proc_id, entry in res["processes"].items():
+                code = entry.get("exit_code")
+                if not entry["alive"] and code != 0:
+                    raise ReadinessError(proc_id, f"it exited with code {code} right after launch")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.5)
 
 
 def _secret_env(top: Topology) -> dict[str, str]:

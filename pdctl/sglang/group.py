@@ -21,7 +21,6 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
-
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 

@@ -130,3 +130,40 @@ def test_logs_follow_sees_new_lines(tmp_path) -> None:
     chunks = list(logs("f", "p", lines=2, follow=True, store=store, poll_secs=0.05, stop=stop))
     assert chunks[0].strip().splitlines() == ["two", "three"]
     assert "".join(chunks[1:]) == "four\n"
+
+
+def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_codes(tmp_path) -> None:
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    base = 24500 + os.getpid() % 3000 // 10 * 10
+    crash = {"command": ["python", "-c", "import sys; print('trainer boom'); sys.exit(3)"], "nproc_per_node": 1}
+    topo = local_topology(tmp_path, "crash", base, trainer=crash, nodes=[
+        {"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}])
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 1 and "exited with code" in up.stderr and "trainer" in up.stderr, up.stderr
+    # pdctl's own message comes first (no traceback of pdctl's); the trainer's log tail shows the cause.
+    assert "trainer.me did not become ready: it exited with code 1 right after launch" in up.stderr, up.stderr
+    assert "trainer boom" in up.stderr
+    # Everything that started was stopped: nothing of the cluster is alive.
+    st = pdctl("status", "crash", "--json", env=env)
+    assert all(not p["alive"] for p in json.loads(st.stdout)["processes"]) if st.stdout.strip() else True
+    # A trainer that finishes cleanly: up succeeds; status shows its exit code.
+    done = {"command": ["python", "-c", "print('trained')"], "nproc_per_node": 1}
+    topo = local_topology(tmp_path, "done", base + 20, trainer=done, nodes=[
+        {"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}])
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        import time
+
+        deadline = time.monotonic() + 30
+        while True:
+            procs = json.loads(pdctl("status", "done", "--json", env=env).stdout)["processes"]
+            trainer = next(p for p in procs if p["role"] == "trainer")
+            if not trainer["alive"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert trainer["alive"] is False and trainer["exit_code"] == 0, trainer
+        table = pdctl("status", "done", env=env)
+        assert "exited 0" in table.stdout
+    finally:
+        pdctl("down", "done", env=env)
