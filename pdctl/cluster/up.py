@@ -76,7 +76,7 @@ def up(
             _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             trainers = [p for p in plan.processes if p.role is Role.TRAINER]
             _launch(trainers, state, store, nodes, top, events)
-            _watch_trainers(trainers, state, nodes, events)
+            _watch_trainers(trainers, state, nodes)
         except (Exception, KeyboardInterrupt) as exc:
             events("up", "failed; stopping everything that started")
             detail = _failure_detail(exc, state, nodes)
@@ -184,7 +184,7 @@ def _exit_file(spec: LaunchSpec) -> str:
     return spec.log_path + ".exit"
 
 
-def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet, events: Events) -> None:
+def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet) -> None:
     """Fail ``up`` if a trainer exits with an error within TRAINER_GRACE_SECS of its start."""
     if not specs:
         return

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -19,7 +18,7 @@ from pdctl.errors import SimError
 from pdctl.sglang import Endpoint, openai_error_body
 from pdctl.sim.engine import Request
 from pdctl.sim.model import decode, encode
-from pdctl.sim.requests import ItemSpec
+from pdctl.sim.requests import ItemSpec, parallel_samples
 from pdctl.sim.sampling import SamplingOptions
 
 if TYPE_CHECKING:
@@ -126,28 +125,21 @@ class OpenAIRoutes:
     async def _items(
         self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions, top: int | None
     ) -> list:
-        # n > 1: each prompt becomes n requests, prompt-major (choice index i * n + j); in PD both
-        # legs expand alike, so sample j uses bootstrap room + j on each side.
         n = _samples(body)
         items = []
         for i, ids in enumerate(prompts):
             room = _pick(body.get("bootstrap_room"), i)
-            for j in range(n):
-                seeded = sampling
-                if j and sampling.sampling_seed is not None:
-                    seeded = replace(sampling, sampling_seed=sampling.sampling_seed + j)
-                items.append(
-                    ItemSpec(
-                        None,
-                        ids,
-                        seeded,
-                        top is not None,
-                        _pick(body.get("bootstrap_host"), i),
-                        _pick(body.get("bootstrap_port"), i),
-                        room + j if isinstance(room, int) else room,
-                        top_logprobs_num=top or 0,
-                    )
-                )
+            item = ItemSpec(
+                None,
+                ids,
+                sampling,
+                top is not None,
+                _pick(body.get("bootstrap_host"), i),
+                _pick(body.get("bootstrap_port"), i),
+                room,
+                top_logprobs_num=top or 0,
+            )
+            items.extend(parallel_samples(item, n))
         return await self.server.submit_items(items)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -72,28 +72,40 @@ def parse_generate(body: Any) -> GenerateBody:
         rooms: list[Any] = [room + i for i in range(n)]
     else:
         rooms = _per_item(room, n, "bootstrap_room", int)
-    # n > 1 (parallel sampling, GRPO groups): each prompt becomes n requests, prompt-major. In PD
-    # both legs expand alike, so sample j of a prompt uses bootstrap room + j on each side.
-    samples = [int((sampling[i] or {}).get("n") or 1) for i in range(n)]
     items = []
     for i in range(n):
-        options = SamplingOptions.from_json(sampling[i])
-        for j in range(samples[i]):
-            if j and options.sampling_seed is not None:
-                options = replace(options, sampling_seed=options.sampling_seed + 1)
-            items.append(
-                ItemSpec(
-                    rid=f"{rids[i]}-{j}" if rids[i] and samples[i] > 1 else rids[i],
-                    input_ids=prompts[i],
-                    sampling=options,
-                    return_logprob=bool(logprob[i]) or bool(tops[i]),
-                    bootstrap_host=hosts[i],
-                    bootstrap_port=ports[i],
-                    bootstrap_room=rooms[i] + j if rooms[i] is not None else None,
-                    top_logprobs_num=int(tops[i] or 0),
-                )
-            )
+        raw = sampling[i] or {}
+        item = ItemSpec(
+            rid=rids[i],
+            input_ids=prompts[i],
+            sampling=SamplingOptions.from_json(sampling[i]),
+            return_logprob=bool(logprob[i]) or bool(tops[i]),
+            bootstrap_host=hosts[i],
+            bootstrap_port=ports[i],
+            bootstrap_room=rooms[i],
+            top_logprobs_num=int(tops[i] or 0),
+        )
+        items.extend(parallel_samples(item, int(raw.get("n") or 1)))
     return GenerateBody(items=items, is_batch=is_batch or len(items) > 1, stream=bool(body.get("stream", False)))
+
+
+def parallel_samples(item: ItemSpec, n: int) -> list[ItemSpec]:
+    """``n`` > 1 (parallel sampling, GRPO groups): n requests for one prompt, prompt-major. Sample
+    j uses bootstrap room + j (both PD legs expand alike, so they meet) and sampling seed + j."""
+    if n == 1:
+        return [item]
+    out = []
+    for j in range(n):
+        seed = item.sampling.sampling_seed
+        out.append(
+            replace(
+                item,
+                rid=f"{item.rid}-{j}" if item.rid else None,
+                sampling=replace(item.sampling, sampling_seed=seed + j) if seed is not None else item.sampling,
+                bootstrap_room=item.bootstrap_room + j if item.bootstrap_room is not None else None,
+            )
+        )
+    return out
 
 
 def _is_token(x: Any) -> bool:

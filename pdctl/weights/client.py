@@ -56,10 +56,7 @@ class JsonClient:
         except (TimeoutError, urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             return CallFailure(url, f"no answer from {url}: {reason}", transport=True)
-        parsed = _parse(raw)
-        if status >= 400 or (isinstance(parsed, dict) and parsed.get("success") is False):
-            return CallFailure(url, f"{url} answered: {_message(parsed)}", transport=False, status=status)
-        return parsed
+        return _answer(url, raw, status)
 
     def post(self, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
         return self.call("POST", url, body if body is not None else {}, timeout_secs)
@@ -90,16 +87,21 @@ class JsonClient:
             return CallFailure(url, f"no answer from {url}: {exc}", transport=True)
         finally:
             conn.close()
-        parsed = _parse(raw)
-        if status >= 400 or (isinstance(parsed, dict) and parsed.get("success") is False):
-            return CallFailure(url, f"{url} answered: {_message(parsed)}", transport=False, status=status)
-        return parsed
+        return _answer(url, raw, status)
 
     def submit(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Future:
         return self.pool.submit(self.call, method, url, body, timeout_secs)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _answer(url: str, raw: bytes, status: int) -> Any:
+    """The parsed body of a successful answer, else a CallFailure with the engine's message."""
+    parsed = _parse(raw)
+    if status >= 400 or (isinstance(parsed, dict) and parsed.get("success") is False):
+        return CallFailure(url, f"{url} answered: {_message(parsed)}", transport=False, status=status)
+    return parsed
 
 
 def _parse(raw: bytes) -> Any:
