@@ -274,6 +274,9 @@ class RouterServer:
         """
         assert self.session is not None
         body = await _json_or_empty(request)
+        txn = body.get("txn")
+        if txn is not None and self._txn is not None and str(txn) != self._txn:
+            return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
         for url in body.get("complete", []) or []:
             self.registry.set_quarantine(str(url), None)
         failed = body.get("failed") or {}

@@ -104,9 +104,12 @@ class Member:
 
     target: EngineTarget
     rank_offset: int
-    startup_time: Any
     sglang_version: str
     is_sim: bool
+
+    @classmethod
+    def of(cls, target: EngineTarget, rank_offset: int, server_info: dict[str, Any]) -> Member:
+        return cls(target, rank_offset, str(server_info.get("version", "0")), server_info.get("engine") == "pdctl-sim")
 
     @property
     def id(self) -> str:
@@ -191,6 +194,7 @@ class WeightSync:
         self._members: tuple[Member, ...] = ()
         self._abandoned: list[Any] = []  # groups and works left pending by a failure; kept alive on purpose
         self._active_name = group_name
+        self._signature_now: tuple = ()
         self._pending: list[Any] = []  # the last bucket's broadcasts, if a failure left them unfinished
         self._pushes = itertools.count(1)
 
@@ -288,29 +292,14 @@ class WeightSync:
 
     def _build(self, live: list[EngineTarget], infos: dict[str, dict[str, Any]]) -> None:
         """(Re)build the group over ``live``: engines' init calls run while rank 0 rendezvouses."""
-        if self._members:
-            self._fanout_quiet(
-                self._members,
-                Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
-                destroy_weights_update_group_body(self._active_name),
-            )
         self._drop_group()
-        # Whatever an earlier trainer left open: a session (it died mid-push), its group.
+        # This trainer's old group, or whatever an earlier trainer left open: a session (it died mid-push), its group.
         self._fanout_quiet(live, Endpoint.END_WEIGHT_UPDATE, {})
         for stale in {self.group_name, self._active_name}:
             self._fanout_quiet(live, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, destroy_weights_update_group_body(stale))
         members, offset = [], 1
         for engine in live:
-            info = infos[engine.id]
-            members.append(
-                Member(
-                    engine,
-                    offset,
-                    info.get("startup_time"),
-                    str(info.get("version", "0")),
-                    info.get("engine") == "pdctl-sim",
-                )
-            )
+            members.append(Member.of(engine, offset, infos[engine.id]))
             offset += engine.gpus
         world_size = offset
         port = self._rendezvous_port()
@@ -437,39 +426,12 @@ class WeightSync:
                     exc.report = report
                     raise
         members = self._members
-        txn = _Lease(self) if self.router_url else None
-        try:
-            if txn is not None:
-                with report.phase("hold"):
-                    txn.hold([e.url for e in self.engines], version)
+        with self._held(report):
             try:
                 self._transaction(members, source, version, report)
             except _EngineFault as fault:
                 self._recover(fault, members, source if reusable else None, version, report)
-            if txn is not None:
-                with report.phase("release"):
-                    txn.release(self._complete_urls(report), self._failed_urls(report))
-        except BaseException:
-            if txn is not None:
-                txn.abort(self._failed_urls(report, everyone=True))
-            raise
-        finally:
-            if txn is not None:
-                txn.stop()
-        if report.failed:
-            engine, reason = next(iter(report.failed.items()))
-            raise WeightSyncError(
-                f"weight push {version} failed on engine {engine} ({reason}); "
-                + (
-                    f"engines {', '.join(report.engines)} hold it completely"
-                    if report.engines
-                    else "no engine holds it"
-                )
-                + "; engines without it are out of the router's rotation until a later push reaches them",
-                engine=engine,
-                phase=reason.split(":", 1)[0],
-                report=report,
-            )
+        self._raise_if_failed(report, f"weight push {version}")
         log.info(
             "weights %s: pushed %.1f MB in %d buckets to %d engines in %.3fs (transfer %.3fs)",
             version,
@@ -480,6 +442,40 @@ class WeightSync:
             report.phases.get("transfer", 0.0),
         )
         return report
+
+    @contextlib.contextmanager
+    def _held(self, report: PushReport) -> Iterator[None]:
+        """The router's side of a transaction: hold (drain, a lease renewed meanwhile), then release
+        naming the engines that hold ``report.version`` and those that do not. If the body raises,
+        every engine not known to hold it leaves rotation. Without a router, just the body."""
+        if not self.router_url:
+            yield
+            return
+        lease = _Lease(self)
+        with report.phase("hold"):
+            lease.hold([e.url for e in self.engines], report.version)  # a hold that fails touched nothing
+        try:
+            yield
+            with report.phase("release"):
+                lease.release(self._complete_urls(report), self._failed_urls(report))
+        except BaseException:
+            lease.abort(self._failed_urls(report, everyone=True))
+            raise
+        finally:
+            lease.stop()
+
+    def _raise_if_failed(self, report: PushReport, what: str) -> None:
+        if not report.failed:
+            return
+        engine, reason = next(iter(report.failed.items()))
+        holders = f"engines {', '.join(report.engines)} hold it completely" if report.engines else "no engine holds it"
+        raise WeightSyncError(
+            f"{what} failed on engine {engine} ({reason}); {holders}; engines without it are out of the router's "
+            "rotation until a later push reaches them",
+            engine=engine,
+            phase=reason.split(":", 1)[0],
+            report=report,
+        )
 
     def _complete_urls(self, report: PushReport) -> list[str]:
         by_id = {e.id: e.url for e in self.engines}
@@ -691,21 +687,8 @@ class WeightSync:
         report = PushReport(version=version, load_format="disk")
         with report.phase("probe"):
             live, infos = self._probe(report)
-        members = tuple(
-            Member(
-                e,
-                0,
-                infos[e.id].get("startup_time"),
-                str(infos[e.id].get("version", "0")),
-                infos[e.id].get("engine") == "pdctl-sim",
-            )
-            for e in live
-        )
-        txn = _Lease(self) if self.router_url else None
-        try:
-            if txn is not None:
-                with report.phase("hold"):
-                    txn.hold([e.url for e in self.engines], version)
+        members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
+        with self._held(report):
             try:
                 with report.phase("pause"):
                     self._fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
@@ -728,24 +711,7 @@ class WeightSync:
                     if m.id not in report.engines:
                         report.failed.setdefault(m.id, f"{fault.phase}: not loaded")
                 self._fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
-            if txn is not None:
-                with report.phase("release"):
-                    txn.release(self._complete_urls(report), self._failed_urls(report))
-        except BaseException:
-            if txn is not None:
-                txn.abort(self._failed_urls(report, everyone=True))
-            raise
-        finally:
-            if txn is not None:
-                txn.stop()
-        if report.failed:
-            engine, reason = next(iter(report.failed.items()))
-            raise WeightSyncError(
-                f"loading {model_path} failed on engine {engine} ({reason})",
-                engine=engine,
-                phase=reason.split(":", 1)[0],
-                report=report,
-            )
+        self._raise_if_failed(report, f"loading {model_path}")
         return report
 
 
@@ -773,7 +739,8 @@ class _Lease:
         }
         result = self._call("/pdctl/hold", body, self.sync.hold_timeout_secs + 10)
         if isinstance(result, CallFailure) or not result.get("drained", False):
-            self._call("/pdctl/release", {"txn": self.txn}, 30)
+            if not (isinstance(result, CallFailure) and result.status == 409):  # 409: another push holds it
+                self._call("/pdctl/release", {"txn": self.txn}, 30)
             raise WeightSyncError(
                 f"the router at {self.sync.router_url} did not drain for the push: {result}", phase="hold"
             )

@@ -76,3 +76,24 @@ def test_a_wrong_tensor_is_refused_and_named(fleet):
     assert not any(w["quarantined"] for w in workers)
     status, _ = post(router.url + "/generate", {"text": "ok", **GREEDY})
     assert status == 200
+
+
+def test_a_push_that_cannot_hold_the_router_touches_nothing(fleet):
+    procs, router = fleet
+    # Another weight push holds the router: this one is refused at hold and changes nothing.
+    status, _ = post(router.url + "/pdctl/hold", {"txn": "someone-else", "engines": [], "lease_secs": 60})
+    assert status == 200
+    try:
+        with sync_for(procs, router) as sync, pytest.raises(WeightSyncError) as err:
+            sync.push(list(model(seed=5).named_parameters()), version="refused")
+        assert err.value.phase == "hold" and "holds the router" in str(err.value)
+        # The other push still holds the router: neither the refused push nor a stray release lifted it.
+        assert post(router.url + "/pdctl/release", {"txn": "a-third"})[0] == 409
+        assert post(router.url + "/pdctl/hold", {"txn": "a-third", "engines": []})[0] == 409
+    finally:
+        post(router.url + "/pdctl/release", {"txn": "someone-else"})
+    workers = get(router.url + "/workers")[1]["workers"]
+    assert not any(w["quarantined"] for w in workers)
+    assert all(w["weight_version"] != "refused" for w in workers)
+    status, _ = post(router.url + "/generate", {"text": "ok", **GREEDY})
+    assert status == 200
