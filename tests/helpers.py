@@ -9,11 +9,27 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def triton_stub() -> Iterator[None]:
+    """SGLang imports triton at import time; on CPU an empty stub suffices for its parser. The
+    stub is removed afterwards: torch (torch._dynamo, imported by torch.optim) takes any triton in
+    sys.modules for the real one and fails on the stub."""
+    added = "triton" not in sys.modules
+    if added:
+        sys.modules["triton"] = types.ModuleType("triton")
+    try:
+        yield
+    finally:
+        if added:
+            sys.modules.pop("triton", None)
 
 
 def free_port() -> int:

@@ -7,13 +7,11 @@ import http.client
 import json
 import os
 import signal
-import sys
 import time
-import types
 
 import pytest
 
-from tests.helpers import NullEngine, RouterProcess, SimProcess, get, pd_router_args, post, sims
+from tests.helpers import NullEngine, RouterProcess, SimProcess, get, pd_router_args, post, sims, triton_stub
 
 
 def greedy(text, n=8):
@@ -129,9 +127,9 @@ def test_client_disconnect_cancels_both_legs(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def contract_check():
-    sys.modules.setdefault("triton", types.ModuleType("triton"))
-    api = pytest.importorskip("sglang.srt.entrypoints.api_contract", reason="sglang not installed")
-    return api.generate_contract_error
+    with triton_stub():
+        api = pytest.importorskip("sglang.srt.entrypoints.api_contract", reason="sglang not installed")
+        yield api.generate_contract_error
 
 
 def test_every_body_sent_to_engines_passes_sglangs_contract(tmp_path, contract_check) -> None:

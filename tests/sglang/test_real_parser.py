@@ -4,8 +4,7 @@ and the committed flag table matches that parser. Install per sglang-protocol.md
 from __future__ import annotations
 
 import argparse
-import sys
-import types
+from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -16,18 +15,19 @@ from pdctl.plan import make_plan
 from pdctl.sglang import server_flags
 from pdctl.topology import load_topology, load_topology_text
 from tests.conftest import TOPOLOGIES
+from tests.helpers import triton_stub
 from tests.plan.test_properties import topologies
 
 pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
-def parser() -> argparse.ArgumentParser:
-    sys.modules.setdefault("triton", types.ModuleType("triton"))  # sglang imports it; a stub suffices
-    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang not installed (see README)")
-    p = argparse.ArgumentParser(exit_on_error=False)
-    server_args.ServerArgs.add_cli_args(p)
-    return p
+def parser() -> Iterator[argparse.ArgumentParser]:
+    with triton_stub():
+        server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang not installed (see README)")
+        p = argparse.ArgumentParser(exit_on_error=False)
+        server_args.ServerArgs.add_cli_args(p)
+        yield p
 
 
 def full_names(p: argparse.ArgumentParser) -> set[str]:
