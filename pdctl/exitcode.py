@@ -20,10 +20,15 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pdctl.exitcode FILE -- ARGV...", file=sys.stderr)
         return 2
     path, command = argv[0], argv[2:]
-    child = subprocess.Popen(command)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-    code = child.wait()
+    try:
+        child = subprocess.Popen(command)
+    except OSError as exc:  # as a shell does: 127 for a program that cannot be run
+        print(f"pdctl.exitcode: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+        code = 127
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+        code = child.wait()
     tmp = f"{path}.tmp"
     with open(tmp, "w") as out:
         json.dump({"exit_code": code}, out)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdctl.errors import PdctlError
 from pdctl.sim.model import TinyLM, encode, resolve_model
 from pdctl.weights import WeightSync
 from pdctl.weights.sync import ROUTER_URL_ENV
@@ -110,11 +111,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    model = resolve_model(args.model, "auto", None)
-    router_url = os.environ[ROUTER_URL_ENV]
-    started = time.monotonic()
-    with WeightSync.from_env() as sync, open(args.log, "w") as log:
-        records = train(sync, router_url, model, args, log)
+    router_url = os.environ.get(ROUTER_URL_ENV)
+    if not router_url:
+        sys.exit(f"rl_sim: ${ROUTER_URL_ENV} is not set; run it with `pdctl up topologies/rl-sim.yaml`")
+    try:
+        model = resolve_model(args.model, "auto", None)
+        started = time.monotonic()
+        with WeightSync.from_env() as sync, open(args.log, "w") as log:
+            records = train(sync, router_url, model, args, log)
+    except PdctlError as exc:  # a weight push or the model path failed: one line, not a traceback
+        sys.exit(f"rl_sim: {exc}")
     first, last = records[:5], records[-5:]
     print(
         f"rl_sim: reward {sum(r['reward'] for r in first) / len(first):.3f} -> "
