@@ -142,7 +142,7 @@ def _launch(
         payload = []
         for spec in by_node[ex.node.name]:
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
-            if spec.role is Role.ROUTER:
+            if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router
                 env.update(secrets)
             entry = {"id": spec.id, "argv": list(spec.argv), "env": env, "cwd": spec.cwd, "log_path": spec.log_path}
             if spec.role is Role.TRAINER:
@@ -210,7 +210,8 @@ def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet
 
 
 def _secret_env(top: Topology) -> dict[str, str]:
-    """The router's API key, read from the control machine's environment; never logged or saved."""
+    """The router's API key, read from the control machine's environment; never logged or saved.
+    The router and the trainer get it (``PDCTL_API_KEY_ENV`` names it for ``WeightSync.from_env``)."""
     name = top.router.api_key_env
     if not name:
         return {}

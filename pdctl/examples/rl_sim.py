@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from pdctl.errors import PdctlError
 from pdctl.sim.model import TinyLM, encode, resolve_model
 from pdctl.weights import WeightSync
-from pdctl.weights.sync import ROUTER_URL_ENV
+from pdctl.weights.sync import API_KEY_ENV_ENV, ROUTER_URL_ENV
 
 PROMPTS = ("The cat", "Once upon", "Hello", "RL on CPU")
 TARGET = set("aeiou ")
@@ -45,11 +46,22 @@ def rollouts(router_url: str, prompts: Sequence[str], group: int, max_new_tokens
         "text": list(prompts),
         "sampling_params": {"n": group, "temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed},
     }
-    request = urllib.request.Request(
-        router_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return json.loads(resp.read())
+    headers = {"Content-Type": "application/json"}
+    key_env = os.environ.get(API_KEY_ENV_ENV)  # the router's key, when the topology sets router.api_key_env
+    if key_env and os.environ.get(key_env):
+        headers["Authorization"] = f"Bearer {os.environ[key_env]}"
+    request = urllib.request.Request(router_url + "/generate", data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise RolloutError(f"the router answered {exc.code}: {exc.read()[:300]!r}") from exc
+    except OSError as exc:
+        raise RolloutError(f"the router at {router_url} did not answer: {exc}") from exc
+
+
+class RolloutError(PdctlError):
+    """Rollouts could not be sampled through the router."""
 
 
 def logprobs_of(model: TinyLM, prompt: list[int], output: list[int]) -> torch.Tensor:

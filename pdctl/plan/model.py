@@ -148,6 +148,8 @@ class Plan:
     router_id: str
     weight_group: WeightGroup | None
     warnings: tuple[Issue, ...] = ()
+    api_key_env: str | None = None
+    """The variable holding the router's API key on the control machine (the name only; never the key)."""
 
     def process(self, process_id: str) -> LaunchSpec:
         for spec in self.processes:
@@ -168,7 +170,7 @@ class Plan:
         return {
             "name": self.name,
             "engine": self.engine,
-            "router": {"id": self.router_id, "url": self.router.url},
+            "router": {"id": self.router_id, "url": self.router.url, "api_key_env": self.api_key_env},
             "processes": [p.to_dict() for p in self.processes],
             "engines": [e.to_dict() for e in self.engines],
             "weight_group": self.weight_group.to_dict(self.engines) if self.weight_group else None,

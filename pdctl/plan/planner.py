@@ -100,6 +100,7 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
         router_id=router_id,
         weight_group=weight_group,
         warnings=tuple(warnings),
+        api_key_env=top.router.api_key_env,
     )
 
 
@@ -249,6 +250,8 @@ def _plan_trainer(
         "PDCTL_ROUTER_URL": router_url,
         "PDCTL_ENGINES": compact_json([{"id": e.id, "url": e.url, "role": e.role.value} for e in engines]),
     }
+    if top.router.api_key_env:  # the name; `up` puts the key itself in the trainer's env at launch
+        shared_env["PDCTL_API_KEY_ENV"] = top.router.api_key_env
     if weight_group is not None:
         shared_env["PDCTL_WEIGHT_GROUP"] = compact_json(weight_group.to_dict(tuple(engines)))
         shared_env.update(WEIGHT_ENV)

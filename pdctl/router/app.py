@@ -54,6 +54,7 @@ class RouterServer:
         self._txn: str | None = None  # the weight push holding the router, if it said which
         self._txn_engines: list[str] = []
         self._lease: asyncio.TimerHandle | None = None
+        self._last_push: dict[str, Any] | None = None  # the latest weight transaction, for `pdctl weights status`
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
@@ -131,6 +132,7 @@ class RouterServer:
         r.add("POST", "/pdctl/hold", self.hold)
         r.add("POST", "/pdctl/release", self.release)
         r.add("POST", "/pdctl/refresh", self.refresh)
+        r.add("GET", "/pdctl/weights", self.weights_state)
         return r
 
     async def handle(self, request: Request) -> Reply:
@@ -241,13 +243,22 @@ class RouterServer:
                 return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
             self._txn = txn
             self._txn_engines = [str(u).rstrip("/") for u in body.get("engines", [])]
+            if self._last_push is None or self._last_push.get("txn") != txn:
+                self._last_push = {
+                    "txn": txn,
+                    "version": body.get("version"),
+                    "state": "pushing",
+                    "group": body.get("group"),
+                    "started_at": time.time(),
+                }
             lease = float(body.get("lease_secs", 60))
             if self._lease is not None:
                 self._lease.cancel()
             self._lease = asyncio.get_running_loop().call_later(lease, self._lease_expired, txn, lease)
         if self._open.is_set():
-            log.info("held for a weight update%s; draining %d in-flight request(s)",
-                     f" ({txn})" if txn else "", self._active)
+            log.info(
+                "held for a weight update%s; draining %d in-flight request(s)", f" ({txn})" if txn else "", self._active
+            )
         self._open.clear()
         try:
             await asyncio.wait_for(self._idle.wait(), max(timeout, 0.001))
@@ -258,11 +269,17 @@ class RouterServer:
     def _lease_expired(self, txn: str, lease: float) -> None:
         if self._txn != txn:
             return
-        log.error("weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
-                  "rotation until a later push reaches them; admitting requests again", txn, lease,
-                  len(self._txn_engines))
+        log.error(
+            "weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
+            "rotation until a later push reaches them; admitting requests again",
+            txn,
+            lease,
+            len(self._txn_engines),
+        )
         for url in self._txn_engines:
             self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
+        if self._last_push is not None and self._last_push.get("txn") == txn:
+            self._last_push.update(state="abandoned (lease expired)", ended_at=time.time())
         self._txn, self._txn_engines, self._lease = None, [], None
         self._open.set()
 
@@ -285,10 +302,33 @@ class RouterServer:
                 self.registry.set_quarantine(str(url), str(reason))
         if self._lease is not None:
             self._lease.cancel()
+        if self._last_push is not None and txn is not None and self._last_push.get("txn") == str(txn):
+            complete = [str(u) for u in body.get("complete", []) or []]
+            self._last_push.update(
+                state="failed" if failed or not complete else "complete",
+                complete=complete,
+                failed=failed if isinstance(failed, dict) else {},
+                ended_at=time.time(),
+            )
         self._txn, self._txn_engines, self._lease = None, [], None
         await self.registry.check_all(self.session)
         self._open.set()
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
+
+    async def weights_state(self, _: Request) -> Reply:
+        """The latest weight transaction (group, version, outcome) and each worker's version."""
+        workers = [
+            {k: w.to_dict()[k] for k in ("url", "worker_type", "is_healthy", "weight_version", "quarantined")}
+            for w in self.registry.workers.values()
+        ]
+        return json_reply(
+            {
+                "held": self._txn is not None,
+                "last_push": self._last_push,
+                "workers": workers,
+                "quarantine": dict(self.registry.quarantine),
+            }
+        )
 
     async def refresh(self, request: Request) -> Reply:
         assert self.session is not None

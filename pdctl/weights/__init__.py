@@ -6,13 +6,32 @@
     report = sync.push(named_tensors, version="step-12")
     sync.close()
 
-See ``pdctl.weights.sync`` for the transaction and its failure rules, and ``full_tensors`` for
-FSDP2 models.
+See ``pdctl.weights.sync`` for the transaction and its failure rules, ``full_tensors`` for
+FSDP2 models, and ``pdctl.weights.fleet`` for the torch-free part (engines, router, loads from
+disk) that the control machine uses. ``WeightSync`` and ``full_tensors`` import torch on first
+use, so ``pdctl.weights.fleet`` works where torch is not installed.
 """
 
-from pdctl.errors import WeightSyncError
-from pdctl.weights.fsdp import full_tensors
-from pdctl.weights.report import PushReport
-from pdctl.weights.sync import EngineTarget, WeightSync
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["EngineTarget", "PushReport", "WeightSync", "WeightSyncError", "full_tensors"]
+from pdctl.errors import WeightSyncError
+from pdctl.weights.fleet import EngineTarget, Fleet
+from pdctl.weights.report import PushReport
+
+if TYPE_CHECKING:
+    from pdctl.weights.fsdp import full_tensors
+    from pdctl.weights.sync import WeightSync
+
+__all__ = ["EngineTarget", "Fleet", "PushReport", "WeightSync", "WeightSyncError", "full_tensors"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WeightSync":
+        from pdctl.weights.sync import WeightSync
+
+        return WeightSync
+    if name == "full_tensors":
+        from pdctl.weights.fsdp import full_tensors
+
+        return full_tensors
+    raise AttributeError(f"module 'pdctl.weights' has no attribute {name!r}")

@@ -21,6 +21,8 @@ class PushReport:
     ``engines``: ids that hold ``version`` completely (checked by ``verify`` unless it is off);
     ``failed``: id -> ``phase: reason`` for engines left without it (out of the router's rotation);
     ``skipped``: ids that did not answer before the push began (also out of rotation);
+    ``refused``: id -> reason for engines that refused a load from disk and kept their previous
+    weights and version (SGLang rolls back; they stay in rotation, on the old version);
     ``phases``: seconds per phase (a retry on the surviving engines adds to the same phases);
     ``pushed``: False on trainer ranks other than 0, which send nothing.
     """
@@ -30,6 +32,7 @@ class PushReport:
     engines: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0

@@ -43,7 +43,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,12 +58,12 @@ from pdctl.sglang import (
     supports_flattened_bucket,
     supports_weight_update_session,
     update_weight_version_body,
-    update_weights_from_disk_body,
     update_weights_from_distributed_body,
 )
 from pdctl.sglang.group import init_custom_process_group
 from pdctl.weights.buckets import Bucket, buckets, tensor_checksum
-from pdctl.weights.client import CallFailure, JsonClient
+from pdctl.weights.client import CallFailure
+from pdctl.weights.fleet import EngineFault, EngineTarget, Fleet, Member, failures
 from pdctl.weights.report import PushReport
 
 log = logging.getLogger("pdctl.weights")
@@ -75,58 +74,6 @@ API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
 """Names the variable holding the router's (and engines') API key; the key itself is never in the plan."""
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class EngineTarget:
-    """One engine as the trainer sees it: its HTTP entrypoint and how many ranks it takes (its GPUs)."""
-
-    id: str
-    url: str
-    gpus: int = 1
-
-    @classmethod
-    def coerce(cls, value: EngineTarget | Mapping[str, Any] | str, index: int) -> EngineTarget:
-        if isinstance(value, EngineTarget):
-            return value
-        if isinstance(value, str):
-            return cls(id=f"engine-{index}", url=value.rstrip("/"))
-        return cls(
-            id=str(value.get("id") or f"engine-{index}"),
-            url=str(value["url"]).rstrip("/"),
-            gpus=int(value.get("gpus") or value.get("tp") or 1),
-        )
-
-
-@dataclass(frozen=True)
-class Member:
-    """An engine in the current group."""
-
-    target: EngineTarget
-    rank_offset: int
-    sglang_version: str
-    is_sim: bool
-
-    @classmethod
-    def of(cls, target: EngineTarget, rank_offset: int, server_info: dict[str, Any]) -> Member:
-        return cls(target, rank_offset, str(server_info.get("version", "0")), server_info.get("engine") == "pdctl-sim")
-
-    @property
-    def id(self) -> str:
-        return self.target.id
-
-    @property
-    def url(self) -> str:
-        return self.target.url
-
-
-class _EngineFault(Exception):
-    """Inside a push: these engines failed in this phase (id -> reason)."""
-
-    def __init__(self, phase: str, culprits: dict[str, str]):
-        super().__init__(f"{phase}: {culprits}")
-        self.phase = phase
-        self.culprits = culprits
 
 
 class WeightSync:
@@ -166,30 +113,31 @@ class WeightSync:
         hold_timeout_secs: float = 300.0,
         rank: int | None = None,
     ):
-        self.engines = tuple(EngineTarget.coerce(e, i) for i, e in enumerate(engines))
-        if len({e.url for e in self.engines}) != len(self.engines):
-            raise WeightSyncError("an engine URL is listed twice")
         if verify not in ("auto", "sample", "full", "off"):
             raise WeightSyncError(f"verify must be auto, sample, full or off, not {verify!r}")
         if load_format not in ("auto", "flattened_bucket", "names"):
             raise WeightSyncError(f"load_format must be auto, flattened_bucket or names, not {load_format!r}")
-        if pause_mode not in ("retract", "abort", "in_place"):
-            raise WeightSyncError(f"pause_mode must be retract, abort or in_place, not {pause_mode!r}")
+        self.fleet = Fleet(
+            engines,
+            router_url=router_url,
+            api_key=api_key,
+            timeout_secs=timeout_secs,
+            pause_mode=pause_mode,
+            lease_secs=lease_secs,
+            hold_timeout_secs=hold_timeout_secs,
+        )
+        self.engines = self.fleet.engines
+        self.client = self.fleet.client
         self.master_address = master_address
         self.master_port = int(master_port)
         self.backend = backend
-        self.router_url = router_url.rstrip("/") if router_url else None
         self.group_name = group_name
         self.bucket_bytes = max(1, int(bucket_mb * MIB))
         self.timeout_secs = timeout_secs
-        self.pause_mode = pause_mode
         self.verify = verify
         self.load_format = load_format
         self.recover = recover
-        self.lease_secs = lease_secs
-        self.hold_timeout_secs = hold_timeout_secs
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
         self._group: dist.ProcessGroup | None = None
         self._members: tuple[Member, ...] = ()
         self._abandoned: list[Any] = []  # groups and works left pending by a failure; kept alive on purpose
@@ -255,37 +203,20 @@ class WeightSync:
         if not self.is_pusher:
             return self
         report = PushReport(version="connect")
-        live, infos = self._probe(report)
+        live, infos = self.fleet.probe(report)
         self._build(live, infos)
         return self
 
     def close(self) -> None:
         """Destroy the group on the engines and here. Idempotent; rank 0 only does anything."""
         if self.is_pusher and self._members:
-            self._fanout_quiet(
+            self.fleet.fanout_quiet(
                 self._members,
                 Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
                 destroy_weights_update_group_body(self._active_name),
             )
         self._drop_group()
-        self.client.close()
-
-    def _probe(self, report: PushReport) -> tuple[list[EngineTarget], dict[str, dict[str, Any]]]:
-        futures = {
-            e.id: self.client.submit("GET", e.url + Endpoint.SERVER_INFO.value, timeout_secs=10) for e in self.engines
-        }
-        infos: dict[str, dict[str, Any]] = {}
-        for engine in self.engines:
-            result = futures[engine.id].result()
-            if isinstance(result, CallFailure) or not isinstance(result, dict):
-                log.warning("weights: engine %s is not answering (%s); pushing without it", engine.id, result)
-                report.skipped.append(engine.id)
-            else:
-                infos[engine.id] = result
-        live = [e for e in self.engines if e.id in infos]
-        if not live:
-            raise WeightSyncError("no engine answered /server_info; nothing to push to", phase="probe", report=report)
-        return live, infos
+        self.fleet.close()
 
     def _signature(self, live: list[EngineTarget], infos: dict[str, dict[str, Any]]) -> tuple:
         return tuple((e.url, infos[e.id].get("startup_time")) for e in live)
@@ -294,9 +225,10 @@ class WeightSync:
         """(Re)build the group over ``live``: engines' init calls run while rank 0 rendezvouses."""
         self._drop_group()
         # This trainer's old group, or whatever an earlier trainer left open: a session (it died mid-push), its group.
-        self._fanout_quiet(live, Endpoint.END_WEIGHT_UPDATE, {})
+        self.fleet.fanout_quiet(live, Endpoint.END_WEIGHT_UPDATE, {})
         for stale in {self.group_name, self._active_name}:
-            self._fanout_quiet(live, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, destroy_weights_update_group_body(stale))
+            body = destroy_weights_update_group_body(stale)
+            self.fleet.fanout_quiet(live, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, body)
         members, offset = [], 1
         for engine in live:
             members.append(Member.of(engine, offset, infos[engine.id]))
@@ -344,7 +276,7 @@ class WeightSync:
         while True:
             if "error" in box:
                 break
-            failed = _failures(futures)
+            failed = failures(futures)
             if failed:
                 self._abandoned.append(joiner)  # its rendezvous times out on its own
                 engine = next(iter(failed))
@@ -416,7 +348,7 @@ class WeightSync:
         source, reusable = _tensor_source(named_tensors)
         report = PushReport(version=version)
         with report.phase("probe"):
-            live, infos = self._probe(report)
+            live, infos = self.fleet.probe(report)
             if self._group is None or self._signature(live, infos) != self._signature_now:
                 if self._group is not None:
                     log.warning("weights: the engine set changed; rebuilding the group")
@@ -426,12 +358,12 @@ class WeightSync:
                     exc.report = report
                     raise
         members = self._members
-        with self._held(report):
+        with self.fleet.held(report, self._group_info()):
             try:
                 self._transaction(members, source, version, report)
-            except _EngineFault as fault:
+            except EngineFault as fault:
                 self._recover(fault, members, source if reusable else None, version, report)
-        self._raise_if_failed(report, f"weight push {version}")
+        self.fleet.raise_if_failed(report, f"weight push {version}")
         log.info(
             "weights %s: pushed %.1f MB in %d buckets to %d engines in %.3fs (transfer %.3fs)",
             version,
@@ -443,61 +375,9 @@ class WeightSync:
         )
         return report
 
-    @contextlib.contextmanager
-    def _held(self, report: PushReport) -> Iterator[None]:
-        """The router's side of a transaction: hold (drain, a lease renewed meanwhile), then release
-        naming the engines that hold ``report.version`` and those that do not. If the body raises,
-        every engine not known to hold it leaves rotation. Without a router, just the body."""
-        if not self.router_url:
-            yield
-            return
-        lease = _Lease(self)
-        with report.phase("hold"):
-            lease.hold([e.url for e in self.engines], report.version)  # a hold that fails touched nothing
-        try:
-            yield
-            with report.phase("release"):
-                lease.release(self._complete_urls(report), self._failed_urls(report))
-        except BaseException:
-            lease.abort(self._failed_urls(report, everyone=True))
-            raise
-        finally:
-            lease.stop()
-
-    def _raise_if_failed(self, report: PushReport, what: str) -> None:
-        if not report.failed:
-            return
-        engine, reason = next(iter(report.failed.items()))
-        holders = f"engines {', '.join(report.engines)} hold it completely" if report.engines else "no engine holds it"
-        raise WeightSyncError(
-            f"{what} failed on engine {engine} ({reason}); {holders}; engines without it are out of the router's "
-            "rotation until a later push reaches them",
-            engine=engine,
-            phase=reason.split(":", 1)[0],
-            report=report,
-        )
-
-    def _complete_urls(self, report: PushReport) -> list[str]:
-        by_id = {e.id: e.url for e in self.engines}
-        return [by_id[i] for i in report.engines]
-
-    def _failed_urls(self, report: PushReport, everyone: bool = False) -> dict[str, str]:
-        by_id = {e.id: e for e in self.engines}
-        out = {by_id[i].url: f"missed weight push {report.version} (not answering)" for i in report.skipped}
-        out.update({by_id[i].url: f"weight push {report.version} failed: {why}" for i, why in report.failed.items()})
-        if everyone:  # the push stopped half way: only engines it verified complete stay in rotation
-            out.update(
-                {
-                    e.url: f"weight push {report.version} did not finish"
-                    for e in self.engines
-                    if e.id not in report.engines
-                }
-            )
-        return out
-
     def _recover(
         self,
-        fault: _EngineFault,
+        fault: EngineFault,
         members: tuple[Member, ...],
         source: Callable[[], NamedTensors] | None,
         version: str,
@@ -509,22 +389,22 @@ class WeightSync:
             log.error("weights %s: engine %s failed in %s: %s", version, engine, fault.phase, reason)
         survivors = [m for m in members if m.id not in fault.culprits]
         if fault.phase in ("verify", "continue"):  # every bucket is in: the survivors hold the version
-            self._fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
+            self.fleet.fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
             report.engines = [m.id for m in survivors]
             return
         if fault.phase == "transfer":
             self._abandon_group()  # a collective failed: the group is unusable on every rank
-        self._fanout_quiet(survivors, Endpoint.END_WEIGHT_UPDATE, {})
+        self.fleet.fanout_quiet(survivors, Endpoint.END_WEIGHT_UPDATE, {})
         if self.recover and survivors and source is not None:
             try:
                 report.retried = True
-                live, infos = self._probe(report)
+                live, infos = self.fleet.probe(report)
                 alive = [e for e in live if e.id in {m.id for m in survivors}]
                 if alive:
                     self._build(alive, infos)
                     self._transaction(self._members, source, version, report)
                     return
-            except _EngineFault as again:
+            except EngineFault as again:
                 for engine, reason in again.culprits.items():
                     report.failed.setdefault(engine, f"retry {again.phase}: {reason}")
                 self._abandon_group()
@@ -535,15 +415,15 @@ class WeightSync:
             report.failed.setdefault(
                 m.id, f"{fault.phase}: left with partial weights when {', '.join(fault.culprits)} failed"
             )
-        self._fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
+        self.fleet.fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
 
     def _transaction(
         self, members: tuple[Member, ...], source: Callable[[], NamedTensors], version: str, report: PushReport
     ) -> None:
-        """pause -> begin -> buckets -> end -> version -> verify -> continue; raises _EngineFault."""
+        """pause -> begin -> buckets -> end -> version -> verify -> continue; raises EngineFault."""
         with report.phase("pause"):
-            self._fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
-            refused = self._fanout_quiet(members, Endpoint.FLUSH_CACHE, {})
+            self.fleet.fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.fleet.pause_mode))
+            refused = self.fleet.fanout_quiet(members, Endpoint.FLUSH_CACHE, {})
             for engine_id in refused:  # only requests sent around the router keep a cache busy
                 log.warning(
                     "weights %s: %s kept its cache (requests queued); stale prefixes may be reused", version, engine_id
@@ -551,7 +431,7 @@ class WeightSync:
         sessions = [m for m in members if supports_weight_update_session(m.sglang_version)]
         with report.phase("begin"):
             if sessions:
-                self._fanout(tuple(sessions), "begin", Endpoint.BEGIN_WEIGHT_UPDATE, {"selector": "all"})
+                self.fleet.fanout(tuple(sessions), "begin", Endpoint.BEGIN_WEIGHT_UPDATE, {"selector": "all"})
         flattened = self.load_format == "flattened_bucket" or (
             self.load_format == "auto" and all(supports_flattened_bucket(m.sglang_version) for m in members)
         )
@@ -574,14 +454,14 @@ class WeightSync:
         report.phases["verify"] = report.phases.get("verify", 0.0) + checksum_secs
         with report.phase("end"):
             if sessions:
-                self._fanout(tuple(sessions), "end", Endpoint.END_WEIGHT_UPDATE, {})
+                self.fleet.fanout(tuple(sessions), "end", Endpoint.END_WEIGHT_UPDATE, {})
         with report.phase("version"):
-            self._fanout(members, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
+            self.fleet.fanout(members, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
         with report.phase("verify"):
             if verify != "off":
                 self._verify(members, sums, verify)
         with report.phase("continue"):
-            self._fanout(members, "continue", Endpoint.CONTINUE_GENERATION, {})
+            self.fleet.fanout(members, "continue", Endpoint.CONTINUE_GENERATION, {})
         report.engines = [m.id for m in members]
 
     def _send_bucket(self, members: tuple[Member, ...], bucket: Bucket, flattened: bool, report: PushReport) -> None:
@@ -605,7 +485,7 @@ class WeightSync:
             for conn in opened.values():
                 if not isinstance(conn, CallFailure):
                     conn.close()
-            raise _EngineFault("transfer", refused)
+            raise EngineFault("transfer", refused)
         futures = {i: self.client.pool.submit(self.client.send, opened[i], urls[i], body) for i in urls}
         assert self._group is not None
         works = [dist.broadcast(t, src=0, group=self._group, async_op=True) for t in tensors]
@@ -623,12 +503,12 @@ class WeightSync:
         deadline = time.monotonic() + self.timeout_secs
         failed_since: float | None = None
         while not all(w.is_completed() for w in works):
-            if failed_since is None and _failures(futures):
+            if failed_since is None and failures(futures):
                 failed_since = time.monotonic()
             now = time.monotonic()
             if (failed_since is not None and now - failed_since > 1.0) or now > deadline:
                 self._pending = works
-                raise _EngineFault("transfer", self._culprits(futures, deadline))
+                raise EngineFault("transfer", self._culprits(futures, deadline))
             time.sleep(0.001)
         error: Exception | None = None
         for work in works:
@@ -636,26 +516,26 @@ class WeightSync:
                 work.wait()
             except Exception as exc:  # a peer died: the engines' answers say which
                 error = exc
-        answers = _failures(futures, wait_until=deadline)
+        answers = failures(futures, wait_until=deadline)
         if answers or error is not None:
-            raise _EngineFault("transfer", self._culprits(futures, deadline, error))
+            raise EngineFault("transfer", self._culprits(futures, deadline, error))
 
     def _culprits(self, futures: dict[str, Future], deadline: float, error: Exception | None = None) -> dict[str, str]:
         """Who is at fault: engines that gave no answer (dead, hung) before engines that answered
         with an error (the others fail with 'connection closed by peer' when one dies)."""
         grace = min(deadline, time.monotonic() + 5.0)
-        failures = _failures(futures, wait_until=grace)
+        failed = failures(futures, wait_until=grace)
         silent = {i: f"no answer within {self.timeout_secs:.0f}s" for i, f in futures.items() if not f.done()}
-        transport = {i: f.message for i, f in failures.items() if f.transport}
+        transport = {i: f.message for i, f in failed.items() if f.transport}
         if transport or silent:
             return {**transport, **silent}
-        if failures:
-            return {i: f.message for i, f in failures.items()}
+        if failed:
+            return {i: f.message for i, f in failed.items()}
         return {"rank 0": f"broadcast failed: {error}"}
 
     def _verify(self, members: tuple[Member, ...], sums: dict[str, str], mode: str) -> None:
         body = {"action": "checksum", "names": list(sums), "mode": mode}
-        results = self._fanout(members, "verify", Endpoint.WEIGHTS_CHECKER, body)
+        results = self.fleet.fanout(members, "verify", Endpoint.WEIGHTS_CHECKER, body)
         wrong: dict[str, str] = {}
         for m in members:
             theirs = results[m.id].get("checksums", {}) if isinstance(results[m.id], dict) else {}
@@ -663,109 +543,24 @@ class WeightSync:
             if bad:
                 wrong[m.id] = f"checksum differs for {len(bad)} tensor(s), first {bad[0]}"
         if wrong:
-            raise _EngineFault("verify", wrong)
+            raise EngineFault("verify", wrong)
 
-    # -- fan-outs ----------------------------------------------------------------------------------------
-    def _fanout(self, members: tuple[Member, ...], phase: str, endpoint: Endpoint, body: Any) -> dict[str, Any]:
-        futures = {m.id: self.client.submit("POST", m.url + endpoint.value, body) for m in members}
-        results = {i: f.result() for i, f in futures.items()}
-        failed = {i: str(r) for i, r in results.items() if isinstance(r, CallFailure)}
-        if failed:
-            raise _EngineFault(phase, failed)
-        return results
-
-    def _fanout_quiet(self, targets: Iterable[Member | EngineTarget], endpoint: Endpoint, body: Any) -> list[str]:
-        """Best-effort calls (cleanup); returns the ids that failed."""
-        futures = {t.id: self.client.submit("POST", t.url + endpoint.value, body, timeout_secs=30) for t in targets}
-        return [i for i, f in futures.items() if isinstance(f.result(), CallFailure)]
-
-    # -- from disk -------------------------------------------------------------------------------------------
-    def load_from_disk(self, model_path: str, version: str | None = None) -> PushReport:
-        """``/update_weights_from_disk`` on every engine under the same transaction rules (hold,
-        pause, version set last, release with failures out of rotation). Needs no group."""
-        version = version or f"disk-{next(self._pushes)}"
-        report = PushReport(version=version, load_format="disk")
-        with report.phase("probe"):
-            live, infos = self._probe(report)
-        members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
-        with self._held(report):
-            try:
-                with report.phase("pause"):
-                    self._fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
-                with report.phase("transfer"):
-                    self._fanout(
-                        members, "load", Endpoint.UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_path)
-                    )
-                with report.phase("version"):
-                    self._fanout(
-                        members, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version)
-                    )
-                with report.phase("continue"):
-                    self._fanout(members, "continue", Endpoint.CONTINUE_GENERATION, {})
-                report.engines = [m.id for m in members]
-            except _EngineFault as fault:
-                for engine, reason in fault.culprits.items():
-                    report.failed[engine] = f"{fault.phase}: {reason}"
-                report.engines = [m.id for m in members if m.id not in report.failed and fault.phase != "load"]
-                for m in members:
-                    if m.id not in report.engines:
-                        report.failed.setdefault(m.id, f"{fault.phase}: not loaded")
-                self._fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
-        self._raise_if_failed(report, f"loading {model_path}")
-        return report
-
-
-class _Lease:
-    """The router side of a push: hold (drain) with a lease renewed while the push runs, then
-    release naming the engines that got the version and those that did not."""
-
-    def __init__(self, sync: WeightSync):
-        self.sync = sync
-        self.txn = f"{os.getpid()}-{time.monotonic_ns()}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
-        url = f"{self.sync.router_url}{path}"
-        return self.sync.client.post(url, body, timeout_secs=timeout)
-
-    def hold(self, engines: list[str], version: str) -> None:
-        body = {
-            "txn": self.txn,
-            "version": version,
-            "engines": engines,
-            "lease_secs": self.sync.lease_secs,
-            "timeout_secs": self.sync.hold_timeout_secs,
+    def _group_info(self) -> dict[str, Any]:
+        """The group as the router keeps it for ``pdctl weights status``."""
+        return {
+            "name": self._active_name,
+            "backend": self.backend,
+            "world_size": 1 + sum(m.target.gpus for m in self._members),
+            "ranks": {m.url: [m.rank_offset, m.rank_offset + m.target.gpus - 1] for m in self._members},
         }
-        result = self._call("/pdctl/hold", body, self.sync.hold_timeout_secs + 10)
-        if isinstance(result, CallFailure) or not result.get("drained", False):
-            if not (isinstance(result, CallFailure) and result.status == 409):  # 409: another push holds it
-                self._call("/pdctl/release", {"txn": self.txn}, 30)
-            raise WeightSyncError(
-                f"the router at {self.sync.router_url} did not drain for the push: {result}", phase="hold"
-            )
-        self._thread = threading.Thread(target=self._renew, args=(body,), name="pdctl-weights-lease", daemon=True)
-        self._thread.start()
 
-    def _renew(self, body: dict[str, Any]) -> None:
-        while not self._stop.wait(self.sync.lease_secs / 3):
-            result = self._call("/pdctl/hold", {**body, "timeout_secs": 0}, 10)
-            if isinstance(result, CallFailure):
-                log.warning("weights: could not renew the router's hold: %s", result)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def release(self, complete: list[str], failed: dict[str, str]) -> None:
-        self._stop.set()
-        result = self._call("/pdctl/release", {"txn": self.txn, "complete": complete, "failed": failed}, 60)
-        if isinstance(result, CallFailure):
-            raise WeightSyncError(f"the router did not resume after the push: {result}", phase="release")
-
-    def abort(self, failed: dict[str, str]) -> None:
-        self._stop.set()
-        with contextlib.suppress(Exception):
-            self._call("/pdctl/release", {"txn": self.txn, "complete": [], "failed": failed}, 30)
+    def load_from_disk(self, model_path: str, version: str | None = None) -> PushReport:
+        """``/update_weights_from_disk`` on every engine under the push's transaction rules (see
+        ``Fleet.load_from_disk``); needs no group. Rank 0 only (others return ``pushed=False``)."""
+        version = version or f"disk-{next(self._pushes)}"
+        if not self.is_pusher:
+            return PushReport(version=version, pushed=False)
+        return self.fleet.load_from_disk(model_path, version)
 
 
 def _tensor_source(named_tensors: NamedTensors | Callable[[], NamedTensors]) -> tuple[Callable[[], NamedTensors], bool]:
@@ -784,16 +579,3 @@ def _tensor_source(named_tensors: NamedTensors | Callable[[], NamedTensors]) -> 
     if isinstance(named_tensors, Mapping):
         return (lambda: named_tensors.items()), True
     return (lambda: named_tensors), True
-
-
-def _failures(futures: dict[str, Future], wait_until: float | None = None) -> dict[str, CallFailure]:
-    out = {}
-    for engine_id, future in futures.items():
-        if wait_until is not None and not future.done():
-            with contextlib.suppress(Exception):
-                future.result(timeout=max(0.0, wait_until - time.monotonic()))
-        if future.done():
-            result = future.result()
-            if isinstance(result, CallFailure):
-                out[engine_id] = result
-    return out

@@ -1,0 +1,138 @@
+"""``pdctl weights``: each engine's weight version and group membership, and loads from disk.
+
+Both talk HTTP from the control machine to the engines and the router (as ``pdctl bench``
+does), with the router's API key from the variable the topology names. Group membership comes
+from two places: the plan (the ranks each engine takes in the trainer's flat group) and the
+router, which keeps the group the trainer's latest push actually used (after a failure the
+trainer rebuilds it without the failed engine, so the two can differ).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.errors import LifecycleError
+from pdctl.sglang import Endpoint
+from pdctl.weights.client import CallFailure
+from pdctl.weights.fleet import Fleet
+from pdctl.weights.report import PushReport
+
+
+@dataclass
+class EngineWeights:
+    id: str
+    role: str
+    url: str
+    version: str | None = None
+    error: str | None = None
+    planned_ranks: tuple[int, int] | None = None
+    """First and last rank the plan gives this engine in the weight group."""
+    group_ranks: tuple[int, int] | None = None
+    """Its ranks in the group of the latest push, None when that push left it out."""
+    out_of_rotation: str | None = None
+    """Why the router keeps it out of rotation (a push it missed), if it does."""
+
+
+@dataclass
+class WeightsStatus:
+    name: str
+    router_url: str | None
+    group: dict[str, Any] | None
+    """The planned group: name, backend, world size, master address and port."""
+    last_push: dict[str, Any] | None
+    """The router's record of the latest push: version, state, complete and failed engines, group."""
+    engines: list[EngineWeights] = field(default_factory=list)
+    router_error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every engine answers, none is out of rotation, and all share one version."""
+        versions = {e.version for e in self.engines}
+        return all(e.error is None and e.out_of_rotation is None for e in self.engines) and len(versions) == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def fleet_of(state: ClusterState, timeout_secs: float = 30.0) -> Fleet:
+    """The cluster's HTTP engines and router as a ``Fleet``, with the router's key if it has one."""
+    engines = state.plan.get("engines") or []
+    if not engines:
+        raise LifecycleError(f"cluster {state.name!r} has no engines")
+    key_env = (state.plan.get("router") or {}).get("api_key_env")
+    api_key = os.environ.get(key_env) if key_env else None
+    if key_env and not api_key:
+        raise LifecycleError(f"the router needs its API key: set ${key_env} on this machine")
+    return Fleet(
+        [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in engines],
+        router_url=state.router_url,
+        api_key=api_key,
+        timeout_secs=timeout_secs,
+    )
+
+
+def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStatus:
+    state = _load(store or StateStore(), name)
+    fleet = fleet_of(state, timeout_secs=10)
+    try:
+        planned = {e["url"]: e for e in (state.plan.get("weight_group") or {}).get("engines", [])}
+        group = state.plan.get("weight_group")
+        result = WeightsStatus(
+            state.name,
+            state.router_url,
+            {k: v for k, v in group.items() if k != "engines"} if group else None,
+            None,
+        )
+        router: dict[str, Any] = {}
+        if state.router_url:
+            answer = fleet.client.get(state.router_url + "/pdctl/weights")
+            if isinstance(answer, CallFailure):
+                result.router_error = str(answer)
+            else:
+                router = answer
+                result.last_push = answer.get("last_push")
+        used = ((result.last_push or {}).get("group") or {}).get("ranks") or {}
+        quarantine = router.get("quarantine") or {}
+        futures = {e.id: fleet.client.submit("GET", e.url + Endpoint.MODEL_INFO.value) for e in fleet.engines}
+        roles = {e["id"]: e.get("role", "?") for e in state.plan.get("engines", [])}
+        for engine in fleet.engines:
+            info = futures[engine.id].result()
+            row = EngineWeights(engine.id, roles.get(engine.id, "?"), engine.url)
+            if isinstance(info, CallFailure):
+                row.error = str(info)
+            elif isinstance(info, dict):
+                row.version = info.get("weight_version")
+            if engine.url in planned:
+                first = int(planned[engine.url]["rank_offset"])
+                row.planned_ranks = (first, first + int(planned[engine.url]["gpus"]) - 1)
+            if engine.url in used:
+                row.group_ranks = tuple(used[engine.url])  # type: ignore[assignment]
+            row.out_of_rotation = quarantine.get(engine.url)
+            result.engines.append(row)
+        return result
+    finally:
+        fleet.close()
+
+
+def load_weights(name: str, model_path: str, version: str, *, store: StateStore | None = None) -> PushReport:
+    """``/update_weights_from_disk`` of ``model_path`` (a path on each engine's node) on every
+    engine, as one transaction (``Fleet.load_from_disk``). Raises WeightSyncError naming the
+    engine and phase when any engine did not load it (that engine leaves the router's rotation)."""
+    state = _load(store or StateStore(), name)
+    fleet = fleet_of(state, timeout_secs=600)
+    try:
+        return fleet.load_from_disk(model_path, version)
+    finally:
+        fleet.close()
+
+
+def _load(store: StateStore, name: str) -> ClusterState:
+    state = store.load(name)
+    if state is None:
+        raise LifecycleError(f"no cluster {name!r} in {store.root}")
+    if state.status not in ("up", "starting"):
+        raise LifecycleError(f"cluster {name!r} is {state.status}; start it with `pdctl up`")
+    return state

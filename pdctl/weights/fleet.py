@@ -1,0 +1,323 @@
+"""The engines and the router as a weight transaction sees them; no torch here.
+
+``Fleet`` is what a push and a load from disk share: probing the engines (``/server_info``),
+fan-out calls to all of them at once, and the router's side of a transaction (``hold`` with a
+lease renewed while it runs, ``release`` naming the engines that got the version and those
+that did not). ``WeightSync`` (torch) adds the broadcast group; ``pdctl weights load`` (the
+control machine, which has no torch) uses ``Fleet.load_from_disk`` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pdctl.errors import WeightSyncError
+from pdctl.sglang import (
+    Endpoint,
+    pause_generation_body,
+    update_weight_version_body,
+    update_weights_from_disk_body,
+)
+from pdctl.weights.client import CallFailure, JsonClient
+from pdctl.weights.report import PushReport
+
+log = logging.getLogger("pdctl.weights")
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One engine as the trainer sees it: its HTTP entrypoint and how many ranks it takes (its GPUs)."""
+
+    id: str
+    url: str
+    gpus: int = 1
+
+    @classmethod
+    def coerce(cls, value: EngineTarget | Mapping[str, Any] | str, index: int) -> EngineTarget:
+        if isinstance(value, EngineTarget):
+            return value
+        if isinstance(value, str):
+            return cls(id=f"engine-{index}", url=value.rstrip("/"))
+        return cls(
+            id=str(value.get("id") or f"engine-{index}"),
+            url=str(value["url"]).rstrip("/"),
+            gpus=int(value.get("gpus") or value.get("tp") or 1),
+        )
+
+
+@dataclass(frozen=True)
+class Member:
+    """An engine taking part in a transaction (in the group, for a push)."""
+
+    target: EngineTarget
+    rank_offset: int
+    sglang_version: str
+    is_sim: bool
+
+    @classmethod
+    def of(cls, target: EngineTarget, rank_offset: int, server_info: dict[str, Any]) -> Member:
+        return cls(target, rank_offset, str(server_info.get("version", "0")), server_info.get("engine") == "pdctl-sim")
+
+    @property
+    def id(self) -> str:
+        return self.target.id
+
+    @property
+    def url(self) -> str:
+        return self.target.url
+
+
+class EngineFault(Exception):
+    """Inside a transaction: these engines failed in this phase (id -> reason)."""
+
+    def __init__(self, phase: str, culprits: dict[str, str]):
+        super().__init__(f"{phase}: {culprits}")
+        self.phase = phase
+        self.culprits = culprits
+
+
+class Fleet:
+    """The engines of one weight transaction and, optionally, the router in front of them."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineTarget | Mapping[str, Any] | str],
+        *,
+        router_url: str | None = None,
+        api_key: str | None = None,
+        timeout_secs: float = 120.0,
+        pause_mode: str = "retract",
+        lease_secs: float = 30.0,
+        hold_timeout_secs: float = 300.0,
+    ):
+        self.engines = tuple(EngineTarget.coerce(e, i) for i, e in enumerate(engines))
+        if len({e.url for e in self.engines}) != len(self.engines):
+            raise WeightSyncError("an engine URL is listed twice")
+        if pause_mode not in ("retract", "abort", "in_place"):
+            raise WeightSyncError(f"pause_mode must be retract, abort or in_place, not {pause_mode!r}")
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.timeout_secs = timeout_secs
+        self.pause_mode = pause_mode
+        self.lease_secs = lease_secs
+        self.hold_timeout_secs = hold_timeout_secs
+        self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def probe(self, report: PushReport) -> tuple[list[EngineTarget], dict[str, dict[str, Any]]]:
+        """The engines that answer ``/server_info`` (the others go to ``report.skipped``) and their answers."""
+        futures = {
+            e.id: self.client.submit("GET", e.url + Endpoint.SERVER_INFO.value, timeout_secs=10) for e in self.engines
+        }
+        infos: dict[str, dict[str, Any]] = {}
+        for engine in self.engines:
+            result = futures[engine.id].result()
+            if isinstance(result, CallFailure) or not isinstance(result, dict):
+                log.warning("weights: engine %s is not answering (%s); going on without it", engine.id, result)
+                report.skipped.append(engine.id)
+            else:
+                infos[engine.id] = result
+        live = [e for e in self.engines if e.id in infos]
+        if not live:
+            raise WeightSyncError("no engine answered /server_info; nothing to update", phase="probe", report=report)
+        return live, infos
+
+    # -- the router's side ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def held(self, report: PushReport, group: Mapping[str, Any] | None = None) -> Iterator[None]:
+        """Hold the router (drain, a lease renewed meanwhile) around the body, then release naming
+        the engines that hold ``report.version`` and those that do not. If the body raises, every
+        engine not known to hold it leaves rotation. ``group`` (name, world size, each engine's
+        ranks) is kept by the router for ``pdctl weights status``. Without a router, just the body."""
+        if not self.router_url:
+            yield
+            return
+        lease = _Lease(self)
+        with report.phase("hold"):
+            lease.hold([e.url for e in self.engines], report.version, group)  # a hold that fails touched nothing
+        try:
+            yield
+            with report.phase("release"):
+                lease.release(self.complete_urls(report), self.failed_urls(report))
+        except BaseException:
+            lease.abort(self.failed_urls(report, everyone=True))
+            raise
+        finally:
+            lease.stop()
+
+    def raise_if_failed(self, report: PushReport, what: str) -> None:
+        if not report.failed and not report.refused:
+            return
+        engine, reason = next(iter({**report.failed, **report.refused}.items()))
+        holders = f"engines {', '.join(report.engines)} hold it completely" if report.engines else "no engine holds it"
+        raise WeightSyncError(
+            f"{what} failed on engine {engine} ({reason}); {holders}; "
+            + (f"{', '.join(report.refused)} kept their previous weights and serve on; " if report.refused else "")
+            + (
+                "engines left without a complete version are out of the router's rotation until a later push "
+                "reaches them"
+                if report.failed
+                else "no engine left rotation"
+            ),
+            engine=engine,
+            phase=reason.split(":", 1)[0],
+            report=report,
+        )
+
+    def complete_urls(self, report: PushReport) -> list[str]:
+        by_id = {e.id: e.url for e in self.engines}
+        return [by_id[i] for i in report.engines]
+
+    def failed_urls(self, report: PushReport, everyone: bool = False) -> dict[str, str]:
+        by_id = {e.id: e for e in self.engines}
+        out = {by_id[i].url: f"missed weight push {report.version} (not answering)" for i in report.skipped}
+        out.update({by_id[i].url: f"weight push {report.version} failed: {why}" for i, why in report.failed.items()})
+        if everyone:  # the transaction stopped half way: only engines known to be complete stay in rotation
+            out.update(
+                {
+                    e.url: f"weight push {report.version} did not finish"
+                    for e in self.engines
+                    if e.id not in report.engines
+                }
+            )
+        return out
+
+    # -- fan-outs ----------------------------------------------------------------------------------------
+    def fanout(self, members: Sequence[Member], phase: str, endpoint: Endpoint, body: Any) -> dict[str, Any]:
+        """The same call to every member at once; raises EngineFault naming those that failed."""
+        futures = {m.id: self.client.submit("POST", m.url + endpoint.value, body) for m in members}
+        results = {i: f.result() for i, f in futures.items()}
+        failed = {i: str(r) for i, r in results.items() if isinstance(r, CallFailure)}
+        if failed:
+            raise EngineFault(phase, failed)
+        return results
+
+    def fanout_quiet(self, targets: Iterable[Member | EngineTarget], endpoint: Endpoint, body: Any) -> list[str]:
+        """Best-effort calls (cleanup); returns the ids that failed."""
+        futures = {t.id: self.client.submit("POST", t.url + endpoint.value, body, timeout_secs=30) for t in targets}
+        return [i for i, f in futures.items() if isinstance(f.result(), CallFailure)]
+
+    # -- from disk -------------------------------------------------------------------------------------------
+    def load_from_disk(self, model_path: str, version: str) -> PushReport:
+        """``/update_weights_from_disk`` on every engine under the push's transaction rules: hold,
+        pause, load, version set last (only on engines that loaded), continue, release.
+
+        An engine that answers the load with an error kept its previous weights (SGLang rolls
+        back; the sim reads the file before touching the model): it stays in rotation on its old
+        version (``report.refused``), and the router pairs prefill and decode by version, so no
+        request mixes the two. One that does not answer, or loads but does not take the version,
+        leaves rotation (``report.failed``). Raises WeightSyncError when any engine did not load.
+        """
+        report = PushReport(version=version, load_format="disk")
+        with report.phase("probe"):
+            live, infos = self.probe(report)
+        members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
+        with self.held(report):
+            try:
+                with report.phase("pause"):
+                    self.fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
+                with report.phase("transfer"):
+                    body = update_weights_from_disk_body(model_path)
+                    futures = {
+                        m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, body)
+                        for m in members
+                    }
+                    answers = {i: f.result() for i, f in futures.items()}
+                for engine_id, answer in answers.items():
+                    if isinstance(answer, CallFailure) and answer.transport:
+                        report.failed[engine_id] = f"load: {answer}"
+                    elif isinstance(answer, CallFailure):
+                        report.refused[engine_id] = f"load: {answer}"
+                loaded = tuple(m for m in members if not isinstance(answers[m.id], CallFailure))
+                with report.phase("version"):
+                    self.fanout(loaded, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
+                report.engines = [m.id for m in loaded]
+            except EngineFault as fault:
+                for engine, reason in fault.culprits.items():
+                    report.failed[engine] = f"{fault.phase}: {reason}"
+                report.engines = []
+                if fault.phase == "version":  # they hold the new weights under the old version's name
+                    for m in loaded:
+                        report.failed.setdefault(m.id, "version: loaded but the version was not set everywhere")
+            finally:
+                with report.phase("continue"):
+                    self.fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
+        self.raise_if_failed(report, f"loading {model_path}")
+        return report
+
+
+class _Lease:
+    """The router side of a transaction: hold (drain) with a lease renewed while it runs, then
+    release naming the engines that got the version and those that did not."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.txn = f"{os.getpid()}-{time.monotonic_ns()}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
+        return self.fleet.client.post(f"{self.fleet.router_url}{path}", body, timeout_secs=timeout)
+
+    def hold(self, engines: list[str], version: str, group: Mapping[str, Any] | None) -> None:
+        body: dict[str, Any] = {
+            "txn": self.txn,
+            "version": version,
+            "engines": engines,
+            "lease_secs": self.fleet.lease_secs,
+            "timeout_secs": self.fleet.hold_timeout_secs,
+        }
+        if group is not None:
+            body["group"] = dict(group)
+        result = self._call("/pdctl/hold", body, self.fleet.hold_timeout_secs + 10)
+        if isinstance(result, CallFailure) or not result.get("drained", False):
+            if not (isinstance(result, CallFailure) and result.status == 409):  # 409: another push holds it
+                self._call("/pdctl/release", {"txn": self.txn}, 30)
+            raise WeightSyncError(
+                f"the router at {self.fleet.router_url} did not drain for the push: {result}", phase="hold"
+            )
+        self._thread = threading.Thread(target=self._renew, args=(body,), name="pdctl-weights-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self, body: dict[str, Any]) -> None:
+        while not self._stop.wait(self.fleet.lease_secs / 3):
+            result = self._call("/pdctl/hold", {**body, "timeout_secs": 0}, 10)
+            if isinstance(result, CallFailure):
+                log.warning("weights: could not renew the router's hold: %s", result)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def release(self, complete: list[str], failed: dict[str, str]) -> None:
+        self._stop.set()
+        result = self._call("/pdctl/release", {"txn": self.txn, "complete": complete, "failed": failed}, 60)
+        if isinstance(result, CallFailure):
+            raise WeightSyncError(f"the router did not resume after the push: {result}", phase="release")
+
+    def abort(self, failed: dict[str, str]) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._call("/pdctl/release", {"txn": self.txn, "complete": [], "failed": failed}, 30)
+
+
+def failures(futures: dict[str, Future], wait_until: float | None = None) -> dict[str, CallFailure]:
+    """The futures that ended in a CallFailure (waiting until ``wait_until`` for unfinished ones)."""
+    out = {}
+    for engine_id, future in futures.items():
+        if wait_until is not None and not future.done():
+            with contextlib.suppress(Exception):
+                future.result(timeout=max(0.0, wait_until - time.monotonic()))
+        if future.done():
+            result = future.result()
+            if isinstance(result, CallFailure):
+                out[engine_id] = result
+    return out
