@@ -10,9 +10,9 @@ alignment rule.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import multiprocessing as mp
+import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -72,13 +72,29 @@ def tensor_specs(body: dict[str, Any]) -> list[tuple[str, torch.dtype, tuple[int
     return out
 
 
+_staging: dict[int, torch.Tensor] = {}
+"""One receive buffer per process, kept between updates as CUDA's caching allocator keeps
+SGLang's: a fresh CPU buffer per update would page-fault every byte in again."""
+
+
+def _receive_buffer(nbytes: int) -> torch.Tensor:
+    buf = _staging.get(0)
+    if buf is None or buf.numel() < nbytes:
+        _staging.clear()  # drop the old one first: never two at once
+        buf = _staging[0] = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes]
+
+
 def receive(
     group: dist.ProcessGroup, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], load_format: str | None
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive one update's tensors from rank 0, in order. Blocks until rank 0 sends."""
+    """Receive one update's tensors from rank 0, in order. Blocks until rank 0 sends.
+
+    With ``flattened_bucket`` the tensors are views of a buffer reused by the next call: copy
+    them (``load_weights`` does) before receiving again."""
     if load_format == "flattened_bucket":
         total = sum(_nbytes(dtype, shape) for _, dtype, shape in specs)
-        flat = torch.empty(total, dtype=torch.uint8)
+        flat = _receive_buffer(total)
         dist.broadcast(flat, src=0, group=group)
         out, offset = [], 0
         for name, dtype, shape in specs:
@@ -88,7 +104,7 @@ def receive(
                 raise SimError(
                     f"Unaligned received tensor {name}: byte offset {offset} is not a multiple of {itemsize}"
                 )
-            out.append((name, flat[offset : offset + size].view(dtype).view(shape).clone()))
+            out.append((name, flat[offset : offset + size].view(dtype).view(shape)))
             offset += size
         return out
     if load_format not in (None, "auto"):
@@ -108,11 +124,13 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def checksum(tensors: list[tuple[str, torch.Tensor]]) -> str:
-    digest = hashlib.sha256()
+    """CRC-32 of names and bytes: enough to tell TP ranks that received different data, and
+    several times cheaper than a cryptographic hash (it runs inside every update call)."""
+    crc = 0
     for name, t in tensors:
-        digest.update(name.encode())
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 class WeightGroupMember:

@@ -36,14 +36,21 @@ class Bucket:
     def shapes(self) -> list[list[int]]:
         return [list(t.shape) for t in self.tensors]
 
-    def flat(self) -> torch.Tensor:
-        """All tensors' bytes in ``names`` order: one uint8 tensor for one broadcast."""
+    def flat(self, staging: torch.Tensor | None = None) -> torch.Tensor:
+        """All tensors' bytes in ``names`` order: one uint8 tensor for one broadcast. Written
+        into ``staging`` (a uint8 buffer of at least ``nbytes``) when given, so that a push
+        does not allocate, and page-fault in, a new buffer per bucket."""
         parts = [t.contiguous().view(-1).view(torch.uint8) for t in self.tensors]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        if staging is None:
+            return torch.cat(parts)
+        return torch.cat(parts, out=staging[: self.nbytes])
 
 
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group ``(name, tensor)`` pairs into buckets, lazily: only one bucket is held at a time."""
+    """Group ``(name, tensor)`` pairs into buckets of one dtype and one device, lazily: only one
+    bucket is held at a time."""
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     size = 0
@@ -51,7 +58,10 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         nbytes = tensor.numel() * tensor.element_size()
-        if tensors and (tensor.dtype != tensors[0].dtype or size + nbytes > bucket_bytes):
+        first = tensors[0] if tensors else None
+        if first is not None and (
+            tensor.dtype != first.dtype or tensor.device != first.device or size + nbytes > bucket_bytes
+        ):
             yield Bucket(tuple(names), tuple(tensors))
             names, tensors, size = [], [], 0
         names.append(name)

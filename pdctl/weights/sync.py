@@ -145,6 +145,7 @@ class WeightSync:
         self._signature_now: tuple = ()
         self._pending: list[Any] = []  # the last bucket's broadcasts, if a failure left them unfinished
         self._pushes = itertools.count(1)
+        self._staging_buffer: torch.Tensor | None = None
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -328,6 +329,7 @@ class WeightSync:
             if self._group is not None:
                 self._abandoned.append((self._group, self._pending))
             self._group = None
+            self._staging_buffer = None  # the pending op may still read it: the next push takes a new one
         self._pending = []
         self._drop_group()
 
@@ -474,7 +476,7 @@ class WeightSync:
             flush_cache=False,
             load_format="flattened_bucket" if flattened else None,
         )
-        tensors = [bucket.flat()] if flattened else list(bucket.tensors)
+        tensors = [bucket.flat(self._staging(bucket))] if flattened else list(bucket.tensors)
         # Connect to every engine before the broadcast starts: gloo relays a broadcast through
         # other ranks, so one dead engine would leave the live ones waiting inside it.
         urls = {m.id: m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value for m in members}
@@ -495,6 +497,16 @@ class WeightSync:
         report.buckets += 1
         report.collectives += len(works)
         report.http_calls += len(futures)
+
+    def _staging(self, bucket: Bucket) -> torch.Tensor:
+        """The buffer buckets are flattened into, on their device, kept between buckets and
+        pushes (grown as needed)."""
+        device = bucket.tensors[0].device
+        buf = self._staging_buffer
+        if buf is None or buf.numel() < bucket.nbytes or buf.device != device:
+            self._staging_buffer = None  # free the old one before allocating the new one
+            self._staging_buffer = buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        return buf
 
     def _await(self, works: list[Any], futures: dict[str, Future]) -> None:
         """Wait for the broadcasts and every engine's answer. An engine that fails before the

@@ -3,6 +3,11 @@ started from the same weights, and the router's view of versions."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pdctl.sim import weights_checksum
@@ -97,3 +102,25 @@ def test_a_push_that_cannot_hold_the_router_touches_nothing(fleet):
     assert all(w["weight_version"] != "refused" for w in workers)
     status, _ = post(router.url + "/generate", {"text": "ok", **GREEDY})
     assert status == 200
+
+
+def test_fsdp2_model_pushed_from_two_gloo_ranks(fleet, tmp_path):
+    """FSDP2 on CPU: two torchrun ranks hold a sharded model; full_tensors gathers it one tensor
+    at a time on both ranks while rank 0 pushes; the engines end equal to the unsharded model."""
+    procs, router = fleet
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "tests.weights.fsdp_main", "--engines", json.dumps(targets(procs)), "--port", str(free_port()),
+         "--router", router.url, "--seed", "23", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["sharded"] and rank1["sharded"]
+    assert rank0["most_alive"] == rank1["most_alive"] == 1
+    assert rank0["report"]["pushed"] and rank0["report"]["engines"] == ["e0", "e1", "e2"]
+    assert rank1["report"]["pushed"] is False and rank1["report"]["bytes"] == 0
+    expected = weights_checksum(model(seed=23))
+    for p in procs:
+        status, sums = post(p.url + "/weights_checker", {"action": "checksum"})
+        assert status == 200 and sums["checksums"] == expected, p.url

@@ -1,0 +1,256 @@
+"""Weight push cost, side by side in one run: ``WeightSync.push`` against one bare broadcast.
+
+Fleet: three sims, prefill tp 1, prefill tp 1, decode tp 2 (world 1 + 1 + 1 + 2 = 5 ranks over
+gloo on loopback), behind pdctl's router (the push holds and releases it). Tensors have a real
+model's layer shapes (hidden 1024, MLP 2816, 8 heads, vocabulary 8192: a 0.5B-class layer)
+with as many layers as reach the size; the sim keeps weights in float64 (its arithmetic is
+float64 so that greedy output does not depend on batching), so the tensors are float64 too and
+a size is the bytes moved, not a parameter count.
+
+The limit: one bare ``torch.distributed.broadcast`` of the same bytes among five processes in the
+same layout (rank 0 sends; four receive, one flat buffer each), timed after a warm-up broadcast
+(connections made, every page of the buffers touched) until every rank has it. Each round runs the bare
+broadcast, then a push, for each size; the median of ROUNDS rounds is kept.
+
+Goals (the weights issue): transfer >= 0.95x the bare broadcast's bandwidth; everything but the
+transfer (hold, pause, begin, end, version, verify, continue, release) < 0.5 s in total.
+
+    python benchmarks/weight_push.py   # writes benchmarks/results/weight_push.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+PY = sys.executable
+ROUNDS = int(os.environ.get("WEIGHT_BENCH_ROUNDS", 3))
+SIZES_MB = [int(s) for s in os.environ.get("WEIGHT_BENCH_SIZES_MB", "256,1024").split(",")]
+SHAPE = {"hidden": 1024, "heads": 8, "mlp": 2816, "vocab_size": 8192, "max_positions": 256}
+ENGINES = [("prefill", 1), ("prefill", 1), ("decode", 2)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(url)
+
+
+def config_for(megabytes: int):
+    """A sim model config with real layer shapes, as many layers as fit in ``megabytes`` (MiB)
+    beside the embeddings, and the vocabulary sized so that the total comes out at that size."""
+    from pdctl.sim.model import SimModelConfig, TinyLM
+
+    base = SimModelConfig(**SHAPE, layers=1)
+    per_layer = sum(p.numel() * 8 for n, p in TinyLM(base).named_parameters() if ".layers." in n)
+    rest = sum(p.numel() * 8 for n, p in TinyLM(base).named_parameters() if ".layers." not in n)
+    target = megabytes * 2**20
+    layers = max(1, int((target - rest) // per_layer))
+    per_token = 8 * (2 * SHAPE["hidden"] + 1)  # embed_tokens row, lm_head row and bias
+    vocab = SHAPE["vocab_size"] + (target - rest - layers * per_layer) // per_token
+    return replace(base, layers=layers, vocab_size=max(260, int(vocab)))
+
+
+# -- the bare broadcast --------------------------------------------------------------------------------
+def bare_rank(rank: int, world: int, port: int, nbytes: int) -> None:
+    """One rank of the bare broadcast; rank 0 prints the seconds of the timed broadcast."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    dist.broadcast(buf, src=0)  # warm: connections made, every page of the buffers touched
+    dist.barrier()
+    started = time.perf_counter()
+    dist.broadcast(buf, src=0)
+    dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
+    if rank == 0:
+        print(json.dumps({"seconds": time.perf_counter() - started}))
+    dist.destroy_process_group()
+
+
+def bare_broadcast(nbytes: int) -> float:
+    world = 1 + sum(tp for _, tp in ENGINES)
+    port = free_port()
+    argv = [PY, __file__, "--bare-rank"]
+    procs = [
+        subprocess.Popen([*argv, str(r), str(world), str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    out = procs[0].communicate(timeout=600)[0]
+    for p in procs[1:]:
+        p.wait(timeout=60)
+    return json.loads(out.strip().splitlines()[-1])["seconds"]
+
+
+# -- the fleet -------------------------------------------------------------------------------------------
+class Fleet:
+    def __init__(self, tmp: Path, model_dir: Path):
+        self.procs: list[subprocess.Popen] = []
+        self.engines = []
+        prefills, decodes = [], []
+        for i, (role, tp) in enumerate(ENGINES):
+            port = free_port()
+            argv = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", str(port), "--model-path",
+                    str(model_dir), "--load-format", "dummy", "--tp-size", str(tp), "--disaggregation-mode", role,
+                    "--max-running-requests", "2"]
+            if role == "prefill":
+                boot = free_port()
+                argv += ["--disaggregation-bootstrap-port", str(boot)]
+                prefills += ["--prefill", f"http://127.0.0.1:{port}", str(boot)]
+            else:
+                decodes += ["--decode", f"http://127.0.0.1:{port}"]
+            log = (tmp / f"engine{i}.log").open("w")
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.engines.append({"id": f"{role}{i}-tp{tp}", "url": f"http://127.0.0.1:{port}", "gpus": tp})
+        for e in self.engines:
+            wait(e["url"] + "/health")
+        self.router_url = f"http://127.0.0.1:{free_port()}"
+        rport = self.router_url.rsplit(":", 1)[1]
+        argv = [PY, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", rport, "--pd-disaggregation",
+                *prefills, *decodes]
+        log = (tmp / "router.log").open("w")
+        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        wait(self.router_url + "/readiness")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def measure(megabytes: int, tmp: Path) -> dict:
+    from pdctl.sim.model import TinyLM
+    from pdctl.weights import WeightSync
+
+    config = config_for(megabytes)
+    model_dir = tmp / f"model-{megabytes}"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(asdict(config)))
+    trainer = TinyLM(config)
+    tensors = list(trainer.named_parameters())
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    fleet = Fleet(tmp, model_dir)
+    rounds = []
+    try:
+        sync = WeightSync(fleet.engines, master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                          router_url=fleet.router_url, timeout_secs=600)
+        with sync:
+            for r in range(ROUNDS):
+                bare = bare_broadcast(nbytes)
+                report = sync.push(tensors, version=f"bench-{megabytes}-{r}")
+                rounds.append({"bare_seconds": bare, "report": report.to_dict()})
+                print(f"  {megabytes} MB round {r}: bare {bare:.2f}s, push transfer "
+                      f"{report.phases['transfer']:.2f}s, other {report.overhead_seconds:.3f}s", flush=True)
+    finally:
+        fleet.stop()
+    bare = statistics.median(x["bare_seconds"] for x in rounds)
+    transfer = statistics.median(x["report"]["phases"]["transfer"] for x in rounds)
+    phases = {k: statistics.median(x["report"]["phases"].get(k, 0.0) for x in rounds)
+              for k in rounds[0]["report"]["phases"]}
+    overhead = {k: v for k, v in phases.items() if k not in ("transfer", "probe")}
+    last = rounds[-1]["report"]
+    return {
+        "megabytes": megabytes,
+        "bytes": nbytes,
+        "layers": config.layers,
+        "tensors": last["tensors"],
+        "buckets": last["buckets"],
+        "collectives": last["collectives"],
+        "http_calls": last["http_calls"],
+        "load_format": last["load_format"],
+        "verify": last["verify"],
+        "bare_seconds": bare,
+        "bare_gbps": nbytes / bare / 1e9,
+        "transfer_seconds": transfer,
+        "transfer_gbps": nbytes / transfer / 1e9,
+        "transfer_ratio": bare / transfer,
+        "phases": phases,
+        "overhead_seconds": sum(overhead.values()),
+        "rounds": rounds,
+    }
+
+
+def main() -> None:
+    RESULTS.mkdir(exist_ok=True)
+    results = []
+    tmp = Path(tempfile.mkdtemp(prefix="pdctl-weight-bench-"))  # engine and router logs
+    try:
+        for mb in SIZES_MB:
+            (tmp / str(mb)).mkdir()
+            results.append(measure(mb, tmp / str(mb)))
+    finally:
+        if not os.environ.get("WEIGHT_BENCH_KEEP"):
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "rounds": ROUNDS,
+            "engines": ENGINES, "shape": SHAPE}
+    (RESULTS / "weight_push.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    lines = [
+        "| size | layers | tensors | buckets | collectives | bare GB/s | push transfer GB/s | ratio (goal >= 0.95) "
+        "| other phases s (goal < 0.5) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['bytes'] / 2**20:.0f} MiB | {r['layers']} | {r['tensors']} | {r['buckets']} | {r['collectives']} "
+            f"| {r['bare_gbps']:.2f} | {r['transfer_gbps']:.2f} | {r['transfer_ratio']:.2f}x "
+            f"| {r['overhead_seconds']:.3f} |"
+        )
+    lines += ["", "Per phase (median seconds):", ""]
+    names = list(results[0]["phases"])
+    lines.append("| size | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    for r in results:
+        lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | " + " | ".join(f"{r['phases'][n]:.3f}" for n in names) + " |")
+    lines += [
+        "",
+        f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs; gloo over loopback; engines "
+        f"{', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; load format {results[0]['load_format']}, "
+        f"verify {results[0]['verify']}. 'other phases' excludes probe (the /server_info round that "
+        "decides whether the group must be rebuilt).",
+    ]
+    (RESULTS / "weight_push.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bare-rank", nargs=4, type=int, metavar=("RANK", "WORLD", "PORT", "BYTES"))
+    cli = parser.parse_args()
+    if cli.bare_rank:
+        bare_rank(*cli.bare_rank)
+    else:
+        main()
