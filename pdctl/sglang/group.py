@@ -9,9 +9,13 @@ so a trainer under torchrun keeps its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+from collections.abc import Iterator
 from datetime import timedelta
 
+import psutil
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     Backend,
@@ -22,6 +26,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 
 def init_custom_process_group(
@@ -53,11 +58,42 @@ def init_custom_process_group(
             os.environ[AGENT_STORE_ENV] = saved
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), prefixed, group_name=group_name, timeout=timeout
-    )
+    with _gloo_interface_towards(master_address if backend == "gloo" else None):
+        group, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), prefixed, group_name=group_name, timeout=timeout
+        )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+@contextlib.contextmanager
+def _gloo_interface_towards(master_address: str | None) -> Iterator[None]:
+    """Gloo binds to the address its host name resolves to, which on many hosts (and in network
+    namespaces) is 127.0.0.1: peers on other hosts are then told to connect to their own
+    loopback. Unless GLOO_SOCKET_IFNAME is set, use the interface that routes to the master."""
+    name = None if master_address is None or os.environ.get(GLOO_IFNAME_ENV) else _interface_towards(master_address)
+    if name is None:
+        yield
+        return
+    os.environ[GLOO_IFNAME_ENV] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(GLOO_IFNAME_ENV, None)
+
+
+def _interface_towards(address: str) -> str | None:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # UDP connect sends nothing
+            probe.connect((address.strip("[]"), 9))
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addrs):
+            return name
+    return None
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:

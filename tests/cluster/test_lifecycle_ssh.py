@@ -237,3 +237,57 @@ def test_down_with_an_unreachable_node_keeps_state_and_a_retry_finishes(clean_ho
             ["ip", "netns", "exec", ns, "ip", "route", "replace", "default", "via", clean_hosts.gateway], check=False
         )
     assert "down (1 processes stopped)" in down("t")
+
+
+PUSH_SEEDED = (
+    "from dataclasses import replace\n"
+    "from pdctl.sim.model import PRESETS, TinyLM\n"
+    "from pdctl.weights import WeightSync\n"
+    "model = TinyLM(replace(PRESETS['tiny'], seed=41))\n"
+    "with WeightSync.from_env(verify='full') as sync:\n"
+    "    report = sync.push(list(model.named_parameters()), version='netns-41')\n"
+    "print('PUSHED', report.engines, report.bytes, flush=True)\n"
+)
+
+
+def test_weight_push_across_hosts(clean_hosts, pdctl_home) -> None:
+    """The trainer on one host, the engines and router on the other: a push over the network
+    leaves both engines equal to the trainer's model."""
+    from dataclasses import replace
+
+    from pdctl.sim import weights_checksum
+    from pdctl.sim.model import PRESETS, TinyLM
+
+    data = {
+        "name": "wx",
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": [clean_hosts.node(0), clean_hosts.node(1)],
+        "ports": {"base": 24700},
+        "prefill": {"nodes": ["h0"]},
+        "decode": {"nodes": ["h0"]},
+        "router": {"host": "0.0.0.0", "node": "h0"},
+        "trainer": {"command": ["python", "-c", PUSH_SEEDED], "nproc_per_node": 1, "nodes": ["h1"]},
+        "weights": {"backend": "gloo", "bucket_mb": 1},
+    }
+    top, _ = load_topology_text(yaml.safe_dump(data))
+    up(top, make_plan(top), ready_timeout_secs=120)
+    try:
+        deadline = time.monotonic() + 90
+        trainer = None
+        while time.monotonic() < deadline:
+            trainer = next(p for p in status("wx").processes if p.role == "trainer")
+            if trainer.exit_code is not None:
+                break
+            time.sleep(0.5)
+        text = "".join(logs("wx", "trainer.h1"))
+        assert trainer is not None and trainer.exit_code == 0, text[-2000:]
+        assert "PUSHED ['prefill-0', 'decode-0']" in text
+        expected = weights_checksum(TinyLM(replace(PRESETS["tiny"], seed=41)))
+        engines = [p for p in status("wx").processes if p.role in ("prefill", "decode")]
+        assert {p.weight_version for p in engines} == {"netns-41"}
+        for p in engines:
+            code, out = post(p.url + "/weights_checker", {"action": "checksum"})
+            assert code == 200 and out["checksums"] == expected, p.id
+    finally:
+        down("wx")
