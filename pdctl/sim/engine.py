@@ -187,7 +187,9 @@ class Engine:
             self._cond.notify_all()
 
     def _used(self) -> int:
-        return len(self._running) + self._reserved
+        # Admitted requests count from the moment they leave the queue: a reservation made while
+        # they are being started (outside the lock) would otherwise take their slot too.
+        return len(self._running) + len(self._admitting) + self._reserved
 
     def abort(self, rid: str | None, message: str = "Abort requested") -> int:
         """Abort one request (or all with rid None); returns how many were aborted."""
@@ -294,6 +296,7 @@ class Engine:
                     act()
                     done.set()
                 self._reap()
+                self._admitting = []  # the last round's are in _running now
                 admit = []
                 while self._waiting and not self._paused and not self._updating:
                     req = self._waiting[0]

@@ -19,6 +19,9 @@ class SimMetrics:
         r = self.registry
         self._running = Gauge("sglang:num_running_reqs", "Running requests", labels, registry=r)
         self._queued = Gauge("sglang:num_queue_reqs", "Queued requests", labels, registry=r)
+        self._prealloc = Gauge(
+            "sglang:num_decode_prealloc_queue_reqs", "Decode requests waiting for a KV slot", labels, registry=r
+        )
         self._usage = Gauge("sglang:token_usage", "KV slot usage", labels, registry=r)
         self._throughput = Gauge("sglang:gen_throughput", "Generation tokens/s", labels, registry=r)
         self._prompt = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
@@ -82,6 +85,7 @@ class SimMetrics:
         m = self.model_name
         self._running.labels(m).set(stats["num_running_reqs"])
         self._queued.labels(m).set(stats["num_queue_reqs"])
+        self._prealloc.labels(m).set(stats.get("num_decode_prealloc_queue_reqs", 0))
         total = stats["free_slots"] + stats["num_running_reqs"] + stats["num_reserved_decode_slots"]
         self._usage.labels(m).set(1 - stats["free_slots"] / total if total else 0.0)
         self._throughput.labels(m).set(self.last_gen_throughput())

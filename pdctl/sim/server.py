@@ -84,6 +84,8 @@ class SimServer:
         self._runners: list[web.AppRunner] = []
         self.port = config.port
         self.bootstrap_port = config.bootstrap_port
+        self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
+        self.prealloc_waiting = 0
 
     @property
     def weight_version(self) -> str:
@@ -217,6 +219,20 @@ class SimServer:
         self.metrics.requests_started(len(out))
         return out
 
+    async def _reserve_decode_slot(self) -> None:
+        """Wait, in arrival order, for a KV slot (SGLang's decode prealloc queue: a full decode
+        queues its requests, it does not refuse them). A client that goes away leaves the line."""
+        assert self.engine is not None
+        if self.prealloc_waiting == 0 and self.engine.reserve_slot():
+            return
+        self.prealloc_waiting += 1
+        try:
+            async with self._prealloc_line:
+                while not self.engine.reserve_slot():
+                    await asyncio.sleep(0.002)
+        finally:
+            self.prealloc_waiting -= 1
+
     async def _resolve_pd(self, req: Request, item: ItemSpec) -> None:
         assert self.engine is not None and self.session is not None
         if self.mode == "null":
@@ -233,8 +249,7 @@ class SimServer:
             return
         if fake:  # SGLang moves no KV for 2.2.2.2 (warm-up, /health); the sim runs the prompt itself
             return
-        if not self.engine.reserve_slot():
-            raise SimError("no free KV slot for a decode request; the server is at --max-running-requests", status=503)
+        await self._reserve_decode_slot()
         req.reserved, req.mode = True, Mode.DECODE
         port = item.bootstrap_port if item.bootstrap_port is not None else self.config.bootstrap_port
         started = time.monotonic()
@@ -398,7 +413,13 @@ class SimServer:
                 "launch_command": c.launch_command,
                 "max_total_num_tokens": c.max_running_requests * self.model.config.max_positions,
                 "max_req_input_len": self.model.config.max_positions - 1,
-                "internal_states": [{"last_gen_throughput": self.metrics.last_gen_throughput(), **stats}],
+                "internal_states": [
+                    {
+                        "last_gen_throughput": self.metrics.last_gen_throughput(),
+                        **stats,
+                        "num_decode_prealloc_queue_reqs": self.prealloc_waiting,
+                    }
+                ],
                 "startup_time": self.started_at,
                 "version": SGLANG_VERSION,
                 "frontend": "python",
@@ -444,7 +465,8 @@ class SimServer:
         if not self.config.enable_metrics:
             return web.json_response({"detail": "Not Found"}, status=404)
         assert self.engine is not None
-        return web.Response(body=self.metrics.render(self.engine.stats()), content_type="text/plain")
+        stats = {**self.engine.stats(), "num_decode_prealloc_queue_reqs": self.prealloc_waiting}
+        return web.Response(body=self.metrics.render(stats), content_type="text/plain")
 
 
 async def _json(request: web.Request, default: Any = None) -> Any:
