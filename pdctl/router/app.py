@@ -97,7 +97,7 @@ class RouterServer:
         self._servers.clear()
         if self.session:
             await self.session.close()
-        self.dispatcher.upstream.close()
+        await self.dispatcher.close()
 
     async def __aenter__(self) -> RouterServer:
         await self.start()
@@ -437,7 +437,7 @@ class RouterServer:
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, str(exc))
         if self.session is not None and not self.config.disable_health_check:
-            await self.registry._check(self.session, worker)
+            await self.registry.check(self.session, worker)
         return json_reply({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
 
     async def delete_worker(self, request: Request) -> Reply:

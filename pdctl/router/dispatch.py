@@ -1,16 +1,27 @@
-"""PD dispatch, top to bottom: select_pair -> add_bootstrap -> send_both -> shape_response.
+"""PD dispatch, top to bottom: select_pair -> add_bootstrap -> race the legs -> shape the answer.
 
-Failure rules (sglang-protocol.md 2.3, style.md R9), implemented as written:
-- both legs run as tasks owned by the request's handler, so a client that goes away
-  cancels both (and the engines abort them);
-- a prefill that fails cancels its decode leg, which would otherwise wait for KV until
-  SGLANG_DISAGGREGATION_WAITING_TIMEOUT; a decode that fails first cancels the prefill;
-- a failed leg (connection error or 5xx) is retried on a freshly selected pair with a new
-  bootstrap room, with exponential backoff and jitter, at most ``retry_max_retries`` times,
-  and only while nothing has been sent to the client;
+Every attempt ends in an outcome that the retry loop reads, never an exception from a helper:
+a ``Reply`` for the client, ``Retry`` (this pair failed before anything reached the client;
+try another) or ``Stop`` (end the request with this error). The rules (sglang-protocol.md 2.3,
+style.md R9):
+- both legs run as tasks the dispatcher owns (cancelled on stop); a client that goes away
+  cancels both (and the engines abort them); each leg counts in its worker's load through one
+  guard (``WorkerRegistry.in_flight``), from its start to its end, whatever ends it;
+- a prefill that ends the request (an abort in a 200, a 4xx, a 5xx or no answer) cancels its
+  decode leg at once, which would otherwise wait for KV until its own timeout; the client gets
+  the prefill's answer (an abort or a 4xx is the client's business) or a retry (a failure);
+- a decode that fails is blamed only once the prefill's answer is known: when the prefill
+  ended the request, the decode only followed it;
+- a 429 or 503 from a live worker is backpressure: retried on another pair after a backoff,
+  within the request timeout, without using the retry budget or touching the breaker;
+- a connection error or another 5xx is retried on a freshly selected pair with a new bootstrap
+  room, with exponential backoff and jitter, at most ``retry_max_retries`` times, and only
+  while nothing has been sent to the client; it counts against the worker's breaker;
 - a leg that times out (``request_timeout_secs``) ends the request with a 504, not retried;
 - a worker's 4xx is the client's fault: returned as is, never retried, and it counts as a
   success for the circuit breaker;
+- a stream whose decode fails after the head went out ends with an SGLang-shaped error event
+  and ``[DONE]``, never a broken transfer encoding;
 - prefill's ``input_token_logprobs`` are put in front of decode's only when asked for.
 """
 
@@ -19,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
@@ -34,6 +46,8 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
 
 PREFILL_GRACE_SECS = 5.0  # how long a prefill leg may run on after the reply went out without it
+VERDICT_GRACE_SECS = 2.0  # how long a failed decode waits for its prefill's answer to learn who failed
+BACKPRESSURE = (429, 503)
 _HOP_HEADERS = {
     b"content-length",
     b"transfer-encoding",
@@ -64,13 +78,32 @@ class Leg:
     def server_failed(self) -> bool:
         return self.error is not None or self.status >= 500
 
+    @property
+    def ends_request(self) -> bool:
+        """A prefill answer after which no KV will come: a failure, a 4xx, or an abort."""
+        return self.server_failed or self.status >= 400 or _aborted(self.body)
 
-class Retry(Exception):
-    """This pair failed before anything reached the client; try another pair."""
 
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
+@dataclass(frozen=True)
+class Retry:
+    """This pair failed before anything reached the client; try another pair. ``busy``: the
+    worker is alive but full (backpressure), so the retry does not use the budget."""
+
+    message: str
+    code: str
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the request with this error (no retry can help)."""
+
+    status: int
+    code: str
+    message: str
+
+
+Outcome = Reply | Retry | Stop
 
 
 class Dispatcher:
@@ -89,6 +122,7 @@ class Dispatcher:
         self.upstream = UpstreamPool()
         self._timeout = config.request_timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()  # every leg in flight; cancelled by close()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -97,6 +131,11 @@ class Dispatcher:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         return self._loop
+
+    async def close(self) -> None:
+        """Cancel every leg still running (a prefill that outlived its reply, for instance)."""
+        await _cancel(*self._tasks)
+        self.upstream.close()
 
     # -- phase 1: select ----------------------------------------------------------------------
     def select_pair(self, ctx: RequestContext) -> tuple[Worker, Worker]:
@@ -117,9 +156,9 @@ class Dispatcher:
                 f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, "
                 f"decode {sorted(map(str, versions))})",
             )
-        prefill = self.prefill_policy.select(pairable, ctx) or pairable[0]
+        prefill = _chosen(self.prefill_policy.select(pairable, ctx), "prefill")
         same = [d for d in decodes if d.weight_version == prefill.weight_version]
-        decode = self.decode_policy.select(same, ctx) or same[0]
+        decode = _chosen(self.decode_policy.select(same, ctx), "decode")
         self.metrics.selected(prefill, decode)
         return prefill, decode
 
@@ -133,22 +172,33 @@ class Dispatcher:
         workers = self.registry.routable("regular")
         if not workers:
             raise RouteError(503, errors.NO_WORKERS, "No healthy workers available" + self._why_none("regular"))
-        return self.regular_policy.select(workers, ctx) or workers[0]
+        return _chosen(self.regular_policy.select(workers, ctx), "regular")
 
     # -- the request loop (retries) ---------------------------------------------------------------
-    async def _with_retries(self, attempt_once: Callable[[], Awaitable[Reply]]) -> Reply:
-        """Run ``attempt_once`` until it does not raise Retry, with backoff; then a 502."""
-        attempts = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
-        attempt = 0
+    async def _with_retries(self, attempt_once: Callable[[], Awaitable[Outcome]]) -> Reply:
+        """Run ``attempt_once`` until it gives a Reply. A Retry uses the budget (then 502), unless
+        it is backpressure, which waits for capacity within the request timeout (then 503)."""
+        budget = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
+        failures = busy = 0
+        deadline = time.monotonic() + self._timeout
         while True:
-            try:
-                return await attempt_once()
-            except Retry as retry:
-                self.metrics.retried(retry.code)
-                attempt += 1
-                if attempt >= attempts:
-                    raise RouteError(502, retry.code, f"{retry} (after {attempt} attempt(s))") from None
-            await asyncio.sleep(self._backoff(attempt - 1))
+            outcome = await attempt_once()
+            if isinstance(outcome, Reply):
+                return outcome
+            if isinstance(outcome, Stop):
+                raise RouteError(outcome.status, outcome.code, outcome.message)
+            self.metrics.retried("busy" if outcome.busy else outcome.code)
+            if outcome.busy:
+                busy += 1
+                delay = self._backoff(min(busy - 1, 6))
+                if time.monotonic() + delay > deadline:
+                    raise RouteError(503, outcome.code, f"{outcome.message} (busy for {self._timeout:.0f}s)")
+            else:
+                failures += 1
+                if failures >= budget:
+                    raise RouteError(502, outcome.code, f"{outcome.message} (after {failures} attempt(s))")
+                delay = self._backoff(failures - 1)
+            await asyncio.sleep(delay)
 
     async def pd_request(
         self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
@@ -157,20 +207,16 @@ class Dispatcher:
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
 
-        async def attempt() -> Reply:
+        async def attempt() -> Outcome:
             prefill, decode = self.select_pair(ctx)
             # phase 2: a new room per attempt (a retried room could collide with the orphan)
             bootstrapped = inject_bootstrap(
                 body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
             )
             wire = dumps(bootstrapped)
-            decode.load += 1  # prefill's load is counted by its leg's task (it may outlive the reply)
-            try:
-                if stream:
-                    return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
-                return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
-            finally:
-                decode.load -= 1
+            if stream:
+                return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
+            return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
 
         return await self._with_retries(attempt)
 
@@ -180,55 +226,85 @@ class Dispatcher:
         ctx = RequestContext(text=_text_of(body) if self.regular_policy.needs_text else None)
         data = dumps(body)
 
-        async def attempt() -> Reply:
+        async def attempt() -> Outcome:
             worker = self.select_regular(ctx)
-            worker.load += 1
-            try:
-                if body.get("stream"):
-                    return await self._stream_one(request, path, data, worker, headers)
-                leg = await self._post(worker, path, data, headers)
-                self._judge(worker, leg, errors.WORKER_FAILED)
-                return _respond(leg, headers)
-            finally:
-                worker.load -= 1
+            if body.get("stream"):
+                return await self._stream_one(request, path, data, worker, headers)
+            leg = await self._leg(worker, self._post(worker, path, data, headers))
+            return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
 
         return await self._with_retries(attempt)
 
-    # -- phase 3: send both -----------------------------------------------------------------------
-    async def _send_both(
-        self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: dict[str, str], with_logprobs: bool
-    ) -> Reply:
-        p_task: asyncio.Task[Leg] | None = self._prefill_leg(prefill, path, wire, headers)
-        d_task = self.loop.create_task(self._post(decode, path, wire, headers))
-        prefill_failed = False
+    # -- phase 3: race the legs -------------------------------------------------------------------
+    def _leg(self, worker: Worker, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """``work`` as a task the dispatcher owns, counted in ``worker``'s load until it ends."""
 
-        def on_prefill(task: asyncio.Task) -> None:
-            nonlocal prefill_failed
-            if not task.cancelled() and (task.result().server_failed or task.result().status >= 400):
-                prefill_failed = True
-                d_task.cancel()  # decode would wait for KV that never comes
+        async def guarded() -> Any:
+            with self.registry.in_flight(worker):
+                return await work
+
+        task = self.loop.create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _race(self, p_task: asyncio.Task[Leg], d_task: asyncio.Task) -> Any:
+        """Decode's answer (a Leg, or a stream's head), or None when the prefill ended the
+        request first (then the decode leg is cancelled: its KV will never come)."""
+
+        def on_prefill(task: asyncio.Task[Leg]) -> None:
+            if not task.cancelled() and task.result().ends_request:
+                d_task.cancel()
 
         # A done-callback instead of asyncio.wait(FIRST_COMPLETED): cheaper on the hot path.
         p_task.add_done_callback(on_prefill)
         try:
-            try:
-                d_leg = await d_task
-            except asyncio.CancelledError:
-                if not prefill_failed:
-                    raise  # the client went away
-                p_leg = p_task.result()
-                self._judge(prefill, p_leg, errors.PREFILL_FAILED)
-                return _respond(p_leg, headers)  # a 4xx: the client's fault
-            self._judge(decode, d_leg, errors.DECODE_FAILED)
+            return await d_task
+        except asyncio.CancelledError:
+            if p_task.done() and not p_task.cancelled() and p_task.result().ends_request:
+                return None
+            raise  # the client went away
+
+    async def _decode_failed(
+        self, prefill: Worker, p_task: asyncio.Task[Leg], decode: Worker, d_leg: Leg, headers: dict[str, str]
+    ) -> Outcome:
+        """Decide which leg failed: the prefill, when its answer ended the request (the decode
+        only followed it), else the decode."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(p_task), VERDICT_GRACE_SECS)
+        if p_task.done() and not p_task.cancelled() and p_task.result().ends_request:
+            return self._prefill_ended(prefill, p_task.result(), headers)
+        return self._verdict(decode, d_leg, errors.DECODE_FAILED) or _respond(d_leg, headers)
+
+    def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: dict[str, str]) -> Outcome:
+        """The prefill ended the request: its failure is retried, its abort or 4xx answered as is."""
+        return self._verdict(prefill, p_leg, errors.PREFILL_FAILED) or _respond(p_leg, headers)
+
+    async def _send_both(
+        self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: dict[str, str], with_logprobs: bool
+    ) -> Outcome:
+        p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
+        d_task = self._leg(decode, self._post(decode, path, wire, headers))
+        keep_prefill = False
+        try:
+            d_leg = await self._race(p_task, d_task)
+            if d_leg is None:
+                return self._prefill_ended(prefill, p_task.result(), headers)
+            if d_leg.server_failed or d_leg.status in BACKPRESSURE:
+                return await self._decode_failed(prefill, p_task, decode, d_leg, headers)
+            self.registry.record(decode, True)
             if d_leg.status >= 400 or not with_logprobs:
+                keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
-                p_task = None
                 return _respond(d_leg, headers)
             p_leg = await p_task
-            self._judge(prefill, p_leg, errors.PREFILL_FAILED)
-            return _respond(_merge_logprobs(p_leg, d_leg), headers)
+            return (
+                self._prefill_ended(prefill, p_leg, headers)
+                if p_leg.ends_request
+                else _respond(_merge_logprobs(p_leg, d_leg), headers)
+            )
         finally:
-            await _cancel(p_task, d_task)
+            await _cancel(None if keep_prefill else p_task, d_task)
 
     async def _stream_both(
         self,
@@ -239,50 +315,55 @@ class Dispatcher:
         decode: Worker,
         headers: dict[str, str],
         with_logprobs: bool,
-    ) -> Reply:
-        p_task: asyncio.Task[Leg] | None = self._prefill_leg(prefill, path, wire, headers)
-        d_head = self.loop.create_task(self._open_stream(decode, path, wire, headers, errors.DECODE_FAILED))
+    ) -> Outcome:
+        p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
+        d_head = self._leg(decode, self._open_stream(decode, path, wire, headers))
         upstream: Response | None = None
+        keep_prefill = False
         try:
-            done, _ = await asyncio.wait({p_task, d_head}, return_when=asyncio.FIRST_COMPLETED)
-            if p_task in done and (p_task.result().server_failed or p_task.result().status >= 400):
-                d_head.cancel()  # decode would wait for KV that never comes
-                self._judge(prefill, p_task.result(), errors.PREFILL_FAILED)
-                return _respond(p_task.result(), headers)
-            upstream = await d_head
+            head = await self._race(p_task, d_head)
+            if head is None:
+                return self._prefill_ended(prefill, p_task.result(), headers)
+            if isinstance(head, Leg):  # no head: connection error or timeout
+                return await self._decode_failed(prefill, p_task, decode, head, headers)
+            upstream = head
             if upstream.status >= 400:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
-                self._judge(decode, leg, errors.DECODE_FAILED)
+                if leg.server_failed or leg.status in BACKPRESSURE:
+                    return await self._decode_failed(prefill, p_task, decode, leg, headers)
+                self.registry.record(decode, True)
                 return _respond(leg, headers)
-            resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
             prefix = None
             if with_logprobs:
-                prefix = _first_input_logprobs(await p_task)
-            async for event in _sse_events(upstream):
-                await resp.write(_prepend_logprobs(event, prefix) if prefix is not None else event)
-            self.registry.record(decode, True)
-            self._finish_unawaited(prefill, p_task)
-            p_task = None
-            await resp.end()
+                p_leg = await p_task
+                if p_leg.ends_request:
+                    return self._prefill_ended(prefill, p_leg, headers)
+                prefix = _first_input_logprobs(p_leg)
+            with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
+                resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
+                try:
+                    async for event in _sse_events(upstream):
+                        await resp.write(_prepend_logprobs(event, prefix) if prefix is not None else event)
+                except (UpstreamError, OSError) as exc:  # the head went out: end the stream properly
+                    self.registry.record(decode, False)
+                    await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {exc}"))
+                else:
+                    self.registry.record(decode, True)
+                keep_prefill = True
+                self._finish_unawaited(prefill, p_task)
+                await resp.end()
             return STREAMED
         finally:
             if upstream is not None:
                 upstream.close()
-            await _cancel(p_task, d_head)
-
-    def _prefill_leg(self, prefill: Worker, path: str, wire: bytes, headers: dict[str, str]) -> asyncio.Task[Leg]:
-        """The prefill leg as a task that counts in prefill's load until it ends."""
-        prefill.load += 1
-        task = self.loop.create_task(self._post(prefill, path, wire, headers))
-        task.add_done_callback(lambda _: _unload(prefill))
-        return task
+            await _cancel(None if keep_prefill else p_task, d_head)
 
     def _finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:
         """The reply does not need prefill's answer: record its outcome when it comes, without
         holding the reply, and cancel it if it takes longer than PREFILL_GRACE_SECS."""
 
         def record(t: asyncio.Task[Leg]) -> None:
-            if not t.cancelled():
+            if not t.cancelled() and t.result().status not in BACKPRESSURE:
                 self.registry.record(prefill, not t.result().server_failed)
 
         if task.done():  # the common case: prefill answered first
@@ -298,18 +379,26 @@ class Dispatcher:
 
     async def _stream_one(
         self, request: Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
-    ) -> Reply:
-        upstream = await self._open_stream(worker, path, data, headers, errors.WORKER_FAILED)
+    ) -> Outcome:
+        head = await self._leg(worker, self._open_stream(worker, path, data, headers))
+        if isinstance(head, Leg):
+            return self._verdict(worker, head, errors.WORKER_FAILED) or _respond(head, headers)
+        upstream: Response = head
         try:
             if upstream.status >= 400:
                 leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
-                self._judge(worker, leg, errors.WORKER_FAILED)
-                return _respond(leg, headers)
-            resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-            async for chunk in upstream.chunks():
-                await resp.write(chunk)
-            self.registry.record(worker, True)
-            await resp.end()
+                return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
+            with self.registry.in_flight(worker):
+                resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
+                try:
+                    async for chunk in upstream.chunks():
+                        await resp.write(chunk)
+                except (UpstreamError, OSError) as exc:
+                    self.registry.record(worker, False)
+                    await resp.write(_error_event(f"worker {worker.url} failed mid-stream: {exc}"))
+                else:
+                    self.registry.record(worker, True)
+                await resp.end()
             return STREAMED
         finally:
             upstream.close()
@@ -321,36 +410,36 @@ class Dispatcher:
             return Leg(error=exc)
         return Leg(r.status, r.body, r.content_type)
 
-    async def _open_stream(
-        self, worker: Worker, path: str, data: bytes, headers: dict[str, str], code: str
-    ) -> Response:
-        """Status and headers of a streamed response; a failure to get them raises like ``_fail``."""
+    async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Response | Leg:
+        """The status and headers of a streamed response, or a Leg carrying why there are none."""
         try:
             return await asyncio.wait_for(
                 self.upstream.post(worker.url + path, data, headers, stream=True), self._timeout
             )
         except asyncio.TimeoutError:
-            self._fail(worker, UpstreamTimeout("no response head within the request timeout"), code)
+            return Leg(error=UpstreamTimeout("no response head within the request timeout"))
         except (UpstreamError, OSError) as exc:
-            self._fail(worker, exc, code)
+            return Leg(error=exc)
 
-    def _judge(self, worker: Worker, leg: Leg, code: str) -> None:
-        """Record the outcome; raise (see ``_fail``) for a server-side failure."""
+    def _verdict(self, worker: Worker, leg: Leg, code: str) -> Retry | Stop | None:
+        """What ``worker``'s answer means for the request: None when it answered (a 2xx to 4xx
+        but 429: the answer goes to the client; counts as ok for the breaker), else a Retry or Stop.
+
+        Backpressure (429/503) is a busy Retry and leaves the breaker alone. No answer at all
+        counts against the breaker: a timeout Stops with 504 (another try would wait as long
+        again), a connection failure also marks the worker failed until its next health check."""
         if leg.error is not None:
-            self._fail(worker, leg.error, code)
+            self.registry.record(worker, False)
+            if isinstance(leg.error, UpstreamTimeout):
+                return Stop(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {leg.error}")
+            self.registry.mark_failed(worker)
+            return Retry(f"{worker.role} {worker.url} failed: {type(leg.error).__name__}: {leg.error}", code)
+        if leg.status in BACKPRESSURE:
+            return Retry(f"{worker.role} {worker.url} is busy ({leg.status}): {leg.body[:200]!r}", code, busy=True)
         self.registry.record(worker, leg.status < 500)
         if leg.status >= 500:
-            raise Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code)
-
-    def _fail(self, worker: Worker, error: BaseException, code: str) -> NoReturn:
-        """Record a leg that got no answer: 504 for a timeout (another try would wait as long
-        again), else Retry; a connection failure also counts as a failed health check."""
-        self.registry.record(worker, False)
-        if isinstance(error, UpstreamTimeout):
-            raise RouteError(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {error}")
-        if isinstance(error, OSError):  # UpstreamError is a ConnectionError
-            self.registry.mark_failed(worker)
-        raise Retry(f"{worker.role} {worker.url} failed: {type(error).__name__}: {error}", code)
+            return Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code)
+        return None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _needs_text(self) -> bool:
@@ -362,6 +451,34 @@ class Dispatcher:
         return base * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000
 
 
+def _chosen(worker: Worker | None, role: str) -> Worker:
+    if worker is None:  # a policy must choose among the workers it is given
+        raise RouteError(503, errors.NO_WORKERS, f"the {role} policy chose no worker")
+    return worker
+
+
+def _aborted(body: bytes) -> bool:
+    """True for an engine's 200 whose (first) item finished with an abort (SGLang's shape)."""
+    if b'"abort"' not in body:
+        return False
+    try:
+        data = loads(body)
+    except ValueError:
+        return False
+    item = data[0] if isinstance(data, list) and data else data
+    reason = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+    return isinstance(reason, dict) and reason.get("type") == "abort"
+
+
+def _error_event(message: str) -> bytes:
+    """An SGLang-shaped error event and the stream's terminator."""
+    return (
+        b"data: "
+        + dumps({"error": {"message": message, "type": "server_error", "code": 500}})
+        + (b"\n\ndata: [DONE]\n\n")
+    )
+
+
 def _text_of(body: dict[str, Any]) -> str | None:
     for key in ("text", "prompt"):
         value = body.get(key)
@@ -371,10 +488,6 @@ def _text_of(body: dict[str, Any]) -> str | None:
     if isinstance(messages, list):
         return "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
     return None
-
-
-def _unload(worker: Worker) -> None:
-    worker.load -= 1
 
 
 async def _cancel(*tasks: asyncio.Task | None) -> None:

@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -129,22 +130,41 @@ class WorkerRegistry:
         return out
 
     # -- outcomes ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def in_flight(self, worker: Worker) -> Iterator[None]:
+        """Count a request in ``worker``'s load for the duration: the one place load changes."""
+        worker.load += 1
+        try:
+            yield
+        finally:
+            worker.load -= 1
+
     def record(self, worker: Worker, ok: bool) -> None:
-        """Circuit breaker bookkeeping; a 4xx is the client's fault and counts as ok."""
+        """Circuit breaker bookkeeping for an answer that says whether ``worker`` works (a 4xx is
+        the client's fault and counts as ok; backpressure, 429/503 from a live worker, is not
+        recorded at all).
+
+        One state, read the same way by selection, ``/workers`` and the log: open while
+        ``cb_open_until`` is ahead; then half-open, when only trial requests' outcomes count
+        (answers to requests sent before the circuit opened neither close nor extend it)."""
         if self.config.disable_circuit_breaker:
             return
+        now = time.monotonic()
+        if worker.cb_open_until > now:
+            return  # open: late answers of requests sent before it opened change nothing
         if ok:
             worker.cb_failures = 0
             if worker.cb_half_open:
                 worker.cb_successes += 1
                 if worker.cb_successes >= self.config.cb_success_threshold:
                     worker.cb_half_open = False
+                    worker.cb_open_until = 0.0
                     log.warning("circuit closed for %s", worker.url)
             return
         worker.cb_successes = 0
         worker.cb_failures += 1
         if worker.cb_half_open or worker.cb_failures >= self.config.cb_failure_threshold:
-            worker.cb_open_until = time.monotonic() + self.config.cb_timeout_duration_secs
+            worker.cb_open_until = now + self.config.cb_timeout_duration_secs
             worker.cb_half_open = True  # after the timeout, trial requests decide
             worker.cb_failures = 0
             log.warning("circuit opened for %s for %.0fs", worker.url, self.config.cb_timeout_duration_secs)
@@ -172,9 +192,9 @@ class WorkerRegistry:
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         workers = list(self.workers.values())
         if workers:
-            await asyncio.gather(*(self._check(session, w) for w in workers))
+            await asyncio.gather(*(self.check(session, w) for w in workers))
 
-    async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+    async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs)
         ok = False
         try:

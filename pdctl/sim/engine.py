@@ -121,7 +121,7 @@ class Engine:
         random_seed: int = 0,
         prefill_ms_per_token: float = 0.0,
         decode_ms_per_step: float = 0.0,
-        publish_kv: Callable[[int, KVPayload], None] | None = None,
+        publish_kv: Callable[[int, KVPayload | str], None] | None = None,
         weight_version: str = "default",
     ):
         self.model = model
@@ -460,6 +460,10 @@ class Engine:
         if req.reserved:
             req.reserved = False
             self._reserved -= 1
+        if req.mode is Mode.PREFILL and req.room is not None and self.publish_kv and reason.get("type") == "abort":
+            # The decode waiting for this room's KV learns at once (SGLang's KV sender reports
+            # the failure to the receiver) instead of waiting out its timeout.
+            self.publish_kv(req.room, str(reason.get("message") or "aborted"))
         if self.on_finish is not None:
             self.on_finish(req)
         req.emit(req)

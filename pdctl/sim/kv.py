@@ -66,17 +66,20 @@ def unpack(data: bytes) -> KVPayload:
 
 
 class KVStore:
-    """Rooms -> KV, owned by the event loop. ``put`` may be called from any thread."""
+    """Rooms -> KV, owned by the event loop. ``put`` may be called from any thread.
+
+    A room's entry is its KV, or a message when the prefill aborted the request (the decode
+    waiting for it is told at once, as SGLang's KV sender reports a failed transfer)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.entries: dict[int, tuple[float, KVPayload]] = {}
+        self.entries: dict[int, tuple[float, KVPayload | str]] = {}
         self.waiters: dict[int, asyncio.Event] = {}
 
-    def put_threadsafe(self, room: int, payload: KVPayload) -> None:
+    def put_threadsafe(self, room: int, payload: KVPayload | str) -> None:
         self.loop.call_soon_threadsafe(self._put, room, payload)
 
-    def _put(self, room: int, payload: KVPayload) -> None:
+    def _put(self, room: int, payload: KVPayload | str) -> None:
         self._expire()
         self.entries[room] = (time.monotonic(), payload)
         event = self.waiters.pop(room, None)
@@ -88,7 +91,7 @@ class KVStore:
         for room in [r for r, (t, _) in self.entries.items() if t < limit]:
             del self.entries[room]
 
-    async def take(self, room: int, wait_secs: float) -> KVPayload | None:
+    async def take(self, room: int, wait_secs: float) -> KVPayload | str | None:
         if room not in self.entries:
             event = self.waiters.setdefault(room, asyncio.Event())
             try:
@@ -97,6 +100,10 @@ class KVStore:
                 return None
         entry = self.entries.pop(room, None)
         return entry[1] if entry else None
+
+
+class PrefillAborted(SimError):
+    """The prefill ended the request without KV (an abort); the decode ends it too."""
 
 
 def bootstrap_app(store: KVStore) -> web.Application:
@@ -112,6 +119,8 @@ def bootstrap_app(store: KVStore) -> web.Application:
         payload = await store.take(room, wait)
         if payload is None:
             return web.json_response({"error": {"message": f"no KV for room {room} yet"}}, status=404)
+        if isinstance(payload, str):
+            return web.json_response({"error": {"message": payload}}, status=410)
         return web.Response(body=pack(payload), content_type="application/octet-stream")
 
     app = web.Application()
@@ -142,6 +151,9 @@ async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: i
             ) as resp:
                 if resp.status == 200:
                     return unpack(await resp.read())
+                if resp.status == 410:  # the prefill aborted the request: no KV will ever come
+                    reason = (await resp.json(content_type=None)).get("error", {}).get("message", "aborted")
+                    raise PrefillAborted(f"the prefill aborted bootstrap_room {room}: {reason}")
                 last_error = f"HTTP {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             last_error = f"{type(exc).__name__}: {exc}"

@@ -181,11 +181,12 @@ def test_decode_without_prefill_times_out_clearly_and_frees_its_slot(tmp_path) -
         with cf.ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda _: post(decode.url + "/generate", dead), range(3)))
         statuses = sorted(s for s, _ in results)
-        assert statuses == [500, 500, 503]  # two slots wait for KV; the third finds none free
+        assert statuses == [500, 500, 500]  # two slots wait for KV; the third queues for a slot, then waits too
         message = next(o for s, o in results if s == 500)["error"]["message"]
         assert "bootstrap_room 1" in message and "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in message
         info = get(decode.url + "/server_info")[1]["internal_states"][0]
         assert info["num_reserved_decode_slots"] == 0 and info["free_slots"] == 2
+        assert info["num_decode_prealloc_queue_reqs"] == 0
         assert post(decode.url + "/generate", {**dead, "bootstrap_host": "2.2.2.2"})[0] == 200
     finally:
         decode.stop()
