@@ -203,9 +203,10 @@ def pd_router_args(prefills: list[SimProcess], decodes: list[SimProcess], *extra
 class NullEngine:
     """``python -m pdctl.sim.null``: answers at once; records bodies when asked."""
 
-    def __init__(self, tmp: Path, role: str, record: bool = False):
+    def __init__(self, tmp: Path, role: str, record: bool = False, busy: bool = False):
         self.port = free_port()
         self.role = role
+        self.busy = busy
         self.bootstrap_port = free_port() if role == "prefill" else None
         self.record = tmp / f"null-{role}-{self.port}.jsonl" if record else None
         self.proc: subprocess.Popen | None = None
@@ -220,6 +221,8 @@ class NullEngine:
             argv += ["--bootstrap-port", str(self.bootstrap_port)]
         if self.record:
             argv += ["--record", str(self.record)]
+        if self.busy:
+            argv.append("--busy")
         self.proc = subprocess.Popen(argv, start_new_session=True)
         wait_http(self.url + "/health", proc=self.proc)
         return self

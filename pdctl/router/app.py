@@ -122,6 +122,7 @@ class RouterServer:
         r.add("GET", Endpoint.HEALTH_GENERATE.value, self.health_generate)
         for path in (Endpoint.MODEL_INFO, Endpoint.GET_MODEL_INFO, Endpoint.MODELS):
             r.add("GET", path.value, self.proxy_get)
+        r.add_prefix("GET", Endpoint.MODELS.value + "/", self.proxy_get)  # /v1/models/{id}
         for path in (Endpoint.SERVER_INFO, Endpoint.GET_SERVER_INFO):
             r.add("GET", path.value, self.server_info)
         r.add("POST", Endpoint.FLUSH_CACHE.value, self.flush_cache)

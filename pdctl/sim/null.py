@@ -45,11 +45,13 @@ def _item(i: int = 0) -> dict[str, Any]:
     }
 
 
-def make_app(role: str, record: str | None) -> web.Application:
+def make_app(role: str, record: str | None, busy: bool = False) -> web.Application:
     log = open(record, "a") if record else None  # noqa: SIM115 - lives as long as the app
 
     async def generate(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
+        if busy:  # SGLang's answer when --max-queued-requests is reached
+            return web.json_response({"error": {"message": "The request queue is full.", "code": 503}}, status=503)
         if log:
             log.write(raw.decode() + "\n")
             log.flush()
@@ -101,7 +103,7 @@ def make_app(role: str, record: str | None) -> web.Application:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runner, _ = await start_site(make_app(args.role, args.record), args.host, args.port)
+    runner, _ = await start_site(make_app(args.role, args.record, args.busy), args.host, args.port)
     if args.role == "prefill" and args.bootstrap_port:
         boot = web.Application()
         boot.router.add_get("/health", lambda _: web.Response(text="OK"))
@@ -120,6 +122,7 @@ def main() -> None:
     p.add_argument("--role", choices=["regular", "prefill", "decode"], default="regular")
     p.add_argument("--bootstrap-port", type=int)
     p.add_argument("--record", help="Append every request body to this file (JSON lines).")
+    p.add_argument("--busy", action="store_true", help="Answer every generation with 503 (a full queue).")
     args = p.parse_args()
     try:
         import uvloop

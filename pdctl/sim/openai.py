@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 def add_routes(app: web.Application, server: SimServer) -> None:
     routes = OpenAIRoutes(server)
     app.router.add_get(Endpoint.MODELS.value, routes.models)
-    app.router.add_get("/v1/models/{model}", routes.model)
+    app.router.add_get("/v1/models/{model:.+}", routes.model)  # SGLang: {model:path}, ids may hold slashes
     app.router.add_post(Endpoint.COMPLETIONS.value, routes.completions)
     app.router.add_post(Endpoint.CHAT_COMPLETIONS.value, routes.chat)
 

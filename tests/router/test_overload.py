@@ -125,3 +125,33 @@ def test_a_prompt_the_prefill_refuses_is_answered_at_once(fleet, text):
     assert time.monotonic() - started < 20  # no wait for a KV hand-off that never comes (a hang hits the timeout)
     assert status == 400 or (status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"), out
     assert_idle(procs)
+
+
+def test_a_busy_worker_is_backpressure_not_death(tmp_path):
+    """A live worker answering 503 (its queue is full) never opens its breaker; requests go on
+    to the other worker, and the busy one stays healthy in /workers."""
+    from tests.helpers import NullEngine
+
+    busy = NullEngine(tmp_path, "regular", busy=True).start()
+    good = NullEngine(tmp_path, "regular").start()
+    router = RouterProcess(tmp_path, "--worker-urls", busy.url, good.url, "--policy", "round_robin",
+                           "--cb-failure-threshold", "2").start("/readiness")
+    try:
+        results = [post(router.url + "/generate", {"text": f"b{i}"}) for i in range(20)]
+        assert all(status == 200 for status, _ in results), results[:3]
+        workers = {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}
+        assert workers[busy.url]["is_healthy"] and not workers[busy.url]["circuit_open"]
+        assert "circuit opened" not in router.log.read_text()
+    finally:
+        router.stop()
+        busy.stop()
+        good.stop()
+
+
+def test_model_by_id_through_the_router(fleet):
+    procs, router = fleet
+    status, out = get(router.url + "/v1/models")
+    model_id = out["data"][0]["id"]
+    status, one_model = get(router.url + f"/v1/models/{model_id}")
+    assert status == 200 and one_model["id"] == model_id
+    assert get(procs[0].url + f"/v1/models/{model_id}") == (status, one_model)
