@@ -116,7 +116,14 @@ def bare_broadcast(nbytes: int) -> float:
 class Fleet:
     def __init__(self, tmp: Path, model_dir: Path):
         self.procs: list[subprocess.Popen] = []
-        self.engines = []
+        self.engines: list[dict] = []
+        try:
+            self._start(tmp, model_dir)
+        except BaseException:
+            self.stop()  # a failed start leaves nothing behind
+            raise
+
+    def _start(self, tmp: Path, model_dir: Path) -> None:
         prefills, decodes = [], []
         for i, (role, tp) in enumerate(ENGINES):
             port = free_port()
