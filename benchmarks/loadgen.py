@@ -18,7 +18,7 @@ import aiohttp
 BODY = json.dumps({"text": "benchmark", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).encode()
 
 
-async def run(url: str, concurrency: int, duration: float, max_requests: int) -> dict:
+async def run(url: str, concurrency: int, duration: float, max_requests: int, body: bytes = BODY) -> dict:
     latencies: list[float] = []
     errors = 0
     deadline = time.monotonic() + duration
@@ -30,7 +30,7 @@ async def run(url: str, concurrency: int, duration: float, max_requests: int) ->
             while time.monotonic() < deadline and len(latencies) + errors < max_requests:
                 start = time.perf_counter()
                 try:
-                    async with session.post(url, data=BODY, headers={"Content-Type": "application/json"}) as resp:
+                    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                         await resp.read()
                         ok = resp.status == 200
                 except (aiohttp.ClientError, OSError):
