@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -40,11 +42,13 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.jsonutil import dumps, loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.resume import continuation_body, progress_of, remaining_tokens, resumable, rewrite
 from pdctl.router.server import STREAMED, Reply, Request
 from pdctl.router.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
 
+log = logging.getLogger("pdctl.router")
 PREFILL_GRACE_SECS = 5.0  # how long a prefill leg may run on after the reply went out without it
 VERDICT_GRACE_SECS = 2.0  # how long a failed decode waits for its prefill's answer to learn who failed
 BACKPRESSURE = (429, 503)
@@ -138,9 +142,12 @@ class Dispatcher:
         self.upstream.close()
 
     # -- phase 1: select ----------------------------------------------------------------------
-    def select_pair(self, ctx: RequestContext) -> tuple[Worker, Worker]:
-        """A prefill and a decode on the same weight version; RouteError (503) names what is missing."""
+    def select_pair(self, ctx: RequestContext, version: str | None = None) -> tuple[Worker, Worker]:
+        """A prefill and a decode on the same weight version (``version`` when given);
+        RouteError (503) names what is missing."""
         prefills = self.registry.routable("prefill")
+        if version is not None:
+            prefills = [p for p in prefills if p.weight_version == version]
         if not prefills:
             raise RouteError(503, errors.NO_PREFILL, "No prefill workers available" + self._why_none("prefill"))
         decodes = self.registry.routable("decode")
@@ -206,6 +213,7 @@ class Dispatcher:
         ctx = RequestContext(text=_text_of(body) if self._needs_text() else None)
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
+        resume = _Resume(body, ctx, path) if stream and resumable(path, body) else None
 
         async def attempt() -> Outcome:
             prefill, decode = self.select_pair(ctx)
@@ -215,7 +223,7 @@ class Dispatcher:
             )
             wire = dumps(bootstrapped)
             if stream:
-                return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs)
+                return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs, resume)
             return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
 
         return await self._with_retries(attempt)
@@ -315,6 +323,7 @@ class Dispatcher:
         decode: Worker,
         headers: dict[str, str],
         with_logprobs: bool,
+        resume: _Resume | None = None,
     ) -> Outcome:
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
         d_head = self._leg(decode, self._open_stream(decode, path, wire, headers))
@@ -341,22 +350,74 @@ class Dispatcher:
                 prefix = _first_input_logprobs(p_leg)
             with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-                try:
-                    async for event in _sse_events(upstream):
-                        await resp.write(_prepend_logprobs(event, prefix) if prefix is not None else event)
-                except (UpstreamError, OSError) as exc:  # the head went out: end the stream properly
-                    self.registry.record(decode, False)
-                    await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {exc}"))
-                else:
-                    self.registry.record(decode, True)
+                last, error = await _pump(
+                    resp, upstream, (lambda e: _prepend_logprobs(e, prefix)) if prefix is not None else None
+                )
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
-                await resp.end()
+            if error is None:
+                self.registry.record(decode, True)
+            else:  # the head went out: continue elsewhere, or end the stream properly
+                self.registry.record(decode, False)
+                self.registry.mark_failed(decode)
+                if resume is None or not await self._resume(resp, resume, last, headers):
+                    await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {error}"))
+            await resp.end()
             return STREAMED
         finally:
             if upstream is not None:
                 upstream.close()
             await _cancel(None if keep_prefill else p_task, d_head)
+
+    async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: dict[str, str]) -> bool:
+        """Continue a stream whose decode died on a new pair of the same weight version (see
+        pdctl.router.resume); False when it cannot, after at most ``retry_max_retries`` pairs."""
+        done = progress_of(last)
+        for _ in range(max(1, self.config.retry_max_retries)):
+            if done is None:
+                return False
+            if remaining_tokens(resume.body, done) <= 0:
+                await resp.write(b"data: [DONE]\n\n")
+                return True
+            try:
+                prefill, decode = self.select_pair(resume.ctx, version=done.version)
+            except RouteError:
+                return False
+            bootstrapped = inject_bootstrap(
+                continuation_body(resume.body, done),
+                host=prefill.bootstrap_host,
+                port=prefill.bootstrap_port,
+                batch_size=None,
+            )
+            wire = dumps(bootstrapped)
+            self.metrics.retried("stream_resumed")
+            log.warning("stream %s: decode failed after %d tokens; continuing on %s", done.rid, done.tokens, decode.url)
+            p_task = self._leg(prefill, self._post(prefill, resume.path, wire, headers))
+            d_head = self._leg(decode, self._open_stream(decode, resume.path, wire, headers))
+            upstream: Response | None = None
+            keep_prefill = False
+            try:
+                head = await self._race(p_task, d_head)
+                if head is None or isinstance(head, Leg) or head.status >= 400:
+                    if isinstance(head, Leg):
+                        self._verdict(decode, head, errors.DECODE_FAILED)
+                    continue
+                upstream = head
+                with self.registry.in_flight(decode):
+                    last, error = await _pump(resp, upstream, functools.partial(rewrite, done=done))
+                keep_prefill = True
+                self._finish_unawaited(prefill, p_task)
+                if error is None:
+                    self.registry.record(decode, True)
+                    return True
+                self.registry.record(decode, False)
+                self.registry.mark_failed(decode)
+                done = progress_of(last) or done
+            finally:
+                if upstream is not None:
+                    upstream.close()
+                await _cancel(None if keep_prefill else p_task, d_head)
+        return False
 
     def _finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:
         """The reply does not need prefill's answer: record its outcome when it comes, without
@@ -449,6 +510,35 @@ class Dispatcher:
         c = self.config
         base = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier**attempt, c.retry_max_backoff_ms)
         return base * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """What continuing a stream elsewhere needs: the client's request."""
+
+    body: dict[str, Any]
+    ctx: RequestContext
+    path: str
+
+
+async def _pump(
+    resp: Any, upstream: Response, transform: Callable[[bytes], bytes] | None
+) -> tuple[bytes | None, BaseException | None]:
+    """Forward ``upstream``'s events to the client; returns the last data event sent and the
+    upstream's failure, if it failed (a failure to write to the client propagates)."""
+    last = None
+    events = _sse_events(upstream).__aiter__()
+    while True:
+        try:
+            event = await events.__anext__()
+        except StopAsyncIteration:
+            return last, None
+        except (UpstreamError, OSError) as exc:
+            return last, exc
+        out = transform(event) if transform is not None else event
+        await resp.write(out)
+        if out.startswith(b"data: {"):
+            last = out
 
 
 def _chosen(worker: Worker | None, role: str) -> Worker:

@@ -155,3 +155,53 @@ def test_model_by_id_through_the_router(fleet):
     status, one_model = get(router.url + f"/v1/models/{model_id}")
     assert status == 200 and one_model["id"] == model_id
     assert get(procs[0].url + f"/v1/models/{model_id}") == (status, one_model)
+
+
+def test_a_stream_outlives_its_decode(tmp_path):
+    """kill -9 of the decode serving a greedy /generate stream: the router continues the same
+    stream on the other decode; the client sees one stream equal to an uninterrupted run."""
+    slow = ("--sim-decode-ms-per-step", "15")
+    specs = [("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode", *slow),
+             ("--disaggregation-mode", "decode", *slow)]
+    with sims(tmp_path, *specs) as procs:
+        router = RouterProcess(tmp_path, *pd_router_args(procs[:1], procs[1:], "--policy", "round_robin")).start(
+            "/readiness")
+        try:
+            body = {"text": "a stream that outlives its decode", "sampling_params": {"max_new_tokens": 150,
+                                                                                      "temperature": 0}}
+            status, reference = post(router.url + "/generate", body)
+            assert status == 200 and reference["meta_info"]["completion_tokens"] == 150
+
+            async def run() -> list[bytes]:
+                events: list[bytes] = []
+                killed = False
+                timeout = aiohttp.ClientTimeout(total=120)
+                async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                    router.url + "/generate", json={**body, "stream": True}
+                ) as resp:
+                    async for line in resp.content:
+                        if not line.startswith(b"data: "):
+                            continue
+                        events.append(line[6:].strip())
+                        if not killed and len(events) >= 10:
+                            busy = [p for p in procs[1:]
+                                    if get(p.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"]]
+                            assert len(busy) == 1
+                            os.killpg(busy[0].proc.pid, signal.SIGKILL)
+                            killed = True
+                assert killed
+                return events
+
+            events = asyncio.run(run())
+            assert events[-1] == b"[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert not [c for c in chunks if "error" in c], chunks[-3:]
+            last = chunks[-1]
+            assert last["text"] == reference["text"] and last["output_ids"] == reference["output_ids"]
+            assert last["meta_info"]["completion_tokens"] == 150
+            assert len({c["meta_info"]["id"] for c in chunks}) == 1
+            tokens = [c["meta_info"]["completion_tokens"] for c in chunks]
+            assert tokens == sorted(tokens)  # one stream: counts never go back
+            assert "continuing on" in router.log.read_text()
+        finally:
+            router.stop()
