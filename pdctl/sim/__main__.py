@@ -50,6 +50,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         skip_server_warmup=bool(args.skip_server_warmup),
         context_length=args.context_length,
         max_running_requests=args.max_running_requests or 64,
+        max_queued_requests=args.max_queued_requests,
         prefill_ms_per_token=sim.prefill_ms_per_token,
         decode_ms_per_step=sim.decode_ms_per_step,
         server_args=server_args,

@@ -41,6 +41,7 @@ USED = {
     "skip_server_warmup",
     "context_length",
     "max_running_requests",
+    "max_queued_requests",
     "dtype",
     "mem_fraction_static",
 }

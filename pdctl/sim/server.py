@@ -56,6 +56,8 @@ class SimConfig:
     skip_server_warmup: bool = False
     context_length: int | None = None
     max_running_requests: int = 64
+    max_queued_requests: int | None = None
+    """SGLang: beyond this many waiting requests new ones get 503; ignored in PD modes."""
     prefill_ms_per_token: float = 0.0
     decode_ms_per_step: float = 0.0
     server_args: tuple[tuple[str, Any], ...] = ()
@@ -214,6 +216,9 @@ class SimServer:
             for req, _ in out:
                 self.engine.abort(req.rid, "batch failed")
             raise
+        limit = self.config.max_queued_requests
+        if limit is not None and self.mode == "null" and self.engine.stats()["num_queue_reqs"] + len(out) > limit:
+            raise SimError("The request queue is full.", status=503)  # SGLang's words and status
         for req, _ in out:
             self.engine.submit(req)
         self.metrics.requests_started(len(out))

@@ -190,3 +190,20 @@ def test_decode_without_prefill_times_out_clearly_and_frees_its_slot(tmp_path) -
         assert post(decode.url + "/generate", {**dead, "bootstrap_host": "2.2.2.2"})[0] == 200
     finally:
         decode.stop()
+
+
+def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
+    """SGLang 0.5.23: with --max-queued-requests, a request beyond that many waiting ones gets
+    503 'The request queue is full.'; running and queued ones complete."""
+    sim = SimProcess(tmp_path, "--max-running-requests", "1", "--max-queued-requests", "2",
+                     "--sim-decode-ms-per-step", "20").start()
+    try:
+        body = {"text": "q", "sampling_params": {"max_new_tokens": 30}}
+        with cf.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: post(sim.url + "/generate", body), range(6)))
+        statuses = sorted(s for s, _ in results)
+        assert statuses.count(200) >= 3 and 503 in statuses and set(statuses) <= {200, 503}, statuses
+        full = next(o for s, o in results if s == 503)
+        assert full["error"]["message"] == "The request queue is full."
+    finally:
+        sim.stop()
