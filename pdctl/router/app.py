@@ -21,7 +21,7 @@ import aiohttp
 
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
-from pdctl.router.dispatch import Dispatcher, RouteError
+from pdctl.router.dispatch import Dispatcher, Headers, RouteError
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.server import HttpServer, Reply, Request, Routes, json_reply, text_reply
@@ -30,7 +30,6 @@ from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
 OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
-MAX_BODY = 512 * 1024 * 1024
 
 
 class RouterServer:
@@ -72,7 +71,7 @@ class RouterServer:
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
         try:
-            main = HttpServer(self.handle, errors.server_error, max_body=MAX_BODY)
+            main = HttpServer(self.handle, errors.server_error, max_body=self.config.max_payload_size)
             self.port = await self._listen(main, self.config.port)
             if self.config.prometheus_port is not None:
                 metrics_routes = Routes()
@@ -150,7 +149,7 @@ class RouterServer:
         route = request.path
         h = request.headers
         request_id = h.get("x-request-id") or h.get("x-correlation-id") or h.get("request-id")
-        headers = {"X-Request-ID": request_id or f"{self._id_prefix}{next(self._ids):x}"}
+        headers = Headers.of(request_id or f"{self._id_prefix}{next(self._ids):x}", h)
         status = 500
         try:
             try:
@@ -175,7 +174,7 @@ class RouterServer:
             self.metrics.child(self.metrics.requests, route, str(status)).inc()
             self.metrics.child(self.metrics.latency, route).observe(time.monotonic() - started)
 
-    async def _route(self, request: Request, route: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
+    async def _route(self, request: Request, route: str, body: dict[str, Any], headers: Headers) -> Reply:
         if not self.config.pd_disaggregation:
             return await self.dispatcher.regular_request(request, route, body, headers)
         if route == Endpoint.GENERATE.value:
@@ -199,7 +198,7 @@ class RouterServer:
         try:
             await asyncio.wait_for(self._slots.acquire(), self.config.queue_timeout_secs)
         except asyncio.TimeoutError:
-            raise RouteError(503, errors.QUEUE_TIMEOUT, "timed out waiting for a free slot") from None
+            raise RouteError(408, errors.QUEUE_TIMEOUT, "timed out waiting for a free slot") from None
         finally:
             self._waiting -= 1
             self.metrics.queued.set(self._waiting)

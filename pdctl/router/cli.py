@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests, help="-1: no limit.")
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
+    p.add_argument("--max-payload-size", type=int, default=d.max_payload_size, help="Bytes; larger bodies get 413.")
     p.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
     p.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
     p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
@@ -114,6 +115,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,
+        max_payload_size=args.max_payload_size,
         health_check_interval_secs=args.health_check_interval_secs,
         health_check_timeout_secs=args.health_check_timeout_secs,
         health_failure_threshold=args.health_failure_threshold,

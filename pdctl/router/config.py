@@ -28,6 +28,8 @@ class RouterConfig:
     max_concurrent_requests: int = -1
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
+    max_payload_size: int = 512 * 1024 * 1024
+    """Bytes; a larger request body is answered 413 (sglang-router's and smg's default)."""
     health_check_interval_secs: float = 10.0
     health_check_timeout_secs: float = 5.0
     health_failure_threshold: int = 3

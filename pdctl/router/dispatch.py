@@ -63,6 +63,29 @@ _HOP_HEADERS = {
 }
 
 
+FORWARDED = frozenset({"authorization", "x-correlation-id", "traceparent", "tracestate", "x-smg-routing-key"})
+"""Client headers sent on to workers (with X-Request-ID and ``x-request-id-*``), as smg does;
+the rest (cookies, custom headers) stay at the router."""
+
+
+class Headers(dict[str, str]):
+    """The reply's headers (the dict itself) and ``upstream``, the headers sent to workers."""
+
+    def __init__(self, reply: dict[str, str], upstream: dict[str, str]):
+        super().__init__(reply)
+        self.upstream = upstream
+
+    @classmethod
+    def of(cls, request_id: str, client: dict[str, str]) -> Headers:
+        """``client``: the request's headers, names in lower case. Values with CR or LF are dropped."""
+        forwarded = {
+            name: value
+            for name, value in client.items()
+            if (name in FORWARDED or name.startswith("x-request-id-")) and "\r" not in value and "\n" not in value
+        }
+        return cls({"X-Request-ID": request_id}, {**forwarded, "X-Request-ID": request_id})
+
+
 class RouteError(Exception):
     def __init__(self, status: int, code: str, message: str):
         super().__init__(message)
@@ -96,6 +119,8 @@ class Retry:
     message: str
     code: str
     busy: bool = False
+    answer: Leg | None = None
+    """The worker's own answer (a 5xx), passed to the client as is once the retries are spent."""
 
 
 @dataclass(frozen=True)
@@ -182,9 +207,11 @@ class Dispatcher:
         return _chosen(self.regular_policy.select(workers, ctx), "regular")
 
     # -- the request loop (retries) ---------------------------------------------------------------
-    async def _with_retries(self, attempt_once: Callable[[], Awaitable[Outcome]]) -> Reply:
-        """Run ``attempt_once`` until it gives a Reply. A Retry uses the budget (then 502), unless
-        it is backpressure, which waits for capacity within the request timeout (then 503)."""
+    async def _with_retries(self, attempt_once: Callable[[], Awaitable[Outcome]], headers: Headers) -> Reply:
+        """Run ``attempt_once`` until it gives a Reply. A Retry uses the budget (then the last
+        worker's own 5xx answer, as sglang-router and smg pass it, or 502 when no worker
+        answered), unless it is backpressure, which waits for capacity within the request
+        timeout (then 503)."""
         budget = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
         failures = busy = 0
         deadline = time.monotonic() + self._timeout
@@ -203,12 +230,14 @@ class Dispatcher:
             else:
                 failures += 1
                 if failures >= budget:
+                    if outcome.answer is not None:
+                        return _respond(outcome.answer, headers)
                     raise RouteError(502, outcome.code, f"{outcome.message} (after {failures} attempt(s))")
                 delay = self._backoff(failures - 1)
             await asyncio.sleep(delay)
 
     async def pd_request(
-        self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: dict[str, str]
+        self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: Headers
     ) -> Reply:
         ctx = RequestContext(text=_text_of(body) if self._needs_text() else None)
         stream = bool(body.get("stream"))
@@ -226,11 +255,9 @@ class Dispatcher:
                 return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs, resume)
             return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
 
-        return await self._with_retries(attempt)
+        return await self._with_retries(attempt, headers)
 
-    async def regular_request(
-        self, request: Request, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> Reply:
+    async def regular_request(self, request: Request, path: str, body: dict[str, Any], headers: Headers) -> Reply:
         ctx = RequestContext(text=_text_of(body) if self.regular_policy.needs_text else None)
         data = dumps(body)
 
@@ -241,7 +268,7 @@ class Dispatcher:
             leg = await self._leg(worker, self._post(worker, path, data, headers))
             return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
 
-        return await self._with_retries(attempt)
+        return await self._with_retries(attempt, headers)
 
     # -- phase 3: race the legs -------------------------------------------------------------------
     def _leg(self, worker: Worker, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -274,7 +301,7 @@ class Dispatcher:
             raise  # the client went away
 
     async def _decode_failed(
-        self, prefill: Worker, p_task: asyncio.Task[Leg], decode: Worker, d_leg: Leg, headers: dict[str, str]
+        self, prefill: Worker, p_task: asyncio.Task[Leg], decode: Worker, d_leg: Leg, headers: Headers
     ) -> Outcome:
         """Decide which leg failed: the prefill, when its answer ended the request (the decode
         only followed it), else the decode."""
@@ -284,12 +311,12 @@ class Dispatcher:
             return self._prefill_ended(prefill, p_task.result(), headers)
         return self._verdict(decode, d_leg, errors.DECODE_FAILED) or _respond(d_leg, headers)
 
-    def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: dict[str, str]) -> Outcome:
+    def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: Headers) -> Outcome:
         """The prefill ended the request: its failure is retried, its abort or 4xx answered as is."""
         return self._verdict(prefill, p_leg, errors.PREFILL_FAILED) or _respond(p_leg, headers)
 
     async def _send_both(
-        self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: dict[str, str], with_logprobs: bool
+        self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: Headers, with_logprobs: bool
     ) -> Outcome:
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
         d_task = self._leg(decode, self._post(decode, path, wire, headers))
@@ -321,7 +348,7 @@ class Dispatcher:
         wire: bytes,
         prefill: Worker,
         decode: Worker,
-        headers: dict[str, str],
+        headers: Headers,
         with_logprobs: bool,
         resume: _Resume | None = None,
     ) -> Outcome:
@@ -369,7 +396,7 @@ class Dispatcher:
                 upstream.close()
             await _cancel(None if keep_prefill else p_task, d_head)
 
-    async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: dict[str, str]) -> bool:
+    async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: Headers) -> bool:
         """Continue a stream whose decode died on a new pair of the same weight version (see
         pdctl.router.resume); False when it cannot, after at most ``retry_max_retries`` pairs."""
         done = progress_of(last)
@@ -438,9 +465,7 @@ class Dispatcher:
 
         task.add_done_callback(settle)
 
-    async def _stream_one(
-        self, request: Request, path: str, data: bytes, worker: Worker, headers: dict[str, str]
-    ) -> Outcome:
+    async def _stream_one(self, request: Request, path: str, data: bytes, worker: Worker, headers: Headers) -> Outcome:
         head = await self._leg(worker, self._open_stream(worker, path, data, headers))
         if isinstance(head, Leg):
             return self._verdict(worker, head, errors.WORKER_FAILED) or _respond(head, headers)
@@ -464,18 +489,18 @@ class Dispatcher:
         finally:
             upstream.close()
 
-    async def _post(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Leg:
+    async def _post(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Leg:
         try:
-            r = await self.upstream.post(worker.url + path, data, headers, timeout=self._timeout)
+            r = await self.upstream.post(worker.url + path, data, headers.upstream, timeout=self._timeout)
         except (UpstreamError, OSError) as exc:
             return Leg(error=exc)
         return Leg(r.status, r.body, r.content_type)
 
-    async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: dict[str, str]) -> Response | Leg:
+    async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | Leg:
         """The status and headers of a streamed response, or a Leg carrying why there are none."""
         try:
             return await asyncio.wait_for(
-                self.upstream.post(worker.url + path, data, headers, stream=True), self._timeout
+                self.upstream.post(worker.url + path, data, headers.upstream, stream=True), self._timeout
             )
         except asyncio.TimeoutError:
             return Leg(error=UpstreamTimeout("no response head within the request timeout"))
@@ -499,7 +524,7 @@ class Dispatcher:
             return Retry(f"{worker.role} {worker.url} is busy ({leg.status}): {leg.body[:200]!r}", code, busy=True)
         self.registry.record(worker, leg.status < 500)
         if leg.status >= 500:
-            return Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code)
+            return Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code, answer=leg)
         return None
 
     # -- helpers ---------------------------------------------------------------------------------------
@@ -593,7 +618,7 @@ def _pass_headers(upstream: Response) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
 
 
-def _respond(leg: Leg, headers: dict[str, str]) -> Reply:
+def _respond(leg: Leg, headers: Headers) -> Reply:
     return Reply(leg.status, leg.body, leg.content_type, headers)
 
 

@@ -1,0 +1,136 @@
+"""pdctl's router beside sglang-router 0.3.2 in front of the same real HTTP workers: the same
+status codes and the same headers reaching the worker (issue: the router as a drop-in)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import RouterProcess, free_port, get, http, post, wait_http
+
+CLIENT_HEADERS = {
+    "Authorization": "Bearer worker-key",
+    "X-Request-Id": "req-17",
+    "X-Correlation-Id": "corr-17",
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "tracestate": "vendor=1",
+    "Cookie": "session=secret",
+    "X-Custom": "stays-at-the-router",
+}
+FORWARDED = {"authorization", "x-request-id", "x-correlation-id", "traceparent", "tracestate"}
+
+
+@contextlib.contextmanager
+def echo_worker(tmp: Path, *flags: str) -> Iterator[str]:
+    port = free_port()
+    log = tmp / f"echo-{port}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.router.echo_worker", "--port", str(port), *flags],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc, log=log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def routers(tmp: Path, workers: list[str], *extra: str) -> Iterator[dict[str, str]]:
+    """pdctl's router, and sglang-router 0.3.2 when it is installed, over ``workers``."""
+    pdctl = RouterProcess(tmp, "--worker-urls", *workers, "--policy", "round_robin", *extra).start("/readiness")
+    out = {"pdctl": pdctl.url}
+    peer = None
+    try:
+        if _has_sglang_router():
+            port = free_port()
+            log = tmp / f"sglang-router-{port}.log"
+            peer = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
+                                     "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+                                     "--prometheus-port", str(free_port()), "--log-level", "warn", *extra],
+                                    stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    if get(url + "/readiness", timeout=2)[0] == 200:
+                        break
+                time.sleep(0.3)
+            out["sglang-router"] = url
+        yield out
+    finally:
+        pdctl.stop()
+        if peer is not None:
+            peer.terminate()
+            peer.wait(timeout=15)
+
+
+def _has_sglang_router() -> bool:
+    return subprocess.run([sys.executable, "-c", "import sglang_router"], capture_output=True).returncode == 0
+
+
+def test_allow_listed_headers_reach_the_worker_and_others_do_not(tmp_path):
+    with echo_worker(tmp_path, "--api-key", "worker-key") as worker, routers(tmp_path, [worker]) as urls:
+        for name, url in urls.items():
+            status, out = post(url + "/generate", {"text": "h"}, headers=CLIENT_HEADERS)
+            assert status == 200, (name, out)
+            got = out["headers"]
+            for header in FORWARDED:
+                assert got.get(header) == {k.lower(): v for k, v in CLIENT_HEADERS.items()}[header], (name, header)
+            assert "cookie" not in got and "x-custom" not in got, (name, got)
+        # Without the worker's key the worker's own 401 comes back.
+        for name, url in urls.items():
+            assert post(url + "/generate", {"text": "h"})[0] == 401, name
+
+
+def test_a_worker_500_reaches_the_client_as_500(tmp_path):
+    with echo_worker(tmp_path, "--fail") as worker, routers(tmp_path, [worker], "--retry-max-retries", "1") as urls:
+        for name, url in urls.items():
+            status, out = post(url + "/generate", {"text": "x"})
+            assert status == 500, (name, status, out)
+
+
+def test_payload_over_the_limit_is_413(tmp_path):
+    with echo_worker(tmp_path) as worker, routers(tmp_path, [worker], "--max-payload-size", "1000") as urls:
+        for name, url in urls.items():
+            assert post(url + "/generate", {"text": "y" * 2000})[0] == 413, name
+            assert post(url + "/generate", {"text": "y" * 10})[0] == 200, name
+
+
+def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
+    """One slot, a queue of one, a short queue timeout: pdctl answers 408 for a request that
+    waited too long and 429 when the queue is full (sglang-router's codes)."""
+    with slow_sim(tmp_path) as worker:
+        router = RouterProcess(tmp_path, "--worker-urls", worker, "--max-concurrent-requests", "1",
+                               "--queue-size", "1", "--queue-timeout-secs", "0.3").start("/readiness")
+        try:
+            import concurrent.futures as cf
+
+            body = {"text": "slow", "sampling_params": {"max_new_tokens": 40}}
+            with cf.ThreadPoolExecutor(3) as pool:
+                statuses = sorted(s for s, _ in pool.map(lambda _: http("POST", router.url + "/generate", body),
+                                                         range(3)))
+            assert statuses == [200, 408, 429] or statuses == [200, 408, 408], statuses
+        finally:
+            router.stop()
+
+
+@contextlib.contextmanager
+def slow_sim(tmp: Path) -> Iterator[str]:
+    from tests.helpers import SimProcess
+
+    sim = SimProcess(tmp, "--sim-decode-ms-per-step", "25").start()
+    try:
+        yield sim.url
+    finally:
+        sim.stop()
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
