@@ -128,6 +128,7 @@ class RouterServer:
         r.add("GET", "/workers", self.list_workers)
         r.add("POST", "/workers", self.add_worker)
         r.add_prefix("DELETE", "/workers/", self.delete_worker)
+        r.add_prefix("GET", "/workers/", self.get_worker)
         r.add("GET", "/metrics", self.metrics_endpoint)
         r.add("POST", "/pdctl/hold", self.hold)
         r.add("POST", "/pdctl/release", self.release)
@@ -439,6 +440,13 @@ class RouterServer:
         if self.session is not None and not self.config.disable_health_check:
             await self.registry.check(self.session, worker)
         return json_reply({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
+
+    async def get_worker(self, request: Request) -> Reply:
+        """One worker's state (health included), by id or URL, as smg's ``GET /workers/{id}``."""
+        worker = self.registry.find(request.tail)
+        if worker is None:
+            return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.tail}")
+        return json_reply(worker.to_dict())
 
     async def delete_worker(self, request: Request) -> Reply:
         worker = self.registry.remove(request.tail)

@@ -129,13 +129,14 @@ class Routes:
         handler = self.exact.get((request.method, request.path))
         if handler is not None:
             return handler
+        other_method = False
         for method, prefix, prefixed in self.prefixes:
             if request.path.startswith(prefix) and len(request.path) > len(prefix):
                 if method == request.method:
                     request.tail = unquote(request.path[len(prefix) :])
                     return prefixed
-                return False
-        if any(path == request.path for _, path in self.exact):
+                other_method = True
+        if other_method or any(path == request.path for _, path in self.exact):
             return False
         return None
 

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
@@ -92,13 +92,17 @@ class WorkerRegistry:
         log.info("registered %s worker %s", role, url)
         return worker
 
+    def find(self, key: str) -> Worker | None:
+        """A worker by id or URL (percent-encoded or not)."""
+        key = unquote(key).rstrip("/")
+        return next((w for url, w in self.workers.items() if key in (w.id, url)), None)
+
     def remove(self, key: str) -> Worker | None:
-        for url, w in list(self.workers.items()):
-            if key in (w.id, url):
-                del self.workers[url]
-                log.info("removed %s worker %s", w.role, url)
-                return w
-        return None
+        worker = self.find(key)
+        if worker is not None:
+            del self.workers[worker.url]
+            log.info("removed %s worker %s", worker.role, worker.url)
+        return worker
 
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]
@@ -200,12 +204,16 @@ class WorkerRegistry:
         try:
             async with session.get(worker.url + Endpoint.HEALTH.value, timeout=timeout) as resp:
                 ok = resp.status == 200
-            if ok:
-                async with session.get(worker.url + Endpoint.MODEL_INFO.value, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        worker.weight_version = (await resp.json()).get("weight_version")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
+        if ok:  # the version is extra: a worker without a JSON /model_info is still healthy
+            try:
+                async with session.get(worker.url + Endpoint.MODEL_INFO.value, timeout=timeout) as resp:
+                    info = await resp.json(content_type=None) if resp.status == 200 else None
+                if isinstance(info, dict):
+                    worker.weight_version = info.get("weight_version")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                pass
         self.observe_health(worker, ok)
 
     def observe_health(self, worker: Worker, ok: bool) -> None:

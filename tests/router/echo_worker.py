@@ -23,7 +23,8 @@ def make_app(api_key: str | None, fail: bool) -> web.Application:
         return web.Response(text="OK")
 
     async def info(_: web.Request) -> web.Response:
-        return web.json_response({"model_path": "echo", "weight_version": "default", "is_generation": True})
+        # As minimal mock workers do: JSON text without a JSON content type, and no weight version.
+        return web.Response(text='{"model_path": "echo", "is_generation": true}')
 
     app = web.Application()
     app.router.add_post("/generate", generate)

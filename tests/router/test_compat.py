@@ -134,3 +134,30 @@ def slow_sim(tmp: Path) -> Iterator[str]:
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+
+def test_worker_api_add_get_delete_on_a_router_started_without_workers(tmp_path):
+    """POST /workers answers 202 with a worker_id; GET /workers/{id} shows it (health included)
+    until it is healthy; the router serves once it is; DELETE /workers/{id} removes it. The echo
+    worker's /model_info is not SGLang's (no weight version): it must still become healthy."""
+    with echo_worker(tmp_path) as worker:
+        router = RouterProcess(tmp_path, "--policy", "round_robin").start("/health")
+        try:
+            assert post(router.url + "/generate", {"text": "a"})[0] == 503
+            status, added = post(router.url + "/workers", {"url": worker})
+            assert status == 202 and added["worker_id"]
+            deadline = time.monotonic() + 30
+            while True:
+                status, one = get(router.url + f"/workers/{added['worker_id']}")
+                assert status == 200 and one["url"] == worker
+                if one["is_healthy"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert one["is_healthy"]
+            assert get(router.url + "/workers/" + worker.replace(":", "%3A").replace("/", "%2F"))[1]["id"] == one["id"]
+            assert post(router.url + "/generate", {"text": "a"})[0] == 200
+            assert http("DELETE", router.url + f"/workers/{added['worker_id']}")[0] == 200
+            assert get(router.url + f"/workers/{added['worker_id']}")[0] == 404
+            assert post(router.url + "/generate", {"text": "a"})[0] == 503
+        finally:
+            router.stop()
