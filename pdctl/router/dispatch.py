@@ -63,7 +63,8 @@ _HOP_HEADERS = {
 }
 
 
-FORWARDED = frozenset({"authorization", "x-correlation-id", "traceparent", "tracestate", "x-smg-routing-key"})
+ROUTING_KEY = "x-smg-routing-key"
+FORWARDED = frozenset({"authorization", "x-correlation-id", "traceparent", "tracestate", ROUTING_KEY})
 """Client headers sent on to workers (with X-Request-ID and ``x-request-id-*``), as smg does;
 the rest (cookies, custom headers) stay at the router."""
 
@@ -239,7 +240,9 @@ class Dispatcher:
     async def pd_request(
         self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: Headers
     ) -> Reply:
-        ctx = RequestContext(text=_text_of(body) if self._needs_text() else None)
+        ctx = RequestContext(
+            text=_text_of(body) if self._needs_text() else None, routing_key=headers.upstream.get(ROUTING_KEY)
+        )
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
         resume = _Resume(body, ctx, path) if stream and resumable(path, body) else None
@@ -258,7 +261,8 @@ class Dispatcher:
         return await self._with_retries(attempt, headers)
 
     async def regular_request(self, request: Request, path: str, body: dict[str, Any], headers: Headers) -> Reply:
-        ctx = RequestContext(text=_text_of(body) if self.regular_policy.needs_text else None)
+        text = _text_of(body) if self.regular_policy.needs_text else None
+        ctx = RequestContext(text=text, routing_key=headers.upstream.get(ROUTING_KEY))
         data = dumps(body)
 
         async def attempt() -> Outcome:

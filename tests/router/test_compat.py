@@ -161,3 +161,32 @@ def test_worker_api_add_get_delete_on_a_router_started_without_workers(tmp_path)
             assert post(router.url + "/generate", {"text": "a"})[0] == 503
         finally:
             router.stop()
+
+
+def test_breaker_opens_for_the_failing_worker_only(tmp_path):
+    """One worker answers 500, the other works; retries off. Once the failing worker's breaker
+    opens (3 failures), every request is served by the healthy one, on both routers."""
+    with echo_worker(tmp_path, "--fail") as bad, echo_worker(tmp_path) as good, routers(
+        tmp_path, [bad, good], "--disable-retries", "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "60"
+    ) as urls:
+        for name, url in urls.items():
+            statuses = [post(url + "/generate", {"text": f"{name}{i}"})[0] for i in range(30)]
+            assert statuses.count(500) <= 3 and set(statuses[-20:]) == {200}, (name, statuses)
+
+
+def test_manual_policy_keeps_a_routing_key_on_one_worker(tmp_path):
+    with echo_worker(tmp_path) as a, echo_worker(tmp_path) as b:
+        router = RouterProcess(tmp_path, "--worker-urls", a, b, "--policy", "manual").start("/readiness")
+        try:
+            def host(key: str | None) -> str:
+                headers = {"X-SMG-Routing-Key": key} if key else {}
+                status, out = post(router.url + "/generate", {"text": "k"}, headers=headers)
+                assert status == 200
+                return out["headers"]["host"]
+
+            for key in ("alice", "bob", "carol", "dave"):
+                assert len({host(key) for _ in range(8)}) == 1, key
+            assert len({host(f"user-{i}") for i in range(40)}) == 2  # keys spread over both
+            assert len({host(None) for _ in range(40)}) == 2  # no key: any worker
+        finally:
+            router.stop()

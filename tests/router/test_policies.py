@@ -44,7 +44,8 @@ def test_cache_aware_sticks_to_the_prefix_and_balances_load() -> None:
 
 
 def test_unknown_policy_lists_the_valid_names() -> None:
-    with pytest.raises(ValueError, match="cache_aware, power_of_two, random, round_robin"):
+    names = "cache_aware, consistent_hashing, manual, power_of_two, prefix_hash, random, round_robin"
+    with pytest.raises(ValueError, match=names):
         make_policy("least_loaded")
 
 
@@ -82,3 +83,41 @@ def test_circuit_breaker_opens_and_half_opens() -> None:
     s = slow.add("http://b", "prefill", 8998, healthy=True)
     slow.record(s, False)
     assert slow.routable("prefill") == []  # open circuit: out of rotation until the timeout
+
+
+def test_manual_is_sticky_per_key_and_moves_a_key_only_when_its_worker_leaves() -> None:
+    ws, policy = workers(4), make_policy("manual", seed=3)
+    first = {k: policy.select(ws, RequestContext(routing_key=k)).url for k in map(str, range(200))}
+    assert len(set(first.values())) == 4  # keys spread
+    assert all(policy.select(ws, RequestContext(routing_key=k)).url == u for k, u in first.items())
+    gone = ws[0].url
+    rest = [w for w in ws if w.url != gone]
+    after = {k: policy.select(rest, RequestContext(routing_key=k)).url for k in first}
+    assert all(after[k] == u for k, u in first.items() if u != gone)  # only the leaving worker's keys move
+    assert all(after[k] != gone for k in first)
+    assert all(policy.select(ws, RequestContext(routing_key=k)).url == after[k] for k in first)  # joining moves none
+    no_key = Counter(policy.select(ws, RequestContext()).url for _ in range(400))
+    assert len(no_key) == 4
+
+
+def test_consistent_hashing_moves_about_one_nth_of_the_keys() -> None:
+    ws, policy = workers(5), make_policy("consistent_hashing", seed=1)
+    keys = [f"session-{i}" for i in range(2000)]
+    before = {k: policy.select(ws, RequestContext(routing_key=k)).url for k in keys}
+    assert before == {k: make_policy("consistent_hashing").select(ws, RequestContext(routing_key=k)).url for k in keys}
+    counts = Counter(before.values())
+    assert min(counts.values()) > 200  # even-ish: 400 each on average
+    rest = ws[:-1]
+    after = {k: policy.select(rest, RequestContext(routing_key=k)).url for k in keys}
+    moved = [k for k in keys if after[k] != before[k]]
+    assert all(before[k] == ws[-1].url for k in moved)  # only the removed worker's keys move
+
+
+def test_prefix_hash_groups_by_prefix_and_passes_an_overloaded_worker() -> None:
+    ws, policy = workers(4), make_policy("prefix_hash")
+    prefix = "system prompt " * 30
+    picks = {policy.select(ws, RequestContext(text=prefix + f"question {i}")).url for i in range(50)}
+    assert len(picks) == 1  # the first 256 characters decide
+    target = next(w for w in ws if w.url in picks)
+    target.load = 50  # far above the average
+    assert policy.select(ws, RequestContext(text=prefix + "again")).url != target.url

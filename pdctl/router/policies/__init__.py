@@ -6,10 +6,20 @@ from typing import Any
 
 from pdctl.router.policies.base import Policy, RequestContext
 from pdctl.router.policies.cache_aware import CacheAwarePolicy
+from pdctl.router.policies.keyed import ConsistentHashingPolicy, ManualPolicy, PrefixHashPolicy
 from pdctl.router.policies.simple import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 
 REGISTRY: dict[str, type[Policy]] = {
-    p.name: p for p in (RandomPolicy, RoundRobinPolicy, PowerOfTwoPolicy, CacheAwarePolicy)
+    p.name: p
+    for p in (
+        RandomPolicy,
+        RoundRobinPolicy,
+        PowerOfTwoPolicy,
+        CacheAwarePolicy,
+        ManualPolicy,
+        ConsistentHashingPolicy,
+        PrefixHashPolicy,
+    )
 }
 
 
@@ -26,8 +36,11 @@ def make_policy(name: str, **options: Any) -> Policy:
 __all__ = [
     "REGISTRY",
     "CacheAwarePolicy",
+    "ConsistentHashingPolicy",
+    "ManualPolicy",
     "Policy",
     "PowerOfTwoPolicy",
+    "PrefixHashPolicy",
     "RandomPolicy",
     "RequestContext",
     "RoundRobinPolicy",

@@ -12,9 +12,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RequestContext:
-    """What a policy may look at: the request's text (for cache_aware), if any."""
+    """What a policy may look at: the request's text (cache_aware, prefix_hash) and the
+    client's routing key (``X-SMG-Routing-Key``: manual, consistent_hashing), if any."""
 
     text: str | None = None
+    routing_key: str | None = None
 
 
 class Policy(ABC):
