@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
     p.add_argument("--max-payload-size", type=int, default=d.max_payload_size, help="Bytes; larger bodies get 413.")
     p.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
+    p.add_argument("--worker-startup-check-interval", type=float, default=d.worker_startup_check_interval)
     p.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
     p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
     p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold)
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
     p.add_argument("--cb-success-threshold", type=int, default=d.cb_success_threshold)
     p.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_duration_secs)
+    p.add_argument("--cb-window-duration-secs", type=float, default=d.cb_window_duration_secs)
     p.add_argument("--disable-circuit-breaker", action="store_true")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold)
     p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
@@ -117,6 +119,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         queue_timeout_secs=args.queue_timeout_secs,
         max_payload_size=args.max_payload_size,
         health_check_interval_secs=args.health_check_interval_secs,
+        worker_startup_check_interval=args.worker_startup_check_interval,
         health_check_timeout_secs=args.health_check_timeout_secs,
         health_failure_threshold=args.health_failure_threshold,
         health_success_threshold=args.health_success_threshold,
@@ -131,6 +134,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         cb_failure_threshold=args.cb_failure_threshold,
         cb_success_threshold=args.cb_success_threshold,
         cb_timeout_duration_secs=args.cb_timeout_duration_secs,
+        cb_window_duration_secs=args.cb_window_duration_secs,
         disable_circuit_breaker=args.disable_circuit_breaker,
         cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold,

@@ -31,6 +31,9 @@ class RouterConfig:
     max_payload_size: int = 512 * 1024 * 1024
     """Bytes; a larger request body is answered 413 (sglang-router's and smg's default)."""
     health_check_interval_secs: float = 10.0
+    worker_startup_check_interval: float = 0.5
+    """Seconds between checks while a worker has never answered (sglang-router: 30; pdctl polls
+    faster so that an engine enters rotation as soon as it is up)."""
     health_check_timeout_secs: float = 5.0
     health_failure_threshold: int = 3
     health_success_threshold: int = 2
@@ -46,6 +49,8 @@ class RouterConfig:
     cb_failure_threshold: int = 10
     cb_success_threshold: int = 3
     cb_timeout_duration_secs: float = 60.0
+    cb_window_duration_secs: float = 120.0
+    """Failures are counted in windows of this length from the first one; older ones are forgotten."""
     disable_circuit_breaker: bool = False
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64

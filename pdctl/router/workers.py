@@ -45,6 +45,7 @@ class Worker:
     cb_successes: int = 0
     cb_open_until: float = 0.0
     cb_half_open: bool = False
+    cb_window_start: float = 0.0
     quarantined: str | None = None
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
 
@@ -166,6 +167,8 @@ class WorkerRegistry:
                     log.warning("circuit closed for %s", worker.url)
             return
         worker.cb_successes = 0
+        if now - worker.cb_window_start > self.config.cb_window_duration_secs:
+            worker.cb_failures, worker.cb_window_start = 0, now  # older failures are forgotten
         worker.cb_failures += 1
         if worker.cb_half_open or worker.cb_failures >= self.config.cb_failure_threshold:
             worker.cb_open_until = now + self.config.cb_timeout_duration_secs
@@ -188,8 +191,11 @@ class WorkerRegistry:
         while True:
             # Poll fast while some worker has never answered (engines still starting).
             waiting = any(not w.activated for w in self.workers.values())
+            c = self.config
             await asyncio.sleep(
-                min(0.5, self.config.health_check_interval_secs) if waiting else self.config.health_check_interval_secs
+                min(c.worker_startup_check_interval, c.health_check_interval_secs)
+                if waiting
+                else c.health_check_interval_secs
             )
             await self.check_all(session)
 

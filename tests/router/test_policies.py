@@ -121,3 +121,16 @@ def test_prefix_hash_groups_by_prefix_and_passes_an_overloaded_worker() -> None:
     target = next(w for w in ws if w.url in picks)
     target.load = 50  # far above the average
     assert policy.select(ws, RequestContext(text=prefix + "again")).url != target.url
+
+
+def test_breaker_forgets_failures_older_than_its_window() -> None:
+    reg = WorkerRegistry(RouterConfig(cb_failure_threshold=3, cb_window_duration_secs=120))
+    w = reg.add("http://w0", "decode", None, healthy=True)
+    reg.record(w, False)
+    reg.record(w, False)
+    w.cb_window_start -= 121  # those two are now older than the window
+    reg.record(w, False)
+    assert not w.to_dict()["circuit_open"]
+    reg.record(w, False)
+    reg.record(w, False)
+    assert w.to_dict()["circuit_open"]
