@@ -106,6 +106,12 @@ def test_decode_killed_during_a_burst_loses_nothing(fleet):
     assert not failed, f"{len(failed)} of {len(results)} failed, first: {failed[0]}"
     workers = {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}
     assert not workers[victim.url]["is_healthy"]
+    log = router.log.read_text()
+    assert f"worker {victim.url} is unhealthy" in log  # the log says what /workers shows
+    assert ("circuit opened for " + victim.url in log) == workers[victim.url]["circuit_open"]
+    for url, w in workers.items():  # and nothing about the survivors
+        if url != victim.url:
+            assert w["is_healthy"] and not w["circuit_open"] and f"worker {url} is unhealthy" not in log
     # Restarted on the same port, it comes back into rotation.
     SimProcess.__init__(victim, victim.log.parent, *victim.args, name="sim3b", port=victim.port)
     victim.start()
@@ -113,7 +119,9 @@ def test_decode_killed_during_a_burst_loses_nothing(fleet):
     while time.monotonic() < deadline and not get(router.url + "/workers")[1]["workers"][3]["is_healthy"]:
         time.sleep(0.3)
     assert {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}[victim.url]["is_healthy"]
-    assert asyncio.run(burst(router.url, 16)) and all(r["ok"] for r in asyncio.run(burst(router.url, 16)))
+    assert f"worker {victim.url} is healthy again" in router.log.read_text()
+    after = asyncio.run(burst(router.url, 16))
+    assert all(r["ok"] for r in after), after
 
 
 @pytest.mark.parametrize("text", ["", "x" * 5000])
