@@ -30,9 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from router_overhead import free_port, wait
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -41,27 +43,6 @@ ROUNDS = int(os.environ.get("WEIGHT_BENCH_ROUNDS", 3))
 SIZES_MB = [int(s) for s in os.environ.get("WEIGHT_BENCH_SIZES_MB", "256,1024").split(",")]
 SHAPE = {"hidden": 1024, "heads": 8, "mlp": 2816, "vocab_size": 8192, "max_positions": 256}
 ENGINES = [("prefill", 1), ("prefill", 1), ("decode", 2)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(url)
 
 
 def config_for(megabytes: int):
@@ -140,14 +121,14 @@ class Fleet:
             self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             self.engines.append({"id": f"{role}{i}-tp{tp}", "url": f"http://127.0.0.1:{port}", "gpus": tp})
         for e in self.engines:
-            wait(e["url"] + "/health")
+            wait(e["url"] + "/health", timeout=180)  # a 1 GiB model takes a while to build
         self.router_url = f"http://127.0.0.1:{free_port()}"
         rport = self.router_url.rsplit(":", 1)[1]
         argv = [PY, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", rport, "--pd-disaggregation",
                 *prefills, *decodes]
         log = (tmp / "router.log").open("w")
         self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        wait(self.router_url + "/readiness")
+        wait(self.router_url + "/readiness", timeout=180)
 
     def stop(self) -> None:
         for p in self.procs:

@@ -55,7 +55,7 @@ class ClusterStatus:
 
 def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None = None) -> ClusterStatus:
     store = store or StateStore()
-    state = _load(store, name)
+    state = load_state(store, name)
     if nodes is None:
         with NodeSet(state.node_objects().values()) as owned:  # connections closed on return
             return status(name, store=store, nodes=owned)
@@ -94,7 +94,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     return ClusterStatus(state.name, state.status, state.router_url, out, router_workers)
 
 
-def _load(store: StateStore, name: str) -> ClusterState:
+def load_state(store: StateStore, name: str) -> ClusterState:
+    """The state of cluster ``name``; LifecycleError when there is none."""
     state = store.load(name)
     if state is None:
         raise LifecycleError(f"no cluster {name!r} in {store.root}")
@@ -124,7 +125,7 @@ def logs(
 ) -> Iterator[str]:
     """Yield the last ``lines`` lines of a process's log, then (with follow) new text as it comes."""
     store = store or StateStore()
-    state = _load(store, name)
+    state = load_state(store, name)
     rec = _record(state, process)
     nodes = nodes or NodeSet(state.node_objects().values())
     ex = nodes.executor(rec.node)

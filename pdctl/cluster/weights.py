@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdctl.cluster.inspect import load_state
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError
 from pdctl.sglang import Endpoint
@@ -130,9 +131,7 @@ def load_weights(name: str, model_path: str, version: str, *, store: StateStore 
 
 
 def _load(store: StateStore, name: str) -> ClusterState:
-    state = store.load(name)
-    if state is None:
-        raise LifecycleError(f"no cluster {name!r} in {store.root}")
+    state = load_state(store, name)
     if state.status not in ("up", "starting"):
         raise LifecycleError(f"cluster {name!r} is {state.status}; start it with `pdctl up`")
     return state

@@ -33,13 +33,13 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
-from pdctl.router.jsonutil import dumps, loads
+from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, make_policy
 from pdctl.router.resume import continuation_body, progress_of, remaining_tokens, resumable, rewrite
@@ -382,7 +382,9 @@ class Dispatcher:
             with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
                 last, error = await _pump(
-                    resp, upstream, (lambda e: _prepend_logprobs(e, prefix)) if prefix is not None else None
+                    resp,
+                    _sse_events(upstream),
+                    functools.partial(_prepend_logprobs, prefix=prefix) if prefix is not None else None,
                 )
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
@@ -435,7 +437,7 @@ class Dispatcher:
                     continue
                 upstream = head
                 with self.registry.in_flight(decode):
-                    last, error = await _pump(resp, upstream, functools.partial(rewrite, done=done))
+                    last, error = await _pump(resp, _sse_events(upstream), functools.partial(rewrite, done=done))
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
                 if error is None:
@@ -480,14 +482,10 @@ class Dispatcher:
                 return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
             with self.registry.in_flight(worker):
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-                try:
-                    async for chunk in upstream.chunks():
-                        await resp.write(chunk)
-                except (UpstreamError, OSError) as exc:
-                    self.registry.record(worker, False)
-                    await resp.write(_error_event(f"worker {worker.url} failed mid-stream: {exc}"))
-                else:
-                    self.registry.record(worker, True)
+                _, error = await _pump(resp, upstream.chunks(), None)
+                self.registry.record(worker, error is None)
+                if error is not None:
+                    await resp.write(_error_event(f"worker {worker.url} failed mid-stream: {error}"))
                 await resp.end()
             return STREAMED
         finally:
@@ -551,12 +549,13 @@ class _Resume:
 
 
 async def _pump(
-    resp: Any, upstream: Response, transform: Callable[[bytes], bytes] | None
+    resp: Any, events: AsyncIterator[bytes], transform: Callable[[bytes], bytes] | None
 ) -> tuple[bytes | None, BaseException | None]:
-    """Forward ``upstream``'s events to the client; returns the last data event sent and the
-    upstream's failure, if it failed (a failure to write to the client propagates)."""
+    """Forward ``events`` (an upstream's SSE events or raw chunks) to the client; returns the
+    last data event sent and the upstream's failure, if it failed (a failure to write to the
+    client propagates: a client that goes away is not the worker's fault)."""
     last = None
-    events = _sse_events(upstream).__aiter__()
+    events = events.__aiter__()
     while True:
         try:
             event = await events.__anext__()
@@ -649,16 +648,12 @@ def _first_input_logprobs(p_leg: Leg) -> list | None:
 
 
 def _prepend_logprobs(event: bytes, prefix: list) -> bytes:
-    if not event.startswith(b"data: {"):
+    chunk = sse_data(event)
+    meta = chunk.get("meta_info") if chunk is not None else None
+    if not isinstance(meta, dict):
         return event
-    try:
-        chunk = loads(event[6:].strip())
-    except ValueError:
-        return event
-    meta = chunk.get("meta_info")
-    if isinstance(meta, dict):
-        meta["input_token_logprobs"] = prefix + (meta.get("input_token_logprobs") or [])
-    return b"data: " + dumps(chunk) + b"\n\n"
+    meta["input_token_logprobs"] = prefix + (meta.get("input_token_logprobs") or [])
+    return sse_event(chunk)
 
 
 async def _sse_events(upstream: Response):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdctl.router.jsonutil import dumps, loads
+from pdctl.router.jsonutil import sse_data, sse_event
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 
@@ -49,13 +49,8 @@ def resumable(path: str, body: dict[str, Any]) -> bool:
 
 def progress_of(event: bytes | None) -> Progress | None:
     """The progress a forwarded ``data: {...}`` event shows; None if it shows none."""
-    if not event or not event.startswith(b"data: {"):
-        return None
-    try:
-        data = loads(event[6:].strip())
-    except ValueError:
-        return None
-    meta = data.get("meta_info") if isinstance(data, dict) else None
+    data = sse_data(event) if event else None
+    meta = data.get("meta_info") if data is not None else None
     if not isinstance(meta, dict) or not isinstance(data.get("text"), str):
         return None
     ids = data.get("output_ids") if isinstance(data.get("output_ids"), list) else []
@@ -84,13 +79,8 @@ def continuation_body(body: dict[str, Any], done: Progress) -> dict[str, Any]:
 
 def rewrite(event: bytes, done: Progress) -> bytes:
     """A continuation's event as part of the original stream (``[DONE]`` and errors pass)."""
-    if not event.startswith(b"data: {"):
-        return event
-    try:
-        data = loads(event[6:].strip())
-    except ValueError:
-        return event
-    meta = data.get("meta_info") if isinstance(data, dict) else None
+    data = sse_data(event)
+    meta = data.get("meta_info") if data is not None else None
     if not isinstance(meta, dict):
         return event
     data["text"] = done.text + str(data.get("text", ""))
@@ -100,4 +90,4 @@ def rewrite(event: bytes, done: Progress) -> bytes:
         meta["prompt_tokens"] = done.prompt_tokens
     if done.rid is not None:
         meta["id"] = done.rid
-    return b"data: " + dumps(data) + b"\n\n"
+    return sse_event(data)

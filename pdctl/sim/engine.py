@@ -132,6 +132,8 @@ class Engine:
         self.publish_kv = publish_kv
         self.weight_version = weight_version
         self.on_finish: Callable[[Request], None] | None = None
+        self.on_capacity: Callable[[], None] | None = None
+        """Called (any thread, must not block) when a running slot or a reservation is freed."""
         self._seeds = torch.Generator().manual_seed(random_seed)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -185,6 +187,11 @@ class Engine:
         with self._cond:
             self._reserved -= 1
             self._cond.notify_all()
+        self._capacity_freed()
+
+    def _capacity_freed(self) -> None:
+        if self.on_capacity is not None:
+            self.on_capacity()
 
     def _used(self) -> int:
         # Admitted requests count from the moment they leave the queue: a reservation made while
@@ -221,6 +228,7 @@ class Engine:
                         req.slot = None
                         self._waiting.appendleft(req)
                 self._running.clear()
+                self._capacity_freed()
 
         self._command(act)
 
@@ -342,6 +350,7 @@ class Engine:
                 last.slot = i
                 self._running[i] = last
             req.slot = None
+            self._capacity_freed()
 
     def _start(self, req: Request) -> None:
         try:
@@ -460,6 +469,7 @@ class Engine:
         if req.reserved:
             req.reserved = False
             self._reserved -= 1
+            self._capacity_freed()
         if req.mode is Mode.PREFILL and req.room is not None and self.publish_kv and reason.get("type") == "abort":
             # The decode waiting for this room's KV learns at once (SGLang's KV sender reports
             # the failure to the receiver) instead of waiting out its timeout.

@@ -87,6 +87,7 @@ class SimServer:
         self.port = config.port
         self.bootstrap_port = config.bootstrap_port
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
+        self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
         self.prealloc_waiting = 0
 
     @property
@@ -121,6 +122,7 @@ class SimServer:
             weight_version=c.weight_version,
         )
         self.engine.on_finish = self.metrics.observe_finished
+        self.engine.on_capacity = lambda: loop.call_soon_threadsafe(self._slot_freed.set)
         self.engine.start()
         self.session = aiohttp.ClientSession()
         # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
@@ -233,8 +235,12 @@ class SimServer:
         self.prealloc_waiting += 1
         try:
             async with self._prealloc_line:
-                while not self.engine.reserve_slot():
-                    await asyncio.sleep(0.002)
+                while True:
+                    self._slot_freed.clear()
+                    if self.engine.reserve_slot():
+                        break
+                    with contextlib.suppress(asyncio.TimeoutError):  # a safety net: frees wake it at once
+                        await asyncio.wait_for(self._slot_freed.wait(), 0.1)
         finally:
             self.prealloc_waiting -= 1
 
