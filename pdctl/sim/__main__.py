@@ -10,6 +10,7 @@ import sys
 
 from pdctl.errors import PdctlError
 from pdctl.sim.args import build_parser, ignored_flags, sim_options
+from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
 from pdctl.sim.server import DEFAULT_BOOTSTRAP_PORT, SimConfig, SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")
@@ -32,6 +33,10 @@ def config_from_argv(argv: list[str]) -> SimConfig:
     ):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+    try:
+        layout = NodeLayout.parse(args.dist_init_addr, args.nnodes or 1, args.node_rank or 0, args.tp_size or 1)
+    except ValueError as exc:
+        parser.error(str(exc))
     server_args = tuple((k, v) for k, v in sorted(vars(args).items()) if not k.startswith("sim_") and k != "api_key")
     return SimConfig(
         model_path=args.model_path,
@@ -53,6 +58,8 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         max_queued_requests=args.max_queued_requests,
         prefill_ms_per_token=sim.prefill_ms_per_token,
         decode_ms_per_step=sim.decode_ms_per_step,
+        layout=layout,
+        dist_timeout_secs=float(args.dist_timeout or 600),
         server_args=server_args,
         launch_command=shlex.join(["python", "-m", "pdctl.sim", *_redact(argv)]),
     )
@@ -66,36 +73,61 @@ def _redact(argv: list[str]) -> list[str]:
     return out
 
 
-async def serve(config: SimConfig) -> None:
+async def serve(config: SimConfig) -> int:
+    """Run until SIGTERM/SIGINT (0) or until the engine fails (1); the exit code."""
+    layout = config.layout
+    if layout is not None and layout.node_rank > 0:
+        return await run_peer(
+            layout,
+            config.model_path,
+            config.host,
+            config.port,
+            enable_metrics=config.enable_metrics,
+            timeout_secs=config.dist_timeout_secs,
+        )
     server = SimServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    log.info(
-        "sim engine %s on %s (mode %s, tp %d)",
-        config.model_path,
-        server.url,
-        config.disaggregation_mode,
-        config.tp_size,
-    )
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(server.failed.wait())
+    starting = asyncio.ensure_future(server.start())  # a signal may end even a long start (peers never come)
     try:
-        await stop.wait()
+        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("stopped while starting")
+            return 0
+        starting.result()
+        log.info(
+            "sim engine %s on %s (mode %s, tp %d)",
+            config.model_path,
+            server.url,
+            config.disaggregation_mode,
+            config.tp_size,
+        )
+        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            await asyncio.sleep(FAIL_EXIT_DELAY_SECS)  # /health answers 503 meanwhile
+            return 1
+        return 0
     finally:
+        for task in (starting, stopped, failed):
+            task.cancel()
         await server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     config = config_from_argv(sys.argv[1:] if argv is None else argv)
     try:
-        asyncio.run(serve(config))
+        code = asyncio.run(serve(config))
     except PdctlError as exc:
         log.error("%s", exc)
         sys.exit(1)
     except OSError as exc:
         log.error("cannot start: %s", exc)
         sys.exit(1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

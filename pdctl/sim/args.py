@@ -27,6 +27,7 @@ USED = {
     "base_gpu_id",
     "nccl_port",
     "dist_init_addr",
+    "dist_timeout",
     "nnodes",
     "node_rank",
     "disaggregation_mode",

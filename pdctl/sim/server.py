@@ -28,6 +28,7 @@ from pdctl.sim.engine import Engine, Mode, Request
 from pdctl.sim.kv import KVStore, bootstrap_app, fetch_kv, waiting_timeout_secs
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.model import TinyLM, resolve_model
+from pdctl.sim.multinode import NodeLayout, PeerHub
 from pdctl.sim.requests import GenerateBody, ItemSpec, generate_output, parse_generate
 from pdctl.sim.sampling import SamplingOptions
 from pdctl.sim.weights import WeightGroupMember
@@ -60,6 +61,9 @@ class SimConfig:
     """SGLang: beyond this many waiting requests new ones get 503; ignored in PD modes."""
     prefill_ms_per_token: float = 0.0
     decode_ms_per_step: float = 0.0
+    layout: NodeLayout | None = None
+    """Node rank 0 of a multi-node engine (multinode.py); None on one node."""
+    dist_timeout_secs: float = 600.0
     server_args: tuple[tuple[str, Any], ...] = ()
     """Every parsed flag, reported by /server_info."""
     launch_command: str = ""
@@ -89,6 +93,9 @@ class SimServer:
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
         self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
         self.prealloc_waiting = 0
+        self.hub: PeerHub | None = None
+        self.failed = asyncio.Event()
+        """Set when the engine can no longer serve (a TP peer node died); the process then exits."""
 
     @property
     def weight_version(self) -> str:
@@ -103,11 +110,13 @@ class SimServer:
     async def start(self) -> None:
         c = self.config
         loop = asyncio.get_running_loop()
+        peers: list = []
+        if c.layout is not None:  # every TP rank rendezvouses before anything loads, as in SGLang
+            self.hub = PeerHub(c.layout, c.model_path, self._peer_lost)
+            peers = await self.hub.start(c.dist_timeout_secs)
         self.model = await asyncio.to_thread(resolve_model, c.model_path, c.load_format, c.context_length)
-        if c.tp_size > 1:
-            self.members = await asyncio.to_thread(WeightGroupMember, c.tp_size)
-        else:
-            self.members = WeightGroupMember(1)
+        local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
+        self.members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers)
         if self.mode == "prefill":
             self.kv_store = KVStore(loop)
             runner, self.bootstrap_port = await start_site(bootstrap_app(self.kv_store), c.host, c.bootstrap_port)
@@ -144,6 +153,13 @@ class SimServer:
             await asyncio.to_thread(self.engine.stop)
         if self.members:
             await asyncio.to_thread(self.members.close)
+        if self.hub:
+            await self.hub.stop()
+
+    def _peer_lost(self, reason: str) -> None:
+        self.status = "failed"
+        log.error("%s: this engine cannot serve any more; exiting", reason)
+        self.failed.set()
 
     async def __aenter__(self) -> SimServer:
         await self.start()

@@ -2,20 +2,24 @@
 
 An engine of ``--tp-size N`` is N ranks in the flat group: this process is
 ``rank_offset`` and N-1 helper processes (the sim's stand-in for SGLang's TP workers) are
-``rank_offset + 1 .. + N-1``. Every rank receives every broadcast, in ``names`` order;
-only this process loads the tensors into the model (helpers check and drop them).
+``rank_offset + 1 .. + N-1``. A multi-node engine's node k runs its share of those ranks
+(``rank_offset + k * N / nnodes`` onwards), driven by node 0 over the dist-init link
+(multinode.py). Every rank receives every broadcast, in ``names`` order; only node 0's
+process loads the tensors into the model (the other ranks check and drop them).
 ``load_format: flattened_bucket`` is one uint8 broadcast per call, unpacked with SGLang's
 alignment rule.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -133,32 +137,86 @@ def checksum(tensors: list[tuple[str, torch.Tensor]]) -> str:
     return f"{crc:08x}"
 
 
-class WeightGroupMember:
-    """This engine's ranks in the weight group: itself plus tp_size - 1 helper processes."""
+class Peer(Protocol):
+    """Ranks of this engine that live in another process: ``ranks`` of them, driven by
+    command dicts (``init``/``recv``/``destroy``) answered with ``(ok, value)``."""
 
-    def __init__(self, tp_size: int):
-        self.tp_size = tp_size
+    ranks: int
+
+    def send(self, command: dict[str, Any]) -> None: ...
+
+    def recv(self) -> tuple[bool, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def init_command(spec: GroupSpec, rank: int, timeout_secs: float) -> dict[str, Any]:
+    return {"op": "init", "spec": asdict(spec), "rank": rank, "timeout": timeout_secs}
+
+
+def recv_command(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], load_format: str | None) -> dict[str, Any]:
+    """A receive command in the update body's own JSON shape (parsed back by ``tensor_specs``)."""
+    return {
+        "op": "recv",
+        "names": [name for name, _, _ in specs],
+        "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
+        "shapes": [list(shape) for _, _, shape in specs],
+        "load_format": load_format,
+    }
+
+
+class HelperProcess:
+    """One TP rank in a spawned child process (the sim's stand-in for an SGLang TP worker)."""
+
+    ranks = 1
+
+    def __init__(self, ctx: Any):
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_helper_main, args=(child,), daemon=True, name="sim-tp-rank")
+        self._proc.start()
+
+    def send(self, command: dict[str, Any]) -> None:
+        self._conn.send(command)
+
+    def recv(self) -> tuple[bool, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return False, f"TP helper process {self._proc.pid} died"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            self._conn.send({"op": "exit"})
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+class WeightGroupMember:
+    """This engine's ranks in the weight group, in TP-rank order: this process, then
+    ``local_ranks - 1`` helper processes, then the ``peers`` (other nodes of a multi-node
+    engine, each taking its node's share of the TP ranks)."""
+
+    def __init__(self, local_ranks: int, peers: Sequence[Peer] = ()):
+        ctx = mp.get_context("spawn")
+        self._peers: list[Peer] = [HelperProcess(ctx) for _ in range(local_ranks - 1)] + list(peers)
+        self.tp_size = local_ranks + sum(p.ranks for p in peers)
         self.group: dist.ProcessGroup | None = None
         self.spec: GroupSpec | None = None
-        ctx = mp.get_context("spawn")
-        self._helpers: list[tuple[Any, Connection]] = []
-        for _ in range(tp_size - 1):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_helper_main, args=(child,), daemon=True, name="sim-tp-rank")
-            proc.start()
-            self._helpers.append((proc, parent))
 
     def init(self, spec: GroupSpec, timeout_secs: float = 300.0) -> None:
         """Join as ranks rank_offset .. rank_offset + tp_size - 1 (blocks until all ranks join)."""
-        if self.group is not None:
-            raise SimError(f"weight update group {self.spec.group_name!r} already exists; destroy it first")  # type: ignore[union-attr]
+        if self.spec is not None:
+            raise SimError(f"weight update group {self.spec.group_name!r} already exists; destroy it first")
         if spec.rank_offset < 1 or spec.rank_offset + self.tp_size > spec.world_size:
             raise SimError(
                 f"ranks {spec.rank_offset}..{spec.rank_offset + self.tp_size - 1} "
                 f"do not fit world_size {spec.world_size}"
             )
-        for i, (_, conn) in enumerate(self._helpers, start=1):
-            conn.send(("init", spec, spec.rank_offset + i, timeout_secs))
+        rank = spec.rank_offset + 1
+        for peer in self._peers:  # every other rank joins concurrently with this one (or none can)
+            peer.send(init_command(spec, rank, timeout_secs))
+            rank += peer.ranks
         group = init_custom_process_group(
             backend=spec.backend,
             master_address=spec.master_address,
@@ -174,42 +232,77 @@ class WeightGroupMember:
     def receive(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], load_format: str | None) -> list:
         if self.group is None:
             raise SimError("no weight update group; call /init_weights_update_group first")
-        for _, conn in self._helpers:
-            conn.send(("recv", specs, load_format))
+        command = recv_command(specs, load_format)
+        for peer in self._peers:
+            peer.send(command)
         tensors = receive(self.group, specs, load_format)
         sums = self._collect("recv")
         mine = checksum(tensors)
         if any(s != mine for s in sums):
             raise SimError("TP ranks received different tensors")
+        first = self.spec.rank_offset if self.spec else 0
+        log.info(
+            "weight update: %d tensors, crc %s, on ranks %d..%d", len(tensors), mine, first, first + self.tp_size - 1
+        )
         return tensors
 
     def destroy(self) -> None:
         if self.group is None:
             raise SimError("no weight update group to destroy")
-        for _, conn in self._helpers:
-            conn.send(("destroy",))
+        for peer in self._peers:
+            peer.send({"op": "destroy"})
         destroy_group(self.group)
         self._collect("destroy")
         self.group = self.spec = None
 
     def close(self) -> None:
-        for proc, conn in self._helpers:
-            try:
-                conn.send(("exit",))
-            except (OSError, BrokenPipeError):
-                pass
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+        for peer in self._peers:
+            peer.close()
 
     def _collect(self, what: str) -> list[Any]:
-        results = []
-        for _, conn in self._helpers:
-            ok, value = conn.recv()
-            if not ok:
-                raise SimError(f"TP helper rank failed during {what}: {value}")
-            results.append(value)
+        results, failures = [], []
+        for peer in self._peers:  # every peer answers before we judge, so none is left mid-command
+            ok, value = peer.recv()
+            (results if ok else failures).append(value)
+        if failures:
+            raise SimError(f"TP rank failed during {what}: {failures[0]}")
         return results
+
+
+def run_command(member: WeightGroupMember | None, group: Any, command: dict[str, Any]) -> tuple[Any, Any]:
+    """Carry out one peer command; returns (the new group, the reply value).
+
+    With ``member`` (a node of a multi-node engine) the command drives that node's own
+    ranks; without it, the bare ``group`` of a single helper rank."""
+    op = command["op"]
+    if op == "init":
+        spec = GroupSpec(**command["spec"])
+        if member is not None:
+            member.init(replace(spec, rank_offset=int(command["rank"])), float(command["timeout"]))
+            return None, None
+        new = init_custom_process_group(
+            backend=spec.backend,
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            world_size=spec.world_size,
+            rank=int(command["rank"]),
+            group_name=spec.group_name,
+            timeout_secs=float(command["timeout"]),
+        )
+        return new, None
+    if op == "recv":
+        specs = tensor_specs(command)
+        tensors = (
+            member.receive(specs, command["load_format"]) if member else receive(group, specs, command["load_format"])
+        )
+        return group, checksum(tensors)
+    if op == "destroy":
+        if member is not None:
+            member.destroy()
+        else:
+            destroy_group(group)
+        return None, None
+    raise SimError(f"unknown command {op!r}")
 
 
 def _helper_main(conn: Connection) -> None:  # pragma: no cover - runs in a child process
@@ -217,29 +310,13 @@ def _helper_main(conn: Connection) -> None:  # pragma: no cover - runs in a chil
     group = None
     while True:
         try:
-            cmd = conn.recv()
+            command = conn.recv()
         except EOFError:
             return
+        if command["op"] == "exit":
+            return
         try:
-            if cmd[0] == "init":
-                _, spec, rank, timeout = cmd
-                group = init_custom_process_group(
-                    backend=spec.backend,
-                    master_address=spec.master_address,
-                    master_port=spec.master_port,
-                    world_size=spec.world_size,
-                    rank=rank,
-                    group_name=spec.group_name,
-                    timeout_secs=timeout,
-                )
-                conn.send((True, None))
-            elif cmd[0] == "recv":
-                conn.send((True, checksum(receive(group, cmd[1], cmd[2]))))
-            elif cmd[0] == "destroy":
-                destroy_group(group)
-                group = None
-                conn.send((True, None))
-            elif cmd[0] == "exit":
-                return
+            group, value = run_command(None, group, command)
+            conn.send((True, value))
         except Exception as exc:  # report to the parent, keep serving
             conn.send((False, f"{type(exc).__name__}: {exc}"))
