@@ -148,21 +148,33 @@ def _same(pid: int, create_time: float) -> psutil.Process | None:
 
 
 def wait_ready(req: dict[str, Any]) -> dict[str, Any]:
-    """Poll each {id, url, pid, create_time} until 200; stop at the first death or the deadline."""
+    """Poll each target {id, url, pid, create_time} until 200, and check that each ``watch``
+    process {id, pid, create_time} lives, until every target is ready, one of them all dies
+    (``died``), or the deadline passes. ``ready_ids``: the targets that became ready."""
     deadline = time.monotonic() + float(req["timeout_secs"])
     pending = {t["id"]: t for t in req["targets"]}
-    while pending:
-        for tid, t in list(pending.items()):
+    watch = req.get("watch", [])
+    ready: list[str] = []
+    while True:
+        for t in [*watch, *pending.values()]:
             if _same(t["pid"], t["create_time"]) is None:
-                return {"ready": False, "failed": tid, "reason": "process exited"}
+                return {
+                    "ready": False,
+                    "ready_ids": ready,
+                    "died": t["id"],
+                    "failed": t["id"],
+                    "reason": "process exited",
+                }
+        for tid, t in list(pending.items()):
             if _http_ok(t["url"], timeout=float(req.get("probe_timeout_secs", 5))):
+                ready.append(tid)
                 del pending[tid]
         if not pending:
-            break
+            return {"ready": True, "ready_ids": ready}
         if time.monotonic() > deadline:
-            return {"ready": False, "failed": sorted(pending)[0], "reason": f"not healthy after {req['timeout_secs']}s"}
+            reason = f"not healthy after {req['timeout_secs']}s"
+            return {"ready": False, "ready_ids": ready, "failed": sorted(pending)[0], "reason": reason}
         time.sleep(0.25)
-    return {"ready": True}
 
 
 def _http_ok(url: str, timeout: float) -> bool:

@@ -97,7 +97,8 @@ def down(name: str | None, purge: bool) -> None:
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name: str | None, as_json: bool) -> None:
-    """Each process of NAME: role, node, pid, alive, health, ports, weight version, uptime.
+    """Each process of NAME: role, node, pid, alive, health, ports, weight version, uptime;
+    then each engine as a unit (a multi-node engine is down when any of its processes is).
 
     Exit 1 when anything is down or unhealthy.
     """
@@ -128,6 +129,11 @@ def _print_status(result: ClusterStatus) -> None:
     for p in result.processes:
         if p.error:
             out.print(f"[red]{p.node}: {p.error}[/]")
+    if result.engines:
+        engines = ", ".join(
+            f"{e.id} [green]up[/]" if e.up else f"{e.id} [red]DOWN[/] ({e.problem})" for e in result.engines
+        )
+        out.print(f"engines: {engines}")
     if result.router_workers is not None:
         workers = ", ".join(
             f"{w['worker_type']} {w['url']} ({'healthy' if w['is_healthy'] else 'UNHEALTHY'}, "

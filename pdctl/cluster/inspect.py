@@ -36,12 +36,26 @@ class ProcessStatus:
 
 
 @dataclass
+class EngineStatus:
+    """One engine as a lifecycle unit: up only while every one of its processes (one per
+    node for a multi-node engine) is alive and its entrypoint is healthy."""
+
+    id: str
+    role: str
+    processes: list[str]
+    up: bool
+    problem: str | None = None
+    """What is wrong, e.g. ``decode-0.h2 is not running``."""
+
+
+@dataclass
 class ClusterStatus:
     name: str
     status: str
     router_url: str | None
     processes: list[ProcessStatus]
     router_workers: list[dict[str, Any]] | None = None
+    engines: list[EngineStatus] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -91,7 +105,27 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
                 else:
                     ps.weight_version = info.get("weight_version")
         out.append(ps)
-    return ClusterStatus(state.name, state.status, state.router_url, out, router_workers)
+    return ClusterStatus(state.name, state.status, state.router_url, out, router_workers, _engines(state, out))
+
+
+def _engines(state: ClusterState, processes: list[ProcessStatus]) -> list[EngineStatus]:
+    by_id = {p.id: p for p in processes}
+    out = []
+    for engine in state.plan.get("engines", []):
+        ids = list(engine["process_ids"])
+        problem = None
+        for pid in ids:
+            p = by_id.get(pid)
+            if p is None or p.alive is False:
+                problem = f"{pid} is not running"
+            elif p.alive is None:
+                problem = f"{pid} cannot be reached ({p.error})"
+            elif p.healthy is False:
+                problem = f"{pid} fails its health check"
+            if problem:
+                break
+        out.append(EngineStatus(engine["id"], engine["role"], ids, problem is None, problem))
+    return out
 
 
 def load_state(store: StateStore, name: str) -> ClusterState:

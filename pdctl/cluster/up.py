@@ -23,6 +23,8 @@ from pdctl.plan.planner import run_dir
 from pdctl.topology.model import Role, Topology
 
 LOG_TAIL_LINES = 50
+WATCH_SLICE_SECS = 2.0
+"""While engines start, how often every node is asked whether a watched process died."""
 TRAINER_GRACE_SECS = 3.0
 """How long ``up`` watches a just-started trainer: an exit with an error in that time fails ``up``."""
 
@@ -72,7 +74,9 @@ def up(
             # engine at the engine's first passed health check.
             engines = [p for p in plan.processes if p.role.is_engine]
             _launch([*engines, plan.router], state, store, nodes, top, events)
-            _wait_ready([p for p in engines if p.entrypoint], state, nodes, ready_timeout_secs, events)
+            entrypoints = [p for p in engines if p.entrypoint]
+            others = [p for p in engines if not p.entrypoint]  # node ranks >= 1 of multi-node engines
+            _wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=others)
             _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             trainers = [p for p in plan.processes if p.role is Role.TRAINER]
             _launch(trainers, state, store, nodes, top, events)
@@ -234,26 +238,47 @@ def _wait_ready(
     timeout: float,
     events: Events,
     path: str | None = None,
+    watch: list[LaunchSpec] | None = None,
 ) -> None:
-    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    """Wait until every spec answers its health path; fail at the first death among them or
+    among ``watch`` (the other node ranks of multi-node engines: no HTTP API of their own,
+    but their engine cannot come up without them). With processes to watch, each node is
+    asked in slices of WATCH_SLICE_SECS, so a death on any node ends the wait within one."""
+    targets: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for spec in specs:
         rec = state.processes[spec.id]
         url = f"{spec.url}{path or spec.health_path or '/health'}"
-        by_node[spec.node].append({"id": spec.id, "url": url, "pid": rec.pid, "create_time": rec.create_time})
+        targets[spec.node][spec.id] = {"id": spec.id, "url": url, "pid": rec.pid, "create_time": rec.create_time}
         events(spec.id, "waiting until healthy")
-    results = nodes.each(
-        list(by_node),
-        lambda ex: ex.agent(
-            "wait-ready", {"targets": by_node[ex.node.name], "timeout_secs": timeout}, timeout=timeout + 60
-        ),
-    )
-    for res in results.values():
-        if isinstance(res, RemoteError):
-            raise res
-        if not res["ready"]:
-            raise ReadinessError(res["failed"], res["reason"])
-    for spec in specs:
-        events(spec.id, "healthy")
+    watched: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for spec in watch or []:
+        rec = state.processes[spec.id]
+        watched[spec.node].append({"id": spec.id, "pid": rec.pid, "create_time": rec.create_time})
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        slice_secs = min(left, WATCH_SLICE_SECS) if watched else left
+        involved = [n for n in {**targets, **watched} if targets.get(n) or watched.get(n)]
+        results = nodes.each(
+            involved,
+            lambda ex, s=slice_secs: ex.agent(
+                "wait-ready",
+                {"targets": list(targets[ex.node.name].values()), "watch": watched[ex.node.name], "timeout_secs": s},
+                timeout=s + 60,
+            ),
+        )
+        for node, res in results.items():
+            if isinstance(res, RemoteError):
+                raise res
+            if res.get("died"):
+                raise ReadinessError(res["died"], res["reason"])
+            for proc_id in res.get("ready_ids", []):
+                targets[node].pop(proc_id, None)
+                events(proc_id, "healthy")
+        if not any(targets.values()):
+            return
+        if time.monotonic() >= deadline:
+            raise ReadinessError(min(i for t in targets.values() for i in t), f"not healthy after {timeout:.0f}s")
 
 
 def _failure_detail(exc: BaseException, state: ClusterState, nodes: NodeSet) -> str:

@@ -115,6 +115,8 @@ def router_argv(
         argv += ["--decode-policy", r.decode_policy]
     argv += ["--request-timeout-secs", f"{r.request_timeout_secs:g}"]
     argv += ["--max-concurrent-requests", str(r.max_concurrent_requests)]
+    argv += ["--health-check-interval-secs", f"{r.health_check_interval_secs:g}"]
+    argv += ["--health-failure-threshold", str(r.health_failure_threshold)]
     if r.api_key_env:
         argv += ["--api-key-env", r.api_key_env]
     if prefill or decode:

@@ -172,6 +172,9 @@ class RouterConfig:
     """Environment variable holding the API key; the key never appears in files or logs."""
     request_timeout_secs: float = 1800.0
     max_concurrent_requests: int = -1
+    health_check_interval_secs: float = 10.0
+    health_failure_threshold: int = 3
+    """A dead engine leaves rotation after at most interval x threshold seconds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,11 +7,11 @@ from tests.netns import TestHosts, netns_unavailable
 
 @pytest.fixture(scope="session")
 def hosts(tmp_path_factory):
-    """Two real SSH test hosts in network namespaces (see tests/netns.py)."""
+    """Three real SSH test hosts in network namespaces (see tests/netns.py)."""
     reason = netns_unavailable()
     if reason:
         pytest.skip(f"multi-host tests skipped: {reason}")
-    built = TestHosts(2, tmp_path_factory.mktemp("hosts")).start()
+    built = TestHosts(3, tmp_path_factory.mktemp("hosts")).start()
     yield built
     built.close()
 

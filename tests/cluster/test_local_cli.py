@@ -136,8 +136,13 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     base = 24500 + os.getpid() % 3000 // 10 * 10
     crash = {"command": ["python", "-c", "import sys; print('trainer boom'); sys.exit(3)"], "nproc_per_node": 1}
-    topo = local_topology(tmp_path, "crash", base, trainer=crash, nodes=[
-        {"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}])
+    topo = local_topology(
+        tmp_path,
+        "crash",
+        base,
+        trainer=crash,
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}],
+    )
     up = pdctl("up", topo, env=env)
     assert up.returncode == 1 and "exited with code" in up.stderr and "trainer" in up.stderr, up.stderr
     # pdctl's own message comes first (no traceback of pdctl's); the trainer's log tail shows the cause.
@@ -148,8 +153,13 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
     assert all(not p["alive"] for p in json.loads(st.stdout)["processes"]) if st.stdout.strip() else True
     # A trainer that finishes cleanly: up succeeds; status shows its exit code.
     done = {"command": ["python", "-c", "print('trained')"], "nproc_per_node": 1}
-    topo = local_topology(tmp_path, "done", base + 20, trainer=done, nodes=[
-        {"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}])
+    topo = local_topology(
+        tmp_path,
+        "done",
+        base + 20,
+        trainer=done,
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}],
+    )
     up = pdctl("up", topo, env=env)
     assert up.returncode == 0, up.stderr
     try:
