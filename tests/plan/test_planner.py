@@ -157,3 +157,16 @@ def test_invariant_weight_ranks_cover_each_gpu_once() -> None:
     shifted = tuple(replace(e, rank_offset=1) for e in plan.engines)
     with pytest.raises(PlanError, match="weight ranks"):
         check_invariants(replace(plan, engines=shifted), colocate=False)
+
+
+def test_sim_multinode_example_plans_one_engine_over_two_nodes() -> None:
+    plan = plan_of("sim-multinode-decode.yaml")
+    procs = {p.id: p for p in plan.processes}
+    head, peer = procs["decode-0.h1"], procs["decode-0.h2"]
+    assert head.entrypoint and not peer.entrypoint and peer.health_path is None
+    assert flag(head.argv, "--dist-init-addr") == flag(peer.argv, "--dist-init-addr") == "10.77.0.3:22002"
+    assert [flag(p.argv, "--node-rank") for p in (head, peer)] == ["0", "1"]
+    assert {flag(p.argv, "--tp-size") for p in (head, peer)} == {"4"}
+    decode = next(e for e in plan.engines if e.id == "decode-0")
+    assert decode.process_ids == ("decode-0.h1", "decode-0.h2") and decode.gpus == 4
+    assert plan.weight_group is not None and plan.weight_group.world_size == 1 + 1 + 4
