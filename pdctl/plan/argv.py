@@ -54,6 +54,8 @@ def engine_argv(
     if dist_init_addr:
         argv += ["--dist-init-addr", dist_init_addr, "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     extra = dict(group.args)
+    if "enable-metrics" not in extra:  # /metrics for `pdctl bench`'s server view and for scrapers
+        argv.append("--enable-metrics")
     if top.placement.colocate and top.placement.infer_frac and "mem-fraction-static" not in extra:
         extra["mem-fraction-static"] = top.placement.infer_frac
     argv += render_extra_args(extra)

@@ -1,0 +1,275 @@
+"""``pdctl bench``: load-test a pdctl cluster or any SGLang-compatible URL; ``pdctl bench compare``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pdctl.bench import report as bench_report
+from pdctl.bench.client import APIS
+from pdctl.bench.metrics import Slo
+from pdctl.bench.runner import BenchConfig, BenchError, LoadPoint, Reloader, run_bench
+from pdctl.bench.workloads import (
+    BenchRequest,
+    fixed_workload,
+    jsonl_workload,
+    random_workload,
+    shared_prefix_workload,
+    sharegpt_workload,
+)
+from pdctl.cluster import StateStore
+from pdctl.cluster.inspect import load_state
+
+DATASETS = ("random", "fixed", "shared-prefix", "sharegpt", "jsonl")
+
+
+def _sweep(value: str | None) -> tuple[str, list[str]] | None:
+    if value is None:
+        return None
+    kind, sep, values = value.partition("=")
+    if not sep or kind not in ("rate", "concurrency") or not values:
+        raise click.BadParameter("use rate=R1,R2,... or concurrency=C1,C2,...", param_hint="--sweep")
+    return kind, [v.strip() for v in values.split(",") if v.strip()]
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = math.inf if text == "inf" else float(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a number or inf", param_hint="--request-rate") from None
+    if not rate > 0:
+        raise click.BadParameter(f"must be > 0, got {text}", param_hint="--request-rate")
+    return rate
+
+
+def _concurrency(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise click.BadParameter(f"must be a positive integer, got {text!r}", param_hint="--max-concurrency")
+    return int(text)
+
+
+@click.command()
+@click.argument("args", nargs=-1, metavar="[NAME | compare A.json B.json]")
+@click.option("--url", help="Any SGLang-compatible server or router instead of a pdctl cluster.")
+@click.option(
+    "--api",
+    type=click.Choice(APIS),
+    default="generate",
+    show_default=True,
+    help="/generate, /v1/completions or /v1/chat/completions.",
+)
+@click.option("--model", help="Model name for the OpenAI APIs (default: the server's).")
+@click.option("--api-key-env", help="Environment variable holding the API key (default: the cluster's).")
+@click.option("--dataset", type=click.Choice(DATASETS), default="random", show_default=True)
+@click.option("--dataset-path", type=click.Path(path_type=Path), help="ShareGPT JSON or JSONL file.")
+@click.option("--num-prompts", type=int, default=200, show_default=True, help="Requests per load point.")
+@click.option("--input-len", type=int, default=256, show_default=True, help="Prompt tokens (random, fixed).")
+@click.option(
+    "--output-len",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Output tokens (every dataset; sharegpt/jsonl: when the file gives none).",
+)
+@click.option(
+    "--range-ratio",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="random: lengths uniform in [len * ratio, len], as bench_serving.",
+)
+@click.option("--prefix-groups", type=int, default=8, show_default=True, help="shared-prefix: system prompts.")
+@click.option("--prefix-len", type=int, default=512, show_default=True, help="shared-prefix: system prompt tokens.")
+@click.option("--question-len", type=int, default=64, show_default=True, help="shared-prefix: question tokens.")
+@click.option("--request-rate", default="inf", show_default=True, help="Poisson arrivals per second, or inf.")
+@click.option("--max-concurrency", default=None, help="Requests in flight at most (closed loop).")
+@click.option("--sweep", help="Several load points in one run: rate=1,2,4 or concurrency=1,8,32.")
+@click.option("--warmup-requests", type=int, default=0, show_default=True, help="Unmeasured requests first.")
+@click.option("--seed", type=int, default=1, show_default=True, help="Seeds the prompts and the arrivals.")
+@click.option("--slo-ttft-ms", type=float, help="Goodput: TTFT at most this.")
+@click.option("--slo-tpot-ms", type=float, help="Goodput: TPOT at most this.")
+@click.option("--slo-e2e-ms", type=float, help="Goodput: end-to-end latency at most this.")
+@click.option(
+    "--max-error-rate",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Exit 1 when more than this fraction of a run's requests fail.",
+)
+@click.option("--timeout-secs", type=float, default=600.0, show_default=True, help="Per request.")
+@click.option("--json-out", type=click.Path(path_type=Path), help="Write the report (bench_serving's names).")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write latency CDFs (and sweep curves) as PNG.")
+@click.option(
+    "--server-metrics/--no-server-metrics",
+    default=True,
+    show_default=True,
+    help="With NAME: sample the router's and engines' /metrics during the run.",
+)
+@click.option("--weights-reload-every", type=float, help="With NAME: reload weights from disk every N seconds.")
+@click.option("--weights-path", help="The checkpoint --weights-reload-every loads (a path on the engines' nodes).")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+def bench(args: tuple[str, ...], **opts) -> None:  # fmt: skip
+    """Load-test cluster NAME (its router) or --url; or `pdctl bench compare A.json B.json`.
+
+    Measures from the stream: TTFT, inter-token latency, TPOT, end-to-end latency (mean,
+    median, p90, p99), request and token throughput, goodput under --slo-*. Token counts are
+    checked against the server's. Exit 1 when more than --max-error-rate of a run fails.
+    """
+    if args and args[0] == "compare":
+        if len(args) != 3:
+            raise click.UsageError("usage: pdctl bench compare A.json B.json")
+        a, b = Path(args[1]), Path(args[2])
+        Console(width=None if sys.stdout.isatty() else 160).print(
+            bench_report.compare(bench_report.load(a), bench_report.load(b), (a.name, b.name))
+        )
+        return
+    if len(args) > 1:
+        raise click.UsageError("usage: pdctl bench [NAME | --url URL] [options]")
+    name = args[0] if args else None
+    if name and opts["url"]:
+        raise click.UsageError("give NAME or --url, not both")
+    if opts["num_prompts"] < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--num-prompts")
+    if opts["weights_reload_every"] is not None and not opts["weights_path"]:
+        raise click.UsageError("--weights-reload-every needs --weights-path")
+    config, reloader = _config(name, opts)
+    progress = opts["progress"] if opts["progress"] is not None else sys.stderr.isatty()
+    result = _run(config, reloader, progress)
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    out.print(bench_report.table(result))
+    if opts["json_out"]:
+        opts["json_out"].write_text(json.dumps(result, indent=1) + "\n")
+        out.print(f"report written to {opts['json_out']}")
+    if opts["plot"]:
+        bench_report.plot(result, opts["plot"])
+        out.print(f"plot written to {opts['plot']}")
+    worst = max(run["failed"] / max(1, run["num_requests"]) for run in result["runs"])
+    if worst > opts["max_error_rate"]:
+        errors = "; ".join(f"{bench_report.run_label(r)}: {bench_report._errors(r['errors'])}" for r in result["runs"])
+        click.secho(
+            f"error: {worst:.1%} of a run's requests failed (--max-error-rate {opts['max_error_rate']:g}): {errors}",
+            fg="red",
+            err=True,
+        )
+        sys.exit(1)
+
+
+def _config(name: str | None, opts: dict) -> tuple[BenchConfig, Reloader | None]:
+    metrics: tuple[tuple[str, str], ...] = ()
+    reloader = None
+    key_env = opts["api_key_env"]
+    if opts["url"]:
+        url = opts["url"].rstrip("/")
+        if opts["weights_reload_every"] is not None:
+            raise click.UsageError("--weights-reload-every needs a pdctl cluster NAME (not --url)")
+    else:
+        store = StateStore()
+        state = load_state(store, store.resolve_name(name))
+        if not state.router_url:
+            raise BenchError(f"cluster {state.name!r} has no router")
+        url = state.router_url
+        key_env = key_env or state.plan.get("api_key_env")
+        if opts["server_metrics"]:
+            metrics = _metrics_urls(state)
+        if opts["weights_reload_every"] is not None:
+            reloader = _reloader(state.name, opts["weights_path"])
+    api_key = None
+    if key_env:
+        api_key = os.environ.get(key_env)
+        if not api_key:
+            raise BenchError(f"${key_env} is unset or empty (the API key)")
+    config = BenchConfig(
+        url=url,
+        requests=tuple(_workload(opts)),
+        points=_points(opts),
+        api=opts["api"],
+        model=opts["model"],
+        api_key=api_key,
+        warmup=opts["warmup_requests"],
+        seed=opts["seed"],
+        slo=Slo(opts["slo_ttft_ms"], opts["slo_tpot_ms"], opts["slo_e2e_ms"]),
+        timeout_secs=opts["timeout_secs"],
+        metrics_urls=metrics,
+        reload_every_secs=opts["weights_reload_every"],
+    )
+    return config, reloader
+
+
+def _metrics_urls(state) -> tuple[tuple[str, str], ...]:
+    out = []
+    for rec in state.processes.values():
+        if rec.role == "router" and rec.url and "metrics" in rec.ports:
+            host = rec.url.rsplit(":", 1)[0]
+            out.append(("router", f"{host}:{rec.ports['metrics']}"))
+        elif rec.role in ("prefill", "decode", "regular") and rec.url and rec.health_path:
+            out.append((rec.role, rec.url))
+    return tuple(out)
+
+
+def _reloader(name: str, path: str) -> Reloader:
+    from pdctl.cluster.weights import load_weights
+
+    def reload(n: int) -> None:
+        load_weights(name, path, f"bench-reload-{n}")
+
+    return reload
+
+
+def _workload(opts: dict) -> list[BenchRequest]:
+    n, seed, kind = opts["num_prompts"], opts["seed"], opts["dataset"]
+    path = opts["dataset_path"]
+    if kind in ("sharegpt", "jsonl") and path is None:
+        raise click.UsageError(f"--dataset {kind} needs --dataset-path")
+    for flag in ("input_len", "output_len", "prefix_len", "question_len"):
+        if opts[flag] < 1:
+            raise click.BadParameter("must be >= 1", param_hint=f"--{flag.replace('_', '-')}")
+    if kind == "random":
+        return random_workload(n, opts["input_len"], opts["output_len"], opts["range_ratio"], seed)
+    if kind == "fixed":
+        return fixed_workload(n, opts["input_len"], opts["output_len"], seed)
+    if kind == "shared-prefix":
+        return shared_prefix_workload(
+            n, opts["prefix_groups"], opts["prefix_len"], opts["question_len"], opts["output_len"], seed
+        )
+    if kind == "sharegpt":
+        return sharegpt_workload(path, n, None, seed)
+    return jsonl_workload(path, n, opts["output_len"])
+
+
+def _points(opts: dict) -> tuple[LoadPoint, ...]:
+    rate = _rate(opts["request_rate"])
+    conc = _concurrency(opts["max_concurrency"]) if opts["max_concurrency"] else None
+    sweep = _sweep(opts["sweep"])
+    if sweep is None:
+        return (LoadPoint(rate, conc),)
+    kind, values = sweep
+    if kind == "rate":
+        return tuple(LoadPoint(_rate(v), conc) for v in values)
+    return tuple(LoadPoint(rate, _concurrency(v)) for v in values)
+
+
+def _run(config: BenchConfig, reloader: Reloader | None, show: bool) -> dict:
+    if not show:
+        return run_bench(config, reloader=reloader)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True,
+    ) as bar:  # fmt: skip
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        return run_bench(config, reloader=reloader, progress=progress)
+
+
+COMMANDS = [bench]

@@ -1,0 +1,211 @@
+"""`pdctl bench` against real servers: the sim's latency model measured back, pdctl's router
+and sglang-router 0.3.2 in front of PD sims, a pdctl cluster with its server view and weight
+reloads, sweeps, plots, compare, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pdctl.bench import BenchConfig, LoadPoint, run_bench
+from pdctl.bench.workloads import fixed_workload
+from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
+from tests.cluster.test_local_cli import local_topology
+from tests.helpers import RouterProcess, free_port, pd_router_args, sglang_router, sims
+
+PREFILL_MS_PER_TOKEN = 1.0
+DECODE_MS_PER_STEP = 30.0
+INPUT_LEN, OUTPUT_LEN = 100, 12
+SLACK_MS = 40.0
+"""What the sim adds to its latency model on this machine (the tiny model's compute, HTTP,
+the event loop): measured TTFT and ITL must lie between the model's figure and the figure
+plus this (ITL: plus half of it), so a client that times the wrong span fails."""
+
+
+def bench_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdctl", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def slow_sim(tmp_path_factory):
+    flags = ("--sim-prefill-ms-per-token", str(PREFILL_MS_PER_TOKEN), "--sim-decode-ms-per-step",
+             str(DECODE_MS_PER_STEP), "--enable-metrics")  # fmt: skip
+    with sims(tmp_path_factory.mktemp("slow"), flags) as (sim,):
+        yield sim
+
+
+@pytest.mark.parametrize("api", ["generate", "completions", "chat"])
+def test_measured_ttft_and_itl_match_the_sim_latency_model(slow_sim, api) -> None:
+    config = BenchConfig(
+        url=slow_sim.url,
+        requests=tuple(fixed_workload(6, INPUT_LEN, OUTPUT_LEN, seed=3)),
+        points=(LoadPoint(max_concurrency=1),),
+        api=api,
+        warmup=1,
+    )
+    run = run_bench(config)["runs"][0]
+    assert run["completed"] == 6 and run["failed"] == 0, run["errors"]
+    assert run["output_token_mismatches"] == 0 and run["total_output_tokens"] == 6 * OUTPUT_LEN
+    prefill_ms = INPUT_LEN * PREFILL_MS_PER_TOKEN
+    if api == "chat":  # the chat template adds the role markers to the prompt
+        prefill_ms = run["total_input_tokens"] / 6 * PREFILL_MS_PER_TOKEN
+    else:
+        assert run["input_token_mismatches"] == 0 and run["total_input_tokens"] == 6 * INPUT_LEN
+    assert prefill_ms <= run["median_ttft_ms"] <= prefill_ms + SLACK_MS, run
+    assert DECODE_MS_PER_STEP <= run["median_itl_ms"] <= DECODE_MS_PER_STEP + SLACK_MS / 2, run
+    assert DECODE_MS_PER_STEP <= run["mean_tpot_ms"] <= DECODE_MS_PER_STEP + SLACK_MS / 2, run
+    expected_e2e = prefill_ms + (OUTPUT_LEN - 1) * DECODE_MS_PER_STEP
+    assert expected_e2e <= run["median_e2e_latency_ms"] <= expected_e2e + SLACK_MS * OUTPUT_LEN / 2, run
+    assert abs(run["concurrency"] - 1.0) < 0.1  # closed loop of one
+
+
+@pytest.fixture(scope="module")
+def pd_pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    with sims(tmp, ("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode")) as (p, d):
+        yield tmp, p, d
+
+
+def test_through_pdctl_router_and_sglang_router(pd_pair) -> None:
+    tmp, prefill, decode = pd_pair
+    router = RouterProcess(tmp, *pd_router_args([prefill], [decode])).start()
+    try:
+        urls = {"pdctl": router.url}
+        with sglang_router(tmp, [prefill], [decode], expect_workers=2) as sg_url:
+            urls["sglang-router"] = sg_url
+            for name, url in urls.items():
+                out = tmp / f"{name}.json"
+                res = bench_cli("--url", url, "--num-prompts", "24", "--input-len", "32", "--output-len", "8",
+                                "--max-concurrency", "8", "--json-out", str(out))  # fmt: skip
+                assert res.returncode == 0, (name, res.stdout, res.stderr)
+                run = json.loads(out.read_text())["runs"][0]
+                assert run["completed"] == 24 and run["output_token_mismatches"] == 0, (name, run)
+                assert run["weight_versions"] == {"default": 24}
+    finally:
+        router.stop()
+
+
+def test_sweep_plot_and_compare(slow_sim, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    reports = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"sweep-{seed}.json"
+        res = bench_cli("--url", slow_sim.url, "--dataset", "random", "--input-len", "16", "--output-len", "4",
+                        "--num-prompts", "6", "--sweep", "concurrency=1,3", "--seed", seed, "--slo-ttft-ms", "1000",
+                        "--json-out", str(out), "--plot", str(tmp_path / f"sweep-{seed}.png"))  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        report = json.loads(out.read_text())
+        assert [r["max_concurrency"] for r in report["runs"]] == [1, 3]
+        assert all(r["request_goodput"] > 0 and "p99_ttft_ms" in r for r in report["runs"])
+        assert (tmp_path / f"sweep-{seed}.png").stat().st_size > 10_000
+        reports.append(out)
+    cmp = bench_cli("compare", *map(str, reports))
+    assert cmp.returncode == 0 and "B/A" in cmp.stdout and "requests/s" in cmp.stdout, cmp.stderr
+
+
+def test_bad_input_is_a_clear_error(tmp_path, pd_pair) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    res = bench_cli("--url", dead, "--num-prompts", "2")
+    assert res.returncode == 1 and f"cannot reach {dead}" in res.stderr and "Traceback" not in res.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "output_len": 2}\n{"prompt": oops}\n')
+    res = bench_cli("--url", dead, "--dataset", "jsonl", "--dataset-path", str(bad))
+    assert res.returncode == 1 and f"{bad}:2: not JSON" in res.stderr and "Traceback" not in res.stderr
+    res = bench_cli("--url", dead, "--dataset", "sharegpt", "--dataset-path", str(bad))
+    assert res.returncode == 1 and "not JSON" in res.stderr and "Traceback" not in res.stderr
+
+    res = bench_cli("--url", dead, "--num-prompts", "0")
+    assert res.returncode == 2 and "--num-prompts" in res.stderr and "Traceback" not in res.stderr
+    res = bench_cli("--url", dead, "--sweep", "speed=1,2")
+    assert res.returncode == 2 and "rate=R1,R2" in res.stderr
+
+    # a server that answers 500: every failure counted by kind, exit 1 past --max-error-rate
+    port = free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "tests.router.echo_worker", "--port", str(port), "--fail"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        from tests.helpers import wait_http
+
+        wait_http(f"http://127.0.0.1:{port}/health", proc=worker)
+        out = tmp_path / "fail.json"
+        res = bench_cli("--url", f"http://127.0.0.1:{port}", "--num-prompts", "5", "--json-out", str(out))
+        assert res.returncode == 1 and "100.0% of a run's requests failed" in res.stderr and "http_500: 5" in res.stderr
+        assert json.loads(out.read_text())["runs"][0]["errors"] == {"http_500": 5}
+        res = bench_cli("--url", f"http://127.0.0.1:{port}", "--num-prompts", "5", "--max-error-rate", "1")
+        assert res.returncode == 0, res.stderr
+    finally:
+        worker.terminate()
+        worker.wait(timeout=10)
+
+
+def test_cluster_server_view_and_weight_reloads(tmp_path) -> None:
+    from tests.cluster.test_local_cli import pdctl
+
+    topo = local_topology(tmp_path, "bn", 26000 + os.getpid() % 3000 // 10 * 10)
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    save_checkpoint(TinyLM(replace(PRESETS["tiny"], seed=5)), tmp_path / "ckpt")
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        out = tmp_path / "cluster.json"
+        res = bench_cli("bn", "--num-prompts", "60", "--input-len", "32", "--output-len", "16", "--request-rate", "15",
+                        "--weights-reload-every", "1", "--weights-path", str(tmp_path / "ckpt"), "--json-out",
+                        str(out), env={"PDCTL_HOME": str(tmp_path / "home")})  # fmt: skip
+        assert res.returncode == 0, res.stdout + res.stderr
+        run = json.loads(out.read_text())["runs"][0]
+        assert run["completed"] == 60
+        assert run["weight_reloads"]["count"] >= 1 and not run["weight_reloads"]["errors"]
+        assert any(v.startswith("bench-reload-") for v in run["weight_versions"]), run["weight_versions"]
+        windows = run["push_windows"]
+        assert windows["inside"]["requests"] + windows["outside"]["requests"] == 60
+        assert windows["inside"]["requests"] > 0
+        server = run["server"]
+        assert {"router", "prefill", "decode"} <= set(server) and "unreachable" not in server, server
+        # the engines count what the client counted, give or take a token per request (a PD decode may
+        # leave the first to the prefill) and the one-token /health probes of the router
+        assert abs(server["decode"]["generation_tokens_delta"] - run["total_output_tokens"]) <= 60, server
+        assert "max_running_reqs" in server["decode"] and "max_in_flight" in server["router"]
+        assert "inside pushes" in res.stdout
+    finally:
+        pdctl("down", "bn", env=env)
+
+
+def test_library_rejects_empty_and_bad_points() -> None:
+    from pdctl.bench import BenchError
+
+    with pytest.raises(BenchError, match="no requests"):
+        run_bench(BenchConfig(url="http://127.0.0.1:1", requests=()))
+    with pytest.raises(BenchError, match="bad load point"):
+        run_bench(BenchConfig(url="http://127.0.0.1:1", requests=tuple(fixed_workload(1, 2, 2, 0)),
+                              points=(LoadPoint(request_rate=0),)))  # fmt: skip
+
+
+def test_workload_files(tmp_path: Path) -> None:
+    from pdctl.bench.workloads import WorkloadError, jsonl_workload, random_workload, sharegpt_workload
+
+    a = random_workload(50, 100, 20, 0.5, seed=7)
+    assert a == random_workload(50, 100, 20, 0.5, seed=7)  # seeded
+    assert all(50 <= r.input_len <= 100 and len(r.prompt) == r.input_len and 10 <= r.output_len <= 20 for r in a)
+    share = tmp_path / "sg.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "abc"}]},
+                                 {"conversations": [{"from": "human", "value": "solo"}]}]))  # fmt: skip
+    reqs = sharegpt_workload(share, 3, None, seed=1)
+    assert [(r.prompt, r.output_len) for r in reqs] == [("hi", 3)] * 3
+    lines = tmp_path / "w.jsonl"
+    lines.write_text('{"prompt": "x", "output_len": 4}\n\n{"prompt": "yy"}\n')
+    assert [(r.prompt, r.output_len) for r in jsonl_workload(lines, None, 9)] == [("x", 4), ("yy", 9)]
+    with pytest.raises(WorkloadError, match="output_len must be a positive integer"):
+        jsonl_workload(lines, None, None)
