@@ -45,7 +45,22 @@ def _item(i: int = 0) -> dict[str, Any]:
     }
 
 
-def make_app(role: str, record: str | None, busy: bool = False) -> web.Application:
+def _stream_chunks(n: int) -> bytes:
+    """A /generate stream of ``n`` chunks of one token each (cumulative counts, as SGLang's)."""
+    out = []
+    for k in range(1, n + 1):
+        item = _item()
+        item["text"] = "x" * k
+        item["output_ids"] = [120] * k
+        item["meta_info"] = {**item["meta_info"], "completion_tokens": k, "finish_reason": None}
+        if k == n:
+            item["meta_info"]["finish_reason"] = {"type": "length", "length": n}
+        out.append(b"data: " + _dumps(item) + b"\n\n")
+    return b"".join(out) + b"data: [DONE]\n\n"
+
+
+def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: int = 0) -> web.Application:
+    streamed = _stream_chunks(stream_tokens) if stream_tokens else None
     log = open(record, "a") if record else None  # noqa: SIM115 - lives as long as the app
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -73,7 +88,10 @@ def make_app(role: str, record: str | None, busy: bool = False) -> web.Applicati
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            await resp.write(b"data: " + _dumps(out) + b"\n\ndata: [DONE]\n\n")
+            if streamed is not None and request.path == Endpoint.GENERATE.value and not n:
+                await resp.write(streamed)
+            else:
+                await resp.write(b"data: " + _dumps(out) + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()
             return resp
         return web.Response(body=_dumps(out), content_type="application/json")
@@ -92,7 +110,11 @@ def make_app(role: str, record: str | None, busy: bool = False) -> web.Applicati
             }
         )
 
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "null", "object": "model", "owned_by": "pdctl"}]})
+
     app = web.Application()
+    app.router.add_get("/v1/models", models)  # bench_serving waits for it
     for path in (Endpoint.GENERATE, Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
         app.router.add_post(path.value, generate)
     app.router.add_get("/health", health)
@@ -103,7 +125,7 @@ def make_app(role: str, record: str | None, busy: bool = False) -> web.Applicati
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runner, _ = await start_site(make_app(args.role, args.record, args.busy), args.host, args.port)
+    runner, _ = await start_site(make_app(args.role, args.record, args.busy, args.stream_tokens), args.host, args.port)
     if args.role == "prefill" and args.bootstrap_port:
         boot = web.Application()
         boot.router.add_get("/health", lambda _: web.Response(text="OK"))
@@ -123,6 +145,7 @@ def main() -> None:
     p.add_argument("--bootstrap-port", type=int)
     p.add_argument("--record", help="Append every request body to this file (JSON lines).")
     p.add_argument("--busy", action="store_true", help="Answer every generation with 503 (a full queue).")
+    p.add_argument("--stream-tokens", type=int, default=0, help="Streamed /generate: this many one-token chunks.")
     args = p.parse_args()
     try:
         import uvloop
