@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -88,6 +88,8 @@ async def _run(config: BenchConfig, reloader: Reloader | None, progress: Progres
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         await _preflight(session, config.url)
+        if config.api != "generate" and config.model is None:  # routers such as smg route by model id
+            config = replace(config, model=await _served_model(session, config.url))
         if config.warmup:
             warm = [config.requests[i % len(config.requests)] for i in range(config.warmup)]
             await asyncio.gather(*(_send(session, config, r) for r in warm))
@@ -104,6 +106,19 @@ async def _preflight(session: aiohttp.ClientSession, url: str) -> None:
             await resp.read()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         raise BenchError(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+
+
+async def _served_model(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The first model id of ``/v1/models``, or None when the server lists none."""
+    try:
+        async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            body = await resp.json(content_type=None) if resp.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
+        return str(data[0]["id"])
+    return None
 
 
 def _send(session: aiohttp.ClientSession, config: BenchConfig, req: BenchRequest):

@@ -174,7 +174,9 @@ class OpenAIRoutes:
         model = body.get("model") or server.config.served_name
         try:
             if body.get("stream"):
-                return await self._stream(request, pairs, rid, created, model, chat=chat)
+                options = body.get("stream_options")
+                usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                return await self._stream(request, pairs, rid, created, model, chat=chat, include_usage=usage)
             choices = []
             for index, (req, queue) in enumerate(pairs):
                 async for _ in server.events(req, queue):
@@ -190,7 +192,9 @@ class OpenAIRoutes:
                 if not req.finished:
                     server.engine.abort(req.rid, "client disconnected")  # type: ignore[union-attr]
 
-    async def _stream(self, request: web.Request, pairs: list, rid: str, created: int, model: str, *, chat: bool):
+    async def _stream(
+        self, request: web.Request, pairs: list, rid: str, created: int, model: str, *, chat: bool, include_usage: bool
+    ):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -213,6 +217,10 @@ class OpenAIRoutes:
             finish = _finish_reason(req)
             end = {"delta": {}} if chat else {"text": "", "logprobs": None}
             await send({"index": index, **end, "finish_reason": finish, "matched_stop": _matched(req)})
+        if include_usage:  # SGLang's last chunk: no choices, the counts of every choice
+            usage = _usage([r for r, _ in pairs])
+            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

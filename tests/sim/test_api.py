@@ -94,6 +94,12 @@ def test_openai_routes(trio) -> None:
     events = sse(url + "/v1/chat/completions", {**chat, "stream": True})
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert text == out["choices"][0]["message"]["content"] and events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    # stream_options.include_usage: SGLang's last chunk has no choices and the counts
+    events = sse(url + "/v1/completions", {"prompt": "hi", "max_tokens": 5, "stream": True,
+                                           "stream_options": {"include_usage": True}})  # fmt: skip
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5,
+                                                                   "total_tokens": 7}  # fmt: skip
     status, err = post(url + "/v1/chat/completions", {"messages": []})
     assert status == 400 and err["object"] == "error"
 
