@@ -308,16 +308,6 @@ def _validate(alloc: Allocation) -> None:
         megatron_ep = comp.backend == "megatron" and isinstance(comp.dims, Dims) and dims.e > 1
         if megatron_ep and dims.world_size % (dims.p * dims.e):
             raise fail(f"Expert model parallel size {dims.e} cannot divide world size {dims.world_size}", comp)
-    unnamed = [c for c in comps if c.name is None]
-    if len(alloc.pools) >= 3 and unnamed:
-        message = f"When using 3+ components, all must have names. Found {len(unnamed)} unnamed components."
-        raise fail(message, unnamed[0])
-    seen: set[str] = set()
-    for comp in comps:
-        if comp.name is not None:
-            if comp.name in seen:
-                raise fail(f"Duplicate component name: {comp.name}", comp)
-            seen.add(comp.name)
     for pool in alloc.pools:
         anchor = pool[0]
         for other in pool[1:]:
@@ -330,3 +320,15 @@ def _validate(alloc: Allocation) -> None:
                     f"'{other.name}' has {other.world_size}.",
                     other,
                 )
+    # AReaL counts every component of a `+` chain, colocated ones included (its colocation
+    # groups are checked first, as its parser builds them before the chain).
+    unnamed = [c for c in comps if c.name is None]
+    if len(alloc.pools) >= 2 and len(comps) >= 3 and unnamed:
+        message = f"When using 3+ components, all must have names. Found {len(unnamed)} unnamed components."
+        raise fail(message, unnamed[0])
+    seen: set[str] = set()
+    for comp in comps:
+        if comp.name is not None:
+            if comp.name in seen:
+                raise fail(f"Duplicate component name: {comp.name}", comp)
+            seen.add(comp.name)

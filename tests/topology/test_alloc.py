@@ -67,6 +67,8 @@ REJECTED = [
     ("sglang[a]:d2+fsdp[a]:d2", "Duplicate component name: a", 14),
     ("sglang[r]:d2+fsdp:d4|fsdp:d4", "Components in colocation group must have names", 22),
     ("sglang[r]:d2+fsdp[a]:d4|fsdp[c]:d2", "matching world sizes. 'a' has 4, 'c' has 2.", 25),
+    # AReaL counts colocated components in a `+` chain: three components, one unnamed
+    ("sglang:d2+fsdp[a]:d4|fsdp[c]:d4", "all must have names. Found 1 unnamed components.", 1),
     ("megatron:(attn:d4p2t2c2|ffn:d2p4t4e2)", "Pipeline parallel size for attention and FFN modules must be", 29),
     ("megatron:(attn:d3p1t1|ffn:t2e1)", "Cannot derive expert dp", 27),
     ("megatron:(attn:d4|ffn:d2e4)", "World size for expert modules and attention modules must be identical", 23),
