@@ -13,6 +13,7 @@ from typing import Any
 
 from pdctl.errors import AllocationError, Issue, PdctlError, TopologyError
 from pdctl.topology.alloc import Allocation, Dims, parse_allocation
+from pdctl.topology.guard import MAX_BYTES, decode
 from pdctl.topology.model import Role, ServerGroup, Topology, TrainerConfig
 from pdctl.topology.schema import SourceMap, check_schema, parse_yaml
 from pdctl.topology.validate import validate
@@ -26,10 +27,21 @@ def default_topology_text() -> str:
 
 
 def read_topology_file(path: str | Path) -> str:
+    """The file's text. Raises PdctlError when it cannot be read, TopologyError (at the
+    offending line and column) when it is too large or not UTF-8."""
     try:
-        return Path(path).read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # never more than the limit, whatever the file's size
     except OSError as exc:
         raise PdctlError(f"cannot read topology {path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_BYTES:
+        issue = Issue("", f"the file is larger than {MAX_BYTES} bytes, the most a topology may be", 1, 1)
+        raise TopologyError(str(path), [issue])
+    text, issue = decode(data)
+    if issue:
+        raise TopologyError(str(path), [issue])
+    assert text is not None
+    return text
 
 
 def load_topology(path: str | Path) -> tuple[Topology, list[Issue]]:

@@ -8,6 +8,7 @@ dotted path and the line/column of the offending key or value, so the CLI can pr
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import jsonschema
 import yaml
 
 from pdctl.errors import Issue
+from pdctl.topology.guard import Loader, check_depth, check_expansion, check_size
 
 PathKey = str | int
 Path = tuple[PathKey, ...]
@@ -89,22 +91,34 @@ def parse_yaml(text: str) -> tuple[Any, SourceMap, list[Issue]]:
 
     Duplicate mapping keys, which PyYAML silently overwrites, are reported as errors.
     """
+    guard_issue = check_size(text) or check_depth(text)
+    if guard_issue:
+        return None, SourceMap({}, {}), [guard_issue]
     try:
-        loader = yaml.SafeLoader(text)
+        loader = Loader(text)
         try:
             node = loader.get_single_node()
             if node is None:
                 return None, SourceMap({}, {}), [Issue("", "the file is empty", 1, 1)]
+            guard_issue = check_expansion(node)  # before anything walks the expanded tree
+            if guard_issue:
+                return None, SourceMap({}, {}), [guard_issue]
             data = loader.construct_document(node)
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
-        message = f"YAML syntax error: {exc.problem or exc}"
+        kind = "syntax error" if isinstance(exc, (yaml.scanner.ScannerError, yaml.parser.ParserError)) else "error"
+        message = f"YAML {kind}: {exc.problem or exc}"
+        return None, SourceMap({}, {}), [Issue("", message, line, col)]
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, other controls)
+        line, col = _line_col(text, exc.position)
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        message = f"YAML does not allow the character U+{char:04X} here"
         return None, SourceMap({}, {}), [Issue("", message, line, col)]
     except yaml.YAMLError as exc:
-        return None, SourceMap({}, {}), [Issue("", f"YAML error: {exc}")]
+        return None, SourceMap({}, {}), [Issue("", f"YAML error: {exc}", 1, 1)]
     positions: dict[Path, tuple[int, int]] = {(): (node.start_mark.line + 1, node.start_mark.column + 1)}
     issues: list[Issue] = []
     values: dict[Path, tuple[int, int, str | None]] = {}
@@ -117,6 +131,12 @@ def parse_yaml(text: str) -> tuple[Any, SourceMap, list[Issue]]:
             mark = value_node.start_mark
             values.setdefault(path, (mark.line + 1, mark.column + 1, value_node.style))
     return data, SourceMap(positions, values), issues
+
+
+def _line_col(text: str, index: int) -> tuple[int, int]:
+    """1-based line and column of character ``index`` of ``text``."""
+    line = text.count("\n", 0, index) + 1
+    return line, index - (text.rfind("\n", 0, index) + 1) + 1
 
 
 def _walk(node: yaml.Node, path: Path) -> Iterator[tuple[Path, yaml.Node, yaml.Node, bool]]:
@@ -135,10 +155,22 @@ def _walk(node: yaml.Node, path: Path) -> Iterator[tuple[Path, yaml.Node, yaml.N
             yield from _walk(item, child)
 
 
+MAX_SCHEMA_ERRORS = 100
+"""More are not computed (a file of 40 000 wrong entries would take seconds) nor read."""
+
+
 def check_schema(data: Any, source: SourceMap) -> list[Issue]:
-    """Every JSON Schema violation in ``data`` as an Issue, sorted by position."""
-    issues = [issue for err in _validator().iter_errors(data) for issue in _to_issues(err, source)]
-    return sorted(issues, key=lambda i: (i.line, i.col, i.path))
+    """The JSON Schema violations in ``data`` (at most MAX_SCHEMA_ERRORS, then one line that
+    says there are more) as Issues, sorted by position."""
+    errors = list(itertools.islice(_validator().iter_errors(data), MAX_SCHEMA_ERRORS + 1))
+    issues = [issue for err in errors[:MAX_SCHEMA_ERRORS] for issue in _to_issues(err, source)]
+    issues.sort(key=lambda i: (i.line, i.col, i.path))
+    if len(errors) > MAX_SCHEMA_ERRORS:
+        first_unshown = _to_issues(errors[-1], source)
+        line, col = (first_unshown[0].line, first_unshown[0].col) if first_unshown else (1, 1)
+        message = f"more schema errors from here on (only the first {MAX_SCHEMA_ERRORS} are shown); fix these first"
+        issues.append(Issue("", message, line or 1, col or 1))
+    return issues
 
 
 def _to_issues(error: jsonschema.ValidationError, source: SourceMap) -> list[Issue]:
