@@ -38,18 +38,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body: Any = None, *, timeout: float = 60, headers: dict | None = None):
-    """(status, parsed JSON or text). Never raises on HTTP errors."""
-    data = json.dumps(body).encode() if body is not None else None
+def http(
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    timeout: float = 60,
+    headers: dict | None = None,
+    raw: bytes | None = None,
+):
+    """(status, parsed JSON or text). Never raises on HTTP errors. ``raw``: send these bytes as the body."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(
         url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
+            status, answer = resp.status, resp.read()
     except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    text = raw.decode()
+        status, answer = exc.code, exc.read()
+    text = answer.decode()
     try:
         return status, json.loads(text)
     except json.JSONDecodeError:

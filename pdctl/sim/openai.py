@@ -16,6 +16,7 @@ from aiohttp import web
 
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint, openai_error_body
+from pdctl.sim.body import read_json
 from pdctl.sim.engine import Request
 from pdctl.sim.model import decode, encode
 from pdctl.sim.requests import ItemSpec, parallel_samples
@@ -144,24 +145,24 @@ class OpenAIRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
+            body = await read_json(request)
             prompts = _prompts(body.get("prompt"))
             sampling = _sampling(body, 16)
             pairs = await self._items(body, prompts, sampling, _top_logprobs(body, chat=False))
         except SimError as exc:
             return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
-        except (json.JSONDecodeError, AttributeError) as exc:
+        except AttributeError as exc:  # a body that is not an object
             return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
         return await self._respond(request, body, pairs, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
+            body = await read_json(request)
             prompts = [encode(chat_prompt(body.get("messages")))]
             pairs = await self._items(body, prompts, _sampling(body, None), _top_logprobs(body, chat=True))
         except SimError as exc:
             return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
-        except (json.JSONDecodeError, AttributeError) as exc:
+        except AttributeError as exc:  # a body that is not an object
             return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
         return await self._respond(request, body, pairs, chat=True)
 

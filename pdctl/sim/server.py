@@ -24,6 +24,7 @@ from pdctl.errors import SimError
 from pdctl.httputil import start_site
 from pdctl.sglang import FAKE_BOOTSTRAP_HOST, Endpoint, generate_error_body, stream_error_chunk
 from pdctl.sim import openai, weights_http
+from pdctl.sim.body import MAX_BODY_BYTES, read_json
 from pdctl.sim.engine import Engine, Mode, Request
 from pdctl.sim.kv import KVStore, bootstrap_app, fetch_kv, waiting_timeout_secs
 from pdctl.sim.metrics import SimMetrics
@@ -174,7 +175,7 @@ class SimServer:
 
     # -- app ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=512 * 1024 * 1024)
+        app = web.Application(middlewares=[self._auth, _sim_errors], client_max_size=MAX_BODY_BYTES)
         r = app.router
         r.add_post(Endpoint.GENERATE.value, self.generate)
         r.add_get(Endpoint.HEALTH.value, self.health)
@@ -308,7 +309,7 @@ class SimServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = parse_generate(await _json(request))
+            body = parse_generate(await read_json(request))
         except SimError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         try:
@@ -470,7 +471,7 @@ class SimServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         assert self.engine is not None
-        body = await _json(request, default={})
+        body = await read_json(request, default={})
         try:
             self.engine.pause(str(body.get("mode", "abort")))
         except SimError as exc:
@@ -484,7 +485,7 @@ class SimServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         assert self.engine is not None
-        body = await _json(request, default={})
+        body = await read_json(request, default={})
         self.engine.abort(None if body.get("abort_all") else str(body.get("rid")), "Abort requested")
         return web.Response(status=200)
 
@@ -496,15 +497,14 @@ class SimServer:
         return web.Response(body=self.metrics.render(stats), content_type="text/plain")
 
 
-async def _json(request: web.Request, default: Any = None) -> Any:
-    if not request.can_read_body:
-        if default is not None:
-            return default
-        raise SimError("request body must be JSON")
+@web.middleware
+async def _sim_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """A SimError no route caught (a body that is not JSON, on the small routes) is the
+    client's fault: its status with SGLang's error body, not a 500 and a traceback."""
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SimError(f"invalid JSON: {exc}") from exc
+        return await handler(request)
+    except SimError as exc:
+        return web.json_response(generate_error_body(str(exc)), status=exc.status)
 
 
 def torch_threads(n: int) -> None:

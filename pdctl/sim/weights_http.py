@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint
+from pdctl.sim.body import read_json
 from pdctl.sim.weights import GroupSpec, tensor_specs
 from pdctl.weights.buckets import tensor_checksum
 
@@ -57,12 +58,7 @@ def _fail(message: str, status: int = 400, **extra: Any) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise SimError(f"invalid JSON: {exc}") from exc
+    body = await read_json(request, default={})
     if not isinstance(body, dict):
         raise SimError("body must be a JSON object")
     return body

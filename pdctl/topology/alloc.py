@@ -117,8 +117,15 @@ class Allocation:
         raise KeyError(f"no component {name!r} in allocation; named: {names or 'none'}")
 
 
+MAX_ALLOCATION_CHARS = 4096
+MAX_DIM_DIGITS = 6
+
+
 def parse_allocation(text: str) -> Allocation:
     """Parse and validate an allocation string. Raises AllocationError with a column."""
+    if len(text) > MAX_ALLOCATION_CHARS:
+        message = f"an allocation is at most {MAX_ALLOCATION_CHARS} characters, this one {len(text)}"
+        raise AllocationError(message, "", 1)
     alloc = _Parser(text).parse()
     _validate(alloc)
     return alloc
@@ -247,11 +254,13 @@ class _Parser:
                 raise self.fail(f"{owner} takes dimensions {', '.join(allowed)}; {letter!r} is not one", letter_at)
             self.pos += 1
             num_at = self.pos
-            while self.pos < len(self.text) and self.text[self.pos].isdigit():
+            while self.pos < len(self.text) and self.text[self.pos] in "0123456789":  # ASCII only: not '²'
                 self.pos += 1
             digits = self.text[num_at : self.pos]
             if not digits or digits[0] == "0":
                 raise self.fail(f"dimension {letter!r} needs a positive number without leading zeros", num_at)
+            if len(digits) > MAX_DIM_DIGITS:
+                raise self.fail(f"dimension {letter!r} is larger than any cluster ({digits[:12]}...)", num_at)
             if letter in out:
                 raise self.fail(f"dimension {letter!r} given twice", letter_at)
             out[letter] = int(digits)

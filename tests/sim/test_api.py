@@ -6,10 +6,12 @@ import concurrent.futures as cf
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
-from tests.helpers import SimProcess, get, post, sse
+from tests.helpers import RouterProcess, SimProcess, get, http, post, sse
 
 
 def test_info_routes(trio) -> None:
@@ -201,8 +203,9 @@ def test_decode_without_prefill_times_out_clearly_and_frees_its_slot(tmp_path) -
 def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
     """SGLang 0.5.23: with --max-queued-requests, a request beyond that many waiting ones gets
     503 'The request queue is full.'; running and queued ones complete."""
-    sim = SimProcess(tmp_path, "--max-running-requests", "1", "--max-queued-requests", "2",
-                     "--sim-decode-ms-per-step", "20").start()
+    sim = SimProcess(
+        tmp_path, "--max-running-requests", "1", "--max-queued-requests", "2", "--sim-decode-ms-per-step", "20"
+    ).start()
     try:
         body = {"text": "q", "sampling_params": {"max_new_tokens": 30}}
         with cf.ThreadPoolExecutor(6) as pool:
@@ -213,3 +216,30 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
         assert full["error"]["message"] == "The request queue is full."
     finally:
         sim.stop()
+
+
+def test_hostile_bodies_get_400_and_the_engine_stays_up(trio) -> None:
+    """Bodies nested 100 000 deep, not UTF-8 or cut short: a clear 400 on every route that
+    reads JSON (orjson's nesting limit), never a 500 or a traceback in the log."""
+    url = trio[0].url
+    deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    routes = ["/generate", "/v1/completions", "/v1/chat/completions", "/init_weights_update_group",
+              "/update_weights_from_distributed", "/pause_generation", "/abort_request"]  # fmt: skip
+    for route in routes:
+        for body in (deep, b"\xff\xfe garbage", b"[1, 2"):
+            req = urllib.request.Request(url + route, data=body, headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(req, timeout=30)
+            assert info.value.code == 400, (route, body[:20], info.value.read()[:200])
+    assert get(url + "/health")[0] == 200
+    assert "Traceback" not in trio[0].log.read_text()
+    # pdctl's router in front: the same bodies get its 400 (orjson too), the worker never sees them
+    router = RouterProcess(trio[0].log.parent, "--worker-urls", url).start()
+    try:
+        for route in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            for body in (deep, b"\xff\xfe garbage", b"[1, 2"):
+                code, out = http("POST", router.url + route, raw=body)
+                assert code == 400 and "invalid JSON body" in str(out), (route, body[:20], out)
+        assert "Traceback" not in router.log.read_text()
+    finally:
+        router.stop()

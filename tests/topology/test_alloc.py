@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdctl.errors import AllocationError
 from pdctl.topology.alloc import Dims, MoEDims, parse_allocation
@@ -94,3 +96,25 @@ def test_rejections_name_rule_and_column(text: str, message: str, col: int) -> N
         parse_allocation(text)
     assert message in str(info.value)
     assert info.value.col == col
+
+
+ALLOC_ALPHABET = "sglangfsdpmegatronvllm[]:()|+ dtpceattnffn_0123456789²٣\x00é"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.text(ALLOC_ALPHABET, max_size=80), st.text(max_size=80)))
+def test_any_allocation_string_parses_or_fails_with_a_column(text: str) -> None:
+    """Only AllocationError escapes, and it points into the string (Unicode digits such as '²'
+    once raised ValueError from int())."""
+    try:
+        parse_allocation(text)
+    except AllocationError as exc:
+        assert 1 <= exc.col <= len(text) + 1, (text, exc.col)
+
+
+def test_huge_allocations_and_dimensions_are_refused() -> None:
+    with pytest.raises(AllocationError, match="at most 4096 characters"):
+        parse_allocation("sglang[a]:d1+" * 400 + "fsdp[z]:d1")
+    with pytest.raises(AllocationError, match="dimension 't' is larger than any cluster") as info:
+        parse_allocation("fsdp:d4t" + "9" * 400)
+    assert info.value.col == 9
