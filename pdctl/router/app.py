@@ -452,7 +452,9 @@ class RouterServer:
         worker = self.registry.remove(request.tail)
         if worker is None:
             return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.tail}")
-        return json_reply({"status": "removed", "worker_id": worker.id})
+        # 202 and "accepted" as sglang-router and smg answer (they remove in the background; pdctl
+        # has already removed it), so that clients written against them read the same reply.
+        return json_reply({"status": "accepted", "worker_id": worker.id, "message": "Worker removed"}, 202)
 
     async def metrics_endpoint(self, _: Request) -> Reply:
         return Reply(200, self.metrics.render(self.registry), "text/plain; version=0.0.4; charset=utf-8")

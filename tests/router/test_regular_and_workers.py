@@ -40,7 +40,7 @@ def test_workers_can_join_and_leave_at_runtime(fleet, tmp_path) -> None:
         listed = get(proc.url + "/workers")[1]
         assert listed["stats"] == {"prefill_count": 1, "decode_count": 1, "regular_count": 0}
         assert post(proc.url + "/generate", greedy("joined"))[0] == 200
-        assert http("DELETE", proc.url + "/workers/" + added["worker_id"])[0] == 200
+        assert http("DELETE", proc.url + "/workers/" + added["worker_id"])[0] == 202
         status, out = post(proc.url + "/generate", greedy("gone"))
         assert status == 503 and out["error"]["code"] == "no_prefill_servers"
         assert http("DELETE", proc.url + "/workers/nope")[0] == 404
