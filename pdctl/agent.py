@@ -46,6 +46,7 @@ def preflight(req: dict[str, Any]) -> dict[str, Any]:
         "python": sys.executable,
         "pdctl": __version__,
         "sglang": importlib.util.find_spec("sglang") is not None,
+        "torch": importlib.util.find_spec("torch") is not None,
         "busy_ports": [],
     }
     if req.get("check_gpus"):

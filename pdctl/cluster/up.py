@@ -107,6 +107,10 @@ def _preflight(top: Topology, plan: Plan, nodes: NodeSet, events: Events) -> Non
         if proc.gpu_ids:
             gpus[proc.node] = max(gpus[proc.node], max(proc.gpu_ids) + 1)
     check_gpus = top.engine == "sglang"
+    # The control plane installs without torch; the nodes that run the sim or a trainer need it.
+    torch_nodes = {
+        p.node for p in plan.processes if p.role is Role.TRAINER or (top.engine == "sim" and p.role.is_engine)
+    }
     names = [n.name for n in top.nodes if n.name in ports]
     events("preflight", f"checking {len(names)} node(s)")
     results = nodes.each(
@@ -127,6 +131,11 @@ def _preflight(top: Topology, plan: Plan, nodes: NodeSet, events: Events) -> Non
             problems.append(f"node {name}: port {busy['port']} is already in use by {owner}")
         if top.engine == "sglang" and not res["sglang"]:
             problems.append(f"node {name}: sglang is not importable by {res['python']} (pip install sglang)")
+        if name in torch_nodes and not res.get("torch", True):
+            problems.append(
+                f"node {name}: torch is not importable by {res['python']} (the sim engine and the trainer need it: "
+                "pip install 'pdctl[sim]')"
+            )
         if check_gpus and res.get("gpus", 0) < gpus[name]:
             problems.append(f"node {name}: the plan uses {gpus[name]} GPUs but {res.get('gpus', 0)} are visible")
     if problems:
