@@ -384,7 +384,7 @@ class Engine:
             with self._cond:
                 self._finish(req, {"type": "length", "length": 0})
             return
-        token = sample(logits[-1], req.sampling, req.generator)
+        token = sample(logits[-1], req.sampling, _at_position(req, len(ids) - 1))
         last = torch.log_softmax(logits[-1], dim=-1)
         logprob = float(last[token])
         # A decode may be asked for the first token's top logprobs: the prefill always sends some.
@@ -419,7 +419,9 @@ class Engine:
                 continue
             opts = req.sampling
             token = (
-                greedy[row] if opts.temperature <= 1e-6 or opts.top_k == 1 else sample(logits[row], opts, req.generator)
+                greedy[row]
+                if opts.temperature <= 1e-6 or opts.top_k == 1
+                else sample(logits[row], opts, _at_position(req, len(req.input_ids) + len(req.output_ids) - 1))
             )
             if req.top_logprobs_num and logps is not None:
                 req.output_top_logprobs.append(_top(logps[row], req.top_logprobs_num))
@@ -478,3 +480,14 @@ class Engine:
             self.on_finish(req)
         req.emit(req)
         self._cond.notify_all()
+
+
+def _at_position(req: Request, position: int) -> torch.Generator | None:
+    """The request's generator, reseeded from (sampling_seed, position) when it has a seed: as
+    SGLang's seeded sampler hashes the seed with the position, the token drawn at a position
+    does not depend on which engine drew the earlier ones (PD equals non-PD)."""
+    seed = req.sampling.sampling_seed
+    if seed is not None and req.generator is not None:
+        req.generator.manual_seed((int(seed) * 1_000_003 + position) % 2**63)
+    return req.generator
+

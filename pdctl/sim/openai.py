@@ -177,7 +177,10 @@ class OpenAIRoutes:
             if body.get("stream"):
                 options = body.get("stream_options")
                 usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                return await self._stream(request, pairs, rid, created, model, chat=chat, include_usage=usage)
+                echo = not chat and bool(body.get("echo"))
+                return await self._stream(
+                    request, pairs, rid, created, model, chat=chat, include_usage=usage, echo=echo
+                )
             choices = []
             for index, (req, queue) in enumerate(pairs):
                 async for _ in server.events(req, queue):
@@ -194,7 +197,16 @@ class OpenAIRoutes:
                     server.engine.abort(req.rid, "client disconnected")  # type: ignore[union-attr]
 
     async def _stream(
-        self, request: web.Request, pairs: list, rid: str, created: int, model: str, *, chat: bool, include_usage: bool
+        self,
+        request: web.Request,
+        pairs: list,
+        rid: str,
+        created: int,
+        model: str,
+        *,
+        chat: bool,
+        include_usage: bool,
+        echo: bool = False,
     ):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -206,6 +218,7 @@ class OpenAIRoutes:
 
         for index, (req, queue) in enumerate(pairs):
             sent = ""
+            prefix = decode(req.input_ids) if echo else ""  # SGLang puts the prompt in a choice's first chunk
             if chat:
                 await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             async for _ in self.server.events(req, queue):
@@ -213,10 +226,11 @@ class OpenAIRoutes:
                 text = req.text() if req.finished else decode(req.output_ids)
                 delta, sent = text[len(sent) :], text
                 if delta:
-                    piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
+                    piece = {"delta": {"content": delta}} if chat else {"text": prefix + delta, "logprobs": None}
+                    prefix = ""
                     await send({"index": index, **piece, "finish_reason": None})
             finish = _finish_reason(req)
-            end = {"delta": {}} if chat else {"text": "", "logprobs": None}
+            end = {"delta": {}} if chat else {"text": prefix, "logprobs": None}
             await send({"index": index, **end, "finish_reason": finish, "matched_stop": _matched(req)})
         if include_usage:  # SGLang's last chunk: no choices, the counts of every choice
             usage = _usage([r for r, _ in pairs])
@@ -297,9 +311,10 @@ def _choice(req: Request, index: int, chat: bool, body: dict[str, Any] | None = 
             "finish_reason": _finish_reason(req),
             "matched_stop": _matched(req),
         }
+    echo = decode(req.input_ids) if body and body.get("echo") else ""  # SGLang: the prompt, then the completion
     return {
         "index": index,
-        "text": req.text(),
+        "text": echo + req.text(),
         "logprobs": _logprobs(req, chat=False),
         "finish_reason": _finish_reason(req),
         "matched_stop": _matched(req),

@@ -243,3 +243,16 @@ def test_hostile_bodies_get_400_and_the_engine_stays_up(trio) -> None:
         assert "Traceback" not in router.log.read_text()
     finally:
         router.stop()
+
+
+def test_completions_echo_puts_the_prompt_first(trio) -> None:
+    """SGLang's `echo`: the choice's text starts with the prompt (non-stream), and a stream's
+    first chunk carries it; the sim ignored `echo` once."""
+    url = trio[0].url + "/v1/completions"
+    body = {"prompt": "Once upon", "max_tokens": 5, "temperature": 0}
+    plain = post(url, body)[1]["choices"][0]["text"]
+    echoed = post(url, {**body, "echo": True})[1]["choices"][0]["text"]
+    assert echoed == "Once upon" + plain
+    events = sse(url, {**body, "echo": True, "stream": True})
+    pieces = [e["choices"][0]["text"] for e in events[:-1]]
+    assert pieces[0].startswith("Once upon") and "".join(pieces) == echoed

@@ -125,3 +125,19 @@ def test_fake_bootstrap_host_needs_no_prefill(trio) -> None:
     body = greedy("warm", 4, bootstrap_host="2.2.2.2", bootstrap_room=0)
     status, out = post(f"{decode.url}/generate", body)
     assert status == 200 and len(out["output_ids"]) == 4
+
+
+def test_seeded_sampling_through_pd_equals_without(trio) -> None:
+    """SGLang draws a seeded token from a hash of (sampling_seed, position), so which engine drew
+    the earlier tokens does not matter: PD output equals non-PD output for the same seed (the sim
+    once kept one generator per request, so the decode's draws started over)."""
+    regular = trio[0]
+    for i, seed in enumerate((7, 1234, 99991)):
+        body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 24, "temperature": 1.0,
+                                                                "sampling_seed": seed}}  # fmt: skip
+        status, ref = post(f"{regular.url}/generate", body)
+        assert status == 200
+        status, out = pd_generate(trio, body, room=5000 + i)
+        assert status == 200 and out["output_ids"] == ref["output_ids"], seed
+    body["sampling_params"]["sampling_seed"] = 8  # and the seed still matters
+    assert post(f"{regular.url}/generate", body)[1]["output_ids"] != ref["output_ids"]
