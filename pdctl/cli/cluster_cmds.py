@@ -20,7 +20,7 @@ from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
 from pdctl.plan import make_plan
 
-console = Console(stderr=True)
+console = Console(stderr=True, log_path=False)  # log lines without pdctl's source file name
 
 
 class Progress:
@@ -34,6 +34,9 @@ class Progress:
         self.shown = False
 
     def event(self, process: str, message: str) -> None:
+        if not console.is_terminal:  # piped or logged: one plain line per event, no redrawn table
+            console.log(f"{process}: {message}")
+            return
         with self.lock:
             if not self.shown:  # only once something happens: an early refusal prints no table
                 self.live.start()
@@ -114,6 +117,9 @@ def status(name: str | None, as_json: bool) -> None:
 
 def _print_status(result: ClusterStatus) -> None:
     out = Console(width=None if sys.stdout.isatty() else 160)
+    if not result.processes:  # a stopped cluster: a sentence, not an empty table
+        out.print(f"cluster {result.name!r} is {result.status}: no processes (start it with `pdctl up`)")
+        return
     table = Table(title=f"{result.name}: {result.status}  router {result.router_url}")
     for col in ("process", "role", "node", "pid", "alive", "health", "weights", "ports", "uptime"):
         table.add_column(col)
@@ -146,7 +152,9 @@ def _print_status(result: ClusterStatus) -> None:
 @click.command()
 @click.argument("args", nargs=-1)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output.")
-@click.option("-n", "--lines", default=50, show_default=True, help="Lines of history to show.")
+@click.option(
+    "-n", "--lines", default=50, show_default=True, type=click.IntRange(min=0), help="Lines of history to show."
+)
 def logs(args: tuple[str, ...], follow: bool, lines: int) -> None:
     """Print the log of process PROC of cluster NAME: `pdctl logs [NAME] [PROC]`.
 

@@ -29,7 +29,7 @@ def print_warnings(warnings: list[Issue], filename: str) -> None:
 
 
 @click.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
 def validate(files: tuple[str, ...]) -> None:
     """Check topology FILES against the schema and the semantic rules.
 

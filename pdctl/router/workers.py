@@ -119,7 +119,7 @@ class WorkerRegistry:
         if worker is not None and worker.quarantined != reason:
             worker.quarantined = reason
             if reason is None:
-                log.warning("worker %s is back in rotation (it holds the pushed weights)", url)
+                log.info("worker %s is back in rotation (it holds the pushed weights)", url)
             else:
                 log.warning("worker %s is out of rotation: %s", url, reason)
 
@@ -164,7 +164,7 @@ class WorkerRegistry:
                 if worker.cb_successes >= self.config.cb_success_threshold:
                     worker.cb_half_open = False
                     worker.cb_open_until = 0.0
-                    log.warning("circuit closed for %s", worker.url)
+                    log.info("circuit closed for %s", worker.url)
             return
         worker.cb_successes = 0
         if now - worker.cb_window_start > self.config.cb_window_duration_secs:
@@ -229,10 +229,10 @@ class WorkerRegistry:
             worker.consecutive_successes += 1
             if not worker.activated:
                 worker.activated = worker.healthy = True
-                log.warning("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
+                log.info("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
             elif not worker.healthy and worker.consecutive_successes >= c.health_success_threshold:
                 worker.healthy = True
-                log.warning("worker %s is healthy again", worker.url)
+                log.info("worker %s is healthy again", worker.url)
             return
         if not worker.activated or time.monotonic() - worker.registered_at < c.health_first_wait_secs:
             return  # still starting, or in the cold-start grace: compiling engines answer late

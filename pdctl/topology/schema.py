@@ -206,6 +206,8 @@ def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
         hint = error.schema.get("description") or f"must match {error.validator_value}"
         return source.issue(path, f"{error.instance!r} is not a safe name", hint=hint)
     if error.validator == "enum":
-        choices = ", ".join(str(c) for c in error.validator_value)
-        return source.issue(path, f"{error.instance!r} is not one of: {choices}")
+        choices = [str(c) for c in error.validator_value]
+        match = difflib.get_close_matches(str(error.instance), choices, n=1)
+        hint = f"did you mean {match[0]!r}?" if match else ""
+        return source.issue(path, f"{error.instance!r} is not one of: {', '.join(choices)}", hint=hint)
     return source.issue(path, error.message)

@@ -45,9 +45,13 @@ def test_validate_ok_and_errors(write_yaml) -> None:
     assert "Traceback" not in result.output
 
 
-def test_validate_missing_file_is_usage_error() -> None:
+def test_validate_missing_file_is_usage_error(tmp_path) -> None:
+    """A missing file and a directory are both usage errors (exit 2, click's message), as any
+    other bad argument; a file that exists but is wrong is exit 1."""
     result = run("validate", "/nonexistent/x.yaml")
-    assert result.exit_code == 1 and "cannot read topology" in result.output
+    assert result.exit_code == 2 and "does not exist" in result.output
+    result = run("validate", str(tmp_path))
+    assert result.exit_code == 2 and "is a directory" in result.output
 
 
 def test_usage_errors_exit_2() -> None:
@@ -85,3 +89,12 @@ def test_internal_errors_have_no_traceback_without_debug(write_yaml, monkeypatch
     result = run("plan", str(REPO / "topologies" / "colocate.yaml"))
     assert result.exit_code == 1 and "internal error: RuntimeError: kaboom" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_bad_enum_value_gets_did_you_mean(tmp_path) -> None:
+    topo = tmp_path / "t.yaml"
+    topo.write_text("name: x\nmodel: {path: sim://tiny}\nengine: sim\nnodes: [{name: a, host: 127.0.0.1, gpus: 2}]\n"
+                    "prefill: {}\ndecode: {}\nrouter: {policy: round_robn}\n")  # fmt: skip
+    result = run("validate", str(topo))
+    assert result.exit_code == 1 and "7:10: router.policy: 'round_robn' is not one of" in result.output
+    assert "did you mean 'round_robin'?" in result.output

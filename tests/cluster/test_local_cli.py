@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,9 @@ def test_local_cli_round_trip(tmp_path) -> None:
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     up = pdctl("up", topo, env=env)
     assert up.returncode == 0, up.stderr
+    # piped: one plain line per event, no redrawn table whose border runs into the next line
+    assert not re.search(r"[┘┛╯]\S", up.stderr + up.stdout), up.stderr
+    assert "prefill-0: healthy" in up.stderr and ".py:" not in up.stderr  # no pdctl source file names
     url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
     try:
         code, out = post(url + "/generate", {"text": "cli", "sampling_params": {"max_new_tokens": 4}})
@@ -51,11 +55,15 @@ def test_local_cli_round_trip(tmp_path) -> None:
         log = pdctl("logs", "loc", "prefill-0", "-n", "5", env=env)
         assert log.returncode == 0 and "ready to roll" in log.stdout
         assert pdctl("logs", "nope-proc", env=env).returncode == 1
+        bad = pdctl("logs", "loc", "prefill-0", "-n", "-3", env=env)
+        assert bad.returncode == 2 and "-3 is not in the range" in bad.stderr
     finally:
         down = pdctl("down", env=env)
     assert down.returncode == 0 and "is down" in down.stdout
     assert "already down" in pdctl("down", "loc", env=env).stdout
-    assert pdctl("status", "loc", env=env).returncode == 1
+    stopped = pdctl("status", "loc", env=env)
+    assert stopped.returncode == 1 and "cluster 'loc' is down: no processes" in stopped.stdout
+    assert "┏" not in stopped.stdout  # a sentence, not an empty table
     purge = pdctl("down", "loc", "--purge", env=env)
     assert purge.returncode == 0 and not (tmp_path / "runs" / "loc").exists()
     assert pdctl("down", "loc", env=env).stdout.startswith("no cluster 'loc'")

@@ -31,9 +31,13 @@ FORWARDED = {"authorization", "x-request-id", "x-correlation-id", "traceparent",
 def echo_worker(tmp: Path, *flags: str) -> Iterator[str]:
     port = free_port()
     log = tmp / f"echo-{port}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.router.echo_worker", "--port", str(port), *flags],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.router.echo_worker", "--port", str(port), *flags],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc=proc, log=log)
         yield f"http://127.0.0.1:{port}"
@@ -55,10 +59,28 @@ def routers(tmp: Path, workers: list[str], *extra: str) -> Iterator[dict[str, st
         if _has_sglang_router():
             port = free_port()
             log = tmp / f"sglang-router-{port}.log"
-            peer = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", *given,
-                                     "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-                                     "--prometheus-port", str(free_port()), "--log-level", "warn", *extra],
-                                    stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+            peer = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    *given,
+                    "--policy",
+                    "round_robin",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--prometheus-port",
+                    str(free_port()),
+                    "--log-level",
+                    "warn",
+                    *extra,
+                ],
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -113,8 +135,12 @@ def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
     pdctl's queue full: 429 (sglang-router's documented code). sglang-router 0.3.2 itself answers
     that one 408 too (its slots are a token bucket refilled once a second; it answered 408 even
     with --queue-size 0, whose help says "return 429 immediately"), which this test records."""
-    with slow_sim(tmp_path) as worker, routers(tmp_path, [worker], "--max-concurrent-requests", "1",
-                                               "--queue-size", "1", "--queue-timeout-secs", "1") as urls:
+    with (
+        slow_sim(tmp_path) as worker,
+        routers(
+            tmp_path, [worker], "--max-concurrent-requests", "1", "--queue-size", "1", "--queue-timeout-secs", "1"
+        ) as urls,
+    ):
         import concurrent.futures as cf
 
         body = {"text": "slow", "sampling_params": {"max_new_tokens": 80}}
@@ -178,9 +204,19 @@ def test_worker_api_add_get_delete_on_a_router_started_without_workers(tmp_path)
 def test_breaker_opens_for_the_failing_worker_only(tmp_path):
     """One worker answers 500, the other works; retries off. Once the failing worker's breaker
     opens (3 failures), every request is served by the healthy one, on both routers."""
-    with echo_worker(tmp_path, "--fail") as bad, echo_worker(tmp_path) as good, routers(
-        tmp_path, [bad, good], "--disable-retries", "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "60"
-    ) as urls:
+    with (
+        echo_worker(tmp_path, "--fail") as bad,
+        echo_worker(tmp_path) as good,
+        routers(
+            tmp_path,
+            [bad, good],
+            "--disable-retries",
+            "--cb-failure-threshold",
+            "3",
+            "--cb-timeout-duration-secs",
+            "60",
+        ) as urls,
+    ):
         for name, url in urls.items():
             statuses = [post(url + "/generate", {"text": f"{name}{i}"})[0] for i in range(30)]
             assert statuses.count(500) <= 3 and set(statuses[-20:]) == {200}, (name, statuses)
@@ -190,6 +226,7 @@ def test_manual_policy_keeps_a_routing_key_on_one_worker(tmp_path):
     with echo_worker(tmp_path) as a, echo_worker(tmp_path) as b:
         router = RouterProcess(tmp_path, "--worker-urls", a, b, "--policy", "manual").start("/readiness")
         try:
+
             def host(key: str | None) -> str:
                 headers = {"X-SMG-Routing-Key": key} if key else {}
                 status, out = post(router.url + "/generate", {"text": "k"}, headers=headers)
@@ -202,3 +239,19 @@ def test_manual_policy_keeps_a_routing_key_on_one_worker(tmp_path):
             assert len({host(None) for _ in range(40)}) == 2  # no key: any worker
         finally:
             router.stop()
+
+
+def test_routine_events_log_at_info_and_trouble_at_warning(tmp_path):
+    """At --log-level warn the router's log shows a worker going bad, not routine arrivals."""
+    flags = ["--log-level", "warn", "--health-check-interval-secs", "0.3", "--health-failure-threshold", "1"]
+    with echo_worker(tmp_path) as worker:
+        router = RouterProcess(tmp_path, "--worker-urls", worker, *flags).start("/readiness")
+        assert post(router.url + "/generate", {"text": "a"})[0] == 200
+    try:  # the worker is gone now: the next check fails it
+        deadline = time.monotonic() + 20
+        while "unhealthy" not in router.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = router.log.read_text()
+        assert "is unhealthy" in text and "is up" not in text, text
+    finally:
+        router.stop()
