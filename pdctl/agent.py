@@ -117,8 +117,10 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
             exit_file = _expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
             argv = [sys.executable, "-m", "pdctl.exitcode", exit_file, "--", *argv]
-        with open(log_path, "ab", buffering=0) as log:
-            log.write(f"\n=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} {proc['id']}: start ===\n".encode())
+        if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
+            log_path.replace(log_path.with_name(log_path.name + ".1"))
+        with open(log_path, "wb", buffering=0) as log:
+            log.write(f"=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} {proc['id']}: start ===\n".encode())
             child = subprocess.Popen(
                 argv,
                 cwd=cwd,

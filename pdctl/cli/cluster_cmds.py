@@ -18,6 +18,7 @@ from pdctl.cluster import down as cluster_down
 from pdctl.cluster import logs as cluster_logs
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
+from pdctl.errors import LifecycleError
 from pdctl.plan import make_plan
 
 console = Console(stderr=True, log_path=False)  # log lines without pdctl's source file name
@@ -102,16 +103,38 @@ def down(name: str | None, purge: bool) -> None:
 def status(name: str | None, as_json: bool) -> None:
     """Each process of NAME: role, node, pid, alive, health, ports, weight version, uptime;
     then each engine as a unit (a multi-node engine is down when any of its processes is).
+    With no NAME and several clusters: one row per cluster (state, router, processes up).
 
     Exit 1 when anything is down or unhealthy.
     """
     store = StateStore()
+    if name is None and len(store.names()) > 1 and not as_json:
+        _print_summary(store)
+        return
     result = cluster_status(store.resolve_name(name), store=store)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         _print_status(result)
     if not result.ok:
+        sys.exit(1)
+
+
+def _print_summary(store: StateStore) -> None:
+    """Every cluster in one table: name, state, router, processes up of total. Exit 1 unless all
+    clusters that are not down are whole."""
+    table = Table(title=f"clusters in {store.root}")
+    for col in ("cluster", "state", "router", "processes up"):
+        table.add_column(col)
+    whole = True
+    for cluster in store.names():
+        result = cluster_status(cluster, store=store)
+        up = sum(1 for p in result.processes if p.ok)
+        table.add_row(cluster, result.status, result.router_url or "-", f"{up}/{len(result.processes)}")
+        whole &= result.status == "down" or result.ok
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    click.echo("`pdctl status NAME` shows one cluster's processes")
+    if not whole:
         sys.exit(1)
 
 
@@ -168,13 +191,24 @@ def logs(args: tuple[str, ...], follow: bool, lines: int) -> None:
         name, proc = args
     elif len(args) == 1 and args[0] in names:
         name, proc = args[0], "router"
+    elif len(args) == 1 and not names:
+        raise LifecycleError(f"no cluster named {args[0]!r} (there are no clusters in {store.root})")
     else:
         name, proc = store.resolve_name(None), (args[0] if args else "router")
+        if args and not _has_process(store, name, proc):
+            raise LifecycleError(
+                f"{proc!r} is neither a cluster ({', '.join(names)}) nor a process of cluster {name!r}"
+            )
     try:
         for chunk in cluster_logs(name, proc, lines=lines, follow=follow, store=store):
             click.echo(chunk, nl=False)
     except KeyboardInterrupt:
         pass
+
+
+def _has_process(store: StateStore, name: str, proc: str) -> bool:
+    state = store.load(name)
+    return state is not None and any(p["id"] == proc for p in state.plan.get("processes", []))
 
 
 COMMANDS = [up, down, status, logs]

@@ -22,7 +22,9 @@ from pdctl.topology.model import Node, SSHConfig
 
 
 def state_root() -> Path:
-    return Path(os.environ.get("PDCTL_HOME") or Path.cwd() / ".pdctl")
+    """``$PDCTL_HOME``, else ``~/.pdctl``: the same from every directory (SkyPilot's ``~/.sky``
+    convention), beside the default node workdir ``~/.pdctl/runs`` where logs live."""
+    return Path(os.environ.get("PDCTL_HOME") or Path.home() / ".pdctl")
 
 
 @dataclass
@@ -146,10 +148,15 @@ class StateStore:
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
         finally:
+            if not self.path(name).exists():  # nothing was saved (a refused up): leave nothing behind
+                (directory / "lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
             os.close(fd)
 
     def resolve_name(self, name: str | None) -> str:
-        """NAME, or the only cluster there is; a clear error otherwise."""
+        """NAME; else the only cluster there is, or the only one not down (a stopped cluster's
+        state stays for its logs and must not make NAME necessary); a clear error otherwise."""
         if name:
             return name
         names = self.names()
@@ -157,4 +164,7 @@ class StateStore:
             return names[0]
         if not names:
             raise LifecycleError(f"no clusters in {self.root}; give a NAME or run `pdctl up` first")
+        live = [n for n in names if (state := self.load(n)) is not None and state.status != "down"]
+        if len(live) == 1:
+            return live[0]
         raise LifecycleError(f"several clusters in {self.root} ({', '.join(names)}); give a NAME")

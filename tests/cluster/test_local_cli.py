@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -185,3 +186,49 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
         assert "exited 0" in table.stdout
     finally:
         pdctl("down", "done", env=env)
+
+
+def test_one_home_from_any_directory_and_logs_per_run(tmp_path) -> None:
+    """State and logs live under ~/.pdctl whatever the working directory; a stopped cluster's
+    state does not make NAME necessary; each run starts its own log; a refused up leaves nothing."""
+    home, here, there = tmp_path / "user", tmp_path / "here", tmp_path / "there"
+    for d in (home, here, there):
+        d.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PDCTL_HOME"}
+    env["HOME"] = str(home)
+    node = [{"name": "me", "host": "127.0.0.1", "gpus": 2}]  # default workdir: ~/.pdctl/runs
+    base = 25500 + os.getpid() % 2000 // 10 * 10
+    one = local_topology(tmp_path, "one", base, nodes=node)
+    two = local_topology(tmp_path, "two", base + 20, nodes=node)
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdctl", *args], env=env, cwd=cwd, capture_output=True,
+                              text=True, timeout=180)  # fmt: skip
+
+    assert run("up", one, cwd=here).returncode == 0
+    assert (home / ".pdctl" / "one" / "state.json").exists() and not (here / ".pdctl").exists()
+    assert "cluster 'one' is down" in run("down", cwd=there).stdout  # found from another directory
+    assert run("up", two, cwd=here).returncode == 0
+    try:
+        summary = run("status", cwd=there)
+        assert summary.returncode == 0 and "one" in summary.stdout and "3/3" in summary.stdout, summary.stdout
+        # 'one' is stopped, 'two' is the only live cluster: logs and down need no NAME
+        log = run("logs", "prefill-0", cwd=there)
+        assert log.returncode == 0 and "ready to roll" in log.stdout, log.stderr
+        unknown = run("logs", "nctest", cwd=there)
+        assert unknown.returncode == 1 and "'nctest' is neither a cluster" in unknown.stderr
+        # a refused up (its ports are taken by 'two') leaves no state, lock or directory behind
+        clash = local_topology(tmp_path, "clash", base + 20, nodes=node)
+        refused = run("up", clash, cwd=here)
+        assert refused.returncode == 1 and "preflight failed" in refused.stderr
+        assert not (home / ".pdctl" / "clash").exists()
+    finally:
+        assert "cluster 'two' is down" in run("down", cwd=there).stdout
+    # a second run of 'one' starts its own log; the previous one is kept beside it
+    assert run("up", one, cwd=there).returncode == 0
+    try:
+        log = run("logs", "one", "prefill-0", "-n", "1000", cwd=here).stdout
+        assert log.count("=== pdctl") == 1, log
+        assert (home / ".pdctl" / "runs" / "one" / "logs" / "prefill-0.log.1").exists()
+    finally:
+        run("down", "one", cwd=here)
