@@ -18,14 +18,23 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/pip --disable-pip-version-check -q"
-$PIP install --upgrade pip >/dev/null 2>&1 || true
-# torch first, pinned to the CPU build (a bare "torch" would pull several GB of CUDA wheels).
-.venv/bin/python -c "import torch" 2>/dev/null || $PIP install torch==2.13.0
-$PIP install -e ".[test]"
-# SGLang's real argument parser on CPU: its import-time deps, then sglang without its GPU pins.
-if ! .venv/bin/python -c "import sglang" 2>/dev/null; then
+# A second run costs a second: nothing is installed again unless pyproject.toml changed (the stamp
+# holds its hash) or SGLang is not the pinned version.
+stamp=.venv/.pdctl-setup
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  $PIP install --upgrade pip >/dev/null 2>&1 || true
+  # torch first, pinned to the CPU build (a bare "torch" would pull several GB of CUDA wheels).
+  .venv/bin/python -c "import torch" 2>/dev/null || $PIP install torch==2.13.0
+  # Quiet when it works (setuptools' license-table deprecation notes are noise here); all of it when not.
+  if ! out=$($PIP install -e ".[test]" 2>&1); then echo "$out" >&2; exit 1; fi
+fi
+# SGLang's real argument parser on CPU: its import-time deps, then sglang without its GPU pins. Checked by
+# version, not by import: `import sglang` needs triton, which no CPU machine has.
+if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null)" != 0.5.23 ]; then
   $PIP install numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
     ipython aiohttp
   $PIP install --no-deps sglang==0.5.23
 fi
+echo "$want" > "$stamp"
 echo "setup: .venv ready"
