@@ -173,7 +173,8 @@ def main(argv: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = {"warn": logging.WARNING}.get(args.log_level, getattr(logging, args.log_level.upper()))
-    logging.basicConfig(level=level, format="[%(asctime)s] %(name)s %(levelname)s %(message)s")
+    # force: `pdctl router` comes through the CLI, which has already configured logging (at WARNING)
+    logging.basicConfig(level=level, format="[%(asctime)s] %(name)s %(levelname)s %(message)s", force=True)
     config = config_from_args(args, parser)
     try:
         import uvloop  # faster event loop where installed
