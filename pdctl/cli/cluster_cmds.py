@@ -139,20 +139,23 @@ def _print_summary(store: StateStore) -> None:
 
 
 def _print_status(result: ClusterStatus) -> None:
-    out = Console(width=None if sys.stdout.isatty() else 160)
+    out = Console()  # the terminal's width, $COLUMNS, or 80 when piped
     if not result.processes:  # a stopped cluster: a sentence, not an empty table
         out.print(f"cluster {result.name!r} is {result.status}: no processes (start it with `pdctl up`)")
         return
     table = Table(title=f"{result.name}: {result.status}  router {result.router_url}")
-    for col in ("process", "role", "node", "pid", "alive", "health", "weights", "ports", "uptime"):
-        table.add_column(col)
+    # Fits 80 columns with ids whole: ids never wrap, ports go one per line, the rest folds.
+    table.add_column("process", no_wrap=True, min_width=max(len(p.id) for p in result.processes))
+    table.add_column("role", no_wrap=True)
+    for col in ("node", "pid", "alive", "health", "weights", "ports", "uptime"):
+        table.add_column(col, overflow="fold")
     for p in result.processes:
         alive = "?" if p.alive is None else ("[green]yes[/]" if p.alive else "[red]no[/]")
         if p.alive is False and p.exit_code is not None:
             alive = f"[{'green' if p.exit_code == 0 else 'red'}]exited {p.exit_code}[/]"
         health = "-" if p.healthy is None else ("[green]ok[/]" if p.healthy else "[red]failing[/]")
         uptime = f"{p.uptime_secs:.0f}s" if p.uptime_secs is not None else "-"
-        ports = " ".join(f"{k}={v}" for k, v in p.ports.items())
+        ports = "\n".join(f"{k}={v}" for k, v in p.ports.items())
         table.add_row(p.id, p.role, p.node, str(p.pid), alive, health, p.weight_version or "-", ports, uptime)
     out.print(table)
     for p in result.processes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import click
@@ -71,16 +72,23 @@ def plan(file: str | None, as_json: bool) -> None:
 
 
 def render_plan(result: Plan) -> None:
+    """A table that fits 80 columns with every id whole, then each process's full command line
+    (plain text, so a narrow terminal wraps it instead of cutting it)."""
     console = Console()
     table = Table(title=f"plan {result.name} ({result.engine})", show_lines=False)
-    for col in ("process", "role", "node", "GPUs", "ports", "command"):
-        table.add_column(col, overflow="fold")
+    width = max(len(p.id) for p in result.processes)
+    table.add_column("process", no_wrap=True, min_width=width)
+    table.add_column("role", no_wrap=True)
+    table.add_column("node", overflow="fold")
+    table.add_column("GPUs", overflow="fold")
+    table.add_column("ports", overflow="fold")
     for proc in result.processes:
-        ports = " ".join(f"{k}={v}" for k, v in proc.ports.items())
-        gpus = _ranges(proc.gpu_ids) or "-"
-        cmd = " ".join(proc.argv[1:4]) + (" ..." if len(proc.argv) > 4 else "")
-        table.add_row(proc.id, proc.role.value, proc.node, gpus, ports, cmd)
+        ports = "\n".join(f"{k}={v}" for k, v in proc.ports.items())
+        table.add_row(proc.id, proc.role.value, proc.node, _ranges(proc.gpu_ids) or "-", ports)
     console.print(table)
+    console.print("commands:", style="bold")
+    for proc in result.processes:
+        console.print(f"{proc.id} on {proc.node}: {shlex.join(proc.argv)}", soft_wrap=True, highlight=False)
     console.print(f"router: {result.router_url}")
     if result.weight_group:
         wg = result.weight_group

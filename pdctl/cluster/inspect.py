@@ -105,6 +105,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
                 else:
                     ps.weight_version = info.get("weight_version")
         out.append(ps)
+    order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
+    out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
     return ClusterStatus(state.name, state.status, state.router_url, out, router_workers, _engines(state, out))
 
 

@@ -98,3 +98,20 @@ def test_a_bad_enum_value_gets_did_you_mean(tmp_path) -> None:
     result = run("validate", str(topo))
     assert result.exit_code == 1 and "7:10: router.policy: 'round_robn' is not one of" in result.output
     assert "did you mean 'round_robin'?" in result.output
+
+
+def test_plan_at_80_columns_keeps_ids_whole_and_shows_full_commands() -> None:
+    import shlex
+    import subprocess
+    import sys
+
+    topo = str(REPO / "topologies" / "sim-multinode-decode.yaml")  # the longest ids: decode-0.h1, trainer.h0
+    out = subprocess.run([sys.executable, "-m", "pdctl", "plan", topo], capture_output=True, text=True,
+                         env={**__import__("os").environ, "COLUMNS": "80"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert all(len(line) <= 80 for line in out.stdout.splitlines() if line.startswith(("┃", "│", "┏", "└")))
+    plan = json.loads(run("plan", topo, "--json").output)
+    for proc in plan["processes"]:
+        assert f"│ {proc['id']} " in out.stdout, proc["id"]  # whole in its cell, not cut with an ellipsis
+        assert f"{proc['id']} on {proc['node']}: {shlex.join(proc['argv'])}" in out.stdout  # the full command
+    assert "…" not in out.stdout

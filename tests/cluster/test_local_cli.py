@@ -51,6 +51,11 @@ def test_local_cli_round_trip(tmp_path) -> None:
         assert code == 200 and out["meta_info"]["completion_tokens"] == 4
         st = pdctl("status", "--json", env=env)
         assert st.returncode == 0 and json.loads(st.stdout)["ok"] is True
+        narrow = pdctl("status", env={**env, "COLUMNS": "80"})  # fits 80 columns, ids whole, plan order
+        table = [line for line in narrow.stdout.splitlines() if line.startswith(("┃", "│", "┏", "└"))]
+        assert narrow.returncode == 0 and table and all(len(line) <= 80 for line in table), narrow.stdout
+        assert "│ prefill-0 " in narrow.stdout and "│ decode-0 " in narrow.stdout and "…" not in narrow.stdout
+        assert narrow.stdout.index("prefill-0") < narrow.stdout.index("decode-0") < narrow.stdout.index("│ router")
         again = pdctl("up", topo, env=env)
         assert again.returncode == 1 and "already up" in again.stderr and "Traceback" not in again.stderr
         log = pdctl("logs", "loc", "prefill-0", "-n", "5", env=env)
