@@ -75,7 +75,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
     p.add_argument("--max-hold-secs", type=float, default=d.max_hold_secs)
     p.add_argument("--log-level", choices=["debug", "info", "warn", "error"], default="info")
+    for action in p._actions:  # every flag says what it does, and its default where it has one
+        if action.help is None and action.dest in HELP:
+            action.help = HELP[action.dest]
+        if action.help and action.default not in (None, False, [], argparse.SUPPRESS):
+            action.help += " (default: %(default)s)"
     return p
+
+
+HELP = {
+    "host": "Address to bind (127.0.0.1 unless other machines must reach the router).",
+    "port": "Port to bind.",
+    "policy": "How a worker is chosen (both roles, unless --prefill-policy/--decode-policy).",
+    "prefill_policy": "Policy for prefill workers only.",
+    "decode_policy": "Policy for decode workers only.",
+    "request_timeout_secs": "Whole-request limit, streams included.",
+    "queue_size": "Requests that may wait for a slot once --max-concurrent-requests are running; beyond: 429.",
+    "queue_timeout_secs": "How long a request may wait for a slot; beyond: 408.",
+    "health_check_interval_secs": "Seconds between health checks of each worker.",
+    "worker_startup_check_interval": "Seconds between checks of a worker that is not up yet.",
+    "health_check_timeout_secs": "A health check slower than this fails.",
+    "health_failure_threshold": "Failed checks in a row that take a worker out of rotation.",
+    "health_success_threshold": "Passed checks in a row that bring it back.",
+    "health_first_wait_secs": "Grace after a worker is added before failed checks count (slow engine start-ups).",
+    "disable_health_check": "Never check workers (they are always in rotation).",
+    "retry_max_retries": "Attempts after the first on a failed or refused request.",
+    "retry_initial_backoff_ms": "Wait before the first retry.",
+    "retry_max_backoff_ms": "Longest wait between retries.",
+    "retry_backoff_multiplier": "Each wait is the previous times this.",
+    "retry_jitter_factor": "Random fraction added to each wait.",
+    "disable_retries": "Never retry.",
+    "cb_failure_threshold": "Failures within the window that open a worker's circuit breaker.",
+    "cb_success_threshold": "Successes in half-open state that close it again.",
+    "cb_timeout_duration_secs": "How long an open breaker keeps the worker out before a trial request.",
+    "cb_window_duration_secs": "Failures older than this are forgotten.",
+    "disable_circuit_breaker": "No circuit breakers.",
+    "cache_threshold": "cache_aware: prefix-match ratio above which the matching worker is chosen.",
+    "balance_abs_threshold": "cache_aware: load difference (requests) above which it balances instead.",
+    "balance_rel_threshold": "cache_aware: load ratio above which it balances instead.",
+    "max_hold_secs": "Longest a weight push may hold new requests (/pdctl/hold) before they flow again.",
+    "log_level": "Log level (routine events at info, trouble at warn).",
+}
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RouterConfig:

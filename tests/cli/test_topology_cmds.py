@@ -115,3 +115,10 @@ def test_plan_at_80_columns_keeps_ids_whole_and_shows_full_commands() -> None:
         assert f"│ {proc['id']} " in out.stdout, proc["id"]  # whole in its cell, not cut with an ellipsis
         assert f"{proc['id']} on {proc['node']}: {shlex.join(proc['argv'])}" in out.stdout  # the full command
     assert "…" not in out.stdout
+
+
+def test_every_router_flag_is_described() -> None:
+    from pdctl.router.cli import build_parser
+
+    undocumented = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help]
+    assert not undocumented, undocumented
