@@ -147,7 +147,11 @@ def _print_status(result: ClusterStatus) -> None:
     # Fits 80 columns with ids whole: ids never wrap, ports go one per line, the rest folds.
     table.add_column("process", no_wrap=True, min_width=max(len(p.id) for p in result.processes))
     table.add_column("role", no_wrap=True)
-    for col in ("node", "pid", "alive", "health", "weights", "ports", "uptime"):
+    for col in ("node", "pid"):
+        table.add_column(col, overflow="fold")
+    for col in ("alive", "health"):  # "exited 0", "failing": read whole
+        table.add_column(col, no_wrap=True)
+    for col in ("weights", "ports", "uptime"):
         table.add_column(col, overflow="fold")
     for p in result.processes:
         alive = "?" if p.alive is None else ("[green]yes[/]" if p.alive else "[red]no[/]")
