@@ -209,7 +209,13 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
     try:
         body = {"text": "q", "sampling_params": {"max_new_tokens": 30}}
         with cf.ThreadPoolExecutor(6) as pool:
-            results = list(pool.map(lambda _: post(sim.url + "/generate", body), range(6)))
+            first = pool.submit(post, sim.url + "/generate", body)
+            deadline = time.monotonic() + 10  # it must be running, not waiting, before the others come
+            while get(sim.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] < 1:
+                assert time.monotonic() < deadline, "the first request never started"
+                time.sleep(0.01)
+            burst = [pool.submit(post, sim.url + "/generate", body) for _ in range(5)]
+            results = [first.result(), *(f.result() for f in burst)]
         statuses = sorted(s for s, _ in results)
         assert statuses.count(200) >= 3 and 503 in statuses and set(statuses) <= {200, 503}, statuses
         full = next(o for s, o in results if s == 503)
