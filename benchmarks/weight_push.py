@@ -39,10 +39,14 @@ from router_overhead import free_port, wait
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
-ROUNDS = int(os.environ.get("WEIGHT_BENCH_ROUNDS", 3))
+ROUNDS = int(os.environ.get("WEIGHT_BENCH_ROUNDS", 5))
 SIZES_MB = [int(s) for s in os.environ.get("WEIGHT_BENCH_SIZES_MB", "256,1024").split(",")]
 SHAPE = {"hidden": 1024, "heads": 8, "mlp": 2816, "vocab_size": 8192, "max_positions": 256}
 ENGINES = [("prefill", 1), ("prefill", 1), ("decode", 2)]
+FORMATS = ["names", "flattened_bucket"]
+DIGEST = os.environ.get("WEIGHT_BENCH_DIGEST", "sample")
+"""How the sims' TP ranks compare what they received (a check of the sim's own that SGLang does not
+make; ``full`` reads every byte on every rank, on the same two cores as the broadcast)."""
 
 
 def config_for(megabytes: int):
@@ -110,7 +114,7 @@ class Fleet:
             port = free_port()
             argv = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", str(port), "--model-path",
                     str(model_dir), "--load-format", "dummy", "--tp-size", str(tp), "--disaggregation-mode", role,
-                    "--max-running-requests", "2"]
+                    "--max-running-requests", "2", "--sim-weight-digest", DIGEST]
             if role == "prefill":
                 boot = free_port()
                 argv += ["--disaggregation-bootstrap-port", str(boot)]
@@ -154,42 +158,53 @@ def measure(megabytes: int, tmp: Path) -> dict:
     fleet = Fleet(tmp, model_dir)
     rounds = []
     try:
-        sync = WeightSync(fleet.engines, master_address="127.0.0.1", master_port=free_port(), backend="gloo",
-                          router_url=fleet.router_url, timeout_secs=600)
-        with sync:
-            for r in range(ROUNDS):
-                bare = bare_broadcast(nbytes)
-                report = sync.push(tensors, version=f"bench-{megabytes}-{r}")
-                rounds.append({"bare_seconds": bare, "report": report.to_dict()})
-                print(f"  {megabytes} MB round {r}: bare {bare:.2f}s, push transfer "
-                      f"{report.phases['transfer']:.2f}s, other {report.overhead_seconds:.3f}s", flush=True)
+        def sync_for(fmt: str) -> WeightSync:
+            return WeightSync(fleet.engines, master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                              router_url=fleet.router_url, timeout_secs=600, load_format=fmt)
+
+        with sync_for("auto") as sync:
+            auto = sync.push(tensors, version=f"bench-{megabytes}-auto").load_format
+        for r in range(ROUNDS):
+            row = {"bare_seconds": bare_broadcast(nbytes), "reports": {}}
+            for fmt in FORMATS:  # one group at a time; a warm-up push first touches the trainer's buffers
+                with sync_for(fmt) as sync:
+                    sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-warm")
+                    row["reports"][fmt] = sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}").to_dict()
+            rounds.append(row)
+            print(f"  {megabytes} MB round {r}: bare {row['bare_seconds']:.2f}s, "
+                  + ", ".join(f"{fmt} transfer {rep['phases']['transfer']:.2f}s other {rep_other(rep):.3f}s"
+                              for fmt, rep in row["reports"].items()), flush=True)
     finally:
         fleet.stop()
     bare = statistics.median(x["bare_seconds"] for x in rounds)
-    transfer = statistics.median(x["report"]["phases"]["transfer"] for x in rounds)
-    phases = {k: statistics.median(x["report"]["phases"].get(k, 0.0) for x in rounds)
-              for k in rounds[0]["report"]["phases"]}
-    overhead = {k: v for k, v in phases.items() if k not in ("transfer", "probe")}
-    last = rounds[-1]["report"]
-    return {
-        "megabytes": megabytes,
-        "bytes": nbytes,
-        "layers": config.layers,
-        "tensors": last["tensors"],
-        "buckets": last["buckets"],
-        "collectives": last["collectives"],
-        "http_calls": last["http_calls"],
-        "load_format": last["load_format"],
-        "verify": last["verify"],
-        "bare_seconds": bare,
-        "bare_gbps": nbytes / bare / 1e9,
-        "transfer_seconds": transfer,
-        "transfer_gbps": nbytes / transfer / 1e9,
-        "transfer_ratio": bare / transfer,
-        "phases": phases,
-        "overhead_seconds": sum(overhead.values()),
-        "rounds": rounds,
-    }
+    out = {"megabytes": megabytes, "bytes": nbytes, "layers": config.layers, "auto": auto, "bare_seconds": bare,
+           "bare_gbps": nbytes / bare / 1e9, "formats": {}, "rounds": rounds}
+    for fmt in FORMATS:
+        reports = [x["reports"][fmt] for x in rounds]
+        transfer = statistics.median(rep["phases"]["transfer"] for rep in reports)
+        # the ratio of each round's own pair, then the median: the machine's drift cancels within a round
+        ratio = statistics.median(x["bare_seconds"] / x["reports"][fmt]["phases"]["transfer"] for x in rounds)
+        phases = {k: statistics.median(rep["phases"].get(k, 0.0) for rep in reports) for k in reports[0]["phases"]}
+        last = reports[-1]
+        out["formats"][fmt] = {
+            "load_format": last["load_format"],
+            "verify": last["verify"],
+            "tensors": last["tensors"],
+            "buckets": last["buckets"],
+            "collectives": last["collectives"],
+            "http_calls": last["http_calls"],
+            "transfer_seconds": transfer,
+            "transfer_gbps": nbytes / transfer / 1e9,
+            "transfer_ratio": ratio,
+            "phases": phases,
+            "overhead_seconds": statistics.median(rep_other(rep) for rep in reports),
+        }
+    return out
+
+
+def rep_other(report: dict) -> float:
+    """Seconds of every phase but the transfer and the probe (the goal's 'everything else')."""
+    return sum(v for k, v in report["phases"].items() if k not in ("transfer", "probe"))
 
 
 def main() -> None:
@@ -204,31 +219,37 @@ def main() -> None:
         if not os.environ.get("WEIGHT_BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
     meta = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "rounds": ROUNDS,
+            "sim_weight_digest": DIGEST,
             "engines": ENGINES, "shape": SHAPE}
     (RESULTS / "weight_push.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
-        "| size | layers | tensors | buckets | collectives | bare GB/s | push transfer GB/s | ratio (goal >= 0.95) "
-        "| other phases s (goal < 0.5) |",
+        "| size | load format | tensors | buckets | collectives | bare GB/s | push transfer GB/s "
+        "| ratio (goal >= 0.95) | other phases s (goal < 0.5) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(
-            f"| {r['bytes'] / 2**20:.0f} MiB | {r['layers']} | {r['tensors']} | {r['buckets']} | {r['collectives']} "
-            f"| {r['bare_gbps']:.2f} | {r['transfer_gbps']:.2f} | {r['transfer_ratio']:.2f}x "
-            f"| {r['overhead_seconds']:.3f} |"
-        )
+        for fmt, f in r["formats"].items():
+            lines.append(
+                f"| {r['bytes'] / 2**20:.0f} MiB | {fmt}{' (auto)' if fmt == r['auto'] else ''} | {f['tensors']} "
+                f"| {f['buckets']} "
+                f"| {f['collectives']} | {r['bare_gbps']:.2f} | {f['transfer_gbps']:.2f} | {f['transfer_ratio']:.2f}x "
+                f"| {f['overhead_seconds']:.3f} |"
+            )
     lines += ["", "Per phase (median seconds):", ""]
-    names = list(results[0]["phases"])
-    lines.append("| size | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---|" * len(names))
+    names = list(results[0]["formats"][FORMATS[0]]["phases"])
+    lines.append("| size | load format | " + " | ".join(names) + " |")
+    lines.append("|---|---|" + "---|" * len(names))
     for r in results:
-        lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | " + " | ".join(f"{r['phases'][n]:.3f}" for n in names) + " |")
+        for fmt, f in r["formats"].items():
+            lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | {fmt} | "
+                         + " | ".join(f"{f['phases'].get(n, 0.0):.3f}" for n in names) + " |")
     lines += [
         "",
-        f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs; gloo over loopback; engines "
-        f"{', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; load format {results[0]['load_format']}, "
-        f"verify {results[0]['verify']}. 'other phases' excludes probe (the /server_info round that "
-        "decides whether the group must be rebuilt).",
+        f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs (ratio: the median of each round's own "
+        f"bare/push pair); gloo over loopback; engines {', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; "
+        f"verify {results[0]['formats'][FORMATS[0]]['verify']}; sims with --sim-weight-digest {DIGEST}; "
+        "(auto): what a push picks by default. "
+        "'other phases' excludes probe (the /server_info round that decides whether the group must be rebuilt).",
     ]
     (RESULTS / "weight_push.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -58,6 +58,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         max_queued_requests=args.max_queued_requests,
         prefill_ms_per_token=sim.prefill_ms_per_token,
         decode_ms_per_step=sim.decode_ms_per_step,
+        weight_digest=sim.weight_digest,
         layout=layout,
         dist_timeout_secs=float(args.dist_timeout or 600),
         server_args=server_args,

@@ -55,6 +55,7 @@ class SimOptions:
     prefill_ms_per_token: float
     decode_ms_per_step: float
     threads: int
+    weight_digest: str
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.0, help="Added per prompt token.")
     sim.add_argument("--sim-decode-ms-per-step", type=float, default=0.0, help="Added per batched decode step.")
     sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
+    sim.add_argument(
+        "--sim-weight-digest",
+        choices=["full", "sample"],
+        default="full",
+        help="How the engine's TP ranks compare each weight update they received (SGLang does not): "
+        "full reads every byte; sample reads names, sizes, each tensor's ends and 64 words (default full).",
+    )
     return parser
 
 
@@ -101,4 +109,6 @@ def ignored_flags(args: argparse.Namespace) -> list[str]:
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
-    return SimOptions(args.sim_prefill_ms_per_token, args.sim_decode_ms_per_step, args.sim_threads)
+    return SimOptions(
+        args.sim_prefill_ms_per_token, args.sim_decode_ms_per_step, args.sim_threads, args.sim_weight_digest
+    )

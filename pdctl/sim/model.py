@@ -173,7 +173,8 @@ class TinyLM(nn.Module):
 
     # -- weights -----------------------------------------------------------------
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors in by name (any dtype; cast to the model's). Unknown names fail first."""
+        """Copy tensors in by name (any dtype; cast to the model's). Unknown names fail first; a tensor
+        that is the parameter itself is left as it is."""
         params = dict(self.named_parameters())
         for name, tensor in named:
             if name not in params:
@@ -182,7 +183,8 @@ class TinyLM(nn.Module):
                 raise SimError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(params[name].shape)}")
         with torch.no_grad():
             for name, tensor in named:
-                params[name].copy_(tensor.to(DTYPE))
+                if tensor is not params[name]:  # received in place already (sim/weights.py receive)
+                    params[name].copy_(tensor.to(DTYPE))
 
 
 class KVPool:

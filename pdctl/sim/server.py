@@ -62,6 +62,8 @@ class SimConfig:
     """SGLang: beyond this many waiting requests new ones get 503; ignored in PD modes."""
     prefill_ms_per_token: float = 0.0
     decode_ms_per_step: float = 0.0
+    weight_digest: str = "full"
+    """How TP ranks compare a weight update (``--sim-weight-digest``; sim/weights.py ``Digest``)."""
     layout: NodeLayout | None = None
     """Node rank 0 of a multi-node engine (multinode.py); None on one node."""
     dist_timeout_secs: float = 600.0
@@ -117,7 +119,7 @@ class SimServer:
             peers = await self.hub.start(c.dist_timeout_secs)
         self.model = await asyncio.to_thread(resolve_model, c.model_path, c.load_format, c.context_length)
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
-        self.members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers)
+        self.members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers, c.weight_digest)
         if self.mode == "prefill":
             self.kv_store = KVStore(loop)
             runner, self.bootstrap_port = await start_site(bootstrap_app(self.kv_store), c.host, c.bootstrap_port)

@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +77,14 @@ API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """One bucket's update calls, sent and broadcast, whose answers are still to be awaited."""
+
+    futures: dict[str, Future]
+    deadline: float
+
+
 class WeightSync:
     """Connects trainer rank 0 to every engine and pushes weights; see the module docstring.
 
@@ -88,8 +97,9 @@ class WeightSync:
     Options: ``bucket_mb`` (bytes per update call), ``timeout_secs`` (each engine call and each
     collective), ``pause_mode`` (``retract`` | ``abort`` | ``in_place``), ``verify`` (``auto``:
     ``sample`` on pdctl's sim, off on SGLang whose ``/weights_checker`` differs; ``sample`` |
-    ``full`` | ``off``), ``load_format`` (``auto``: ``flattened_bucket`` where every engine's
-    SGLang has it, else one broadcast per tensor), ``recover`` (redo a failed push on the
+    ``full`` | ``off``), ``load_format`` (``auto``: over NCCL ``flattened_bucket`` where every
+    engine's SGLang has it, else, and always over gloo, one broadcast per tensor; ``names`` |
+    ``flattened_bucket``), ``recover`` (redo a failed push on the
     surviving engines), ``lease_secs`` (how long the router waits for a silent trainer).
     """
 
@@ -434,8 +444,13 @@ class WeightSync:
         with report.phase("begin"):
             if sessions:
                 self.fleet.fanout(tuple(sessions), "begin", Endpoint.BEGIN_WEIGHT_UPDATE, {"selector": "all"})
+        # auto: one broadcast per tensor over gloo, where a flatten would be one more full copy on the
+        # cores that carry the broadcast and the per-call cost is small (benchmarks/weight_push.py);
+        # flattened buckets over NCCL, where per-call latency dominates and copies run at HBM speed.
         flattened = self.load_format == "flattened_bucket" or (
-            self.load_format == "auto" and all(supports_flattened_bucket(m.sglang_version) for m in members)
+            self.load_format == "auto"
+            and self.backend == "nccl"
+            and all(supports_flattened_bucket(m.sglang_version) for m in members)
         )
         verify = self.verify if self.verify != "auto" else ("sample" if all(m.is_sim for m in members) else "off")
         report.load_format = "flattened_bucket" if flattened else "names"
@@ -444,14 +459,22 @@ class WeightSync:
         report.bytes = report.tensors = report.buckets = 0
         checksum_secs = 0.0
         with report.phase("transfer"):
+            answering: InFlight | None = None
             for bucket in buckets(source(), self.bucket_bytes):
-                self._send_bucket(members, bucket, flattened, report)
+                # Flatten this bucket while the engines still load the previous one: the staging
+                # buffer is free once that bucket's broadcast has completed.
+                tensors = [bucket.flat(self._staging(bucket))] if flattened else list(bucket.tensors)
+                if answering is not None:
+                    self._await_answers(answering)
+                answering = self._send_bucket(members, bucket, tensors, flattened, report)
                 if verify != "off":
                     started = time.perf_counter()
                     sums.update(
                         (n, tensor_checksum(n, t, verify)) for n, t in zip(bucket.names, bucket.tensors, strict=True)
                     )
                     checksum_secs += time.perf_counter() - started
+            if answering is not None:
+                self._await_answers(answering)
         report.phases["transfer"] -= checksum_secs  # the trainer's checksums count as verify time
         report.phases["verify"] = report.phases.get("verify", 0.0) + checksum_secs
         with report.phase("end"):
@@ -466,7 +489,16 @@ class WeightSync:
             self.fleet.fanout(members, "continue", Endpoint.CONTINUE_GENERATION, {})
         report.engines = [m.id for m in members]
 
-    def _send_bucket(self, members: tuple[Member, ...], bucket: Bucket, flattened: bool, report: PushReport) -> None:
+    def _send_bucket(
+        self,
+        members: tuple[Member, ...],
+        bucket: Bucket,
+        tensors: list[torch.Tensor],
+        flattened: bool,
+        report: PushReport,
+    ) -> InFlight:
+        """Start every engine's update call and broadcast ``tensors``; returns once the broadcasts
+        have completed (``tensors`` may be reused), with the engines' answers still to come."""
         body = update_weights_from_distributed_body(
             names=bucket.names,
             dtypes=bucket.dtypes,
@@ -476,7 +508,6 @@ class WeightSync:
             flush_cache=False,
             load_format="flattened_bucket" if flattened else None,
         )
-        tensors = [bucket.flat(self._staging(bucket))] if flattened else list(bucket.tensors)
         # Connect to every engine before the broadcast starts: gloo relays a broadcast through
         # other ranks, so one dead engine would leave the live ones waiting inside it.
         urls = {m.id: m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value for m in members}
@@ -488,15 +519,19 @@ class WeightSync:
                 if not isinstance(conn, CallFailure):
                     conn.close()
             raise EngineFault("transfer", refused)
-        futures = {i: self.client.pool.submit(self.client.send, opened[i], urls[i], body) for i in urls}
+        sent = InFlight(
+            futures={i: self.client.pool.submit(self.client.send, opened[i], urls[i], body) for i in urls},
+            deadline=time.monotonic() + self.timeout_secs,
+        )
         assert self._group is not None
         works = [dist.broadcast(t, src=0, group=self._group, async_op=True) for t in tensors]
-        self._await(works, futures)
+        self._await_broadcast(works, sent)
         report.bytes += bucket.nbytes
         report.tensors += len(bucket.names)
         report.buckets += 1
         report.collectives += len(works)
-        report.http_calls += len(futures)
+        report.http_calls += len(sent.futures)
+        return sent
 
     def _staging(self, bucket: Bucket) -> torch.Tensor:
         """The buffer buckets are flattened into, on their device, kept between buckets and
@@ -508,19 +543,18 @@ class WeightSync:
             self._staging_buffer = buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         return buf
 
-    def _await(self, works: list[Any], futures: dict[str, Future]) -> None:
-        """Wait for the broadcasts and every engine's answer. An engine that fails before the
-        broadcasts complete would leave them pending (a live rank that never receives): stop
-        waiting after a short grace and abandon the group."""
-        deadline = time.monotonic() + self.timeout_secs
+    def _await_broadcast(self, works: list[Any], sent: InFlight) -> None:
+        """Wait for the broadcasts. An engine that fails before they complete would leave them
+        pending (a live rank that never receives): stop waiting after a short grace and abandon
+        the group."""
         failed_since: float | None = None
         while not all(w.is_completed() for w in works):
-            if failed_since is None and failures(futures):
+            if failed_since is None and failures(sent.futures):
                 failed_since = time.monotonic()
             now = time.monotonic()
-            if (failed_since is not None and now - failed_since > 1.0) or now > deadline:
+            if (failed_since is not None and now - failed_since > 1.0) or now > sent.deadline:
                 self._pending = works
-                raise EngineFault("transfer", self._culprits(futures, deadline))
+                raise EngineFault("transfer", self._culprits(sent.futures, sent.deadline))
             time.sleep(0.001)
         error: Exception | None = None
         for work in works:
@@ -528,9 +562,14 @@ class WeightSync:
                 work.wait()
             except Exception as exc:  # a peer died: the engines' answers say which
                 error = exc
-        answers = failures(futures, wait_until=deadline)
-        if answers or error is not None:
-            raise EngineFault("transfer", self._culprits(futures, deadline, error))
+        if error is not None:
+            raise EngineFault("transfer", self._culprits(sent.futures, sent.deadline, error))
+
+    def _await_answers(self, sent: InFlight) -> None:
+        """Wait for every engine's answer to a bucket whose broadcast has completed."""
+        failed = failures(sent.futures, wait_until=sent.deadline)
+        if failed or not all(f.done() for f in sent.futures.values()):  # a failure, or silence past the deadline
+            raise EngineFault("transfer", self._culprits(sent.futures, sent.deadline))
 
     def _culprits(self, futures: dict[str, Future], deadline: float, error: Exception | None = None) -> dict[str, str]:
         """Who is at fault: engines that gave no answer (dead, hung) before engines that answered

@@ -101,8 +101,8 @@ def test_tp4_decode_over_two_hosts(clean_hosts, pdctl_home, tmp_path) -> None:
         code, out = post(decode_url + "/weights_checker", {"action": "checksum"})
         assert code == 200 and out["checksums"] == expected and out["weight_version"] == "mn-43"
         # world 6: trainer 0, prefill 1, decode 2..5 (node 0 holds 2..3, node 1 holds 4..5)
-        crc0 = re.findall(r"crc (\w+), on ranks 2\.\.5", "".join(logs("mn", "decode-0.h1", lines=500)))
-        crc1 = re.findall(r"crc (\w+), on ranks 4\.\.5", "".join(logs("mn", "decode-0.h2", lines=500)))
+        crc0 = re.findall(r"digest (\w+), on ranks 2\.\.5", "".join(logs("mn", "decode-0.h1", lines=500)))
+        crc1 = re.findall(r"digest (\w+), on ranks 4\.\.5", "".join(logs("mn", "decode-0.h2", lines=500)))
         assert crc0 and crc0 == crc1
 
         # node rank 1 dies: node 0 fails, the router takes the decode out, status shows it down

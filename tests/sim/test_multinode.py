@@ -77,8 +77,8 @@ def test_two_node_engine_serves_as_one_and_takes_a_push_on_every_rank(tmp_path) 
         code, out = post(node0.url + "/weights_checker", {"action": "checksum"})
         assert out["checksums"] == weights_checksum(model) and out["weight_version"] == "v17"
         # every bucket reached node 1's two ranks (world 5: the trainer, ranks 1..2 here, 3..4 there)
-        crc0 = re.findall(r"crc (\w+), on ranks 1\.\.4", node0.log.read_text())
-        crc1 = re.findall(r"crc (\w+), on ranks 3\.\.4", node1.log.read_text())
+        crc0 = re.findall(r"digest (\w+), on ranks 1\.\.4", node0.log.read_text())
+        crc1 = re.findall(r"digest (\w+), on ranks 3\.\.4", node1.log.read_text())
         assert crc0 and crc0 == crc1
         assert generate(node0.url, PROMPTS[0]) != generate(single.url, PROMPTS[0])
     finally:

@@ -213,3 +213,33 @@ def test_flush_cache_fails_the_update_while_requests_run(tmp_path) -> None:
         finally:
             post(engine.url + "/destroy_weights_update_group", {})
             destroy_group(group)
+
+
+def test_rank_digest_sees_every_byte_order_and_size() -> None:
+    """The digest TP ranks compare: equal for equal data in other buffers, different when any one
+    byte, the order, a name or a size differs (every position is tried for a small tensor)."""
+    from pdctl.sim.weights import checksum
+
+    base = [("a", torch.arange(1000, dtype=torch.float64)), ("b", torch.arange(37, dtype=torch.bfloat16))]
+    copy = [(n, t.clone()) for n, t in base]
+    assert checksum(base) == checksum(copy)
+    flat = torch.cat([t.view(-1).view(torch.uint8) for _, t in base])  # the flattened_bucket layout
+    views = [("a", flat[:8000].view(torch.float64)), ("b", flat[8000:].view(torch.bfloat16))]
+    assert checksum(views) == checksum(base)
+    seen = {checksum(base)}
+    for i in range(flat.numel()):
+        changed = flat.clone()
+        changed[i] ^= 1
+        seen.add(checksum([("a", changed[:8000].view(torch.float64)), ("b", changed[8000:].view(torch.bfloat16))]))
+    assert len(seen) == flat.numel() + 1
+    assert checksum(base[::-1]) != checksum(base)
+    assert checksum([("c", base[0][1]), base[1]]) != checksum(base)
+    assert checksum([(base[0][0], base[0][1][:-1]), base[1]]) != checksum(base)
+    # sample: the same for equal data, and still sees order, names, sizes and each tensor's ends
+    assert checksum(views, "sample") == checksum(base, "sample") != checksum(base[::-1], "sample")
+    assert checksum([("c", base[0][1]), base[1]], "sample") != checksum(base, "sample")
+    big = torch.arange(100_000, dtype=torch.float64)
+    for index in (0, 99_999):
+        changed = big.clone()
+        changed[index] += 1
+        assert checksum([("w", changed)], "sample") != checksum([("w", big)], "sample")

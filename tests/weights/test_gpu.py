@@ -22,7 +22,7 @@ def test_cuda_tensors_reach_every_engine(fleet):
     trainer = model(seed=31)
     expected = weights_checksum(trainer)
     on_gpu = [(name, p.detach().to("cuda")) for name, p in trainer.named_parameters()]
-    with sync_for(procs, router, bucket_mb=0.05, verify="full") as sync:
+    with sync_for(procs, router, bucket_mb=0.05, verify="full", load_format="flattened_bucket") as sync:
         report = sync.push(on_gpu, version="cuda-31")
     assert report.engines == ["e0", "e1", "e2"] and report.load_format == "flattened_bucket"
     assert sync._staging_buffer is not None and sync._staging_buffer.is_cuda
