@@ -12,6 +12,9 @@ Commands:
     stop        SIGTERM whole process groups (and tagged escapees), wait, SIGKILL, verify
     read        a log file's bytes from an offset (for `pdctl logs` and `-f`)
     rm          remove a run directory (`down --purge`)
+    mps-start   make sure a CUDA MPS control daemon serves a pipe directory (pdctl.mps)
+    mps-stop    stop one that this cluster started (quit, then force)
+    mps-status  whether it still runs
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ from typing import Any
 import psutil
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
+PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+"""Variables whose value is a path under the run directory: expanded here, as cwd and log paths are."""
+
+
+class AgentFailure(Exception):
+    """A command's clear reason for failing, reported as is (no exception type in front)."""
 
 
 def _expand(path: str) -> str:
@@ -112,6 +121,9 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         Path(cwd).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **proc["env"]}
+        for key in PATH_VALUED_ENV:  # the planner writes the run directory as the node spells it (~/...)
+            if key in env:
+                env[key] = _expand(env[key])
         argv = list(proc["argv"])
         if proc.get("exit_file"):  # keep the exit status (the trainer's), see pdctl.exitcode
             exit_file = _expand(proc["exit_file"])
@@ -322,6 +334,18 @@ def rm(req: dict[str, Any]) -> dict[str, Any]:
     return {"removed": removed}
 
 
+def _mps(command: str):
+    def run(req: dict[str, Any]) -> dict[str, Any]:
+        from pdctl import mps
+
+        try:
+            return getattr(mps, command)(req)
+        except mps.MpsError as exc:
+            raise AgentFailure(str(exc)) from exc
+
+    return run
+
+
 COMMANDS = {
     "preflight": preflight,
     "spawn": spawn,
@@ -330,6 +354,9 @@ COMMANDS = {
     "stop": stop,
     "read": read,
     "rm": rm,
+    "mps-start": _mps("start"),
+    "mps-stop": _mps("stop"),
+    "mps-status": _mps("status"),
 }
 
 
@@ -341,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     raw = sys.stdin.read()
     try:
         result = COMMANDS[args[0]](json.loads(raw) if raw.strip() else {})
+    except AgentFailure as exc:
+        print(json.dumps({"error": str(exc)}))
+        sys.exit(1)
     except Exception as exc:  # report, never a traceback on the wire
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         sys.exit(1)

@@ -170,6 +170,15 @@ def _print_status(result: ClusterStatus) -> None:
             f"{e.id} [green]up[/]" if e.up else f"{e.id} [red]DOWN[/] ({e.problem})" for e in result.engines
         )
         out.print(f"engines: {engines}")
+    for d in result.mps:
+        if d.running is None:
+            state = f"[red]unknown[/] ({d.error})"
+        elif d.running:
+            state = "[green]running[/]" + ("" if d.control_pipe else " [red](no control pipe)[/]")
+        else:
+            state = "[red]not running[/]"
+        owner = "started by pdctl" if d.started else "not pdctl's: down leaves it"
+        out.print(f"mps {d.node}: {state} (pid {d.pid}, {owner})")
     if result.router_workers is not None:
         workers = ", ".join(
             f"{w['worker_type']} {w['url']} ({'healthy' if w['is_healthy'] else 'UNHEALTHY'}, "

@@ -90,6 +90,10 @@ def render_plan(result: Plan) -> None:
     for proc in result.processes:
         console.print(f"{proc.id} on {proc.node}: {shlex.join(proc.argv)}", soft_wrap=True, highlight=False)
     console.print(f"router: {result.router_url}")
+    for daemon in result.mps:
+        console.print(f"mps: a control daemon on {daemon.node} (pipe {daemon.pipe_dir}), before any process there")
+    if result.trainer_first:
+        console.print("start order: trainer first (it claims its memory share), then engines and router")
     if result.weight_group:
         wg = result.weight_group
         ranks = ", ".join(f"{e.id}@{e.rank_offset}" for e in result.engines)

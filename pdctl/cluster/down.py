@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from pdctl.cluster.mps import stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError, RemoteError
@@ -40,7 +41,7 @@ def down(
 
 def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, events: Events) -> str:
     name = state.name
-    if state.status == "down" and not state.processes:
+    if state.status == "down" and not state.processes and not state.mps:
         summary = f"cluster {name!r} is already down"
     else:
         count = len(state.processes)
@@ -48,9 +49,10 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
         store.save(state)
         try:
             stop_processes(state, nodes, events=events)
+            state.processes.clear()
+            stop_daemons(state, nodes, events)  # after their clients: quit waits for them
         finally:
             store.save(state)  # what was stopped is forgotten even when a node failed
-        state.processes.clear()
         state.status = "down"
         store.save(state)
         summary = f"cluster {name!r} is down ({count} processes stopped)"

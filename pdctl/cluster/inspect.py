@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.cluster.mps import MpsStatus, daemon_status
 from pdctl.cluster.nodes import NodeSet
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError, RemoteError
@@ -56,6 +57,8 @@ class ClusterStatus:
     processes: list[ProcessStatus]
     router_workers: list[dict[str, Any]] | None = None
     engines: list[EngineStatus] = field(default_factory=list)
+    mps: list[MpsStatus] = field(default_factory=list)
+    """Each node's CUDA MPS control daemon (colocated clusters)."""
 
     @property
     def ok(self) -> bool:
@@ -107,7 +110,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
         out.append(ps)
     order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
     out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
-    return ClusterStatus(state.name, state.status, state.router_url, out, router_workers, _engines(state, out))
+    engines, daemons = _engines(state, out), daemon_status(state, nodes)
+    return ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
 
 
 def _engines(state: ClusterState, processes: list[ProcessStatus]) -> list[EngineStatus]:

@@ -58,6 +58,9 @@ class ClusterState:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     source: str = ""
+    mps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per node, the CUDA MPS control daemon of a colocated cluster: pid, create_time,
+    pipe_dir, log_dir, and ``started`` (false: it was already running; ``down`` leaves it)."""
 
     def node_objects(self) -> dict[str, Node]:
         out = {}

@@ -1,5 +1,8 @@
 """``up``: preflight every node, launch engines, wait until healthy, router, then trainer.
 
+Colocated plans first start each node's CUDA MPS control daemon, then the trainer (it claims
+its memory share first), then engines and router.
+
 Nothing starts unless every node passes preflight. Every process is recorded in the state
 file as soon as its node reports its pid. Any failure, or Ctrl-C, stops everything already
 started (on every node) and raises LifecycleError with the failing process's last log lines.
@@ -15,6 +18,7 @@ from typing import Any
 
 from pdctl.agent import RUN_ID_ENV
 from pdctl.cluster.down import stop_processes
+from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, ProcessRecord, StateStore, node_to_dict
 from pdctl.errors import LifecycleError, RemoteError
@@ -70,17 +74,26 @@ def up(
         )
         store.save(state)
         try:
+            if plan.mps:  # before any GPU process: a CUDA client that finds no daemon runs without MPS
+                start_daemons(plan, state, store, nodes, events)
+            elif top.placement.colocate:
+                events("mps", "placement.mps is false: colocated processes share GPUs without MPS")
+            trainers = [p for p in plan.processes if p.role is Role.TRAINER]
+            if plan.trainer_first:  # it claims its memory share before the engines size their pools
+                _launch(trainers, state, store, nodes, top, events)
+                _watch_trainers(trainers, state, nodes)
             # The router starts with the engines (its startup overlaps theirs); it admits each
             # engine at the engine's first passed health check.
             engines = [p for p in plan.processes if p.role.is_engine]
             _launch([*engines, plan.router], state, store, nodes, top, events)
             entrypoints = [p for p in engines if p.entrypoint]
             others = [p for p in engines if not p.entrypoint]  # node ranks >= 1 of multi-node engines
-            _wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=others)
+            watch = [*others, *trainers] if plan.trainer_first else others
+            _wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
             _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
-            trainers = [p for p in plan.processes if p.role is Role.TRAINER]
-            _launch(trainers, state, store, nodes, top, events)
-            _watch_trainers(trainers, state, nodes)
+            if not plan.trainer_first:
+                _launch(trainers, state, store, nodes, top, events)
+                _watch_trainers(trainers, state, nodes)
         except (Exception, KeyboardInterrupt) as exc:
             events("up", "failed; stopping everything that started")
             detail = _failure_detail(exc, state, nodes)
@@ -89,6 +102,7 @@ def up(
             try:
                 stop_processes(state, nodes, events=events)
                 state.processes.clear()
+                stop_daemons(state, nodes, events)
                 state.status = "down"
             except LifecycleError as cleanup:
                 detail += f"\ncleanup incomplete: {cleanup} (run `pdctl down {plan.name}` to retry)"

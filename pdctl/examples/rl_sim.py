@@ -28,7 +28,7 @@ import torch
 
 from pdctl.errors import PdctlError
 from pdctl.sim.model import TinyLM, encode, resolve_model
-from pdctl.weights import WeightSync
+from pdctl.weights import WeightSync, apply_memory_fraction
 from pdctl.weights.sync import API_KEY_ENV_ENV, ROUTER_URL_ENV
 
 PROMPTS = ("The cat", "Once upon", "Hello", "RL on CPU")
@@ -126,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     router_url = os.environ.get(ROUTER_URL_ENV)
     if not router_url:
         sys.exit(f"rl_sim: ${ROUTER_URL_ENV} is not set; run it with `pdctl up topologies/rl-sim.yaml`")
+    apply_memory_fraction()  # colocated: claim only train_frac of the GPU (a no-op otherwise, and on CPU)
     try:
         model = resolve_model(args.model, "auto", None)
         started = time.monotonic()

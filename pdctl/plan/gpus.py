@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pdctl.errors import Issue
-from pdctl.topology.model import Node, ServerGroup, Topology
+from pdctl.topology.model import Node, ServerGroup, Topology, TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,52 @@ def _dummy(group: ServerGroup, index: int) -> EnginePlacement:
     return EnginePlacement(group, index, ())
 
 
+def _pair_trainer(
+    trainer: TrainerConfig, engines: list[EnginePlacement]
+) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[Issue]]:
+    """Colocate: trainer rank i on engine GPU i (TorchSpec's pairing), in engine order: engine
+    TP rank j of the engine with weight-group rank offset o shares its GPU with trainer rank
+    o - 1 + j. torchrun starts the same number of ranks on every node, so every node must
+    hold as many engine GPUs, and the trainer's nodes are the engines' nodes in that order."""
+    per_node: dict[str, list[int]] = {}
+    for eng in engines:
+        for node, ids in eng.slices:
+            per_node.setdefault(node, []).extend(ids)
+    counts = {node: len(ids) for node, ids in per_node.items()}
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"{n}: {c}" for n, c in counts.items())
+        return (), [
+            Issue(
+                "placement.mode",
+                f"colocate pairs trainer rank i with engine GPU i, and torchrun starts the same number of ranks "
+                f"on every node, but the engines use different GPU counts per node ({shown})",
+                hint="give every node the same number of engine GPUs",
+            )
+        ]
+    issues = []
+    if trainer.nodes is not None and list(trainer.nodes) != list(per_node):
+        issues.append(
+            Issue(
+                "trainer.nodes",
+                f"colocate runs trainer ranks on the engines' nodes in engine order ({', '.join(per_node)}), "
+                f"not {', '.join(trainer.nodes)}",
+                hint="leave trainer.nodes out, or list the engines' nodes in that order",
+            )
+        )
+    per = next(iter(counts.values()), 0)
+    if trainer.nproc_per_node is not None and trainer.nproc_per_node != per:
+        issues.append(
+            Issue(
+                "trainer.nproc_per_node",
+                f"colocate pairs one trainer rank with one engine GPU: nproc_per_node {trainer.nproc_per_node} "
+                f"!= {per} engine GPUs per node",
+            )
+        )
+    if issues:
+        return (), issues
+    return tuple((n, tuple(ids)) for n, ids in per_node.items()), []
+
+
 def _place_trainer(
     top: Topology, pool: _Pool, engines: list[EnginePlacement]
 ) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[Issue]]:
@@ -156,12 +202,7 @@ def _place_trainer(
     if trainer is None:
         return (), []
     if top.placement.colocate:
-        # Colocate: the trainer shares every engine GPU, 1:1 (TorchSpec's pairing).
-        per_node: dict[str, list[int]] = {}
-        for eng in engines:
-            for node, ids in eng.slices:
-                per_node.setdefault(node, []).extend(ids)
-        return tuple((n, tuple(sorted(ids))) for n, ids in per_node.items()), []
+        return _pair_trainer(trainer, engines)
     nodes = list(trainer.nodes) if trainer.nodes else [top.nodes[-1].name]
     out: list[tuple[str, tuple[int, ...]]] = []
     for rank, node in enumerate(nodes):

@@ -138,6 +138,18 @@ class WeightGroup:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MpsDaemon:
+    """The CUDA MPS control daemon a colocated plan needs on one node (pdctl/mps.py)."""
+
+    node: str
+    pipe_dir: str
+    log_dir: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """Everything ``up`` will do. Pure data; deterministic for a given topology."""
 
@@ -150,6 +162,10 @@ class Plan:
     warnings: tuple[Issue, ...] = ()
     api_key_env: str | None = None
     """The variable holding the router's API key on the control machine (the name only; never the key)."""
+    mps: tuple[MpsDaemon, ...] = ()
+    """Colocate with MPS: one daemon per node with GPU processes, started before any of them."""
+    trainer_first: bool = False
+    """Colocate: the trainer starts first, so it claims its memory share before engines size their pools."""
 
     def process(self, process_id: str) -> LaunchSpec:
         for spec in self.processes:
@@ -175,4 +191,6 @@ class Plan:
             "engines": [e.to_dict() for e in self.engines],
             "weight_group": self.weight_group.to_dict(self.engines) if self.weight_group else None,
             "warnings": [{"path": w.path, "message": w.message} for w in self.warnings],
+            "mps": [d.to_dict() for d in self.mps],
+            "trainer_first": self.trainer_first,
         }

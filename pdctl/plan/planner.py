@@ -14,7 +14,7 @@ from typing import Any
 from pdctl.errors import Issue, PlanError, TopologyError
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
-from pdctl.plan.model import EngineSpec, LaunchSpec, Plan, WeightGroup, url_host
+from pdctl.plan.model import EngineSpec, LaunchSpec, MpsDaemon, Plan, WeightGroup, url_host
 from pdctl.plan.ports import PortCursors, PortOverflowError, dist_init_block_size
 from pdctl.topology.model import Node, Role, Topology
 
@@ -101,7 +101,20 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
         weight_group=weight_group,
         warnings=tuple(warnings),
         api_key_env=top.router.api_key_env,
+        mps=_mps_daemons(top, processes),
+        trainer_first=top.placement.colocate and top.trainer is not None,
     )
+
+
+def _mps_daemons(top: Topology, processes: list[LaunchSpec]) -> tuple[MpsDaemon, ...]:
+    if not top.placement.uses_mps:
+        return ()
+    nodes = dict.fromkeys(p.node for p in processes if p.gpu_ids)
+    out = []
+    for name in nodes:
+        env = _mps_env(top.node(name), top.name)
+        out.append(MpsDaemon(node=name, pipe_dir=env["CUDA_MPS_PIPE_DIRECTORY"], log_dir=env["CUDA_MPS_LOG_DIRECTORY"]))
+    return tuple(out)
 
 
 def _plan_engine(
@@ -191,9 +204,13 @@ def _spec(
     **extra: Any,
 ) -> LaunchSpec:
     """One process in its node's run directory, logging to ``logs/PID.log``; GPU processes of a
-    colocated topology also get the MPS pipe and log directories."""
-    if top.placement.colocate and top.placement.mps and role is not Role.ROUTER:
+    colocated topology also get the MPS pipe and log directories, and their role's
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` where the topology sets one."""
+    if top.placement.uses_mps and role is not Role.ROUTER:
         env = {**env, **_mps_env(node, top.name)}
+    percentage = top.placement.thread_percentage.get(role.value) if top.placement.colocate else None
+    if percentage is not None:
+        env = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percentage)}
     rdir = run_dir(node, top.name)
     return LaunchSpec(
         id=pid,
@@ -257,6 +274,8 @@ def _plan_trainer(
         shared_env.update(WEIGHT_ENV)
     if top.placement.colocate and top.placement.train_frac:
         shared_env["PDCTL_TRAIN_FRAC"] = f"{top.placement.train_frac:g}"
+    if top.placement.colocate:  # the trainer starts first: WeightSync.connect waits for the engines
+        shared_env["PDCTL_READY_TIMEOUT_SECS"] = "900"
     procs = []
     nnodes = len(layout.trainer)
     for rank, (node_name, gpu_ids) in enumerate(layout.trainer):
@@ -286,7 +305,8 @@ def check_invariants(plan: Plan, *, colocate: bool) -> None:
     - no GPU used twice on a node (colocate: at most one engine and one trainer rank);
     - no port used twice on a node;
     - every engine has exactly one entrypoint process;
-    - weight-group ranks 1..world_size-1 cover every engine GPU exactly once.
+    - weight-group ranks 1..world_size-1 cover every engine GPU exactly once;
+    - colocate: trainer rank i runs on the GPU of engine GPU i (engine order, TP rank order).
     """
     by_id = {p.id: p for p in plan.processes}
     gpu_users: dict[tuple[str, int], list[str]] = defaultdict(list)
@@ -317,3 +337,12 @@ def check_invariants(plan: Plan, *, colocate: bool) -> None:
             ranks.extend(range(engine.rank_offset, engine.rank_offset + engine.gpus))
         if sorted(ranks) != list(range(1, plan.weight_group.world_size)):
             raise PlanError("invariant 'weight ranks cover every engine GPU exactly once' broken")
+    trainers = sorted((p for p in plan.processes if p.role is Role.TRAINER), key=lambda p: p.node_rank)
+    if colocate and trainers:
+        engine_gpus = [(by_id[pid].node, g) for e in plan.engines for pid in e.process_ids for g in by_id[pid].gpu_ids]
+        trainer_gpus = [(p.node, g) for p in trainers for g in p.gpu_ids]
+        if engine_gpus != trainer_gpus:
+            raise PlanError(
+                "invariant 'trainer rank i shares engine GPU i' broken: "
+                f"engines {engine_gpus[:8]}..., trainer {trainer_gpus[:8]}..."
+            )

@@ -490,4 +490,3 @@ def _at_position(req: Request, position: int) -> torch.Generator | None:
     if seed is not None and req.generator is not None:
         req.generator.manual_seed((int(seed) * 1_000_003 + position) % 2**63)
     return req.generator
-

@@ -196,16 +196,33 @@ class WeightsConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
-    """``separate``: engines and trainer on disjoint GPUs; ``colocate``: shared under CUDA MPS."""
+    """``separate``: engines and trainer on disjoint GPUs; ``colocate``: shared under CUDA MPS.
+
+    ``mps``: None when the file does not say (colocate then runs MPS); ``thread_percentage``:
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` per role (trainer, prefill, decode, regular)."""
 
     mode: str = "separate"
     train_frac: float | None = None
     infer_frac: float | None = None
-    mps: bool = True
+    mps: bool | None = None
+    thread_percentage: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def colocate(self) -> bool:
         return self.mode == "colocate"
+
+    @property
+    def uses_mps(self) -> bool:
+        """Colocated processes share each GPU through one MPS control daemon per node."""
+        return self.colocate and self.mps is not False
+
+    @classmethod
+    def from_dict(cls, raw: str | Mapping[str, Any]) -> Placement:
+        if isinstance(raw, str):
+            return cls(mode=raw)
+        fields = {k: v for k, v in raw.items() if k != "mps_active_thread_percentage"}
+        percentages = raw.get("mps_active_thread_percentage") or {}
+        return cls(**fields, thread_percentage=MappingProxyType({str(k): int(v) for k, v in percentages.items()}))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -252,8 +269,7 @@ class Topology:
                     ServerGroup.from_dict(g, role=role, default_name=role.value, path=f"{role.value}[{i}]")
                     for i, g in enumerate(section)
                 )
-        placement_raw = raw.get("placement", "separate")
-        placement = Placement(mode=placement_raw) if isinstance(placement_raw, str) else Placement(**placement_raw)
+        placement = Placement.from_dict(raw.get("placement", "separate"))
         trainer = None
         if "trainer" in raw:
             t = raw["trainer"]

@@ -176,14 +176,36 @@ def _trainer(top: Topology) -> list[Issue]:
 
 
 def _colocate(top: Topology) -> list[Issue]:
+    """Colocate's own rules; the pairing of trainer ranks with engine GPUs per node is the
+    planner's (plan/gpus.py), which sees where engines land."""
     p = top.placement
     out = []
     if not p.colocate:
-        if p.train_frac is not None or p.infer_frac is not None:
-            out.append(Issue("placement", "train_frac/infer_frac only apply to mode colocate"))
+        given = [
+            k for k, v in (("train_frac", p.train_frac), ("infer_frac", p.infer_frac), ("mps", p.mps)) if v is not None
+        ]
+        if p.thread_percentage:
+            given.append("mps_active_thread_percentage")
+        if given:
+            out.append(
+                Issue(
+                    "placement",
+                    f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to mode colocate",
+                    hint="set mode: colocate or remove them",
+                )
+            )
         return out
     if top.trainer is None:
         return [Issue("placement.mode", "colocate shares GPUs with a trainer; add a trainer section")]
+    for key, value in (("train_frac", p.train_frac), ("infer_frac", p.infer_frac)):
+        if value is not None and not 0 < value < 1:
+            out.append(Issue(f"placement.{key}", f"{key} {value} is not a fraction of a GPU (0 < {key} < 1)"))
+    roles = {g.role.value for g in top.groups} | {"trainer"}
+    for role in p.thread_percentage:
+        if role not in roles:
+            out.append(Issue(f"placement.mps_active_thread_percentage.{role}", f"no {role} processes in this topology"))
+    if out:
+        return out
     if p.train_frac is None or p.infer_frac is None:
         out.append(Issue("placement", "colocate needs train_frac and infer_frac", hint="e.g. 0.45 and 0.45"))
     elif p.train_frac + p.infer_frac + COLOCATE_HEADROOM > 1 + 1e-9:

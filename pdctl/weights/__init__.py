@@ -7,7 +7,8 @@
     sync.close()
 
 See ``pdctl.weights.sync`` for the transaction and its failure rules, ``full_tensors`` for
-FSDP2 models, and ``pdctl.weights.fleet`` for the torch-free part (engines, router, loads from
+FSDP2 models, ``apply_memory_fraction`` for a trainer that shares its GPUs with engines
+(colocate), and ``pdctl.weights.fleet`` for the torch-free part (engines, router, loads from
 disk) that the control machine uses. ``WeightSync`` and ``full_tensors`` import torch on first
 use, so ``pdctl.weights.fleet`` works where torch is not installed.
 """
@@ -16,13 +17,22 @@ from typing import TYPE_CHECKING, Any
 
 from pdctl.errors import WeightSyncError
 from pdctl.weights.fleet import EngineTarget, Fleet
+from pdctl.weights.memory import apply_memory_fraction
 from pdctl.weights.report import PushReport
 
 if TYPE_CHECKING:
     from pdctl.weights.fsdp import full_tensors
     from pdctl.weights.sync import WeightSync
 
-__all__ = ["EngineTarget", "Fleet", "PushReport", "WeightSync", "WeightSyncError", "full_tensors"]
+__all__ = [
+    "EngineTarget",
+    "Fleet",
+    "PushReport",
+    "WeightSync",
+    "WeightSyncError",
+    "apply_memory_fraction",
+    "full_tensors",
+]
 
 
 def __getattr__(name: str) -> Any:

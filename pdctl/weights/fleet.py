@@ -113,6 +113,22 @@ class Fleet:
     def close(self) -> None:
         self.client.close()
 
+    def wait_ready(self, timeout_secs: float) -> None:
+        """Wait until every engine answers ``/health`` and the router ``/readiness`` with 200,
+        or ``timeout_secs`` pass (then ``probe`` goes on with the engines that answer)."""
+        deadline = time.monotonic() + timeout_secs
+        urls = [e.url + "/health" for e in self.engines]
+        if self.router_url:
+            urls.append(self.router_url + "/readiness")
+        waiting = list(urls)
+        while waiting and time.monotonic() < deadline:
+            answers = [self.client.submit("GET", url, timeout_secs=5) for url in waiting]
+            waiting = [url for url, f in zip(waiting, answers, strict=True) if isinstance(f.result(), CallFailure)]
+            if waiting:
+                time.sleep(0.5)
+        if waiting:
+            log.warning("weights: still not ready after %.0fs: %s", timeout_secs, ", ".join(waiting))
+
     def probe(self, report: PushReport) -> tuple[list[EngineTarget], dict[str, dict[str, Any]]]:
         """The engines that answer ``/server_info`` (the others go to ``report.skipped``) and their answers."""
         futures = {

@@ -72,6 +72,9 @@ MIB = 1024 * 1024
 WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
 ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
 API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
+READY_TIMEOUT_ENV = "PDCTL_READY_TIMEOUT_SECS"
+"""Set by ``pdctl up`` when the trainer starts before the engines (colocate): ``connect`` waits
+that long for every engine, and the router, to be ready."""
 """Names the variable holding the router's (and engines') API key; the key itself is never in the plan."""
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -122,6 +125,7 @@ class WeightSync:
         lease_secs: float = 30.0,
         hold_timeout_secs: float = 300.0,
         rank: int | None = None,
+        ready_timeout_secs: float = 0.0,
     ):
         if verify not in ("auto", "sample", "full", "off"):
             raise WeightSyncError(f"verify must be auto, sample, full or off, not {verify!r}")
@@ -148,6 +152,7 @@ class WeightSync:
         self.load_format = load_format
         self.recover = recover
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.ready_timeout_secs = ready_timeout_secs
         self._group: dist.ProcessGroup | None = None
         self._members: tuple[Member, ...] = ()
         self._abandoned: list[Any] = []  # groups and works left pending by a failure; kept alive on purpose
@@ -184,6 +189,10 @@ class WeightSync:
         except (ValueError, KeyError, TypeError) as exc:
             raise WeightSyncError(f"${WEIGHT_GROUP_ENV} is not a pdctl weight group: {exc}") from exc
         kwargs["router_url"] = env.get(ROUTER_URL_ENV) or None
+        try:
+            kwargs["ready_timeout_secs"] = float(env.get(READY_TIMEOUT_ENV) or 0)
+        except ValueError as exc:
+            raise WeightSyncError(f"${READY_TIMEOUT_ENV} is not a number of seconds: {exc}") from exc
         key_var = env.get(API_KEY_ENV_ENV)
         kwargs["api_key"] = env.get(key_var) if key_var else None
         kwargs.update(options)
@@ -209,10 +218,14 @@ class WeightSync:
         """Build the flat group over every engine that answers (rank 0 only; others return at once).
 
         Clears what an earlier trainer may have left on the engines (an open update session, a
-        group). Raises WeightSyncError (phase ``connect``) naming an engine that refuses to join.
+        group). With ``ready_timeout_secs`` it first waits up to that long until every engine
+        is healthy and the router ready (a trainer started before the engines: colocate).
+        Raises WeightSyncError (phase ``connect``) naming an engine that refuses to join.
         """
         if not self.is_pusher:
             return self
+        if self.ready_timeout_secs > 0:
+            self.fleet.wait_ready(self.ready_timeout_secs)
         report = PushReport(version="connect")
         live, infos = self.fleet.probe(report)
         self._build(live, infos)

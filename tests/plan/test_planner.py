@@ -112,6 +112,24 @@ def test_colocate_pairs_trainer_with_engine_gpus_and_mps_env() -> None:
     assert trainer.argv[-2:] == ("-m", "my_rl.train")
     assert "CUDA_MPS_PIPE_DIRECTORY" in trainer.env and "CUDA_MPS_PIPE_DIRECTORY" in plan.process("decode-0").env
     assert flag(plan.process("decode-0").argv, "--mem-fraction-static") == "0.45"
+    assert trainer.env["PDCTL_TRAIN_FRAC"] == "0.45" and trainer.env["PDCTL_READY_TIMEOUT_SECS"] == "900"
+    assert trainer.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert plan.process("router").env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") is None
+    assert plan.trainer_first and [d.to_dict() for d in plan.mps] == [
+        {"node": "n0", "pipe_dir": "~/.pdctl/runs/colo/mps/pipe", "log_dir": "~/.pdctl/runs/colo/mps/log"}
+    ]
+    separate = plan_of("2node-hetero-tp.yaml")
+    assert separate.mps == () and not separate.trainer_first
+
+
+def test_invariant_trainer_rank_i_shares_engine_gpu_i() -> None:
+    plan = plan_of("colocate.yaml")
+    check_invariants(plan, colocate=True)
+    trainer = plan.process("trainer.n0")
+    swapped = replace(trainer, gpu_ids=(1, 0, *trainer.gpu_ids[2:]))  # still every GPU once, paired wrongly
+    bad = replace(plan, processes=tuple(swapped if p.id == trainer.id else p for p in plan.processes))
+    with pytest.raises(PlanError, match="trainer rank i shares engine GPU i"):
+        check_invariants(bad, colocate=True)
 
 
 def test_trainer_command_forms() -> None:

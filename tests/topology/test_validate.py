@@ -214,3 +214,36 @@ def test_router_on_loopback_of_a_remote_node_warns() -> None:
     assert any("binds 127.0.0.1 on remote node n0" in w.message for w in warnings)
     _, warnings = load_topology_text(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0}\n"))
     assert not any("binds 127.0.0.1" in w.message for w in warnings)
+
+
+def test_colocate_rules_each_have_a_failing_case() -> None:
+    head = "name: c\nmodel: {path: /m}\nnodes: [{name: n0, host: h, gpus: 4}, {name: n1, host: h2, gpus: 4}]\n"
+    groups = "prefill: {tp: 2, nodes: [n0]}\ndecode: {tp: 2, nodes: [n1]}\n"
+    trainer = "trainer: {command: [python, t.py]}\n"
+
+    def colo(train="0.45", infer="0.45", extra="") -> str:
+        return f"placement: {{mode: colocate, train_frac: {train}, infer_frac: {infer}{extra}}}\n"
+
+    top, _ = load_topology_text(yaml_text(head + groups + trainer + colo()))
+    assert top.placement.uses_mps
+    # each fraction in (0, 1) (the schema), and the two with headroom
+    one_error(head + groups + trainer + colo(train="0"), "placement.train_frac: 0 is less than or equal to")
+    one_error(head + groups + trainer + colo(infer="1"), "placement.infer_frac: 1 is greater than or equal to")
+    one_error(head + groups + trainer + colo(infer="0.5"), "headroom > 1")
+    # engine GPUs == trainer world size, and rank i on engine GPU i (the same count per node, the engines' nodes)
+    one_error(head + groups + trainer.replace("]}", "], nproc_per_node: 1}") + colo(), "nproc_per_node 1 != 2")
+    uneven = "prefill: {tp: 2, nodes: [n0]}\ndecode: {tp: 4, nodes: [n1]}\n"
+    one_error(head + uneven + trainer + colo(), "different GPU counts per node (n0: 2, n1: 4)")
+    swapped = trainer.replace("]}", "], nodes: [n1, n0]}")
+    one_error(head + groups + swapped + colo(), "trainer.nodes", "(n0, n1), not n1, n0")
+    # MPS thread percentages: in 1..100 (the schema), for roles that exist
+    one_error(
+        head + groups + trainer + colo(extra=", mps_active_thread_percentage: {trainer: 0}"),
+        "trainer: 0 is less than the minimum of 1",
+    )
+    one_error(
+        head + groups + trainer + colo(extra=", mps_active_thread_percentage: {regular: 50}"), "no regular processes"
+    )
+    # no colocate keys when placement is separate
+    for key in ("train_frac: 0.4", "mps: false", "mps_active_thread_percentage: {trainer: 50}"):
+        one_error(head + groups + f"placement: {{mode: separate, {key}}}\n", "only applies to mode colocate")
