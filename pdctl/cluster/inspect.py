@@ -142,12 +142,21 @@ def load_state(store: StateStore, name: str) -> ClusterState:
     return state
 
 
-def _record(state: ClusterState, process: str):
+@dataclass(frozen=True)
+class LogSource:
+    """Where a process's log lives: its node and path (a stopped process's too)."""
+
+    node: str
+    log_path: str
+
+
+def _log_source(state: ClusterState, process: str) -> LogSource:
     if process in state.processes:
-        return state.processes[process]
-    for rec in state.plan.get("processes", []):
-        if rec["id"] == process:  # stopped, but its log is still on the node
-            return type("Rec", (), {"node": rec["node"], "log_path": rec["log_path"]})()
+        rec = state.processes[process]
+        return LogSource(rec.node, rec.log_path)
+    for raw in state.plan.get("processes", []):
+        if raw["id"] == process:  # stopped, but its log is still on the node
+            return LogSource(raw["node"], raw["log_path"])
     known = ", ".join(p["id"] for p in state.plan.get("processes", [])) or "none"
     raise LifecycleError(f"no process {process!r} in cluster {state.name!r}; processes: {known}")
 
@@ -166,17 +175,21 @@ def logs(
     """Yield the last ``lines`` lines of a process's log, then (with follow) new text as it comes."""
     store = store or StateStore()
     state = load_state(store, name)
-    rec = _record(state, process)
-    nodes = nodes or NodeSet(state.node_objects().values())
-    ex = nodes.executor(rec.node)
-    first = ex.agent("read", {"path": rec.log_path, "lines": lines}, timeout=30)
+    source = _log_source(state, process)
+    if nodes is None:
+        with NodeSet(state.node_objects().values()) as owned:  # its SSH connection closed when done
+            yield from logs(name, process, lines=lines, follow=follow, store=store, nodes=owned,
+                            poll_secs=poll_secs, stop=stop)  # fmt: skip
+        return
+    ex = nodes.executor(source.node)
+    first = ex.agent("read", {"path": source.log_path, "lines": lines}, timeout=30)
     if "error" in first:
-        raise LifecycleError(f"node {rec.node}: {first['error']}")
+        raise LifecycleError(f"node {source.node}: {first['error']}")
     yield first["data"]
     offset = first["size"]
     while follow and not stop():
         time.sleep(poll_secs)
-        chunk = ex.agent("read", {"path": rec.log_path, "offset": offset}, timeout=30)
+        chunk = ex.agent("read", {"path": source.log_path, "offset": offset}, timeout=30)
         if chunk.get("data"):
             yield chunk["data"]
         offset = chunk.get("size", offset)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -124,6 +126,11 @@ def test_up_starts_mps_first_then_the_trainer_and_down_quits_it(tmp_path, pdctl_
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in environ(procs["decode-0"].pid)
         [shown] = status("colo").mps
         assert shown.running and shown.control_pipe and shown.started and shown.pid == record["pid"]
+        cli = subprocess.run(
+            [sys.executable, "-m", "pdctl", "status", "colo"], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PDCTL_HOME": str(pdctl_home), "COLUMNS": "80"},
+        )  # fmt: skip
+        assert f"mps me: running (pid {record['pid']}, started by pdctl)" in cli.stdout, cli.stdout + cli.stderr
     finally:
         summary = down("colo")
     assert summary == "cluster 'colo' is down (4 processes stopped)"
