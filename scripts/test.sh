@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check pdctl tests tools benchmarks
+.venv/bin/ruff check pdctl tests tools benchmarks examples
 exec .venv/bin/python -m pytest -q "$@"

@@ -9,11 +9,12 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main(src: str, out: str) -> None:
-    rows = [json.loads(line) for line in open(src)]
+    with open(src) as f:
+        rows = [json.loads(line) for line in f]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
     ax.plot(steps, [r["reward"] for r in rows], marker=".", label="mean reward of the step's rollouts")
