@@ -33,6 +33,8 @@ from typing import Any
 
 import psutil
 
+from pdctl.nodeproc import expand, same_process
+
 RUN_ID_ENV = "PDCTL_RUN_ID"
 PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 """Variables whose value is a path under the run directory: expanded here, as cwd and log paths are."""
@@ -40,10 +42,6 @@ PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 class AgentFailure(Exception):
     """A command's clear reason for failing, reported as is (no exception type in front)."""
-
-
-def _expand(path: str) -> str:
-    return os.path.expanduser(path)
 
 
 def preflight(req: dict[str, Any]) -> dict[str, Any]:
@@ -116,17 +114,17 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
     """Start each process in a new session; return pid, pgid and create_time per id."""
     started = {}
     for proc in req["processes"]:
-        cwd = _expand(proc["cwd"])
-        log_path = Path(_expand(proc["log_path"]))
+        cwd = expand(proc["cwd"])
+        log_path = Path(expand(proc["log_path"]))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         Path(cwd).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **proc["env"]}
         for key in PATH_VALUED_ENV:  # the planner writes the run directory as the node spells it (~/...)
             if key in env:
-                env[key] = _expand(env[key])
+                env[key] = expand(env[key])
         argv = list(proc["argv"])
         if proc.get("exit_file"):  # keep the exit status (the trainer's), see pdctl.exitcode
-            exit_file = _expand(proc["exit_file"])
+            exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
             argv = [sys.executable, "-m", "pdctl.exitcode", exit_file, "--", *argv]
         if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
@@ -151,17 +149,6 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
     return {"started": started}
 
 
-def _same(pid: int, create_time: float) -> psutil.Process | None:
-    """The process if it is still the one we started (pids are reused)."""
-    try:
-        p = psutil.Process(pid)
-        if abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
-            return p
-    except psutil.Error:
-        pass
-    return None
-
-
 def wait_ready(req: dict[str, Any]) -> dict[str, Any]:
     """Poll each target {id, url, pid, create_time} until 200, and check that each ``watch``
     process {id, pid, create_time} lives, until every target is ready, one of them all dies
@@ -172,7 +159,7 @@ def wait_ready(req: dict[str, Any]) -> dict[str, Any]:
     ready: list[str] = []
     while True:
         for t in [*watch, *pending.values()]:
-            if _same(t["pid"], t["create_time"]) is None:
+            if same_process(t["pid"], t["create_time"]) is None:
                 return {
                     "ready": False,
                     "ready_ids": ready,
@@ -211,11 +198,11 @@ def _http_json(url: str, timeout: float) -> Any:
 def status(req: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for proc in req["processes"]:
-        p = _same(proc["pid"], proc["create_time"])
+        p = same_process(proc["pid"], proc["create_time"])
         entry: dict[str, Any] = {"alive": p is not None}
         if p is None and proc.get("exit_file"):
             try:
-                entry["exit_code"] = json.loads(Path(_expand(proc["exit_file"])).read_text())["exit_code"]
+                entry["exit_code"] = json.loads(Path(expand(proc["exit_file"])).read_text())["exit_code"]
             except (OSError, ValueError, KeyError):
                 entry["exit_code"] = None  # killed before it could write (SIGKILL of the group)
         if p is not None:
@@ -303,7 +290,7 @@ def _signal(p: psutil.Process, sig: int) -> None:
 
 
 def read(req: dict[str, Any]) -> dict[str, Any]:
-    path = Path(_expand(req["path"]))
+    path = Path(expand(req["path"]))
     try:
         size = path.stat().st_size
     except OSError as exc:
@@ -327,7 +314,7 @@ def rm(req: dict[str, Any]) -> dict[str, Any]:
 
     removed = []
     for path in req["paths"]:
-        p = Path(_expand(path))
+        p = Path(expand(path))
         if p.exists():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(str(p))

@@ -26,6 +26,8 @@ from typing import Any
 
 import psutil
 
+from pdctl.nodeproc import expand, running, same_process
+
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 SERVER_BINARY = "nvidia-cuda-mps-server"
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
@@ -42,7 +44,7 @@ class MpsError(Exception):
 def start(req: dict[str, Any]) -> dict[str, Any]:
     """Make sure a control daemon serves ``pipe_dir``. Returns ``pid``, ``create_time`` and
     ``started`` (false: one was already running and is not ours to stop)."""
-    pipe_dir, log_dir = Path(_expand(req["pipe_dir"])), Path(_expand(req["log_dir"]))
+    pipe_dir, log_dir = Path(expand(req["pipe_dir"])), Path(expand(req["log_dir"]))
     env = _env(req, pipe_dir, log_dir)
     for directory in (pipe_dir, log_dir):
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -92,8 +94,8 @@ def start(req: dict[str, Any]) -> dict[str, Any]:
 def stop(req: dict[str, Any]) -> dict[str, Any]:
     """Stop the daemon ``pid``/``create_time`` on ``pipe_dir``: ``quit``, then force after
     ``grace_secs``. Returns ``forced`` and ``detail``; a daemon already gone is fine."""
-    pipe_dir, log_dir = Path(_expand(req["pipe_dir"])), Path(_expand(req["log_dir"]))
-    daemon = _same(int(req["pid"]), float(req["create_time"]))
+    pipe_dir, log_dir = Path(expand(req["pipe_dir"])), Path(expand(req["log_dir"]))
+    daemon = same_process(int(req["pid"]), float(req["create_time"]))
     if daemon is None:
         return {"forced": False, "detail": "not running"}
     env = _env(req, pipe_dir, log_dir)
@@ -124,8 +126,8 @@ def stop(req: dict[str, Any]) -> dict[str, Any]:
 
 def status(req: dict[str, Any]) -> dict[str, Any]:
     """Whether the daemon ``pid``/``create_time`` still runs, and its control pipe exists."""
-    pipe_dir = Path(_expand(req["pipe_dir"]))
-    daemon = _same(int(req["pid"]), float(req["create_time"]))
+    pipe_dir = Path(expand(req["pipe_dir"]))
+    daemon = same_process(int(req["pid"]), float(req["create_time"]))
     return {"running": daemon is not None, "control_pipe": (pipe_dir / CONTROL_PIPE).exists()}
 
 
@@ -134,13 +136,11 @@ def find_daemon(pipe_dir: Path) -> psutil.Process | None:
     try:
         pid = int((pipe_dir / PID_FILE).read_text().strip())
         proc = psutil.Process(pid)
-        if _is_program(proc, CONTROL_BINARY) and _alive(proc):
+        if _is_program(proc, CONTROL_BINARY) and running(proc):
             return proc
     except (OSError, ValueError, psutil.Error):
         pass
-    for proc in _daemon_and_servers(pipe_dir, servers=False):
-        return proc
-    return None
+    return next(iter(_daemon_and_servers(pipe_dir, servers=False)), None)
 
 
 def _daemon_and_servers(pipe_dir: Path, servers: bool = True) -> list[psutil.Process]:
@@ -149,7 +149,7 @@ def _daemon_and_servers(pipe_dir: Path, servers: bool = True) -> list[psutil.Pro
     for proc in psutil.process_iter(["pid"]):
         try:
             daemon = _is_program(proc, CONTROL_BINARY, daemon=True)
-            if not (daemon or (servers and _is_program(proc, SERVER_BINARY))) or not _alive(proc):
+            if not (daemon or (servers and _is_program(proc, SERVER_BINARY))) or not running(proc):
                 continue
             pipe = proc.environ().get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIRECTORY)
             if os.path.realpath(pipe) == wanted:
@@ -166,20 +166,6 @@ def _is_program(proc: psutil.Process, name: str, daemon: bool = False) -> bool:
     if name not in head and proc.name() != name:
         return False
     return not daemon or any(a in ("-d", "-f") for a in cmdline[1:])
-
-
-def _alive(proc: psutil.Process) -> bool:
-    return proc.status() != psutil.STATUS_ZOMBIE
-
-
-def _same(pid: int, create_time: float) -> psutil.Process | None:
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) < 0.05 and _alive(proc):
-            return proc
-    except psutil.Error:
-        pass
-    return None
 
 
 def _identity(proc: psutil.Process) -> dict[str, Any]:
@@ -205,17 +191,10 @@ def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proce
     reap, and a container's init may never reap it); the ones still running."""
     deadline = time.monotonic() + timeout
     while True:
-        running = [p for p in procs if _running(p)]
-        if not running or time.monotonic() >= deadline:
-            return running
+        left = [p for p in procs if running(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.05)
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return _alive(proc)
-    except psutil.Error:
-        return False
 
 
 def _env(req: dict[str, Any], pipe_dir: Path, log_dir: Path) -> dict[str, str]:
@@ -243,7 +222,3 @@ def _log_tail(log_dir: Path, since: int, lines: int = 10) -> str:
     except OSError:
         return ""
     return ("\ncontrol.log: " + "\n".join(text)) if text else ""
-
-
-def _expand(path: str) -> str:
-    return os.path.expanduser(path)

@@ -79,9 +79,13 @@ def up(
             elif top.placement.colocate:
                 events("mps", "placement.mps is false: colocated processes share GPUs without MPS")
             trainers = [p for p in plan.processes if p.role is Role.TRAINER]
-            if plan.trainer_first:  # it claims its memory share before the engines size their pools
+
+            def start_trainers() -> None:
                 _launch(trainers, state, store, nodes, top, events)
                 _watch_trainers(trainers, state, nodes)
+
+            if plan.trainer_first:  # it claims its memory share before the engines size their pools
+                start_trainers()
             # The router starts with the engines (its startup overlaps theirs); it admits each
             # engine at the engine's first passed health check.
             engines = [p for p in plan.processes if p.role.is_engine]
@@ -92,8 +96,7 @@ def up(
             _wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
             _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             if not plan.trainer_first:
-                _launch(trainers, state, store, nodes, top, events)
-                _watch_trainers(trainers, state, nodes)
+                start_trainers()
         except (Exception, KeyboardInterrupt) as exc:
             events("up", "failed; stopping everything that started")
             detail = _failure_detail(exc, state, nodes)

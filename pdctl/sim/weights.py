@@ -323,16 +323,19 @@ class WeightGroupMember:
         specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
         load_format: str | None,
         destination: Mapping[str, torch.Tensor] | None = None,
+        digest_mode: str | None = None,
     ) -> Received:
         """This engine's ranks receive one update; this process's tensors land in ``destination``
-        where they fit (see ``receive``). Fails if any rank's digest differs from this one's."""
+        where they fit (see ``receive``). Fails if any rank's digest differs from this one's.
+        ``digest_mode``: node 0's, for a node of a multi-node engine; else this engine's own."""
         if self.group is None:
             raise SimError("no weight update group; call /init_weights_update_group first")
-        command = recv_command(specs, load_format, self.digest_mode)
+        mode = digest_mode or self.digest_mode
+        command = recv_command(specs, load_format, mode)
         started = time.perf_counter()
         for peer in self._peers:
             peer.send(command)
-        received = receive(self.group, specs, load_format, destination, self.digest_mode)
+        received = receive(self.group, specs, load_format, destination, mode)
         done = time.perf_counter()
         sums = self._collect("recv")
         mine = received.digest
@@ -398,8 +401,7 @@ def run_command(member: WeightGroupMember | None, group: Any, command: dict[str,
         specs = tensor_specs(command)
         mode = command.get("digest", "full")
         if member is not None:  # a node of a multi-node engine follows node 0's digest mode
-            member.digest_mode = mode
-            return group, member.receive(specs, command["load_format"]).digest
+            return group, member.receive(specs, command["load_format"], digest_mode=mode).digest
         return group, receive(group, specs, command["load_format"], digest_mode=mode).digest
     if op == "destroy":
         if member is not None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +20,6 @@ from pdctl.sglang import Endpoint
 from pdctl.sim.body import read_json
 from pdctl.sim.weights import GroupSpec, tensor_specs
 from pdctl.weights.buckets import tensor_checksum
-
-log = logging.getLogger("pdctl.sim.weights")
 
 if TYPE_CHECKING:
     from pdctl.sim.server import SimServer
@@ -115,9 +111,7 @@ class WeightRoutes:
         def run() -> str | None:
             with engine.exclusive():
                 tensors = members.receive(specs, body.get("load_format"), dict(model.named_parameters())).tensors
-                started = time.perf_counter()
                 model.load_weights(tensors)
-                log.info("weight update: loaded in %.3fs", time.perf_counter() - started)
                 if body.get("weight_version") is not None:
                     engine.weight_version = str(body["weight_version"])
                 if body.get("flush_cache", True) and engine.stats()["num_running_reqs"]:
