@@ -61,11 +61,10 @@ def start_daemons(plan: Plan, state: ClusterState, store: StateStore, nodes: Nod
         events(f"mps.{node}", f"{how}: pid {res['pid']}, pipe {d.pipe_dir}")
     store.save(state)
     if problems:
-        raise LifecycleError(
-            "MPS cannot run, nothing else was started:\n  "
-            + "\n  ".join(problems)
-            + "\n  (placement.mps: false runs colocated processes without MPS)"
-        )
+        text = "\n  ".join(problems)
+        hint = "\n  (placement.mps: false runs colocated processes without MPS)"
+        hint = "" if "placement.mps: false" in text else hint  # the missing-binary message gives it already
+        raise LifecycleError(f"MPS cannot run, nothing else was started:\n  {text}{hint}")
 
 
 def stop_daemons(state: ClusterState, nodes: NodeSet, events: Events = quiet) -> None:
