@@ -252,10 +252,9 @@ class RouterServer:
                     "group": body.get("group"),
                     "started_at": time.time(),
                 }
-            lease = float(body.get("lease_secs", 60))
-            if self._lease is not None:
+            if self._lease is not None:  # no lease runs while the trainer waits in this call: it cannot renew
                 self._lease.cancel()
-            self._lease = asyncio.get_running_loop().call_later(lease, self._lease_expired, txn, lease)
+                self._lease = None
         if self._open.is_set():
             log.info(
                 "held for a weight update%s; draining %d in-flight request(s)", f" ({txn})" if txn else "", self._active
@@ -265,6 +264,12 @@ class RouterServer:
             await asyncio.wait_for(self._idle.wait(), max(timeout, 0.001))
         except asyncio.TimeoutError:
             return json_reply({"held": True, "drained": False, "in_flight": self._active}, 504)
+        finally:  # the lease starts when the answer goes out (a drain longer than the lease is no dead trainer)
+            if txn is not None and self._txn == txn:
+                lease = float(body.get("lease_secs", 60))
+                if self._lease is not None:
+                    self._lease.cancel()
+                self._lease = asyncio.get_running_loop().call_later(lease, self._lease_expired, txn, lease)
         return json_reply({"held": True, "drained": True, "in_flight": 0})
 
     def _lease_expired(self, txn: str, lease: float) -> None:

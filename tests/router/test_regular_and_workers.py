@@ -124,3 +124,33 @@ def test_busy_port_or_bad_host_is_one_clear_line(tmp_path) -> None:
             result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
             assert result.returncode == 1 and f"cannot listen on {where}" in result.stderr, result.stderr
             assert "Traceback" not in result.stderr and "Unclosed" not in result.stderr  # all given back
+
+
+def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> None:
+    """The trainer cannot renew its lease while it waits in /pdctl/hold for in-flight requests
+    (found under bench_serving load: a 30 s lease expired during a longer drain and took every
+    engine out of rotation before anything was pushed). The lease starts when the hold answers."""
+    import concurrent.futures as cf
+    import time
+
+    from tests.helpers import SimProcess
+
+    slow = SimProcess(tmp_path, "--sim-decode-ms-per-step", "50", name="slow").start()
+    proc = RouterProcess(tmp_path, "--worker-urls", slow.url).start("/readiness")
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, proc.url + "/generate", greedy("long", 40))  # about 2 s of decode steps
+            while "pdctl_router_in_flight_requests 1.0" not in str(get(proc.url + "/metrics")[1]):
+                assert not running.done(), running.result()
+                time.sleep(0.02)
+            status, held = post(
+                proc.url + "/pdctl/hold", {"txn": "t1", "engines": [slow.url], "lease_secs": 0.5, "timeout_secs": 60}
+            )
+            assert status == 200 and held["drained"]
+            assert running.result()[0] == 200
+        workers = get(proc.url + "/workers")[1]["workers"]
+        assert [w["quarantined"] for w in workers] == [None]  # no lease ran out while it drained
+        assert post(proc.url + "/pdctl/release", {"txn": "t1", "complete": [slow.url], "failed": {}})[0] == 200
+    finally:
+        proc.stop()
+        slow.stop()
