@@ -131,10 +131,11 @@ def test_payload_over_the_limit_is_413(tmp_path):
 
 def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
     """One slot, a queue of one, a 1 s queue timeout, requests of about 2 s, sent 0.3 s apart.
-    On both routers the first is served and the queued second times out: 408. The third finds
-    pdctl's queue full: 429 (sglang-router's documented code). sglang-router 0.3.2 itself answers
-    that one 408 too (its slots are a token bucket refilled once a second; it answered 408 even
-    with --queue-size 0, whose help says "return 429 immediately"), which this test records."""
+    On pdctl the first is served, the queued second times out: 408, and the third finds the queue
+    full: 429 (sglang-router's documented code). sglang-router 0.3.2 itself serves the first and
+    answers 408 where it refuses, never 429 (its slots are a token bucket refilled once a second, so
+    whether the second or the third is refused depends on the bucket's phase: seen both ways in CI;
+    it answered 408 even with --queue-size 0, whose help says "return 429 immediately")."""
     with (
         slow_sim(tmp_path) as worker,
         routers(
@@ -151,8 +152,10 @@ def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
                     futures.append(pool.submit(http, "POST", url + "/generate", body))
                     time.sleep(0.3)
                 statuses = [f.result()[0] for f in futures]
-            assert statuses[:2] == [200, 408], (name, statuses)
-            assert statuses[2] == (429 if name == "pdctl" else 408), (name, statuses)
+            if name == "pdctl":
+                assert statuses == [200, 408, 429], statuses
+            else:  # its token bucket refills once a second: which of the later two gets a token depends on phase
+                assert statuses[0] == 200 and 408 in statuses[1:] and 429 not in statuses, statuses
 
 
 @contextlib.contextmanager
