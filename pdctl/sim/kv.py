@@ -6,6 +6,11 @@ server on ``--disaggregation-bootstrap-port`` (``GET /health`` -> ``OK`` as in S
 at once, so decode usually asks before prefill is done). The body is binary: a 4-byte header
 length, a JSON header, then the KV tensor's raw float64 bytes. An entry is dropped once
 fetched, or after SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT seconds.
+
+A decode that cannot reach the prefill's bootstrap server gives its rooms up as SGLang's
+heartbeat checker does (SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL, 5 s, times
+SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE, 2): a dead prefill fails its decode requests in
+seconds instead of leaving them to SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s).
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ def bootstrap_timeout_secs() -> float:
 def waiting_timeout_secs() -> float:
     """How long decode waits for KV (SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s)."""
     return float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "300"))
+
+
+def heartbeat_interval_secs() -> float:
+    return float(os.environ.get("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "5.0"))
+
+
+def heartbeat_max_failure() -> int:
+    return max(1, int(os.environ.get("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "2")))
 
 
 def pack(payload: KVPayload) -> bytes:
@@ -132,23 +145,34 @@ def bootstrap_app(store: KVStore) -> web.Application:
 async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float) -> KVPayload:
     """Fetch a room's KV from a prefill's bootstrap server, polling until ``timeout_secs``.
 
-    Raises SimError naming the room, the server and the timeout.
+    Raises SimError naming the room, the server and the timeout; or, once the server has been
+    unreachable for HEARTBEAT_MAX_FAILURE checks HEARTBEAT_INTERVAL apart, SimError saying the
+    connection with the prefill was lost (SGLang's words).
     """
     deadline = time.monotonic() + timeout_secs
     url = f"http://{host}:{port}/kv/{room}"
     last_error = "no answer"
+    interval, max_failure = heartbeat_interval_secs(), heartbeat_max_failure()
+    misses, first_miss = 0, 0.0  # consecutive unreachable checks, and when the first of them was
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             raise SimError(
                 f"KV for bootstrap_room {room} did not arrive from {host}:{port} within {timeout_secs:g}s "
                 f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT); last: {last_error}"
+            )
+        if misses >= max_failure and now - first_miss >= interval * (max_failure - 1):
+            raise SimError(
+                f"Losing connection with prefill instance (bootstrap_addr: {host}:{port}) "
+                f"for bootstrap_room {room}: {misses} failed checks in {now - first_miss:.1f}s; last: {last_error}"
             )
         wait = min(left, POLL_SLICE_SECS)
         try:
             async with session.get(
                 url, params={"wait": f"{wait:.3f}"}, timeout=aiohttp.ClientTimeout(total=wait + 5)
             ) as resp:
+                misses = 0
                 if resp.status == 200:
                     return unpack(await resp.read())
                 if resp.status == 410:  # the prefill aborted the request: no KV will ever come
@@ -157,4 +181,8 @@ async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: i
                 last_error = f"HTTP {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             last_error = f"{type(exc).__name__}: {exc}"
-            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            if misses == 0:
+                first_miss = time.monotonic()
+            misses += 1
+            # the next check comes a heartbeat later (a second at most: a blip costs little)
+            await asyncio.sleep(min(interval, 1.0, max(0.0, deadline - time.monotonic())))

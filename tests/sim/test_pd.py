@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
 
-from tests.helpers import pd_body, post, sse
+from tests.helpers import free_port, pd_body, post, sse
 
 PROMPTS = [
     "The capital of France is",
@@ -141,3 +142,18 @@ def test_seeded_sampling_through_pd_equals_without(trio) -> None:
         assert status == 200 and out["output_ids"] == ref["output_ids"], seed
     body["sampling_params"]["sampling_seed"] = 8  # and the seed still matters
     assert post(f"{regular.url}/generate", body)[1]["output_ids"] != ref["output_ids"]
+
+
+def test_decode_gives_up_on_a_dead_prefill_after_its_heartbeats(trio) -> None:
+    """SGLang's decode heartbeats each prefill's bootstrap server and fails the rooms of one that
+    stops answering (2 checks 5 s apart): a decode whose prefill died answers 500 in seconds
+    instead of holding the request (and a router draining for a weight push) for 300 s."""
+    decode = trio[2]
+    dead = free_port()  # nothing listens here: a prefill that was killed
+    body = greedy("orphan", 4, bootstrap_host="127.0.0.1", bootstrap_port=dead, bootstrap_room=77)
+    status, out = post(f"{decode.url}/generate", body, timeout=120)
+    assert status == 500, out
+    assert "Losing connection with prefill instance" in json.dumps(out) and f"127.0.0.1:{dead}" in json.dumps(out)
+    # the reserved slot went back: a healthy PD request still runs
+    status, out = pd_generate(trio, greedy("after", 4), room=78)
+    assert status == 200 and len(out["output_ids"]) == 4
