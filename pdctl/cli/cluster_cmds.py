@@ -12,14 +12,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pdctl.cli.topology_cmds import load_or_default, print_warnings
+from pdctl.cli.topology_cmds import load_or_default
 from pdctl.cluster import ClusterStatus, StateStore
 from pdctl.cluster import down as cluster_down
 from pdctl.cluster import logs as cluster_logs
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
 from pdctl.errors import LifecycleError
-from pdctl.plan import make_plan
 
 console = Console(stderr=True, log_path=False)  # log lines without pdctl's source file name
 
@@ -68,9 +67,8 @@ def up(file: str | None, timeout_secs: float) -> None:
     until they are healthy, starts the router, then the trainer. On any failure or Ctrl-C
     everything already started is stopped and the failing process's log tail is shown.
     """
-    top, warnings, filename = load_or_default(file)
-    print_warnings(warnings, filename)
-    plan = make_plan(top)
+    planned, filename = load_or_default(file)
+    top, plan = planned.topology, planned.plan
     progress = Progress([p.id for p in plan.processes])
     try:
         state = cluster_up(top, plan, ready_timeout_secs=timeout_secs, events=progress.event, source=filename)

@@ -11,17 +11,19 @@ from rich.console import Console
 from rich.table import Table
 
 from pdctl.errors import Issue, TopologyError
-from pdctl.plan import Plan, make_plan
-from pdctl.topology import Topology, default_topology_text, load_topology, load_topology_text, topology_schema
+from pdctl.plan import Plan, Planned, load_plan, load_plan_text
+from pdctl.topology import default_topology_text, topology_schema
+
+DEFAULT_NAME = "<default: local-sim.yaml>"
 
 
-def load_or_default(file: str | None) -> tuple[Topology, list[Issue], str]:
-    """Load FILE, or the embedded default (sim on localhost) when FILE is None."""
-    if file is None:
-        top, warnings = load_topology_text(default_topology_text(), "<default: local-sim.yaml>")
-        return top, warnings, "<default: local-sim.yaml>"
-    top, warnings = load_topology(file)
-    return top, warnings, file
+def load_or_default(file: str | None) -> tuple[Planned, str]:
+    """Load and plan FILE, or the embedded default (sim on localhost) when FILE is None;
+    print its warnings. Returns the planned topology and the name issues are reported under."""
+    planned = load_plan_text(default_topology_text(), DEFAULT_NAME) if file is None else load_plan(file)
+    filename = DEFAULT_NAME if file is None else file
+    print_warnings(planned.warnings, filename)
+    return planned, filename
 
 
 def print_warnings(warnings: list[Issue], filename: str) -> None:
@@ -40,7 +42,7 @@ def validate(files: tuple[str, ...]) -> None:
     failed = False
     for file in files:
         try:
-            _, warnings = load_topology(file)
+            warnings = load_plan(file).warnings
         except TopologyError as exc:
             failed = True
             for issue in exc.issues:
@@ -62,9 +64,7 @@ def plan(file: str | None, as_json: bool) -> None:
     Pure: touches no node. The table lists each process with its node, GPUs and ports;
     --json adds argv, env, log paths and the weight group.
     """
-    top, warnings, filename = load_or_default(file)
-    print_warnings(warnings, filename)
-    result = make_plan(top)
+    result = load_or_default(file)[0].plan
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return

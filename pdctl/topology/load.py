@@ -1,7 +1,8 @@
 """load_topology: YAML -> schema -> frozen dataclasses -> allocation DSL -> semantic checks.
 
 All issues of all layers are collected, given file positions, and raised together as one
-TopologyError. Warnings are returned beside the topology.
+TopologyError. Warnings are returned beside the topology. Whether the topology also fits its
+nodes (GPUs, ports) is the planner's question: ``pdctl.plan.load_plan`` asks both.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def load_topology(path: str | Path) -> tuple[Topology, list[Issue]]:
 
 def load_topology_text(text: str, filename: str = "<topology>") -> tuple[Topology, list[Issue]]:
     """Like load_topology, from text."""
+    top, warnings, _ = parse_topology(text, filename)
+    return top, warnings
+
+
+def parse_topology(text: str, filename: str = "<topology>") -> tuple[Topology, list[Issue], SourceMap]:
+    """Like load_topology_text, and the source map that gives later issues (the planner's) positions."""
     data, source, issues = parse_yaml(text)
     if data is not None and not isinstance(data, dict):
         issues.append(Issue("", "a topology is a mapping (name:, model:, nodes:, ...)", 1, 1))
@@ -73,7 +80,7 @@ def load_topology_text(text: str, filename: str = "<topology>") -> tuple[Topolog
     issues = sorted((source.attach(i) for i in issues), key=lambda i: (i.line, i.col, i.path))
     if any(i.severity == "error" for i in issues):
         raise TopologyError(filename, issues)
-    return top, issues
+    return top, issues, source
 
 
 def _apply_allocation(top: Topology, data: dict[str, Any], source: SourceMap) -> tuple[Topology, list[Issue]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdctl.errors import Issue, TopologyError
+from pdctl.errors import Issue
 from pdctl.sglang import check_extra_args
 from pdctl.topology.model import Role, Topology
 
@@ -17,12 +17,10 @@ COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffe
 
 
 def validate(top: Topology) -> list[Issue]:
-    """Every semantic issue in ``top``; an empty list means it plans."""
+    """Every semantic issue in ``top`` itself (whether it fits its nodes is the planner's to say)."""
     issues: list[Issue] = []
     for check in (_nodes, _node_refs, _groups, _pd_pairing, _extra_args, _weights, _trainer, _colocate, _router):
         issues += check(top)
-    if not any(i.severity == "error" for i in issues):
-        issues += _feasibility(top)
     return issues
 
 
@@ -251,12 +249,3 @@ def _router(top: Topology) -> list[Issue]:
     )
     return out
 
-
-def _feasibility(top: Topology) -> list[Issue]:
-    from pdctl.plan import make_plan
-
-    try:
-        plan = make_plan(top)
-    except TopologyError as exc:
-        return exc.issues
-    return list(plan.warnings)

@@ -85,7 +85,7 @@ def test_internal_errors_have_no_traceback_without_debug(write_yaml, monkeypatch
     def boom(_):
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(cmds, "make_plan", boom)
+    monkeypatch.setattr(cmds, "load_plan", boom)
     result = run("plan", str(REPO / "topologies" / "colocate.yaml"))
     assert result.exit_code == 1 and "internal error: RuntimeError: kaboom" in result.output
     assert "Traceback" not in result.output

@@ -1,5 +1,5 @@
 """Property tests: random valid topologies plan with invariants intact; random mutations of
-valid files never escape the clean error path (TopologyError / PdctlError only)."""
+valid files end in a useful error (TopologyError issues with messages and places) or a plan."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdctl.errors import PdctlError
-from pdctl.plan import make_plan
-from pdctl.plan.planner import check_invariants
-from pdctl.topology import load_topology_text
+from pdctl.errors import PdctlError, TopologyError
+from pdctl.plan import check_invariants, load_plan_text
 from tests.conftest import TOPOLOGIES
 
 
@@ -44,10 +42,9 @@ def topologies(draw):
 @given(topologies())
 def test_valid_topologies_plan_with_invariants(data) -> None:
     try:
-        top, _ = load_topology_text(yaml.safe_dump(data))
+        plan = load_plan_text(yaml.safe_dump(data)).plan
     except PdctlError:
         return  # over-committed draws are rejected cleanly; that path is the next test's
-    plan = make_plan(top)
     check_invariants(plan, colocate=False)
     ports = {}
     for proc in plan.processes:
@@ -96,19 +93,32 @@ def test_mutations_never_escape_the_error_path(text, data) -> None:
         paths = list(_paths(doc))
         path = data.draw(st.sampled_from(paths))
         doc = _set(doc, path, data.draw(JUNK))
-    try:
-        top, _ = load_topology_text(yaml.safe_dump(doc))
-        make_plan(top)
-    except PdctlError:
-        pass
+    outcome(yaml.safe_dump(doc))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(EXAMPLES), st.integers(0, 2000), st.text(max_size=4))
 def test_text_corruption_never_escapes_the_error_path(text, at, junk) -> None:
     cut = at % (len(text) + 1)
+    outcome(text[:cut] + junk + text[cut:])
+
+
+def outcome(text: str) -> None:
+    """Bad input is one of pdctl's errors, and a useful one: a TopologyError has at least one
+    error, each issue a message and a place in the file (or the file as a whole, line 0);
+    what loads plans with its invariants holding."""
     try:
-        top, _ = load_topology_text(text[:cut] + junk + text[cut:])
-        make_plan(top)
-    except PdctlError:
-        pass
+        planned = load_plan_text(text, "f.yaml")
+    except TopologyError as exc:
+        errors = [i for i in exc.issues if i.severity == "error"]
+        assert errors, exc.issues
+        lines = len(text.splitlines()) + 1  # YAML places "end of stream" one line past the last
+        for issue in exc.issues:
+            assert issue.message.strip() and issue.severity in ("error", "warning")
+            assert 0 <= issue.line <= lines, (issue, lines)
+            assert issue.format("f.yaml").startswith("f.yaml:")
+        return
+    except PdctlError as exc:
+        assert str(exc).strip()
+        return
+    check_invariants(planned.plan, colocate=planned.topology.placement.colocate)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdctl.errors import TopologyError
+from pdctl.plan import load_plan
 from pdctl.topology import load_topology
 from pdctl.topology.guard import MAX_BYTES, MAX_DEPTH
 
@@ -153,5 +154,5 @@ def test_a_1024_node_topology_is_within_the_limits(tmp_path) -> None:
 
     path = tmp_path / "n1024.yaml"
     path.write_text(topology_text(1024))
-    top, _ = load_topology(path)
-    assert len(top.nodes) == 1024
+    planned = load_plan(path)
+    assert len(planned.topology.nodes) == 1024 and len(planned.plan.engines) > 1024

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdctl.errors import TopologyError
-from pdctl.topology import load_topology, load_topology_text
+from pdctl.plan import load_plan, load_plan_text
+from pdctl.topology import Topology
 from tests.conftest import TOPOLOGIES, yaml_text
 
 BASE = """\
@@ -17,9 +18,15 @@ nodes:
 """
 
 
+def checked(text: str, filename: str = "<topology>") -> tuple[Topology, list]:
+    """What `pdctl validate` checks: the file, then whether it plans (load_plan_text)."""
+    planned = load_plan_text(text, filename)
+    return planned.topology, planned.warnings
+
+
 def errors_of(text: str) -> list[str]:
     with pytest.raises(TopologyError) as info:
-        load_topology_text(yaml_text(text), "f.yaml")
+        checked(yaml_text(text), "f.yaml")
     return [i.format("f.yaml") for i in info.value.issues if i.severity == "error"]
 
 
@@ -32,7 +39,7 @@ def one_error(text: str, *needles: str) -> str:
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
 def test_every_example_validates(path) -> None:
-    top, _ = load_topology(path)
+    top = load_plan(path).topology
     assert top.groups
 
 
@@ -80,7 +87,7 @@ def test_gpu_overcommit_names_the_groups() -> None:
 
 def test_engine_larger_than_node_must_take_whole_nodes() -> None:
     one_error(BASE + "prefill: {tp: 12}\ndecode: {}\n", "prefill.tp", "must take whole nodes")
-    top, _ = load_topology_text(yaml_text(BASE + "regular: {tp: 16}\n"))
+    top, _ = checked(yaml_text(BASE + "regular: {tp: 16}\n"))
     assert top.groups[0].gpus_per_engine == 16
 
 
@@ -119,21 +126,21 @@ def test_extra_args_checked_against_sglang_flags(args: str, needle: str) -> None
 
 
 def test_good_extra_args_pass() -> None:
-    load_topology_text(
+    checked(
         yaml_text(BASE + "prefill: {args: {chunked-prefill-size: 8192, enable-metrics: true}}\ndecode: {}\n")
     )
 
 
 def test_sim_flags_only_for_sim_engine() -> None:
     one_error(BASE + "prefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n", "unknown SGLang")
-    load_topology_text(yaml_text(BASE + "engine: sim\nprefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n"))
+    checked(yaml_text(BASE + "engine: sim\nprefill: {args: {sim-decode-ms-per-step: 3}}\ndecode: {}\n"))
 
 
 def test_port_overflow_and_ephemeral_warning() -> None:
     one_error(BASE + "ports: {base: 65534}\nprefill: {}\ndecode: {}\n", "ports.base", "past 65535")
-    _, warnings = load_topology_text(yaml_text(BASE + "ports: {base: 32765}\nprefill: {}\ndecode: {}\n"))
+    _, warnings = checked(yaml_text(BASE + "ports: {base: 32765}\nprefill: {}\ndecode: {}\n"))
     assert any("ephemeral" in w.message for w in warnings)
-    _, warnings = load_topology_text(yaml_text(BASE + "ports: {base: 20000}\nprefill: {}\ndecode: {}\n"))
+    _, warnings = checked(yaml_text(BASE + "ports: {base: 20000}\nprefill: {}\ndecode: {}\n"))
     assert not any("ephemeral" in w.message for w in warnings)
 
 
@@ -141,7 +148,7 @@ def test_weight_push_refuses_dp() -> None:
     trainer = "trainer: {command: [python, t.py], nodes: [n1], nproc_per_node: 2}\n"
     one_error(BASE + "prefill: {dp: 2}\ndecode: {}\n" + trainer, "prefill.dp", "dp_size must be 1")
     one_error(BASE + "prefill: {pp: 2}\ndecode: {}\n" + trainer, "prefill.pp")
-    load_topology_text(yaml_text(BASE + "prefill: {dp: 2}\ndecode: {}\n"))  # no trainer: fine
+    checked(yaml_text(BASE + "prefill: {dp: 2}\ndecode: {}\n"))  # no trainer: fine
 
 
 def test_colocate_budget_and_pairing() -> None:
@@ -149,7 +156,7 @@ def test_colocate_budget_and_pairing() -> None:
     groups = "prefill: {replicas: 2, tp: 2}\ndecode: {tp: 4}\n"
     trainer = "trainer: {command: [python, t.py], nodes: [n0], nproc_per_node: 8}\n"
     ok = "placement: {mode: colocate, train_frac: 0.45, infer_frac: 0.45}\n"
-    top, _ = load_topology_text(yaml_text(head + groups + trainer + ok))
+    top, _ = checked(yaml_text(head + groups + trainer + ok))
     assert top.placement.colocate
     one_error(head + groups + trainer + ok.replace("0.45}", "0.5}"), "headroom > 1")
     one_error(head + groups + trainer.replace("8}", "4}") + ok, "trainer world size 4 != engine count x TP = 8")
@@ -174,7 +181,7 @@ def test_local_and_remote_nodes_do_not_mix() -> None:
 
 
 def test_allocation_builds_groups() -> None:
-    top, _ = load_topology_text(
+    top, _ = checked(
         yaml_text(
             BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4 + fsdp[trainer]:d8"\n'
             "router: {host: 0.0.0.0}\ntrainer: {command: [python, t.py], nodes: [n1]}\n"
@@ -190,7 +197,7 @@ def test_allocation_builds_groups() -> None:
 def test_allocation_must_agree_with_explicit_groups() -> None:
     text = BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4"\nprefill: {replicas: 2, tp: 2}\n'
     one_error(text + "decode: {tp: 2}\n", "decode.tp", "tp 2 disagrees with allocation (t4")
-    load_topology_text(yaml_text(text + "decode: {tp: 4}\n"))
+    checked(yaml_text(text + "decode: {tp: 4}\n"))
     one_error(text + "decode: {tp: 4}\nregular: {name: extra}\n", "group 'extra' is missing from allocation")
 
 
@@ -210,9 +217,9 @@ def test_all_errors_are_collected() -> None:
 
 
 def test_router_on_loopback_of_a_remote_node_warns() -> None:
-    _, warnings = load_topology_text(yaml_text(BASE + "prefill: {}\ndecode: {}\n"))
+    _, warnings = checked(yaml_text(BASE + "prefill: {}\ndecode: {}\n"))
     assert any("binds 127.0.0.1 on remote node n0" in w.message for w in warnings)
-    _, warnings = load_topology_text(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0}\n"))
+    _, warnings = checked(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0}\n"))
     assert not any("binds 127.0.0.1" in w.message for w in warnings)
 
 
@@ -224,7 +231,7 @@ def test_colocate_rules_each_have_a_failing_case() -> None:
     def colo(train="0.45", infer="0.45", extra="") -> str:
         return f"placement: {{mode: colocate, train_frac: {train}, infer_frac: {infer}{extra}}}\n"
 
-    top, _ = load_topology_text(yaml_text(head + groups + trainer + colo()))
+    top, _ = checked(yaml_text(head + groups + trainer + colo()))
     assert top.placement.uses_mps
     # each fraction in (0, 1) (the schema), and the two with headroom
     one_error(head + groups + trainer + colo(train="0"), "placement.train_frac: 0 is less than or equal to")
