@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check pdctl tests tools benchmarks examples
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

@@ -72,10 +72,13 @@ def get(url: str, **kw: Any):
     return http("GET", url, **kw)
 
 
-def sse(url: str, body: Any, timeout: float = 60) -> list[Any]:
+def sse(url: str, body: Any, timeout: float = 60, headers: dict[str, str] | None = None) -> list[Any]:
     """POST a streaming request; returns the parsed `data:` events (the last is "[DONE]")."""
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     events = []
     with urllib.request.urlopen(req, timeout=timeout) as resp:

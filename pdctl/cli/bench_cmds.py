@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from pdctl.bench import report as bench_report
 from pdctl.bench.client import APIS
@@ -262,7 +262,7 @@ def _run(config: BenchConfig, reloader: Reloader | None, show: bool) -> dict:
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True), transient=True,
     ) as bar:  # fmt: skip
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(label: str, done: int, total: int) -> None:
             if label not in tasks:

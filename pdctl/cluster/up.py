@@ -24,6 +24,7 @@ from pdctl.cluster.state import ClusterState, ProcessRecord, StateStore, node_to
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
+from pdctl.remote.base import Executor
 from pdctl.topology.model import Role, Topology
 
 LOG_TAIL_LINES = 50
@@ -285,14 +286,12 @@ def _wait_ready(
         left = max(0.0, deadline - time.monotonic())
         slice_secs = min(left, WATCH_SLICE_SECS) if watched else left
         involved = [n for n in {**targets, **watched} if targets.get(n) or watched.get(n)]
-        results = nodes.each(
-            involved,
-            lambda ex, s=slice_secs: ex.agent(
-                "wait-ready",
-                {"targets": list(targets[ex.node.name].values()), "watch": watched[ex.node.name], "timeout_secs": s},
-                timeout=s + 60,
-            ),
-        )
+
+        def wait_ready(ex: Executor, s: float = slice_secs) -> dict[str, Any]:
+            request = {"targets": list(targets[ex.node.name].values()), "watch": watched[ex.node.name]}
+            return ex.agent("wait-ready", {**request, "timeout_secs": s}, timeout=s + 60)
+
+        results = nodes.each(involved, wait_ready)
         for node, res in results.items():
             if isinstance(res, RemoteError):
                 raise res

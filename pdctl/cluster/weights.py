@@ -110,7 +110,8 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
                 first = int(planned[engine.url]["rank_offset"])
                 row.planned_ranks = (first, first + int(planned[engine.url]["gpus"]) - 1)
             if engine.url in used:
-                row.group_ranks = tuple(used[engine.url])  # type: ignore[assignment]
+                first_rank, last_rank = used[engine.url]
+                row.group_ranks = (int(first_rank), int(last_rank))
             row.out_of_rotation = quarantine.get(engine.url)
             result.engines.append(row)
         return result

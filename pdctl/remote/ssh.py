@@ -75,7 +75,7 @@ class SSHExecutor(Executor):
                     self.hostname,
                     port=self.port,
                     username=self.user,
-                    key_filename=self.key_files or None,
+                    key_filename=self.key_files or None,  # type: ignore[arg-type]  # paramiko takes a list too
                     timeout=CONNECT_TIMEOUT_SECS,
                     banner_timeout=CONNECT_TIMEOUT_SECS,
                     auth_timeout=CONNECT_TIMEOUT_SECS,

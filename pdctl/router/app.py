@@ -25,7 +25,7 @@ from pdctl.router.dispatch import Dispatcher, Headers, RouteError
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.server import HttpServer, Reply, Request, Routes, json_reply, text_reply
-from pdctl.router.workers import WorkerRegistry
+from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
@@ -366,7 +366,7 @@ class RouterServer:
         return json_reply(body, 200 if ready else 503)
 
     async def health_generate(self, _: Request) -> Reply:
-        ready, _ = self._ready()
+        ready, _healthy = self._ready()
         if ready:
             return text_reply("At least one router has healthy workers")
         return errors.error_response(503, errors.NO_WORKERS, "no healthy workers for every role")
@@ -406,11 +406,12 @@ class RouterServer:
         )
 
     async def _fan_out(self, method: str, path: str) -> list[tuple[Any, int, Any]]:
-        assert self.session is not None
+        session = self.session
+        assert session is not None
 
-        async def one(worker):
+        async def one(worker: Worker) -> tuple[Any, int, Any]:
             try:
-                async with self.session.request(
+                async with session.request(
                     method, worker.url + path, timeout=aiohttp.ClientTimeout(total=30)
                 ) as r:
                     raw = await r.read()
@@ -475,7 +476,7 @@ async def _route(routes: Routes, request: Request) -> Reply:
     handler = routes.find(request)
     if handler is None:
         return errors.error_response(404, errors.NOT_FOUND, f"no route {request.path}")
-    if handler is False:
+    if isinstance(handler, bool):  # False: the path exists under another method
         return errors.error_response(405, errors.METHOD_NOT_ALLOWED, f"{request.method} not allowed on {request.path}")
     return await handler(request)
 

@@ -11,12 +11,12 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import sys
 
 from pdctl.router.app import RouterServer
 from pdctl.router.config import RouterConfig, WorkerSpec
 from pdctl.router.policies import REGISTRY
+from pdctl.signals import stop_event
 
 log = logging.getLogger("pdctl.router")
 
@@ -185,10 +185,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 async def serve(config: RouterConfig) -> None:
     server = RouterServer(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     await server.start()
     _tune_gc()
     roles = ", ".join(f"{w.role} {w.url}" for w in server.registry.workers.values()) or "no workers yet"

@@ -41,7 +41,7 @@ from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
 from pdctl.router.metrics import RouterMetrics
-from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.policies import RequestContext, policy_class
 from pdctl.router.resume import continuation_body, progress_of, remaining_tokens, resumable, rewrite
 from pdctl.router.server import STREAMED, Reply, Request
 from pdctl.router.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
@@ -141,14 +141,9 @@ class Dispatcher:
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        opts = {
-            "cache_threshold": config.cache_threshold,
-            "balance_abs_threshold": config.balance_abs_threshold,
-            "balance_rel_threshold": config.balance_rel_threshold,
-        }
-        self.prefill_policy = make_policy(config.prefill_policy or config.policy, **opts)
-        self.decode_policy = make_policy(config.decode_policy or config.policy, **opts)
-        self.regular_policy = make_policy(config.policy, **opts)
+        self.prefill_policy = policy_class(config.prefill_policy or config.policy).from_config(config)
+        self.decode_policy = policy_class(config.decode_policy or config.policy).from_config(config)
+        self.regular_policy = policy_class(config.policy).from_config(config)
         self.upstream = UpstreamPool()
         self._timeout = config.request_timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -1,26 +1,18 @@
-"""Fast JSON for the request path: orjson when installed, the stdlib otherwise."""
+"""Fast JSON for the request path (orjson, a dependency) and SSE events."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-try:
-    import orjson
+import orjson
 
-    def dumps(value: Any) -> bytes:
-        return orjson.dumps(value)
 
-    def loads(data: bytes | str) -> Any:
-        return orjson.loads(data)
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value)
 
-except ImportError:  # pragma: no cover - orjson is a dependency
 
-    def dumps(value: Any) -> bytes:
-        return json.dumps(value, separators=(",", ":")).encode()
-
-    def loads(data: bytes | str) -> Any:
-        return json.loads(data)
+def loads(data: bytes | str) -> Any:
+    return orjson.loads(data)
 
 
 def sse_data(event: bytes) -> dict | None:

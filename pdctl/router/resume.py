@@ -50,10 +50,13 @@ def resumable(path: str, body: dict[str, Any]) -> bool:
 def progress_of(event: bytes | None) -> Progress | None:
     """The progress a forwarded ``data: {...}`` event shows; None if it shows none."""
     data = sse_data(event) if event else None
-    meta = data.get("meta_info") if data is not None else None
+    if data is None:
+        return None
+    meta = data.get("meta_info")
     if not isinstance(meta, dict) or not isinstance(data.get("text"), str):
         return None
-    ids = data.get("output_ids") if isinstance(data.get("output_ids"), list) else []
+    raw_ids = data.get("output_ids")
+    ids: list[int] = raw_ids if isinstance(raw_ids, list) else []
     return Progress(
         text=data["text"],
         ids=list(ids),
@@ -65,7 +68,8 @@ def progress_of(event: bytes | None) -> Progress | None:
 
 
 def remaining_tokens(body: dict[str, Any], done: Progress) -> int:
-    sampling = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
+    raw = body.get("sampling_params")
+    sampling: dict[str, Any] = raw if isinstance(raw, dict) else {}
     wanted = sampling.get("max_new_tokens")
     return (DEFAULT_MAX_NEW_TOKENS if wanted is None else int(wanted)) - done.tokens
 
@@ -80,7 +84,9 @@ def continuation_body(body: dict[str, Any], done: Progress) -> dict[str, Any]:
 def rewrite(event: bytes, done: Progress) -> bytes:
     """A continuation's event as part of the original stream (``[DONE]`` and errors pass)."""
     data = sse_data(event)
-    meta = data.get("meta_info") if data is not None else None
+    if data is None:
+        return event
+    meta = data.get("meta_info")
     if not isinstance(meta, dict):
         return event
     data["text"] = done.text + str(data.get("text", ""))

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import http
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
@@ -205,7 +206,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A TCP connection's transport: it reads and writes (uvloop's subclasses no asyncio class).
+        self.transport = cast(asyncio.Transport, transport)
         self.server._connections.add(self)
         self._arm_idle()
 
@@ -215,7 +217,7 @@ class _Connection(asyncio.Protocol):
         # The parser and the idle timer hold bound methods of self: drop them so that a closed
         # connection is freed by reference counting, not left for a full GC (the router runs
         # the GC rarely, see pdctl.router.cli).
-        self.parser = None  # type: ignore[assignment]
+        self.parser = None  # type: ignore[assignment]  # never used again; typed as always there for the hot path
         for timer in (self.idle_timer, self.body_timer):
             if timer is not None:
                 timer.cancel()
@@ -366,15 +368,13 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-_date_cache: tuple[int, bytes] = (0, b"")
-
-
 def _date_header() -> bytes:
-    global _date_cache
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache = (now, f"Date: {formatdate(now, usegmt=True)}\r\n".encode())
-    return _date_cache[1]
+    return _date_line(int(time.time()))
+
+
+@functools.lru_cache(maxsize=1)  # formatted once a second, not once per answer
+def _date_line(now: int) -> bytes:
+    return f"Date: {formatdate(now, usegmt=True)}\r\n".encode()
 
 
 def _head(status: int, headers: dict[str, str] | None, keep_alive: bool, http10: bool) -> bytes:

@@ -14,6 +14,7 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -86,7 +87,8 @@ class _Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol / httptools callbacks ----------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A TCP connection's transport: it reads and writes (uvloop's subclasses no asyncio class).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -97,7 +99,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.parser = None  # type: ignore[assignment]  # it holds bound methods of self: a cycle
+        self.parser = None  # type: ignore[assignment]  # it holds bound methods of self: a cycle (never used again)
         self._cancel_timer()
         if self.queue is not None:
             self.queue.put_nowait(None)

@@ -14,6 +14,7 @@ import os
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any, cast
 
 import psutil
 import torch.distributed as dist
@@ -60,7 +61,8 @@ def init_custom_process_group(
     prefixed = PrefixStore(group_name, store)
     with _gloo_interface_towards(master_address if backend == "gloo" else None):
         group, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), prefixed, group_name=group_name, timeout=timeout
+            # group_name: torch 2.13 types it as the NewType GroupName, older torch as str; both take a str
+            world_size, rank, [], Backend(backend), prefixed, group_name=cast(Any, group_name), timeout=timeout
         )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

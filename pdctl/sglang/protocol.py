@@ -13,6 +13,7 @@ from typing import Any
 
 # Decode treats a request whose bootstrap_host is this as fake: no KV is transferred
 # (SGLang disaggregation/utils.py FAKE_BOOTSTRAP_HOST, used by warm-up and /health).
+SPOKEN_VERSION = "0.5.23"  # the SGLang whose API pdctl's own engines (sim, null) speak and report
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 # Rooms are random in [0, 2**63 - 1]: SGLang stores them as signed int64.
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
@@ -185,6 +186,11 @@ def generate_error_body(message: str) -> dict[str, Any]:
 def stream_error_chunk(message: str, *, status: int = 400) -> dict[str, Any]:
     """The error SGLang sends inside an SSE stream before ``data: [DONE]``."""
     return {"error": {"message": message, "type": "invalid_request_error", "code": status, "retryable": False}}
+
+
+def openai_stream_error_chunk(message: str, *, status: int = 400) -> dict[str, Any]:
+    """The error an OpenAI route sends inside its SSE stream (``create_streaming_error_response``)."""
+    return {"error": openai_error_body(message, status=status)}
 
 
 def openai_error_body(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:

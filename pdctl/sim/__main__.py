@@ -5,27 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
-import signal
 import sys
 
 from pdctl.errors import PdctlError
+from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, sim_options
+from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
-from pdctl.sim.server import DEFAULT_BOOTSTRAP_PORT, SimConfig, SimServer, torch_threads
+from pdctl.sim.server import SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")
 
 
 def config_from_argv(argv: list[str]) -> SimConfig:
+    """The engine's settings from SGLang's flags (and the sim's own); exits 2 on bad flags, as
+    SGLang does. Changes nothing in the process: main() applies the process settings."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on unknown flags, like SGLang
     sim = sim_options(args)
-    level = (args.log_level or "info").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="[%(asctime)s] %(name)s %(message)s")
-    torch_threads(sim.threads)
-    ignored = ignored_flags(args)
-    if ignored:
-        log.info("accepted but ignored on CPU: %s", " ".join(ignored))
     for flag, value in (
         ("--tp-size", args.tp_size),
         ("--max-running-requests", args.max_running_requests),
@@ -63,6 +60,9 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         dist_timeout_secs=float(args.dist_timeout or 600),
         server_args=server_args,
         launch_command=shlex.join(["python", "-m", "pdctl.sim", *_redact(argv)]),
+        log_level=(args.log_level or "info").upper(),
+        torch_threads=sim.threads,
+        ignored_flags=tuple(ignored_flags(args)),
     )
 
 
@@ -87,10 +87,7 @@ async def serve(config: SimConfig) -> int:
             timeout_secs=config.dist_timeout_secs,
         )
     server = SimServer(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(server.failed.wait())
     starting = asyncio.ensure_future(server.start())  # a signal may end even a long start (peers never come)
@@ -120,6 +117,11 @@ async def serve(config: SimConfig) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     config = config_from_argv(sys.argv[1:] if argv is None else argv)
+    level = getattr(logging, config.log_level, logging.INFO)
+    logging.basicConfig(level=level, format="[%(asctime)s] %(name)s %(message)s")
+    torch_threads(config.torch_threads)
+    if config.ignored_flags:
+        log.info("accepted but ignored on CPU: %s", " ".join(config.ignored_flags))
     try:
         code = asyncio.run(serve(config))
     except PdctlError as exc:

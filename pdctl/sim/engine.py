@@ -305,7 +305,7 @@ class Engine:
                     done.set()
                 self._reap()
                 self._admitting = []  # the last round's are in _running now
-                admit = []
+                admit: list[Request] = []
                 while self._waiting and not self._paused and not self._updating:
                     req = self._waiting[0]
                     if req.finished:
@@ -346,7 +346,8 @@ class Engine:
                 continue
             last = self._running.pop()
             if last is not req:
-                self.pool.move(last.slot, i, last.kv_len)  # type: ignore[arg-type]
+                assert last.slot is not None  # a running request holds a slot
+                self.pool.move(last.slot, i, last.kv_len)
                 last.slot = i
                 self._running[i] = last
             req.slot = None
@@ -355,7 +356,8 @@ class Engine:
     def _start(self, req: Request) -> None:
         try:
             if req.mode is Mode.DECODE and req.kv is not None and req.retractions == 0:
-                self.pool.write(req.slot, req.kv.kv)  # type: ignore[arg-type]
+                assert req.slot is not None  # given by the caller before _start
+                self.pool.write(req.slot, req.kv.kv)
                 if req.top_logprobs_num:
                     req.output_top_logprobs.append(req.kv.first_top[: req.top_logprobs_num])
                 self._emit_token(req, req.kv.first_token, req.kv.first_logprob)
@@ -373,7 +375,8 @@ class Engine:
         if self.prefill_ms_per_token:
             time.sleep(len(ids) * self.prefill_ms_per_token / 1000)
         logits, kv = self.model.prefill(ids)
-        self.pool.write(req.slot, kv)  # type: ignore[arg-type]
+        assert req.slot is not None
+        self.pool.write(req.slot, kv)
         if req.output_ids:  # re-prefill after retract: the pending token is already known
             return
         if req.return_logprob:

@@ -123,6 +123,11 @@ class TinyLM(nn.Module):
             self.lm_head.bias.copy_(bias)
         self.requires_grad_(False)
 
+    @property
+    def blocks(self) -> list[Block]:
+        """The transformer blocks (names stay ``model.layers.N.*``, as in HF checkpoints)."""
+        return [block for block in self.model["layers"].children() if isinstance(block, Block)]
+
     # -- forward passes ----------------------------------------------------------
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         # [..., T, hidden] -> [..., heads, T, head_dim]
@@ -139,7 +144,7 @@ class TinyLM(nn.Module):
         t = torch.tensor(ids)
         x = self.model["embed_tokens"](t) + self.model["embed_positions"](torch.arange(len(ids)))
         kv = []
-        for block in self.model["layers"]:
+        for block in self.blocks:
             h = block.input_layernorm(x)
             q, k, v = (self._split(block.self_attn[n](h)) for n in ("q_proj", "k_proj", "v_proj"))
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -158,7 +163,7 @@ class TinyLM(nn.Module):
         x = self.model["embed_tokens"](ids) + self.model["embed_positions"](positions)  # [B, hidden]
         span = int(positions.max()) + 1
         mask = torch.arange(span)[None, :] <= positions[:, None]  # [B, span]
-        for li, block in enumerate(self.model["layers"]):
+        for li, block in enumerate(self.blocks):
             h = block.input_layernorm(x)
             q, k, v = (block.self_attn[n](h).view(-1, c.heads, c.head_dim) for n in ("q_proj", "k_proj", "v_proj"))
             pool.k[li, rows, :, positions] = k

@@ -11,23 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from pdctl.httputil import start_site
-from pdctl.sglang import Endpoint, batch_size_of
+from pdctl.sglang import SPOKEN_VERSION, Endpoint, batch_size_of
+from pdctl.signals import stop_event
 
-try:
-    import orjson
-
-    def _dumps(v: Any) -> bytes:
-        return orjson.dumps(v)
-except ImportError:  # pragma: no cover
-
-    def _dumps(v: Any) -> bytes:
-        return json.dumps(v).encode()
+_dumps = orjson.dumps
 
 
 def _item(i: int = 0) -> dict[str, Any]:
@@ -105,7 +98,7 @@ def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: i
                 "model_path": "null",
                 "weight_version": "default",
                 "disaggregation_mode": role,
-                "version": "0.5.23",
+                "version": SPOKEN_VERSION,
                 "internal_states": [],
             }
         )
@@ -124,16 +117,17 @@ def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: i
     return app
 
 
+async def _bootstrap_health(_: web.Request) -> web.Response:
+    return web.Response(text="OK")
+
+
 async def serve(args: argparse.Namespace) -> None:
     runner, _ = await start_site(make_app(args.role, args.record, args.busy, args.stream_tokens), args.host, args.port)
     if args.role == "prefill" and args.bootstrap_port:
         boot = web.Application()
-        boot.router.add_get("/health", lambda _: web.Response(text="OK"))
+        boot.router.add_get("/health", _bootstrap_health)
         await start_site(boot, args.host, args.bootstrap_port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_event().wait()
     await runner.cleanup()
 
 

@@ -7,27 +7,25 @@ lists) are honoured as on /generate. Errors use SGLang's OpenAI ``ErrorResponse`
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from pdctl.errors import SimError
-from pdctl.sglang import Endpoint, openai_error_body
+from pdctl.sglang import Endpoint, openai_error_body, openai_stream_error_chunk
 from pdctl.sim.body import read_json
 from pdctl.sim.engine import Request
 from pdctl.sim.model import decode, encode
 from pdctl.sim.requests import ItemSpec, parallel_samples
 from pdctl.sim.sampling import SamplingOptions
+from pdctl.sim.service import Running, SimService
+from pdctl.sim.sse import EventStream
 
-if TYPE_CHECKING:
-    from pdctl.sim.server import SimServer
 
-
-def add_routes(app: web.Application, server: SimServer) -> None:
-    routes = OpenAIRoutes(server)
+def add_routes(app: web.Application, service: SimService) -> None:
+    routes = OpenAIRoutes(service)
     app.router.add_get(Endpoint.MODELS.value, routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # SGLang: {model:path}, ids may hold slashes
     app.router.add_post(Endpoint.COMPLETIONS.value, routes.completions)
@@ -95,12 +93,11 @@ def _pick(value: Any, i: int) -> Any:
 
 
 class OpenAIRoutes:
-    def __init__(self, server: SimServer):
-        self.server = server
+    def __init__(self, service: SimService):
+        self.s = service
 
     def _model_card(self) -> dict[str, Any]:
-        s = self.server
-        ctx = s.model.config.max_positions if s.model else None
+        s = self.s
         return {
             "id": s.config.served_name,
             "object": "model",
@@ -108,14 +105,14 @@ class OpenAIRoutes:
             "owned_by": "sglang",
             "root": s.config.model_path,
             "parent": None,
-            "max_model_len": ctx,
+            "max_model_len": s.model.config.max_positions,
         }
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.server.config.served_name:
+        if request.match_info["model"] != self.s.config.served_name:
             body = openai_error_body(
                 f"The model '{request.match_info['model']}' does not exist", status=404, err_type="NotFoundError"
             )
@@ -125,7 +122,7 @@ class OpenAIRoutes:
 
     async def _items(
         self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions, top: int | None
-    ) -> list:
+    ) -> list[Running]:
         n = _samples(body)
         items = []
         for i, ids in enumerate(prompts):
@@ -141,7 +138,7 @@ class OpenAIRoutes:
                 top_logprobs_num=top or 0,
             )
             items.extend(parallel_samples(item, n))
-        return await self.server.submit_items(items)
+        return await self.s.submit(items)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -167,39 +164,39 @@ class OpenAIRoutes:
         return await self._respond(request, body, pairs, chat=True)
 
     async def _respond(
-        self, request: web.Request, body: dict[str, Any], pairs: list, *, chat: bool
+        self, request: web.Request, body: dict[str, Any], batch: list[Running], *, chat: bool
     ) -> web.StreamResponse:
-        server = self.server
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        model = body.get("model") or server.config.served_name
-        try:
+        model = body.get("model") or self.s.config.served_name
+        with self.s.aborting_unfinished(batch):
             if body.get("stream"):
                 options = body.get("stream_options")
                 usage = isinstance(options, dict) and bool(options.get("include_usage"))
                 echo = not chat and bool(body.get("echo"))
                 return await self._stream(
-                    request, pairs, rid, created, model, chat=chat, include_usage=usage, echo=echo
+                    request, batch, rid, created, model, chat=chat, include_usage=usage, echo=echo
                 )
             choices = []
-            for index, (req, queue) in enumerate(pairs):
-                async for _ in server.events(req, queue):
-                    pass
-                choices.append(_choice(req, index, chat, body))
-            usage = _usage([r for r, _ in pairs])
+            for index, running in enumerate(batch):
+                await self.s.finished(running)
+                choices.append(_choice(running.request, index, chat, body))
             obj = "chat.completion" if chat else "text_completion"
             return web.json_response(
-                {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": usage}
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                    "usage": _usage([r.request for r in batch]),
+                }
             )
-        finally:
-            for req, _ in pairs:
-                if not req.finished:
-                    server.engine.abort(req.rid, "client disconnected")  # type: ignore[union-attr]
 
     async def _stream(
         self,
         request: web.Request,
-        pairs: list,
+        batch: list[Running],
         rid: str,
         created: int,
         model: str,
@@ -207,38 +204,40 @@ class OpenAIRoutes:
         chat: bool,
         include_usage: bool,
         echo: bool = False,
-    ):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+    ) -> web.StreamResponse:
+        """Every choice streams side by side (chunks of different indexes interleave, as
+        SGLang's do); each chunk sends what is new of its choice's text. A choice that was
+        aborted ends with SGLang's streamed error after its last chunk."""
+        stream = await EventStream.open(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(choice: dict[str, Any]) -> None:
-            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await stream.send({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
-        for index, (req, queue) in enumerate(pairs):
-            sent = ""
-            prefix = decode(req.input_ids) if echo else ""  # SGLang puts the prompt in a choice's first chunk
-            if chat:
+        sent = [""] * len(batch)
+        # SGLang puts the prompt in a choice's first chunk (echo)
+        prefix = [decode(r.request.input_ids) if echo else "" for r in batch]
+        if chat:
+            for index in range(len(batch)):
                 await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            async for _ in self.server.events(req, queue):
-                # Cumulative text, the stop string trimmed once finished; each chunk sends what is new.
-                text = req.text() if req.finished else decode(req.output_ids)
-                delta, sent = text[len(sent) :], text
-                if delta:
-                    piece = {"delta": {"content": delta}} if chat else {"text": prefix + delta, "logprobs": None}
-                    prefix = ""
-                    await send({"index": index, **piece, "finish_reason": None})
-            finish = _finish_reason(req)
-            end = {"delta": {}} if chat else {"text": prefix, "logprobs": None}
-            await send({"index": index, **end, "finish_reason": finish, "matched_stop": _matched(req)})
+        async for index, _, done in self.s.interleaved(batch):
+            req = batch[index].request
+            # Cumulative text, the stop string trimmed once finished; each chunk sends what is new.
+            text = req.text() if done else decode(req.output_ids)
+            delta, sent[index] = text[len(sent[index]) :], text
+            if delta:
+                piece = {"delta": {"content": delta}} if chat else {"text": prefix[index] + delta, "logprobs": None}
+                prefix[index] = ""
+                await send({"index": index, **piece, "finish_reason": None})
+            if done:
+                end: dict[str, Any] = {"delta": {}} if chat else {"text": prefix[index], "logprobs": None}
+                await send({"index": index, **end, "finish_reason": _finish_reason(req), "matched_stop": _matched(req)})
+                if req.finish and req.finish.get("type") == "abort":
+                    await stream.send(openai_stream_error_chunk(str(req.finish.get("message")), status=500))
         if include_usage:  # SGLang's last chunk: no choices, the counts of every choice
-            usage = _usage([r for r, _ in pairs])
-            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            last = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
+            await stream.send({**last, "usage": _usage([r.request for r in batch])})
+        return await stream.close()
 
 
 def _prompts(prompt: Any) -> list[list[int]]:
@@ -257,7 +256,7 @@ def _prompts(prompt: Any) -> list[list[int]]:
 def _finish_reason(req: Request) -> str | None:
     if not req.finish:
         return None
-    kind = req.finish.get("type")
+    kind = str(req.finish.get("type"))
     return {"length": "length", "stop": "stop", "abort": "abort"}.get(kind, kind)
 
 

@@ -188,12 +188,12 @@ class Digest:
     def update(self, name: str, tensor: torch.Tensor) -> None:
         data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
         crc = zlib.crc32(f"{name}:{data.size}".encode(), self._crc)
-        crc = zlib.crc32(data[:EDGE_BYTES], crc)
-        crc = zlib.crc32(data[-EDGE_BYTES:], crc)
+        crc = zlib.crc32(data[:EDGE_BYTES].tobytes(), crc)
+        crc = zlib.crc32(data[-EDGE_BYTES:].tobytes(), crc)
         head = -data.ctypes.data % 8  # torch's allocations are 64-byte aligned: the same split on every rank
         words = (data.size - head) // 8 if data.size > head else 0
-        crc = zlib.crc32(data[:head], crc)
-        self._crc = zlib.crc32(data[head + words * 8 :], crc)
+        crc = zlib.crc32(data[:head].tobytes(), crc)
+        self._crc = zlib.crc32(data[head + words * 8 :].tobytes(), crc)
         if not words:
             return
         aligned = data[head : head + words * 8].view(np.uint64)
@@ -367,7 +367,8 @@ class WeightGroupMember:
             peer.close()
 
     def _collect(self, what: str) -> list[Any]:
-        results, failures = [], []
+        results: list[Any] = []
+        failures: list[Any] = []
         for peer in self._peers:  # every peer answers before we judge, so none is left mid-command
             ok, value = peer.recv()
             (results if ok else failures).append(value)

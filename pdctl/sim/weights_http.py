@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -18,17 +18,15 @@ from safetensors.torch import load_file
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint
 from pdctl.sim.body import read_json
+from pdctl.sim.service import SimService
 from pdctl.sim.weights import GroupSpec, tensor_specs
 from pdctl.weights.buckets import tensor_checksum
-
-if TYPE_CHECKING:
-    from pdctl.sim.server import SimServer
 
 NOT_FLUSHED = "Weights were updated, but the cache was not flushed because requests are still running or queued"
 
 
-def add_routes(app: web.Application, server: SimServer) -> None:
-    routes = WeightRoutes(server)
+def add_routes(app: web.Application, service: SimService) -> None:
+    routes = WeightRoutes(service)
     r = app.router
     r.add_post(Endpoint.INIT_WEIGHTS_UPDATE_GROUP.value, routes.init_group)
     r.add_post(Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP.value, routes.destroy_group)
@@ -65,20 +63,20 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 class WeightRoutes:
-    def __init__(self, server: SimServer):
-        self.s = server
+    def __init__(self, service: SimService):
+        self.s = service
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:
             spec = GroupSpec.from_body(await _body(request))
-            await asyncio.to_thread(self.s.members.init, spec)  # type: ignore[union-attr]
+            await asyncio.to_thread(self.s.members.init, spec)
         except (SimError, RuntimeError, ValueError) as exc:
             return _fail(f"Failed to initialize custom process group: {exc}")
         return _ok("Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         try:
-            await asyncio.to_thread(self.s.members.destroy)  # type: ignore[union-attr]
+            await asyncio.to_thread(self.s.members.destroy)
         except (SimError, RuntimeError) as exc:
             return _fail(str(exc))
         return _ok("Succeeded to destroy custom process group.")
@@ -106,7 +104,6 @@ class WeightRoutes:
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
             )
         engine, members, model = self.s.engine, self.s.members, self.s.model
-        assert engine is not None and members is not None and model is not None
 
         def run() -> str | None:
             with engine.exclusive():
@@ -128,7 +125,6 @@ class WeightRoutes:
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         engine, model = self.s.engine, self.s.model
-        assert engine is not None and model is not None
         try:
             body = await _body(request)
             path = Path(str(body["model_path"]))
@@ -150,7 +146,6 @@ class WeightRoutes:
 
     async def update_version(self, request: web.Request) -> web.Response:
         engine = self.s.engine
-        assert engine is not None
         try:
             body = await _body(request)
             version = str(body["new_version"])
@@ -163,7 +158,6 @@ class WeightRoutes:
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         model = self.s.model
-        assert model is not None
         try:
             body = await _body(request) if request.method == "POST" else dict(request.query)
             name = str(body["name"])
@@ -177,7 +171,6 @@ class WeightRoutes:
 
     async def checker(self, request: web.Request) -> web.Response:
         model = self.s.model
-        assert model is not None
         try:
             body = await _body(request)
         except SimError as exc:

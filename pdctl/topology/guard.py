@@ -32,7 +32,7 @@ MAX_NODES = 50_000
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class Loader(_BaseLoader):  # type: ignore[misc,valid-type]
+class Loader(_BaseLoader):  # type: ignore[misc,valid-type]  # a base chosen at run time: not a static type
     """PyYAML's safe loader (libyaml's C parser when PyYAML has it: several times faster)
     whose constructors fail with a positioned YAMLError, not a bare Python one: PyYAML's
     own raise ValueError or AttributeError for values such as ``!!int x`` or ``!!timestamp ''``."""

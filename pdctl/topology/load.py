@@ -24,7 +24,7 @@ DEFAULT_TOPOLOGY = "local-sim.yaml"
 
 def default_topology_text() -> str:
     """The embedded default: the CPU sim engine on localhost, one prefill and one decode."""
-    return resources.files("pdctl").joinpath("topologies", DEFAULT_TOPOLOGY).read_text()
+    return resources.files("pdctl").joinpath("topologies").joinpath(DEFAULT_TOPOLOGY).read_text()
 
 
 def read_topology_file(path: str | Path) -> str:
@@ -38,9 +38,9 @@ def read_topology_file(path: str | Path) -> str:
     if len(data) > MAX_BYTES:
         issue = Issue("", f"the file is larger than {MAX_BYTES} bytes, the most a topology may be", 1, 1)
         raise TopologyError(str(path), [issue])
-    text, issue = decode(data)
-    if issue:
-        raise TopologyError(str(path), [issue])
+    text, problem = decode(data)
+    if problem:
+        raise TopologyError(str(path), [problem])
     assert text is not None
     return text
 

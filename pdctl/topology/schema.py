@@ -11,7 +11,7 @@ import difflib
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -188,13 +188,22 @@ def _to_issues(error: jsonschema.ValidationError, source: SourceMap) -> list[Iss
 
 
 def _enum_values(error: jsonschema.ValidationError) -> set[str]:
-    return {", ".join(map(repr, e.validator_value)) for e in error.context or () if e.validator == "enum"}
+    return {", ".join(map(repr, _listed(e.validator_value))) for e in error.context or () if e.validator == "enum"}
+
+
+def _listed(value: object) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _schema_of(error: jsonschema.ValidationError) -> Mapping[str, Any]:
+    """The schema the error is about (the stubs allow a bool schema, which has no keys)."""
+    return error.schema if isinstance(error.schema, Mapping) else {}
 
 
 def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
     path: Path = tuple(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        allowed = set(error.schema.get("properties", {}))
+        allowed = set(_schema_of(error).get("properties", {}))
         extra = [k for k in error.instance if k not in allowed]
         key = extra[0] if extra else "?"
         match = difflib.get_close_matches(str(key), sorted(allowed), n=1)
@@ -203,10 +212,10 @@ def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
     if error.validator == "required":
         return source.issue(path, error.message, hint="add it; see `pdctl schema`")
     if error.validator == "pattern":
-        hint = error.schema.get("description") or f"must match {error.validator_value}"
+        hint = _schema_of(error).get("description") or f"must match {error.validator_value}"
         return source.issue(path, f"{error.instance!r} is not a safe name", hint=hint)
     if error.validator == "enum":
-        choices = [str(c) for c in error.validator_value]
+        choices = [str(c) for c in _listed(error.validator_value)]
         match = difflib.get_close_matches(str(error.instance), choices, n=1)
         hint = f"did you mean {match[0]!r}?" if match else ""
         return source.issue(path, f"{error.instance!r} is not one of: {', '.join(choices)}", hint=hint)

@@ -17,7 +17,7 @@ from torch import nn
 try:  # torch >= 2.4; older torch has it under torch.distributed._tensor
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]  # same class, old home
+    from torch.distributed._tensor import DTensor  # same class, old home
 
 
 def full_tensors(

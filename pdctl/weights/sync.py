@@ -303,9 +303,9 @@ class WeightSync:
             failed = failures(futures)
             if failed:
                 self._abandoned.append(joiner)  # its rendezvous times out on its own
-                engine = next(iter(failed))
+                url = next(iter(failed))
                 raise WeightSyncError(
-                    f"engine {engine} did not join the weight group: {failed[engine]}", engine=engine, phase="connect"
+                    f"engine {url} did not join the weight group: {failed[url]}", engine=url, phase="connect"
                 )
             if not joiner.is_alive() and all(f.done() for f in futures.values()):
                 break
@@ -525,12 +525,12 @@ class WeightSync:
         # other ranks, so one dead engine would leave the live ones waiting inside it.
         urls = {m.id: m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value for m in members}
         conns = {i: self.client.pool.submit(self.client.connect, url) for i, url in urls.items()}
-        opened = {i: f.result() for i, f in conns.items()}
-        refused = {i: c.message for i, c in opened.items() if isinstance(c, CallFailure)}
+        answers = {i: f.result() for i, f in conns.items()}
+        opened = {i: c for i, c in answers.items() if not isinstance(c, CallFailure)}
+        refused = {i: c.message for i, c in answers.items() if isinstance(c, CallFailure)}
         if refused:
             for conn in opened.values():
-                if not isinstance(conn, CallFailure):
-                    conn.close()
+                conn.close()
             raise EngineFault("transfer", refused)
         sent = InFlight(
             futures={i: self.client.pool.submit(self.client.send, opened[i], urls[i], body) for i in urls},

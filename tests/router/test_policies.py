@@ -134,3 +134,17 @@ def test_breaker_forgets_failures_older_than_its_window() -> None:
     reg.record(w, False)
     reg.record(w, False)
     assert w.to_dict()["circuit_open"]
+
+
+def test_policies_are_configured_from_the_router_settings_and_refuse_unknown_options() -> None:
+    """Each policy takes what it needs from the router's settings (cache_aware: its thresholds);
+    an option a policy does not take is an error, not silently dropped."""
+    from pdctl.router.config import RouterConfig
+    from pdctl.router.policies import policy_class
+
+    config = RouterConfig(policy="cache_aware", cache_threshold=0.7, balance_abs_threshold=9)
+    policy = policy_class("cache_aware").from_config(config)
+    assert (policy.cache_threshold, policy.abs_threshold, policy.rel_threshold) == (0.7, 9, 1.5)
+    assert type(policy_class("round_robin").from_config(config)).__name__ == "RoundRobinPolicy"
+    with pytest.raises(TypeError):
+        make_policy("round_robin", seed=1)

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import RouterProcess, SimProcess, get, http, post, sse
+from tests.helpers import RouterProcess, SimProcess, free_port, get, http, post, sse
 
 
 def test_info_routes(trio) -> None:
@@ -262,3 +262,65 @@ def test_completions_echo_puts_the_prompt_first(trio) -> None:
     events = sse(url, {**body, "echo": True, "stream": True})
     pieces = [e["choices"][0]["text"] for e in events[:-1]]
     assert pieces[0].startswith("Once upon") and "".join(pieces) == echoed
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def test_openai_streams_of_several_choices_interleave(guarded) -> None:
+    """SGLang streams a batch's choices side by side, on /generate and on the OpenAI routes
+    alike (the sim's OpenAI routes once sent every chunk of choice 0, then of choice 1)."""
+    body = {"prompt": ["Once upon", "zebra"], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = sse(guarded.url + "/v1/completions", body, headers=AUTH)
+    order = [e["choices"][0]["index"] for e in events[:-1] if e["choices"]]
+    assert sorted(set(order)) == [0, 1] and order != sorted(order), order
+    texts = {i: "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)}
+    plain = post(guarded.url + "/v1/completions", {**body, "stream": False}, headers=AUTH)[1]["choices"]
+    assert [texts[0], texts[1]] == [c["text"] for c in plain]
+    generate = {"text": ["Once upon", "zebra"], "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+    events = sse(guarded.url + "/generate", {**generate, "stream": True}, headers=AUTH)
+    order = [e["index"] for e in events[:-1]]
+    assert sorted(set(order)) == [0, 1] and order != sorted(order), order
+
+
+def test_an_aborted_openai_stream_ends_with_the_streamed_error(guarded) -> None:
+    """/generate and the OpenAI routes end an aborted stream the same way: the choice's last
+    chunk (finish_reason abort), then SGLang's streamed error, then [DONE] (the OpenAI stream
+    once dropped the error)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(sse, guarded.url + "/v1/chat/completions", body, 60, AUTH)
+        deadline = time.monotonic() + 10
+        while get(guarded.url + "/server_info", headers=AUTH)[1]["internal_states"][0]["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+        post(guarded.url + "/abort_request", {"abort_all": True}, headers=AUTH)
+        events = fut.result()
+    assert events[-1] == "[DONE]"
+    assert events[-3]["choices"][0]["finish_reason"] == "abort"
+    error = events[-2]["error"]
+    assert error["message"] == "Abort requested" and error["code"] == 500 and error["object"] == "error"
+
+
+def test_a_decode_batch_that_fails_half_way_gives_back_every_reserved_slot(trio) -> None:
+    """A decode batch reserves a KV slot per item as it fetches their KV; when a later item's
+    KV cannot come (its prefill is dead), the slots of the items before it go back too (they
+    once leaked: the decode ran one slot short for good)."""
+    _, prefill, decode = trio
+    dead = free_port()
+    first = {"text": "half", "sampling_params": {"max_new_tokens": 4}}
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": 9100}
+    batch = {
+        "text": ["half", "way"],
+        "sampling_params": {"max_new_tokens": 4},
+        "bootstrap_host": ["127.0.0.1", "127.0.0.1"],
+        "bootstrap_port": [prefill.bootstrap_port, dead],
+        "bootstrap_room": [9100, 9101],
+    }
+    with cf.ThreadPoolExecutor(2) as pool:
+        d = pool.submit(post, decode.url + "/generate", batch, timeout=120)
+        assert post(prefill.url + "/generate", {**first, **pd})[0] == 200
+        status, out = d.result()
+    assert status == 500 and "Losing connection with prefill instance" in out["error"]["message"]
+    info = get(decode.url + "/server_info")[1]["internal_states"][0]
+    assert info["num_reserved_decode_slots"] == 0, info

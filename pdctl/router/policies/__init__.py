@@ -1,4 +1,4 @@
-"""Routing policies behind one interface; ``make_policy(name)`` looks them up by name."""
+"""Routing policies behind one interface, looked up by name (``policy_class``, ``make_policy``)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,17 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, **options: Any) -> Policy:
-    """A new policy instance; raises ValueError listing the valid names."""
+def policy_class(name: str) -> type[Policy]:
+    """The policy called ``name``; raises ValueError listing the valid names."""
     try:
-        cls = REGISTRY[name]
+        return REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}") from None
-    accepted = cls.__init__.__code__.co_varnames[1 : cls.__init__.__code__.co_argcount]
-    return cls(**{k: v for k, v in options.items() if k in accepted})
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """A new policy with these constructor options (TypeError for one it does not take)."""
+    return policy_class(name)(**options)
 
 
 __all__ = [
@@ -45,4 +48,5 @@ __all__ = [
     "RequestContext",
     "RoundRobinPolicy",
     "make_policy",
+    "policy_class",
 ]

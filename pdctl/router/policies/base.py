@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from pdctl.router.config import RouterConfig
     from pdctl.router.workers import Worker
 
 
@@ -27,5 +28,7 @@ class Policy(ABC):
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
         """One of ``workers`` (non-empty), or None when none is acceptable."""
 
-    def on_complete(self, worker: Worker, ok: bool) -> None:  # noqa: B027 - optional hook
-        """Called when a request to ``worker`` ends."""
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> Policy:
+        """The policy as the router's settings configure it (most have no settings)."""
+        return cls()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pdctl.router.policies.base import Policy, RequestContext
 
 if TYPE_CHECKING:
+    from pdctl.router.config import RouterConfig
     from pdctl.router.workers import Worker
 
 RECENT_PER_WORKER = 256
@@ -32,6 +33,10 @@ class CacheAwarePolicy(Policy):
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
         self._recent: dict[str, deque[str]] = {}
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> CacheAwarePolicy:
+        return cls(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
 
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
         least = min(workers, key=lambda w: w.load)

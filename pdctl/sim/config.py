@@ -1,0 +1,52 @@
+"""The sim engine's settings: SGLang's flags as ``args.py`` parsed them, plus the sim's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdctl.sim.multinode import NodeLayout
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    tp_size: int = 1
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+    load_format: str = "auto"
+    random_seed: int = 0
+    weight_version: str = "default"
+    enable_metrics: bool = False
+    api_key: str | None = None
+    skip_server_warmup: bool = False
+    context_length: int | None = None
+    max_running_requests: int = 64
+    max_queued_requests: int | None = None
+    """SGLang: beyond this many waiting requests new ones get 503; ignored in PD modes."""
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_step: float = 0.0
+    weight_digest: str = "full"
+    """How TP ranks compare a weight update (``--sim-weight-digest``; sim/weights.py ``Digest``)."""
+    layout: NodeLayout | None = None
+    """Node rank 0 of a multi-node engine (multinode.py); None on one node."""
+    dist_timeout_secs: float = 600.0
+    server_args: tuple[tuple[str, Any], ...] = ()
+    """Every parsed flag, reported by /server_info."""
+    launch_command: str = ""
+    log_level: str = "INFO"
+    torch_threads: int = 1
+    """Process settings: applied by ``python -m pdctl.sim``'s main, not by the server."""
+    ignored_flags: tuple[str, ...] = ()
+    """SGLang flags accepted but without effect on CPU (logged at start)."""
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model_path

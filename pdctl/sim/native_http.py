@@ -1,0 +1,170 @@
+"""The sim's SGLang-native routes: /generate, health, info, cache, pause/continue, abort, metrics
+(sglang-protocol.md sections 2 and 5). Failures answer ``{"error": {"message": ...}}`` as SGLang's do."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from pdctl.errors import SimError
+from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body, stream_error_chunk
+from pdctl.sim.body import read_json
+from pdctl.sim.engine import Mode
+from pdctl.sim.requests import GenerateBody, generate_output, parse_generate
+from pdctl.sim.service import Running, SimService
+from pdctl.sim.sse import EventStream
+
+
+def add_routes(app: web.Application, service: SimService) -> None:
+    routes = NativeRoutes(service)
+    r = app.router
+    r.add_post(Endpoint.GENERATE.value, routes.generate)
+    r.add_get(Endpoint.HEALTH.value, routes.health)
+    r.add_get(Endpoint.HEALTH_GENERATE.value, routes.health)
+    r.add_get("/ready", routes.ready)
+    for path in (Endpoint.MODEL_INFO, Endpoint.GET_MODEL_INFO):
+        r.add_get(path.value, routes.model_info)
+    for path in (Endpoint.SERVER_INFO, Endpoint.GET_SERVER_INFO):
+        r.add_get(path.value, routes.server_info)
+    r.add_route("*", Endpoint.FLUSH_CACHE.value, routes.flush_cache)
+    r.add_post(Endpoint.PAUSE_GENERATION.value, routes.pause_generation)
+    r.add_post(Endpoint.CONTINUE_GENERATION.value, routes.continue_generation)
+    r.add_post(Endpoint.ABORT_REQUEST.value, routes.abort_request)
+    r.add_get(Endpoint.METRICS.value, routes.metrics)
+
+
+class NativeRoutes:
+    def __init__(self, service: SimService):
+        self.s = service
+
+    def _output(self, running: Running, tokens: int) -> dict:
+        req = running.request
+        return generate_output(req, tokens, self.s.weight_version, pd_decode=req.mode is Mode.DECODE)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = parse_generate(await read_json(request))
+        except SimError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        try:
+            batch = await self.s.submit(body.items)
+        except SimError as exc:
+            return web.json_response(generate_error_body(str(exc)), status=exc.status)
+        with self.s.aborting_unfinished(batch):
+            if body.stream:
+                return await self._stream(request, body, batch)
+            results = [self._output(running, await self.s.finished(running)) for running in batch]
+            return web.json_response(results if body.is_batch else results[0])
+
+    async def _stream(self, request: web.Request, body: GenerateBody, batch: list[Running]) -> web.StreamResponse:
+        stream = await EventStream.open(request)
+        async for index, tokens, _ in self.s.interleaved(batch):
+            out = self._output(batch[index], tokens)
+            if body.is_batch:
+                out["index"] = index
+            await stream.send(out)
+        for running in batch:
+            finish = running.request.finish
+            if finish and finish.get("type") == "abort":
+                await stream.send(stream_error_chunk(str(finish.get("message")), status=500))
+        return await stream.close()
+
+    async def health(self, _: web.Request) -> web.Response:
+        if self.s.status != "up":
+            return web.Response(status=503)
+        try:
+            await self.s.one_token()
+        except (asyncio.TimeoutError, SimError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready(self, _: web.Request) -> web.Response:
+        status = 200 if self.s.status == "up" else 503
+        return web.json_response({"status": "ready" if status == 200 else self.s.status}, status=status)
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        c = self.s.config
+        return web.json_response(
+            {
+                "model_path": c.model_path,
+                "served_model_name": c.served_name,
+                "tokenizer_path": c.tokenizer_path or c.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.s.weight_version,
+                "load_format": c.load_format,
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": self.s.mode,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "pdctl-sim",
+                "architectures": ["TinyLM"],
+            }
+        )
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        s, c = self.s, self.s.config
+        info = dict(c.server_args)
+        info.update(
+            {
+                "model_path": c.model_path,
+                "port": s.port,
+                "host": c.host,
+                "tp_size": c.tp_size,
+                "disaggregation_mode": s.mode,
+                "disaggregation_bootstrap_port": s.bootstrap_port,
+                "weight_version": s.weight_version,
+                "launch_command": c.launch_command,
+                "max_total_num_tokens": c.max_running_requests * s.model.config.max_positions,
+                "max_req_input_len": s.model.config.max_positions - 1,
+                "internal_states": [
+                    {
+                        "last_gen_throughput": s.metrics.last_gen_throughput(),
+                        **s.engine.stats(),
+                        "num_decode_prealloc_queue_reqs": s.prealloc_waiting,
+                    }
+                ],
+                "startup_time": s.started_at,
+                "version": SPOKEN_VERSION,
+                "frontend": "python",
+                "engine": "pdctl-sim",
+            }
+        )
+        return web.json_response(info)
+
+    async def flush_cache(self, _: web.Request) -> web.Response:
+        if self.s.engine.busy():
+            return web.Response(
+                status=400,
+                text="Cache not flushed. Please check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n",
+            )
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await read_json(request, default={})
+        try:
+            self.s.engine.pause(str(body.get("mode", "abort")))
+        except SimError as exc:
+            return web.json_response(generate_error_body(str(exc)), status=400)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, _: web.Request) -> web.Response:
+        self.s.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await read_json(request, default={})
+        self.s.engine.abort(None if body.get("abort_all") else str(body.get("rid")), "Abort requested")
+        return web.Response(status=200)
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        if not self.s.config.enable_metrics:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        stats = {**self.s.engine.stats(), "num_decode_prealloc_queue_reqs": self.s.prealloc_waiting}
+        return web.Response(body=self.s.metrics.render(stats), content_type="text/plain")

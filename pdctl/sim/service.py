@@ -1,0 +1,241 @@
+"""SimService: one started sim engine as its routes see it (native, OpenAI, weights).
+
+It exists only once the model is loaded and the engine runs, so nothing in it is Optional.
+It turns request items into engine requests (resolving PD legs: a decode reserves a KV slot
+and fetches the prefill's KV first), yields their progress, and aborts what a route leaves
+unfinished (a client that went away, a failed batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from pdctl.errors import SimError
+from pdctl.sglang import FAKE_BOOTSTRAP_HOST
+from pdctl.sim.config import SimConfig
+from pdctl.sim.engine import Engine, Mode, Request
+from pdctl.sim.kv import fetch_kv, waiting_timeout_secs
+from pdctl.sim.metrics import SimMetrics
+from pdctl.sim.model import TinyLM
+from pdctl.sim.requests import ItemSpec
+from pdctl.sim.sampling import SamplingOptions
+from pdctl.sim.weights import WeightGroupMember
+
+Progress = tuple[int, bool]
+"""What the engine reports after each step of a request: (output tokens so far, finished)."""
+
+
+@dataclass(frozen=True)
+class Running:
+    """One submitted request and the queue its progress arrives on."""
+
+    request: Request
+    progress: asyncio.Queue[Progress]
+
+
+class SimService:
+    def __init__(
+        self,
+        config: SimConfig,
+        model: TinyLM,
+        engine: Engine,
+        members: WeightGroupMember,
+        metrics: SimMetrics,
+        session: aiohttp.ClientSession,
+        *,
+        bootstrap_port: int,
+    ):
+        self.config = config
+        self.model = model
+        self.engine = engine
+        self.members = members
+        self.metrics = metrics
+        self.session = session
+        self.bootstrap_port = bootstrap_port
+        self.port = config.port  # the bound port once the HTTP site runs (port 0 binds a free one)
+        self.status = "starting"  # starting -> up -> stopping, or failed (a TP peer node died)
+        self.started_at = time.time()
+        self.weight_session_open = False
+        self.prealloc_waiting = 0
+        self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
+        self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
+        loop = asyncio.get_running_loop()
+
+        def capacity_freed() -> None:  # called on the scheduler thread
+            loop.call_soon_threadsafe(self._slot_freed.set)
+
+        engine.on_capacity = capacity_freed
+
+    @property
+    def mode(self) -> str:
+        return self.config.disaggregation_mode
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    # -- submitting --------------------------------------------------------------------------------
+    async def submit(self, items: list[ItemSpec]) -> list[Running]:
+        """Create and submit one engine Request per item (PD legs resolved here).
+
+        For a decode leg this reserves a KV slot and fetches the KV from the prefill first.
+        Raises SimError: 400 for bad PD fields, 500 for KV that cannot come, 503 for a full queue.
+        """
+        loop = asyncio.get_running_loop()
+        out: list[Running] = []
+        try:
+            for item in items:
+                queue: asyncio.Queue[Progress] = asyncio.Queue()
+
+                def emit(req: Request, q: asyncio.Queue[Progress] = queue) -> None:
+                    loop.call_soon_threadsafe(q.put_nowait, (len(req.output_ids), req.finish is not None))
+
+                req = Request(
+                    rid=item.rid or self.engine.new_rid(),
+                    input_ids=item.input_ids,
+                    sampling=item.sampling,
+                    emit=emit,
+                    return_logprob=item.return_logprob,
+                    top_logprobs_num=item.top_logprobs_num,
+                )
+                out.append(Running(req, queue))
+                await self._resolve_pd(req, item)
+        except BaseException:  # nothing was submitted: give back the KV slots reserved so far
+            for running in out:
+                if running.request.reserved:
+                    running.request.reserved = False
+                    self.engine.release_slot()
+            raise
+        limit = self.config.max_queued_requests  # (a null-mode server: no slot is reserved)
+        if limit is not None and self.mode == "null" and self.engine.stats()["num_queue_reqs"] + len(out) > limit:
+            raise SimError("The request queue is full.", status=503)  # SGLang's words and status
+        for running in out:
+            self.engine.submit(running.request)
+        self.metrics.requests_started(len(out))
+        return out
+
+    @contextlib.contextmanager
+    def aborting_unfinished(self, batch: list[Running], reason: str = "client disconnected") -> Iterator[None]:
+        """Whatever ends the block (an answer, an error, a client that went away), the engine
+        stops working on the requests of ``batch`` that have not finished."""
+        try:
+            yield
+        finally:
+            for running in batch:
+                if not running.request.finished:
+                    self.engine.abort(running.request.rid, reason)
+
+    async def _reserve_decode_slot(self) -> None:
+        """Wait, in arrival order, for a KV slot (SGLang's decode prealloc queue: a full decode
+        queues its requests, it does not refuse them). A client that goes away leaves the line."""
+        self.prealloc_waiting += 1
+        try:
+            async with self._prealloc_line:
+                while True:
+                    self._slot_freed.clear()
+                    if self.engine.reserve_slot():
+                        break
+                    with contextlib.suppress(asyncio.TimeoutError):  # a safety net: frees wake it at once
+                        await asyncio.wait_for(self._slot_freed.wait(), 0.1)
+        finally:
+            self.prealloc_waiting -= 1
+
+    async def _resolve_pd(self, req: Request, item: ItemSpec) -> None:
+        if self.mode == "null":
+            return
+        fake = item.bootstrap_host == FAKE_BOOTSTRAP_HOST
+        if not fake and (item.bootstrap_host is None or item.bootstrap_room is None):
+            raise SimError(
+                f"this is a PD {self.mode} server: requests need bootstrap_host and bootstrap_room "
+                "(send them through a PD router)"
+            )
+        if self.mode == "prefill":
+            req.mode = Mode.PREFILL
+            req.room = None if fake else item.bootstrap_room
+            return
+        if fake:  # SGLang moves no KV for 2.2.2.2 (warm-up, /health); the sim runs the prompt itself
+            return
+        assert item.bootstrap_host is not None and item.bootstrap_room is not None  # checked above
+        await self._reserve_decode_slot()
+        req.reserved, req.mode = True, Mode.DECODE
+        port = item.bootstrap_port if item.bootstrap_port is not None else self.config.bootstrap_port
+        started = time.monotonic()
+        try:
+            payload = await fetch_kv(
+                self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs()
+            )
+            if payload.prompt_ids != req.input_ids:
+                raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt")
+        except BaseException as exc:  # the reserved slot is given back on every failure
+            self.engine.release_slot()
+            req.reserved = False
+            if isinstance(exc, SimError):
+                self.metrics.transfer_failed()
+                raise SimError(str(exc), status=500) from exc
+            raise
+        self.metrics.kv_transferred(time.monotonic() - started, payload.kv.numel() * payload.kv.element_size())
+        req.kv = payload
+
+    # -- progress ----------------------------------------------------------------------------------
+    @staticmethod
+    async def updates(running: Running) -> AsyncIterator[Progress]:
+        """(token count, finished) after each update, until the request finishes."""
+        while True:
+            n, done = await running.progress.get()
+            while not running.progress.empty():  # coalesce: each chunk carries the cumulative text
+                n, done = running.progress.get_nowait()
+            yield n, done
+            if done:
+                return
+
+    async def finished(self, running: Running) -> int:
+        """Wait for the request to finish; its output token count."""
+        tokens = 0
+        async for n, _ in self.updates(running):
+            tokens = n
+        return tokens
+
+    async def interleaved(self, batch: list[Running]) -> AsyncIterator[tuple[int, int, bool]]:
+        """(index in batch, token count, finished) after each update of any request of ``batch``,
+        in the order they happen (a batch streams its items side by side, as SGLang's does)."""
+        merged: asyncio.Queue[tuple[int, int, bool] | None] = asyncio.Queue()
+
+        async def pump(index: int, running: Running) -> None:
+            async for n, done in self.updates(running):
+                await merged.put((index, n, done))
+            await merged.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(batch)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                event = await merged.get()
+                if event is None:
+                    remaining -= 1
+                else:
+                    yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def one_token(self, timeout_secs: float = 20.0) -> None:
+        """SGLang's health probe: one token for input_ids [0] (fake bootstrap host in PD)."""
+        pd = self.mode != "null"
+        item = ItemSpec(
+            None,
+            [0],
+            SamplingOptions(max_new_tokens=1, temperature=0.0),
+            False,
+            FAKE_BOOTSTRAP_HOST if pd else None,
+            None,
+            0 if pd else None,
+        )
+        batch = await self.submit([item])
+        with self.aborting_unfinished(batch, "health check timed out"):
+            await asyncio.wait_for(self.finished(batch[0]), timeout_secs)

@@ -1,0 +1,31 @@
+"""Server-sent events as SGLang writes them: ``data: <json>\\n\\n`` per event, then ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+DONE = b"data: [DONE]\n\n"
+
+
+class EventStream:
+    """One streamed answer. ``open`` sends the headers; ``close`` sends [DONE] and ends the body."""
+
+    def __init__(self, response: web.StreamResponse):
+        self.response = response
+
+    @classmethod
+    async def open(cls, request: web.Request) -> EventStream:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        return cls(response)
+
+    async def send(self, event: Any) -> None:
+        await self.response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    async def close(self) -> web.StreamResponse:
+        await self.response.write(DONE)
+        await self.response.write_eof()
+        return self.response

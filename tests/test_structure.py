@@ -1,0 +1,115 @@
+"""The shape of the code: no import circles among pdctl's modules.
+
+Every import counts: at module level, inside functions and under ``if TYPE_CHECKING`` (a
+circle hidden from the interpreter is still two modules that cannot be read, tested or
+changed apart). Importing ``a.b.c`` counts as importing ``a.b`` too (its ``__init__`` runs
+first), except where the importer lives inside ``a.b`` itself, which Python has already
+started importing.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pdctl"
+
+
+def module_names() -> dict[str, tuple[Path, bool]]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (path, is_package)
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = module_names()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+
+    def add(importer: str, target: str) -> None:
+        parts = target.split(".")
+        own = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 1)}
+        for i in range(2, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name in mods and name != importer and name not in own:
+                graph[importer].add(name)
+
+    for name, (path, is_package) in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("pdctl"):
+                        add(name, alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".") if is_package else name.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.startswith("pdctl"):
+                    add(name, target)
+                    for alias in node.names:  # from pkg import submodule
+                        add(name, f"{target}.{alias.name}")
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles() -> None:
+    graph = import_graph()
+    assert len(graph) > 50 and "pdctl.plan" in graph["pdctl.cli.topology_cmds"]  # the scan sees imports
+    assert circles(graph) == []
