@@ -18,6 +18,7 @@ from pdctl.cluster import down as cluster_down
 from pdctl.cluster import logs as cluster_logs
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
+from pdctl.cluster.state import Phase
 from pdctl.errors import LifecycleError
 
 console = Console(stderr=True, log_path=False)  # log lines without pdctl's source file name
@@ -129,7 +130,7 @@ def _print_summary(store: StateStore) -> None:
         result = cluster_status(cluster, store=store)
         up = sum(1 for p in result.processes if p.ok)
         table.add_row(cluster, result.status, result.router_url or "-", f"{up}/{len(result.processes)}")
-        whole &= result.status == "down" or result.ok
+        whole &= result.status == Phase.DOWN or result.ok
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     click.echo("`pdctl status NAME` shows one cluster's processes")
     if not whole:

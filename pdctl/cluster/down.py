@@ -13,8 +13,9 @@ from collections import defaultdict
 
 from pdctl.cluster.mps import stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.roles import Role
 
 GRACE_SECS = 10.0
 
@@ -41,11 +42,11 @@ def down(
 
 def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, events: Events) -> str:
     name = state.name
-    if state.status == "down" and not state.processes and not state.mps:
+    if state.status == Phase.DOWN and not state.processes and not state.mps:
         summary = f"cluster {name!r} is already down"
     else:
         count = len(state.processes)
-        state.status = "stopping"
+        state.status = Phase.STOPPING
         store.save(state)
         try:
             stop_processes(state, nodes, events=events)
@@ -53,7 +54,7 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
             stop_daemons(state, nodes, events)  # after their clients: quit waits for them
         finally:
             store.save(state)  # what was stopped is forgotten even when a node failed
-        state.status = "down"
+        state.status = Phase.DOWN
         store.save(state)
         summary = f"cluster {name!r} is down ({count} processes stopped)"
     if purge:
@@ -74,7 +75,7 @@ def stop_processes(
     Processes confirmed gone are removed from ``state.processes``. Raises LifecycleError
     naming unreachable nodes and survivors; what is left stays in the state.
     """
-    last = [p for p in state.processes.values() if p.role == "trainer" and p.node_rank == 0]
+    last = [p for p in state.processes.values() if p.role == Role.TRAINER and p.node_rank == 0]
     last_node = last[0].node if last else None
     first = [p for p in state.processes.values() if p not in last]
     problems: list[str] = []

@@ -10,8 +10,9 @@ from typing import Any
 
 from pdctl.cluster.mps import MpsStatus, daemon_status
 from pdctl.cluster.nodes import NodeSet
-from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.roles import Role
 from pdctl.sglang import Endpoint
 
 
@@ -52,7 +53,7 @@ class EngineStatus:
 @dataclass
 class ClusterStatus:
     name: str
-    status: str
+    status: Phase
     router_url: str | None
     processes: list[ProcessStatus]
     router_workers: list[dict[str, Any]] | None = None
@@ -62,7 +63,7 @@ class ClusterStatus:
 
     @property
     def ok(self) -> bool:
-        return self.status == "up" and all(p.ok for p in self.processes)
+        return self.status == Phase.UP and all(p.ok for p in self.processes)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -82,8 +83,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
         if rec.exit_file:
             query["exit_file"] = rec.exit_file
         if rec.url and rec.health_path:
-            query["health_url"] = rec.url + ("/readiness" if rec.role == "router" else rec.health_path)
-            query["info_url"] = rec.url + ("/workers" if rec.role == "router" else Endpoint.MODEL_INFO.value)
+            query["health_url"] = rec.url + ("/readiness" if rec.role == Role.ROUTER else rec.health_path)
+            query["info_url"] = rec.url + ("/workers" if rec.role == Role.ROUTER else Endpoint.MODEL_INFO.value)
         by_node[rec.node].append(query)
     results = nodes.each(by_node, lambda ex: ex.agent("status", {"processes": by_node[ex.node.name]}, timeout=60))
     out: list[ProcessStatus] = []
@@ -103,7 +104,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
             ps.exit_code = entry.get("exit_code")
             info = entry.get("info")
             if isinstance(info, dict):
-                if rec.role == "router":
+                if rec.role == Role.ROUTER:
                     router_workers = info.get("workers")
                 else:
                     ps.weight_version = info.get("weight_version")

@@ -14,10 +14,12 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from pdctl.errors import LifecycleError
+from pdctl.roles import Role
 from pdctl.topology.model import Node, SSHConfig
 
 
@@ -27,10 +29,23 @@ def state_root() -> Path:
     return Path(os.environ.get("PDCTL_HOME") or Path.home() / ".pdctl")
 
 
+class Phase(str, Enum):
+    """Where a cluster is in its life (a ``str`` enum: state files hold the value)."""
+
+    STARTING = "starting"
+    UP = "up"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    DOWN = "down"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class ProcessRecord:
     id: str
-    role: str
+    role: Role
     node: str
     pid: int
     pgid: int
@@ -49,7 +64,7 @@ class ProcessRecord:
 class ClusterState:
     name: str
     run_id: str
-    status: str  # starting | up | failed | stopping | down
+    status: Phase
     nodes: list[dict[str, Any]]
     router_url: str | None = None
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
@@ -77,7 +92,10 @@ class ClusterState:
     @classmethod
     def from_json(cls, text: str) -> ClusterState:
         data = json.loads(text)
-        data["processes"] = {k: ProcessRecord(**v) for k, v in data.get("processes", {}).items()}
+        data["processes"] = {
+            k: ProcessRecord(**{**v, "role": Role(v["role"])}) for k, v in data.get("processes", {}).items()
+        }
+        data["status"] = Phase(data["status"])
         return cls(**data)
 
 
@@ -167,7 +185,7 @@ class StateStore:
             return names[0]
         if not names:
             raise LifecycleError(f"no clusters in {self.root}; give a NAME or run `pdctl up` first")
-        live = [n for n in names if (state := self.load(n)) is not None and state.status != "down"]
+        live = [n for n in names if (state := self.load(n)) is not None and state.status != Phase.DOWN]
         if len(live) == 1:
             return live[0]
         raise LifecycleError(f"several clusters in {self.root} ({', '.join(names)}); give a NAME")

@@ -20,12 +20,13 @@ from pdctl.agent import RUN_ID_ENV
 from pdctl.cluster.down import stop_processes
 from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.state import ClusterState, ProcessRecord, StateStore, node_to_dict
+from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, node_to_dict
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
 from pdctl.remote.base import Executor
-from pdctl.topology.model import Role, Topology
+from pdctl.roles import Role
+from pdctl.topology.model import Topology
 
 LOG_TAIL_LINES = 50
 WATCH_SLICE_SECS = 2.0
@@ -57,7 +58,7 @@ def up(
             )
     with store.locked(plan.name):
         existing = store.load(plan.name)
-        if existing and existing.status != "down" and existing.processes:
+        if existing and existing.status != Phase.DOWN and existing.processes:
             raise LifecycleError(
                 f"cluster {plan.name!r} is already {existing.status} with {len(existing.processes)} processes; "
                 f"run `pdctl down {plan.name}` first"
@@ -66,7 +67,7 @@ def up(
         state = ClusterState(
             name=plan.name,
             run_id=uuid.uuid4().hex,
-            status="starting",
+            status=Phase.STARTING,
             nodes=[node_to_dict(n) for n in top.nodes],
             router_url=plan.router_url,
             run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
@@ -101,18 +102,18 @@ def up(
         except (Exception, KeyboardInterrupt) as exc:
             events("up", "failed; stopping everything that started")
             detail = _failure_detail(exc, state, nodes)
-            state.status = "failed"
+            state.status = Phase.FAILED
             store.save(state)
             try:
                 stop_processes(state, nodes, events=events)
                 state.processes.clear()
                 stop_daemons(state, nodes, events)
-                state.status = "down"
+                state.status = Phase.DOWN
             except LifecycleError as cleanup:
                 detail += f"\ncleanup incomplete: {cleanup} (run `pdctl down {plan.name}` to retry)"
             store.save(state)
             raise LifecycleError(detail) from exc
-        state.status = "up"
+        state.status = Phase.UP
         store.save(state)
         return state
 
@@ -192,7 +193,7 @@ def _launch(
             info = res["started"][spec.id]
             state.processes[spec.id] = ProcessRecord(
                 id=spec.id,
-                role=spec.role.value,
+                role=spec.role,
                 node=spec.node,
                 pid=info["pid"],
                 pgid=info["pgid"],

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdctl.cluster.inspect import load_state
-from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError
 from pdctl.sglang import Endpoint
 from pdctl.weights.client import CallFailure
@@ -133,6 +133,6 @@ def load_weights(name: str, model_path: str, version: str, *, store: StateStore 
 
 def _load(store: StateStore, name: str) -> ClusterState:
     state = load_state(store, name)
-    if state.status not in ("up", "starting"):
+    if state.status not in (Phase.UP, Phase.STARTING):
         raise LifecycleError(f"cluster {name!r} is {state.status}; start it with `pdctl up`")
     return state

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 
+from pdctl.roles import Role
 from pdctl.sglang import render_extra_args
-from pdctl.topology.model import Node, Role, ServerGroup, Topology
+from pdctl.topology.model import Node, ServerGroup, Topology
 
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "sim": "pdctl.sim"}
 

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pdctl.errors import Issue
-from pdctl.topology.model import Role
+from pdctl.roles import Role
 
 
 def url_host(host: str) -> str:

@@ -16,7 +16,8 @@ from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
 from pdctl.plan.model import EngineSpec, LaunchSpec, MpsDaemon, Plan, WeightGroup, url_host
 from pdctl.plan.ports import PortCursors, PortOverflowError, dist_init_block_size
-from pdctl.topology.model import Node, Role, Topology
+from pdctl.roles import Role
+from pdctl.topology.model import Node, Topology
 
 WEIGHT_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 

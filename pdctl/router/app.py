@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher, Headers, RouteError
@@ -353,7 +354,7 @@ class RouterServer:
             return False, len(healthy)
         if self.config.pd_disaggregation:
             roles = {w.role for w in healthy}
-            return {"prefill", "decode"} <= roles, len(healthy)
+            return {Role.PREFILL, Role.DECODE} <= roles, len(healthy)
         return bool(healthy), len(healthy)
 
     async def readiness(self, _: Request) -> Reply:
@@ -373,8 +374,8 @@ class RouterServer:
 
     async def proxy_get(self, request: Request) -> Reply:
         assert self.session is not None
-        role = "prefill" if self.config.pd_disaggregation else "regular"
-        workers = self.registry.routable(role) or self.registry.routable("decode")
+        role = Role.PREFILL if self.config.pd_disaggregation else Role.REGULAR
+        workers = self.registry.routable(role) or self.registry.routable(Role.DECODE)
         if not workers:
             return errors.error_response(503, errors.NO_WORKERS, "no healthy worker to ask")
         try:
@@ -385,12 +386,12 @@ class RouterServer:
 
     async def server_info(self, _: Request) -> Reply:
         infos = await self._fan_out("GET", Endpoint.SERVER_INFO.value)
-        by_role: dict[str, list] = {"prefill": [], "decode": [], "regular": []}
+        by_role: dict[str, list] = {role.value: [] for role in ENGINE_ROLES}
         internal = []
         for worker, status, body in infos:
             if status == 200 and isinstance(body, dict):
                 by_role[worker.role].append(body)
-                if worker.role != "prefill":
+                if worker.role is not Role.PREFILL:
                     internal.extend(body.get("internal_states", []))
         return json_reply(
             {"router": "pdctl", "workers_count": len(self.registry.workers), "internal_states": internal, **by_role}
@@ -427,12 +428,12 @@ class RouterServer:
     # -- /workers ------------------------------------------------------------------------------------------
     async def list_workers(self, _: Request) -> Reply:
         workers = [w.to_dict() for w in self.registry.workers.values()]
-        stats = {f"{role}_count": len(self.registry.of_role(role)) for role in ("prefill", "decode", "regular")}
+        stats = {f"{role}_count": len(self.registry.of_role(role)) for role in ENGINE_ROLES}
         return json_reply({"workers": workers, "total": len(workers), "stats": stats})
 
     async def add_worker(self, request: Request) -> Reply:
         body = await _json_or_empty(request)
-        url, role = body.get("url"), body.get("worker_type", "regular")
+        url, role = body.get("url"), body.get("worker_type", Role.REGULAR.value)
         port = body.get("bootstrap_port")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             return errors.error_response(400, errors.BAD_REQUEST, "url must be an http(s) URL")

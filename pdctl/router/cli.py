@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from pdctl.roles import Role
 from pdctl.router.app import RouterServer
 from pdctl.router.config import RouterConfig, WorkerSpec
 from pdctl.router.policies import REGISTRY
@@ -128,9 +129,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             if not spec[1].isdigit():
                 parser.error(f"--prefill {spec[0]}: bootstrap port must be a number or 'none', got {spec[1]!r}")
             port = int(spec[1])
-        workers.append(WorkerSpec(url=spec[0], role="prefill", bootstrap_port=port))
-    workers += [WorkerSpec(url=u, role="decode") for u in args.decode]
-    workers += [WorkerSpec(url=u, role="regular") for u in args.worker_urls]
+        workers.append(WorkerSpec(url=spec[0], role=Role.PREFILL, bootstrap_port=port))
+    workers += [WorkerSpec(url=u, role=Role.DECODE) for u in args.decode]
+    workers += [WorkerSpec(url=u, role=Role.REGULAR) for u in args.worker_urls]
     for w in workers:
         if not w.url.startswith(("http://", "https://")):
             parser.error(f"worker URL must start with http:// or https://: {w.url}")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdctl.roles import Role
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
     url: str
-    role: str  # regular | prefill | decode
+    role: Role  # an engine role: regular, prefill or decode
     bootstrap_port: int | None = None
 
 

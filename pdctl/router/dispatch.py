@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from pdctl.roles import Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
@@ -166,14 +167,14 @@ class Dispatcher:
     def select_pair(self, ctx: RequestContext, version: str | None = None) -> tuple[Worker, Worker]:
         """A prefill and a decode on the same weight version (``version`` when given);
         RouteError (503) names what is missing."""
-        prefills = self.registry.routable("prefill")
+        prefills = self.registry.routable(Role.PREFILL)
         if version is not None:
             prefills = [p for p in prefills if p.weight_version == version]
         if not prefills:
-            raise RouteError(503, errors.NO_PREFILL, "No prefill workers available" + self._why_none("prefill"))
-        decodes = self.registry.routable("decode")
+            raise RouteError(503, errors.NO_PREFILL, "No prefill workers available" + self._why_none(Role.PREFILL))
+        decodes = self.registry.routable(Role.DECODE)
         if not decodes:
-            raise RouteError(503, errors.NO_DECODE, "No decode workers available" + self._why_none("decode"))
+            raise RouteError(503, errors.NO_DECODE, "No decode workers available" + self._why_none(Role.DECODE))
         versions = {d.weight_version for d in decodes}
         pairable = [p for p in prefills if p.weight_version in versions]
         if not pairable:
@@ -184,23 +185,23 @@ class Dispatcher:
                 f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, "
                 f"decode {sorted(map(str, versions))})",
             )
-        prefill = _chosen(self.prefill_policy.select(pairable, ctx), "prefill")
+        prefill = _chosen(self.prefill_policy.select(pairable, ctx), Role.PREFILL)
         same = [d for d in decodes if d.weight_version == prefill.weight_version]
-        decode = _chosen(self.decode_policy.select(same, ctx), "decode")
+        decode = _chosen(self.decode_policy.select(same, ctx), Role.DECODE)
         self.metrics.selected(prefill, decode)
         return prefill, decode
 
-    def _why_none(self, role: str) -> str:
+    def _why_none(self, role: Role) -> str:
         held = [w for w in self.registry.of_role(role) if w.quarantined]
         if held:
             return f" ({len(held)} out of rotation for their weights: {held[0].quarantined})"
         return " (none healthy)"
 
     def select_regular(self, ctx: RequestContext) -> Worker:
-        workers = self.registry.routable("regular")
+        workers = self.registry.routable(Role.REGULAR)
         if not workers:
-            raise RouteError(503, errors.NO_WORKERS, "No healthy workers available" + self._why_none("regular"))
-        return _chosen(self.regular_policy.select(workers, ctx), "regular")
+            raise RouteError(503, errors.NO_WORKERS, "No healthy workers available" + self._why_none(Role.REGULAR))
+        return _chosen(self.regular_policy.select(workers, ctx), Role.REGULAR)
 
     # -- the request loop (retries) ---------------------------------------------------------------
     async def _with_retries(self, attempt_once: Callable[[], Awaitable[Outcome]], headers: Headers) -> Reply:
@@ -564,7 +565,7 @@ async def _pump(
             last = out
 
 
-def _chosen(worker: Worker | None, role: str) -> Worker:
+def _chosen(worker: Worker | None, role: Role) -> Worker:
     if worker is None:  # a policy must choose among the workers it is given
         raise RouteError(503, errors.NO_WORKERS, f"the {role} policy chose no worker")
     return worker

@@ -19,17 +19,17 @@ from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
+from pdctl.roles import Role, engine_role
 from pdctl.router.config import RouterConfig
 from pdctl.sglang import Endpoint
 
 log = logging.getLogger("pdctl.router")
-ROLES = ("regular", "prefill", "decode")
 
 
 @dataclass(eq=False)
 class Worker:
     url: str
-    role: str
+    role: Role
     bootstrap_port: int | None = None
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     healthy: bool = False
@@ -81,9 +81,9 @@ class WorkerRegistry:
         """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
 
     # -- membership --------------------------------------------------------------------------
-    def add(self, url: str, role: str, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
-        if role not in ROLES:
-            raise ValueError(f"worker_type must be one of {', '.join(ROLES)}")
+    def add(self, url: str, role: object, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
+        """Register a worker; ValueError for a role that is not an engine's (from a client's body)."""
+        role = engine_role(role)
         url = url.rstrip("/")
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
@@ -105,7 +105,7 @@ class WorkerRegistry:
             log.info("removed %s worker %s", worker.role, worker.url)
         return worker
 
-    def of_role(self, role: str) -> list[Worker]:
+    def of_role(self, role: Role) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]
 
     def set_quarantine(self, url: str, reason: str | None) -> None:
@@ -123,7 +123,7 @@ class WorkerRegistry:
             else:
                 log.warning("worker %s is out of rotation: %s", url, reason)
 
-    def routable(self, role: str) -> list[Worker]:
+    def routable(self, role: Role) -> list[Worker]:
         now = time.monotonic()
         out = []
         for w in self.workers.values():

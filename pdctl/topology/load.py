@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import AllocationError, Issue, PdctlError, TopologyError
+from pdctl.roles import Role
 from pdctl.topology.alloc import Allocation, Dims, parse_allocation
 from pdctl.topology.guard import MAX_BYTES, decode
-from pdctl.topology.model import Role, ServerGroup, Topology, TrainerConfig
+from pdctl.topology.model import ServerGroup, Topology, TrainerConfig
 from pdctl.topology.schema import SourceMap, check_schema, parse_yaml
 from pdctl.topology.validate import validate
 

@@ -9,30 +9,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from types import MappingProxyType
 from typing import Any
+
+from pdctl.roles import Role
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 DEFAULT_PORT_BASE = 20000
 DEFAULT_WORKDIR = "~/.pdctl/runs"
-
-
-class Role(str, Enum):
-    """What a process is. ``prefill``/``decode`` are PD engines, ``regular`` a non-PD engine."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    REGULAR = "regular"
-    ROUTER = "router"
-    TRAINER = "trainer"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def is_engine(self) -> bool:
-        return self in (Role.PREFILL, Role.DECODE, Role.REGULAR)
 
 
 def _frozen_map(raw: Mapping[str, Any] | None) -> Mapping[str, Any]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 from pdctl.errors import Issue
+from pdctl.roles import Role
 from pdctl.sglang import check_extra_args
-from pdctl.topology.model import Role, Topology
+from pdctl.topology.model import Topology
 
 COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffers, fragmentation
 
