@@ -134,8 +134,16 @@ class SimProcess:
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
-        wait_http(f"{self.url}/health", proc=self.proc, log=self.log)
+        self._ready(f"{self.url}/health")
         return self
+
+    def _ready(self, url: str) -> None:
+        """Wait until it answers; a process that never does is stopped, not left behind."""
+        try:
+            wait_http(url, proc=self.proc, log=self.log)
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -195,7 +203,7 @@ class RouterProcess:
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
-        wait_http(self.url + ready_path, proc=self.proc, log=self.log)
+        SimProcess._ready(self, self.url + ready_path)  # same wait-or-stop
         return self
 
     def stop(self) -> None:
@@ -235,7 +243,12 @@ class NullEngine:
         if self.busy:
             argv.append("--busy")
         self.proc = subprocess.Popen(argv, start_new_session=True)
-        wait_http(self.url + "/health", proc=self.proc)
+        try:
+            wait_http(self.url + "/health", proc=self.proc)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def bodies(self) -> list[dict]:
