@@ -33,6 +33,17 @@ from typing import Any
 
 import psutil
 
+from pdctl.agent_replies import (
+    PreflightReply,
+    ProcessState,
+    ReadReply,
+    RmReply,
+    SpawnReply,
+    Started,
+    StatusReply,
+    StopReply,
+    WaitReadyReply,
+)
 from pdctl.nodeproc import expand, same_process
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
@@ -44,25 +55,26 @@ class AgentFailure(Exception):
     """A command's clear reason for failing, reported as is (no exception type in front)."""
 
 
-def preflight(req: dict[str, Any]) -> dict[str, Any]:
+def preflight(req: dict[str, Any]) -> PreflightReply:
     import importlib.util
 
     from pdctl import __version__
 
-    out: dict[str, Any] = {
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        ephemeral: list[int] | None = [int(low), int(high)]
+    except OSError:
+        ephemeral = None
+    out: PreflightReply = {
         "python": sys.executable,
         "pdctl": __version__,
         "sglang": importlib.util.find_spec("sglang") is not None,
         "torch": importlib.util.find_spec("torch") is not None,
         "busy_ports": [],
+        "ephemeral_range": ephemeral,
     }
     if req.get("check_gpus"):
         out["gpus"] = _visible_gpus()
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        out["ephemeral_range"] = [int(low), int(high)]
-    except OSError:
-        out["ephemeral_range"] = None
     owners = _listeners()
     host = req.get("host", "0.0.0.0")
     for port in req.get("ports", []):
@@ -110,9 +122,9 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
-def spawn(req: dict[str, Any]) -> dict[str, Any]:
+def spawn(req: dict[str, Any]) -> SpawnReply:
     """Start each process in a new session; return pid, pgid and create_time per id."""
-    started = {}
+    started: dict[str, Started] = {}
     for proc in req["processes"]:
         cwd = expand(proc["cwd"])
         log_path = Path(expand(proc["log_path"]))
@@ -149,7 +161,7 @@ def spawn(req: dict[str, Any]) -> dict[str, Any]:
     return {"started": started}
 
 
-def wait_ready(req: dict[str, Any]) -> dict[str, Any]:
+def wait_ready(req: dict[str, Any]) -> WaitReadyReply:
     """Poll each target {id, url, pid, create_time} until 200, and check that each ``watch``
     process {id, pid, create_time} lives, until every target is ready, one of them all dies
     (``died``), or the deadline passes. ``ready_ids``: the targets that became ready."""
@@ -195,11 +207,11 @@ def _http_json(url: str, timeout: float) -> Any:
         return None
 
 
-def status(req: dict[str, Any]) -> dict[str, Any]:
-    out = {}
+def status(req: dict[str, Any]) -> StatusReply:
+    out: dict[str, ProcessState] = {}
     for proc in req["processes"]:
         p = same_process(proc["pid"], proc["create_time"])
-        entry: dict[str, Any] = {"alive": p is not None}
+        entry: ProcessState = {"alive": p is not None}
         if p is None and proc.get("exit_file"):
             try:
                 entry["exit_code"] = json.loads(Path(expand(proc["exit_file"])).read_text())["exit_code"]
@@ -224,7 +236,7 @@ def _safe(fn):
         return None
 
 
-def stop(req: dict[str, Any]) -> dict[str, Any]:
+def stop(req: dict[str, Any]) -> StopReply:
     """SIGTERM every group (and any process tagged with the run id), wait, SIGKILL the rest.
 
     A group member counts only if it was created after the group's leader: a reused pgid
@@ -289,7 +301,7 @@ def _signal(p: psutil.Process, sig: int) -> None:
         pass
 
 
-def read(req: dict[str, Any]) -> dict[str, Any]:
+def read(req: dict[str, Any]) -> ReadReply:
     path = Path(expand(req["path"]))
     try:
         size = path.stat().st_size
@@ -309,7 +321,7 @@ def read(req: dict[str, Any]) -> dict[str, Any]:
     return {"size": offset + len(data), "data": data.decode(errors="replace")}
 
 
-def rm(req: dict[str, Any]) -> dict[str, Any]:
+def rm(req: dict[str, Any]) -> RmReply:
     import shutil
 
     removed = []

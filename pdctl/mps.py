@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from pdctl.agent_replies import MpsStartReply, MpsStatusReply, MpsStopReply
 from pdctl.nodeproc import expand, running, same_process
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
@@ -41,7 +42,7 @@ class MpsError(Exception):
     """MPS cannot run on this node; the message says why and what to do."""
 
 
-def start(req: dict[str, Any]) -> dict[str, Any]:
+def start(req: dict[str, Any]) -> MpsStartReply:
     """Make sure a control daemon serves ``pipe_dir``. Returns ``pid``, ``create_time`` and
     ``started`` (false: one was already running and is not ours to stop)."""
     pipe_dir, log_dir = Path(expand(req["pipe_dir"])), Path(expand(req["log_dir"]))
@@ -50,7 +51,7 @@ def start(req: dict[str, Any]) -> dict[str, Any]:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     running = find_daemon(pipe_dir)
     if running is not None and (pipe_dir / CONTROL_PIPE).exists():
-        return {**_identity(running), "started": False, "pipe_dir": str(pipe_dir)}
+        return _start_reply(running, started=False, pipe_dir=pipe_dir)
     binary = shutil.which(CONTROL_BINARY, path=env.get("PATH"))
     if binary is None:
         raise MpsError(
@@ -83,7 +84,7 @@ def start(req: dict[str, Any]) -> dict[str, Any]:
     while time.monotonic() < deadline:
         daemon = find_daemon(pipe_dir)
         if daemon is not None and (pipe_dir / CONTROL_PIPE).exists():
-            return {**_identity(daemon), "started": True, "pipe_dir": str(pipe_dir)}
+            return _start_reply(daemon, started=True, pipe_dir=pipe_dir)
         time.sleep(0.05)
     _kill(_daemon_and_servers(pipe_dir))
     raise MpsError(
@@ -91,7 +92,7 @@ def start(req: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def stop(req: dict[str, Any]) -> dict[str, Any]:
+def stop(req: dict[str, Any]) -> MpsStopReply:
     """Stop the daemon ``pid``/``create_time`` on ``pipe_dir``: ``quit``, then force after
     ``grace_secs``. Returns ``forced`` and ``detail``; a daemon already gone is fine."""
     pipe_dir, log_dir = Path(expand(req["pipe_dir"])), Path(expand(req["log_dir"]))
@@ -124,7 +125,7 @@ def stop(req: dict[str, Any]) -> dict[str, Any]:
     return {"forced": True, "detail": detail, "left": left}
 
 
-def status(req: dict[str, Any]) -> dict[str, Any]:
+def status(req: dict[str, Any]) -> MpsStatusReply:
     """Whether the daemon ``pid``/``create_time`` still runs, and its control pipe exists."""
     pipe_dir = Path(expand(req["pipe_dir"]))
     daemon = same_process(int(req["pid"]), float(req["create_time"]))
@@ -168,8 +169,8 @@ def _is_program(proc: psutil.Process, name: str, daemon: bool = False) -> bool:
     return not daemon or any(a in ("-d", "-f") for a in cmdline[1:])
 
 
-def _identity(proc: psutil.Process) -> dict[str, Any]:
-    return {"pid": proc.pid, "create_time": proc.create_time()}
+def _start_reply(proc: psutil.Process, *, started: bool, pipe_dir: Path) -> MpsStartReply:
+    return {"pid": proc.pid, "create_time": proc.create_time(), "started": started, "pipe_dir": str(pipe_dir)}
 
 
 def _kill(procs: list[psutil.Process]) -> list[int]:

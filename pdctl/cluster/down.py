@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from pdctl.agent_replies import StopReply
 from pdctl.cluster.mps import stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.remote import agent_api
+from pdctl.remote.base import Executor
 from pdctl.roles import Role
 
 GRACE_SECS = 10.0
@@ -58,7 +61,7 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
         store.save(state)
         summary = f"cluster {name!r} is down ({count} processes stopped)"
     if purge:
-        results = nodes.each(state.run_dirs, lambda ex: ex.agent("rm", {"paths": [state.run_dirs[ex.node.name]]}))
+        results = nodes.each(state.run_dirs, lambda ex: agent_api.rm(ex, [state.run_dirs[ex.node.name]]))
         failed = [str(r) for r in results.values() if isinstance(r, RemoteError)]
         if failed:
             raise LifecycleError("purge failed (state kept): " + "; ".join(failed))
@@ -96,10 +99,10 @@ def _stop_phase(state, nodes: NodeSet, records, sweep_nodes: list[str], events: 
     for rec in records:
         events(rec.id, "stopping")
 
-    def stop(ex):
+    def stop(ex: Executor) -> StopReply:
         procs = [{"pid": r.pid, "pgid": r.pgid, "create_time": r.create_time} for r in by_node.get(ex.node.name, [])]
         run_id = state.run_id if ex.node.name in sweep_nodes else None
-        return ex.agent("stop", {"processes": procs, "run_id": run_id, "grace_secs": grace}, timeout=grace + 60)
+        return agent_api.stop(ex, procs, run_id=run_id, grace_secs=grace)
 
     problems = []
     for node, res in nodes.each(targets, stop).items():

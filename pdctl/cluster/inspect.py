@@ -12,6 +12,7 @@ from pdctl.cluster.mps import MpsStatus, daemon_status
 from pdctl.cluster.nodes import NodeSet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.remote import agent_api
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
 
@@ -86,7 +87,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
             query["health_url"] = rec.url + ("/readiness" if rec.role == Role.ROUTER else rec.health_path)
             query["info_url"] = rec.url + ("/workers" if rec.role == Role.ROUTER else Endpoint.MODEL_INFO.value)
         by_node[rec.node].append(query)
-    results = nodes.each(by_node, lambda ex: ex.agent("status", {"processes": by_node[ex.node.name]}, timeout=60))
+    results = nodes.each(by_node, lambda ex: agent_api.status(ex, by_node[ex.node.name], timeout=60))
     out: list[ProcessStatus] = []
     router_workers = None
     for rec in state.processes.values():
@@ -183,14 +184,14 @@ def logs(
                             poll_secs=poll_secs, stop=stop)  # fmt: skip
         return
     ex = nodes.executor(source.node)
-    first = ex.agent("read", {"path": source.log_path, "lines": lines}, timeout=30)
+    first = agent_api.read_tail(ex, source.log_path, lines)
     if "error" in first:
         raise LifecycleError(f"node {source.node}: {first['error']}")
     yield first["data"]
     offset = first["size"]
     while follow and not stop():
         time.sleep(poll_secs)
-        chunk = ex.agent("read", {"path": source.log_path, "offset": offset}, timeout=30)
+        chunk = agent_api.read_from(ex, source.log_path, offset)
         if chunk.get("data"):
             yield chunk["data"]
         offset = chunk.get("size", offset)

@@ -10,12 +10,14 @@ is reused and left running by ``down``. The state file keeps each node's daemon
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from pdctl.agent_replies import MpsStartReply, MpsStopReply
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import Plan
+from pdctl.remote import agent_api
+from pdctl.remote.base import Executor
 
 START_TIMEOUT_SECS = 20.0
 QUIT_GRACE_SECS = 10.0
@@ -41,11 +43,11 @@ def start_daemons(plan: Plan, state: ClusterState, store: StateStore, nodes: Nod
     wanted = {d.node: d for d in plan.mps}
     envs = _node_envs(state)
 
-    def start(ex) -> dict[str, Any]:
+    def start(ex: Executor) -> MpsStartReply:
         d = wanted[ex.node.name]
         request = {"pipe_dir": d.pipe_dir, "log_dir": d.log_dir, "env": envs.get(d.node, {}),
                    "timeout_secs": START_TIMEOUT_SECS}  # fmt: skip
-        return ex.agent("mps-start", request, timeout=START_TIMEOUT_SECS + 60)
+        return agent_api.mps_start(ex, request, timeout=START_TIMEOUT_SECS + 60)
 
     for node in wanted:
         events(f"mps.{node}", "starting the MPS control daemon")
@@ -79,10 +81,10 @@ def stop_daemons(state: ClusterState, nodes: NodeSet, events: Events = quiet) ->
     if not targets:
         return
 
-    def stop(ex) -> dict[str, Any]:
+    def stop(ex: Executor) -> MpsStopReply:
         d = state.mps[ex.node.name]
         request = {**d, "env": envs.get(ex.node.name, {}), "grace_secs": QUIT_GRACE_SECS}
-        return ex.agent("mps-stop", request, timeout=3 * QUIT_GRACE_SECS + 60)
+        return agent_api.mps_stop(ex, request, timeout=3 * QUIT_GRACE_SECS + 60)
 
     for node in targets:
         events(f"mps.{node}", "stopping the MPS control daemon")
@@ -103,7 +105,7 @@ def stop_daemons(state: ClusterState, nodes: NodeSet, events: Events = quiet) ->
 def daemon_status(state: ClusterState, nodes: NodeSet) -> list[MpsStatus]:
     if not state.mps:
         return []
-    results = nodes.each(list(state.mps), lambda ex: ex.agent("mps-status", state.mps[ex.node.name], timeout=60))
+    results = nodes.each(list(state.mps), lambda ex: agent_api.mps_status(ex, state.mps[ex.node.name]))
     out = []
     for node, d in state.mps.items():
         res = results.get(node)

@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from pdctl.agent import RUN_ID_ENV
+from pdctl.agent_replies import SpawnReply, WaitReadyReply
 from pdctl.cluster.down import stop_processes
 from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
@@ -24,6 +25,7 @@ from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, 
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
+from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
 from pdctl.roles import Role
 from pdctl.topology.model import Topology
@@ -134,7 +136,7 @@ def _preflight(top: Topology, plan: Plan, nodes: NodeSet, events: Events) -> Non
     events("preflight", f"checking {len(names)} node(s)")
     results = nodes.each(
         names,
-        lambda ex: ex.agent("preflight", {"ports": sorted(ports[ex.node.name]), "check_gpus": check_gpus}, timeout=60),
+        lambda ex: agent_api.preflight(ex, sorted(ports[ex.node.name]), check_gpus=check_gpus),
     )
     problems = []
     for name, res in results.items():
@@ -170,7 +172,7 @@ def _launch(
         by_node[spec.node].append(spec)
     secrets = _secret_env(top)
 
-    def launch(ex) -> dict[str, Any]:
+    def launch(ex: Executor) -> SpawnReply:
         payload = []
         for spec in by_node[ex.node.name]:
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
@@ -181,7 +183,7 @@ def _launch(
                 entry["exit_file"] = _exit_file(spec)
             payload.append(entry)
             events(spec.id, "starting")
-        return ex.agent("spawn", {"processes": payload}, timeout=120)
+        return agent_api.spawn(ex, payload)
 
     results = nodes.each(list(by_node), launch)
     errors = []
@@ -228,7 +230,7 @@ def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet
         )
     deadline = time.monotonic() + TRAINER_GRACE_SECS
     while True:
-        results = nodes.each(list(by_node), lambda ex: ex.agent("status", {"processes": by_node[ex.node.name]}))
+        results = nodes.each(list(by_node), lambda ex: agent_api.status(ex, by_node[ex.node.name]))
         for res in results.values():
             if isinstance(res, RemoteError):
                 raise res
@@ -288,9 +290,8 @@ def _wait_ready(
         slice_secs = min(left, WATCH_SLICE_SECS) if watched else left
         involved = [n for n in {**targets, **watched} if targets.get(n) or watched.get(n)]
 
-        def wait_ready(ex: Executor, s: float = slice_secs) -> dict[str, Any]:
-            request = {"targets": list(targets[ex.node.name].values()), "watch": watched[ex.node.name]}
-            return ex.agent("wait-ready", {**request, "timeout_secs": s}, timeout=s + 60)
+        def wait_ready(ex: Executor, s: float = slice_secs) -> WaitReadyReply:
+            return agent_api.wait_ready(ex, list(targets[ex.node.name].values()), watched[ex.node.name], s)
 
         results = nodes.each(involved, wait_ready)
         for node, res in results.items():
@@ -315,7 +316,7 @@ def _failure_detail(exc: BaseException, state: ClusterState, nodes: NodeSet) -> 
     if failed and failed in state.processes:
         rec = state.processes[failed]
         try:
-            tail = nodes.executor(rec.node).agent("read", {"path": rec.log_path, "lines": LOG_TAIL_LINES}, timeout=30)
+            tail = agent_api.read_tail(nodes.executor(rec.node), rec.log_path, LOG_TAIL_LINES)
             message += f"\n--- last {LOG_TAIL_LINES} lines of {rec.log_path} on {rec.node} ---\n{tail.get('data', '')}"
         except RemoteError as read_error:
             message += f"\n(could not read its log: {read_error})"

@@ -1,0 +1,96 @@
+"""The node agent's replies, defined once: ``pdctl.agent`` and ``pdctl.mps`` build them, the
+cluster code reads them (through ``pdctl.remote.agent_api``). JSON on the wire; TypedDicts here
+so that a key spelled differently on the two sides is a type error, not a KeyError on a node.
+Light on purpose: the agent imports this on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class BusyPort(TypedDict):
+    port: int
+    pid: int | None
+    name: str | None
+
+
+class _PreflightBase(TypedDict):
+    python: str
+    pdctl: str
+    sglang: bool
+    torch: bool
+    busy_ports: list[dict[str, Any]]  # BusyPort, plus the owner's cmdline when known
+    ephemeral_range: list[int] | None
+
+
+class PreflightReply(_PreflightBase, total=False):
+    gpus: int  # only when asked to check GPUs
+
+
+class Started(TypedDict):
+    pid: int
+    pgid: int
+    create_time: float
+
+
+class SpawnReply(TypedDict):
+    started: dict[str, Started]
+
+
+class _WaitReadyBase(TypedDict):
+    ready: bool
+    ready_ids: list[str]
+
+
+class WaitReadyReply(_WaitReadyBase, total=False):
+    failed: str  # the first target that did not become ready
+    reason: str
+    died: str  # a target or watched process that exited
+
+
+class ProcessState(TypedDict, total=False):
+    alive: bool  # always present
+    exit_code: int | None  # a dead process with an exit file (None: killed before it wrote)
+    uptime_secs: float
+    rss_mb: float | None
+    healthy: bool  # when a health URL was given
+    info: Any  # the JSON of the info URL, None when it did not answer
+
+
+class StatusReply(TypedDict):
+    processes: dict[str, ProcessState]
+
+
+class StopReply(TypedDict):
+    terminated: int
+    killed: int
+    left: list[int]
+
+
+class ReadReply(TypedDict, total=False):
+    size: int  # always present
+    data: str  # always present
+    error: str  # the file could not be read
+
+
+class RmReply(TypedDict):
+    removed: list[str]
+
+
+class MpsStartReply(TypedDict):
+    pid: int
+    create_time: float
+    started: bool  # False: a daemon already served the pipe directory (down leaves it)
+    pipe_dir: str
+
+
+class MpsStopReply(TypedDict, total=False):
+    forced: bool  # always present
+    detail: str  # always present
+    left: list[int]
+
+
+class MpsStatusReply(TypedDict):
+    running: bool
+    control_pipe: bool

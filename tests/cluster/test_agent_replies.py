@@ -1,0 +1,51 @@
+"""What the node agent sends is what pdctl.agent_replies declares (the types mypy checks both
+sides against): every required key present, nothing undeclared. Real commands, through the
+real agent process (LocalExecutor runs ``python -m pdctl.agent``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from pdctl import agent_replies as r
+from pdctl.remote import agent_api
+from pdctl.remote.local import LocalExecutor
+from pdctl.topology.model import Node
+
+
+def conforms(reply: Any, kind: type) -> None:
+    keys = set(reply)
+    required, optional = kind.__required_keys__, kind.__optional_keys__  # type: ignore[attr-defined]
+    assert required <= keys, (kind.__name__, required - keys)
+    assert keys <= required | optional, (kind.__name__, keys - required - optional)
+
+
+def test_each_reply_has_the_declared_keys(tmp_path) -> None:
+    ex = LocalExecutor(Node(name="me", host="127.0.0.1", gpus=0, python=sys.executable))
+    conforms(agent_api.preflight(ex, [1], check_gpus=True), r.PreflightReply)
+    log = tmp_path / "p.log"
+    proc = {"id": "p", "argv": [sys.executable, "-c", "import time; time.sleep(30)"], "env": {},
+            "cwd": str(tmp_path), "log_path": str(log)}  # fmt: skip
+    spawned = agent_api.spawn(ex, [proc])
+    conforms(spawned, r.SpawnReply)
+    started = spawned["started"]["p"]
+    conforms(started, r.Started)
+    try:
+        ident = {"id": "p", "pid": started["pid"], "create_time": started["create_time"]}
+        status = agent_api.status(ex, [ident])
+        conforms(status, r.StatusReply)
+        conforms(status["processes"]["p"], r.ProcessState)
+        ready = agent_api.wait_ready(ex, [{**ident, "url": "http://127.0.0.1:1/"}], [], 0.3)
+        conforms(ready, r.WaitReadyReply)
+        assert ready["ready"] is False and ready["failed"] == "p"
+        conforms(agent_api.read_tail(ex, str(log), 5), r.ReadReply)
+        conforms(agent_api.read_from(ex, str(log), 0), r.ReadReply)
+        conforms(agent_api.read_tail(ex, str(tmp_path / "missing.log"), 5), r.ReadReply)
+    finally:
+        stopped = agent_api.stop(ex, [{"pid": started["pid"], "pgid": started["pgid"],
+                                       "create_time": started["create_time"]}], run_id=None, grace_secs=5)  # fmt: skip
+    conforms(stopped, r.StopReply)
+    assert stopped["left"] == []
+    time.sleep(0.1)
+    conforms(agent_api.rm(ex, [str(tmp_path / "nothing")]), r.RmReply)
