@@ -80,6 +80,10 @@ class LifecycleError(PdctlError):
     """up / down / status / logs could not complete."""
 
 
+class RouterConfigError(PdctlError):
+    """A router setting out of its range; the message names the flag and the rule."""
+
+
 class SimError(PdctlError):
     """The sim engine rejected something; ``status`` is the HTTP status to answer with."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from pdctl.roles import Role
+from pdctl.router.config import flag_of
 from pdctl.sglang import render_extra_args
 from pdctl.topology.model import Node, ServerGroup, Topology
 
@@ -116,10 +117,13 @@ def router_argv(
         argv += ["--prefill-policy", r.prefill_policy]
     if r.decode_policy:
         argv += ["--decode-policy", r.decode_policy]
-    argv += ["--request-timeout-secs", f"{r.request_timeout_secs:g}"]
-    argv += ["--max-concurrent-requests", str(r.max_concurrent_requests)]
-    argv += ["--health-check-interval-secs", f"{r.health_check_interval_secs:g}"]
-    argv += ["--health-failure-threshold", str(r.health_failure_threshold)]
+    for group, name, value in (  # flags spelled once, in the router's settings table
+        ("admission", "request_timeout_secs", f"{r.request_timeout_secs:g}"),
+        ("admission", "max_concurrent_requests", str(r.max_concurrent_requests)),
+        ("health", "interval_secs", f"{r.health_check_interval_secs:g}"),
+        ("health", "failure_threshold", str(r.health_failure_threshold)),
+    ):
+        argv += [flag_of(group, name), value]
     if r.api_key_env:
         argv += ["--api-key-env", r.api_key_env]
     if prefill or decode:

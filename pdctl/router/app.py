@@ -38,14 +38,14 @@ class RouterServer:
         self.config = config
         self.registry = WorkerRegistry(config)
         for w in config.workers:
-            self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.disable_health_check)
+            self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled)
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(config, self.registry, self.metrics)
         self.session: aiohttp.ClientSession | None = None
         self._servers: list[HttpServer] = []
         self.port = config.port
         self.prometheus_port = config.prometheus_port
-        limit = config.max_concurrent_requests
+        limit = config.admission.max_concurrent_requests
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._waiting = 0
         self._open = asyncio.Event()  # cleared while held for a weight update
@@ -72,7 +72,7 @@ class RouterServer:
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
         try:
-            main = HttpServer(self.handle, errors.server_error, max_body=self.config.max_payload_size)
+            main = HttpServer(self.handle, errors.server_error, max_body=self.config.admission.max_payload_size)
             self.port = await self._listen(main, self.config.port)
             if self.config.prometheus_port is not None:
                 metrics_routes = Routes()
@@ -193,12 +193,12 @@ class RouterServer:
         if self._slots is None:
             yield
             return
-        if self._slots.locked() and self._waiting >= self.config.queue_size:
+        if self._slots.locked() and self._waiting >= self.config.admission.queue_size:
             raise RouteError(429, errors.QUEUE_FULL, f"too many requests: {self._waiting} already queued")
         self._waiting += 1
         self.metrics.queued.set(self._waiting)
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.config.queue_timeout_secs)
+            await asyncio.wait_for(self._slots.acquire(), self.config.admission.queue_timeout_secs)
         except asyncio.TimeoutError:
             raise RouteError(408, errors.QUEUE_TIMEOUT, "timed out waiting for a free slot") from None
         finally:
@@ -210,10 +210,10 @@ class RouterServer:
             self._slots.release()
 
     async def _wait_open(self) -> None:
-        """While held for a weight update, new requests wait here (at most max_hold_secs)."""
+        """While held for a weight update, new requests wait here (at most --max-hold-secs)."""
         if not self._open.is_set():
             try:
-                await asyncio.wait_for(self._open.wait(), self.config.max_hold_secs)
+                await asyncio.wait_for(self._open.wait(), self.config.admission.max_hold_secs)
             except asyncio.TimeoutError:
                 raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long") from None
 
@@ -441,10 +441,10 @@ class RouterServer:
             return errors.error_response(400, errors.BAD_REQUEST, "bootstrap_port must be an integer")
         try:
             # Runtime workers join unhealthy and enter rotation after passing health checks.
-            worker = self.registry.add(url, role, port, healthy=self.config.disable_health_check)
+            worker = self.registry.add(url, role, port, healthy=self.config.health.disabled)
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, str(exc))
-        if self.session is not None and not self.config.disable_health_check:
+        if self.session is not None and not self.config.health.disabled:
             await self.registry.check(self.session, worker)
         return json_reply({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
 

@@ -1,10 +1,29 @@
-"""Router settings (frozen). Defaults follow sglang-router 0.3.2 where it has the knob."""
+"""Router settings: frozen, grouped (health, retry, breaker, admission, cache), each group
+checking its own values. Defaults follow sglang-router 0.3.2 where it has the knob.
+
+Every setting that has a command-line flag carries it in its field's metadata (``flag``, help
+text); ``pdctl router``'s parser, its help and the planner's argv are all built from that one
+table (``SETTINGS``), so a flag is spelled once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from pdctl.errors import RouterConfigError
 from pdctl.roles import Role
+
+
+def setting(default: Any, flag: str, help: str) -> Any:
+    """A field with a command-line flag and its help text."""
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
+def _check(ok: bool, flag: str, value: object, rule: str) -> None:
+    if not ok:
+        raise RouterConfigError(f"{flag} {value!r}: must be {rule}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -12,6 +31,138 @@ class WorkerSpec:
     url: str
     role: Role  # an engine role: regular, prefill or decode
     bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    interval_secs: float = setting(
+        10.0, "--health-check-interval-secs", "Seconds between health checks of each worker."
+    )
+    startup_interval_secs: float = setting(
+        0.5,
+        "--worker-startup-check-interval",
+        "Seconds between checks of a worker that is not up yet (sglang-router: 30; pdctl polls faster "
+        "so that an engine enters rotation as soon as it is up).",
+    )
+    timeout_secs: float = setting(5.0, "--health-check-timeout-secs", "A health check slower than this fails.")
+    failure_threshold: int = setting(
+        3, "--health-failure-threshold", "Failed checks in a row that take a worker out of rotation."
+    )
+    success_threshold: int = setting(2, "--health-success-threshold", "Passed checks in a row that bring it back.")
+    first_wait_secs: float = setting(
+        0.0,
+        "--health-first-wait-secs",
+        "Grace after a worker is added before failed checks count (slow engine start-ups).",
+    )
+    disabled: bool = setting(False, "--disable-health-check", "Never check workers (they are always in rotation).")
+
+    def __post_init__(self) -> None:
+        _check(self.interval_secs > 0, "--health-check-interval-secs", self.interval_secs, "> 0")
+        _check(self.startup_interval_secs > 0, "--worker-startup-check-interval", self.startup_interval_secs, "> 0")
+        _check(self.timeout_secs > 0, "--health-check-timeout-secs", self.timeout_secs, "> 0")
+        _check(self.failure_threshold >= 1, "--health-failure-threshold", self.failure_threshold, ">= 1")
+        _check(self.success_threshold >= 1, "--health-success-threshold", self.success_threshold, ">= 1")
+        _check(self.first_wait_secs >= 0, "--health-first-wait-secs", self.first_wait_secs, ">= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryConfig:
+    max_retries: int = setting(5, "--retry-max-retries", "Attempts after the first on a failed or refused request.")
+    initial_backoff_ms: float = setting(50.0, "--retry-initial-backoff-ms", "Wait before the first retry.")
+    max_backoff_ms: float = setting(30000.0, "--retry-max-backoff-ms", "Longest wait between retries.")
+    backoff_multiplier: float = setting(1.5, "--retry-backoff-multiplier", "Each wait is the previous times this.")
+    jitter_factor: float = setting(0.2, "--retry-jitter-factor", "Random fraction added to each wait.")
+    disabled: bool = setting(False, "--disable-retries", "Never retry.")
+
+    def __post_init__(self) -> None:
+        _check(self.max_retries >= 0, "--retry-max-retries", self.max_retries, ">= 0")
+        _check(self.initial_backoff_ms >= 0, "--retry-initial-backoff-ms", self.initial_backoff_ms, ">= 0")
+        _check(
+            self.max_backoff_ms >= self.initial_backoff_ms,
+            "--retry-max-backoff-ms",
+            self.max_backoff_ms,
+            f">= --retry-initial-backoff-ms ({self.initial_backoff_ms:g})",
+        )
+        _check(self.backoff_multiplier >= 1, "--retry-backoff-multiplier", self.backoff_multiplier, ">= 1")
+        _check(0 <= self.jitter_factor <= 1, "--retry-jitter-factor", self.jitter_factor, "in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BreakerConfig:
+    failure_threshold: int = setting(
+        10, "--cb-failure-threshold", "Failures within the window that open a worker's circuit breaker."
+    )
+    success_threshold: int = setting(3, "--cb-success-threshold", "Successes in half-open state that close it again.")
+    timeout_duration_secs: float = setting(
+        60.0, "--cb-timeout-duration-secs", "How long an open breaker keeps the worker out before a trial request."
+    )
+    window_duration_secs: float = setting(120.0, "--cb-window-duration-secs", "Failures older than this are forgotten.")
+    disabled: bool = setting(False, "--disable-circuit-breaker", "No circuit breakers.")
+
+    def __post_init__(self) -> None:
+        _check(self.failure_threshold >= 1, "--cb-failure-threshold", self.failure_threshold, ">= 1")
+        _check(self.success_threshold >= 1, "--cb-success-threshold", self.success_threshold, ">= 1")
+        _check(self.timeout_duration_secs >= 0, "--cb-timeout-duration-secs", self.timeout_duration_secs, ">= 0")
+        _check(self.window_duration_secs > 0, "--cb-window-duration-secs", self.window_duration_secs, "> 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    max_concurrent_requests: int = setting(-1, "--max-concurrent-requests", "Requests served at once; -1: no limit.")
+    queue_size: int = setting(
+        100,
+        "--queue-size",
+        "Requests that may wait for a slot once --max-concurrent-requests are running; beyond: 429.",
+    )
+    queue_timeout_secs: float = setting(
+        60.0, "--queue-timeout-secs", "How long a request may wait for a slot; beyond: 408."
+    )
+    max_payload_size: int = setting(512 * 1024 * 1024, "--max-payload-size", "Bytes; a larger request body gets 413.")
+    request_timeout_secs: float = setting(1800.0, "--request-timeout-secs", "Whole-request limit, streams included.")
+    max_hold_secs: float = setting(
+        600.0,
+        "--max-hold-secs",
+        "Longest a weight push may hold new requests (/pdctl/hold) before they flow again.",
+    )
+
+    def __post_init__(self) -> None:
+        m = self.max_concurrent_requests
+        _check(m == -1 or m >= 1, "--max-concurrent-requests", m, "-1 (no limit) or >= 1")
+        _check(self.queue_size >= 0, "--queue-size", self.queue_size, ">= 0")
+        _check(self.queue_timeout_secs > 0, "--queue-timeout-secs", self.queue_timeout_secs, "> 0")
+        _check(self.max_payload_size >= 1, "--max-payload-size", self.max_payload_size, ">= 1")
+        _check(self.request_timeout_secs > 0, "--request-timeout-secs", self.request_timeout_secs, "> 0")
+        _check(self.max_hold_secs > 0, "--max-hold-secs", self.max_hold_secs, "> 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The cache_aware policy's settings."""
+
+    cache_threshold: float = setting(
+        0.3, "--cache-threshold", "cache_aware: prefix-match ratio above which the matching worker is chosen."
+    )
+    balance_abs_threshold: int = setting(
+        64, "--balance-abs-threshold", "cache_aware: load difference (requests) above which it balances instead."
+    )
+    balance_rel_threshold: float = setting(
+        1.5, "--balance-rel-threshold", "cache_aware: load ratio above which it balances instead."
+    )
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.cache_threshold <= 1, "--cache-threshold", self.cache_threshold, "in [0, 1]")
+        _check(self.balance_abs_threshold >= 0, "--balance-abs-threshold", self.balance_abs_threshold, ">= 0")
+        _check(self.balance_rel_threshold >= 1, "--balance-rel-threshold", self.balance_rel_threshold, ">= 1")
+
+
+GROUPS: dict[str, type] = {
+    "health": HealthConfig,
+    "retry": RetryConfig,
+    "breaker": BreakerConfig,
+    "admission": AdmissionConfig,
+    "cache": CacheConfig,
+}
+"""RouterConfig's setting groups, by attribute name."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,36 +177,49 @@ class RouterConfig:
     decode_policy: str | None = None
     api_key: str | None = field(default=None, repr=False)
     """Never logged (repr=False)."""
-    request_timeout_secs: float = 1800.0
-    max_concurrent_requests: int = -1
-    queue_size: int = 100
-    queue_timeout_secs: float = 60.0
-    max_payload_size: int = 512 * 1024 * 1024
-    """Bytes; a larger request body is answered 413 (sglang-router's and smg's default)."""
-    health_check_interval_secs: float = 10.0
-    worker_startup_check_interval: float = 0.5
-    """Seconds between checks while a worker has never answered (sglang-router: 30; pdctl polls
-    faster so that an engine enters rotation as soon as it is up)."""
-    health_check_timeout_secs: float = 5.0
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    health_first_wait_secs: float = 0.0
-    """Failures during this long after a worker registers are not counted (cold starts)."""
-    disable_health_check: bool = False
-    retry_max_retries: int = 5
-    retry_initial_backoff_ms: float = 50.0
-    retry_max_backoff_ms: float = 30000.0
-    retry_backoff_multiplier: float = 1.5
-    retry_jitter_factor: float = 0.2
-    disable_retries: bool = False
-    cb_failure_threshold: int = 10
-    cb_success_threshold: int = 3
-    cb_timeout_duration_secs: float = 60.0
-    cb_window_duration_secs: float = 120.0
-    """Failures are counted in windows of this length from the first one; older ones are forgotten."""
-    disable_circuit_breaker: bool = False
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    max_hold_secs: float = 600.0
-    """How long requests may wait while the router is held for a weight update."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table: a group's field and its flag."""
+
+    group: str
+    name: str
+    flag: str
+    help: str
+    default: Any
+    kind: type
+
+    @property
+    def dest(self) -> str:
+        return f"{self.group}.{self.name}"
+
+
+def _settings() -> Iterator[Setting]:
+    for group, cls in GROUPS.items():
+        for f in fields(cls):
+            kind = {"int": int, "float": float, "bool": bool}[str(f.type)]
+            yield Setting(group, f.name, f.metadata["flag"], f.metadata["help"], f.default, kind)
+
+
+SETTINGS: tuple[Setting, ...] = tuple(_settings())
+"""Every grouped setting with its flag: the one place flags are spelled."""
+
+
+def flag_of(group: str, name: str) -> str:
+    """The command-line flag of ``group.name`` (e.g. ``health``, ``interval_secs``)."""
+    for s in SETTINGS:
+        if s.group == group and s.name == name:
+            return s.flag
+    raise KeyError(f"no router setting {group}.{name}")
+
+
+def grouped(values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Group configs from ``{group: {name: value}}`` (missing ones keep their defaults);
+    RouterConfigError for a value a group refuses."""
+    return {group: cls(**values.get(group, {})) for group, cls in GROUPS.items()}

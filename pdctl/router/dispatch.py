@@ -15,7 +15,7 @@ style.md R9):
 - a 429 or 503 from a live worker is backpressure: retried on another pair after a backoff,
   within the request timeout, without using the retry budget or touching the breaker;
 - a connection error or another 5xx is retried on a freshly selected pair with a new bootstrap
-  room, with exponential backoff and jitter, at most ``retry_max_retries`` times, and only
+  room, with exponential backoff and jitter, at most ``retry.max_retries`` (``--retry-max-retries``) times, and only
   while nothing has been sent to the client; it counts against the worker's breaker;
 - a leg that times out (``request_timeout_secs``) ends the request with a 504, not retried;
 - a worker's 4xx is the client's fault: returned as is, never retried, and it counts as a
@@ -146,7 +146,7 @@ class Dispatcher:
         self.decode_policy = policy_class(config.decode_policy or config.policy).from_config(config)
         self.regular_policy = policy_class(config.policy).from_config(config)
         self.upstream = UpstreamPool()
-        self._timeout = config.request_timeout_secs
+        self._timeout = config.admission.request_timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # every leg in flight; cancelled by close()
 
@@ -209,7 +209,7 @@ class Dispatcher:
         worker's own 5xx answer, as sglang-router and smg pass it, or 502 when no worker
         answered), unless it is backpressure, which waits for capacity within the request
         timeout (then 503)."""
-        budget = 1 if self.config.disable_retries else 1 + self.config.retry_max_retries
+        budget = 1 if self.config.retry.disabled else 1 + self.config.retry.max_retries
         failures = busy = 0
         deadline = time.monotonic() + self._timeout
         while True:
@@ -400,9 +400,9 @@ class Dispatcher:
 
     async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: Headers) -> bool:
         """Continue a stream whose decode died on a new pair of the same weight version (see
-        pdctl.router.resume); False when it cannot, after at most ``retry_max_retries`` pairs."""
+        pdctl.router.resume); False when it cannot, after at most ``retry.max_retries`` pairs."""
         done = progress_of(last)
-        for _ in range(max(1, self.config.retry_max_retries)):
+        for _ in range(max(1, self.config.retry.max_retries)):
             if done is None:
                 return False
             if remaining_tokens(resume.body, done) <= 0:
@@ -531,8 +531,8 @@ class Dispatcher:
 
     def _backoff(self, attempt: int) -> float:
         c = self.config
-        base = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier**attempt, c.retry_max_backoff_ms)
-        return base * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000
+        base = min(c.retry.initial_backoff_ms * c.retry.backoff_multiplier**attempt, c.retry.max_backoff_ms)
+        return base * (1 + random.uniform(-c.retry.jitter_factor, c.retry.jitter_factor)) / 1000
 
 
 @dataclass(frozen=True)

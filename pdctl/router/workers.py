@@ -129,7 +129,7 @@ class WorkerRegistry:
         for w in self.workers.values():
             if w.role != role or not w.healthy or w.quarantined:
                 continue
-            if not self.config.disable_circuit_breaker and w.cb_open_until > now:
+            if not self.config.breaker.disabled and w.cb_open_until > now:
                 continue
             out.append(w)
         return out
@@ -152,7 +152,7 @@ class WorkerRegistry:
         One state, read the same way by selection, ``/workers`` and the log: open while
         ``cb_open_until`` is ahead; then half-open, when only trial requests' outcomes count
         (answers to requests sent before the circuit opened neither close nor extend it)."""
-        if self.config.disable_circuit_breaker:
+        if self.config.breaker.disabled:
             return
         now = time.monotonic()
         if worker.cb_open_until > now:
@@ -161,24 +161,24 @@ class WorkerRegistry:
             worker.cb_failures = 0
             if worker.cb_half_open:
                 worker.cb_successes += 1
-                if worker.cb_successes >= self.config.cb_success_threshold:
+                if worker.cb_successes >= self.config.breaker.success_threshold:
                     worker.cb_half_open = False
                     worker.cb_open_until = 0.0
                     log.info("circuit closed for %s", worker.url)
             return
         worker.cb_successes = 0
-        if now - worker.cb_window_start > self.config.cb_window_duration_secs:
+        if now - worker.cb_window_start > self.config.breaker.window_duration_secs:
             worker.cb_failures, worker.cb_window_start = 0, now  # older failures are forgotten
         worker.cb_failures += 1
-        if worker.cb_half_open or worker.cb_failures >= self.config.cb_failure_threshold:
-            worker.cb_open_until = now + self.config.cb_timeout_duration_secs
+        if worker.cb_half_open or worker.cb_failures >= self.config.breaker.failure_threshold:
+            worker.cb_open_until = now + self.config.breaker.timeout_duration_secs
             worker.cb_half_open = True  # after the timeout, trial requests decide
             worker.cb_failures = 0
-            log.warning("circuit opened for %s for %.0fs", worker.url, self.config.cb_timeout_duration_secs)
+            log.warning("circuit opened for %s for %.0fs", worker.url, self.config.breaker.timeout_duration_secs)
 
     # -- health -----------------------------------------------------------------------------------
     def start(self, session: aiohttp.ClientSession) -> None:
-        if not self.config.disable_health_check:
+        if not self.config.health.disabled:
             self._task = asyncio.create_task(self._health_loop(session), name="pdctl-router-health")
 
     async def stop(self) -> None:
@@ -193,9 +193,9 @@ class WorkerRegistry:
             waiting = any(not w.activated for w in self.workers.values())
             c = self.config
             await asyncio.sleep(
-                min(c.worker_startup_check_interval, c.health_check_interval_secs)
+                min(c.health.startup_interval_secs, c.health.interval_secs)
                 if waiting
-                else c.health_check_interval_secs
+                else c.health.interval_secs
             )
             await self.check_all(session)
 
@@ -205,7 +205,7 @@ class WorkerRegistry:
             await asyncio.gather(*(self.check(session, w) for w in workers))
 
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs)
+        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_secs)
         ok = False
         try:
             async with session.get(worker.url + Endpoint.HEALTH.value, timeout=timeout) as resp:
@@ -230,15 +230,15 @@ class WorkerRegistry:
             if not worker.activated:
                 worker.activated = worker.healthy = True
                 log.info("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
-            elif not worker.healthy and worker.consecutive_successes >= c.health_success_threshold:
+            elif not worker.healthy and worker.consecutive_successes >= c.health.success_threshold:
                 worker.healthy = True
                 log.info("worker %s is healthy again", worker.url)
             return
-        if not worker.activated or time.monotonic() - worker.registered_at < c.health_first_wait_secs:
+        if not worker.activated or time.monotonic() - worker.registered_at < c.health.first_wait_secs:
             return  # still starting, or in the cold-start grace: compiling engines answer late
         worker.consecutive_successes = 0
         worker.consecutive_failures += 1
-        if worker.healthy and worker.consecutive_failures >= c.health_failure_threshold:
+        if worker.healthy and worker.consecutive_failures >= c.health.failure_threshold:
             worker.healthy = False
             log.warning("worker %s is unhealthy (%d failed checks)", worker.url, worker.consecutive_failures)
 

@@ -143,7 +143,7 @@ class ServerGroup:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RouterConfig:
+class RouterSpec:
     node: str | None = None
     """Node that runs the router; None = the first node."""
     host: str = "127.0.0.1"
@@ -220,7 +220,7 @@ class Topology:
     port_base: int = DEFAULT_PORT_BASE
     allocation: str | None = None
     groups: tuple[ServerGroup, ...] = ()
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RouterSpec = field(default_factory=RouterSpec)
     trainer: TrainerConfig | None = None
     weights: WeightsConfig | None = None
     placement: Placement = field(default_factory=Placement)
@@ -278,7 +278,7 @@ class Topology:
             port_base=raw.get("ports", {}).get("base", DEFAULT_PORT_BASE),
             allocation=raw.get("allocation"),
             groups=tuple(groups),
-            router=RouterConfig(**r),
+            router=RouterSpec(**r),
             trainer=trainer,
             weights=weights,
             placement=placement,

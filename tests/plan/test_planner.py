@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -188,3 +189,28 @@ def test_sim_multinode_example_plans_one_engine_over_two_nodes() -> None:
     decode = next(e for e in plan.engines if e.id == "decode-0")
     assert decode.process_ids == ("decode-0.h1", "decode-0.h2") and decode.gpus == 4
     assert plan.weight_group is not None and plan.weight_group.world_size == 1 + 1 + 4
+
+
+def test_the_router_parses_its_planned_argv_into_the_topologys_settings() -> None:
+    """The planner writes the router's flags from the router's own settings table: the real
+    parser reads them back into the values the topology asked for."""
+    from pdctl.router.cli import build_parser, config_from_args
+
+    plan = plan_of("1node-1p1d.yaml")
+    top, _ = load_topology(REPO / "topologies" / "1node-1p1d.yaml")
+    argv = list(plan.router.argv)
+    args = argv[argv.index("router") + 1 :]
+    parser = build_parser()
+    env_name = flag(plan.router.argv, "--api-key-env")
+    os.environ[env_name] = "test-key"  # the router reads its key from the variable the plan names
+    try:
+        config = config_from_args(parser.parse_args(args), parser)
+    finally:
+        del os.environ[env_name]
+    r = top.router
+    assert config.admission.request_timeout_secs == r.request_timeout_secs
+    assert config.admission.max_concurrent_requests == r.max_concurrent_requests
+    assert config.health.interval_secs == r.health_check_interval_secs
+    assert config.health.failure_threshold == r.health_failure_threshold
+    assert config.policy == r.policy and config.api_key == "test-key"
+    assert len(config.workers) == len(plan.engines)

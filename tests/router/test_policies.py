@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from pdctl.router import RouterConfig, WorkerRegistry, make_policy
-from pdctl.router.policies import RequestContext
-from pdctl.router.workers import Worker
+from pdctl.router.config import BreakerConfig, CacheConfig, HealthConfig, RouterConfig
+from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.workers import Worker, WorkerRegistry
 
 
 def workers(n: int) -> list[Worker]:
@@ -50,7 +50,7 @@ def test_unknown_policy_lists_the_valid_names() -> None:
 
 
 def test_health_thresholds_and_first_wait() -> None:
-    reg = WorkerRegistry(RouterConfig(health_failure_threshold=2, health_success_threshold=2, health_first_wait_secs=0))
+    reg = WorkerRegistry(RouterConfig(health=HealthConfig(failure_threshold=2, success_threshold=2, first_wait_secs=0)))
     w = reg.add("http://a", "decode")
     reg.observe_health(w, False)
     assert not w.healthy and not w.activated  # still starting: out of rotation, failure not counted
@@ -64,7 +64,7 @@ def test_health_thresholds_and_first_wait() -> None:
     assert not w.healthy
     reg.observe_health(w, True)
     assert w.healthy
-    grace = WorkerRegistry(RouterConfig(health_failure_threshold=1, health_first_wait_secs=60))
+    grace = WorkerRegistry(RouterConfig(health=HealthConfig(failure_threshold=1, first_wait_secs=60)))
     g = grace.add("http://b", "decode")
     grace.observe_health(g, True)
     grace.observe_health(g, False)
@@ -72,14 +72,15 @@ def test_health_thresholds_and_first_wait() -> None:
 
 
 def test_circuit_breaker_opens_and_half_opens() -> None:
-    reg = WorkerRegistry(RouterConfig(cb_failure_threshold=2, cb_success_threshold=1, cb_timeout_duration_secs=0))
+    breaker = BreakerConfig(failure_threshold=2, success_threshold=1, timeout_duration_secs=0)
+    reg = WorkerRegistry(RouterConfig(breaker=breaker))
     w = reg.add("http://a", "prefill", 8998, healthy=True)
     reg.record(w, False)
     reg.record(w, False)
     assert w.cb_half_open
     reg.record(w, True)
     assert not w.cb_half_open
-    slow = WorkerRegistry(RouterConfig(cb_failure_threshold=1, cb_timeout_duration_secs=60))
+    slow = WorkerRegistry(RouterConfig(breaker=BreakerConfig(failure_threshold=1, timeout_duration_secs=60)))
     s = slow.add("http://b", "prefill", 8998, healthy=True)
     slow.record(s, False)
     assert slow.routable("prefill") == []  # open circuit: out of rotation until the timeout
@@ -124,7 +125,7 @@ def test_prefix_hash_groups_by_prefix_and_passes_an_overloaded_worker() -> None:
 
 
 def test_breaker_forgets_failures_older_than_its_window() -> None:
-    reg = WorkerRegistry(RouterConfig(cb_failure_threshold=3, cb_window_duration_secs=120))
+    reg = WorkerRegistry(RouterConfig(breaker=BreakerConfig(failure_threshold=3, window_duration_secs=120)))
     w = reg.add("http://w0", "decode", None, healthy=True)
     reg.record(w, False)
     reg.record(w, False)
@@ -139,12 +140,34 @@ def test_breaker_forgets_failures_older_than_its_window() -> None:
 def test_policies_are_configured_from_the_router_settings_and_refuse_unknown_options() -> None:
     """Each policy takes what it needs from the router's settings (cache_aware: its thresholds);
     an option a policy does not take is an error, not silently dropped."""
-    from pdctl.router.config import RouterConfig
     from pdctl.router.policies import policy_class
 
-    config = RouterConfig(policy="cache_aware", cache_threshold=0.7, balance_abs_threshold=9)
+    config = RouterConfig(policy="cache_aware", cache=CacheConfig(cache_threshold=0.7, balance_abs_threshold=9))
     policy = policy_class("cache_aware").from_config(config)
     assert (policy.cache_threshold, policy.abs_threshold, policy.rel_threshold) == (0.7, 9, 1.5)
     assert type(policy_class("round_robin").from_config(config)).__name__ == "RoundRobinPolicy"
     with pytest.raises(TypeError):
         make_policy("round_robin", seed=1)
+
+
+def test_router_settings_check_themselves_and_the_cli_names_the_flag(capsys) -> None:
+    """Each settings group refuses values out of range at construction; `pdctl router` turns
+    that into a usage error (exit 2) naming the flag and the rule."""
+    from pdctl.errors import RouterConfigError
+    from pdctl.router.cli import build_parser, config_from_args
+    from pdctl.router.config import SETTINGS, RetryConfig
+
+    with pytest.raises(RouterConfigError, match="--health-failure-threshold 0: must be >= 1"):
+        HealthConfig(failure_threshold=0)
+    with pytest.raises(RouterConfigError, match="--retry-max-backoff-ms"):
+        RetryConfig(initial_backoff_ms=100, max_backoff_ms=10)
+    parser = build_parser()
+    with pytest.raises(SystemExit) as info:
+        config_from_args(parser.parse_args(["--cb-window-duration-secs", "0"]), parser)
+    assert info.value.code == 2 and "--cb-window-duration-secs 0.0: must be > 0" in capsys.readouterr().err
+    # one table: every grouped setting has a distinct flag the parser knows, with help and default
+    flags = [s.flag for s in SETTINGS]
+    known = {o for a in parser._actions for o in a.option_strings}
+    assert len(flags) == len(set(flags)) == 27 and set(flags) <= known
+    config = config_from_args(parser.parse_args(["--queue-size", "7", "--disable-retries"]), parser)
+    assert config.admission.queue_size == 7 and config.retry.disabled and config.breaker == BreakerConfig()

@@ -36,7 +36,7 @@ class CacheAwarePolicy(Policy):
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> CacheAwarePolicy:
-        return cls(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
+        return cls(config.cache.cache_threshold, config.cache.balance_abs_threshold, config.cache.balance_rel_threshold)
 
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
         least = min(workers, key=lambda w: w.load)
