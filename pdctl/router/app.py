@@ -26,6 +26,7 @@ from pdctl.router.dispatch import Dispatcher, Headers, RouteError
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.server import HttpServer, Reply, Request, Routes, json_reply, text_reply
+from pdctl.router.upstream import Upstream
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
@@ -34,13 +35,15 @@ OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, *, upstream: Upstream | None = None):
+        """``upstream``: how requests reach engines (real connections unless given; tests pass a
+        ``MockUpstream``). Health checks, fan-outs and proxied GETs always use real HTTP."""
         self.config = config
         self.registry = WorkerRegistry(config)
         for w in config.workers:
             self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled)
         self.metrics = RouterMetrics()
-        self.dispatcher = Dispatcher(config, self.registry, self.metrics)
+        self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream)
         self.session: aiohttp.ClientSession | None = None
         self._servers: list[HttpServer] = []
         self.port = config.port

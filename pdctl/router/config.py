@@ -118,7 +118,9 @@ class AdmissionConfig:
         60.0, "--queue-timeout-secs", "How long a request may wait for a slot; beyond: 408."
     )
     max_payload_size: int = setting(512 * 1024 * 1024, "--max-payload-size", "Bytes; a larger request body gets 413.")
-    request_timeout_secs: float = setting(1800.0, "--request-timeout-secs", "Whole-request limit, streams included.")
+    request_timeout_secs: float = setting(
+        1800.0, "--request-timeout-secs", "Limit on a worker's answer (a stream's: until its first event)."
+    )
     max_hold_secs: float = setting(
         600.0,
         "--max-hold-secs",

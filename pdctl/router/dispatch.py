@@ -45,7 +45,7 @@ from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, policy_class
 from pdctl.router.resume import continuation_body, progress_of, remaining_tokens, resumable, rewrite
 from pdctl.router.server import STREAMED, Reply, Request
-from pdctl.router.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
+from pdctl.router.upstream import Response, Upstream, UpstreamError, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
 
@@ -138,14 +138,17 @@ Outcome = Reply | Retry | Stop
 
 
 class Dispatcher:
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics):
+    def __init__(
+        self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics, upstream: Upstream | None = None
+    ):
+        """``upstream``: how engines are reached (the real connection pool unless given)."""
         self.config = config
         self.registry = registry
         self.metrics = metrics
         self.prefill_policy = policy_class(config.prefill_policy or config.policy).from_config(config)
         self.decode_policy = policy_class(config.decode_policy or config.policy).from_config(config)
         self.regular_policy = policy_class(config.policy).from_config(config)
-        self.upstream = UpstreamPool()
+        self.upstream: Upstream = upstream if upstream is not None else UpstreamPool()
         self._timeout = config.admission.request_timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # every leg in flight; cancelled by close()
@@ -354,32 +357,29 @@ class Dispatcher:
     ) -> Outcome:
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
         d_head = self._leg(decode, self._open_stream(decode, path, wire, headers))
-        upstream: Response | None = None
+        opened: _Opened | Leg | None = None
         keep_prefill = False
         try:
-            head = await self._race(p_task, d_head)
-            if head is None:
+            opened = await self._open_decode(p_task, d_head, decode)
+            if opened is None:
                 return self._prefill_ended(prefill, p_task.result(), headers)
-            if isinstance(head, Leg):  # no head: connection error or timeout
-                return await self._decode_failed(prefill, p_task, decode, head, headers)
-            upstream = head
-            if upstream.status >= 400:
-                leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
-                if leg.server_failed or leg.status in BACKPRESSURE:
-                    return await self._decode_failed(prefill, p_task, decode, leg, headers)
+            if isinstance(opened, Leg):  # no stream: a failure, or an error status
+                if opened.server_failed or opened.status in BACKPRESSURE:
+                    return await self._decode_failed(prefill, p_task, decode, opened, headers)
                 self.registry.record(decode, True)
-                return _respond(leg, headers)
+                return _respond(opened, headers)
             prefix = None
             if with_logprobs:
                 p_leg = await p_task
                 if p_leg.ends_request:
                     return self._prefill_ended(prefill, p_leg, headers)
                 prefix = _first_input_logprobs(p_leg)
+            upstream = opened.response
             with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
                 last, error = await _pump(
                     resp,
-                    _sse_events(upstream),
+                    opened.events(),
                     functools.partial(_prepend_logprobs, prefix=prefix) if prefix is not None else None,
                 )
                 keep_prefill = True
@@ -394,9 +394,35 @@ class Dispatcher:
             await resp.end()
             return STREAMED
         finally:
-            if upstream is not None:
-                upstream.close()
+            if isinstance(opened, _Opened):
+                opened.response.close()
             await _cancel(None if keep_prefill else p_task, d_head)
+
+    async def _open_decode(
+        self, p_task: asyncio.Task[Leg], d_head: asyncio.Task, decode: Worker
+    ) -> _Opened | Leg | None:
+        """Decode's stream once its first event came; a Leg when it gave none (a failure, or
+        an error status with its body); None when the prefill ended the request first.
+
+        SGLang sends a stream's head before the request even reaches the scheduler, so the
+        head proves nothing: the first event does (it comes once the KV did). Until then the
+        prefill can still end the request, and nothing has reached the client, so a failure
+        is still retried on another pair."""
+        head = await self._race(p_task, d_head)
+        if head is None or isinstance(head, Leg):
+            return head
+        if head.status >= 400:
+            return Leg(head.status, await head.read(), head.content_type)
+        events = _sse_events(head)
+        try:
+            first = await self._race(p_task, self._leg(decode, _first_event(events, self._timeout)))
+        except BaseException:
+            head.close()
+            raise
+        if first is None or isinstance(first, BaseException):
+            head.close()
+            return None if first is None else Leg(error=first)
+        return _Opened(head, first, events)
 
     async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: Headers) -> bool:
         """Continue a stream whose decode died on a new pair of the same weight version (see
@@ -423,17 +449,16 @@ class Dispatcher:
             log.warning("stream %s: decode failed after %d tokens; continuing on %s", done.rid, done.tokens, decode.url)
             p_task = self._leg(prefill, self._post(prefill, resume.path, wire, headers))
             d_head = self._leg(decode, self._open_stream(decode, resume.path, wire, headers))
-            upstream: Response | None = None
+            opened: _Opened | Leg | None = None
             keep_prefill = False
             try:
-                head = await self._race(p_task, d_head)
-                if head is None or isinstance(head, Leg) or head.status >= 400:
-                    if isinstance(head, Leg):
-                        self._verdict(decode, head, errors.DECODE_FAILED)
+                opened = await self._open_decode(p_task, d_head, decode)
+                if not isinstance(opened, _Opened):
+                    if isinstance(opened, Leg) and opened.server_failed:
+                        self._verdict(decode, opened, errors.DECODE_FAILED)
                     continue
-                upstream = head
                 with self.registry.in_flight(decode):
-                    last, error = await _pump(resp, _sse_events(upstream), functools.partial(rewrite, done=done))
+                    last, error = await _pump(resp, opened.events(), functools.partial(rewrite, done=done))
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
                 if error is None:
@@ -443,8 +468,8 @@ class Dispatcher:
                 self.registry.mark_failed(decode)
                 done = progress_of(last) or done
             finally:
-                if upstream is not None:
-                    upstream.close()
+                if isinstance(opened, _Opened):
+                    opened.response.close()
                 await _cancel(None if keep_prefill else p_task, d_head)
         return False
 
@@ -536,6 +561,32 @@ class Dispatcher:
 
 
 @dataclass(frozen=True)
+class _Opened:
+    """A decode stream whose first event has come (and not yet been sent on)."""
+
+    response: Response
+    first: bytes
+    rest: AsyncIterator[bytes]
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield self.first
+        async for event in self.rest:
+            yield event
+
+
+async def _first_event(events: AsyncIterator[bytes], timeout: float) -> bytes | BaseException:
+    """The first event of a stream, or why there is none (UpstreamTimeout after ``timeout``)."""
+    try:
+        return await asyncio.wait_for(events.__anext__(), timeout)
+    except asyncio.TimeoutError:
+        return UpstreamTimeout("no first event within the request timeout")
+    except StopAsyncIteration:
+        return UpstreamError("the stream ended before its first event")
+    except (UpstreamError, OSError) as exc:
+        return exc
+
+
+@dataclass(frozen=True)
 class _Resume:
     """What continuing a stream elsewhere needs: the client's request."""
 
@@ -572,12 +623,16 @@ def _chosen(worker: Worker | None, role: Role) -> Worker:
 
 
 def _aborted(body: bytes) -> bool:
-    """True for an engine's 200 whose (first) item finished with an abort (SGLang's shape)."""
+    """True for an engine's 200 whose (first) item finished with an abort (SGLang's shape),
+    whole or streamed (a prefill asked to stream answers in events)."""
     if b'"abort"' not in body:
         return False
     try:
-        data = loads(body)
-    except ValueError:
+        if body.startswith(b"data: "):
+            data = next(loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {") and b'"abort"' in e)
+        else:
+            data = loads(body)
+    except (ValueError, StopIteration):
         return False
     item = data[0] if isinstance(data, list) and data else data
     reason = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None

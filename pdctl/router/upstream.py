@@ -6,6 +6,9 @@ router needs: POST a JSON body, read a Content-Length or chunked response, whole
 stream; pooled connections per host; a connection that was reused and died before any
 answer is retried once on a fresh one. Cancelling a request closes its connection, so the
 engine sees the client go away and aborts the request.
+
+``Upstream`` is the interface the dispatcher uses; ``UpstreamPool`` is the real one and
+``pdctl.router.mock_upstream.MockUpstream`` an in-memory one for tests.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -28,18 +31,34 @@ class UpstreamTimeout(UpstreamError):
     """No complete answer within the request timeout."""
 
 
+class BodySource(Protocol):
+    """Where a streamed response's body comes from (a connection, or a test's chunks)."""
+
+    def body_chunks(self) -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive; raises UpstreamError if it ends before complete."""
+        ...
+
+    def finished(self) -> bool:
+        """True once the whole body was read."""
+        ...
+
+    def close(self) -> None:
+        """Stop reading: the sender sees the reader go away."""
+        ...
+
+
 @dataclass
 class Response:
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
     content_type: str = "application/json"
-    _conn: _Conn | None = field(default=None, repr=False)
+    _source: BodySource | None = field(default=None, repr=False)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (streamed responses only)."""
-        assert self._conn is not None
-        async for chunk in self._conn.body_chunks():
+        assert self._source is not None
+        async for chunk in self._source.body_chunks():
             yield chunk
 
     async def read(self) -> bytes:
@@ -48,8 +67,25 @@ class Response:
 
     def close(self) -> None:
         """Drop the connection unless the response was read to the end (then it is pooled)."""
-        if self._conn is not None and not self._conn.done.done():
-            self._conn.close()
+        if self._source is not None and not self._source.finished():
+            self._source.close()
+
+
+class Upstream(Protocol):
+    """How the router talks to engines: POST a JSON body, get the answer (or its head)."""
+
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], *, stream: bool = False, timeout: float | None = None
+    ) -> Response:
+        """The whole response, or (``stream``) status and headers with ``chunks()`` to read.
+
+        Raises UpstreamError when the connection fails, UpstreamTimeout when ``timeout`` passes.
+        Cancelling it closes the connection (the engine sees the client go away)."""
+        ...
+
+    def close(self) -> None:
+        """Close every connection."""
+        ...
 
 
 class _Conn(asyncio.Protocol):
@@ -144,6 +180,9 @@ class _Conn(asyncio.Protocol):
         finally:
             self.pool.release(self)
 
+    def finished(self) -> bool:
+        return self.done.done()
+
     def _cancel_timer(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -157,6 +196,8 @@ class _Conn(asyncio.Protocol):
 
 
 class UpstreamPool:
+    """The real Upstream: pooled HTTP/1.1 keep-alive connections per host."""
+
     def __init__(self, *, max_idle_per_host: int = 256):
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = collections.defaultdict(collections.deque)
         self.max_idle = max_idle_per_host
@@ -197,11 +238,7 @@ class UpstreamPool:
     async def post(
         self, url: str, body: bytes, headers: dict[str, str], *, stream: bool = False, timeout: float | None = None
     ) -> Response:
-        """POST; the whole response, or (stream) status and headers with ``chunks()`` to read.
-
-        Raises UpstreamError when the connection fails or ``timeout`` passes. Cancelling
-        closes the connection.
-        """
+        """See ``Upstream.post``."""
         key, prefix = self._target(url)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         data = prefix + f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
@@ -221,7 +258,7 @@ class UpstreamPool:
                 conn.transport.write(data)
                 if stream:
                     status = await conn.head
-                    return Response(status, conn.headers, content_type=_content_type(conn.headers), _conn=conn)
+                    return Response(status, conn.headers, content_type=_content_type(conn.headers), _source=conn)
                 await conn.done  # one wake-up per request: the head is complete when the message is
                 status = conn.head.result()
             except UpstreamError:

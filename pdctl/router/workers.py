@@ -224,6 +224,8 @@ class WorkerRegistry:
 
     def observe_health(self, worker: Worker, ok: bool) -> None:
         c = self.config
+        if c.health.disabled:
+            return  # always in rotation: nothing would bring it back
         if ok:
             worker.consecutive_failures = 0
             worker.consecutive_successes += 1
