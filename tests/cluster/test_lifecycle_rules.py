@@ -1,0 +1,160 @@
+"""The cluster code's rules on two in-memory nodes (tests/cluster/fake_nodes.py), in milliseconds:
+nothing starts unless every node passes preflight; any failure, or Ctrl-C, stops everything
+that started on every node and says which process failed, with its log; ``down`` is idempotent
+and keeps what it could not stop. The same rules with real processes, sshd and network
+namespaces: test_local_cli.py, test_lifecycle_ssh.py, test_multinode_ssh.py."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from pdctl.cluster import down, status, up
+from pdctl.cluster.state import Phase, StateStore
+from pdctl.errors import LifecycleError
+from pdctl.plan import Planned, load_plan_text
+from tests.cluster.fake_nodes import FakeCluster
+
+TOPOLOGY = """
+name: fake2
+model: {path: "sim://tiny"}
+engine: sim
+nodes:
+  - {name: h0, host: 10.77.0.2, gpus: 4}
+  - {name: h1, host: 10.77.0.3, gpus: 4}
+ports: {base: 22000}
+prefill: {replicas: 1, tp: 1, nodes: [h0]}
+decode: {replicas: 1, tp: 2, nodes: [h1]}
+trainer: {command: [python, train.py], nproc_per_node: 1, nodes: [h1]}
+weights: {backend: gloo}
+"""
+up_module = importlib.import_module("pdctl.cluster.up")  # the package's ``up`` is the function
+EVERYTHING = {"h0": ["prefill-0", "router"], "h1": ["decode-0", "trainer.h1"]}
+
+
+@pytest.fixture
+def planned() -> Planned:
+    return load_plan_text(TOPOLOGY, "fake2.yaml")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> StateStore:
+    return StateStore(tmp_path / "state")
+
+
+@pytest.fixture(autouse=True)
+def short_trainer_watch(monkeypatch):
+    monkeypatch.setattr(up_module, "TRAINER_GRACE_SECS", 0.0)  # one status round
+
+
+def bring_up(planned: Planned, store: StateStore, cluster: FakeCluster, **kwargs):
+    with cluster.nodes(planned.topology.nodes) as nodes:
+        return up(planned.topology, planned.plan, store=store, nodes=nodes, **kwargs)
+
+
+def failed_up(planned: Planned, store: StateStore, cluster: FakeCluster, **kwargs) -> str:
+    with pytest.raises(LifecycleError) as failure:
+        bring_up(planned, store, cluster, **kwargs)
+    return str(failure.value)
+
+
+def test_up_starts_every_process_and_down_stops_them_and_is_idempotent(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    state = bring_up(planned, store, cluster)
+    assert state.status == Phase.UP and cluster.alive() == EVERYTHING
+    assert store.load("fake2").status == Phase.UP
+    with cluster.nodes(planned.topology.nodes) as nodes:
+        assert down("fake2", store=store, nodes=nodes) == "cluster 'fake2' is down (4 processes stopped)"
+        assert cluster.alive() == {}
+        assert down("fake2", store=store, nodes=nodes) == "cluster 'fake2' is already down"
+    assert store.load("fake2").status == Phase.DOWN
+
+
+def test_a_busy_port_or_an_unreachable_node_fails_preflight_and_nothing_starts(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    cluster["h0"].busy_ports[22000] = "python3"
+    cluster["h1"].unreachable = True
+    message = failed_up(planned, store, cluster)
+    assert message.startswith("preflight failed, nothing was started")
+    assert "node h0: port 22000 is already in use by pid 4242 (python3" in message
+    assert "node h1: cannot connect to 10.77.0.3:22" in message
+    assert not cluster.spawned() and store.load("fake2") is None
+
+
+def test_a_launch_that_fails_on_one_node_stops_what_started_on_the_others(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    cluster["h1"].failing["spawn"] = "cannot create /runs/fake2: Permission denied"
+    message = failed_up(planned, store, cluster)
+    assert "launch failed: node h1: agent spawn: cannot create /runs/fake2: Permission denied" in message
+    assert "stop" in cluster["h0"].calls and cluster.alive() == {}
+    state = store.load("fake2")
+    assert state.status == Phase.DOWN and not state.processes
+
+
+def test_an_engine_that_dies_while_starting_is_named_with_its_log_and_everything_stops(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    cluster["h1"].dies_at_start["decode-0"] = 1
+    message = failed_up(planned, store, cluster)
+    assert message.startswith("decode-0 did not become ready: process exited")
+    assert "--- last 50 lines of" in message and "log of decode-0: Traceback" in message
+    assert cluster.alive() == {} and store.load("fake2").status == Phase.DOWN
+
+
+def test_an_engine_that_never_becomes_healthy_fails_up_after_the_timeout(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    cluster["h0"].never_ready.add("prefill-0")
+    message = failed_up(planned, store, cluster, ready_timeout_secs=0.0)
+    assert message.startswith("prefill-0 did not become ready: not healthy after 0s")
+    assert cluster.alive() == {}
+
+
+def test_a_trainer_that_exits_with_an_error_right_after_launch_fails_up(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    cluster["h1"].dies_at_start["trainer.h1"] = 3
+    message = failed_up(planned, store, cluster)
+    assert message.startswith("trainer.h1 did not become ready: it exited with code 3 right after launch")
+    assert cluster.alive() == {}
+
+
+def test_ctrl_c_during_up_stops_everything_on_every_node(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    cluster["h1"].interrupt_on = "wait-ready"
+    message = failed_up(planned, store, cluster)
+    assert message == "interrupted; everything that started was stopped"
+    assert cluster.alive() == {} and store.load("fake2").status == Phase.DOWN
+
+
+def test_up_refuses_a_cluster_that_is_already_up(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    bring_up(planned, store, cluster)
+    message = failed_up(planned, store, cluster)
+    assert message.startswith("cluster 'fake2' is already up with 4 processes")
+    assert cluster.alive() == EVERYTHING  # the running cluster is untouched
+
+
+def test_down_keeps_what_an_unreachable_node_still_runs_and_a_retry_finishes(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    bring_up(planned, store, cluster)
+    cluster["h1"].unreachable = True
+    with cluster.nodes(planned.topology.nodes) as nodes, pytest.raises(LifecycleError) as failure:
+        down("fake2", store=store, nodes=nodes)
+    assert "some processes may still run" in str(failure.value) and "node h1: cannot connect" in str(failure.value)
+    assert sorted(store.load("fake2").processes) == EVERYTHING["h1"]  # h0's are gone, h1's kept
+    cluster["h1"].unreachable = False
+    with cluster.nodes(planned.topology.nodes) as nodes:
+        assert down("fake2", store=store, nodes=nodes) == "cluster 'fake2' is down (2 processes stopped)"
+    assert cluster.alive() == {}
+
+
+def test_status_reports_a_dead_process_and_the_trainers_exit_code(planned, store):
+    cluster = FakeCluster("h0", "h1")
+    bring_up(planned, store, cluster)
+    trainer = cluster["h1"].processes["trainer.h1"]
+    trainer.alive, trainer.exit_code = False, 7
+    with cluster.nodes(planned.topology.nodes) as nodes:
+        report = status("fake2", store=store, nodes=nodes).to_dict()
+    by_id = {p["id"]: p for p in report["processes"]}
+    assert by_id["trainer.h1"]["alive"] is False and by_id["trainer.h1"]["exit_code"] == 7
+    assert by_id["prefill-0"]["alive"] is True
