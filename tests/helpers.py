@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,9 +35,32 @@ def triton_stub() -> Iterator[None]:
 
 
 def free_port() -> int:
+    """A port free now, for what cannot bind port 0 and say which it got (torch's rendezvous,
+    sglang-router, a multi-node sim's peers); it may be taken before it is used."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_serial = itertools.count()
+_LISTENING = re.compile(rb" on http://\S+?:(\d+)")
+_BOOTSTRAP = re.compile(rb"bootstrap port (\d+)")
+
+
+def bound_ports(log: Path, proc: subprocess.Popen, timeout: float = 120) -> tuple[int, int | None]:
+    """The port (and a prefill's bootstrap port) that a server started on port 0 reports in
+    its start-up line ("... on http://HOST:PORT ..., bootstrap port N")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in (log.read_bytes() if log.exists() else b"").splitlines():
+            found = _LISTENING.search(line)
+            if found:
+                boot = _BOOTSTRAP.search(line)
+                return int(found.group(1)), int(boot.group(1)) if boot else None
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}:\n{_tail(log)}")
+        time.sleep(0.1)
+    raise TimeoutError(f"no start-up line in {log} after {timeout}s\n{_tail(log)}")
 
 
 def http(
@@ -110,21 +135,24 @@ def _tail(log: Path | None) -> str:
 
 
 class SimProcess:
-    """A real ``python -m pdctl.sim`` process on a free port of 127.0.0.1."""
+    """A real ``python -m pdctl.sim`` process on 127.0.0.1: on port 0 (the port it got is read
+    from its log) unless ``port`` is given; a multi-node sim's ranks use free ports."""
 
     def __init__(self, tmp: Path, *args: str, name: str = "sim", env: dict | None = None, port: int | None = None):
-        self.port = port or free_port()
         self.args = list(args)
+        multinode = "--nnodes" in self.args
+        self.port = port if port is not None else (free_port() if multinode else 0)
         self.bootstrap_port: int | None = None
         if "prefill" in args and "--disaggregation-bootstrap-port" not in args:
-            self.bootstrap_port = free_port()
+            self.bootstrap_port = free_port() if multinode else 0
             self.args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        self.log = tmp / f"{name}-{self.port}.log"
+        self.log = tmp / f"{name}-{next(_serial)}.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        assert self.port, "the port is known once the process started"
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> SimProcess:
@@ -134,8 +162,20 @@ class SimProcess:
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
+        if self.port == 0:
+            self._learn_ports()
         self._ready(f"{self.url}/health")
         return self
+
+    def _learn_ports(self) -> None:
+        assert self.proc is not None
+        try:
+            self.port, bootstrap = bound_ports(self.log, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        if self.bootstrap_port == 0:
+            self.bootstrap_port = bootstrap
 
     def _ready(self, url: str) -> None:
         """Wait until it answers; a process that never does is stopped, not left behind."""
@@ -185,17 +225,21 @@ def pd_body(body: dict, prefill: SimProcess, *, room: int, batch: int | None = N
 
 
 class RouterProcess:
-    """A real ``python -m pdctl router`` process on a free port of 127.0.0.1."""
+    """A real ``python -m pdctl router`` process on port 0 of 127.0.0.1 (the port it got is read
+    from its start-up line)."""
 
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None, port: int = 0):
+        """``port``: give one when the router will not log its start-up line (--log-level warn)."""
+        self.port = port
+        self.bootstrap_port: int | None = None
         self.args = list(args)
-        self.log = tmp / f"router-{self.port}.log"
+        self.log = tmp / f"router-{next(_serial)}.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        assert self.port, "the port is known once the process started"
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, ready_path: str = "/health") -> RouterProcess:
@@ -203,6 +247,8 @@ class RouterProcess:
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
+        if self.port == 0:
+            SimProcess._learn_ports(self)  # same: read the port, or stop it
         SimProcess._ready(self, self.url + ready_path)  # same wait-or-stop
         return self
 
@@ -220,35 +266,34 @@ def pd_router_args(prefills: list[SimProcess], decodes: list[SimProcess], *extra
 
 
 class NullEngine:
-    """``python -m pdctl.sim.null``: answers at once; records bodies when asked."""
+    """``python -m pdctl.sim.null`` on port 0: answers at once; records bodies when asked."""
 
     def __init__(self, tmp: Path, role: str, record: bool = False, busy: bool = False):
-        self.port = free_port()
+        self.port = 0
         self.role = role
         self.busy = busy
-        self.bootstrap_port = free_port() if role == "prefill" else None
-        self.record = tmp / f"null-{role}-{self.port}.jsonl" if record else None
+        self.bootstrap_port: int | None = 0 if role == "prefill" else None
+        serial = next(_serial)
+        self.log = tmp / f"null-{role}-{serial}.log"
+        self.record = tmp / f"null-{role}-{serial}.jsonl" if record else None
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        assert self.port, "the port is known once the process started"
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> NullEngine:
-        argv = [sys.executable, "-m", "pdctl.sim.null", "--port", str(self.port), "--role", self.role]
-        if self.bootstrap_port:
-            argv += ["--bootstrap-port", str(self.bootstrap_port)]
+        argv = [sys.executable, "-m", "pdctl.sim.null", "--port", "0", "--role", self.role]
+        if self.bootstrap_port is not None:
+            argv += ["--bootstrap-port", "0"]
         if self.record:
             argv += ["--record", str(self.record)]
         if self.busy:
             argv.append("--busy")
-        self.proc = subprocess.Popen(argv, start_new_session=True)
-        try:
-            wait_http(self.url + "/health", proc=self.proc)
-        except BaseException:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        SimProcess._learn_ports(self)  # same: read the ports, or stop it
+        SimProcess._ready(self, self.url + "/health")
         return self
 
     def bodies(self) -> list[dict]:

@@ -43,7 +43,9 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         tokenizer_path=args.tokenizer_path,
         tp_size=args.tp_size or 1,
         disaggregation_mode=args.disaggregation_mode or "null",
-        bootstrap_port=args.disaggregation_bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
+        bootstrap_port=(  # 0: any free port (tests read it from the start-up line)
+            DEFAULT_BOOTSTRAP_PORT if args.disaggregation_bootstrap_port is None else args.disaggregation_bootstrap_port
+        ),
         load_format=args.load_format or "auto",
         random_seed=args.random_seed or 0,
         weight_version=args.weight_version or "default",
@@ -98,11 +100,12 @@ async def serve(config: SimConfig) -> int:
             return 0
         starting.result()
         log.info(
-            "sim engine %s on %s (mode %s, tp %d)",
+            "sim engine %s on %s (mode %s, tp %d)%s",
             config.model_path,
             server.url,
             config.disaggregation_mode,
             config.tp_size,
+            f", bootstrap port {server.bootstrap_port}" if config.disaggregation_mode == "prefill" else "",
         )
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         if failed.done():

@@ -122,11 +122,15 @@ async def _bootstrap_health(_: web.Request) -> web.Response:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runner, _ = await start_site(make_app(args.role, args.record, args.busy, args.stream_tokens), args.host, args.port)
-    if args.role == "prefill" and args.bootstrap_port:
+    app = make_app(args.role, args.record, args.busy, args.stream_tokens)
+    runner, port = await start_site(app, args.host, args.port)
+    line = f"pdctl.sim.null ({args.role}) on http://{args.host}:{port}"
+    if args.role == "prefill" and args.bootstrap_port is not None:
         boot = web.Application()
         boot.router.add_get("/health", _bootstrap_health)
-        await start_site(boot, args.host, args.bootstrap_port)
+        _, bootstrap_port = await start_site(boot, args.host, args.bootstrap_port)
+        line += f", bootstrap port {bootstrap_port}"
+    print(line, flush=True)  # tests that bind port 0 read the ports here
     await stop_event().wait()
     await runner.cleanup()
 
@@ -134,9 +138,9 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m pdctl.sim.null", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="0: any free port (printed on start).")
     p.add_argument("--role", choices=["regular", "prefill", "decode"], default="regular")
-    p.add_argument("--bootstrap-port", type=int)
+    p.add_argument("--bootstrap-port", type=int, help="A prefill's bootstrap port; 0: any free port.")
     p.add_argument("--record", help="Append every request body to this file (JSON lines).")
     p.add_argument("--busy", action="store_true", help="Answer every generation with 503 (a full queue).")
     p.add_argument("--stream-tokens", type=int, default=0, help="Streamed /generate: this many one-token chunks.")

@@ -248,7 +248,7 @@ def test_routine_events_log_at_info_and_trouble_at_warning(tmp_path):
     """At --log-level warn the router's log shows a worker going bad, not routine arrivals."""
     flags = ["--log-level", "warn", "--health-check-interval-secs", "0.3", "--health-failure-threshold", "1"]
     with echo_worker(tmp_path) as worker:
-        router = RouterProcess(tmp_path, "--worker-urls", worker, *flags).start("/readiness")
+        router = RouterProcess(tmp_path, "--worker-urls", worker, *flags, port=free_port()).start("/readiness")
         assert post(router.url + "/generate", {"text": "a"})[0] == 200
     try:  # the worker is gone now: the next check fails it
         deadline = time.monotonic() + 20
