@@ -268,7 +268,8 @@ class Dispatcher:
             worker = self.select_regular(ctx)
             if body.get("stream"):
                 return await self._stream_one(request, path, data, worker, headers)
-            leg = await self._leg(worker, self._post(worker, path, data, headers))
+            with self.registry.in_flight(worker):
+                leg = await self._post(worker, path, data, headers)
             return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
 
         return await self._with_retries(attempt, headers)
@@ -286,22 +287,35 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _race(self, p_task: asyncio.Task[Leg], d_task: asyncio.Task) -> Any:
-        """Decode's answer (a Leg, or a stream's head), or None when the prefill ended the
-        request first (then the decode leg is cancelled: its KV will never come)."""
+    async def _race(self, p_task: asyncio.Task[Leg], decode: Worker, work: Coroutine[Any, Any, Any]) -> Any:
+        """Run the decode leg ``work`` in this task, counted in ``decode``'s load, against the
+        prefill: its result, or None when the prefill ended the request first (then ``work``
+        is cancelled: its KV will never come).
+
+        The decode leg runs inline rather than as a second task: a task per leg was a fifth of
+        the router's CPU per request (benchmarks/router_overhead.py). The prefill's
+        done-callback cancels this task only while the race is on."""
+        me = asyncio.current_task()
+        assert me is not None
+        racing, ended = True, False
 
         def on_prefill(task: asyncio.Task[Leg]) -> None:
-            if not task.cancelled() and task.result().ends_request:
-                d_task.cancel()
+            nonlocal ended
+            if racing and not task.cancelled() and task.result().ends_request:
+                ended = True
+                me.cancel()
 
-        # A done-callback instead of asyncio.wait(FIRST_COMPLETED): cheaper on the hot path.
         p_task.add_done_callback(on_prefill)
         try:
-            return await d_task
+            with self.registry.in_flight(decode):
+                return await work
         except asyncio.CancelledError:
-            if p_task.done() and not p_task.cancelled() and p_task.result().ends_request:
-                return None
-            raise  # the client went away
+            if not ended or _cancelled_from_outside(me):
+                raise  # the client went away (or the server stops)
+            return None
+        finally:
+            racing = False
+            p_task.remove_done_callback(on_prefill)
 
     async def _decode_failed(
         self, prefill: Worker, p_task: asyncio.Task[Leg], decode: Worker, d_leg: Leg, headers: Headers
@@ -322,10 +336,9 @@ class Dispatcher:
         self, path: str, wire: bytes, prefill: Worker, decode: Worker, headers: Headers, with_logprobs: bool
     ) -> Outcome:
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
-        d_task = self._leg(decode, self._post(decode, path, wire, headers))
         keep_prefill = False
         try:
-            d_leg = await self._race(p_task, d_task)
+            d_leg = await self._race(p_task, decode, self._post(decode, path, wire, headers))
             if d_leg is None:
                 return self._prefill_ended(prefill, p_task.result(), headers)
             if d_leg.server_failed or d_leg.status in BACKPRESSURE:
@@ -342,7 +355,7 @@ class Dispatcher:
                 else _respond(_merge_logprobs(p_leg, d_leg), headers)
             )
         finally:
-            await _cancel(None if keep_prefill else p_task, d_task)
+            await _cancel(None if keep_prefill else p_task)
 
     async def _stream_both(
         self,
@@ -356,11 +369,10 @@ class Dispatcher:
         resume: _Resume | None = None,
     ) -> Outcome:
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
-        d_head = self._leg(decode, self._open_stream(decode, path, wire, headers))
         opened: _Opened | Leg | None = None
         keep_prefill = False
         try:
-            opened = await self._open_decode(p_task, d_head, decode)
+            opened = await self._open_decode(p_task, decode, self._open_stream(decode, path, wire, headers))
             if opened is None:
                 return self._prefill_ended(prefill, p_task.result(), headers)
             if isinstance(opened, Leg):  # no stream: a failure, or an error status
@@ -396,10 +408,10 @@ class Dispatcher:
         finally:
             if isinstance(opened, _Opened):
                 opened.response.close()
-            await _cancel(None if keep_prefill else p_task, d_head)
+            await _cancel(None if keep_prefill else p_task)
 
     async def _open_decode(
-        self, p_task: asyncio.Task[Leg], d_head: asyncio.Task, decode: Worker
+        self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg]
     ) -> _Opened | Leg | None:
         """Decode's stream once its first event came; a Leg when it gave none (a failure, or
         an error status with its body); None when the prefill ended the request first.
@@ -408,14 +420,14 @@ class Dispatcher:
         head proves nothing: the first event does (it comes once the KV did). Until then the
         prefill can still end the request, and nothing has reached the client, so a failure
         is still retried on another pair."""
-        head = await self._race(p_task, d_head)
+        head = await self._race(p_task, decode, open_head)
         if head is None or isinstance(head, Leg):
             return head
         if head.status >= 400:
             return Leg(head.status, await head.read(), head.content_type)
         events = _sse_events(head)
         try:
-            first = await self._race(p_task, self._leg(decode, _first_event(events, self._timeout)))
+            first = await self._race(p_task, decode, _first_event(events, self._timeout))
         except BaseException:
             head.close()
             raise
@@ -448,11 +460,10 @@ class Dispatcher:
             self.metrics.retried("stream_resumed")
             log.warning("stream %s: decode failed after %d tokens; continuing on %s", done.rid, done.tokens, decode.url)
             p_task = self._leg(prefill, self._post(prefill, resume.path, wire, headers))
-            d_head = self._leg(decode, self._open_stream(decode, resume.path, wire, headers))
             opened: _Opened | Leg | None = None
             keep_prefill = False
             try:
-                opened = await self._open_decode(p_task, d_head, decode)
+                opened = await self._open_decode(p_task, decode, self._open_stream(decode, resume.path, wire, headers))
                 if not isinstance(opened, _Opened):
                     if isinstance(opened, Leg) and opened.server_failed:
                         self._verdict(decode, opened, errors.DECODE_FAILED)
@@ -470,7 +481,7 @@ class Dispatcher:
             finally:
                 if isinstance(opened, _Opened):
                     opened.response.close()
-                await _cancel(None if keep_prefill else p_task, d_head)
+                await _cancel(None if keep_prefill else p_task)
         return False
 
     def _finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:
@@ -493,7 +504,8 @@ class Dispatcher:
         task.add_done_callback(settle)
 
     async def _stream_one(self, request: Request, path: str, data: bytes, worker: Worker, headers: Headers) -> Outcome:
-        head = await self._leg(worker, self._open_stream(worker, path, data, headers))
+        with self.registry.in_flight(worker):
+            head = await self._open_stream(worker, path, data, headers)
         if isinstance(head, Leg):
             return self._verdict(worker, head, errors.WORKER_FAILED) or _respond(head, headers)
         upstream: Response = head
@@ -657,6 +669,14 @@ def _text_of(body: dict[str, Any]) -> str | None:
     if isinstance(messages, list):
         return "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
     return None
+
+
+def _cancelled_from_outside(task: asyncio.Task) -> bool:
+    """Whether ``task`` was also cancelled by someone other than the race that just cancelled it
+    (Python 3.11+ counts cancel requests; 3.10 cannot tell, and the race's reading wins). The
+    race's own request is withdrawn, so that later timeouts in this task read right."""
+    uncancel = getattr(task, "uncancel", None)
+    return uncancel is not None and uncancel() > 0
 
 
 async def _cancel(*tasks: asyncio.Task | None) -> None:
