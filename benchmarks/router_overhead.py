@@ -10,18 +10,23 @@ Reported: req/s, p50/p99 latency, and the router's CPU microseconds per request 
 user+system over the router's process tree during the measured window).
 
     python benchmarks/router_overhead.py   # writes benchmarks/results/router_overhead.{json,md}
+    python benchmarks/router_overhead.py --baseline REF   # adds pdctl's router as of git REF
+        # (a worktree), writes router_overhead_vs_REF.{json,md}: this tree against an older one
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -60,14 +65,28 @@ ROUTER_CPUS = {CPUS[-1]} if len(CPUS) > 1 else set(CPUS)
 OTHER_CPUS = set(CPUS[:-1]) if len(CPUS) > 1 else set(CPUS)
 
 
-def start(argv: list[str], cpus: set[int] = OTHER_CPUS) -> subprocess.Popen:
+def start(argv: list[str], cpus: set[int] = OTHER_CPUS, cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``argv`` pinned to ``cpus``; with ``cwd``, ``python -m pdctl`` imports the pdctl found there."""
     return subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(cwd)} if cwd else None,
     )
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """A detached worktree of this repository at ``ref`` (removed by ``remove_checkout``)."""
+    repo = ROOT.parent
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(into), ref], check=True)
+    return into
+
+
+def remove_checkout(path: Path) -> None:
+    subprocess.run(["git", "-C", str(ROOT.parent), "worktree", "remove", "--force", str(path)], check=False)
 
 
 def cpu_secs(proc: subprocess.Popen) -> float:
@@ -108,6 +127,18 @@ def measure(name: str, url: str, router: subprocess.Popen | None) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", metavar="REF", help="also run pdctl's router as of this git ref")
+    args = parser.parse_args()
+    baseline_dir = checkout(args.baseline, Path(tempfile.mkdtemp()) / "baseline") if args.baseline else None
+    try:
+        run(args.baseline, baseline_dir)
+    finally:
+        if baseline_dir:
+            remove_checkout(baseline_dir)
+
+
+def run(baseline: str | None, baseline_dir: Path | None) -> None:
     prefill_port, boot_port, decode_port = free_port(), free_port(), free_port()
     backends = [
         start(
@@ -163,12 +194,15 @@ def main() -> None:
         ]
         return [*argv, "--mini-lb"] if mini else argv
 
-    targets = {
+    targets: dict[str, Callable[[int], list[str]] | None] = {
         "direct to decode": None,
         "pdctl router (PD)": pdctl_router,
         "sglang-router 0.3.2 (PD, Rust)": sglang_router,
         "MiniLB (sglang-router --mini-lb)": lambda port: sglang_router(port, mini=True),
     }
+    old_name = f"pdctl router at {baseline} (PD)"
+    if baseline_dir:  # the old tree's code, this environment's packages
+        targets[old_name] = pdctl_router
     runs: dict[str, list[dict]] = {name: [] for name in targets}
     try:
         for _ in range(ROUNDS):
@@ -177,7 +211,7 @@ def main() -> None:
                     runs[name].append(measure(name, decode + "/generate", None))
                     continue
                 port = free_port()
-                proc = start(make(port), ROUTER_CPUS)
+                proc = start(make(port), ROUTER_CPUS, baseline_dir if name == old_name else None)
                 try:
                     wait(f"http://127.0.0.1:{port}/health")
                     time.sleep(1.0)
@@ -210,6 +244,16 @@ def main() -> None:
         "pdctl_rps_vs_minilb": pd["rps"] / mini["rps"],
         "pdctl_rps_vs_sglang_router": pd["rps"] / rust["rps"],
     }
+    if baseline:
+        old = by[old_name]
+        per_round_old = [
+            a["router_cpu_us_per_req"] / b["router_cpu_us_per_req"]
+            for a, b in zip(pd["all_runs"], old["all_runs"], strict=True)
+        ]
+        ratios["pdctl_cpu_per_req_vs_baseline"] = pd["router_cpu_us_per_req"] / old["router_cpu_us_per_req"]
+        ratios["pdctl_cpu_per_req_vs_baseline_per_round"] = per_round_old
+        ratios["pdctl_rps_vs_baseline"] = pd["rps"] / old["rps"]
+        ratios["pdctl_p99_vs_baseline"] = pd["p99_ms"] / old["p99_ms"]
     RESULTS.mkdir(exist_ok=True)
     meta = {
         "machine": platform.machine(),
@@ -218,8 +262,13 @@ def main() -> None:
         "duration_s": DURATION,
         "concurrency": CONCURRENCY,
         "rounds": ROUNDS,
+        "baseline": baseline,
+        "head": subprocess.run(
+            ["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
     }
-    (RESULTS / "router_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=2))
+    stem = f"router_overhead_vs_{baseline}".replace("/", "_") if baseline else "router_overhead"
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=2))
     lines = ["| target | req/s | p50 ms | p99 ms | router CPU us/req | errors |", "|---|---|---|---|---|---|"]
     for r in rows:
         cpu = f"{r['router_cpu_us_per_req']:.0f}" if r["router_cpu_us_per_req"] else "-"
@@ -235,7 +284,15 @@ def main() -> None:
         f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}; "
         f"the router runs on CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
     ]
-    (RESULTS / "router_overhead.md").write_text("\n".join(lines) + "\n")
+    if baseline:
+        lines[-1:-1] = [
+            f"pdctl (this tree, {meta['head']}) CPU per request / at {baseline}: "
+            f"{ratios['pdctl_cpu_per_req_vs_baseline']:.2f}x",
+            f"same ratio within each round: {', '.join(f'{r:.2f}x' for r in per_round_old)}",
+            f"pdctl req/s / at {baseline}: {ratios['pdctl_rps_vs_baseline']:.2f}x; "
+            f"p99 / at {baseline}: {ratios['pdctl_p99_vs_baseline']:.2f}x",
+        ]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
