@@ -374,3 +374,29 @@ def test_a_client_that_leaves_abandons_both_legs(stream):
         assert sorted(r.engines.abandoned) == sorted([P1, D1])
 
     run(Engines(P1=stuck), scenario)
+
+
+class ChoosesNone:
+    """A policy that accepts none of the workers it is offered (a manual policy whose key
+    names no worker, for instance)."""
+
+    name = "chooses_none"
+    needs_text = False
+
+    def select(self, workers: list, ctx: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_a_policy_that_chooses_no_worker_is_a_503_not_the_first_worker(role: Role) -> None:
+    """Issue 14 P1: a policy returning None used to become the first pairable worker silently."""
+    engines = Engines()
+
+    async def scenario(r: Run) -> tuple[int, Any]:
+        setattr(r.server.dispatcher, f"{role.value}_policy", ChoosesNone())
+        return await r.generate()
+
+    status, body = run(engines, scenario)
+    assert status == 503
+    assert f"the {role.value} policy chose no worker" in json.dumps(body)
+    assert engines.mock.requests == []  # nothing was sent to any engine
