@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pdctl.roles import Role
-from pdctl.router.config import flag_of
+from pdctl.router.config import Flag, flag_of
 from pdctl.sglang import render_extra_args
 from pdctl.topology.model import Node, ServerGroup, Topology
 
@@ -111,12 +111,12 @@ def router_argv(
 ) -> tuple[str, ...]:
     """``python -m pdctl router ...`` with every worker of the plan."""
     r = top.router
-    argv = [node.python, "-m", "pdctl", "router", "--host", r.host, "--port", str(port)]
-    argv += ["--prometheus-port", str(metrics_port), "--policy", r.policy]
+    argv = [node.python, "-m", "pdctl", "router", Flag.HOST, r.host, Flag.PORT, str(port)]
+    argv += [Flag.PROMETHEUS_PORT, str(metrics_port), Flag.POLICY, r.policy]
     if r.prefill_policy:
-        argv += ["--prefill-policy", r.prefill_policy]
+        argv += [Flag.PREFILL_POLICY, r.prefill_policy]
     if r.decode_policy:
-        argv += ["--decode-policy", r.decode_policy]
+        argv += [Flag.DECODE_POLICY, r.decode_policy]
     for group, name, value in (  # flags spelled once, in the router's settings table
         ("admission", "request_timeout_secs", f"{r.request_timeout_secs:g}"),
         ("admission", "max_concurrent_requests", str(r.max_concurrent_requests)),
@@ -125,15 +125,15 @@ def router_argv(
     ):
         argv += [flag_of(group, name), value]
     if r.api_key_env:
-        argv += ["--api-key-env", r.api_key_env]
+        argv += [Flag.API_KEY_ENV, r.api_key_env]
     if prefill or decode:
-        argv.append("--pd-disaggregation")
+        argv.append(Flag.PD_DISAGGREGATION)
         for url, bootstrap in prefill:
-            argv += ["--prefill", url, str(bootstrap) if bootstrap is not None else "none"]
+            argv += [Flag.PREFILL, url, str(bootstrap) if bootstrap is not None else "none"]
         for url in decode:
-            argv += ["--decode", url]
+            argv += [Flag.DECODE, url]
     if regular:
-        argv += ["--worker-urls", *regular]
+        argv += [Flag.WORKER_URLS, *regular]
     return tuple(argv)
 
 

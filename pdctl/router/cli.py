@@ -17,7 +17,7 @@ from typing import Any
 from pdctl.errors import RouterConfigError
 from pdctl.roles import Role
 from pdctl.router.app import RouterServer
-from pdctl.router.config import SETTINGS, RouterConfig, WorkerSpec, grouped
+from pdctl.router.config import SETTINGS, Flag, RouterConfig, WorkerSpec, grouped
 from pdctl.router.policies import REGISTRY
 from pdctl.signals import stop_event
 
@@ -31,30 +31,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = RouterConfig()
     policies = sorted(REGISTRY)
-    p.add_argument("--host", default=d.host, help="Address to bind (127.0.0.1 unless other machines must reach it).")
-    p.add_argument("--port", type=int, default=d.port, help="Port to bind.")
-    p.add_argument("--pd-disaggregation", action="store_true", help="PD mode: --prefill and --decode workers.")
+    p.add_argument(Flag.HOST, default=d.host, help="Address to bind (127.0.0.1 unless other machines must reach it).")
+    p.add_argument(Flag.PORT, type=int, default=d.port, help="Port to bind.")
+    p.add_argument(Flag.PD_DISAGGREGATION, action="store_true", help="PD mode: --prefill and --decode workers.")
     p.add_argument(
-        "--prefill",
+        Flag.PREFILL,
         nargs="+",
         action="append",
         default=[],
         metavar=("URL", "BOOTSTRAP_PORT"),
         help="A prefill worker and its bootstrap port (or 'none'); repeat per worker.",
     )
-    p.add_argument("--decode", action="append", default=[], metavar="URL", help="A decode worker; repeat.")
-    p.add_argument("--worker-urls", nargs="+", default=[], metavar="URL", help="Regular (non-PD) workers.")
+    p.add_argument(Flag.DECODE, action="append", default=[], metavar="URL", help="A decode worker; repeat.")
+    p.add_argument(Flag.WORKER_URLS, nargs="+", default=[], metavar="URL", help="Regular (non-PD) workers.")
     p.add_argument(
-        "--policy",
+        Flag.POLICY,
         choices=policies,
         default=d.policy,
         help="How a worker is chosen (both roles, unless --prefill-policy/--decode-policy).",
     )
-    p.add_argument("--prefill-policy", choices=policies, help="Policy for prefill workers only.")
-    p.add_argument("--decode-policy", choices=policies, help="Policy for decode workers only.")
-    p.add_argument("--api-key", help="Require 'Authorization: Bearer KEY' (prefer --api-key-env: argv is visible).")
-    p.add_argument("--api-key-env", metavar="VAR", help="Read the API key from this environment variable.")
-    p.add_argument("--prometheus-port", type=int, help="Also serve /metrics on this port.")
+    p.add_argument(Flag.PREFILL_POLICY, choices=policies, help="Policy for prefill workers only.")
+    p.add_argument(Flag.DECODE_POLICY, choices=policies, help="Policy for decode workers only.")
+    p.add_argument(Flag.API_KEY, help="Require 'Authorization: Bearer KEY' (prefer --api-key-env: argv is visible).")
+    p.add_argument(Flag.API_KEY_ENV, metavar="VAR", help="Read the API key from this environment variable.")
+    p.add_argument(Flag.PROMETHEUS_PORT, type=int, help="Also serve /metrics on this port.")
     for s in SETTINGS:  # the grouped settings: flag, type, default and help from one table
         if s.kind is bool:
             p.add_argument(s.flag, dest=s.dest, action="store_true", help=s.help)
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar = s.flag.lstrip("-").upper().replace("-", "_")
             p.add_argument(s.flag, dest=s.dest, type=s.kind, default=s.default, metavar=metavar, help=s.help)
     p.add_argument(
-        "--log-level",
+        Flag.LOG_LEVEL,
         choices=["debug", "info", "warn", "error"],
         default="info",
         help="Log level (routine events at info, trouble at warn).",
@@ -77,11 +77,11 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     workers: list[WorkerSpec] = []
     for spec in args.prefill:
         if len(spec) > 2:
-            parser.error(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(spec)}")
+            parser.error(f"{Flag.PREFILL} takes URL [BOOTSTRAP_PORT], got {' '.join(spec)}")
         port = None
         if len(spec) == 2 and spec[1].lower() != "none":
             if not spec[1].isdigit():
-                parser.error(f"--prefill {spec[0]}: bootstrap port must be a number or 'none', got {spec[1]!r}")
+                parser.error(f"{Flag.PREFILL} {spec[0]}: bootstrap port must be a number or 'none', got {spec[1]!r}")
             port = int(spec[1])
         workers.append(WorkerSpec(url=spec[0], role=Role.PREFILL, bootstrap_port=port))
     workers += [WorkerSpec(url=u, role=Role.DECODE) for u in args.decode]
@@ -90,14 +90,14 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         if not w.url.startswith(("http://", "https://")):
             parser.error(f"worker URL must start with http:// or https://: {w.url}")
     if (args.prefill or args.decode) and not args.pd_disaggregation:
-        parser.error("--prefill/--decode need --pd-disaggregation")
+        parser.error(f"{Flag.PREFILL}/{Flag.DECODE} need {Flag.PD_DISAGGREGATION}")
     if args.pd_disaggregation and args.worker_urls:
-        parser.error("--worker-urls (regular workers) cannot be mixed with --pd-disaggregation")
+        parser.error(f"{Flag.WORKER_URLS} (regular workers) cannot be mixed with {Flag.PD_DISAGGREGATION}")
     api_key = args.api_key
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
-            parser.error(f"--api-key-env {args.api_key_env}: the variable is unset or empty")
+            parser.error(f"{Flag.API_KEY_ENV} {args.api_key_env}: the variable is unset or empty")
     values: dict[str, dict[str, Any]] = {}
     for s in SETTINGS:
         values.setdefault(s.group, {})[s.name] = getattr(args, s.dest)

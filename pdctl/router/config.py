@@ -1,9 +1,10 @@
 """Router settings: frozen, grouped (health, retry, breaker, admission, cache), each group
 checking its own values. Defaults follow sglang-router 0.3.2 where it has the knob.
 
-Every setting that has a command-line flag carries it in its field's metadata (``flag``, help
+Every grouped setting carries its command-line flag in its field's metadata (``flag``, help
 text); ``pdctl router``'s parser, its help and the planner's argv are all built from that one
-table (``SETTINGS``), so a flag is spelled once.
+table (``SETTINGS``); the top-level flags (binding, workers, policies) are ``Flag``'s
+constants, used by the same two. So a flag is spelled once.
 """
 
 from __future__ import annotations
@@ -184,6 +185,26 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+class Flag:
+    """The router's top-level flags (binding, workers, policies, key, metrics), spelled here once
+    for its parser (pdctl.router.cli) and the planner's argv (pdctl.plan.argv); the grouped
+    settings carry theirs in ``SETTINGS``."""
+
+    HOST = "--host"
+    PORT = "--port"
+    PD_DISAGGREGATION = "--pd-disaggregation"
+    PREFILL = "--prefill"
+    DECODE = "--decode"
+    WORKER_URLS = "--worker-urls"
+    POLICY = "--policy"
+    PREFILL_POLICY = "--prefill-policy"
+    DECODE_POLICY = "--decode-policy"
+    API_KEY = "--api-key"
+    API_KEY_ENV = "--api-key-env"
+    PROMETHEUS_PORT = "--prometheus-port"
+    LOG_LEVEL = "--log-level"
 
 
 @dataclass(frozen=True)
