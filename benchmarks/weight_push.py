@@ -9,8 +9,9 @@ a size is the bytes moved, not a parameter count.
 
 The limit: one bare ``torch.distributed.broadcast`` of the same bytes among five processes in the
 same layout (rank 0 sends; four receive, one flat buffer each), timed after a warm-up broadcast
-(connections made, every page of the buffers touched) until every rank has it. Each round runs the bare
-broadcast, then a push, for each size; the median of ROUNDS rounds is kept.
+(connections made, every page of the buffers touched) until every rank has it. Each round runs REPS bare
+broadcasts, then REPS pushes per load format, for each size, and keeps each one's median; the ratio
+is the median over ROUNDS rounds of each round's own bare/push pair.
 
 Goals (the weights issue): transfer >= 0.95x the bare broadcast's bandwidth; everything but the
 transfer (hold, pause, begin, end, version, verify, continue, release) < 0.5 s in total.
@@ -40,6 +41,9 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
 ROUNDS = int(os.environ.get("WEIGHT_BENCH_ROUNDS", 5))
+REPS = int(os.environ.get("WEIGHT_BENCH_REPS", 3))
+"""Timed repetitions of each measurement within a round (the round keeps each one's median): one
+broadcast or push on this machine varies by +-30% from one to the next."""
 SIZES_MB = [int(s) for s in os.environ.get("WEIGHT_BENCH_SIZES_MB", "256,1024").split(",")]
 SHAPE = {"hidden": 1024, "heads": 8, "mlp": 2816, "vocab_size": 8192, "max_positions": 256}
 ENGINES = [("prefill", 1), ("prefill", 1), ("decode", 2)]
@@ -66,7 +70,7 @@ def config_for(megabytes: int):
 
 # -- the bare broadcast --------------------------------------------------------------------------------
 def bare_rank(rank: int, world: int, port: int, nbytes: int) -> None:
-    """One rank of the bare broadcast; rank 0 prints the seconds of the timed broadcast."""
+    """One rank of the bare broadcast; rank 0 prints the seconds of each of REPS timed broadcasts."""
     import torch
     import torch.distributed as dist
 
@@ -75,15 +79,18 @@ def bare_rank(rank: int, world: int, port: int, nbytes: int) -> None:
     buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
     dist.broadcast(buf, src=0)  # warm: connections made, every page of the buffers touched
     dist.barrier()
-    started = time.perf_counter()
-    dist.broadcast(buf, src=0)
-    dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
+    seconds = []
+    for _ in range(REPS):
+        started = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
+        seconds.append(time.perf_counter() - started)
     if rank == 0:
-        print(json.dumps({"seconds": time.perf_counter() - started}))
+        print(json.dumps({"seconds": seconds}))
     dist.destroy_process_group()
 
 
-def bare_broadcast(nbytes: int) -> float:
+def bare_broadcast(nbytes: int) -> list[float]:
     world = 1 + sum(tp for _, tp in ENGINES)
     port = free_port()
     argv = [PY, __file__, "--bare-rank"]
@@ -165,11 +172,16 @@ def measure(megabytes: int, tmp: Path) -> dict:
         with sync_for("auto") as sync:
             auto = sync.push(tensors, version=f"bench-{megabytes}-auto").load_format
         for r in range(ROUNDS):
-            row = {"bare_seconds": bare_broadcast(nbytes), "reports": {}}
+            bares = bare_broadcast(nbytes)
+            row = {"bare_seconds": statistics.median(bares), "bare_reps": bares, "reports": {}, "transfer_reps": {}}
             for fmt in FORMATS:  # one group at a time; a warm-up push first touches the trainer's buffers
                 with sync_for(fmt) as sync:
                     sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-warm")
-                    row["reports"][fmt] = sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}").to_dict()
+                    reps = [sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-{i}").to_dict()
+                            for i in range(REPS)]
+                reps.sort(key=lambda rep: rep["phases"]["transfer"])
+                row["reports"][fmt] = reps[len(reps) // 2]  # the push with the median transfer
+                row["transfer_reps"][fmt] = [rep["phases"]["transfer"] for rep in reps]
             rounds.append(row)
             print(f"  {megabytes} MB round {r}: bare {row['bare_seconds']:.2f}s, "
                   + ", ".join(f"{fmt} transfer {rep['phases']['transfer']:.2f}s other {rep_other(rep):.3f}s"
@@ -218,7 +230,7 @@ def main() -> None:
     finally:
         if not os.environ.get("WEIGHT_BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "rounds": ROUNDS,
+    meta = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "rounds": ROUNDS, "reps": REPS,
             "sim_weight_digest": DIGEST,
             "engines": ENGINES, "shape": SHAPE}
     (RESULTS / "weight_push.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -245,7 +257,8 @@ def main() -> None:
                          + " | ".join(f"{f['phases'].get(n, 0.0):.3f}" for n in names) + " |")
     lines += [
         "",
-        f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs (ratio: the median of each round's own "
+        f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs, each round the median of {REPS} timed "
+        f"broadcasts and of {REPS} timed pushes per format (ratio: the median of each round's own "
         f"bare/push pair); gloo over loopback; engines {', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; "
         f"verify {results[0]['formats'][FORMATS[0]]['verify']}; sims with --sim-weight-digest {DIGEST}; "
         "(auto): what a push picks by default. "
