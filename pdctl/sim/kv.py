@@ -10,7 +10,9 @@ fetched, or after SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT seconds.
 A decode that cannot reach the prefill's bootstrap server gives its rooms up as SGLang's
 heartbeat checker does (SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL, 5 s, times
 SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE, 2): a dead prefill fails its decode requests in
-seconds instead of leaving them to SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s).
+seconds instead of leaving them to SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s). As in SGLang,
+the verdict is per prefill, not per request (``Heartbeats``): once a bootstrap server is lost,
+every other room waiting on it fails after one failed check, not after a heartbeat period each.
 """
 
 from __future__ import annotations
@@ -142,18 +144,43 @@ def bootstrap_app(store: KVStore) -> web.Application:
     return app
 
 
-async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float) -> KVPayload:
+class Heartbeats:
+    """The prefills' bootstrap servers this decode has lost, shared by all its rooms (SGLang's
+    heartbeat checker judges a prefill once, and fails all of its rooms): without it, hundreds
+    of queued rooms of one dead prefill each spent a heartbeat period in a decode slot, and a
+    kill -9 of a prefill under bench_serving stalled the decode for minutes. A server that
+    answers again is forgotten."""
+
+    def __init__(self) -> None:
+        self._lost: dict[tuple[str, int], str] = {}
+
+    def lost(self, host: str, port: int) -> str | None:
+        """Why ``host:port`` was given up, or None while it is not."""
+        return self._lost.get((host, port))
+
+    def mark_lost(self, host: str, port: int, why: str) -> None:
+        self._lost[(host, port)] = why
+
+    def mark_alive(self, host: str, port: int) -> None:
+        self._lost.pop((host, port), None)
+
+
+async def fetch_kv(
+    session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float, heartbeats: Heartbeats
+) -> KVPayload:
     """Fetch a room's KV from a prefill's bootstrap server, polling until ``timeout_secs``.
 
     Raises SimError naming the room, the server and the timeout; or, once the server has been
     unreachable for HEARTBEAT_MAX_FAILURE checks HEARTBEAT_INTERVAL apart, SimError saying the
-    connection with the prefill was lost (SGLang's words).
+    connection with the prefill was lost (SGLang's words). A server ``heartbeats`` already lost
+    gets one check: if that fails too, the room fails at once.
     """
     deadline = time.monotonic() + timeout_secs
     url = f"http://{host}:{port}/kv/{room}"
     last_error = "no answer"
     interval, max_failure = heartbeat_interval_secs(), heartbeat_max_failure()
     misses, first_miss = 0, 0.0  # consecutive unreachable checks, and when the first of them was
+    lost_before = heartbeats.lost(host, port)
     while True:
         now = time.monotonic()
         left = deadline - now
@@ -163,16 +190,21 @@ async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: i
                 f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT); last: {last_error}"
             )
         if misses >= max_failure and now - first_miss >= interval * (max_failure - 1):
+            why = f"{misses} failed checks in {now - first_miss:.1f}s"
+            heartbeats.mark_lost(host, port, why)
             raise SimError(
                 f"Losing connection with prefill instance (bootstrap_addr: {host}:{port}) "
-                f"for bootstrap_room {room}: {misses} failed checks in {now - first_miss:.1f}s; last: {last_error}"
+                f"for bootstrap_room {room}: {why}; last: {last_error}"
             )
         wait = min(left, POLL_SLICE_SECS)
         try:
             async with session.get(
-                url, params={"wait": f"{wait:.3f}"}, timeout=aiohttp.ClientTimeout(total=wait + 5)
+                url,
+                params={"wait": f"{wait:.3f}"},
+                timeout=aiohttp.ClientTimeout(total=wait + 5, sock_connect=interval),
             ) as resp:
-                misses = 0
+                misses, lost_before = 0, None
+                heartbeats.mark_alive(host, port)
                 if resp.status == 200:
                     return unpack(await resp.read())
                 if resp.status == 410:  # the prefill aborted the request: no KV will ever come
@@ -184,5 +216,10 @@ async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room: i
             if misses == 0:
                 first_miss = time.monotonic()
             misses += 1
+            if lost_before is not None:  # judged lost by an earlier room: this check confirms it
+                raise SimError(
+                    f"Losing connection with prefill instance (bootstrap_addr: {host}:{port}) "
+                    f"for bootstrap_room {room}: the server was lost earlier ({lost_before}); last: {last_error}"
+                ) from exc
             # the next check comes a heartbeat later (a second at most: a blip costs little)
             await asyncio.sleep(min(interval, 1.0, max(0.0, deadline - time.monotonic())))

@@ -20,7 +20,7 @@ from pdctl.errors import SimError
 from pdctl.sglang import FAKE_BOOTSTRAP_HOST
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Engine, Mode, Request
-from pdctl.sim.kv import fetch_kv, waiting_timeout_secs
+from pdctl.sim.kv import Heartbeats, fetch_kv, waiting_timeout_secs
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.model import TinyLM
 from pdctl.sim.requests import ItemSpec
@@ -63,6 +63,7 @@ class SimService:
         self.started_at = time.time()
         self.weight_session_open = False
         self.prealloc_waiting = 0
+        self.heartbeats = Heartbeats()  # the prefills this decode has lost (one verdict per prefill)
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
         self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
         loop = asyncio.get_running_loop()
@@ -168,7 +169,7 @@ class SimService:
         started = time.monotonic()
         try:
             payload = await fetch_kv(
-                self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs()
+                self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs(), self.heartbeats
             )
             if payload.prompt_ids != req.input_ids:
                 raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt")
