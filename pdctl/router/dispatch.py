@@ -321,11 +321,20 @@ class Dispatcher:
         self, prefill: Worker, p_task: asyncio.Task[Leg], decode: Worker, d_leg: Leg, headers: Headers
     ) -> Outcome:
         """Decide which leg failed: the prefill, when its answer ended the request (the decode
-        only followed it), else the decode."""
+        only followed it) or when the decode's error names the prefill's bootstrap server (it
+        could not get the KV from it: SGLang's "Losing connection with prefill instance
+        (bootstrap_addr: HOST:PORT)"), else the decode. Blaming the decode for a dead prefill
+        opened the circuit of a healthy decode, the fleet's only one in a bench_serving run."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(p_task), VERDICT_GRACE_SECS)
         if p_task.done() and not p_task.cancelled() and p_task.result().ends_request:
             return self._prefill_ended(prefill, p_task.result(), headers)
+        if d_leg.error is None and d_leg.status >= 500 and _names_bootstrap(d_leg.body, prefill):
+            self.registry.record(prefill, False)
+            self.registry.mark_failed(prefill)
+            return Retry(
+                f"decode {decode.url} lost prefill {prefill.url}: {d_leg.body[:300]!r}", errors.PREFILL_FAILED
+            )
         return self._verdict(decode, d_leg, errors.DECODE_FAILED) or _respond(d_leg, headers)
 
     def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: Headers) -> Outcome:
@@ -632,6 +641,13 @@ def _chosen(worker: Worker | None, role: Role) -> Worker:
     if worker is None:  # a policy must choose among the workers it is given
         raise RouteError(503, errors.NO_WORKERS, f"the {role} policy chose no worker")
     return worker
+
+
+def _names_bootstrap(body: bytes, prefill: Worker) -> bool:
+    """Whether a decode's error body names ``prefill``'s bootstrap server (HOST:PORT)."""
+    if prefill.bootstrap_port is None:
+        return False
+    return f"{prefill.bootstrap_host}:{prefill.bootstrap_port}".encode() in body
 
 
 def _aborted(body: bytes) -> bool:

@@ -400,3 +400,27 @@ def test_a_policy_that_chooses_no_worker_is_a_503_not_the_first_worker(role: Rol
     assert status == 503
     assert f"the {role.value} policy chose no worker" in json.dumps(body)
     assert engines.mock.requests == []  # nothing was sent to any engine
+
+
+def test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself() -> None:
+    """A decode that cannot reach its prefill's bootstrap server fails the room with SGLang's
+    "Losing connection with prefill instance (bootstrap_addr: HOST:PORT)". That is the prefill's
+    failure: the request is retried on the other prefill, and the decode, the only one, stays
+    in rotation (blaming it opened its circuit: a kill -9 of a prefill under bench_serving then
+    failed 133 of 1000 requests with no decode left)."""
+
+    async def loses_p1(engines: Engines, request: UpstreamRequest, body: dict) -> MockReply:
+        if body["bootstrap_host"] == "127.0.0.2":  # P1's rooms
+            message = "Losing connection with prefill instance (bootstrap_addr: 127.0.0.2:8998)"
+            return await answers(500, message)
+        return await decode_ok(engines, request, body)
+
+    engines = Engines(D1=loses_p1)
+
+    async def scenario(r: Run) -> tuple[int, Any, bool, bool]:
+        status, body = await r.generate()
+        return status, body, r.circuit_open(P1), r.circuit_open(D1)
+
+    status, body, p1_open, d1_open = run(engines, scenario, prefills=(P1, P2))
+    assert status == 200 and body["text"] == continuation(PROMPT, 8)
+    assert p1_open and not d1_open
