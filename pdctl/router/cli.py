@@ -102,21 +102,20 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     for s in SETTINGS:
         values.setdefault(s.group, {})[s.name] = getattr(args, s.dest)
     try:
-        groups = grouped(values)
+        return RouterConfig(
+            host=args.host,
+            port=args.port,
+            prometheus_port=args.prometheus_port,
+            pd_disaggregation=args.pd_disaggregation,
+            workers=tuple(workers),
+            policy=args.policy,
+            prefill_policy=args.prefill_policy,
+            decode_policy=args.decode_policy,
+            api_key=api_key,
+            **grouped(values),
+        )
     except RouterConfigError as exc:
         parser.error(str(exc))
-    return RouterConfig(
-        host=args.host,
-        port=args.port,
-        prometheus_port=args.prometheus_port,
-        pd_disaggregation=args.pd_disaggregation,
-        workers=tuple(workers),
-        policy=args.policy,
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        api_key=api_key,
-        **groups,
-    )
 
 
 async def serve(config: RouterConfig) -> None:

@@ -186,6 +186,15 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
+    def __post_init__(self) -> None:
+        # A port past 65535 is not refused by the socket layer: it binds the port modulo 65536.
+        _check(0 <= self.port <= 65535, Flag.PORT, self.port, "a port number, 0 to 65535 (0: any free port)")
+        if self.prometheus_port is not None:
+            _check(0 <= self.prometheus_port <= 65535, Flag.PROMETHEUS_PORT, self.prometheus_port, "0 to 65535")
+        for w in self.workers:
+            if w.bootstrap_port is not None:
+                _check(1 <= w.bootstrap_port <= 65535, f"{Flag.PREFILL} {w.url}", w.bootstrap_port, "1 to 65535")
+
 
 class Flag:
     """The router's top-level flags (binding, workers, policies, key, metrics), spelled here once

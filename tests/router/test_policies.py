@@ -171,3 +171,22 @@ def test_router_settings_check_themselves_and_the_cli_names_the_flag(capsys) -> 
     assert len(flags) == len(set(flags)) == 27 and set(flags) <= known
     config = config_from_args(parser.parse_args(["--queue-size", "7", "--disable-retries"]), parser)
     assert config.admission.queue_size == 7 and config.retry.disabled and config.breaker == BreakerConfig()
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--port", "99999"], "--port 99999: must be a port number"),
+        (["--prometheus-port", "70000"], "--prometheus-port 70000: must be 0 to 65535"),
+        (["--pd-disaggregation", "--prefill", "http://p:1", "70000", "--decode", "http://d:1"], "--prefill http://p:1"),
+    ],
+)
+def test_a_port_out_of_range_is_a_usage_error_not_another_port(argv: list[str], error: str, capsys) -> None:
+    """--port 99999 bound port 34463 (99999 modulo 65536) without a word: the socket layer
+    does not refuse it."""
+    from pdctl.router.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as info:
+        config_from_args(parser.parse_args(argv), parser)
+    assert info.value.code == 2 and error in capsys.readouterr().err
