@@ -292,10 +292,10 @@ class Dispatcher:
         prefill: its result, or None when the prefill ended the request first (then ``work``
         is cancelled: its KV will never come).
 
-        The decode leg runs inline rather than as a second task: a task per leg was a fifth of
-        the router's CPU per request (benchmarks/router_overhead.py). The prefill's
-        done-callback cancels this task only while the race is on."""
-        me = asyncio.current_task()
+        The decode leg runs inline rather than as a second task, which cost CPU on every
+        request (benchmarks/results/router_overhead_vs_cb21479.md). The prefill's done-callback
+        cancels this task only while the race is on."""
+        me = asyncio.current_task(self.loop)  # with the loop given: no get_running_loop() syscall
         assert me is not None
         racing, ended = True, False
 
@@ -330,11 +330,8 @@ class Dispatcher:
         if p_task.done() and not p_task.cancelled() and p_task.result().ends_request:
             return self._prefill_ended(prefill, p_task.result(), headers)
         if d_leg.error is None and d_leg.status >= 500 and _names_bootstrap(d_leg.body, prefill):
-            self.registry.record(prefill, False)
-            self.registry.mark_failed(prefill)
-            return Retry(
-                f"decode {decode.url} lost prefill {prefill.url}: {d_leg.body[:300]!r}", errors.PREFILL_FAILED
-            )
+            lost = UpstreamError(f"decode {decode.url} lost it: {d_leg.body[:300]!r}")
+            return self._verdict(prefill, Leg(error=lost), errors.PREFILL_FAILED) or _respond(d_leg, headers)
         return self._verdict(decode, d_leg, errors.DECODE_FAILED) or _respond(d_leg, headers)
 
     def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: Headers) -> Outcome:
