@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -32,7 +33,13 @@ def calls(log_dir: str | Path) -> list[dict]:
 
 
 def environ(pid: int) -> dict[str, str]:
-    return psutil.Process(pid).environ()
+    """The process's environment once its exec has finished. Popen returns when the exec closed
+    its close-on-exec pipe, which the kernel does before it sets the new image's environment
+    bounds, so /proc/PID/environ can read empty for a moment right after spawn."""
+    deadline = time.monotonic() + 10
+    while not (env := psutil.Process(pid).environ()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return env
 
 
 # -- the node side: pdctl.mps as the agent runs it ----------------------------------------------------
