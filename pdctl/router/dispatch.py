@@ -420,7 +420,8 @@ class Dispatcher:
         self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg]
     ) -> _Opened | Leg | None:
         """Decode's stream once its first event came; a Leg when it gave none (a failure, or
-        an error status with its body); None when the prefill ended the request first.
+        an error status with its body) or when that event is a server-side abort (its status,
+        see ``_server_abort``); None when the prefill ended the request first.
 
         SGLang sends a stream's head before the request even reaches the scheduler, so the
         head proves nothing: the first event does (it comes once the KV did). Until then the
@@ -440,6 +441,10 @@ class Dispatcher:
         if first is None or isinstance(first, BaseException):
             head.close()
             return None if first is None else Leg(error=first)
+        status = _server_abort(first)
+        if status is not None:  # a failed request in SGLang's stream: nothing sent on yet, so retry it
+            head.close()
+            return Leg(status, first + b"data: [DONE]\n\n", "text/event-stream")
         return _Opened(head, first, events)
 
     async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: Headers) -> bool:
@@ -662,6 +667,31 @@ def _aborted(body: bytes) -> bool:
     item = data[0] if isinstance(data, list) and data else data
     reason = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
     return isinstance(reason, dict) and reason.get("type") == "abort"
+
+
+def _server_abort(event: bytes) -> int | None:
+    """The status of a stream's event that ends its request with a server-side failure, else None.
+
+    SGLang 0.5.23 streams an abort as an output whose ``meta_info.finish_reason`` is ``{"type":
+    "abort", "status_code": 500, "message": ...}`` (a decode that lost its prefill's KV: "Lost
+    connection with prefill instance (bootstrap_addr: HOST:PORT)"), and an error as ``{"error":
+    {"code": ...}}``. A 4xx is the client's answer and is not reported here."""
+    if b'"abort"' not in event and b'"error"' not in event:
+        return None
+    try:
+        data = loads(event[6:]) if event.startswith(b"data: ") else None
+    except ValueError:
+        return None
+    item = data[0] if isinstance(data, list) and data else data
+    if not isinstance(item, dict):
+        return None
+    if isinstance(item.get("error"), dict):
+        code = item["error"].get("code")
+    else:
+        meta = item.get("meta_info")
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        code = reason.get("status_code") if isinstance(reason, dict) and reason.get("type") == "abort" else None
+    return code if isinstance(code, int) and 500 <= code < 600 else None
 
 
 def _error_event(message: str) -> bytes:

@@ -402,25 +402,66 @@ def test_a_policy_that_chooses_no_worker_is_a_503_not_the_first_worker(role: Rol
     assert engines.mock.requests == []  # nothing was sent to any engine
 
 
-def test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself() -> None:
+def aborted(body: dict, message: str, status: int) -> MockReply:
+    """A streamed request SGLang 0.5.23 aborts: a 200 head, then one output whose finish_reason is
+    the abort with its status code (``_handle_abort_finish_reason`` yields it for streams), then
+    [DONE]."""
+    out = output(body, "", True)
+    out["meta_info"]["finish_reason"] = {"type": "abort", "message": message, "status_code": status, "err_type": None}
+    return MockReply(body=sse(out), content_type="text/event-stream")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(stream) -> None:
     """A decode that cannot reach its prefill's bootstrap server fails the room with SGLang's
-    "Losing connection with prefill instance (bootstrap_addr: HOST:PORT)". That is the prefill's
-    failure: the request is retried on the other prefill, and the decode, the only one, stays
-    in rotation (blaming it opened its circuit: a kill -9 of a prefill under bench_serving then
-    failed 133 of 1000 requests with no decode left)."""
+    "Lost connection with prefill instance (bootstrap_addr: HOST:PORT)": a 500 (not streamed) or,
+    streamed, a 200 whose first event is that abort. That is the prefill's failure: the request
+    is retried on the other prefill, and the decode, the only one, stays in rotation (blaming it
+    opened its circuit: a kill -9 of a prefill under bench_serving then failed 133 of 1000
+    requests with no decode left; a streamed abort went to the client as its answer)."""
 
     async def loses_p1(engines: Engines, request: UpstreamRequest, body: dict) -> MockReply:
         if body["bootstrap_host"] == "127.0.0.2":  # P1's rooms
-            message = "Losing connection with prefill instance (bootstrap_addr: 127.0.0.2:8998)"
-            return await answers(500, message)
+            message = "Lost connection with prefill instance (bootstrap_addr: 127.0.0.2:8998)"
+            return aborted(body, message, 500) if stream else await answers(500, message)
         return await decode_ok(engines, request, body)
 
     engines = Engines(D1=loses_p1)
 
     async def scenario(r: Run) -> tuple[int, Any, bool, bool]:
-        status, body = await r.generate()
+        status, body = await r.generate(stream=stream)
         return status, body, r.circuit_open(P1), r.circuit_open(D1)
 
     status, body, p1_open, d1_open = run(engines, scenario, prefills=(P1, P2))
-    assert status == 200 and body["text"] == continuation(PROMPT, 8)
+    assert status == 200 and text_of(stream, body) == continuation(PROMPT, 8)
     assert p1_open and not d1_open
+
+
+def test_a_streamed_server_abort_is_retried_and_a_client_abort_is_the_answer() -> None:
+    """A first event that aborts with a 5xx (nothing has reached the client) is the decode's
+    failure, retried on another pair; one that aborts with a 4xx is the client's answer, passed
+    on as SGLang sent it."""
+
+    async def fails(engines: Engines, request: UpstreamRequest, body: dict) -> MockReply:
+        await engines.room(body)
+        return aborted(body, "CUDA out of memory", 500)
+
+    async def refuses(engines: Engines, request: UpstreamRequest, body: dict) -> MockReply:
+        await engines.room(body)
+        return aborted(body, "input is longer than the context", 400)
+
+    async def retried(r: Run) -> None:
+        status, events = await r.generate(stream=True)
+        assert status == 200 and text_of(True, events) == continuation(PROMPT, 8)
+        assert r.circuit_open(D1) and not r.circuit_open(D2) and not r.circuit_open(P1)
+
+    run(Engines(D1=fails), retried, decodes=(D1, D2))
+
+    async def answered(r: Run) -> None:
+        status, events = await r.generate(stream=True)
+        assert status == 200 and events[0]["meta_info"]["finish_reason"]["status_code"] == 400
+        assert events[1:] == ["[DONE]"]
+        assert len(r.engines.bodies(D1)) + len(r.engines.bodies(D2)) == 1  # not retried
+        assert not r.circuit_open(D1) and not r.circuit_open(D2)
+
+    run(Engines(D1=refuses, D2=refuses), answered, decodes=(D1, D2))
