@@ -9,9 +9,12 @@ a size is the bytes moved, not a parameter count.
 
 The limit: one bare ``torch.distributed.broadcast`` of the same bytes among five processes in the
 same layout (rank 0 sends; four receive, one flat buffer each), timed after a warm-up broadcast
-(connections made, every page of the buffers touched) until every rank has it. Each round runs REPS bare
-broadcasts, then REPS pushes per load format, for each size, and keeps each one's median; the ratio
-is the median over ROUNDS rounds of each round's own bare/push pair.
+(connections made, every page of the buffers touched) until every rank has it. Beside it, in the same
+group, one bare broadcast per tensor of the same model (the collectives a ``names`` push makes, with
+nothing of pdctl around them): the push against it is what pdctl itself costs, the flat broadcast
+against it what gloo charges for many collectives instead of one. Each round runs REPS pairs of bare
+broadcasts, then REPS pushes per load format, for each size, and keeps each one's median; a ratio is
+the median over ROUNDS rounds of each round's own pair.
 
 Goals (the weights issue): transfer >= 0.95x the bare broadcast's bandwidth; everything but the
 transfer (hold, pause, begin, end, version, verify, continue, release) < 0.5 s in total.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -69,39 +73,64 @@ def config_for(megabytes: int):
 
 
 # -- the bare broadcast --------------------------------------------------------------------------------
-def bare_rank(rank: int, world: int, port: int, nbytes: int) -> None:
-    """One rank of the bare broadcast; rank 0 prints the seconds of each of REPS timed broadcasts."""
+def bare_rank(rank: int, world: int, port: int, megabytes: int) -> None:
+    """One rank of the bare broadcasts; rank 0 prints the seconds of each of REPS timed pairs.
+
+    Each pair is one broadcast of the model's bytes as one flat buffer (the goal's limit) and one
+    broadcast per tensor of the same model (the collectives a ``names`` push makes, with none of
+    pdctl's work around them), alternating in the same group so that the machine's drift hits both."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    shapes = [tuple(p.shape) for p in model_tensors(megabytes)]
+    nbytes = sum(8 * math.prod(shape) for shape in shapes)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
-    dist.broadcast(buf, src=0)  # warm: connections made, every page of the buffers touched
+    make = torch.ones if rank == 0 else torch.empty
+    flat = make(nbytes, dtype=torch.uint8)
+    tensors = [make(shape, dtype=torch.float64) for shape in shapes]
+
+    def one_flat() -> None:
+        dist.broadcast(flat, src=0)
+
+    def per_tensor() -> None:
+        for work in [dist.broadcast(t, src=0, async_op=True) for t in tensors]:
+            work.wait()
+
+    seconds: dict[str, list[float]] = {"flat": [], "per_tensor": []}
+    for run in (one_flat, per_tensor):  # warm: connections made, every page of the buffers touched
+        run()
     dist.barrier()
-    seconds = []
     for _ in range(REPS):
-        started = time.perf_counter()
-        dist.broadcast(buf, src=0)
-        dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
-        seconds.append(time.perf_counter() - started)
+        for key, run in (("flat", one_flat), ("per_tensor", per_tensor)):
+            started = time.perf_counter()
+            run()
+            dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
+            seconds[key].append(time.perf_counter() - started)
     if rank == 0:
-        print(json.dumps({"seconds": seconds}))
+        print(json.dumps(seconds))
     dist.destroy_process_group()
 
 
-def bare_broadcast(nbytes: int) -> list[float]:
+def model_tensors(megabytes: int) -> list:
+    """The trainer's tensors for a model of ``megabytes`` (see ``config_for``), in names order."""
+    from pdctl.sim.model import TinyLM
+
+    return [p.detach() for _, p in TinyLM(config_for(megabytes)).named_parameters()]
+
+
+def bare_broadcast(megabytes: int) -> dict[str, list[float]]:
     world = 1 + sum(tp for _, tp in ENGINES)
     port = free_port()
     argv = [PY, __file__, "--bare-rank"]
     procs = [
-        subprocess.Popen([*argv, str(r), str(world), str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([*argv, str(r), str(world), str(port), str(megabytes)], stdout=subprocess.PIPE, text=True)
         for r in range(world)
     ]
     out = procs[0].communicate(timeout=600)[0]
     for p in procs[1:]:
         p.wait(timeout=60)
-    return json.loads(out.strip().splitlines()[-1])["seconds"]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 # -- the fleet -------------------------------------------------------------------------------------------
@@ -172,8 +201,10 @@ def measure(megabytes: int, tmp: Path) -> dict:
         with sync_for("auto") as sync:
             auto = sync.push(tensors, version=f"bench-{megabytes}-auto").load_format
         for r in range(ROUNDS):
-            bares = bare_broadcast(nbytes)
-            row = {"bare_seconds": statistics.median(bares), "bare_reps": bares, "reports": {}, "transfer_reps": {}}
+            bares = bare_broadcast(megabytes)
+            row = {"bare_seconds": statistics.median(bares["flat"]), "bare_reps": bares["flat"],
+                   "bare_per_tensor_seconds": statistics.median(bares["per_tensor"]),
+                   "bare_per_tensor_reps": bares["per_tensor"], "reports": {}, "transfer_reps": {}}
             for fmt in FORMATS:  # one group at a time; a warm-up push first touches the trainer's buffers
                 with sync_for(fmt) as sync:
                     sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-warm")
@@ -183,19 +214,27 @@ def measure(megabytes: int, tmp: Path) -> dict:
                 row["reports"][fmt] = reps[len(reps) // 2]  # the push with the median transfer
                 row["transfer_reps"][fmt] = [rep["phases"]["transfer"] for rep in reps]
             rounds.append(row)
-            print(f"  {megabytes} MB round {r}: bare {row['bare_seconds']:.2f}s, "
+            print(f"  {megabytes} MB round {r}: bare {row['bare_seconds']:.2f}s "
+                  f"(per tensor {row['bare_per_tensor_seconds']:.2f}s), "
                   + ", ".join(f"{fmt} transfer {rep['phases']['transfer']:.2f}s other {rep_other(rep):.3f}s"
                               for fmt, rep in row["reports"].items()), flush=True)
     finally:
         fleet.stop()
     bare = statistics.median(x["bare_seconds"] for x in rounds)
+    per_tensor = statistics.median(x["bare_per_tensor_seconds"] for x in rounds)
     out = {"megabytes": megabytes, "bytes": nbytes, "layers": config.layers, "auto": auto, "bare_seconds": bare,
-           "bare_gbps": nbytes / bare / 1e9, "formats": {}, "rounds": rounds}
+           "bare_gbps": nbytes / bare / 1e9, "bare_per_tensor_seconds": per_tensor,
+           "bare_per_tensor_gbps": nbytes / per_tensor / 1e9,
+           "bare_per_tensor_ratio": statistics.median(x["bare_seconds"] / x["bare_per_tensor_seconds"] for x in rounds),
+           "formats": {}, "rounds": rounds}
     for fmt in FORMATS:
         reports = [x["reports"][fmt] for x in rounds]
         transfer = statistics.median(rep["phases"]["transfer"] for rep in reports)
         # the ratio of each round's own pair, then the median: the machine's drift cancels within a round
         ratio = statistics.median(x["bare_seconds"] / x["reports"][fmt]["phases"]["transfer"] for x in rounds)
+        # against the same collectives with nothing around them: what pdctl itself costs
+        same = "bare_seconds" if fmt == "flattened_bucket" else "bare_per_tensor_seconds"
+        own = statistics.median(x[same] / x["reports"][fmt]["phases"]["transfer"] for x in rounds)
         phases = {k: statistics.median(rep["phases"].get(k, 0.0) for rep in reports) for k in reports[0]["phases"]}
         last = reports[-1]
         out["formats"][fmt] = {
@@ -208,6 +247,7 @@ def measure(megabytes: int, tmp: Path) -> dict:
             "transfer_seconds": transfer,
             "transfer_gbps": nbytes / transfer / 1e9,
             "transfer_ratio": ratio,
+            "same_collectives_ratio": own,
             "phases": phases,
             "overhead_seconds": statistics.median(rep_other(rep) for rep in reports),
         }
@@ -236,8 +276,8 @@ def main() -> None:
     (RESULTS / "weight_push.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
         "| size | load format | tensors | buckets | collectives | bare GB/s | push transfer GB/s "
-        "| ratio (goal >= 0.95) | other phases s (goal < 0.5) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ratio (goal >= 0.95) | vs the same collectives bare | other phases s (goal < 0.5) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for fmt, f in r["formats"].items():
@@ -245,8 +285,14 @@ def main() -> None:
                 f"| {r['bytes'] / 2**20:.0f} MiB | {fmt}{' (auto)' if fmt == r['auto'] else ''} | {f['tensors']} "
                 f"| {f['buckets']} "
                 f"| {f['collectives']} | {r['bare_gbps']:.2f} | {f['transfer_gbps']:.2f} | {f['transfer_ratio']:.2f}x "
-                f"| {f['overhead_seconds']:.3f} |"
+                f"| {f['same_collectives_ratio']:.2f}x | {f['overhead_seconds']:.3f} |"
             )
+    lines += ["", "Bare broadcasts (median seconds; ratio: one flat broadcast against one per tensor, "
+              "the median of each round's pair):", "",
+              "| size | one flat broadcast | one per tensor | tensors | flat / per tensor |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | {r['bare_seconds']:.3f} | {r['bare_per_tensor_seconds']:.3f} "
+                     f"| {r['formats']['names']['tensors']} | {r['bare_per_tensor_ratio']:.2f}x |")
     lines += ["", "Per phase (median seconds):", ""]
     names = list(results[0]["formats"][FORMATS[0]]["phases"])
     lines.append("| size | load format | " + " | ".join(names) + " |")
@@ -258,8 +304,9 @@ def main() -> None:
     lines += [
         "",
         f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs, each round the median of {REPS} timed "
-        f"broadcasts and of {REPS} timed pushes per format (ratio: the median of each round's own "
-        f"bare/push pair); gloo over loopback; engines {', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; "
+        f"pairs of bare broadcasts and of {REPS} timed pushes per format (ratio: the median of each round's own "
+        f"bare/push pair; 'the same collectives bare': one broadcast per tensor for names, the flat one for "
+        f"flattened_bucket); gloo over loopback; engines {', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; "
         f"verify {results[0]['formats'][FORMATS[0]]['verify']}; sims with --sim-weight-digest {DIGEST}; "
         "(auto): what a push picks by default. "
         "'other phases' excludes probe (the /server_info round that decides whether the group must be rebuilt).",
@@ -270,7 +317,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bare-rank", nargs=4, type=int, metavar=("RANK", "WORLD", "PORT", "BYTES"))
+    parser.add_argument("--bare-rank", nargs=4, type=int, metavar=("RANK", "WORLD", "PORT", "MEGABYTES"))
     cli = parser.parse_args()
     if cli.bare_rank:
         bare_rank(*cli.bare_rank)
