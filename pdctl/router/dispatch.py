@@ -322,7 +322,7 @@ class Dispatcher:
     ) -> Outcome:
         """Decide which leg failed: the prefill, when its answer ended the request (the decode
         only followed it) or when the decode's error names the prefill's bootstrap server (it
-        could not get the KV from it: SGLang's "Losing connection with prefill instance
+        could not get the KV from it: SGLang 0.5.23's "Lost connection with prefill instance
         (bootstrap_addr: HOST:PORT)"), else the decode. Blaming the decode for a dead prefill
         opened the circuit of a healthy decode, the fleet's only one in a bench_serving run."""
         with contextlib.suppress(asyncio.TimeoutError):

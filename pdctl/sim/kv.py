@@ -193,7 +193,7 @@ async def fetch_kv(
             why = f"{misses} failed checks in {now - first_miss:.1f}s"
             heartbeats.mark_lost(host, port, why)
             raise SimError(
-                f"Losing connection with prefill instance (bootstrap_addr: {host}:{port}) "
+                f"Lost connection with prefill instance (bootstrap_addr: {host}:{port}) "
                 f"for bootstrap_room {room}: {why}; last: {last_error}"
             )
         wait = min(left, POLL_SLICE_SECS)
@@ -218,7 +218,7 @@ async def fetch_kv(
             misses += 1
             if lost_before is not None:  # judged lost by an earlier room: this check confirms it
                 raise SimError(
-                    f"Losing connection with prefill instance (bootstrap_addr: {host}:{port}) "
+                    f"Lost connection with prefill instance (bootstrap_addr: {host}:{port}) "
                     f"for bootstrap_room {room}: the server was lost earlier ({lost_before}); last: {last_error}"
                 ) from exc
             # the next check comes a heartbeat later (a second at most: a blip costs little)

@@ -321,6 +321,6 @@ def test_a_decode_batch_that_fails_half_way_gives_back_every_reserved_slot(trio)
         d = pool.submit(post, decode.url + "/generate", batch, timeout=120)
         assert post(prefill.url + "/generate", {**first, **pd})[0] == 200
         status, out = d.result()
-    assert status == 500 and "Losing connection with prefill instance" in out["error"]["message"]
+    assert status == 500 and "Lost connection with prefill instance" in out["error"]["message"]
     info = get(decode.url + "/server_info")[1]["internal_states"][0]
     assert info["num_reserved_decode_slots"] == 0, info
