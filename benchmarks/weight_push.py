@@ -83,7 +83,7 @@ def bare_rank(rank: int, world: int, port: int, megabytes: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    shapes = [tuple(p.shape) for p in model_tensors(megabytes)]
+    shapes = model_shapes(megabytes)
     nbytes = sum(8 * math.prod(shape) for shape in shapes)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     make = torch.ones if rank == 0 else torch.empty
@@ -112,11 +112,15 @@ def bare_rank(rank: int, world: int, port: int, megabytes: int) -> None:
     dist.destroy_process_group()
 
 
-def model_tensors(megabytes: int) -> list:
-    """The trainer's tensors for a model of ``megabytes`` (see ``config_for``), in names order."""
+def model_shapes(megabytes: int) -> list[tuple[int, ...]]:
+    """The shapes of a ``megabytes`` model's tensors (see ``config_for``), in names order; built
+    on the meta device, so no rank allocates the model only to read them."""
+    import torch
+
     from pdctl.sim.model import TinyLM
 
-    return [p.detach() for _, p in TinyLM(config_for(megabytes)).named_parameters()]
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in TinyLM(config_for(megabytes)).parameters()]
 
 
 def bare_broadcast(megabytes: int) -> dict[str, list[float]]:

@@ -652,45 +652,48 @@ def _names_bootstrap(body: bytes, prefill: Worker) -> bool:
     return f"{prefill.bootstrap_host}:{prefill.bootstrap_port}".encode() in body
 
 
-def _aborted(body: bytes) -> bool:
-    """True for an engine's 200 whose (first) item finished with an abort (SGLang's shape),
-    whole or streamed (a prefill asked to stream answers in events)."""
+def _abort_of(body: bytes) -> dict[str, Any] | None:
+    """The finish_reason of an engine's 200 whose (first) item finished with an abort (SGLang's
+    shape: ``{"type": "abort", "message", "status_code"}``), whole or streamed (a prefill asked to
+    stream answers in events), else None."""
     if b'"abort"' not in body:
-        return False
+        return None
     try:
         if body.startswith(b"data: "):
             data = next(loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {") and b'"abort"' in e)
         else:
             data = loads(body)
     except (ValueError, StopIteration):
-        return False
+        return None
     item = data[0] if isinstance(data, list) and data else data
-    reason = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
-    return isinstance(reason, dict) and reason.get("type") == "abort"
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return reason if isinstance(reason, dict) and reason.get("type") == "abort" else None
+
+
+def _aborted(body: bytes) -> bool:
+    return _abort_of(body) is not None
 
 
 def _server_abort(event: bytes) -> int | None:
     """The status of a stream's event that ends its request with a server-side failure, else None.
 
-    SGLang 0.5.23 streams an abort as an output whose ``meta_info.finish_reason`` is ``{"type":
-    "abort", "status_code": 500, "message": ...}`` (a decode that lost its prefill's KV: "Lost
-    connection with prefill instance (bootstrap_addr: HOST:PORT)"), and an error as ``{"error":
-    {"code": ...}}``. A 4xx is the client's answer and is not reported here."""
-    if b'"abort"' not in event and b'"error"' not in event:
-        return None
-    try:
-        data = loads(event[6:]) if event.startswith(b"data: ") else None
-    except ValueError:
-        return None
-    item = data[0] if isinstance(data, list) and data else data
-    if not isinstance(item, dict):
-        return None
-    if isinstance(item.get("error"), dict):
-        code = item["error"].get("code")
+    SGLang 0.5.23 streams an abort as an output whose finish_reason is an abort with its
+    ``status_code`` (a decode that lost its prefill's KV: 500, "Lost connection with prefill
+    instance (bootstrap_addr: HOST:PORT)"), and an error as ``{"error": {"code": ...}}``. A 4xx
+    is the client's answer and is not reported here."""
+    reason = _abort_of(event)
+    if reason is not None:
+        code = reason.get("status_code")
+    elif b'"error"' in event and event.startswith(b"data: {"):
+        try:
+            data = loads(event[6:])
+        except ValueError:
+            return None
+        error = data.get("error") if isinstance(data, dict) else None
+        code = error.get("code") if isinstance(error, dict) else None
     else:
-        meta = item.get("meta_info")
-        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
-        code = reason.get("status_code") if isinstance(reason, dict) and reason.get("type") == "abort" else None
+        return None
     return code if isinstance(code, int) and 500 <= code < 600 else None
 
 
