@@ -183,14 +183,9 @@ def generate_error_body(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
-def stream_error_chunk(message: str, *, status: int = 400) -> dict[str, Any]:
-    """The error SGLang sends inside an SSE stream before ``data: [DONE]``."""
-    return {"error": {"message": message, "type": "invalid_request_error", "code": status, "retryable": False}}
-
-
-def openai_stream_error_chunk(message: str, *, status: int = 400) -> dict[str, Any]:
+def openai_stream_error_chunk(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:
     """The error an OpenAI route sends inside its SSE stream (``create_streaming_error_response``)."""
-    return {"error": openai_error_body(message, status=status)}
+    return {"error": openai_error_body(message, status=status, err_type=err_type)}
 
 
 def openai_error_body(message: str, *, status: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:

@@ -48,6 +48,22 @@ def _top(logps: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist(), strict=True))
 
 
+def abort_reason(message: str, status: int | None = None) -> dict[str, Any]:
+    """SGLang 0.5.23's ``FINISH_ABORT(...).to_json()``. ``status`` is None for an abort that was
+    asked for (/abort_request, a pause in abort mode): the request just ends. With an HTTP status
+    it is a failure: a non-streamed answer becomes that error, a stream ends with it."""
+    return {"type": "abort", "message": message, "status_code": status, "err_type": None}
+
+
+def failure_status(finish: dict[str, Any] | None) -> int | None:
+    """The HTTP status an abort carries as a failure (SGLang's ``_handle_abort_finish_reason``:
+    an abort whose status_code is in 400..599), else None."""
+    if not finish or finish.get("type") != "abort":
+        return None
+    status = finish.get("status_code")
+    return status if isinstance(status, int) and 400 <= status < 600 else None
+
+
 class Mode(str, Enum):
     NORMAL = "normal"
     PREFILL = "prefill"  # PD prefill: run the prompt, publish KV under the room, return 1 token
@@ -207,7 +223,7 @@ class Engine:
                 if not r.finished and (rid is None or r.rid == rid)
             ]
             for req in victims:
-                self._finish(req, {"type": "abort", "message": message})
+                self._finish(req, abort_reason(message))
             return len(victims)
 
     # -- pause / continue / exclusive ---------------------------------------------------
@@ -220,7 +236,7 @@ class Engine:
             self._paused = True
             if mode == "abort":
                 for req in (*self._running, *self._waiting):
-                    self._finish(req, {"type": "abort", "message": "Generation paused (abort)"})
+                    self._finish(req, abort_reason("Generation paused (abort)"))
             elif mode == "retract":
                 for req in reversed(self._running):
                     if not req.finished:
@@ -365,7 +381,7 @@ class Engine:
                 self._prefill(req)
         except SimError as exc:
             with self._cond:
-                self._finish(req, {"type": "abort", "message": str(exc)})
+                self._finish(req, abort_reason(str(exc), exc.status))
         with self._cond:
             self._running.append(req)  # finished ones are reaped next iteration, keeping slots dense
             self._admitting.remove(req)

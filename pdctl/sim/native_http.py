@@ -8,10 +8,10 @@ import asyncio
 from aiohttp import web
 
 from pdctl.errors import SimError
-from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body, stream_error_chunk
+from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body
 from pdctl.sim.body import read_json
-from pdctl.sim.engine import Mode
-from pdctl.sim.requests import GenerateBody, generate_output, parse_generate
+from pdctl.sim.engine import Mode, failure_status
+from pdctl.sim.requests import GenerateBody, failed_output, generate_output, parse_generate
 from pdctl.sim.service import Running, SimService
 from pdctl.sim.sse import EventStream
 
@@ -47,27 +47,43 @@ class NativeRoutes:
             body = parse_generate(await read_json(request))
         except SimError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        if body.stream:  # SGLang sends a stream's head at once: what fails later is an event in it
+            return await self._stream(request, body)
         try:
             batch = await self.s.submit(body.items)
         except SimError as exc:
             return web.json_response(generate_error_body(str(exc)), status=exc.status)
         with self.s.aborting_unfinished(batch):
-            if body.stream:
-                return await self._stream(request, body, batch)
             results = [self._output(running, await self.s.finished(running)) for running in batch]
-            return web.json_response(results if body.is_batch else results[0])
-
-    async def _stream(self, request: web.Request, body: GenerateBody, batch: list[Running]) -> web.StreamResponse:
-        stream = await EventStream.open(request)
-        async for index, tokens, _ in self.s.interleaved(batch):
-            out = self._output(batch[index], tokens)
-            if body.is_batch:
-                out["index"] = index
-            await stream.send(out)
-        for running in batch:
+        for running in batch:  # an abort with a status is that error (SGLang raises it)
             finish = running.request.finish
-            if finish and finish.get("type") == "abort":
-                await stream.send(stream_error_chunk(str(finish.get("message")), status=500))
+            status = failure_status(finish)
+            if finish is not None and status is not None:
+                return web.json_response(generate_error_body(str(finish.get("message"))), status=status)
+        return web.json_response(results if body.is_batch else results[0])
+
+    async def _stream(self, request: web.Request, body: GenerateBody) -> web.StreamResponse:
+        """Each update is an output event; a request that ends in an abort ends with its output
+        (finish_reason abort, with the status when it failed), as SGLang 0.5.23 streams it: no
+        separate error event. A request that fails before its first token (a decode whose KV
+        cannot come) is one such output after a 200 head."""
+        stream = await EventStream.open(request)
+        try:
+            batch = await self.s.submit(body.items)
+        except SimError as exc:
+            for index, item in enumerate(body.items):
+                rid = item.rid or self.s.engine.new_rid()
+                out = failed_output(item, rid, exc, self.s.weight_version, pd_decode=self.s.mode == "decode")
+                if body.is_batch:
+                    out["index"] = index
+                await stream.send(out)
+            return await stream.close()
+        with self.s.aborting_unfinished(batch):
+            async for index, tokens, _ in self.s.interleaved(batch):
+                out = self._output(batch[index], tokens)
+                if body.is_batch:
+                    out["index"] = index
+                await stream.send(out)
         return await stream.close()
 
     async def health(self, _: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -16,11 +17,11 @@ from aiohttp import web
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint, openai_error_body, openai_stream_error_chunk
 from pdctl.sim.body import read_json
-from pdctl.sim.engine import Request
+from pdctl.sim.engine import Request, failure_status
 from pdctl.sim.model import decode, encode
 from pdctl.sim.requests import ItemSpec, parallel_samples
 from pdctl.sim.sampling import SamplingOptions
-from pdctl.sim.service import Running, SimService
+from pdctl.sim.service import SimService
 from pdctl.sim.sse import EventStream
 
 
@@ -120,9 +121,10 @@ class OpenAIRoutes:
             return web.json_response(body, status=404)
         return web.json_response(self._model_card())
 
-    async def _items(
-        self, body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions, top: int | None
-    ) -> list[Running]:
+    @staticmethod
+    def _items(
+        body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions, top: int | None
+    ) -> list[ItemSpec]:
         n = _samples(body)
         items = []
         for i, ids in enumerate(prompts):
@@ -138,65 +140,72 @@ class OpenAIRoutes:
                 top_logprobs_num=top or 0,
             )
             items.extend(parallel_samples(item, n))
-        return await self.s.submit(items)
+        return items
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
             prompts = _prompts(body.get("prompt"))
             sampling = _sampling(body, 16)
-            pairs = await self._items(body, prompts, sampling, _top_logprobs(body, chat=False))
+            items = self._items(body, prompts, sampling, _top_logprobs(body, chat=False))
         except SimError as exc:
             return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
         except AttributeError as exc:  # a body that is not an object
             return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
-        return await self._respond(request, body, pairs, chat=False)
+        return await self._respond(request, body, items, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
             prompts = [encode(chat_prompt(body.get("messages")))]
-            pairs = await self._items(body, prompts, _sampling(body, None), _top_logprobs(body, chat=True))
+            items = self._items(body, prompts, _sampling(body, None), _top_logprobs(body, chat=True))
         except SimError as exc:
             return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
         except AttributeError as exc:  # a body that is not an object
             return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
-        return await self._respond(request, body, pairs, chat=True)
+        return await self._respond(request, body, items, chat=True)
 
     async def _respond(
-        self, request: web.Request, body: dict[str, Any], batch: list[Running], *, chat: bool
+        self, request: web.Request, body: dict[str, Any], items: list[ItemSpec], *, chat: bool
     ) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         model = body.get("model") or self.s.config.served_name
+        if body.get("stream"):
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            echo = not chat and bool(body.get("echo"))
+            return await self._stream(request, items, rid, created, model, chat=chat, include_usage=usage, echo=echo)
+        try:
+            batch = await self.s.submit(items)
+        except SimError as exc:
+            return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
         with self.s.aborting_unfinished(batch):
-            if body.get("stream"):
-                options = body.get("stream_options")
-                usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                echo = not chat and bool(body.get("echo"))
-                return await self._stream(
-                    request, batch, rid, created, model, chat=chat, include_usage=usage, echo=echo
-                )
-            choices = []
-            for index, running in enumerate(batch):
+            for running in batch:
                 await self.s.finished(running)
-                choices.append(_choice(running.request, index, chat, body))
-            obj = "chat.completion" if chat else "text_completion"
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    "usage": _usage([r.request for r in batch]),
-                }
-            )
+        for running in batch:  # an abort with a status is that error (SGLang raises it)
+            finish = running.request.finish
+            status = failure_status(finish)
+            if finish is not None and status is not None:
+                message = str(finish.get("message"))
+                return web.json_response(openai_error_body(message, status=status), status=status)
+        choices = [_choice(running.request, index, chat, body) for index, running in enumerate(batch)]
+        obj = "chat.completion" if chat else "text_completion"
+        return web.json_response(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": _usage([r.request for r in batch]),
+            }
+        )
 
     async def _stream(
         self,
         request: web.Request,
-        batch: list[Running],
+        items: list[ItemSpec],
         rid: str,
         created: int,
         model: str,
@@ -206,9 +215,17 @@ class OpenAIRoutes:
         echo: bool = False,
     ) -> web.StreamResponse:
         """Every choice streams side by side (chunks of different indexes interleave, as
-        SGLang's do); each chunk sends what is new of its choice's text. A choice that was
-        aborted ends with SGLang's streamed error after its last chunk."""
+        SGLang's do); each chunk sends what is new of its choice's text. The head goes out at
+        once, as SGLang's does. A choice aborted with a status (a failure, or KV that could not
+        come before the first token) ends the stream with SGLang's streamed error instead of
+        its last chunk; one aborted without (abort_request, a pause) ends as any choice does,
+        finish_reason abort."""
         stream = await EventStream.open(request)
+        try:
+            batch = await self.s.submit(items)
+        except SimError as exc:
+            await stream.send(_stream_error(str(exc), exc.status))
+            return await stream.close()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(choice: dict[str, Any]) -> None:
@@ -217,27 +234,39 @@ class OpenAIRoutes:
         sent = [""] * len(batch)
         # SGLang puts the prompt in a choice's first chunk (echo)
         prefix = [decode(r.request.input_ids) if echo else "" for r in batch]
-        if chat:
-            for index in range(len(batch)):
-                await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for index, _, done in self.s.interleaved(batch):
-            req = batch[index].request
-            # Cumulative text, the stop string trimmed once finished; each chunk sends what is new.
-            text = req.text() if done else decode(req.output_ids)
-            delta, sent[index] = text[len(sent[index]) :], text
-            if delta:
-                piece = {"delta": {"content": delta}} if chat else {"text": prefix[index] + delta, "logprobs": None}
-                prefix[index] = ""
-                await send({"index": index, **piece, "finish_reason": None})
-            if done:
-                end: dict[str, Any] = {"delta": {}} if chat else {"text": prefix[index], "logprobs": None}
-                await send({"index": index, **end, "finish_reason": _finish_reason(req), "matched_stop": _matched(req)})
-                if req.finish and req.finish.get("type") == "abort":
-                    await stream.send(openai_stream_error_chunk(str(req.finish.get("message")), status=500))
+        with self.s.aborting_unfinished(batch):
+            if chat:
+                for index in range(len(batch)):
+                    await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            async for index, _, done in self.s.interleaved(batch):
+                req = batch[index].request
+                status = failure_status(req.finish) if done else None
+                if req.finish is not None and status is not None:  # SGLang breaks out of the stream here
+                    await stream.send(_stream_error(str(req.finish.get("message")), status))
+                    break
+                # Cumulative text, the stop string trimmed once finished; each chunk sends what is new.
+                text = req.text() if done else decode(req.output_ids)
+                delta, sent[index] = text[len(sent[index]) :], text
+                if delta:
+                    piece = {"delta": {"content": delta}} if chat else {"text": prefix[index] + delta, "logprobs": None}
+                    prefix[index] = ""
+                    await send({"index": index, **piece, "finish_reason": None})
+                if done:
+                    end: dict[str, Any] = {"delta": {}} if chat else {"text": prefix[index], "logprobs": None}
+                    await send(
+                        {"index": index, **end, "finish_reason": _finish_reason(req), "matched_stop": _matched(req)}
+                    )
         if include_usage:  # SGLang's last chunk: no choices, the counts of every choice
             last = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
             await stream.send({**last, "usage": _usage([r.request for r in batch])})
         return await stream.close()
+
+
+def _stream_error(message: str, status: int) -> dict[str, Any]:
+    """SGLang's streamed OpenAI error: a bad request (a ValueError) is a ``BadRequestError``, an
+    abort with a status names the status (``create_streaming_error_response(msg, code.name, code)``)."""
+    err_type = "BadRequestError" if status == HTTPStatus.BAD_REQUEST else HTTPStatus(status).name
+    return openai_stream_error_chunk(message, status=status, err_type=err_type)
 
 
 def _prompts(prompt: Any) -> list[list[int]]:

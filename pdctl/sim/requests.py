@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdctl.errors import SimError
-from pdctl.sim.engine import Request
+from pdctl.sim.engine import Request, abort_reason
 from pdctl.sim.model import decode, encode
 from pdctl.sim.sampling import SamplingOptions
 
@@ -152,3 +152,12 @@ def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: boo
         meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in top] for top in req.output_top_logprobs[:n]]
     text = req.text() if done else decode(ids)
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def failed_output(item: ItemSpec, rid: str, exc: SimError, weight_version: str, *, pd_decode: bool) -> dict[str, Any]:
+    """The one event SGLang streams for a request its scheduler aborts before the first token
+    (a decode whose KV cannot come, a full queue): no tokens, finish_reason abort with the
+    status (``_handle_abort_finish_reason`` yields it to a stream instead of raising)."""
+    req = Request(rid=rid, input_ids=item.input_ids, sampling=item.sampling, emit=lambda _: None)
+    req.finish = abort_reason(str(exc), exc.status)
+    return generate_output(req, 0, weight_version, pd_decode=pd_decode)

@@ -283,23 +283,56 @@ def test_openai_streams_of_several_choices_interleave(guarded) -> None:
     assert sorted(set(order)) == [0, 1] and order != sorted(order), order
 
 
-def test_an_aborted_openai_stream_ends_with_the_streamed_error(guarded) -> None:
-    """/generate and the OpenAI routes end an aborted stream the same way: the choice's last
-    chunk (finish_reason abort), then SGLang's streamed error, then [DONE] (the OpenAI stream
-    once dropped the error)."""
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+def _abort_when_running(server, url: str, body: dict) -> list:
+    """Stream ``body`` to ``url``, /abort_request everything once it runs; the stream's events."""
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(sse, guarded.url + "/v1/chat/completions", body, 60, AUTH)
+        fut = pool.submit(sse, url, body, 60, AUTH)
         deadline = time.monotonic() + 10
-        while get(guarded.url + "/server_info", headers=AUTH)[1]["internal_states"][0]["num_running_reqs"] < 1:
+        while get(server.url + "/server_info", headers=AUTH)[1]["internal_states"][0]["num_running_reqs"] < 1:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
-        post(guarded.url + "/abort_request", {"abort_all": True}, headers=AUTH)
-        events = fut.result()
-    assert events[-1] == "[DONE]"
-    assert events[-3]["choices"][0]["finish_reason"] == "abort"
-    error = events[-2]["error"]
-    assert error["message"] == "Abort requested" and error["code"] == 500 and error["object"] == "error"
+        post(server.url + "/abort_request", {"abort_all": True}, headers=AUTH)
+        return fut.result()
+
+
+def test_a_stream_aborted_on_request_ends_as_any_stream_does(guarded) -> None:
+    """SGLang 0.5.23 gives an abort that was asked for (/abort_request, a pause) no status: the
+    stream's last output carries finish_reason abort and [DONE] follows, with no error event
+    (the sim once sent a 500 error event after it, which a router takes for a failure)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events = _abort_when_running(guarded, guarded.url + "/v1/chat/completions", chat)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}, "stream": True}
+    events = _abort_when_running(guarded, guarded.url + "/generate", native)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    finish = events[-2]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] is None, finish
+
+
+def test_a_streamed_decode_whose_kv_cannot_come_is_a_200_that_ends_in_an_abort(trio) -> None:
+    """SGLang sends a stream's head at once; a decode that loses its prefill aborts the request
+    with status 500, which /generate streams as an output whose finish_reason says so and the
+    OpenAI routes as their streamed error (the sim once answered these streams with an HTTP 500,
+    so a router's handling of the real shape was never exercised against it)."""
+    decode = trio[2]
+    dead = free_port()
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": dead, "bootstrap_room": 9200}
+    native = {"text": "lost", "sampling_params": {"max_new_tokens": 4}, "stream": True, **pd}
+    events = sse(decode.url + "/generate", native, timeout=120)
+    assert len(events) == 2 and events[1] == "[DONE]", events
+    finish = events[0]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 500, finish
+    assert f"Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:{dead})" in finish["message"]
+    assert events[0]["output_ids"] == [] and events[0]["meta_info"]["completion_tokens"] == 0
+    chat = {"messages": [{"role": "user", "content": "lost"}], "max_tokens": 4, "stream": True, **pd}
+    events = sse(decode.url + "/v1/chat/completions", {**chat, "bootstrap_room": 9201}, timeout=120)
+    assert len(events) == 2 and events[1] == "[DONE]", events
+    error = events[0]["error"]
+    assert error["code"] == 500 and error["type"] == "INTERNAL_SERVER_ERROR", error
+    assert "Lost connection with prefill instance" in error["message"]
+    status, out = post(decode.url + "/generate", {**native, "stream": False, "bootstrap_room": 9202}, timeout=120)
+    assert status == 500 and "Lost connection with prefill instance" in out["error"]["message"]
 
 
 def test_a_decode_batch_that_fails_half_way_gives_back_every_reserved_slot(trio) -> None:
