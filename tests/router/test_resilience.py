@@ -8,10 +8,22 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 
-from tests.helpers import NullEngine, RouterProcess, SimProcess, get, pd_router_args, post, sims, triton_stub
+from tests.helpers import (
+    NullEngine,
+    RouterProcess,
+    SimProcess,
+    free_port,
+    get,
+    pd_router_args,
+    post,
+    sims,
+    sse,
+    triton_stub,
+)
 
 
 def greedy(text, n=8):
@@ -80,6 +92,35 @@ def test_kill_9_a_decode_under_load_fails_no_request(tmp_path) -> None:
                 assert served["internal_states"][0]["num_running_reqs"] == 0
             finally:
                 revived.stop()
+        finally:
+            router.stop()
+
+
+def test_a_prefill_whose_kv_cannot_reach_the_decode_is_retried_streamed_or_not(tmp_path) -> None:
+    """A prefill registered under a bootstrap port nothing listens on (a typo, or a bootstrap
+    server that died) answers its own leg, but the decode cannot fetch the KV: SGLang's decode
+    aborts with 500 naming that bootstrap address, as an HTTP 500 or, streamed, as a 200 whose
+    first event is the abort. The router retries on the other prefill, so every client gets all
+    its tokens. End to end with real processes: the sim streams that abort as SGLang does."""
+    roles = ("prefill", "prefill", "decode")
+    with sims(tmp_path, *[("--disaggregation-mode", role) for role in roles]) as (good, bad, decode):
+        nowhere = free_port()
+        args = ["--pd-disaggregation", "--prefill", bad.url, str(nowhere)]
+        args += ["--prefill", good.url, str(good.bootstrap_port), "--decode", decode.url, "--policy", "round_robin"]
+        router = RouterProcess(tmp_path, *args).start("/readiness")
+        try:
+            for i in range(4):
+                events = sse(router.url + "/generate", {**greedy(f"lost {i}", 6), "stream": True}, timeout=120)
+                assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events[-2:]
+                finish = events[-2]["meta_info"]
+                assert finish["finish_reason"]["type"] == "length" and finish["completion_tokens"] == 6, finish
+                status, out = post(router.url + "/generate", greedy(f"plain {i}", 6), timeout=120)
+                assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length", out
+            metrics = urllib.request.urlopen(router.url + "/metrics", timeout=10).read().decode()
+            retried = [line for line in metrics.splitlines() if line.startswith("pdctl_router_retries_total{")]
+            blamed = [line for line in retried if 'reason="prefill_server_error"' in line]
+            assert blamed and not blamed[0].endswith(" 0.0"), retried
+            assert get(decode.url + "/server_info")[1]["internal_states"][0]["num_reserved_decode_slots"] == 0
         finally:
             router.stop()
 
