@@ -32,7 +32,7 @@ class RequestResult:
     """Requested output tokens."""
     ok: bool = False
     error: str | None = None
-    """Error kind: ``http_503``, ``connect``, ``timeout``, ``stream_error``, ``empty``..."""
+    """Error kind: ``http_503``, ``connect``, ``timeout``, ``stream_error``, ``aborted``, ``empty``..."""
     detail: str = ""
     ttft: float = 0.0
     e2e: float = 0.0
@@ -141,6 +141,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, result: RequestRe
                 result.detail = str(error.get("message") if isinstance(error, dict) else error)[:300]
                 return
             new = _new_tokens(api, chunk, tokens, result)
+            aborted = _abort_of(api, chunk)
+            if aborted is not None:  # SGLang streams a failed or aborted request as a 200 that ends so
+                result.error, result.detail = "aborted", aborted
+                return
             if new <= 0:
                 continue
             if tokens == 0:
@@ -152,6 +156,22 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, result: RequestRe
             last = now
     if result.output_tokens < tokens:  # no server count: the chunks we saw
         result.output_tokens = tokens
+
+
+def _abort_of(api: str, chunk: dict[str, Any]) -> str | None:
+    """What ended the request, when this chunk says it was aborted (SGLang 0.5.23: a /generate
+    output whose finish_reason is an abort, with a status_code when it failed; an OpenAI choice
+    whose finish_reason is ``abort``), else None."""
+    if api == "generate":
+        reason = (chunk.get("meta_info") or {}).get("finish_reason")
+        if not isinstance(reason, dict) or reason.get("type") != "abort":
+            return None
+        status = reason.get("status_code")
+        return str(reason.get("message"))[:300] + (f" (status {status})" if status else "")
+    choices = chunk.get("choices") or []
+    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason") == "abort":
+        return "finish_reason abort"
+    return None
 
 
 def _new_tokens(api: str, chunk: dict[str, Any], seen: int, result: RequestResult) -> int:

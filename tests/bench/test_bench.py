@@ -211,3 +211,56 @@ def test_workload_files(tmp_path: Path) -> None:
     assert [(r.prompt, r.output_len) for r in jsonl_workload(lines, None, 9)] == [("x", 4), ("yy", 9)]
     with pytest.raises(WorkloadError, match="output_len must be a positive integer"):
         jsonl_workload(lines, None, None)
+
+
+def _abort_server_events(api: str, status: int | None) -> list[dict]:
+    """Two tokens, then the request's end as SGLang 0.5.23 streams an abort."""
+    if api == "generate":
+        meta = {"prompt_tokens": 3, "weight_version": "default"}
+        reason = {"type": "abort", "message": "Lost connection with prefill instance", "status_code": status}
+        return [{"text": "ab", "meta_info": {**meta, "completion_tokens": 2, "finish_reason": None}},
+                {"text": "ab", "meta_info": {**meta, "completion_tokens": 2, "finish_reason": reason}}]  # fmt: skip
+    return [{"choices": [{"index": 0, "text": "ab", "finish_reason": None}]},
+            {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}]  # fmt: skip
+
+
+@pytest.mark.parametrize(("api", "status"), [("generate", 500), ("generate", None), ("completions", None)])
+def test_a_stream_that_ends_in_an_abort_is_a_failed_request(api, status) -> None:
+    """SGLang answers a request it aborts (a decode that lost its prefill, a pause) with a 200
+    stream that ends in an abort; the tokens before it are not the answer asked for, so the
+    load tester counts the request as failed ('aborted'), not as a short success."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdctl.bench.client import send
+    from pdctl.bench.workloads import BenchRequest
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in _abort_server_events(api, status):
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", handler)
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await send(session, f"http://127.0.0.1:{port}", api, BenchRequest("hi", 8, 2))
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(main())
+    assert not result.ok and result.error == "aborted", result
+    if status:
+        assert "status 500" in result.detail
