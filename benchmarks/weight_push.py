@@ -8,13 +8,13 @@ float64 so that greedy output does not depend on batching), so the tensors are f
 a size is the bytes moved, not a parameter count.
 
 The limit: one bare ``torch.distributed.broadcast`` of the same bytes among five processes in the
-same layout (rank 0 sends; four receive, one flat buffer each), timed after a warm-up broadcast
-(connections made, every page of the buffers touched) until every rank has it. Beside it, in the same
-group, one bare broadcast per tensor of the same model (the collectives a ``names`` push makes, with
-nothing of pdctl around them): the push against it is what pdctl itself costs, the flat broadcast
-against it what gloo charges for many collectives instead of one. Each round runs REPS pairs of bare
-broadcasts, then REPS pushes per load format, for each size, and keeps each one's median; a ratio is
-the median over ROUNDS rounds of each round's own pair.
+same layout (rank 0 sends; four receive, one flat buffer each), timed until every rank has it, in a
+group that stands for the whole size (connections made and every page touched by a warm-up). Beside
+it, in the same group, one bare broadcast per tensor of the same model (the collectives a ``names``
+push makes, with nothing of pdctl around them): the push against it is what pdctl itself costs.
+Every timed push comes right after its own pair of bare broadcasts (a trio), so that the machine's
+drift (one broadcast here varies by +-30% from one to the next) hits all three; a ratio is the median
+over all trios (ROUNDS rounds x REPS pushes per load format), reported with its quartiles.
 
 Goals (the weights issue): transfer >= 0.95x the bare broadcast's bandwidth; everything but the
 transfer (hold, pause, begin, end, version, verify, continue, release) < 0.5 s in total.
@@ -46,8 +46,7 @@ RESULTS = ROOT / "results"
 PY = sys.executable
 ROUNDS = int(os.environ.get("WEIGHT_BENCH_ROUNDS", 5))
 REPS = int(os.environ.get("WEIGHT_BENCH_REPS", 3))
-"""Timed repetitions of each measurement within a round (the round keeps each one's median): one
-broadcast or push on this machine varies by +-30% from one to the next."""
+"""Timed trios (bare flat, bare per tensor, push) per load format in each round."""
 SIZES_MB = [int(s) for s in os.environ.get("WEIGHT_BENCH_SIZES_MB", "256,1024").split(",")]
 SHAPE = {"hidden": 1024, "heads": 8, "mlp": 2816, "vocab_size": 8192, "max_positions": 256}
 ENGINES = [("prefill", 1), ("prefill", 1), ("decode", 2)]
@@ -73,12 +72,15 @@ def config_for(megabytes: int):
 
 
 # -- the bare broadcast --------------------------------------------------------------------------------
-def bare_rank(rank: int, world: int, port: int, megabytes: int) -> None:
-    """One rank of the bare broadcasts; rank 0 prints the seconds of each of REPS timed pairs.
+BARE_KINDS = ("flat", "per_tensor", "exit")
 
-    Each pair is one broadcast of the model's bytes as one flat buffer (the goal's limit) and one
-    broadcast per tensor of the same model (the collectives a ``names`` push makes, with none of
-    pdctl's work around them), alternating in the same group so that the machine's drift hits both."""
+
+def bare_rank(rank: int, world: int, port: int, megabytes: int) -> None:
+    """One rank of a standing group for bare broadcasts, kept for a whole size so that each one can
+    be timed right beside a push. Rank 0 reads a kind per line on stdin (``flat``: the model's bytes
+    as one buffer, the goal's limit; ``per_tensor``: one broadcast per tensor of the same model, the
+    collectives a ``names`` push makes with none of pdctl's work around them; ``exit``), tells the
+    other ranks with a one-element broadcast, and prints the seconds until every rank has the data."""
     import torch
     import torch.distributed as dist
 
@@ -86,29 +88,39 @@ def bare_rank(rank: int, world: int, port: int, megabytes: int) -> None:
     shapes = model_shapes(megabytes)
     nbytes = sum(8 * math.prod(shape) for shape in shapes)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    make = torch.ones if rank == 0 else torch.empty
-    flat = make(nbytes, dtype=torch.uint8)
-    tensors = [make(shape, dtype=torch.float64) for shape in shapes]
+    flat = (torch.ones if rank == 0 else torch.empty)(nbytes, dtype=torch.uint8)
+    tensors, offset = [], 0  # the same bytes as ``flat``, cut into the model's tensors
+    for shape in shapes:
+        size = 8 * math.prod(shape)
+        tensors.append(flat[offset : offset + size].view(torch.float64).view(shape))
+        offset += size
 
-    def one_flat() -> None:
-        dist.broadcast(flat, src=0)
+    def run(kind: str) -> None:
+        if kind == "flat":
+            dist.broadcast(flat, src=0)
+        else:
+            for work in [dist.broadcast(t, src=0, async_op=True) for t in tensors]:
+                work.wait()
 
-    def per_tensor() -> None:
-        for work in [dist.broadcast(t, src=0, async_op=True) for t in tensors]:
-            work.wait()
-
-    seconds: dict[str, list[float]] = {"flat": [], "per_tensor": []}
-    for run in (one_flat, per_tensor):  # warm: connections made, every page of the buffers touched
-        run()
+    for kind in BARE_KINDS[:2]:  # warm: connections made, every page of the buffer touched
+        run(kind)
     dist.barrier()
-    for _ in range(REPS):
-        for key, run in (("flat", one_flat), ("per_tensor", per_tensor)):
-            started = time.perf_counter()
-            run()
-            dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
-            seconds[key].append(time.perf_counter() - started)
     if rank == 0:
-        print(json.dumps(seconds))
+        print("ready", flush=True)
+    command = torch.zeros(1, dtype=torch.int64)
+    while True:
+        if rank == 0:
+            command[0] = BARE_KINDS.index(sys.stdin.readline().strip() or "exit")
+        dist.broadcast(command, src=0)
+        dist.barrier()
+        kind = BARE_KINDS[int(command[0])]
+        if kind == "exit":
+            break
+        started = time.perf_counter()
+        run(kind)
+        dist.barrier()  # every receiver has it, as a push's end waits for every engine's answer
+        if rank == 0:
+            print(time.perf_counter() - started, flush=True)
     dist.destroy_process_group()
 
 
@@ -123,18 +135,52 @@ def model_shapes(megabytes: int) -> list[tuple[int, ...]]:
         return [tuple(p.shape) for p in TinyLM(config_for(megabytes)).parameters()]
 
 
-def bare_broadcast(megabytes: int) -> dict[str, list[float]]:
-    world = 1 + sum(tp for _, tp in ENGINES)
-    port = free_port()
-    argv = [PY, __file__, "--bare-rank"]
-    procs = [
-        subprocess.Popen([*argv, str(r), str(world), str(port), str(megabytes)], stdout=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
-    out = procs[0].communicate(timeout=600)[0]
-    for p in procs[1:]:
-        p.wait(timeout=60)
-    return json.loads(out.strip().splitlines()[-1])
+class BareGroup:
+    """The bare broadcast's processes (one per rank of the push's group, in the same layout)."""
+
+    def __init__(self, megabytes: int):
+        world = 1 + sum(tp for _, tp in ENGINES)
+        port = free_port()
+        argv = [PY, __file__, "--bare-rank"]
+        self.procs = [
+            subprocess.Popen([*argv, str(r), str(world), str(port), str(megabytes)], text=True,
+                             stdin=subprocess.PIPE if r == 0 else None, stdout=subprocess.PIPE if r == 0 else None)
+            for r in range(world)
+        ]
+        if self._line() != "ready":
+            raise RuntimeError("the bare broadcast's ranks did not start")
+
+    def _line(self) -> str:
+        out = self.procs[0].stdout
+        assert out is not None
+        line = out.readline()
+        if not line:
+            raise RuntimeError("the bare broadcast's rank 0 exited")
+        return line.strip()
+
+    def seconds(self, kind: str) -> float:
+        """One timed broadcast of ``kind`` (``flat`` or ``per_tensor``)."""
+        assert self.procs[0].stdin is not None
+        self.procs[0].stdin.write(kind + "\n")
+        self.procs[0].stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        try:
+            if self.procs[0].stdin is not None:
+                self.procs[0].stdin.write("exit\n")
+                self.procs[0].stdin.close()
+            for p in self.procs:
+                p.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            for p in self.procs:
+                p.kill()
+
+    def __enter__(self) -> BareGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- the fleet -------------------------------------------------------------------------------------------
@@ -204,41 +250,43 @@ def measure(megabytes: int, tmp: Path) -> dict:
 
         with sync_for("auto") as sync:
             auto = sync.push(tensors, version=f"bench-{megabytes}-auto").load_format
-        for r in range(ROUNDS):
-            bares = bare_broadcast(megabytes)
-            row = {"bare_seconds": statistics.median(bares["flat"]), "bare_reps": bares["flat"],
-                   "bare_per_tensor_seconds": statistics.median(bares["per_tensor"]),
-                   "bare_per_tensor_reps": bares["per_tensor"], "reports": {}, "transfer_reps": {}}
-            for fmt in FORMATS:  # one group at a time; a warm-up push first touches the trainer's buffers
-                with sync_for(fmt) as sync:
-                    sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-warm")
-                    reps = [sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-{i}").to_dict()
-                            for i in range(REPS)]
-                reps.sort(key=lambda rep: rep["phases"]["transfer"])
-                row["reports"][fmt] = reps[len(reps) // 2]  # the push with the median transfer
-                row["transfer_reps"][fmt] = [rep["phases"]["transfer"] for rep in reps]
-            rounds.append(row)
-            print(f"  {megabytes} MB round {r}: bare {row['bare_seconds']:.2f}s "
-                  f"(per tensor {row['bare_per_tensor_seconds']:.2f}s), "
-                  + ", ".join(f"{fmt} transfer {rep['phases']['transfer']:.2f}s other {rep_other(rep):.3f}s"
-                              for fmt, rep in row["reports"].items()), flush=True)
+        with BareGroup(megabytes) as bare:
+            for r in range(ROUNDS):
+                row: dict[str, list[dict]] = {}
+                for fmt in FORMATS:  # one group at a time; a warm-up push first touches the trainer's buffers
+                    with sync_for(fmt) as sync:
+                        sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-warm")
+                        row[fmt] = []
+                        for i in range(REPS):
+                            # each push right after its own bare broadcasts: the machine's drift hits all three
+                            flat, per_tensor = bare.seconds("flat"), bare.seconds("per_tensor")
+                            report = sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-{i}").to_dict()
+                            row[fmt].append({"bare_seconds": flat, "bare_per_tensor_seconds": per_tensor,
+                                             "report": report})
+                rounds.append(row)
+                print(f"  {megabytes} MB round {r}: " + "; ".join(
+                    f"{fmt} " + ", ".join(f"bare {t['bare_seconds']:.2f}s/{t['bare_per_tensor_seconds']:.2f}s "
+                                          f"push {t['report']['phases']['transfer']:.2f}s" for t in trios)
+                    for fmt, trios in row.items()), flush=True)
     finally:
         fleet.stop()
-    bare = statistics.median(x["bare_seconds"] for x in rounds)
-    per_tensor = statistics.median(x["bare_per_tensor_seconds"] for x in rounds)
+    trios = {fmt: [t for row in rounds for t in row[fmt]] for fmt in FORMATS}
+    every = [t for fmt in FORMATS for t in trios[fmt]]
+    bare = statistics.median(t["bare_seconds"] for t in every)
+    per_tensor = statistics.median(t["bare_per_tensor_seconds"] for t in every)
     out = {"megabytes": megabytes, "bytes": nbytes, "layers": config.layers, "auto": auto, "bare_seconds": bare,
            "bare_gbps": nbytes / bare / 1e9, "bare_per_tensor_seconds": per_tensor,
            "bare_per_tensor_gbps": nbytes / per_tensor / 1e9,
-           "bare_per_tensor_ratio": statistics.median(x["bare_seconds"] / x["bare_per_tensor_seconds"] for x in rounds),
+           "bare_per_tensor_ratio": statistics.median(t["bare_seconds"] / t["bare_per_tensor_seconds"] for t in every),
            "formats": {}, "rounds": rounds}
     for fmt in FORMATS:
-        reports = [x["reports"][fmt] for x in rounds]
+        reports = [t["report"] for t in trios[fmt]]
         transfer = statistics.median(rep["phases"]["transfer"] for rep in reports)
-        # the ratio of each round's own pair, then the median: the machine's drift cancels within a round
-        ratio = statistics.median(x["bare_seconds"] / x["reports"][fmt]["phases"]["transfer"] for x in rounds)
+        # each push against the bare broadcasts timed just before it, then the median: drift cancels within a trio
+        ratios = [t["bare_seconds"] / t["report"]["phases"]["transfer"] for t in trios[fmt]]
         # against the same collectives with nothing around them: what pdctl itself costs
         same = "bare_seconds" if fmt == "flattened_bucket" else "bare_per_tensor_seconds"
-        own = statistics.median(x[same] / x["reports"][fmt]["phases"]["transfer"] for x in rounds)
+        own = [t[same] / t["report"]["phases"]["transfer"] for t in trios[fmt]]
         phases = {k: statistics.median(rep["phases"].get(k, 0.0) for rep in reports) for k in reports[0]["phases"]}
         last = reports[-1]
         out["formats"][fmt] = {
@@ -248,14 +296,23 @@ def measure(megabytes: int, tmp: Path) -> dict:
             "buckets": last["buckets"],
             "collectives": last["collectives"],
             "http_calls": last["http_calls"],
+            "pushes": len(reports),
             "transfer_seconds": transfer,
             "transfer_gbps": nbytes / transfer / 1e9,
-            "transfer_ratio": ratio,
-            "same_collectives_ratio": own,
+            "transfer_ratio": statistics.median(ratios),
+            "transfer_ratio_quartiles": quartiles(ratios),
+            "same_collectives_ratio": statistics.median(own),
+            "same_collectives_ratio_quartiles": quartiles(own),
             "phases": phases,
             "overhead_seconds": statistics.median(rep_other(rep) for rep in reports),
         }
     return out
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles: the spread of the middle half of ``values``."""
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def rep_other(report: dict) -> float:
@@ -280,19 +337,22 @@ def main() -> None:
     (RESULTS / "weight_push.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
         "| size | load format | tensors | buckets | collectives | bare GB/s | push transfer GB/s "
-        "| ratio (goal >= 0.95) | vs the same collectives bare | other phases s (goal < 0.5) |",
+        "| ratio (goal >= 0.95) [quartiles] | vs the same collectives bare [quartiles] "
+        "| other phases s (goal < 0.5) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for fmt, f in r["formats"].items():
+            q, o = f["transfer_ratio_quartiles"], f["same_collectives_ratio_quartiles"]
             lines.append(
                 f"| {r['bytes'] / 2**20:.0f} MiB | {fmt}{' (auto)' if fmt == r['auto'] else ''} | {f['tensors']} "
                 f"| {f['buckets']} "
-                f"| {f['collectives']} | {r['bare_gbps']:.2f} | {f['transfer_gbps']:.2f} | {f['transfer_ratio']:.2f}x "
-                f"| {f['same_collectives_ratio']:.2f}x | {f['overhead_seconds']:.3f} |"
+                f"| {f['collectives']} | {r['bare_gbps']:.2f} | {f['transfer_gbps']:.2f} "
+                f"| {f['transfer_ratio']:.2f}x [{q[0]:.2f}-{q[1]:.2f}] "
+                f"| {f['same_collectives_ratio']:.2f}x [{o[0]:.2f}-{o[1]:.2f}] | {f['overhead_seconds']:.3f} |"
             )
     lines += ["", "Bare broadcasts (median seconds; ratio: one flat broadcast against one per tensor, "
-              "the median of each round's pair):", "",
+              "the median over every trio):", "",
               "| size | one flat broadcast | one per tensor | tensors | flat / per tensor |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | {r['bare_seconds']:.3f} | {r['bare_per_tensor_seconds']:.3f} "
@@ -307,10 +367,11 @@ def main() -> None:
                          + " | ".join(f"{f['phases'].get(n, 0.0):.3f}" for n in names) + " |")
     lines += [
         "",
-        f"Median of {ROUNDS} interleaved rounds on {meta['cpus']} CPUs, each round the median of {REPS} timed "
-        f"pairs of bare broadcasts and of {REPS} timed pushes per format (ratio: the median of each round's own "
-        f"bare/push pair; 'the same collectives bare': one broadcast per tensor for names, the flat one for "
-        f"flattened_bucket); gloo over loopback; engines {', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; "
+        f"Medians over {ROUNDS} rounds x {REPS} trios per load format on {meta['cpus']} CPUs; a trio is one bare "
+        f"flat broadcast, one bare broadcast per tensor and one push, back to back (ratio: bare flat / push "
+        f"transfer of each trio, then the median and quartiles; 'the same collectives bare': one broadcast per "
+        f"tensor for names, the flat one for flattened_bucket); gloo over loopback; engines "
+        f"{', '.join(f'{role} tp {tp}' for role, tp in ENGINES)}; "
         f"verify {results[0]['formats'][FORMATS[0]]['verify']}; sims with --sim-weight-digest {DIGEST}; "
         "(auto): what a push picks by default. "
         "'other phases' excludes probe (the /server_info round that decides whether the group must be rebuilt).",
