@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -138,12 +139,13 @@ def _print_summary(store: StateStore) -> None:
 
 
 def _print_status(result: ClusterStatus) -> None:
-    out = Console()  # the terminal's width, $COLUMNS, or 80 when piped
+    # A terminal's width or $COLUMNS; piped without $COLUMNS 160, not rich's 80 (which folds versions and ports)
+    out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
     if not result.processes:  # a stopped cluster: a sentence, not an empty table
         out.print(f"cluster {result.name!r} is {result.status}: no processes (start it with `pdctl up`)")
         return
     table = Table(title=f"{result.name}: {result.status}  router {result.router_url}")
-    # Fits 80 columns with ids whole: ids never wrap, ports go one per line, the rest folds.
+    # Fits an 80-column terminal with ids whole: ids never wrap, ports go one per line, the rest folds.
     table.add_column("process", no_wrap=True, min_width=max(len(p.id) for p in result.processes))
     table.add_column("role", no_wrap=True)
     for col in ("node", "pid"):

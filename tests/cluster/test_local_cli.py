@@ -56,6 +56,8 @@ def test_local_cli_round_trip(tmp_path) -> None:
         assert narrow.returncode == 0 and table and all(len(line) <= 80 for line in table), narrow.stdout
         assert "│ prefill-0 " in narrow.stdout and "│ decode-0 " in narrow.stdout and "…" not in narrow.stdout
         assert narrow.stdout.index("prefill-0") < narrow.stdout.index("decode-0") < narrow.stdout.index("│ router")
+        piped = pdctl("status", env={k: v for k, v in env.items() if k != "COLUMNS"})  # piped, no $COLUMNS
+        assert "│ default " in piped.stdout and "│ http=" in piped.stdout, piped.stdout  # whole, not folded at 80
         again = pdctl("up", topo, env=env)
         assert again.returncode == 1 and "already up" in again.stderr and "Traceback" not in again.stderr
         log = pdctl("logs", "loc", "prefill-0", "-n", "5", env=env)
