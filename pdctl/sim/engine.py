@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -55,13 +55,19 @@ def abort_reason(message: str, status: int | None = None) -> dict[str, Any]:
     return {"type": "abort", "message": message, "status_code": status, "err_type": None}
 
 
-def failure_status(finish: dict[str, Any] | None) -> int | None:
-    """The HTTP status an abort carries as a failure (SGLang's ``_handle_abort_finish_reason``:
-    an abort whose status_code is in 400..599), else None."""
+def failure_of(finish: dict[str, Any] | None) -> tuple[str, int] | None:
+    """(message, HTTP status) when ``finish`` is an abort that is a failure (SGLang's
+    ``_handle_abort_finish_reason``: an abort whose status_code is in 400..599), else None."""
     if not finish or finish.get("type") != "abort":
         return None
     status = finish.get("status_code")
-    return status if isinstance(status, int) and 400 <= status < 600 else None
+    return (str(finish.get("message")), status) if isinstance(status, int) and 400 <= status < 600 else None
+
+
+def first_failure(requests: Iterable[Request]) -> tuple[str, int] | None:
+    """The first failure (see ``failure_of``) among ``requests``: a non-streamed answer is that
+    error (SGLang raises it), whatever the others hold."""
+    return next(filter(None, (failure_of(r.finish) for r in requests)), None)
 
 
 class Mode(str, Enum):

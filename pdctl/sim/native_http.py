@@ -10,7 +10,7 @@ from aiohttp import web
 from pdctl.errors import SimError
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body
 from pdctl.sim.body import read_json
-from pdctl.sim.engine import Mode, failure_status
+from pdctl.sim.engine import Mode, first_failure
 from pdctl.sim.requests import GenerateBody, failed_output, generate_output, parse_generate
 from pdctl.sim.service import Running, SimService
 from pdctl.sim.sse import EventStream
@@ -55,11 +55,9 @@ class NativeRoutes:
             return web.json_response(generate_error_body(str(exc)), status=exc.status)
         with self.s.aborting_unfinished(batch):
             results = [self._output(running, await self.s.finished(running)) for running in batch]
-        for running in batch:  # an abort with a status is that error (SGLang raises it)
-            finish = running.request.finish
-            status = failure_status(finish)
-            if finish is not None and status is not None:
-                return web.json_response(generate_error_body(str(finish.get("message"))), status=status)
+        failure = first_failure(r.request for r in batch)
+        if failure is not None:
+            return web.json_response(generate_error_body(failure[0]), status=failure[1])
         return web.json_response(results if body.is_batch else results[0])
 
     async def _stream(self, request: web.Request, body: GenerateBody) -> web.StreamResponse:

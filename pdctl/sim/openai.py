@@ -17,7 +17,7 @@ from aiohttp import web
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint, openai_error_body, openai_stream_error_chunk
 from pdctl.sim.body import read_json
-from pdctl.sim.engine import Request, failure_status
+from pdctl.sim.engine import Request, failure_of, first_failure
 from pdctl.sim.model import decode, encode
 from pdctl.sim.requests import ItemSpec, parallel_samples
 from pdctl.sim.sampling import SamplingOptions
@@ -183,12 +183,10 @@ class OpenAIRoutes:
         with self.s.aborting_unfinished(batch):
             for running in batch:
                 await self.s.finished(running)
-        for running in batch:  # an abort with a status is that error (SGLang raises it)
-            finish = running.request.finish
-            status = failure_status(finish)
-            if finish is not None and status is not None:
-                message = str(finish.get("message"))
-                return web.json_response(openai_error_body(message, status=status), status=status)
+        failure = first_failure(r.request for r in batch)
+        if failure is not None:
+            message, status = failure
+            return web.json_response(openai_error_body(message, status=status), status=status)
         choices = [_choice(running.request, index, chat, body) for index, running in enumerate(batch)]
         obj = "chat.completion" if chat else "text_completion"
         return web.json_response(
@@ -240,9 +238,9 @@ class OpenAIRoutes:
                     await send({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             async for index, _, done in self.s.interleaved(batch):
                 req = batch[index].request
-                status = failure_status(req.finish) if done else None
-                if req.finish is not None and status is not None:  # SGLang breaks out of the stream here
-                    await stream.send(_stream_error(str(req.finish.get("message")), status))
+                failure = failure_of(req.finish) if done else None
+                if failure is not None:  # SGLang breaks out of the stream here
+                    await stream.send(_stream_error(*failure))
                     break
                 # Cumulative text, the stop string trimmed once finished; each chunk sends what is new.
                 text = req.text() if done else decode(req.output_ids)
