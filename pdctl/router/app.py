@@ -19,10 +19,12 @@ from typing import Any
 
 import aiohttp
 
+from pdctl.refit import Hold, HoldAnswer, RefitMode, Release
 from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher, Headers, RouteError
+from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.server import HttpServer, Reply, Request, Routes, json_reply, text_reply
@@ -43,7 +45,8 @@ class RouterServer:
         for w in config.workers:
             self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled)
         self.metrics = RouterMetrics()
-        self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream)
+        self.gate = RefitGate()  # closed while a weight update holds the router
+        self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream, self.gate)
         self.session: aiohttp.ClientSession | None = None
         self._servers: list[HttpServer] = []
         self.port = config.port
@@ -51,8 +54,6 @@ class RouterServer:
         limit = config.admission.max_concurrent_requests
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._waiting = 0
-        self._open = asyncio.Event()  # cleared while held for a weight update
-        self._open.set()
         self._active = 0  # requests past the hold gate
         self._txn: str | None = None  # the weight push holding the router, if it said which
         self._txn_engines: list[str] = []
@@ -164,7 +165,7 @@ class RouterServer:
             except ValueError as exc:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, f"invalid JSON body: {exc}", headers)
-            if self._slots is None and self._open.is_set():
+            if self._slots is None and self.gate.is_open:
                 resp = await self._counted(self._route(request, route, body, headers))  # the common, cheap path
             else:
                 async with self._admission():
@@ -214,11 +215,7 @@ class RouterServer:
 
     async def _wait_open(self) -> None:
         """While held for a weight update, new requests wait here (at most --max-hold-secs)."""
-        if not self._open.is_set():
-            try:
-                await asyncio.wait_for(self._open.wait(), self.config.admission.max_hold_secs)
-            except asyncio.TimeoutError:
-                raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long") from None
+        await self.dispatcher.wait_open()
 
     async def _counted(self, work: Awaitable[Reply]) -> Reply:
         """Count a request in flight (``hold`` waits for the count to reach zero)."""
@@ -233,48 +230,60 @@ class RouterServer:
 
     # -- hold / release (weight updates) ----------------------------------------------------------------
     async def hold(self, request: Request) -> Reply:
-        """Stop admitting requests and wait for in-flight ones to finish (they are not failed).
+        """Stop admitting requests; in ``drain`` mode also wait for in-flight ones to finish
+        (they are not failed), in ``interrupt`` mode answer at once (the transaction then
+        aborts them on the engines, and the router continues them after the release).
 
         A weight push sends ``txn``, ``engines`` and ``lease_secs`` and repeats the call to renew
         the lease; a push that stops renewing (its trainer died) is treated as failed: its
         engines leave rotation (their weights may be partial) and requests are admitted again.
+        The body is a ``pdctl.refit.Hold``.
         """
-        body = await _json_or_empty(request)
-        timeout = float(body.get("timeout_secs", 300))
-        txn = body.get("txn")
+        try:
+            hold = Hold.from_json(await _json_or_empty(request))
+        except ValueError as exc:
+            return errors.error_response(400, errors.BAD_REQUEST, f"bad hold: {exc}")
+        txn = hold.txn
+        new_transaction = txn is None or self._txn != txn
         if txn is not None:
-            txn = str(txn)
             if self._txn is not None and self._txn != txn:
                 return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
             self._txn = txn
-            self._txn_engines = [str(u).rstrip("/") for u in body.get("engines", [])]
+            self._txn_engines = list(hold.engines)
             if self._last_push is None or self._last_push.get("txn") != txn:
                 self._last_push = {
                     "txn": txn,
-                    "version": body.get("version"),
+                    "version": hold.version,
                     "state": "pushing",
-                    "group": body.get("group"),
+                    "refit": hold.refit.value,
+                    "group": hold.group,
                     "started_at": time.time(),
                 }
             if self._lease is not None:  # no lease runs while the trainer waits in this call: it cannot renew
                 self._lease.cancel()
                 self._lease = None
-        if self._open.is_set():
+        if self.gate.is_open:
             log.info(
-                "held for a weight update%s; draining %d in-flight request(s)", f" ({txn})" if txn else "", self._active
+                "held for a weight update%s (%s); %d request(s) in flight",
+                f" ({txn})" if txn else "",
+                hold.refit.value,
+                self._active,
             )
-        self._open.clear()
+        self.gate.close(hold.refit, hold.max_staleness, new_transaction=new_transaction)
         try:
-            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.001))
-        except asyncio.TimeoutError:
-            return json_reply({"held": True, "drained": False, "in_flight": self._active}, 504)
+            if hold.refit is RefitMode.DRAIN:
+                try:
+                    await asyncio.wait_for(self._idle.wait(), max(hold.timeout_secs, 0.001))
+                except asyncio.TimeoutError:
+                    return json_reply(HoldAnswer(True, False, self._active, hold.refit).to_json(), 504)
         finally:  # the lease starts when the answer goes out (a drain longer than the lease is no dead trainer)
             if txn is not None and self._txn == txn:
-                lease = float(body.get("lease_secs", 60))
                 if self._lease is not None:
                     self._lease.cancel()
-                self._lease = asyncio.get_running_loop().call_later(lease, self._lease_expired, txn, lease)
-        return json_reply({"held": True, "drained": True, "in_flight": 0})
+                self._lease = asyncio.get_running_loop().call_later(
+                    hold.lease_secs, self._lease_expired, txn, hold.lease_secs
+                )
+        return json_reply(HoldAnswer(True, True, self._active, hold.refit).to_json())
 
     def _lease_expired(self, txn: str, lease: float) -> None:
         if self._txn != txn:
@@ -291,7 +300,7 @@ class RouterServer:
         if self._last_push is not None and self._last_push.get("txn") == txn:
             self._last_push.update(state="abandoned (lease expired)", ended_at=time.time())
         self._txn, self._txn_engines, self._lease = None, [], None
-        self._open.set()
+        self.gate.open()
 
     async def release(self, request: Request) -> Reply:
         """Re-read every worker's health and weight version, then admit requests again.
@@ -300,29 +309,29 @@ class RouterServer:
         ``failed`` maps engines that do not to why (out of rotation until a later push).
         """
         assert self.session is not None
-        body = await _json_or_empty(request)
-        txn = body.get("txn")
-        if txn is not None and self._txn is not None and str(txn) != self._txn:
+        try:
+            release = Release.from_json(await _json_or_empty(request))
+        except ValueError as exc:
+            return errors.error_response(400, errors.BAD_REQUEST, f"bad release: {exc}")
+        txn = release.txn
+        if txn is not None and self._txn is not None and txn != self._txn:
             return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
-        for url in body.get("complete", []) or []:
-            self.registry.set_quarantine(str(url), None)
-        failed = body.get("failed") or {}
-        if isinstance(failed, dict):
-            for url, reason in failed.items():
-                self.registry.set_quarantine(str(url), str(reason))
+        for url in release.complete:
+            self.registry.set_quarantine(url, None)
+        for url, reason in release.failed.items():
+            self.registry.set_quarantine(url, reason)
         if self._lease is not None:
             self._lease.cancel()
-        if self._last_push is not None and txn is not None and self._last_push.get("txn") == str(txn):
-            complete = [str(u) for u in body.get("complete", []) or []]
+        if self._last_push is not None and txn is not None and self._last_push.get("txn") == txn:
             self._last_push.update(
-                state="failed" if failed or not complete else "complete",
-                complete=complete,
-                failed=failed if isinstance(failed, dict) else {},
+                state="failed" if release.failed or not release.complete else "complete",
+                complete=list(release.complete),
+                failed=dict(release.failed),
                 ended_at=time.time(),
             )
         self._txn, self._txn_engines, self._lease = None, [], None
         await self.registry.check_all(self.session)
-        self._open.set()
+        self.gate.open()
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
 
     async def weights_state(self, _: Request) -> Reply:
@@ -415,9 +424,7 @@ class RouterServer:
 
         async def one(worker: Worker) -> tuple[Any, int, Any]:
             try:
-                async with session.request(
-                    method, worker.url + path, timeout=aiohttp.ClientTimeout(total=30)
-                ) as r:
+                async with session.request(method, worker.url + path, timeout=aiohttp.ClientTimeout(total=30)) as r:
                     raw = await r.read()
                     try:
                         return worker, r.status, loads(raw)

@@ -40,14 +40,15 @@ from typing import Any
 from pdctl.roles import Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
+from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, policy_class
-from pdctl.router.resume import continuation_body, progress_of, remaining_tokens, resumable, rewrite
+from pdctl.router.resume import Job, Piece, asked_abort, stale_reason
 from pdctl.router.server import STREAMED, Reply, Request
 from pdctl.router.upstream import Response, Upstream, UpstreamError, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
-from pdctl.sglang import inject_bootstrap
+from pdctl.sglang import batch_size_of, inject_bootstrap
 
 log = logging.getLogger("pdctl.router")
 PREFILL_GRACE_SECS = 5.0  # how long a prefill leg may run on after the reply went out without it
@@ -102,6 +103,8 @@ class Leg:
     body: bytes = b""
     content_type: str = "application/json"
     error: BaseException | None = None
+    epoch: int = 0
+    """The refit gate's epoch when the leg was sent (an interrupt began since if it differs)."""
 
     @property
     def server_failed(self) -> bool:
@@ -139,10 +142,17 @@ Outcome = Reply | Retry | Stop
 
 class Dispatcher:
     def __init__(
-        self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics, upstream: Upstream | None = None
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        upstream: Upstream | None = None,
+        gate: RefitGate | None = None,
     ):
-        """``upstream``: how engines are reached (the real connection pool unless given)."""
+        """``upstream``: how engines are reached (the real connection pool unless given);
+        ``gate``: the weight-update gate (the app's, so that its holds reach retries and continuations)."""
         self.config = config
+        self.gate = gate if gate is not None else RefitGate()
         self.registry = registry
         self.metrics = metrics
         self.prefill_policy = policy_class(config.prefill_policy or config.policy).from_config(config)
@@ -207,11 +217,17 @@ class Dispatcher:
         return _chosen(self.regular_policy.select(workers, ctx), Role.REGULAR)
 
     # -- the request loop (retries) ---------------------------------------------------------------
+    async def wait_open(self) -> None:
+        """Wait while a weight update holds the router (at most ``admission.max_hold_secs``)."""
+        if not await self.gate.wait_open(self.config.admission.max_hold_secs):
+            raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long")
+
     async def _with_retries(self, attempt_once: Callable[[], Awaitable[Outcome]], headers: Headers) -> Reply:
         """Run ``attempt_once`` until it gives a Reply. A Retry uses the budget (then the last
         worker's own 5xx answer, as sglang-router and smg pass it, or 502 when no worker
         answered), unless it is backpressure, which waits for capacity within the request
-        timeout (then 503)."""
+        timeout (then 503). A retry waits while a weight update holds the router (that wait
+        does not count against the request timeout)."""
         budget = 1 if self.config.retry.disabled else 1 + self.config.retry.max_retries
         failures = busy = 0
         deadline = time.monotonic() + self._timeout
@@ -235,6 +251,10 @@ class Dispatcher:
                     raise RouteError(502, outcome.code, f"{outcome.message} (after {failures} attempt(s))")
                 delay = self._backoff(failures - 1)
             await asyncio.sleep(delay)
+            if not self.gate.is_open:
+                held = time.monotonic()
+                await self.wait_open()
+                deadline += time.monotonic() - held
 
     async def pd_request(
         self, request: Request, path: str, body: dict[str, Any], batch: int | None, headers: Headers
@@ -244,35 +264,102 @@ class Dispatcher:
         )
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
-        resume = _Resume(body, ctx, path) if stream and resumable(path, body) else None
+        epoch = self.gate.epoch
 
-        async def attempt() -> Outcome:
-            prefill, decode = self.select_pair(ctx)
-            # phase 2: a new room per attempt (a retried room could collide with the orphan)
-            bootstrapped = inject_bootstrap(
-                body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
+        def attempt_with(payload: dict[str, Any], size: int | None) -> Callable[[], Awaitable[Outcome]]:
+            async def attempt() -> Outcome:
+                prefill, decode = self.select_pair(ctx)
+                # phase 2: a new room per attempt (a retried room could collide with the orphan)
+                bootstrapped = inject_bootstrap(
+                    payload, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=size
+                )
+                wire = dumps(bootstrapped)
+                if stream:
+                    return await self._stream_both(
+                        request, path, wire, prefill, decode, headers, with_logprobs, _Resume(body, ctx, path)
+                    )
+                return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
+
+            return attempt
+
+        reply = await self._with_retries(attempt_with(body, batch), headers)
+        if not stream and self.gate.interrupted_since(epoch):
+            return await self._continue_whole(
+                path, body, reply, lambda cont: self._with_retries(attempt_with(cont, batch_size_of(cont)), headers)
             )
-            wire = dumps(bootstrapped)
-            if stream:
-                return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs, resume)
-            return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
-
-        return await self._with_retries(attempt, headers)
+        return reply
 
     async def regular_request(self, request: Request, path: str, body: dict[str, Any], headers: Headers) -> Reply:
         text = _text_of(body) if self.regular_policy.needs_text else None
         ctx = RequestContext(text=text, routing_key=headers.upstream.get(ROUTING_KEY))
-        data = dumps(body)
+        epoch = self.gate.epoch
 
-        async def attempt() -> Outcome:
-            worker = self.select_regular(ctx)
-            if body.get("stream"):
-                return await self._stream_one(request, path, data, worker, headers)
-            with self.registry.in_flight(worker):
-                leg = await self._post(worker, path, data, headers)
-            return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
+        def attempt_with(payload: dict[str, Any]) -> Callable[[], Awaitable[Outcome]]:
+            data = dumps(payload)
 
-        return await self._with_retries(attempt, headers)
+            async def attempt() -> Outcome:
+                worker = self.select_regular(ctx)
+                if payload.get("stream"):
+                    return await self._stream_one(request, path, data, worker, headers)
+                with self.registry.in_flight(worker):
+                    leg = await self._post(worker, path, data, headers)
+                return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
+
+            return attempt
+
+        reply = await self._with_retries(attempt_with(body), headers)
+        if not body.get("stream") and self.gate.interrupted_since(epoch):
+            return await self._continue_whole(
+                path, body, reply, lambda cont: self._with_retries(attempt_with(cont), headers)
+            )
+        return reply
+
+    async def _continue_whole(
+        self, path: str, body: dict[str, Any], first: Reply, send: Callable[[dict[str, Any]], Awaitable[Reply]]
+    ) -> Reply:
+        """A non-streamed answer whose items a weight update interrupted (an asked-for abort,
+        pdctl.refit ``interrupt``): each such item is continued on the new weights once the
+        update is released, for its remaining tokens, until it finishes, its budget is spent or
+        it has been interrupted more than ``max_staleness`` times; the client gets one answer."""
+        if first.status != 200 or b'"abort"' not in first.body:
+            return first
+        job = Job.of(path, body)
+        items = _items(first.body, job.answers if job is not None else -1)
+        if job is None or items is None:
+            return first
+        final: list[Any] = list(items)
+        raw = {k: item for k, item in enumerate(items) if asked_abort(item)}
+        bases = {k: Piece() for k in raw}
+        while raw:
+            self.metrics.retried(errors.INTERRUPTED)
+            going_on = []
+            for k, answer in raw.items():
+                done = bases[k].advanced(answer)
+                done.interruptions += 1
+                limit = self.gate.max_staleness
+                if limit is not None and done.interruptions > limit:
+                    final[k] = done.finished(stale_reason(limit, done.interruptions))
+                elif job.remaining(k, done) <= 0:
+                    final[k] = done.finished({"type": "length", "length": job.wanted(k)})
+                else:
+                    bases[k] = done
+                    going_on.append(k)
+            raw = {}
+            if not going_on:
+                break
+            await self.wait_open()
+            epoch = self.gate.epoch
+            reply = await send(job.continuation([(k, bases[k]) for k in going_on]))
+            answers = _items(reply.body, len(going_on)) if reply.status == 200 else None
+            if answers is None:
+                message = f"the continuation after a weight update failed ({reply.status}): {reply.body[:300]!r}"
+                raise RouteError(reply.status if reply.status >= 400 else 502, errors.CONTINUATION_FAILED, message)
+            for k, answer in zip(going_on, answers, strict=True):
+                if asked_abort(answer) and self.gate.interrupted_since(epoch):
+                    raw[k] = answer
+                else:
+                    final[k] = bases[k].view(answer)
+        return Reply(200, dumps(final[0] if job.single else final), first.content_type, first.headers)
 
     # -- phase 3: race the legs -------------------------------------------------------------------
     def _leg(self, worker: Worker, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -393,28 +480,45 @@ class Dispatcher:
                     return self._prefill_ended(prefill, p_leg, headers)
                 prefix = _first_input_logprobs(p_leg)
             upstream = opened.response
+            epoch = self.gate.epoch if resume is not None else -1
             with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-                last, error = await _pump(
+                pumped = await _pump(
                     resp,
                     opened.events(),
                     functools.partial(_prepend_logprobs, prefix=prefix) if prefix is not None else None,
+                    self._interrupted_after(epoch) if resume is not None else None,
                 )
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
-            if error is None:
+            if pumped.stopped is not None:  # a weight update interrupted it: continue on the new weights
+                self.registry.record(decode, True)
+                done = _with_input_logprobs(Piece().advanced(pumped.stopped), prefix)
+                assert resume is not None
+                if not await self._resume(resp, resume, done, headers, interrupted=True):
+                    await resp.write(_error_event("the stream could not be continued after a weight update"))
+            elif pumped.error is None:
                 self.registry.record(decode, True)
             else:  # the head went out: continue elsewhere, or end the stream properly
                 self.registry.record(decode, False)
                 self.registry.mark_failed(decode)
-                if resume is None or not await self._resume(resp, resume, last, headers):
-                    await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {error}"))
+                resumed = False
+                if resume is not None and pumped.last is not None:
+                    resumed = await self._resume(
+                        resp, resume, _with_input_logprobs(Piece().advanced(pumped.last), prefix), headers
+                    )
+                if not resumed:
+                    await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {pumped.error}"))
             await resp.end()
             return STREAMED
         finally:
             if isinstance(opened, _Opened):
                 opened.response.close()
             await _cancel(None if keep_prefill else p_task)
+
+    def _interrupted_after(self, epoch: int) -> Callable[[dict[str, Any]], bool]:
+        """Whether an event ends its request because a weight update began after ``epoch``."""
+        return lambda data: self.gate.interrupted_since(epoch) and asked_abort(data)
 
     async def _open_decode(
         self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg]
@@ -447,29 +551,54 @@ class Dispatcher:
             return Leg(status, first + b"data: [DONE]\n\n", "text/event-stream")
         return _Opened(head, first, events)
 
-    async def _resume(self, resp: Any, resume: _Resume, last: bytes | None, headers: Headers) -> bool:
-        """Continue a stream whose decode died on a new pair of the same weight version (see
-        pdctl.router.resume); False when it cannot, after at most ``retry.max_retries`` pairs."""
-        done = progress_of(last)
-        for _ in range(max(1, self.config.retry.max_retries)):
-            if done is None:
-                return False
-            if remaining_tokens(resume.body, done) <= 0:
-                await resp.write(b"data: [DONE]\n\n")
+    async def _resume(
+        self, resp: Any, resume: _Resume, done: Piece, headers: Headers, *, interrupted: bool = False
+    ) -> bool:
+        """Continue a stream on a new pair (see pdctl.router.resume): after its decode died, on
+        the same weight version; after a weight update interrupted it, on the new weights once
+        the update is released, unless it has been interrupted more than ``max_staleness``
+        times (then it ends with its tokens so far). False when it cannot be continued: not a
+        single /generate prompt, no pair, or ``retry.max_retries`` failed pairs."""
+        job = Job.of(resume.path, resume.body)
+        if job is None or not job.single:
+            return False
+        failures = 0
+        while True:
+            if interrupted:
+                done.interruptions += 1
+                limit = self.gate.max_staleness
+                if limit is not None and done.interruptions > limit:
+                    await resp.write(sse_event(done.finished(stale_reason(limit, done.interruptions))) + _DONE)
+                    return True
+                try:
+                    await self.wait_open()
+                except RouteError:
+                    return False
+            if job.remaining(0, done) <= 0:
+                tail = sse_event(done.finished({"type": "length", "length": job.wanted(0)})) if interrupted else b""
+                await resp.write(tail + _DONE)
                 return True
             try:
-                prefill, decode = self.select_pair(resume.ctx, version=done.version)
+                prefill, decode = self.select_pair(resume.ctx, version=None if interrupted else done.version)
             except RouteError:
                 return False
-            bootstrapped = inject_bootstrap(
-                continuation_body(resume.body, done),
-                host=prefill.bootstrap_host,
-                port=prefill.bootstrap_port,
-                batch_size=None,
+            wire = dumps(
+                inject_bootstrap(
+                    job.continuation([(0, done)]),
+                    host=prefill.bootstrap_host,
+                    port=prefill.bootstrap_port,
+                    batch_size=None,
+                )
             )
-            wire = dumps(bootstrapped)
-            self.metrics.retried("stream_resumed")
-            log.warning("stream %s: decode failed after %d tokens; continuing on %s", done.rid, done.tokens, decode.url)
+            self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
+            if not interrupted:
+                log.warning(
+                    "stream %s: decode failed after %d tokens; continuing on %s",
+                    done.meta.get("id"),
+                    done.tokens,
+                    decode.url,
+                )
+            epoch = self.gate.epoch
             p_task = self._leg(prefill, self._post(prefill, resume.path, wire, headers))
             opened: _Opened | Leg | None = None
             keep_prefill = False
@@ -478,22 +607,34 @@ class Dispatcher:
                 if not isinstance(opened, _Opened):
                     if isinstance(opened, Leg) and opened.server_failed:
                         self._verdict(decode, opened, errors.DECODE_FAILED)
+                    failures += 1
+                    interrupted = False
+                    if failures >= max(1, self.config.retry.max_retries):
+                        return False
                     continue
                 with self.registry.in_flight(decode):
-                    last, error = await _pump(resp, opened.events(), functools.partial(rewrite, done=done))
+                    pumped = await _pump(resp, opened.events(), done.rewrite, self._interrupted_after(epoch))
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
-                if error is None:
+                if pumped.stopped is not None:
+                    self.registry.record(decode, True)
+                    done, interrupted = done.advanced(pumped.stopped), True
+                    continue
+                if pumped.error is None:
                     self.registry.record(decode, True)
                     return True
                 self.registry.record(decode, False)
                 self.registry.mark_failed(decode)
-                done = progress_of(last) or done
+                if pumped.last is not None:
+                    done = done.advanced(pumped.last)
+                interrupted = False
+                failures += 1
+                if failures >= max(1, self.config.retry.max_retries):
+                    return False
             finally:
                 if isinstance(opened, _Opened):
                     opened.response.close()
                 await _cancel(None if keep_prefill else p_task)
-        return False
 
     def _finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:
         """The reply does not need prefill's answer: record its outcome when it comes, without
@@ -526,21 +667,22 @@ class Dispatcher:
                 return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
             with self.registry.in_flight(worker):
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-                _, error = await _pump(resp, upstream.chunks(), None)
-                self.registry.record(worker, error is None)
-                if error is not None:
-                    await resp.write(_error_event(f"worker {worker.url} failed mid-stream: {error}"))
+                pumped = await _pump(resp, upstream.chunks(), None)
+                self.registry.record(worker, pumped.error is None)
+                if pumped.error is not None:
+                    await resp.write(_error_event(f"worker {worker.url} failed mid-stream: {pumped.error}"))
                 await resp.end()
             return STREAMED
         finally:
             upstream.close()
 
     async def _post(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Leg:
+        epoch = self.gate.epoch
         try:
             r = await self.upstream.post(worker.url + path, data, headers.upstream, timeout=self._timeout)
         except (UpstreamError, OSError) as exc:
-            return Leg(error=exc)
-        return Leg(r.status, r.body, r.content_type)
+            return Leg(error=exc, epoch=epoch)
+        return Leg(r.status, r.body, r.content_type, epoch=epoch)
 
     async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | Leg:
         """The status and headers of a streamed response, or a Leg carrying why there are none."""
@@ -559,7 +701,12 @@ class Dispatcher:
 
         Backpressure (429/503) is a busy Retry and leaves the breaker alone. No answer at all
         counts against the breaker: a timeout Stops with 504 (another try would wait as long
-        again), a connection failure also marks the worker failed until its next health check."""
+        again), a connection failure also marks the worker failed until its next health check.
+        A failure of a leg that a weight update interrupted (``interrupt`` refit: the engines
+        abort what they run) is no fault of the worker: retried, once the update is released,
+        as backpressure."""
+        if (leg.error is not None or leg.status >= 500) and self.gate.interrupted_since(leg.epoch):
+            return Retry(f"{worker.role} {worker.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         if leg.error is not None:
             self.registry.record(worker, False)
             if isinstance(leg.error, UpstreamTimeout):
@@ -618,25 +765,42 @@ class _Resume:
     path: str
 
 
+@dataclass(frozen=True)
+class _Pumped:
+    """How forwarding a stream ended: ``last``, the last data event forwarded (as the upstream
+    sent it); ``error``, the upstream's failure; ``stopped``, the data of the event ``stop``
+    chose (not forwarded; the rest of the upstream is dropped)."""
+
+    last: dict[str, Any] | None = None
+    error: BaseException | None = None
+    stopped: dict[str, Any] | None = None
+
+
 async def _pump(
-    resp: Any, events: AsyncIterator[bytes], transform: Callable[[bytes], bytes] | None
-) -> tuple[bytes | None, BaseException | None]:
-    """Forward ``events`` (an upstream's SSE events or raw chunks) to the client; returns the
-    last data event sent and the upstream's failure, if it failed (a failure to write to the
-    client propagates: a client that goes away is not the worker's fault)."""
-    last = None
+    resp: Any,
+    events: AsyncIterator[bytes],
+    transform: Callable[[bytes], bytes] | None,
+    stop: Callable[[dict[str, Any]], bool] | None = None,
+) -> _Pumped:
+    """Forward ``events`` (an upstream's SSE events or raw chunks) to the client. A failure to
+    write to the client propagates: a client that goes away is not the worker's fault. Events
+    are parsed only when ``stop`` is given, or to remember the last one (at the end)."""
+    last: bytes | None = None
     events = events.__aiter__()
     while True:
         try:
             event = await events.__anext__()
         except StopAsyncIteration:
-            return last, None
+            return _Pumped(last=sse_data(last) if last is not None else None)
         except (UpstreamError, OSError) as exc:
-            return last, exc
-        out = transform(event) if transform is not None else event
-        await resp.write(out)
-        if out.startswith(b"data: {"):
-            last = out
+            return _Pumped(last=sse_data(last) if last is not None else None, error=exc)
+        if stop is not None and b'"abort"' in event:
+            data = sse_data(event)
+            if data is not None and stop(data):
+                return _Pumped(last=sse_data(last) if last is not None else None, stopped=data)
+        await resp.write(transform(event) if transform is not None else event)
+        if event.startswith(b"data: {"):
+            last = event
 
 
 def _chosen(worker: Worker | None, role: Role) -> Worker:
@@ -695,6 +859,19 @@ def _server_abort(event: bytes) -> int | None:
     else:
         return None
     return code if isinstance(code, int) and 500 <= code < 600 else None
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _items(body: bytes, count: int) -> list[Any] | None:
+    """A /generate answer's items (a list, or one object as a list of one) when there are ``count``."""
+    try:
+        parsed = loads(body)
+    except ValueError:
+        return None
+    items = [parsed] if isinstance(parsed, dict) else parsed
+    return items if isinstance(items, list) and len(items) == count else None
 
 
 def _error_event(message: str) -> bytes:
@@ -762,6 +939,13 @@ def _first_input_logprobs(p_leg: Leg) -> list | None:
             with contextlib.suppress(ValueError):
                 return loads(line[6:]).get("meta_info", {}).get("input_token_logprobs") or []
     return []
+
+
+def _with_input_logprobs(done: Piece, prefix: list | None) -> Piece:
+    """``done`` with the prefill's input logprobs in front, as the client got them."""
+    if prefix is not None:
+        done.meta["input_token_logprobs"] = prefix + (done.meta.get("input_token_logprobs") or [])
+    return done
 
 
 def _prepend_logprobs(event: bytes, prefix: list) -> bytes:

@@ -1,99 +1,286 @@
-"""Continuing a /generate stream on another pair after its decode died mid-stream.
+"""Continuing a /generate request on another pair: after its decode died mid-stream, or after a
+weight update interrupted it (refit ``interrupt``, pdctl.refit).
 
-SGLang's /generate stream sends cumulative ``text`` and ``output_ids`` with ``meta_info`` in
-every event. When the decode dies after some events went out, the router can ask a new pair
-for the rest: the prompt plus the text generated so far, for the remaining tokens, on the same
-weight version, and rewrite the new stream's events so that the client sees one stream (text,
-ids and token counts continue where they stopped; the request id stays). Greedy requests
-continue exactly as they would have (the same weights, the same prefix); sampled ones continue
-with a fresh draw.
+SGLang's /generate answers (and each event of its stream) carry the cumulative ``text`` and
+``output_ids`` with ``meta_info``. To continue an item the router asks an engine for the rest:
+the item's prompt plus its tokens so far (``input_ids`` + ids for token prompts, text + text for
+text prompts), for the tokens still owed, and shows the client the new answer behind what it
+already has (``Piece.view``): text, ids, output logprobs, ``completion_tokens`` for the whole,
+the first answer's prompt tokens, input logprobs and request id, and SGLang's
+``weight_versions`` spans over the whole output (with the compact ``weight_version_spans``
+beside them). Greedy requests continue exactly as they would have on the same weights; sampled
+ones continue with a fresh draw.
 
-Only what can be continued faithfully is: a single ``text`` prompt (no batch, no ``input_ids``,
-one sample), without logprobs (their positions would need the original prompt's). Anything
-else ends with an error event instead.
+What can be continued: ``/generate`` with ``text`` or ``input_ids`` prompts, single or batched,
+any ``n``. A text prompt is continued as text (prompt + text so far), which a tokenizer may
+split differently at the seam than the ids it generated; token prompts continue exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.router.jsonutil import sse_data, sse_event
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What the client has been sent so far, from the last event it got."""
-
-    text: str
-    ids: list[int]
-    tokens: int
-    prompt_tokens: int | None
-    rid: str | None
-    version: str | None
+GENERATE = "/generate"
 
 
 def resumable(path: str, body: dict[str, Any]) -> bool:
-    sampling = body.get("sampling_params")
-    sampling = sampling if isinstance(sampling, dict) else {}
-    return (
-        path == "/generate"
-        and isinstance(body.get("text"), str)
-        and "input_ids" not in body
-        and not body.get("return_logprob")
-        and sampling.get("n", 1) in (1, None)
+    """Whether the request's answers can be continued (see the module docstring)."""
+    return Job.of(path, body) is not None
+
+
+@dataclass(frozen=True)
+class Job:
+    """The client's request, item by item: the prompt and sampling params of answer ``k`` (SGLang
+    orders a batch's answers prompt-major: prompt ``k // n``, sample ``k % n``)."""
+
+    body: dict[str, Any]
+    prompts: tuple[str | tuple[int, ...], ...]
+    samplings: tuple[dict[str, Any], ...]
+    n: int
+
+    @classmethod
+    def of(cls, path: str, body: dict[str, Any]) -> Job | None:
+        if path != GENERATE:
+            return None
+        text, ids = body.get("text"), body.get("input_ids")
+        prompts: list[str | tuple[int, ...]]
+        if isinstance(text, str) and ids is None:
+            prompts = [text]
+        elif isinstance(text, list) and ids is None and text and all(isinstance(t, str) for t in text):
+            prompts = list(text)
+        elif text is None and isinstance(ids, list) and _token_list(ids):
+            prompts = [tuple(ids)]
+        elif text is None and isinstance(ids, list) and ids and all(_token_list(i) for i in ids):
+            prompts = [tuple(i) for i in ids]
+        else:
+            return None
+        raw = body.get("sampling_params")
+        if isinstance(raw, list):
+            if len(raw) != len(prompts) or not all(isinstance(s, dict) for s in raw):
+                return None
+            samplings = [dict(s) for s in raw]
+        elif raw is None or isinstance(raw, dict):
+            samplings = [dict(raw or {}) for _ in prompts]
+        else:
+            return None
+        n = samplings[0].get("n", 1)
+        if n is None:
+            n = 1
+        if (
+            not isinstance(n, int)
+            or isinstance(n, bool)
+            or n < 1
+            or any(s.get("n", 1) not in (n, None) for s in samplings)
+        ):
+            return None
+        if not all(_whole(s.get("max_new_tokens")) and _whole(s.get("min_new_tokens")) for s in samplings):
+            return None
+        return cls(body, tuple(prompts), tuple(samplings), n)
+
+    @property
+    def answers(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def single(self) -> bool:
+        """Whether the answer is one object (one prompt, one sample) rather than a list."""
+        return self.answers == 1 and not isinstance(self.body.get("text"), list) and not _batched_ids(self.body)
+
+    def wanted(self, k: int) -> int:
+        value = self.samplings[k // self.n].get("max_new_tokens")
+        return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
+
+    def remaining(self, k: int, done: Piece) -> int:
+        return self.wanted(k) - done.tokens
+
+    def continuation(self, items: list[tuple[int, Piece]]) -> dict[str, Any]:
+        """One request for the rest of answers ``items`` ((index, what it has so far) pairs),
+        as a batch when there are several; answers come back in ``items``' order."""
+        prompts: list[Any] = []
+        samplings = []
+        for k, done in items:
+            prompt = self.prompts[k // self.n]
+            prompts.append(prompt + done.text if isinstance(prompt, str) else [*prompt, *done.ids])
+            sampling = dict(self.samplings[k // self.n])
+            sampling["n"] = 1
+            sampling["max_new_tokens"] = self.remaining(k, done)
+            if sampling.get("min_new_tokens"):
+                sampling["min_new_tokens"] = max(0, int(sampling["min_new_tokens"]) - done.tokens)
+            samplings.append(sampling)
+        body = {k: v for k, v in self.body.items() if k not in ("text", "input_ids", "rid", "sampling_params")}
+        key = "text" if isinstance(self.prompts[0], str) else "input_ids"
+        body[key] = prompts[0] if len(prompts) == 1 else prompts
+        body["sampling_params"] = samplings[0] if len(samplings) == 1 else samplings
+        if body.get("return_logprob"):
+            body["logprob_start_len"] = -1  # the prompt's logprobs came with the first answer
+        return body
+
+
+@dataclass
+class Piece:
+    """What the client has of one answer so far (a whole answer or the last stream event it got)."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    """SGLang's ``weight_versions`` over the output so far: ``{"version", "start", "end"}``."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The first answer's meta_info: prompt tokens, input logprobs, request id."""
+    output_logprobs: list[Any] | None = None
+    output_top_logprobs: list[Any] | None = None
+    interruptions: int = 0
+
+    @classmethod
+    def of(cls, item: dict[str, Any]) -> Piece | None:
+        """The piece an answer (or cumulative stream event) shows; None if it shows none."""
+        meta = item.get("meta_info")
+        if not isinstance(meta, dict) or not isinstance(item.get("text"), str):
+            return None
+        raw_ids = item.get("output_ids")
+        ids = list(raw_ids) if isinstance(raw_ids, list) else []
+        tokens = int(meta.get("completion_tokens") or len(ids))
+        spans = meta.get("weight_versions")
+        if not (isinstance(spans, list) and all(isinstance(s, dict) for s in spans)):
+            spans = [{"version": meta.get("weight_version"), "start": 0, "end": tokens}]
+        return cls(
+            text=item["text"],
+            ids=ids,
+            tokens=tokens,
+            spans=[dict(s) for s in spans],
+            meta={
+                k: meta[k] for k in ("id", "prompt_tokens", "input_token_logprobs", "input_top_logprobs") if k in meta
+            },
+            output_logprobs=meta.get("output_token_logprobs"),
+            output_top_logprobs=meta.get("output_top_logprobs"),
+            interruptions=int(meta.get("pdctl_interruptions") or 0),
+        )
+
+    @property
+    def version(self) -> str | None:
+        return self.spans[-1]["version"] if self.spans else None
+
+    def view(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A continuation's answer (or event) as part of this one, as the client sees it."""
+        return self._merge(item)[0]
+
+    def advanced(self, item: dict[str, Any]) -> Piece:
+        """What the client has once it got a continuation's answer (or event) ``item``."""
+        merged, spans = self._merge(item)
+        piece = Piece.of(merged) or Piece()
+        piece.spans, piece.interruptions = spans, self.interruptions
+        return piece
+
+    def _merge(self, item: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        meta = item.get("meta_info")
+        if not isinstance(meta, dict):
+            return item, list(self.spans)
+        out = dict(item)
+        out["text"] = self.text + str(item.get("text", ""))
+        out["output_ids"] = self.ids + list(item.get("output_ids") or [])
+        meta = dict(meta)
+        added = int(meta.get("completion_tokens") or len(item.get("output_ids") or []))
+        meta["completion_tokens"] = self.tokens + added
+        meta.update(self.meta)
+        for key, have in (
+            ("output_token_logprobs", self.output_logprobs),
+            ("output_top_logprobs", self.output_top_logprobs),
+        ):
+            if have is not None or key in meta:
+                meta[key] = list(have or []) + list(meta.get(key) or [])
+        if self.interruptions:
+            meta["pdctl_interruptions"] = self.interruptions
+        theirs = meta.get("weight_versions")
+        if not (isinstance(theirs, list) and all(isinstance(s, dict) for s in theirs)):
+            theirs = [{"version": meta.get("weight_version"), "start": 0, "end": added}]
+        spans = join_spans(self.spans, theirs, self.tokens)
+        if meta.get("finish_reason") is not None:  # the final answer: spans over the whole output
+            meta["weight_versions"] = spans
+            meta["weight_version_spans"] = compact_spans(spans)
+            meta["weight_version"] = spans[-1]["version"]
+        out["meta_info"] = meta
+        return out, spans
+
+    def finished(self, reason: dict[str, Any]) -> dict[str, Any]:
+        """This piece as a final answer that ends with ``reason`` (no more tokens)."""
+        item: dict[str, Any] = {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {"finish_reason": reason, "completion_tokens": 0},
+        }
+        item["meta_info"]["weight_versions"] = [{"version": self.version, "start": 0, "end": 0}]
+        item["meta_info"]["weight_version"] = self.version
+        return self.view(item)
+
+    def rewrite(self, event: bytes) -> bytes:
+        """A continuation's SSE event as part of the client's stream ([DONE] and errors pass)."""
+        data = sse_data(event)
+        if data is None or not isinstance(data.get("meta_info"), dict):
+            return event
+        return sse_event(self.view(data))
+
+
+def join_spans(have: list[dict[str, Any]], more: list[dict[str, Any]], offset: int) -> list[dict[str, Any]]:
+    """``have`` then ``more`` shifted by ``offset`` tokens, adjacent spans of one version merged
+    and empty ones dropped (except a lone first span, as SGLang keeps it)."""
+    out: list[dict[str, Any]] = []
+    for span in [*have, *({**s, "start": s["start"] + offset, "end": s["end"] + offset} for s in more)]:
+        if out and span["end"] <= span["start"]:
+            continue
+        if out and out[-1]["version"] == span["version"]:
+            out[-1]["end"] = span["end"]
+        elif out and out[-1]["end"] <= out[-1]["start"]:
+            out[-1] = dict(span)
+        else:
+            out.append(dict(span))
+    return out
+
+
+def compact_spans(spans: list[dict[str, Any]]) -> list[list[Any]]:
+    """SGLang's spans as ``[[version, n_tokens], ...]``."""
+    return [[s["version"], s["end"] - s["start"]] for s in spans if s["end"] > s["start"]] or (
+        [[spans[0]["version"], 0]] if spans else []
     )
 
 
-def progress_of(event: bytes | None) -> Progress | None:
-    """The progress a forwarded ``data: {...}`` event shows; None if it shows none."""
-    data = sse_data(event) if event else None
-    if data is None:
-        return None
-    meta = data.get("meta_info")
-    if not isinstance(meta, dict) or not isinstance(data.get("text"), str):
-        return None
-    raw_ids = data.get("output_ids")
-    ids: list[int] = raw_ids if isinstance(raw_ids, list) else []
-    return Progress(
-        text=data["text"],
-        ids=list(ids),
-        tokens=int(meta.get("completion_tokens") or len(ids)),
-        prompt_tokens=meta.get("prompt_tokens"),
-        rid=meta.get("id"),
-        version=meta.get("weight_version"),
-    )
+def asked_abort(item: Any) -> bool:
+    """Whether an answer ended in an abort that was asked for (SGLang: an abort with no status,
+    as a pause in ``abort`` mode ends requests), not a failure."""
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code") is None
 
 
-def remaining_tokens(body: dict[str, Any], done: Progress) -> int:
-    raw = body.get("sampling_params")
-    sampling: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    wanted = sampling.get("max_new_tokens")
-    return (DEFAULT_MAX_NEW_TOKENS if wanted is None else int(wanted)) - done.tokens
-
-
-def continuation_body(body: dict[str, Any], done: Progress) -> dict[str, Any]:
-    """The request for the rest: prompt plus text so far, for the tokens still owed."""
-    sampling = dict(body.get("sampling_params") or {})
-    sampling["max_new_tokens"] = remaining_tokens(body, done)
-    return {**body, "text": body["text"] + done.text, "sampling_params": sampling}
-
-
-def rewrite(event: bytes, done: Progress) -> bytes:
-    """A continuation's event as part of the original stream (``[DONE]`` and errors pass)."""
+def interrupted_event(event: bytes) -> bool:
+    """Whether a stream's event is a final answer ended by an asked-for abort (see ``asked_abort``)."""
+    if b'"abort"' not in event:
+        return False
     data = sse_data(event)
-    if data is None:
-        return event
-    meta = data.get("meta_info")
-    if not isinstance(meta, dict):
-        return event
-    data["text"] = done.text + str(data.get("text", ""))
-    data["output_ids"] = done.ids + list(data.get("output_ids") or [])
-    meta["completion_tokens"] = done.tokens + int(meta.get("completion_tokens") or 0)
-    if done.prompt_tokens is not None:
-        meta["prompt_tokens"] = done.prompt_tokens
-    if done.rid is not None:
-        meta["id"] = done.rid
-    return sse_event(data)
+    return data is not None and asked_abort(data)
+
+
+def stale_reason(limit: int, interruptions: int) -> dict[str, Any]:
+    return {
+        "type": "stale",
+        "message": f"weights were updated {interruptions} time(s) during this request; max_staleness is {limit}",
+        "max_staleness": limit,
+    }
+
+
+def _token_list(value: Any) -> bool:
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _batched_ids(body: dict[str, Any]) -> bool:
+    ids = body.get("input_ids")
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def _whole(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)

@@ -204,9 +204,7 @@ class WorkerRegistry:
             waiting = any(not w.activated for w in self.workers.values())
             c = self.config
             await asyncio.sleep(
-                min(c.health.startup_interval_secs, c.health.interval_secs)
-                if waiting
-                else c.health.interval_secs
+                min(c.health.startup_interval_secs, c.health.interval_secs) if waiting else c.health.interval_secs
             )
             await self.check_all(session)
 

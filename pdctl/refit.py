@@ -1,0 +1,184 @@
+"""The hold/release protocol between a weight transaction (trainer or ``pdctl weights load``) and
+the router, typed once and used by both sides; and the refit modes. No torch, no asyncio here.
+
+A transaction sends ``POST /pdctl/hold`` (a ``Hold``) before it pauses the engines and repeats
+it every ``lease_secs / 3`` to renew its lease; ``POST /pdctl/release`` (a ``Release``) ends it.
+The router answers a hold with a ``HoldAnswer``.
+
+Refit modes (``weights.refit`` in the topology):
+
+- ``drain``: the router stops admitting and waits for every in-flight request before it
+  answers the hold: each response comes from one weight version; a push costs the longest
+  rollout in flight.
+- ``interrupt``: the router stops admitting and answers at once; the transaction then pauses
+  the engines in SGLang's ``abort`` mode, so in-flight requests end at a token boundary with
+  their tokens so far. The router keeps each such request open, and once the update is
+  released continues it on the new weights (prompt plus the tokens so far, for the remaining
+  budget) as one response whose ``meta_info`` says which tokens came from which version.
+  ``max_staleness`` caps how many updates one request may be continued across.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+HOLD_PATH = "/pdctl/hold"
+RELEASE_PATH = "/pdctl/release"
+DEFAULT_LEASE_SECS = 30.0
+"""How long the router waits for a silent transaction (its trainer died) before it gives up on it."""
+DEFAULT_HOLD_TIMEOUT_SECS = 300.0
+"""How long a drain may take before the hold answers 504."""
+
+
+class RefitMode(str, enum.Enum):
+    DRAIN = "drain"
+    INTERRUPT = "interrupt"
+
+    @classmethod
+    def parse(cls, value: str | RefitMode | None, what: str = "refit") -> RefitMode:
+        """``value`` as a mode (None is ``drain``); ValueError naming ``what`` and the choices."""
+        if value is None:
+            return cls.DRAIN
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"{what} must be one of {choices}, not {value!r}") from None
+
+
+def parse_staleness(value: Any, what: str = "max_staleness") -> int | None:
+    """None (unbounded) or an int >= 0; ValueError naming ``what`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a whole number >= 0 or null, not {value!r}")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{key} must be a number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """``POST /pdctl/hold``. ``txn`` None: a bare hold (tests, operators) with no lease."""
+
+    txn: str | None = None
+    version: str | None = None
+    engines: tuple[str, ...] = ()
+    lease_secs: float = DEFAULT_LEASE_SECS
+    timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS
+    refit: RefitMode = RefitMode.DRAIN
+    max_staleness: int | None = None
+    group: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "version": self.version,
+            "engines": list(self.engines),
+            "lease_secs": self.lease_secs,
+            "timeout_secs": self.timeout_secs,
+            "refit": self.refit.value,
+            "max_staleness": self.max_staleness,
+        }
+        if self.txn is not None:
+            body["txn"] = self.txn
+        if self.group is not None:
+            body["group"] = dict(self.group)
+        return body
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Hold:
+        """Raises ValueError naming the field that is wrong."""
+        txn = body.get("txn")
+        engines = body.get("engines") or []
+        if not isinstance(engines, list):
+            raise ValueError("engines must be a list of URLs")
+        group = body.get("group")
+        return cls(
+            txn=None if txn is None else str(txn),
+            version=None if body.get("version") is None else str(body["version"]),
+            engines=tuple(str(u).rstrip("/") for u in engines),
+            lease_secs=_number(body, "lease_secs", DEFAULT_LEASE_SECS),
+            timeout_secs=_number(body, "timeout_secs", DEFAULT_HOLD_TIMEOUT_SECS),
+            refit=RefitMode.parse(body.get("refit")),
+            max_staleness=parse_staleness(body.get("max_staleness")),
+            group=group if isinstance(group, dict) else None,
+        )
+
+    def renewal(self) -> Hold:
+        """The same hold as a lease renewal: answered at once (no drain wait)."""
+        return Hold(
+            txn=self.txn,
+            version=self.version,
+            engines=self.engines,
+            lease_secs=self.lease_secs,
+            timeout_secs=0.0,
+            refit=self.refit,
+            max_staleness=self.max_staleness,
+            group=self.group,
+        )
+
+
+@dataclass(frozen=True)
+class HoldAnswer:
+    """The router's answer: ``ready`` once the transaction may pause the engines (drained, or
+    at once in interrupt mode); ``in_flight`` requests still running (drain timed out), or
+    left to be interrupted."""
+
+    held: bool
+    ready: bool
+    in_flight: int
+    refit: RefitMode
+
+    def to_json(self) -> dict[str, Any]:
+        # "drained" is the field's name since the first protocol; kept for older trainers.
+        return {"held": self.held, "drained": self.ready, "in_flight": self.in_flight, "refit": self.refit.value}
+
+    @classmethod
+    def from_json(cls, body: Any) -> HoldAnswer:
+        if not isinstance(body, dict):
+            raise ValueError(f"the router's hold answer is not a JSON object: {body!r}")
+        return cls(
+            held=bool(body.get("held")),
+            ready=bool(body.get("drained")),
+            in_flight=int(body.get("in_flight") or 0),
+            refit=RefitMode.parse(body.get("refit")),
+        )
+
+
+@dataclass(frozen=True)
+class Release:
+    """``POST /pdctl/release``: ``complete`` engines hold the version (back into rotation);
+    ``failed`` maps the others to why (out of rotation until a later push)."""
+
+    txn: str | None = None
+    complete: tuple[str, ...] = ()
+    failed: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"complete": list(self.complete), "failed": dict(self.failed)}
+        if self.txn is not None:
+            body["txn"] = self.txn
+        return body
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Release:
+        complete = body.get("complete") or []
+        failed = body.get("failed") or {}
+        if not isinstance(complete, list):
+            raise ValueError("complete must be a list of URLs")
+        if not isinstance(failed, dict):
+            raise ValueError("failed must map URLs to reasons")
+        txn = body.get("txn")
+        return cls(
+            txn=None if txn is None else str(txn),
+            complete=tuple(str(u).rstrip("/") for u in complete),
+            failed={str(u).rstrip("/"): str(why) for u, why in failed.items()},
+        )

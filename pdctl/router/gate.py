@@ -1,0 +1,54 @@
+"""The router's admission gate for weight updates (pdctl.refit).
+
+Closed while a weight transaction holds the router: new requests, retries and continuations
+wait at it until the transaction releases. An ``interrupt`` hold also starts a new *epoch*:
+an answer that ends in an asked-for abort (a pause in SGLang's ``abort`` mode) to a request
+sent before the epoch began was interrupted by the update, and is continued once the gate
+opens; the same answer to a request sent within one epoch is the client's own abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdctl.refit import RefitMode
+
+
+class RefitGate:
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.epoch = 0
+        """How many interrupt holds have begun; a request notes it when it is sent."""
+        self.mode = RefitMode.DRAIN
+        self.max_staleness: int | None = None
+        """The current (or latest) interrupting transaction's bound, read when a request is interrupted."""
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def close(self, mode: RefitMode, max_staleness: int | None, *, new_transaction: bool) -> None:
+        """Hold new requests; an interrupting transaction's first hold starts a new epoch."""
+        self._open.clear()
+        self.mode = mode
+        if mode is RefitMode.INTERRUPT:
+            self.max_staleness = max_staleness
+            if new_transaction:
+                self.epoch += 1
+
+    def open(self) -> None:
+        self._open.set()
+
+    def interrupted_since(self, epoch: int) -> bool:
+        return self.epoch != epoch
+
+    async def wait_open(self, timeout_secs: float) -> bool:
+        """Wait until the gate opens; False when it stayed closed ``timeout_secs``."""
+        if self._open.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._open.wait(), timeout_secs)
+        except asyncio.TimeoutError:
+            return False
+        return True
