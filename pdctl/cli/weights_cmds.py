@@ -12,6 +12,7 @@ from rich.table import Table
 
 from pdctl.cluster import StateStore
 from pdctl.cluster.weights import WeightsStatus, load_weights, weights_status
+from pdctl.refit import RefitMode
 
 
 @click.group()
@@ -43,20 +44,27 @@ def status(name: str | None, as_json: bool) -> None:
 @click.argument("path")
 @click.argument("name", required=False)
 @click.option("--version", "version", help="Weight version the engines report afterwards (default: PATH's last part).")
-def load(path: str, name: str | None, version: str | None) -> None:
+@click.option(
+    "--refit",
+    type=click.Choice([m.value for m in RefitMode]),
+    help="drain: wait for in-flight requests first; interrupt: stop them at a token boundary and continue "
+    "them on the new weights (default: the topology's weights.refit).",
+)
+def load(path: str, name: str | None, version: str | None, refit: str | None) -> None:
     """Load the checkpoint at PATH into every engine of cluster NAME.
 
     PATH is read by each engine on its own node (/update_weights_from_disk). One transaction,
-    as a trainer's push: the router holds and drains, engines pause, load, take the version,
-    resume; an engine that fails to load leaves the router's rotation and the command exits 1.
+    as a trainer's push: the router holds (and, with --refit drain, drains), engines pause,
+    load, take the version, resume; an engine that fails to load leaves the router's rotation
+    and the command exits 1.
     """
     store = StateStore()
     cluster = store.resolve_name(name)
     version = version or os.path.basename(path.rstrip("/")) or path
-    report = load_weights(cluster, path, version, store=store)
+    report = load_weights(cluster, path, version, refit=refit, store=store)
     click.echo(
         f"loaded {path} as version {report.version} into {len(report.engines)} engine(s) in {report.seconds:.2f}s "
-        f"(load {report.phases.get('transfer', 0.0):.2f}s)"
+        f"(load {report.phases.get('transfer', 0.0):.2f}s, refit {report.refit})"
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from pdctl.cluster.inspect import load_state
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError
+from pdctl.refit import RefitMode
 from pdctl.sglang import Endpoint
 from pdctl.weights.client import CallFailure
 from pdctl.weights.fleet import Fleet
@@ -67,11 +68,14 @@ def fleet_of(state: ClusterState, timeout_secs: float = 30.0) -> Fleet:
     api_key = os.environ.get(key_env) if key_env else None
     if key_env and not api_key:
         raise LifecycleError(f"the router needs its API key: set ${key_env} on this machine")
+    group = state.plan.get("weight_group") or {}  # the topology's weights.refit and max_staleness
     return Fleet(
         [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in engines],
         router_url=state.router_url,
         api_key=api_key,
         timeout_secs=timeout_secs,
+        refit=group.get("refit") or RefitMode.DRAIN,
+        max_staleness=group.get("max_staleness"),
     )
 
 
@@ -119,14 +123,17 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
         fleet.close()
 
 
-def load_weights(name: str, model_path: str, version: str, *, store: StateStore | None = None) -> PushReport:
+def load_weights(
+    name: str, model_path: str, version: str, *, refit: str | None = None, store: StateStore | None = None
+) -> PushReport:
     """``/update_weights_from_disk`` of ``model_path`` (a path on each engine's node) on every
-    engine, as one transaction (``Fleet.load_from_disk``). Raises WeightSyncError naming the
-    engine and phase when any engine did not load it (that engine leaves the router's rotation)."""
+    engine, as one transaction (``Fleet.load_from_disk``), in ``refit`` mode (default: the
+    topology's ``weights.refit``). Raises WeightSyncError naming the engine and phase when any
+    engine did not load it (that engine leaves the router's rotation)."""
     state = _load(store or StateStore(), name)
     fleet = fleet_of(state, timeout_secs=600)
     try:
-        return fleet.load_from_disk(model_path, version)
+        return fleet.load_from_disk(model_path, version, refit)
     finally:
         fleet.close()
 

@@ -29,7 +29,7 @@ import torch
 from pdctl.errors import PdctlError
 from pdctl.sim.model import TinyLM, encode, resolve_model
 from pdctl.weights import WeightSync, apply_memory_fraction
-from pdctl.weights.sync import API_KEY_ENV_ENV, ROUTER_URL_ENV
+from pdctl.weights.env import API_KEY_ENV_ENV, ROUTER_URL_ENV
 
 PROMPTS = ("The cat", "Once upon", "Hello", "RL on CPU")
 TARGET = set("aeiou ")

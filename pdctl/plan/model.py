@@ -120,6 +120,8 @@ class WeightGroup:
     group_name: str
     backend: str
     bucket_mb: int
+    refit: str = "drain"
+    max_staleness: int | None = None
 
     def to_dict(self, engines: tuple[EngineSpec, ...]) -> dict[str, Any]:
         return {
@@ -129,6 +131,8 @@ class WeightGroup:
             "group_name": self.group_name,
             "backend": self.backend,
             "bucket_mb": self.bucket_mb,
+            "refit": self.refit,
+            "max_staleness": self.max_staleness,
             "engines": [
                 {"id": e.id, "url": e.url, "rank_offset": e.rank_offset, "gpus": e.gpus}
                 for e in engines

@@ -16,8 +16,10 @@ from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
 from pdctl.plan.model import EngineSpec, LaunchSpec, MpsDaemon, Plan, WeightGroup, url_host
 from pdctl.plan.ports import PortCursors, PortOverflowError, dist_init_block_size
+from pdctl.refit import RefitMode
 from pdctl.roles import Role
 from pdctl.topology.model import Node, Topology
+from pdctl.weights.env import API_KEY_ENV_ENV, READY_TIMEOUT_ENV, ROUTER_URL_ENV, WEIGHT_GROUP_ENV, WeightGroupEnv
 
 WEIGHT_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
@@ -262,21 +264,33 @@ def _plan_trainer(
             group_name=top.weights.group_name,
             backend=top.weights.backend,
             bucket_mb=top.weights.bucket_mb,
+            refit=top.weights.refit.value,
+            max_staleness=top.weights.max_staleness,
         )
     shared_env = {
         "PDCTL_CLUSTER": top.name,
-        "PDCTL_ROUTER_URL": router_url,
+        ROUTER_URL_ENV: router_url,
         "PDCTL_ENGINES": compact_json([{"id": e.id, "url": e.url, "role": e.role.value} for e in engines]),
     }
     if top.router.api_key_env:  # the name; `up` puts the key itself in the trainer's env at launch
-        shared_env["PDCTL_API_KEY_ENV"] = top.router.api_key_env
+        shared_env[API_KEY_ENV_ENV] = top.router.api_key_env
     if weight_group is not None:
-        shared_env["PDCTL_WEIGHT_GROUP"] = compact_json(weight_group.to_dict(tuple(engines)))
+        group = weight_group.to_dict(tuple(engines))
+        shared_env[WEIGHT_GROUP_ENV] = WeightGroupEnv(
+            master_address=weight_group.master_address,
+            master_port=weight_group.master_port,
+            engines=tuple(group["engines"]),
+            backend=weight_group.backend,
+            group_name=weight_group.group_name,
+            bucket_mb=weight_group.bucket_mb,
+            refit=top.weights.refit if top.weights is not None else RefitMode.DRAIN,
+            max_staleness=weight_group.max_staleness,
+        ).to_json()
         shared_env.update(WEIGHT_ENV)
     if top.placement.colocate and top.placement.train_frac:
         shared_env["PDCTL_TRAIN_FRAC"] = f"{top.placement.train_frac:g}"
     if top.placement.colocate:  # the trainer starts first: WeightSync.connect waits for the engines
-        shared_env["PDCTL_READY_TIMEOUT_SECS"] = "900"
+        shared_env[READY_TIMEOUT_ENV] = "900"
     procs = []
     nnodes = len(layout.trainer)
     for rank, (node_name, gpu_ids) in enumerate(layout.trainer):

@@ -62,7 +62,13 @@ def init_custom_process_group(
     with _gloo_interface_towards(master_address if backend == "gloo" else None):
         group, _ = _new_process_group_helper(
             # group_name: torch 2.13 types it as the NewType GroupName, older torch as str; both take a str
-            world_size, rank, [], Backend(backend), prefixed, group_name=cast(Any, group_name), timeout=timeout
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            prefixed,
+            group_name=cast(Any, group_name),
+            timeout=timeout,
         )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

@@ -110,6 +110,9 @@ class Request:
     input_logprobs: list[float | None] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     retractions: int = 0
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    """(old weight version, output tokens then) for each version change while it ran with output
+    (SGLang's ``weight_version_events``): where its output's weight-version spans change."""
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     generator: torch.Generator | None = None
@@ -232,6 +235,18 @@ class Engine:
                 self._finish(req, abort_reason(message))
             return len(victims)
 
+    def set_weight_version(self, version: str) -> None:
+        """Take a new weight version; live requests with output note where it changed (SGLang's
+        ``record_weight_version_change``), for the spans their final answer reports."""
+        with self._cond:
+            old = self.weight_version
+            if version == old:
+                return
+            for req in (*self._running, *self._admitting, *self._waiting, *self._held):
+                if not req.finished and req.output_ids:
+                    req.version_events.append((old, len(req.output_ids)))
+            self.weight_version = version
+
     # -- pause / continue / exclusive ---------------------------------------------------
     def pause(self, mode: str) -> None:
         """Pause as SGLang's /pause_generation does; returns once the scheduler has acted."""
@@ -242,7 +257,7 @@ class Engine:
             self._paused = True
             if mode == "abort":
                 for req in (*self._running, *self._waiting):
-                    self._finish(req, abort_reason("Generation paused (abort)"))
+                    self._finish(req, abort_reason("Aborted"))  # SGLang: FINISH_ABORT()'s default message
             elif mode == "retract":
                 for req in reversed(self._running):
                     if not req.finished:

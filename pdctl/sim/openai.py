@@ -19,7 +19,7 @@ from pdctl.sglang import Endpoint, openai_error_body, openai_stream_error_chunk
 from pdctl.sim.body import read_json
 from pdctl.sim.engine import Request, failure_of, first_failure
 from pdctl.sim.model import decode, encode
-from pdctl.sim.requests import ItemSpec, parallel_samples
+from pdctl.sim.requests import ItemSpec, parallel_samples, weight_version_spans
 from pdctl.sim.sampling import SamplingOptions
 from pdctl.sim.service import SimService
 from pdctl.sim.sse import EventStream
@@ -189,6 +189,9 @@ class OpenAIRoutes:
             return web.json_response(openai_error_body(message, status=status), status=status)
         choices = [_choice(running.request, index, chat, body) for index, running in enumerate(batch)]
         obj = "chat.completion" if chat else "text_completion"
+        first = batch[0].request
+        # SGLang's build_endpoint_weight_version_metadata, from the first choice's meta_info.
+        spans = weight_version_spans(first.version_events, self.s.weight_version, len(first.output_ids))
         return web.json_response(
             {
                 "id": rid,
@@ -197,6 +200,7 @@ class OpenAIRoutes:
                 "model": model,
                 "choices": choices,
                 "usage": _usage([r.request for r in batch]),
+                "metadata": {"weight_version": spans[-1]["version"], "weight_versions": spans},
             }
         )
 

@@ -150,8 +150,26 @@ def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: boo
         # SGLang: per position a list of [logprob, token_id, text]; input positions are not computed here.
         meta["input_top_logprobs"] = [None] * len(req.input_ids) if not pd_decode else []
         meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in top] for top in req.output_top_logprobs[:n]]
+    if done:  # SGLang reports the spans of a finished request's output (utils/weight_versions.py)
+        meta["weight_versions"] = weight_version_spans(req.version_events, weight_version, len(ids))
+        meta["weight_version"] = meta["weight_versions"][-1]["version"]
     text = req.text() if done else decode(ids)
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, n_tokens: int) -> list[dict[str, Any]]:
+    """SGLang 0.5.23's ``compute_weight_version_spans`` then ``add_weight_versions_to_meta_info``:
+    ``{"version", "start", "end"}`` over the output, one per version, in order."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, n_tokens)]:
+        end = min(end, n_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return [s for s in spans if s["start"] < n_tokens or s["start"] == 0]
 
 
 def failed_output(item: ItemSpec, rid: str, exc: SimError, weight_version: str, *, pd_decode: bool) -> dict[str, Any]:

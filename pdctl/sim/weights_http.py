@@ -110,7 +110,7 @@ class WeightRoutes:
                 tensors = members.receive(specs, body.get("load_format"), dict(model.named_parameters())).tensors
                 model.load_weights(tensors)
                 if body.get("weight_version") is not None:
-                    engine.weight_version = str(body["weight_version"])
+                    engine.set_weight_version(str(body["weight_version"]))
                 if body.get("flush_cache", True) and engine.stats()["num_running_reqs"]:
                     return NOT_FLUSHED
             return None
@@ -136,7 +136,7 @@ class WeightRoutes:
             with engine.exclusive():
                 model.load_weights(list(tensors.items()))
                 if body.get("weight_version") is not None:
-                    engine.weight_version = str(body["weight_version"])
+                    engine.set_weight_version(str(body["weight_version"]))
 
         try:
             await asyncio.to_thread(run)
@@ -152,8 +152,8 @@ class WeightRoutes:
         except (SimError, KeyError) as exc:
             return _fail(f"update_weight_version needs new_version ({exc})")
         if body.get("abort_all_requests", True):
-            engine.abort(None, "weight version updated")
-        engine.weight_version = version
+            engine.abort(None, "Aborted")
+        engine.set_weight_version(version)
         return _ok(f"Weight version updated to {version}", new_version=version)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

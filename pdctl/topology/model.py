@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from pdctl.refit import RefitMode
 from pdctl.roles import Role
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -174,8 +175,12 @@ class TrainerConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightsConfig:
     backend: str = "nccl"
-    bucket_mb: int = 1024
+    bucket_mb: int = 1024  # pdctl.weights.env.DEFAULT_BUCKET_MB (a test holds the two together)
     group_name: str = "weight_update_group"
+    refit: RefitMode = RefitMode.DRAIN
+    """How a weight update treats requests in flight (pdctl.refit)."""
+    max_staleness: int | None = None
+    """``interrupt``: the most updates one request may be continued across (None: no bound)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,6 +273,7 @@ class Topology:
         if "weights" in raw or trainer is not None:
             w = dict(raw.get("weights", {}))
             w.setdefault("backend", "gloo" if engine == "sim" else "nccl")
+            w["refit"] = RefitMode.parse(w.get("refit"))
             weights = WeightsConfig(**w)
         r = raw.get("router", {})
         return cls(

@@ -249,4 +249,3 @@ def _router(top: Topology) -> list[Issue]:
         )
     )
     return out
-

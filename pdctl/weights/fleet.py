@@ -20,6 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdctl.errors import WeightSyncError
+from pdctl.refit import (
+    DEFAULT_HOLD_TIMEOUT_SECS,
+    DEFAULT_LEASE_SECS,
+    HOLD_PATH,
+    RELEASE_PATH,
+    Hold,
+    HoldAnswer,
+    RefitMode,
+    Release,
+)
 from pdctl.sglang import (
     Endpoint,
     pause_generation_body,
@@ -95,9 +105,14 @@ class Fleet:
         api_key: str | None = None,
         timeout_secs: float = 120.0,
         pause_mode: str = "retract",
-        lease_secs: float = 30.0,
-        hold_timeout_secs: float = 300.0,
+        lease_secs: float = DEFAULT_LEASE_SECS,
+        hold_timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
+        refit: RefitMode | str = RefitMode.DRAIN,
+        max_staleness: int | None = None,
     ):
+        """``refit`` and ``max_staleness``: see pdctl.refit; a transaction may override them.
+        In ``interrupt`` mode the engines are paused in SGLang's ``abort`` mode whatever
+        ``pause_mode`` says: that is what ends requests at a token boundary with their tokens."""
         self.engines = tuple(EngineTarget.coerce(e, i) for i, e in enumerate(engines))
         if len({e.url for e in self.engines}) != len(self.engines):
             raise WeightSyncError("an engine URL is listed twice")
@@ -108,6 +123,11 @@ class Fleet:
         self.pause_mode = pause_mode
         self.lease_secs = lease_secs
         self.hold_timeout_secs = hold_timeout_secs
+        try:
+            self.refit = RefitMode.parse(refit)
+            self.max_staleness = max_staleness
+        except ValueError as exc:
+            raise WeightSyncError(str(exc)) from exc
         self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
 
     def close(self) -> None:
@@ -148,8 +168,14 @@ class Fleet:
         return live, infos
 
     # -- the router's side ------------------------------------------------------------------------------
+    def pause_body(self, refit: RefitMode) -> dict[str, Any]:
+        """The /pause_generation body for a transaction in ``refit`` mode."""
+        return pause_generation_body("abort" if refit is RefitMode.INTERRUPT else self.pause_mode)
+
     @contextlib.contextmanager
-    def held(self, report: PushReport, group: Mapping[str, Any] | None = None) -> Iterator[None]:
+    def held(
+        self, report: PushReport, group: Mapping[str, Any] | None = None, refit: RefitMode | None = None
+    ) -> Iterator[None]:
         """Hold the router (drain, a lease renewed meanwhile) around the body, then release naming
         the engines that hold ``report.version`` and those that do not. If the body raises, every
         engine not known to hold it leaves rotation. ``group`` (name, world size, each engine's
@@ -158,8 +184,8 @@ class Fleet:
             yield
             return
         lease = _Lease(self)
-        with report.phase("hold"):
-            lease.hold([e.url for e in self.engines], report.version, group)  # a hold that fails touched nothing
+        with report.phase("hold"):  # a hold that fails touched nothing
+            lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit)
         try:
             yield
             with report.phase("release"):
@@ -223,7 +249,7 @@ class Fleet:
         return [i for i, f in futures.items() if isinstance(f.result(), CallFailure)]
 
     # -- from disk -------------------------------------------------------------------------------------------
-    def load_from_disk(self, model_path: str, version: str) -> PushReport:
+    def load_from_disk(self, model_path: str, version: str, refit: RefitMode | str | None = None) -> PushReport:
         """``/update_weights_from_disk`` on every engine under the push's transaction rules: hold,
         pause, load, version set last (only on engines that loaded), continue, release.
 
@@ -233,14 +259,15 @@ class Fleet:
         request mixes the two. One that does not answer, or loads but does not take the version,
         leaves rotation (``report.failed``). Raises WeightSyncError when any engine did not load.
         """
-        report = PushReport(version=version, load_format="disk")
+        mode = self.refit if refit is None else _refit(refit)
+        report = PushReport(version=version, load_format="disk", refit=mode.value)
         with report.phase("probe"):
             live, infos = self.probe(report)
         members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
-        with self.held(report):
+        with self.held(report, refit=mode):
             try:
                 with report.phase("pause"):
-                    self.fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.pause_mode))
+                    self.fanout(members, "pause", Endpoint.PAUSE_GENERATION, self.pause_body(mode))
                 with report.phase("transfer"):
                     body = update_weights_from_disk_body(model_path)
                     futures = {
@@ -284,29 +311,34 @@ class _Lease:
     def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         return self.fleet.client.post(f"{self.fleet.router_url}{path}", body, timeout_secs=timeout)
 
-    def hold(self, engines: list[str], version: str, group: Mapping[str, Any] | None) -> None:
-        body: dict[str, Any] = {
-            "txn": self.txn,
-            "version": version,
-            "engines": engines,
-            "lease_secs": self.fleet.lease_secs,
-            "timeout_secs": self.fleet.hold_timeout_secs,
-        }
-        if group is not None:
-            body["group"] = dict(group)
-        result = self._call("/pdctl/hold", body, self.fleet.hold_timeout_secs + 10)
-        if isinstance(result, CallFailure) or not result.get("drained", False):
+    def hold(self, engines: list[str], version: str, group: Mapping[str, Any] | None, refit: RefitMode) -> None:
+        hold = Hold(
+            txn=self.txn,
+            version=version,
+            engines=tuple(engines),
+            lease_secs=self.fleet.lease_secs,
+            timeout_secs=self.fleet.hold_timeout_secs,
+            refit=refit,
+            max_staleness=self.fleet.max_staleness,
+            group=group,
+        )
+        result = self._call(HOLD_PATH, hold.to_json(), self.fleet.hold_timeout_secs + 10)
+        answer = None if isinstance(result, CallFailure) else HoldAnswer.from_json(result)
+        if answer is None or not answer.ready:
             if not (isinstance(result, CallFailure) and result.status == 409):  # 409: another push holds it
-                self._call("/pdctl/release", {"txn": self.txn}, 30)
+                self._call(RELEASE_PATH, Release(txn=self.txn).to_json(), 30)
+            what = "drain" if refit is RefitMode.DRAIN else "hold"
             raise WeightSyncError(
-                f"the router at {self.fleet.router_url} did not drain for the push: {result}", phase="hold"
+                f"the router at {self.fleet.router_url} did not {what} for the push: {result}", phase="hold"
             )
-        self._thread = threading.Thread(target=self._renew, args=(body,), name="pdctl-weights-lease", daemon=True)
+        self._thread = threading.Thread(
+            target=self._renew, args=(hold.renewal(),), name="pdctl-weights-lease", daemon=True
+        )
         self._thread.start()
 
-    def _renew(self, body: dict[str, Any]) -> None:
+    def _renew(self, hold: Hold) -> None:
         while not self._stop.wait(self.fleet.lease_secs / 3):
-            result = self._call("/pdctl/hold", {**body, "timeout_secs": 0}, 10)
+            result = self._call(HOLD_PATH, hold.to_json(), 10)
             if isinstance(result, CallFailure):
                 log.warning("weights: could not renew the router's hold: %s", result)
 
@@ -315,14 +347,21 @@ class _Lease:
 
     def release(self, complete: list[str], failed: dict[str, str]) -> None:
         self._stop.set()
-        result = self._call("/pdctl/release", {"txn": self.txn, "complete": complete, "failed": failed}, 60)
+        result = self._call(RELEASE_PATH, Release(self.txn, tuple(complete), failed).to_json(), 60)
         if isinstance(result, CallFailure):
             raise WeightSyncError(f"the router did not resume after the push: {result}", phase="release")
 
     def abort(self, failed: dict[str, str]) -> None:
         self._stop.set()
         with contextlib.suppress(Exception):
-            self._call("/pdctl/release", {"txn": self.txn, "complete": [], "failed": failed}, 30)
+            self._call(RELEASE_PATH, Release(self.txn, (), failed).to_json(), 30)
+
+
+def _refit(value: RefitMode | str) -> RefitMode:
+    try:
+        return RefitMode.parse(value)
+    except ValueError as exc:
+        raise WeightSyncError(str(exc)) from exc
 
 
 def failures(futures: dict[str, Future], wait_until: float | None = None) -> dict[str, CallFailure]:

@@ -40,6 +40,8 @@ class PushReport:
     http_calls: int = 0
     load_format: str = "names"
     verify: str = "off"
+    refit: str = "drain"
+    """How requests in flight were treated (pdctl.refit): waited for, or interrupted and continued."""
     retried: bool = False
     phases: dict[str, float] = field(default_factory=dict)
 

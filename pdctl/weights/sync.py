@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import socket
@@ -50,12 +49,12 @@ import torch
 import torch.distributed as dist
 
 from pdctl.errors import WeightSyncError
+from pdctl.refit import DEFAULT_HOLD_TIMEOUT_SECS, DEFAULT_LEASE_SECS, RefitMode
 from pdctl.sglang import (
     DEFAULT_GROUP_NAME,
     Endpoint,
     destroy_weights_update_group_body,
     init_weights_update_group_body,
-    pause_generation_body,
     supports_flattened_bucket,
     supports_weight_update_session,
     update_weight_version_body,
@@ -64,18 +63,19 @@ from pdctl.sglang import (
 from pdctl.sglang.group import init_custom_process_group
 from pdctl.weights.buckets import Bucket, buckets, tensor_checksum
 from pdctl.weights.client import CallFailure
+from pdctl.weights.env import (
+    API_KEY_ENV_ENV,
+    DEFAULT_BUCKET_MB,
+    READY_TIMEOUT_ENV,
+    ROUTER_URL_ENV,
+    WEIGHT_GROUP_ENV,
+    WeightGroupEnv,
+)
 from pdctl.weights.fleet import EngineFault, EngineTarget, Fleet, Member, failures
 from pdctl.weights.report import PushReport
 
 log = logging.getLogger("pdctl.weights")
 MIB = 1024 * 1024
-WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
-ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
-API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
-READY_TIMEOUT_ENV = "PDCTL_READY_TIMEOUT_SECS"
-"""Set by ``pdctl up`` when the trainer starts before the engines (colocate): ``connect`` waits
-that long for every engine, and the router, to be ready."""
-"""Names the variable holding the router's (and engines') API key; the key itself is never in the plan."""
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -115,17 +115,19 @@ class WeightSync:
         backend: str = "gloo",
         router_url: str | None = None,
         group_name: str = DEFAULT_GROUP_NAME,
-        bucket_mb: int = 512,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         api_key: str | None = None,
         timeout_secs: float = 120.0,
         pause_mode: str = "retract",
         verify: str = "auto",
         load_format: str = "auto",
         recover: bool = True,
-        lease_secs: float = 30.0,
-        hold_timeout_secs: float = 300.0,
+        lease_secs: float = DEFAULT_LEASE_SECS,
+        hold_timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
         rank: int | None = None,
         ready_timeout_secs: float = 0.0,
+        refit: RefitMode | str = RefitMode.DRAIN,
+        max_staleness: int | None = None,
     ):
         if verify not in ("auto", "sample", "full", "off"):
             raise WeightSyncError(f"verify must be auto, sample, full or off, not {verify!r}")
@@ -139,6 +141,8 @@ class WeightSync:
             pause_mode=pause_mode,
             lease_secs=lease_secs,
             hold_timeout_secs=hold_timeout_secs,
+            refit=refit,
+            max_staleness=max_staleness,
         )
         self.engines = self.fleet.engines
         self.client = self.fleet.client
@@ -177,17 +181,19 @@ class WeightSync:
                 "section, or build WeightSync(engines, master_address=..., master_port=...) yourself"
             )
         try:
-            group = json.loads(raw)
-            kwargs: dict[str, Any] = {
-                "engines": [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in group["engines"]],
-                "master_address": group["master_address"],
-                "master_port": int(group["master_port"]),
-                "backend": group.get("backend", "nccl"),
-                "group_name": group.get("group_name", DEFAULT_GROUP_NAME),
-                "bucket_mb": group.get("bucket_mb", 512),
-            }
-        except (ValueError, KeyError, TypeError) as exc:
+            group = WeightGroupEnv.from_json(raw)
+        except ValueError as exc:
             raise WeightSyncError(f"${WEIGHT_GROUP_ENV} is not a pdctl weight group: {exc}") from exc
+        kwargs: dict[str, Any] = {
+            "engines": [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in group.engines],
+            "master_address": group.master_address,
+            "master_port": group.master_port,
+            "backend": group.backend,
+            "group_name": group.group_name,
+            "bucket_mb": group.bucket_mb,
+            "refit": group.refit,
+            "max_staleness": group.max_staleness,
+        }
         kwargs["router_url"] = env.get(ROUTER_URL_ENV) or None
         try:
             kwargs["ready_timeout_secs"] = float(env.get(READY_TIMEOUT_ENV) or 0)
@@ -357,8 +363,18 @@ class WeightSync:
         self._drop_group()
 
     # -- push ---------------------------------------------------------------------------------------------
-    def push(self, named_tensors: NamedTensors | Callable[[], NamedTensors], version: str | None = None) -> PushReport:
+    def push(
+        self,
+        named_tensors: NamedTensors | Callable[[], NamedTensors],
+        version: str | None = None,
+        *,
+        refit: RefitMode | str | None = None,
+    ) -> PushReport:
         """Push ``(name, tensor)`` pairs into every engine as version ``version`` (default ``push-N``).
+
+        ``refit`` (default: the one given at construction, the topology's ``weights.refit``):
+        ``drain`` waits for in-flight requests first; ``interrupt`` stops them at a token
+        boundary and the router continues them on the new weights (pdctl.refit).
 
         ``named_tensors`` may be a callable returning the pairs (then a failed push can be redone
         on the surviving engines). Returns the report; raises WeightSyncError naming the engine
@@ -371,7 +387,11 @@ class WeightSync:
                 pass
             return PushReport(version=version, pushed=False)
         source, reusable = _tensor_source(named_tensors)
-        report = PushReport(version=version)
+        try:
+            mode = self.fleet.refit if refit is None else RefitMode.parse(refit)
+        except ValueError as exc:
+            raise WeightSyncError(str(exc)) from exc
+        report = PushReport(version=version, refit=mode.value)
         with report.phase("probe"):
             live, infos = self.fleet.probe(report)
             if self._group is None or self._signature(live, infos) != self._signature_now:
@@ -383,7 +403,7 @@ class WeightSync:
                     exc.report = report
                     raise
         members = self._members
-        with self.fleet.held(report, self._group_info()):
+        with self.fleet.held(report, self._group_info(), refit=mode):
             try:
                 self._transaction(members, source, version, report)
             except EngineFault as fault:
@@ -447,7 +467,8 @@ class WeightSync:
     ) -> None:
         """pause -> begin -> buckets -> end -> version -> verify -> continue; raises EngineFault."""
         with report.phase("pause"):
-            self.fleet.fanout(members, "pause", Endpoint.PAUSE_GENERATION, pause_generation_body(self.fleet.pause_mode))
+            body = self.fleet.pause_body(RefitMode(report.refit))
+            self.fleet.fanout(members, "pause", Endpoint.PAUSE_GENERATION, body)
             refused = self.fleet.fanout_quiet(members, Endpoint.FLUSH_CACHE, {})
             for engine_id in refused:  # only requests sent around the router keep a cache busy
                 log.warning(
@@ -630,13 +651,15 @@ class WeightSync:
             "ranks": {m.url: [m.rank_offset, m.rank_offset + m.target.gpus - 1] for m in self._members},
         }
 
-    def load_from_disk(self, model_path: str, version: str | None = None) -> PushReport:
+    def load_from_disk(
+        self, model_path: str, version: str | None = None, *, refit: RefitMode | str | None = None
+    ) -> PushReport:
         """``/update_weights_from_disk`` on every engine under the push's transaction rules (see
         ``Fleet.load_from_disk``); needs no group. Rank 0 only (others return ``pushed=False``)."""
         version = version or f"disk-{next(self._pushes)}"
         if not self.is_pusher:
             return PushReport(version=version, pushed=False)
-        return self.fleet.load_from_disk(model_path, version)
+        return self.fleet.load_from_disk(model_path, version, refit)
 
 
 def _tensor_source(named_tensors: NamedTensors | Callable[[], NamedTensors]) -> tuple[Callable[[], NamedTensors], bool]:

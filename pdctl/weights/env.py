@@ -1,0 +1,76 @@
+"""The trainer's environment contract: what ``pdctl up`` gives the trainer and ``WeightSync.from_env``
+reads. One home for the variable names and the defaults both sides use; no torch here.
+
+``PDCTL_WEIGHT_GROUP`` holds ``WeightGroupEnv`` as JSON: the flat group's rendezvous, its engines
+(id, url, GPUs, first rank), the bucket size and the refit mode with its staleness bound.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdctl.refit import RefitMode, parse_staleness
+
+WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
+ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
+API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
+"""Names the variable holding the router's (and engines') API key; the key itself is never in the plan."""
+READY_TIMEOUT_ENV = "PDCTL_READY_TIMEOUT_SECS"
+"""Set by ``pdctl up`` when the trainer starts before the engines (colocate): ``connect`` waits
+that long for every engine, and the router, to be ready."""
+DEFAULT_GROUP_NAME = "weight_update_group"
+DEFAULT_BUCKET_MB = 1024
+"""Bytes per update call, in MiB: the topology's default and ``WeightSync``'s."""
+
+
+@dataclass(frozen=True)
+class WeightGroupEnv:
+    master_address: str
+    master_port: int
+    engines: tuple[Mapping[str, Any], ...]
+    """Each ``{"id", "url", "gpus", "rank_offset"}``."""
+    backend: str = "nccl"
+    group_name: str = DEFAULT_GROUP_NAME
+    bucket_mb: int = DEFAULT_BUCKET_MB
+    refit: RefitMode = RefitMode.DRAIN
+    max_staleness: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "backend": self.backend,
+                "group_name": self.group_name,
+                "bucket_mb": self.bucket_mb,
+                "refit": self.refit.value,
+                "max_staleness": self.max_staleness,
+                "engines": [dict(e) for e in self.engines],
+            },
+            separators=(",", ":"),
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, raw: str) -> WeightGroupEnv:
+        """Raises ValueError naming what is wrong."""
+        try:
+            group = json.loads(raw)
+            return cls(
+                master_address=str(group["master_address"]),
+                master_port=int(group["master_port"]),
+                engines=tuple(
+                    {"id": e["id"], "url": e["url"], "gpus": int(e["gpus"]), "rank_offset": e.get("rank_offset")}
+                    for e in group["engines"]
+                ),
+                backend=str(group.get("backend", "nccl")),
+                group_name=str(group.get("group_name", DEFAULT_GROUP_NAME)),
+                bucket_mb=int(group.get("bucket_mb", DEFAULT_BUCKET_MB)),
+                refit=RefitMode.parse(group.get("refit"), "refit"),
+                max_staleness=parse_staleness(group.get("max_staleness")),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"missing or malformed field {exc}") from exc

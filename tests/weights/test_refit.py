@@ -1,0 +1,203 @@
+"""Refit ``interrupt`` (pdctl.refit): an update stops in-flight requests at a token boundary and the
+router continues them on the new weights, with real sims (PD and regular), a real router and a
+real ``Fleet`` transaction (``/update_weights_from_disk`` of a second checkpoint).
+
+Greedy exactness is checked against bare reference sims: an interrupted answer whose spans are
+``[[A, k], [B, m]]`` must equal A's greedy output for k tokens followed by B's greedy
+continuation of prompt + those k tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdctl.sim.model import encode, resolve_model, save_checkpoint
+from pdctl.weights.fleet import Fleet
+from tests.helpers import RouterProcess, get, pd_router_args, post, sims
+
+TOKENS = 160
+PROMPTS = ["The interrupted rollout", "Another prompt, longer than the first one"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_b(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "b"
+    save_checkpoint(resolve_model("sim://tiny?seed=9", "auto", None), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """A PD fleet (prefill, decode at 10 ms a step, so that rollouts are in flight for a while)
+    behind the router, and a bare reference sim (A's weights; B loaded into it on demand)."""
+    tmp = tmp_path_factory.mktemp("refit")
+    specs = [
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--sim-decode-ms-per-step", "10"),
+        (),
+    ]
+    with sims(tmp, *specs) as procs:
+        router = RouterProcess(tmp, *pd_router_args(procs[:1], procs[1:2], "--health-check-interval-secs", "1"))
+        router.start("/readiness")
+        try:
+            yield procs[0], procs[1], procs[2], router
+        finally:
+            router.stop()
+
+
+def _greedy(url: str, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    status, out = post(
+        url + "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert status == 200, out
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def _running(url: str) -> int:
+    return sum(s.get("num_running_reqs", 0) for s in get(url + "/server_info")[1]["internal_states"])
+
+
+def _wait_running(url: str, count: int) -> None:
+    """Wait until the engine runs ``count`` requests (their first tokens are out)."""
+    while _running(url) < count:
+        time.sleep(0.02)
+
+
+def _request(prompt: str, as_ids: bool, stream: bool) -> dict:
+    body = {
+        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "stream": stream,
+    }
+    body["input_ids" if as_ids else "text"] = encode(prompt) if as_ids else prompt
+    return body
+
+
+def _final_of_stream(url: str, body: dict) -> dict:
+    """The last data event of a stream, checked to be cumulative and uninterrupted."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            line = line.strip()
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+            elif line == b"data: [DONE]":
+                break
+    counts = [len(e["output_ids"]) for e in events]
+    assert counts == sorted(counts), "a continued stream goes on where it stopped"
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    return events[-1]
+
+
+def test_an_interrupted_request_is_as_greedy_as_two_bare_engines(fleet, checkpoint_b) -> None:
+    prefill, decode, reference, router = fleet
+    cases = [(p, as_ids, stream) for p in PROMPTS for as_ids in (False, True) for stream in (False, True)]
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        futures = [
+            pool.submit(
+                _final_of_stream if stream else lambda u, b: post(u, b, timeout=120)[1],
+                router.url + "/generate",
+                _request(prompt, as_ids, stream),
+            )
+            for prompt, as_ids, stream in cases
+        ]
+        _wait_running(decode.url, len(cases))
+        fleet_ = Fleet([prefill.url, decode.url], router_url=router.url, refit="interrupt")
+        try:
+            report = fleet_.load_from_disk(str(checkpoint_b), "B")
+        finally:
+            fleet_.close()
+        answers = [f.result() for f in futures]
+    assert report.refit == "interrupt" and sorted(report.engines) == ["engine-0", "engine-1"]
+
+    ref_a = {p: _greedy(reference.url, encode(p), TOKENS) for p in PROMPTS}
+    status, out = post(reference.url + "/update_weights_from_disk", {"model_path": str(checkpoint_b)})
+    assert status == 200, out
+    interrupted = 0
+    for (prompt, _, _), answer in zip(cases, answers, strict=True):
+        meta = answer["meta_info"]
+        ids = answer["output_ids"]
+        assert len(ids) == TOKENS and meta["completion_tokens"] == TOKENS
+        assert len(meta["output_token_logprobs"]) == TOKENS
+        spans = meta.get("weight_version_spans") or [[s["version"], s["end"] - s["start"]] for s in meta["weight_versions"]]
+        assert sum(n for _, n in spans) == TOKENS, spans
+        assert meta["weight_version"] == spans[-1][0]
+        a_ids, a_lps = ref_a[prompt]
+        if len(spans) == 1:  # finished before the update or started after it
+            continue
+        interrupted += 1
+        assert [v for v, _ in spans] == ["default", "B"], spans
+        k = spans[0][1]
+        assert ids[:k] == a_ids[:k]
+        b_ids, b_lps = _greedy(reference.url, encode(prompt) + ids[:k], TOKENS - k)
+        assert ids[k:] == b_ids
+        lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        assert lps[:k] == pytest.approx(a_lps[:k], abs=1e-3)
+        assert lps[k:] == pytest.approx(b_lps, abs=1e-3)
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["pdctl_interruptions"] == 1
+    assert interrupted == len(cases), "every request was in flight when the update began"
+
+
+def test_batches_and_n_are_continued_item_by_item(fleet, checkpoint_b, tmp_path) -> None:
+    """A batch of two prompts, and one prompt with n=2, both interrupted: every answer is whole."""
+    prefill, decode, _, router = fleet
+    # Back to A's weights under another name, so that this update changes the weights again.
+    save_checkpoint(resolve_model("sim://tiny", "auto", None), tmp_path / "a")
+    sampling = {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    bodies = [
+        {"text": PROMPTS, "sampling_params": sampling},
+        {"input_ids": encode(PROMPTS[0]), "sampling_params": {**sampling, "n": 2}},
+    ]
+    with cf.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(post, router.url + "/generate", b, timeout=120) for b in bodies]
+        _wait_running(decode.url, 4)
+        fleet_ = Fleet([prefill.url, decode.url], router_url=router.url, refit="interrupt")
+        try:
+            fleet_.load_from_disk(str(tmp_path / "a"), "A2")
+        finally:
+            fleet_.close()
+        results = [f.result() for f in futures]
+    for status, items in results:
+        assert status == 200 and isinstance(items, list) and len(items) == 2, items
+        for item in items:
+            spans = item["meta_info"]["weight_version_spans"]
+            assert [v for v, _ in spans][-1] == "A2" and len(spans) == 2, spans
+            assert sum(n for _, n in spans) == len(item["output_ids"]) == TOKENS
+    # Both samples of a greedy n=2 request are the same tokens.
+    assert results[1][1][0]["output_ids"] == results[1][1][1]["output_ids"]
+
+
+def test_max_staleness_zero_finishes_an_interrupted_request_with_its_tokens(fleet, checkpoint_b) -> None:
+    prefill, decode, _, router = fleet
+    body = _request(PROMPTS[0], True, False)
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(answer=post(router.url + "/generate", body, timeout=120)))
+    worker.start()
+    _wait_running(decode.url, 1)
+    fleet_ = Fleet([prefill.url, decode.url], router_url=router.url, refit="interrupt", max_staleness=0)
+    try:
+        fleet_.load_from_disk(str(checkpoint_b), "B-stale")
+    finally:
+        fleet_.close()
+    worker.join()
+    status, answer = box["answer"]
+    assert status == 200
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "stale" and meta["finish_reason"]["max_staleness"] == 0
+    assert 0 < len(answer["output_ids"]) < TOKENS == body["sampling_params"]["max_new_tokens"]
+    assert len(meta["weight_version_spans"]) == 1 and meta["weight_version_spans"][0][0] != "B-stale"
