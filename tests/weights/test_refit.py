@@ -133,7 +133,9 @@ def test_an_interrupted_request_is_as_greedy_as_two_bare_engines(fleet, checkpoi
         ids = answer["output_ids"]
         assert len(ids) == TOKENS and meta["completion_tokens"] == TOKENS
         assert len(meta["output_token_logprobs"]) == TOKENS
-        spans = meta.get("weight_version_spans") or [[s["version"], s["end"] - s["start"]] for s in meta["weight_versions"]]
+        spans = meta.get("weight_version_spans") or [
+            [s["version"], s["end"] - s["start"]] for s in meta["weight_versions"]
+        ]
         assert sum(n for _, n in spans) == TOKENS, spans
         assert meta["weight_version"] == spans[-1][0]
         a_ids, a_lps = ref_a[prompt]
