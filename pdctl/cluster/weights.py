@@ -68,14 +68,14 @@ def fleet_of(state: ClusterState, timeout_secs: float = 30.0) -> Fleet:
     api_key = os.environ.get(key_env) if key_env else None
     if key_env and not api_key:
         raise LifecycleError(f"the router needs its API key: set ${key_env} on this machine")
-    group = state.plan.get("weight_group") or {}  # the topology's weights.refit and max_staleness
+    refit = state.plan.get("refit") or {}  # the topology's weights.refit and max_staleness
     return Fleet(
         [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in engines],
         router_url=state.router_url,
         api_key=api_key,
         timeout_secs=timeout_secs,
-        refit=group.get("refit") or RefitMode.DRAIN,
-        max_staleness=group.get("max_staleness"),
+        refit=refit.get("mode") or RefitMode.DRAIN,
+        max_staleness=refit.get("max_staleness"),
     )
 
 

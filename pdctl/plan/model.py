@@ -170,6 +170,9 @@ class Plan:
     """Colocate with MPS: one daemon per node with GPU processes, started before any of them."""
     trainer_first: bool = False
     """Colocate: the trainer starts first, so it claims its memory share before engines size their pools."""
+    refit: str = "drain"
+    """``weights.refit``: how updates (a trainer's push, ``pdctl weights load``) treat requests in flight."""
+    max_staleness: int | None = None
 
     def process(self, process_id: str) -> LaunchSpec:
         for spec in self.processes:
@@ -197,4 +200,5 @@ class Plan:
             "warnings": [{"path": w.path, "message": w.message} for w in self.warnings],
             "mps": [d.to_dict() for d in self.mps],
             "trainer_first": self.trainer_first,
+            "refit": {"mode": self.refit, "max_staleness": self.max_staleness},
         }

@@ -106,6 +106,8 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
         api_key_env=top.router.api_key_env,
         mps=_mps_daemons(top, processes),
         trainer_first=top.placement.colocate and top.trainer is not None,
+        refit=top.weights.refit.value if top.weights is not None else RefitMode.DRAIN.value,
+        max_staleness=top.weights.max_staleness if top.weights is not None else None,
     )
 
 

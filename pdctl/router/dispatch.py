@@ -422,7 +422,11 @@ class Dispatcher:
         return self._verdict(decode, d_leg, errors.DECODE_FAILED) or _respond(d_leg, headers)
 
     def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: Headers) -> Outcome:
-        """The prefill ended the request: its failure is retried, its abort or 4xx answered as is."""
+        """The prefill ended the request: its failure is retried, its abort or 4xx answered as is;
+        an abort that a weight update caused (refit ``interrupt``) is retried once the update is
+        released (no token was generated, nothing reached the client)."""
+        if self.gate.interrupted_since(p_leg.epoch) and _aborted(p_leg.body):
+            return Retry(f"prefill {prefill.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         return self._verdict(prefill, p_leg, errors.PREFILL_FAILED) or _respond(p_leg, headers)
 
     async def _send_both(
@@ -461,6 +465,7 @@ class Dispatcher:
         with_logprobs: bool,
         resume: _Resume | None = None,
     ) -> Outcome:
+        epoch = self.gate.epoch  # before anything is sent: an interrupt from here on is this attempt's
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
         opened: _Opened | Leg | None = None
         keep_prefill = False
@@ -480,7 +485,6 @@ class Dispatcher:
                     return self._prefill_ended(prefill, p_leg, headers)
                 prefix = _first_input_logprobs(p_leg)
             upstream = opened.response
-            epoch = self.gate.epoch if resume is not None else -1
             with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
                 pumped = await _pump(
@@ -605,6 +609,9 @@ class Dispatcher:
             try:
                 opened = await self._open_decode(p_task, decode, self._open_stream(decode, resume.path, wire, headers))
                 if not isinstance(opened, _Opened):
+                    if self.gate.interrupted_since(epoch):  # the next update stopped it before its first token
+                        interrupted = True
+                        continue
                     if isinstance(opened, Leg) and opened.server_failed:
                         self._verdict(decode, opened, errors.DECODE_FAILED)
                     failures += 1

@@ -97,6 +97,7 @@ def _final_of_stream(url: str, body: dict) -> dict:
                 events.append(json.loads(line[6:]))
             elif line == b"data: [DONE]":
                 break
+    assert not [e for e in events if "error" in e], events[-1]
     counts = [len(e["output_ids"]) for e in events]
     assert counts == sorted(counts), "a continued stream goes on where it stopped"
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
@@ -203,3 +204,74 @@ def test_max_staleness_zero_finishes_an_interrupted_request_with_its_tokens(flee
     assert meta["finish_reason"]["type"] == "stale" and meta["finish_reason"]["max_staleness"] == 0
     assert 0 < len(answer["output_ids"]) < TOKENS == body["sampling_params"]["max_new_tokens"]
     assert len(meta["weight_version_spans"]) == 1 and meta["weight_version_spans"][0][0] != "B-stale"
+
+
+def test_under_load_several_updates_in_a_row_fail_no_request(fleet, checkpoint_b, tmp_path) -> None:
+    """Clients keep sending (streamed and not) while four interrupt updates run back to back, two
+    of them trainer pushes over a real gloo group and two loads from disk, with max_staleness 1."""
+    from pdctl.weights import WeightSync
+
+    prefill, decode, _, router = fleet
+    save_checkpoint(resolve_model("sim://tiny", "auto", None), tmp_path / "a")
+    models = {"A": resolve_model("sim://tiny", "auto", None), "B": resolve_model("sim://tiny?seed=9", "auto", None)}
+    stop = threading.Event()
+    answers: list[tuple[bool, int, dict]] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            body = _request(PROMPTS[i % 2], True, i % 2 == 0)
+            body["sampling_params"]["max_new_tokens"] = 60
+            if body["stream"]:
+                answers.append((True, 200, _final_of_stream(router.url + "/generate", body)))
+            else:
+                status, out = post(router.url + "/generate", body, timeout=120)
+                answers.append((False, status, out))
+
+    sync = WeightSync(
+        [{"id": "p", "url": prefill.url}, {"id": "d", "url": decode.url}],
+        master_address="127.0.0.1",
+        master_port=_free_port(),
+        router_url=router.url,
+        refit="interrupt",
+        max_staleness=1,
+        bucket_mb=1,
+    )
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        sync.connect()
+        _wait_running(decode.url, 4)
+        sync.push(list(models["B"].named_parameters()), version="push-B")
+        sync.load_from_disk(str(tmp_path / "a"), "disk-A")
+        sync.push(list(models["B"].named_parameters()), version="push-B2")
+        sync.load_from_disk(str(tmp_path / "a"), "disk-A2")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sync.close()
+    assert len(answers) >= 8
+    interrupted = 0
+    for streamed, status, answer in answers:
+        assert status == 200, answer
+        meta = answer["meta_info"]
+        spans = meta.get("weight_version_spans") or [
+            [s["version"], s["end"] - s["start"]] for s in meta["weight_versions"]
+        ]
+        assert sum(n for _, n in spans) == len(answer["output_ids"]), (streamed, spans)
+        assert len(spans) <= 2, spans  # max_staleness 1: at most two versions
+        if meta["finish_reason"]["type"] == "stale":
+            assert meta["pdctl_interruptions"] == 2
+        else:
+            assert len(answer["output_ids"]) == 60 and meta["finish_reason"]["type"] == "length"
+        interrupted += len(spans) > 1
+    assert interrupted > 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
