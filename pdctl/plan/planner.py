@@ -19,7 +19,7 @@ from pdctl.plan.ports import PortCursors, PortOverflowError, dist_init_block_siz
 from pdctl.refit import RefitMode
 from pdctl.roles import Role
 from pdctl.topology.model import Node, Topology
-from pdctl.weights.env import API_KEY_ENV_ENV, READY_TIMEOUT_ENV, ROUTER_URL_ENV, WEIGHT_GROUP_ENV, WeightGroupEnv
+from pdctl.weights.env import API_KEY_ENV_ENV, READY_TIMEOUT_ENV, ROUTER_URL_ENV, WEIGHT_GROUP_ENV
 
 WEIGHT_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
@@ -277,17 +277,8 @@ def _plan_trainer(
     if top.router.api_key_env:  # the name; `up` puts the key itself in the trainer's env at launch
         shared_env[API_KEY_ENV_ENV] = top.router.api_key_env
     if weight_group is not None:
-        group = weight_group.to_dict(tuple(engines))
-        shared_env[WEIGHT_GROUP_ENV] = WeightGroupEnv(
-            master_address=weight_group.master_address,
-            master_port=weight_group.master_port,
-            engines=tuple(group["engines"]),
-            backend=weight_group.backend,
-            group_name=weight_group.group_name,
-            bucket_mb=weight_group.bucket_mb,
-            refit=top.weights.refit if top.weights is not None else RefitMode.DRAIN,
-            max_staleness=weight_group.max_staleness,
-        ).to_json()
+        # Read back by WeightSync.from_env as pdctl.weights.env.WeightGroupEnv.
+        shared_env[WEIGHT_GROUP_ENV] = compact_json(weight_group.to_dict(tuple(engines)))
         shared_env.update(WEIGHT_ENV)
     if top.placement.colocate and top.placement.train_frac:
         shared_env["PDCTL_TRAIN_FRAC"] = f"{top.placement.train_frac:g}"

@@ -103,8 +103,9 @@ class Leg:
     body: bytes = b""
     content_type: str = "application/json"
     error: BaseException | None = None
-    epoch: int = 0
-    """The refit gate's epoch when the leg was sent (an interrupt began since if it differs)."""
+    epoch: int | None = None
+    """The refit gate's epoch when the leg was sent (an interrupt began since if it differs);
+    None for a leg made up by the router, which no interrupt can explain."""
 
     @property
     def server_failed(self) -> bool:
@@ -264,6 +265,7 @@ class Dispatcher:
         )
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
+        resume = _Resume(body, ctx, path)
         epoch = self.gate.epoch
 
         def attempt_with(payload: dict[str, Any], size: int | None) -> Callable[[], Awaitable[Outcome]]:
@@ -275,9 +277,7 @@ class Dispatcher:
                 )
                 wire = dumps(bootstrapped)
                 if stream:
-                    return await self._stream_both(
-                        request, path, wire, prefill, decode, headers, with_logprobs, _Resume(body, ctx, path)
-                    )
+                    return await self._stream_both(request, path, wire, prefill, decode, headers, with_logprobs, resume)
                 return await self._send_both(path, wire, prefill, decode, headers, with_logprobs)
 
             return attempt
@@ -418,14 +418,16 @@ class Dispatcher:
             return self._prefill_ended(prefill, p_task.result(), headers)
         if d_leg.error is None and d_leg.status >= 500 and _names_bootstrap(d_leg.body, prefill):
             lost = UpstreamError(f"decode {decode.url} lost it: {d_leg.body[:300]!r}")
-            return self._verdict(prefill, Leg(error=lost), errors.PREFILL_FAILED) or _respond(d_leg, headers)
+            return self._verdict(prefill, Leg(error=lost, epoch=d_leg.epoch), errors.PREFILL_FAILED) or _respond(
+                d_leg, headers
+            )
         return self._verdict(decode, d_leg, errors.DECODE_FAILED) or _respond(d_leg, headers)
 
     def _prefill_ended(self, prefill: Worker, p_leg: Leg, headers: Headers) -> Outcome:
         """The prefill ended the request: its failure is retried, its abort or 4xx answered as is;
         an abort that a weight update caused (refit ``interrupt``) is retried once the update is
         released (no token was generated, nothing reached the client)."""
-        if self.gate.interrupted_since(p_leg.epoch) and _aborted(p_leg.body):
+        if self._interrupted(p_leg) and _aborted(p_leg.body):
             return Retry(f"prefill {prefill.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         return self._verdict(prefill, p_leg, errors.PREFILL_FAILED) or _respond(p_leg, headers)
 
@@ -463,14 +465,14 @@ class Dispatcher:
         decode: Worker,
         headers: Headers,
         with_logprobs: bool,
-        resume: _Resume | None = None,
+        resume: _Resume,
     ) -> Outcome:
         epoch = self.gate.epoch  # before anything is sent: an interrupt from here on is this attempt's
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
         opened: _Opened | Leg | None = None
         keep_prefill = False
         try:
-            opened = await self._open_decode(p_task, decode, self._open_stream(decode, path, wire, headers))
+            opened = await self._open_decode(p_task, decode, self._open_stream(decode, path, wire, headers), epoch)
             if opened is None:
                 return self._prefill_ended(prefill, p_task.result(), headers)
             if isinstance(opened, Leg):  # no stream: a failure, or an error status
@@ -491,14 +493,13 @@ class Dispatcher:
                     resp,
                     opened.events(),
                     functools.partial(_prepend_logprobs, prefix=prefix) if prefix is not None else None,
-                    self._interrupted_after(epoch) if resume is not None else None,
+                    self._interrupted_after(epoch),
                 )
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
             if pumped.stopped is not None:  # a weight update interrupted it: continue on the new weights
                 self.registry.record(decode, True)
                 done = _with_input_logprobs(Piece().advanced(pumped.stopped), prefix)
-                assert resume is not None
                 if not await self._resume(resp, resume, done, headers, interrupted=True):
                     await resp.write(_error_event("the stream could not be continued after a weight update"))
             elif pumped.error is None:
@@ -506,11 +507,10 @@ class Dispatcher:
             else:  # the head went out: continue elsewhere, or end the stream properly
                 self.registry.record(decode, False)
                 self.registry.mark_failed(decode)
-                resumed = False
-                if resume is not None and pumped.last is not None:
-                    resumed = await self._resume(
-                        resp, resume, _with_input_logprobs(Piece().advanced(pumped.last), prefix), headers
-                    )
+                last = pumped.last_data
+                resumed = last is not None and await self._resume(
+                    resp, resume, _with_input_logprobs(Piece().advanced(last), prefix), headers
+                )
                 if not resumed:
                     await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {pumped.error}"))
             await resp.end()
@@ -520,12 +520,16 @@ class Dispatcher:
                 opened.response.close()
             await _cancel(None if keep_prefill else p_task)
 
+    def _interrupted(self, leg: Leg) -> bool:
+        """Whether a weight update began after ``leg`` was sent."""
+        return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
+
     def _interrupted_after(self, epoch: int) -> Callable[[dict[str, Any]], bool]:
         """Whether an event ends its request because a weight update began after ``epoch``."""
         return lambda data: self.gate.interrupted_since(epoch) and asked_abort(data)
 
     async def _open_decode(
-        self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg]
+        self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg], epoch: int
     ) -> _Opened | Leg | None:
         """Decode's stream once its first event came; a Leg when it gave none (a failure, or
         an error status with its body) or when that event is a server-side abort (its status,
@@ -534,12 +538,12 @@ class Dispatcher:
         SGLang sends a stream's head before the request even reaches the scheduler, so the
         head proves nothing: the first event does (it comes once the KV did). Until then the
         prefill can still end the request, and nothing has reached the client, so a failure
-        is still retried on another pair."""
+        is still retried on another pair. ``epoch``: the refit gate's when the attempt was sent."""
         head = await self._race(p_task, decode, open_head)
         if head is None or isinstance(head, Leg):
             return head
         if head.status >= 400:
-            return Leg(head.status, await head.read(), head.content_type)
+            return Leg(head.status, await head.read(), head.content_type, epoch=epoch)
         events = _sse_events(head)
         try:
             first = await self._race(p_task, decode, _first_event(events, self._timeout))
@@ -548,11 +552,11 @@ class Dispatcher:
             raise
         if first is None or isinstance(first, BaseException):
             head.close()
-            return None if first is None else Leg(error=first)
+            return None if first is None else Leg(error=first, epoch=epoch)
         status = _server_abort(first)
         if status is not None:  # a failed request in SGLang's stream: nothing sent on yet, so retry it
             head.close()
-            return Leg(status, first + b"data: [DONE]\n\n", "text/event-stream")
+            return Leg(status, first + _DONE, "text/event-stream", epoch=epoch)
         return _Opened(head, first, events)
 
     async def _resume(
@@ -568,6 +572,8 @@ class Dispatcher:
             return False
         failures = 0
         while True:
+            if failures >= max(1, self.config.retry.max_retries):
+                return False
             if interrupted:
                 done.interruptions += 1
                 limit = self.gate.max_staleness
@@ -607,17 +613,16 @@ class Dispatcher:
             opened: _Opened | Leg | None = None
             keep_prefill = False
             try:
-                opened = await self._open_decode(p_task, decode, self._open_stream(decode, resume.path, wire, headers))
+                opened = await self._open_decode(
+                    p_task, decode, self._open_stream(decode, resume.path, wire, headers), epoch
+                )
                 if not isinstance(opened, _Opened):
                     if self.gate.interrupted_since(epoch):  # the next update stopped it before its first token
                         interrupted = True
                         continue
                     if isinstance(opened, Leg) and opened.server_failed:
                         self._verdict(decode, opened, errors.DECODE_FAILED)
-                    failures += 1
-                    interrupted = False
-                    if failures >= max(1, self.config.retry.max_retries):
-                        return False
+                    failures, interrupted = failures + 1, False
                     continue
                 with self.registry.in_flight(decode):
                     pumped = await _pump(resp, opened.events(), done.rewrite, self._interrupted_after(epoch))
@@ -632,12 +637,10 @@ class Dispatcher:
                     return True
                 self.registry.record(decode, False)
                 self.registry.mark_failed(decode)
-                if pumped.last is not None:
-                    done = done.advanced(pumped.last)
-                interrupted = False
-                failures += 1
-                if failures >= max(1, self.config.retry.max_retries):
-                    return False
+                last = pumped.last_data
+                if last is not None:
+                    done = done.advanced(last)
+                failures, interrupted = failures + 1, False
             finally:
                 if isinstance(opened, _Opened):
                     opened.response.close()
@@ -693,14 +696,15 @@ class Dispatcher:
 
     async def _open_stream(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | Leg:
         """The status and headers of a streamed response, or a Leg carrying why there are none."""
+        epoch = self.gate.epoch
         try:
             return await asyncio.wait_for(
                 self.upstream.post(worker.url + path, data, headers.upstream, stream=True), self._timeout
             )
         except asyncio.TimeoutError:
-            return Leg(error=UpstreamTimeout("no response head within the request timeout"))
+            return Leg(error=UpstreamTimeout("no response head within the request timeout"), epoch=epoch)
         except (UpstreamError, OSError) as exc:
-            return Leg(error=exc)
+            return Leg(error=exc, epoch=epoch)
 
     def _verdict(self, worker: Worker, leg: Leg, code: str) -> Retry | Stop | None:
         """What ``worker``'s answer means for the request: None when it answered (a 2xx to 4xx
@@ -712,7 +716,7 @@ class Dispatcher:
         A failure of a leg that a weight update interrupted (``interrupt`` refit: the engines
         abort what they run) is no fault of the worker: retried, once the update is released,
         as backpressure."""
-        if (leg.error is not None or leg.status >= 500) and self.gate.interrupted_since(leg.epoch):
+        if (leg.error is not None or leg.status >= 500) and self._interrupted(leg):
             return Retry(f"{worker.role} {worker.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         if leg.error is not None:
             self.registry.record(worker, False)
@@ -775,12 +779,17 @@ class _Resume:
 @dataclass(frozen=True)
 class _Pumped:
     """How forwarding a stream ended: ``last``, the last data event forwarded (as the upstream
-    sent it); ``error``, the upstream's failure; ``stopped``, the data of the event ``stop``
-    chose (not forwarded; the rest of the upstream is dropped)."""
+    sent it; parsed only by a caller that continues the stream); ``error``, the upstream's
+    failure; ``stopped``, the data of the event ``stop`` chose (not forwarded; the rest of the
+    upstream is dropped)."""
 
-    last: dict[str, Any] | None = None
+    last: bytes | None = None
     error: BaseException | None = None
     stopped: dict[str, Any] | None = None
+
+    @property
+    def last_data(self) -> dict[str, Any] | None:
+        return sse_data(self.last) if self.last is not None else None
 
 
 async def _pump(
@@ -790,21 +799,21 @@ async def _pump(
     stop: Callable[[dict[str, Any]], bool] | None = None,
 ) -> _Pumped:
     """Forward ``events`` (an upstream's SSE events or raw chunks) to the client. A failure to
-    write to the client propagates: a client that goes away is not the worker's fault. Events
-    are parsed only when ``stop`` is given, or to remember the last one (at the end)."""
+    write to the client propagates: a client that goes away is not the worker's fault. An event
+    is parsed only when ``stop`` is given and it names an abort."""
     last: bytes | None = None
     events = events.__aiter__()
     while True:
         try:
             event = await events.__anext__()
         except StopAsyncIteration:
-            return _Pumped(last=sse_data(last) if last is not None else None)
+            return _Pumped(last)
         except (UpstreamError, OSError) as exc:
-            return _Pumped(last=sse_data(last) if last is not None else None, error=exc)
+            return _Pumped(last, error=exc)
         if stop is not None and b'"abort"' in event:
             data = sse_data(event)
             if data is not None and stop(data):
-                return _Pumped(last=sse_data(last) if last is not None else None, stopped=data)
+                return _Pumped(last, stopped=data)
         await resp.write(transform(event) if transform is not None else event)
         if event.startswith(b"data: {"):
             last = event

@@ -20,7 +20,6 @@ class RefitGate:
         self._open.set()
         self.epoch = 0
         """How many interrupt holds have begun; a request notes it when it is sent."""
-        self.mode = RefitMode.DRAIN
         self.max_staleness: int | None = None
         """The current (or latest) interrupting transaction's bound, read when a request is interrupted."""
 
@@ -31,7 +30,6 @@ class RefitGate:
     def close(self, mode: RefitMode, max_staleness: int | None, *, new_transaction: bool) -> None:
         """Hold new requests; an interrupting transaction's first hold starts a new epoch."""
         self._open.clear()
-        self.mode = mode
         if mode is RefitMode.INTERRUPT:
             self.max_staleness = max_staleness
             if new_transaction:

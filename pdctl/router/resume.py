@@ -27,11 +27,6 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 GENERATE = "/generate"
 
 
-def resumable(path: str, body: dict[str, Any]) -> bool:
-    """Whether the request's answers can be continued (see the module docstring)."""
-    return Job.of(path, body) is not None
-
-
 @dataclass(frozen=True)
 class Job:
     """The client's request, item by item: the prompt and sampling params of answer ``k`` (SGLang
@@ -157,7 +152,6 @@ class Piece:
             },
             output_logprobs=meta.get("output_token_logprobs"),
             output_top_logprobs=meta.get("output_top_logprobs"),
-            interruptions=int(meta.get("pdctl_interruptions") or 0),
         )
 
     @property
@@ -253,14 +247,6 @@ def asked_abort(item: Any) -> bool:
     meta = item.get("meta_info") if isinstance(item, dict) else None
     reason = meta.get("finish_reason") if isinstance(meta, dict) else None
     return isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code") is None
-
-
-def interrupted_event(event: bytes) -> bool:
-    """Whether a stream's event is a final answer ended by an asked-for abort (see ``asked_abort``)."""
-    if b'"abort"' not in event:
-        return False
-    data = sse_data(event)
-    return data is not None and asked_abort(data)
 
 
 def stale_reason(limit: int, interruptions: int) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The trainer's environment contract: what ``pdctl up`` gives the trainer and ``WeightSync.from_env``
 reads. One home for the variable names and the defaults both sides use; no torch here.
 
-``PDCTL_WEIGHT_GROUP`` holds ``WeightGroupEnv`` as JSON: the flat group's rendezvous, its engines
-(id, url, GPUs, first rank), the bucket size and the refit mode with its staleness bound.
+``PDCTL_WEIGHT_GROUP`` holds the plan's weight group as JSON (``pdctl.plan.model.WeightGroup.to_dict``),
+read here as ``WeightGroupEnv``: the flat group's rendezvous, its engines (id, url, GPUs, first
+rank), the bucket size and the refit mode with its staleness bound.
 """
 
 from __future__ import annotations
@@ -37,22 +38,6 @@ class WeightGroupEnv:
     bucket_mb: int = DEFAULT_BUCKET_MB
     refit: RefitMode = RefitMode.DRAIN
     max_staleness: int | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "master_address": self.master_address,
-                "master_port": self.master_port,
-                "backend": self.backend,
-                "group_name": self.group_name,
-                "bucket_mb": self.bucket_mb,
-                "refit": self.refit.value,
-                "max_staleness": self.max_staleness,
-                "engines": [dict(e) for e in self.engines],
-            },
-            separators=(",", ":"),
-            sort_keys=True,
-        )
 
     @classmethod
     def from_json(cls, raw: str) -> WeightGroupEnv:

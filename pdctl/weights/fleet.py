@@ -123,11 +123,8 @@ class Fleet:
         self.pause_mode = pause_mode
         self.lease_secs = lease_secs
         self.hold_timeout_secs = hold_timeout_secs
-        try:
-            self.refit = RefitMode.parse(refit)
-            self.max_staleness = max_staleness
-        except ValueError as exc:
-            raise WeightSyncError(str(exc)) from exc
+        self.refit = refit_mode(refit)
+        self.max_staleness = max_staleness
         self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
 
     def close(self) -> None:
@@ -259,7 +256,7 @@ class Fleet:
         request mixes the two. One that does not answer, or loads but does not take the version,
         leaves rotation (``report.failed``). Raises WeightSyncError when any engine did not load.
         """
-        mode = self.refit if refit is None else _refit(refit)
+        mode = self.refit if refit is None else refit_mode(refit)
         report = PushReport(version=version, load_format="disk", refit=mode.value)
         with report.phase("probe"):
             live, infos = self.probe(report)
@@ -357,7 +354,8 @@ class _Lease:
             self._call(RELEASE_PATH, Release(self.txn, (), failed).to_json(), 30)
 
 
-def _refit(value: RefitMode | str) -> RefitMode:
+def refit_mode(value: RefitMode | str) -> RefitMode:
+    """``value`` as a RefitMode; WeightSyncError naming the choices otherwise."""
     try:
         return RefitMode.parse(value)
     except ValueError as exc:

@@ -71,7 +71,7 @@ from pdctl.weights.env import (
     WEIGHT_GROUP_ENV,
     WeightGroupEnv,
 )
-from pdctl.weights.fleet import EngineFault, EngineTarget, Fleet, Member, failures
+from pdctl.weights.fleet import EngineFault, EngineTarget, Fleet, Member, failures, refit_mode
 from pdctl.weights.report import PushReport
 
 log = logging.getLogger("pdctl.weights")
@@ -387,10 +387,7 @@ class WeightSync:
                 pass
             return PushReport(version=version, pushed=False)
         source, reusable = _tensor_source(named_tensors)
-        try:
-            mode = self.fleet.refit if refit is None else RefitMode.parse(refit)
-        except ValueError as exc:
-            raise WeightSyncError(str(exc)) from exc
+        mode = self.fleet.refit if refit is None else refit_mode(refit)
         report = PushReport(version=version, refit=mode.value)
         with report.phase("probe"):
             live, infos = self.fleet.probe(report)
