@@ -15,7 +15,9 @@ Refit modes (``weights.refit`` in the topology):
   their tokens so far. The router keeps each such request open, and once the update is
   released continues it on the new weights (prompt plus the tokens so far, for the remaining
   budget) as one response whose ``meta_info`` says which tokens came from which version.
-  ``max_staleness`` caps how many updates one request may be continued across.
+  ``max_staleness`` caps how many updates one request may be continued across. What can be
+  continued is pdctl.router.resume's to say (``/generate``; not the OpenAI routes, streamed
+  batches or streams on a regular router, which end with SGLang's abort).
 """
 
 from __future__ import annotations

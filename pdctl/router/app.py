@@ -169,7 +169,7 @@ class RouterServer:
                 resp = await self._counted(self._route(request, route, body, headers))  # the common, cheap path
             else:
                 async with self._admission():
-                    await self._wait_open()
+                    await self.dispatcher.wait_open()
                     resp = await self._counted(self._route(request, route, body, headers))
             status = resp.status or 200  # a streamed reply has answered 200
             return resp
@@ -213,10 +213,6 @@ class RouterServer:
         finally:
             self._slots.release()
 
-    async def _wait_open(self) -> None:
-        """While held for a weight update, new requests wait here (at most --max-hold-secs)."""
-        await self.dispatcher.wait_open()
-
     async def _counted(self, work: Awaitable[Reply]) -> Reply:
         """Count a request in flight (``hold`` waits for the count to reach zero)."""
         self._active += 1
@@ -248,6 +244,9 @@ class RouterServer:
         if txn is not None:
             if self._txn is not None and self._txn != txn:
                 return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
+            ended = self._last_push is not None and self._last_push.get("txn") == txn and "ended_at" in self._last_push
+            if ended:  # a lease renewal that crossed the release: it must not hold the router again
+                return errors.error_response(409, errors.BAD_REQUEST, f"weight push {txn} has ended")
             self._txn = txn
             self._txn_engines = list(hold.engines)
             if self._last_push is None or self._last_push.get("txn") != txn:

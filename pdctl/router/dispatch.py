@@ -227,8 +227,8 @@ class Dispatcher:
         """Run ``attempt_once`` until it gives a Reply. A Retry uses the budget (then the last
         worker's own 5xx answer, as sglang-router and smg pass it, or 502 when no worker
         answered), unless it is backpressure, which waits for capacity within the request
-        timeout (then 503). A retry waits while a weight update holds the router (that wait
-        does not count against the request timeout)."""
+        timeout (then 503). A retry of an attempt that a weight update interrupted waits until
+        the update is released (that wait does not count against the request timeout)."""
         budget = 1 if self.config.retry.disabled else 1 + self.config.retry.max_retries
         failures = busy = 0
         deadline = time.monotonic() + self._timeout
@@ -238,7 +238,8 @@ class Dispatcher:
                 return outcome
             if isinstance(outcome, Stop):
                 raise RouteError(outcome.status, outcome.code, outcome.message)
-            self.metrics.retried("busy" if outcome.busy else outcome.code)
+            interrupted = outcome.code == errors.INTERRUPTED
+            self.metrics.retried("busy" if outcome.busy and not interrupted else outcome.code)
             if outcome.busy:
                 busy += 1
                 delay = self._backoff(min(busy - 1, 6))
@@ -252,7 +253,7 @@ class Dispatcher:
                     raise RouteError(502, outcome.code, f"{outcome.message} (after {failures} attempt(s))")
                 delay = self._backoff(failures - 1)
             await asyncio.sleep(delay)
-            if not self.gate.is_open:
+            if interrupted and not self.gate.is_open:  # other retries go on: a drain waits for them
                 held = time.monotonic()
                 await self.wait_open()
                 deadline += time.monotonic() - held
@@ -266,10 +267,11 @@ class Dispatcher:
         stream = bool(body.get("stream"))
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
         resume = _Resume(body, ctx, path)
-        epoch = self.gate.epoch
+        sent = [self.gate.epoch]  # the epoch the latest attempt was sent in
 
         def attempt_with(payload: dict[str, Any], size: int | None) -> Callable[[], Awaitable[Outcome]]:
             async def attempt() -> Outcome:
+                sent[0] = self.gate.epoch
                 prefill, decode = self.select_pair(ctx)
                 # phase 2: a new room per attempt (a retried room could collide with the orphan)
                 bootstrapped = inject_bootstrap(
@@ -283,21 +285,26 @@ class Dispatcher:
             return attempt
 
         reply = await self._with_retries(attempt_with(body, batch), headers)
-        if not stream and self.gate.interrupted_since(epoch):
+        if not stream and self.gate.interrupted_since(sent[0]):
             return await self._continue_whole(
-                path, body, reply, lambda cont: self._with_retries(attempt_with(cont, batch_size_of(cont)), headers)
+                path,
+                body,
+                reply,
+                sent,
+                lambda cont: self._with_retries(attempt_with(cont, batch_size_of(cont)), headers),
             )
         return reply
 
     async def regular_request(self, request: Request, path: str, body: dict[str, Any], headers: Headers) -> Reply:
         text = _text_of(body) if self.regular_policy.needs_text else None
         ctx = RequestContext(text=text, routing_key=headers.upstream.get(ROUTING_KEY))
-        epoch = self.gate.epoch
+        sent = [self.gate.epoch]  # the epoch the latest attempt was sent in
 
         def attempt_with(payload: dict[str, Any]) -> Callable[[], Awaitable[Outcome]]:
             data = dumps(payload)
 
             async def attempt() -> Outcome:
+                sent[0] = self.gate.epoch
                 worker = self.select_regular(ctx)
                 if payload.get("stream"):
                     return await self._stream_one(request, path, data, worker, headers)
@@ -308,19 +315,25 @@ class Dispatcher:
             return attempt
 
         reply = await self._with_retries(attempt_with(body), headers)
-        if not body.get("stream") and self.gate.interrupted_since(epoch):
+        if not body.get("stream") and self.gate.interrupted_since(sent[0]):
             return await self._continue_whole(
-                path, body, reply, lambda cont: self._with_retries(attempt_with(cont), headers)
+                path, body, reply, sent, lambda cont: self._with_retries(attempt_with(cont), headers)
             )
         return reply
 
     async def _continue_whole(
-        self, path: str, body: dict[str, Any], first: Reply, send: Callable[[dict[str, Any]], Awaitable[Reply]]
+        self,
+        path: str,
+        body: dict[str, Any],
+        first: Reply,
+        sent: list[int],
+        send: Callable[[dict[str, Any]], Awaitable[Reply]],
     ) -> Reply:
         """A non-streamed answer whose items a weight update interrupted (an asked-for abort,
         pdctl.refit ``interrupt``): each such item is continued on the new weights once the
         update is released, for its remaining tokens, until it finishes, its budget is spent or
-        it has been interrupted more than ``max_staleness`` times; the client gets one answer."""
+        it would span more than ``max_staleness`` + 1 weight versions; the client gets one answer.
+        ``sent[0]``: the epoch ``send``'s latest attempt was sent in (``send`` keeps it current)."""
         if first.status != 200 or b'"abort"' not in first.body:
             return first
         job = Job.of(path, body)
@@ -331,14 +344,14 @@ class Dispatcher:
         raw = {k: item for k, item in enumerate(items) if asked_abort(item)}
         bases = {k: Piece() for k in raw}
         while raw:
-            self.metrics.retried(errors.INTERRUPTED)
             going_on = []
             for k, answer in raw.items():
+                self.metrics.retried(errors.INTERRUPTED)
                 done = bases[k].advanced(answer)
                 done.interruptions += 1
                 limit = self.gate.max_staleness
-                if limit is not None and done.interruptions > limit:
-                    final[k] = done.finished(stale_reason(limit, done.interruptions))
+                if limit is not None and done.versions > limit:
+                    final[k] = done.finished(stale_reason(limit, done.versions))
                 elif job.remaining(k, done) <= 0:
                     final[k] = done.finished({"type": "length", "length": job.wanted(k)})
                 else:
@@ -348,17 +361,19 @@ class Dispatcher:
             if not going_on:
                 break
             await self.wait_open()
-            epoch = self.gate.epoch
             reply = await send(job.continuation([(k, bases[k]) for k in going_on]))
             answers = _items(reply.body, len(going_on)) if reply.status == 200 else None
             if answers is None:
                 message = f"the continuation after a weight update failed ({reply.status}): {reply.body[:300]!r}"
                 raise RouteError(reply.status if reply.status >= 400 else 502, errors.CONTINUATION_FAILED, message)
             for k, answer in zip(going_on, answers, strict=True):
-                if asked_abort(answer) and self.gate.interrupted_since(epoch):
+                if asked_abort(answer) and self.gate.interrupted_since(sent[0]):
                     raw[k] = answer
                 else:
                     final[k] = bases[k].view(answer)
+        for k, item in enumerate(final):  # every item of a continued answer shows its spans
+            if k not in bases:
+                final[k] = Piece().view(item)
         return Reply(200, dumps(final[0] if job.single else final), first.content_type, first.headers)
 
     # -- phase 3: race the legs -------------------------------------------------------------------
@@ -493,12 +508,13 @@ class Dispatcher:
                     resp,
                     opened.events(),
                     functools.partial(_prepend_logprobs, prefix=prefix) if prefix is not None else None,
-                    self._interrupted_after(epoch),
+                    self._interrupted_after(epoch, resume),
                 )
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
             if pumped.stopped is not None:  # a weight update interrupted it: continue on the new weights
                 self.registry.record(decode, True)
+                opened.response.close()  # not held open through the update
                 done = _with_input_logprobs(Piece().advanced(pumped.stopped), prefix)
                 if not await self._resume(resp, resume, done, headers, interrupted=True):
                     await resp.write(_error_event("the stream could not be continued after a weight update"))
@@ -524,9 +540,10 @@ class Dispatcher:
         """Whether a weight update began after ``leg`` was sent."""
         return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
 
-    def _interrupted_after(self, epoch: int) -> Callable[[dict[str, Any]], bool]:
-        """Whether an event ends its request because a weight update began after ``epoch``."""
-        return lambda data: self.gate.interrupted_since(epoch) and asked_abort(data)
+    def _interrupted_after(self, epoch: int, resume: _Resume) -> _Interrupted:
+        """Whether a stream's event ends its request because a weight update began after ``epoch``
+        and the stream can be continued (a single /generate prompt)."""
+        return _Interrupted(lambda: self.gate.interrupted_since(epoch) and resume.continuable)
 
     async def _open_decode(
         self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg], epoch: int
@@ -567,7 +584,7 @@ class Dispatcher:
         the update is released, unless it has been interrupted more than ``max_staleness``
         times (then it ends with its tokens so far). False when it cannot be continued: not a
         single /generate prompt, no pair, or ``retry.max_retries`` failed pairs."""
-        job = Job.of(resume.path, resume.body)
+        job = resume.job
         if job is None or not job.single:
             return False
         failures = 0
@@ -577,8 +594,8 @@ class Dispatcher:
             if interrupted:
                 done.interruptions += 1
                 limit = self.gate.max_staleness
-                if limit is not None and done.interruptions > limit:
-                    await resp.write(sse_event(done.finished(stale_reason(limit, done.interruptions))) + _DONE)
+                if limit is not None and done.versions > limit:
+                    await resp.write(sse_event(done.finished(stale_reason(limit, done.versions))) + _DONE)
                     return True
                 try:
                     await self.wait_open()
@@ -625,7 +642,7 @@ class Dispatcher:
                     failures, interrupted = failures + 1, False
                     continue
                 with self.registry.in_flight(decode):
-                    pumped = await _pump(resp, opened.events(), done.rewrite, self._interrupted_after(epoch))
+                    pumped = await _pump(resp, opened.events(), done.rewrite, self._interrupted_after(epoch, resume))
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
                 if pumped.stopped is not None:
@@ -716,7 +733,11 @@ class Dispatcher:
         A failure of a leg that a weight update interrupted (``interrupt`` refit: the engines
         abort what they run) is no fault of the worker: retried, once the update is released,
         as backpressure."""
-        if (leg.error is not None or leg.status >= 500) and self._interrupted(leg):
+        if (
+            (leg.error is not None or leg.status >= 500)
+            and not isinstance(leg.error, UpstreamTimeout)
+            and self._interrupted(leg)
+        ):
             return Retry(f"{worker.role} {worker.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         if leg.error is not None:
             self.registry.record(worker, False)
@@ -767,13 +788,41 @@ async def _first_event(events: AsyncIterator[bytes], timeout: float) -> bytes | 
         return exc
 
 
-@dataclass(frozen=True)
 class _Resume:
-    """What continuing a stream elsewhere needs: the client's request."""
+    """What continuing a stream elsewhere needs: the client's request (read as a ``Job`` only
+    when a stream is to be continued)."""
 
-    body: dict[str, Any]
-    ctx: RequestContext
-    path: str
+    __slots__ = ("_job", "body", "ctx", "path")
+
+    def __init__(self, body: dict[str, Any], ctx: RequestContext, path: str):
+        self.body, self.ctx, self.path = body, ctx, path
+        self._job: Job | bool | None = False  # False: not read yet
+
+    @property
+    def job(self) -> Job | None:
+        if self._job is False:
+            self._job = Job.of(self.path, self.body)
+        return self._job  # type: ignore[return-value]
+
+    @property
+    def continuable(self) -> bool:
+        job = self.job
+        return job is not None and job.single
+
+
+@dataclass(frozen=True)
+class _Interrupted:
+    """``_pump``'s stop rule for interrupted streams: ``armed()`` (an integer compare) says
+    whether a weight update began since the stream was sent; only then is an event that
+    names an abort parsed and checked (an asked-for abort ends the request)."""
+
+    armed: Callable[[], bool]
+
+    def __call__(self, event: bytes) -> dict[str, Any] | None:
+        if not self.armed() or b'"abort"' not in event:
+            return None
+        data = sse_data(event)
+        return data if data is not None and asked_abort(data) else None
 
 
 @dataclass(frozen=True)
@@ -796,11 +845,11 @@ async def _pump(
     resp: Any,
     events: AsyncIterator[bytes],
     transform: Callable[[bytes], bytes] | None,
-    stop: Callable[[dict[str, Any]], bool] | None = None,
+    stop: _Interrupted | None = None,
 ) -> _Pumped:
     """Forward ``events`` (an upstream's SSE events or raw chunks) to the client. A failure to
     write to the client propagates: a client that goes away is not the worker's fault. An event
-    is parsed only when ``stop`` is given and it names an abort."""
+    is parsed only by ``stop``, after a weight update began, when it names an abort."""
     last: bytes | None = None
     events = events.__aiter__()
     while True:
@@ -810,10 +859,10 @@ async def _pump(
             return _Pumped(last)
         except (UpstreamError, OSError) as exc:
             return _Pumped(last, error=exc)
-        if stop is not None and b'"abort"' in event:
-            data = sse_data(event)
-            if data is not None and stop(data):
-                return _Pumped(last, stopped=data)
+        if stop is not None:
+            stopped = stop(event)
+            if stopped is not None:
+                return _Pumped(last, stopped=stopped)
         await resp.write(transform(event) if transform is not None else event)
         if event.startswith(b"data: {"):
             last = event

@@ -12,8 +12,10 @@ beside them). Greedy requests continue exactly as they would have on the same we
 ones continue with a fresh draw.
 
 What can be continued: ``/generate`` with ``text`` or ``input_ids`` prompts, single or batched,
-any ``n``. A text prompt is continued as text (prompt + text so far), which a tokenizer may
-split differently at the seam than the ids it generated; token prompts continue exactly.
+any ``n``; not constrained decoding (a grammar would restart at the seam), nor a batch with other
+per-item lists (``lora_path``, per-item ``return_logprob``, ...). A text prompt is continued as
+text (prompt + text so far), which a tokenizer may split differently at the seam than the ids it
+generated; token prompts continue exactly. A ``stop`` string split by the seam is not matched.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 from pdctl.router.jsonutil import sse_data, sse_event
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+CONSTRAINED = ("regex", "json_schema", "ebnf", "structural_tag")
+PROMPT_FIELDS = ("text", "input_ids", "sampling_params")
 GENERATE = "/generate"
 
 
@@ -74,6 +78,11 @@ class Job:
             return None
         if not all(_whole(s.get("max_new_tokens")) and _whole(s.get("min_new_tokens")) for s in samplings):
             return None
+        if any(key in s for s in samplings for key in CONSTRAINED):
+            return None  # a grammar would restart at the seam
+        batched = isinstance(text, list) or _batched_ids(body)
+        if batched and any(isinstance(v, list) for k, v in body.items() if k not in PROMPT_FIELDS):
+            return None  # per-item fields (lora_path, return_logprob, ...) are not split per continued item
         return cls(body, tuple(prompts), tuple(samplings), n)
 
     @property
@@ -153,6 +162,11 @@ class Piece:
             output_logprobs=meta.get("output_token_logprobs"),
             output_top_logprobs=meta.get("output_top_logprobs"),
         )
+
+    @property
+    def versions(self) -> int:
+        """How many weight versions the output so far came from."""
+        return sum(1 for s in self.spans if s["end"] > s["start"])
 
     @property
     def version(self) -> str | None:
@@ -249,10 +263,10 @@ def asked_abort(item: Any) -> bool:
     return isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code") is None
 
 
-def stale_reason(limit: int, interruptions: int) -> dict[str, Any]:
+def stale_reason(limit: int, versions: int) -> dict[str, Any]:
     return {
         "type": "stale",
-        "message": f"weights were updated {interruptions} time(s) during this request; max_staleness is {limit}",
+        "message": f"the output spans {versions} weight version(s) and another update came; max_staleness is {limit}",
         "max_staleness": limit,
     }
 

@@ -1,6 +1,7 @@
 """Refit ``interrupt`` (pdctl.refit): an update stops in-flight requests at a token boundary and the
-router continues them on the new weights, with real sims (PD and regular), a real router and a
-real ``Fleet`` transaction (``/update_weights_from_disk`` of a second checkpoint).
+router continues them on the new weights, with real sims (PD; a bare regular sim is the reference),
+a real router, real ``Fleet`` transactions (``/update_weights_from_disk`` of a second checkpoint)
+and real trainer pushes over gloo.
 
 Greedy exactness is checked against bare reference sims: an interrupted answer whose spans are
 ``[[A, k], [B, m]]`` must equal A's greedy output for k tokens followed by B's greedy
@@ -262,7 +263,7 @@ def test_under_load_several_updates_in_a_row_fail_no_request(fleet, checkpoint_b
         assert sum(n for _, n in spans) == len(answer["output_ids"]), (streamed, spans)
         assert len(spans) <= 2, spans  # max_staleness 1: at most two versions
         if meta["finish_reason"]["type"] == "stale":
-            assert meta["pdctl_interruptions"] == 2
+            assert meta["pdctl_interruptions"] >= 2
         else:
             assert len(answer["output_ids"]) == 60 and meta["finish_reason"]["type"] == "length"
         interrupted += len(spans) > 1

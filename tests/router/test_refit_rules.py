@@ -1,0 +1,106 @@
+"""The refit gate's rules in-process (the MockUpstream fleet of test_failure_rules): the failure
+rules hold after interrupts have happened, a drain is not blocked by retries, and a request
+stopped before its first token is not stale."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tests.router.test_failure_rules as rules
+from pdctl.router import gate
+from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
+
+
+@pytest.fixture
+def after_an_interrupt(monkeypatch):
+    """Every router starts as after an earlier interrupt transaction (epoch 1, released)."""
+    start = gate.RefitGate.__init__
+
+    def init(self: gate.RefitGate) -> None:
+        start(self)
+        self.epoch = 1
+
+    monkeypatch.setattr(gate.RefitGate, "__init__", init)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        lambda: rules.test_a_decode_that_fails_after_its_prefill_answered_takes_the_blame(True),
+        lambda: rules.test_a_decode_that_fails_after_its_prefill_answered_takes_the_blame(False),
+        lambda: rules.test_a_decode_that_never_answers_is_a_504_and_not_retried(True),
+        lambda: rules.test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(True),
+        lambda: rules.test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(False),
+        rules.test_a_streamed_server_abort_is_retried_and_a_client_abort_is_the_answer,
+    ],
+)
+def test_the_failure_rules_hold_after_an_interrupt(after_an_interrupt, rule) -> None:
+    """A failure of a leg sent after the last interrupt is the worker's, as before any interrupt."""
+    rule()
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0)
+
+
+def test_a_retry_during_a_drain_goes_on_and_the_drain_completes() -> None:
+    """A request retrying backpressure when a drain hold comes is not held at the gate: the
+    drain waits for it, so holding it would deadlock the two."""
+    go = asyncio.Event()
+    calls = []
+
+    async def busy_once(engines, request, body):
+        calls.append(body)
+        if len(calls) == 1:
+            await go.wait()
+            return MockReply(status=503, json={"error": {"message": "no free KV slot", "code": 503}})
+        return await decode_ok(engines, request, body)
+
+    async def scenario(r):
+        generate = asyncio.create_task(r.generate())
+        await _until(lambda: calls)
+        hold = asyncio.create_task(r.client.post(r.server.url + "/pdctl/hold", json={"timeout_secs": 10}))
+        await _until(lambda: not r.server.gate.is_open)
+        go.set()
+        async with await hold as resp:
+            held = resp.status, await resp.json()
+        answer = await generate
+        async with r.client.post(r.server.url + "/pdctl/release", json={}) as resp:
+            assert resp.status == 200
+        return held, answer
+
+    (status, held), (answer_status, _) = run(Engines(D1=busy_once), scenario)
+    assert status == 200 and held["drained"] is True and answer_status == 200
+
+
+def test_a_request_stopped_before_its_first_token_is_continued_even_at_max_staleness_zero() -> None:
+    go = asyncio.Event()
+    calls = []
+
+    async def aborted_in_queue(engines, request, body):
+        calls.append(body)
+        if len(calls) > 1:
+            return await decode_ok(engines, request, body)
+        await engines.room(body)
+        await go.wait()
+        meta = {"id": "r", "completion_tokens": 0, "weight_version": "A", "prompt_tokens": 3}
+        meta["finish_reason"] = {"type": "abort", "message": "Aborted", "status_code": None}
+        meta["weight_versions"] = [{"version": "A", "start": 0, "end": 0}]
+        return MockReply(json={"text": "", "output_ids": [], "meta_info": meta})
+
+    async def scenario(r):
+        generate = asyncio.create_task(r.generate(tokens=5))
+        await _until(lambda: calls)
+        async with r.client.post(r.server.url + "/pdctl/hold", json={"refit": "interrupt", "max_staleness": 0}):
+            pass
+        go.set()  # the release may come before or after the abort reaches the router: either is an interrupt
+        async with r.client.post(r.server.url + "/pdctl/release", json={}):
+            pass
+        return await generate
+
+    status, answer = run(Engines(D1=aborted_in_queue), scenario)
+    assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length", answer
+    assert len(calls) == 2 and answer["meta_info"]["pdctl_interruptions"] == 1
