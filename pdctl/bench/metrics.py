@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,3 +128,34 @@ def windows_split(results: Sequence[RequestResult], windows: Sequence[tuple[floa
             **describe([r.e2e for r in done], "e2e_latency"),
         }
     return out
+
+
+def refit_stall(
+    results: Sequence[RequestResult], windows: Sequence[tuple[float, float]], updates: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """What the weight updates cost the requests around them (pdctl.refit): each update's wall
+    time and transfer time, the longest gap between two tokens of any request that overlapped an
+    update, and the TTFT of requests that were sent while an update ran."""
+
+    def overlaps(r: RequestResult) -> bool:
+        return any(r.start < end and r.end > start for start, end in windows)
+
+    def arrived_during(r: RequestResult) -> bool:
+        return any(start <= r.start < end for start, end in windows)
+
+    gaps = [max(r.itl) for r in results if r.ok and r.itl and overlaps(r)]
+    late = [r for r in results if arrived_during(r)]
+    modes = sorted({str(u["refit"]) for u in updates if u.get("refit")})
+    transfers = [float(u["transfer_s"]) for u in updates if u.get("transfer_s") is not None]
+    walls = [end - start for start, end in windows]
+    return {
+        "refit": modes[0] if len(modes) == 1 else modes,
+        "updates": len(windows),
+        "update_wall_s": [round(w, 4) for w in walls],
+        "transfer_s": [round(t, 4) for t in transfers],
+        "max_update_wall_ms": max(walls) * 1000 if walls else 0.0,
+        "max_stream_gap_ms": max(gaps) * 1000 if gaps else 0.0,
+        "arrived_during_update": len(late),
+        "failed_arrived_during_update": sum(1 for r in late if not r.ok),
+        **describe([r.ttft for r in late if r.ok], "ttft_arrived_during_update"),
+    }

@@ -61,6 +61,19 @@ def table(report: dict[str, Any]) -> Table:
         keys = sorted({k for run in runs for k in run.get("server", {}).get(role, {}) if k != "samples"})
         for key in keys:
             out.add_row(f"{role} {key}", *(_num(run.get("server", {}).get(role, {}).get(key)) for run in runs))
+    stalls = [run.get("refit_stall") for run in runs]
+    if any(stalls):
+        out.add_row(
+            "weight updates (refit)",
+            *(
+                f"{st['updates']} ({st['refit']}): wall max {st['max_update_wall_ms']:.0f} ms, longest token gap "
+                f"{st['max_stream_gap_ms']:.0f} ms, TTFT of {st['arrived_during_update']} sent meanwhile p99 "
+                f"{st['p99_ttft_arrived_during_update_ms']:.0f} ms"
+                if st
+                else "-"
+                for st in stalls
+            ),
+        )
     for run_i, run in enumerate(runs):
         windows = run.get("push_windows")
         if not windows:

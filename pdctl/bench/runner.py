@@ -14,14 +14,14 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 
 from pdctl.bench.client import RequestResult, send
-from pdctl.bench.metrics import Slo, summarize, windows_split
+from pdctl.bench.metrics import Slo, refit_stall, summarize, windows_split
 from pdctl.bench.server_view import ServerView
 from pdctl.bench.workloads import BenchRequest
 from pdctl.errors import PdctlError
@@ -58,8 +58,9 @@ class BenchConfig:
     reload_every_secs: float | None = None
 
 
-Reloader = Callable[[int], None]
-"""Called with 1, 2, ... from a worker thread; loads weights and returns when done."""
+Reloader = Callable[[int], Mapping[str, Any] | None]
+"""Called with 1, 2, ... from a worker thread; loads weights and returns when done, with what it
+knows of the update (``refit``, ``transfer_s``)."""
 Progress = Callable[[str, int, int], None]
 """(point label, finished, total) after each request."""
 
@@ -191,6 +192,7 @@ async def _run_point(
     if reload:
         run["weight_reloads"] = reload.report(started)
         run["push_windows"] = windows_split(results, reload.windows)
+        run["refit_stall"] = refit_stall(results, reload.windows, reload.updates)
     return run
 
 
@@ -216,6 +218,8 @@ class _Reloads:
         self.reloader = reloader
         self.every = every
         self.windows: list[tuple[float, float]] = []
+        self.updates: list[Mapping[str, Any]] = []
+        """What the reloader said of each update that returned."""
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-reload", daemon=True)
@@ -233,7 +237,7 @@ class _Reloads:
             n += 1
             began = time.monotonic()
             try:
-                self.reloader(n)
+                self.updates.append(self.reloader(n) or {})
             except Exception as exc:  # reported, and the run goes on
                 self.errors.append(f"reload {n}: {exc}")
             self.windows.append((began, time.monotonic()))

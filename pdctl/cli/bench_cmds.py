@@ -7,6 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -26,6 +27,7 @@ from pdctl.bench.workloads import (
 )
 from pdctl.cluster import StateStore
 from pdctl.cluster.inspect import load_state
+from pdctl.refit import RefitMode
 
 DATASETS = ("random", "fixed", "shared-prefix", "sharegpt", "jsonl")
 
@@ -114,6 +116,11 @@ def _concurrency(text: str) -> int:
 )
 @click.option("--weights-reload-every", type=float, help="With NAME: reload weights from disk every N seconds.")
 @click.option("--weights-path", help="The checkpoint --weights-reload-every loads (a path on the engines' nodes).")
+@click.option(
+    "--weights-refit",
+    type=click.Choice([m.value for m in RefitMode]),
+    help="How each reload treats requests in flight: drain or interrupt (default: the topology's weights.refit).",
+)
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 def bench(args: tuple[str, ...], **opts) -> None:  # fmt: skip
     """Load-test cluster NAME (its router) or --url; or `pdctl bench compare A.json B.json`.
@@ -179,7 +186,7 @@ def _config(name: str | None, opts: dict) -> tuple[BenchConfig, Reloader | None]
         if opts["server_metrics"]:
             metrics = _metrics_urls(state)
         if opts["weights_reload_every"] is not None:
-            reloader = _reloader(state.name, opts["weights_path"])
+            reloader = _reloader(state.name, opts["weights_path"], opts["weights_refit"])
     api_key = None
     if key_env:
         api_key = os.environ.get(key_env)
@@ -213,11 +220,12 @@ def _metrics_urls(state) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _reloader(name: str, path: str) -> Reloader:
+def _reloader(name: str, path: str, refit: str | None) -> Reloader:
     from pdctl.cluster.weights import load_weights
 
-    def reload(n: int) -> None:
-        load_weights(name, path, f"bench-reload-{n}")
+    def reload(n: int) -> dict[str, Any]:
+        report = load_weights(name, path, f"bench-reload-{n}", refit=refit)
+        return {"refit": report.refit, "transfer_s": report.phases.get("transfer", 0.0)}
 
     return reload
 

@@ -164,7 +164,7 @@ def test_cluster_server_view_and_weight_reloads(tmp_path) -> None:
         # a closed loop keeps requests in flight the whole run, so every reload overlaps some
         res = bench_cli("bn", "--num-prompts", "300", "--dataset", "fixed", "--input-len", "32", "--output-len", "16",
                         "--max-concurrency", "4", "--weights-reload-every", "0.25", "--weights-path",
-                        str(tmp_path / "ckpt"), "--json-out", str(out),
+                        str(tmp_path / "ckpt"), "--weights-refit", "interrupt", "--json-out", str(out),
                         env={"PDCTL_HOME": str(tmp_path / "home")})  # fmt: skip
         assert res.returncode == 0, res.stdout + res.stderr
         run = json.loads(out.read_text())["runs"][0]
@@ -174,6 +174,11 @@ def test_cluster_server_view_and_weight_reloads(tmp_path) -> None:
         windows = run["push_windows"]
         assert windows["inside"]["requests"] + windows["outside"]["requests"] == 300
         assert windows["inside"]["requests"] > 0
+        stall = run["refit_stall"]  # updates that interrupt and continue rather than drain
+        assert stall["refit"] == "interrupt" and stall["updates"] == run["weight_reloads"]["count"]
+        assert len(stall["transfer_s"]) == stall["updates"] and stall["max_stream_gap_ms"] > 0
+        assert stall["failed_arrived_during_update"] == 0
+        assert "weight updates (refit)" in res.stdout
         server = run["server"]
         assert {"router", "prefill", "decode"} <= set(server) and "unreachable" not in server, server
         # the engines count what the client counted, give or take a token per request (a PD decode may

@@ -31,8 +31,17 @@ def fleet(tmp_path):
     ]
     with sims(tmp_path, *specs) as procs:
         router = RouterProcess(
-            tmp_path, *pd_router_args(procs[:2], procs[2:], "--policy", "round_robin", "--health-check-interval-secs",
-                                      "1", "--health-failure-threshold", "2")
+            tmp_path,
+            *pd_router_args(
+                procs[:2],
+                procs[2:],
+                "--policy",
+                "round_robin",
+                "--health-check-interval-secs",
+                "1",
+                "--health-failure-threshold",
+                "2",
+            ),
         ).start("/readiness")
         try:
             yield procs, router
@@ -48,8 +57,15 @@ def assert_idle(procs, wait_secs: float = 10.0) -> None:
             continue
         while True:
             state = get(p.url + "/server_info")[1]["internal_states"][0]
-            busy = sum(state[k] for k in ("num_running_reqs", "num_queue_reqs", "num_reserved_decode_slots",
-                                          "num_decode_prealloc_queue_reqs"))
+            busy = sum(
+                state[k]
+                for k in (
+                    "num_running_reqs",
+                    "num_queue_reqs",
+                    "num_reserved_decode_slots",
+                    "num_decode_prealloc_queue_reqs",
+                )
+            )
             if busy == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -128,8 +144,7 @@ def test_decode_killed_during_a_burst_loses_nothing(fleet):
 def test_a_prompt_the_prefill_refuses_is_answered_at_once(fleet, text):
     procs, router = fleet
     started = time.monotonic()
-    status, out = post(router.url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 4}},
-                       timeout=30)
+    status, out = post(router.url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 4}}, timeout=30)
     assert time.monotonic() - started < 20  # no wait for a KV hand-off that never comes (a hang hits the timeout)
     assert status == 400 or (status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"), out
     assert_idle(procs)
@@ -142,8 +157,9 @@ def test_a_busy_worker_is_backpressure_not_death(tmp_path):
 
     busy = NullEngine(tmp_path, "regular", busy=True).start()
     good = NullEngine(tmp_path, "regular").start()
-    router = RouterProcess(tmp_path, "--worker-urls", busy.url, good.url, "--policy", "round_robin",
-                           "--cb-failure-threshold", "2").start("/readiness")
+    router = RouterProcess(
+        tmp_path, "--worker-urls", busy.url, good.url, "--policy", "round_robin", "--cb-failure-threshold", "2"
+    ).start("/readiness")
     try:
         results = [post(router.url + "/generate", {"text": f"b{i}"}) for i in range(20)]
         assert all(status == 200 for status, _ in results), results[:3]
@@ -169,14 +185,20 @@ def test_a_stream_outlives_its_decode(tmp_path):
     """kill -9 of the decode serving a greedy /generate stream: the router continues the same
     stream on the other decode; the client sees one stream equal to an uninterrupted run."""
     slow = ("--sim-decode-ms-per-step", "15")
-    specs = [("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode", *slow),
-             ("--disaggregation-mode", "decode", *slow)]
+    specs = [
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", *slow),
+        ("--disaggregation-mode", "decode", *slow),
+    ]
     with sims(tmp_path, *specs) as procs:
         router = RouterProcess(tmp_path, *pd_router_args(procs[:1], procs[1:], "--policy", "round_robin")).start(
-            "/readiness")
+            "/readiness"
+        )
         try:
-            body = {"text": "a stream that outlives its decode", "sampling_params": {"max_new_tokens": 150,
-                                                                                      "temperature": 0}}
+            body = {
+                "text": "a stream that outlives its decode",
+                "sampling_params": {"max_new_tokens": 150, "temperature": 0},
+            }
             status, reference = post(router.url + "/generate", body)
             assert status == 200 and reference["meta_info"]["completion_tokens"] == 150
 
@@ -184,16 +206,20 @@ def test_a_stream_outlives_its_decode(tmp_path):
                 events: list[bytes] = []
                 killed = False
                 timeout = aiohttp.ClientTimeout(total=120)
-                async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                    router.url + "/generate", json={**body, "stream": True}
-                ) as resp:
+                async with (
+                    aiohttp.ClientSession(timeout=timeout) as session,
+                    session.post(router.url + "/generate", json={**body, "stream": True}) as resp,
+                ):
                     async for line in resp.content:
                         if not line.startswith(b"data: "):
                             continue
                         events.append(line[6:].strip())
                         if not killed and len(events) >= 10:
-                            busy = [p for p in procs[1:]
-                                    if get(p.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"]]
+                            busy = [
+                                p
+                                for p in procs[1:]
+                                if get(p.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"]
+                            ]
                             assert len(busy) == 1
                             os.killpg(busy[0].proc.pid, signal.SIGKILL)
                             killed = True

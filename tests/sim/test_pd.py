@@ -161,10 +161,12 @@ def test_decode_gives_up_on_a_dead_prefill_after_its_heartbeats(trio) -> None:
     # one failed check (rooms queued behind a dead prefill each held a decode slot for a
     # heartbeat period: a kill -9 under bench_serving stalled the decode for minutes)
     with cf.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(
-            lambda room: post(f"{decode.url}/generate", {**body, "bootstrap_room": room}, timeout=120),
-            range(100, 108),
-        ))
+        answers = list(
+            pool.map(
+                lambda room: post(f"{decode.url}/generate", {**body, "bootstrap_room": room}, timeout=120),
+                range(100, 108),
+            )
+        )
     for status, out in answers:
         assert status == 500, out
         assert "the server was lost earlier" in json.dumps(out) and f"127.0.0.1:{dead}" in json.dumps(out)

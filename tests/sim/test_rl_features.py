@@ -48,8 +48,9 @@ def test_top_logprobs_num_on_generate(trio, pd_router):
         meta = out["meta_info"]
         tops = meta["output_top_logprobs"]
         assert len(tops) == len(out["output_ids"]) == 6
-        for chosen, alternatives, (lp, tok, _) in zip(out["output_ids"], tops, meta["output_token_logprobs"],
-                                                      strict=True):
+        for chosen, alternatives, (lp, tok, _) in zip(
+            out["output_ids"], tops, meta["output_token_logprobs"], strict=True
+        ):
             assert len(alternatives) == 3
             assert alternatives[0][1] == chosen == tok  # greedy: the best alternative is the token taken
             assert math.isclose(alternatives[0][0], lp, rel_tol=1e-9)
@@ -58,16 +59,24 @@ def test_top_logprobs_num_on_generate(trio, pd_router):
 
 def test_openai_n_and_logprobs(trio, pd_router):
     for url in (trio[0].url, pd_router.url):
-        status, out = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 5, "n": 2, "logprobs": 2,
-                                                       "temperature": 0})
+        status, out = post(
+            url + "/v1/completions", {"prompt": "hi", "max_tokens": 5, "n": 2, "logprobs": 2, "temperature": 0}
+        )
         assert status == 200, out
         assert [c["index"] for c in out["choices"]] == [0, 1]
         lp = out["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
         assert all(len(top) <= 2 for top in lp["top_logprobs"])
-        status, chat = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                             "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
-                                                             "temperature": 0})
+        status, chat = post(
+            url + "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "temperature": 0,
+            },
+        )
         assert status == 200, chat
         content = chat["choices"][0]["logprobs"]["content"]
         assert len(content) == chat["usage"]["completion_tokens"]

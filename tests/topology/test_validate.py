@@ -126,9 +126,7 @@ def test_extra_args_checked_against_sglang_flags(args: str, needle: str) -> None
 
 
 def test_good_extra_args_pass() -> None:
-    checked(
-        yaml_text(BASE + "prefill: {args: {chunked-prefill-size: 8192, enable-metrics: true}}\ndecode: {}\n")
-    )
+    checked(yaml_text(BASE + "prefill: {args: {chunked-prefill-size: 8192, enable-metrics: true}}\ndecode: {}\n"))
 
 
 def test_sim_flags_only_for_sim_engine() -> None:

@@ -42,8 +42,15 @@ def main() -> None:
         alive.append(weakref.ref(tensor))
         del tensor
 
-    sync = WeightSync(json.loads(args.engines), master_address="127.0.0.1", master_port=args.port,
-                      router_url=args.router, timeout_secs=60, bucket_mb=0.05, verify="full")
+    sync = WeightSync(
+        json.loads(args.engines),
+        master_address="127.0.0.1",
+        master_port=args.port,
+        router_url=args.router,
+        timeout_secs=60,
+        bucket_mb=0.05,
+        verify="full",
+    )
     with sync:
         report = sync.push(lambda: full_tensors(model), version=f"fsdp-{args.seed}")
     out = {"rank": rank, "sharded": sharded, "most_alive": most_alive, "report": report.to_dict()}

@@ -60,8 +60,14 @@ def test_engine_killed_mid_push(fleet, tmp_path):
                 killed.append(True)
             yield pair
 
-    sync = WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url,
-                      bucket_mb=0.01, timeout_secs=60)
+    sync = WeightSync(
+        targets(procs),
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        router_url=router.url,
+        bucket_mb=0.01,
+        timeout_secs=60,
+    )
     try:
         sync.connect()
         started = time.monotonic()
@@ -93,8 +99,21 @@ def test_engine_killed_mid_push(fleet, tmp_path):
 def test_trainer_killed_mid_push(fleet, tmp_path):
     procs, router = fleet
     marker = tmp_path / "stalled"
-    argv = [sys.executable, "-m", "tests.weights.trainer_main", "--engines", json.dumps(targets(procs)),
-            "--port", str(free_port()), "--router", router.url, "--stall-after", "9", "--marker", str(marker)]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.weights.trainer_main",
+        "--engines",
+        json.dumps(targets(procs)),
+        "--port",
+        str(free_port()),
+        "--router",
+        router.url,
+        "--stall-after",
+        "9",
+        "--marker",
+        str(marker),
+    ]
     log = (tmp_path / "trainer.log").open("w")
     trainer = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -110,8 +129,9 @@ def test_trainer_killed_mid_push(fleet, tmp_path):
         assert time.monotonic() - started < 5
         # A new trainer connects (clearing the dead one's session and group) and pushes.
         fresh = model(seed=31)
-        with WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(),
-                        router_url=router.url, timeout_secs=60) as sync:
+        with WeightSync(
+            targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url, timeout_secs=60
+        ) as sync:
             report = sync.push(list(fresh.named_parameters()), version="seed31")
         assert report.engines == ["e0", "e1", "e2"]
         expected = weights_checksum(fresh)
@@ -164,8 +184,9 @@ def test_pushes_under_load_fail_no_request(fleet):
     for t in threads:
         t.start()
     try:
-        with WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(),
-                        router_url=router.url, timeout_secs=60) as sync:
+        with WeightSync(
+            targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url, timeout_secs=60
+        ) as sync:
             for seed in (41, 42, 43):
                 time.sleep(1.0)
                 sync.push(list(model(seed).named_parameters()), version=f"load-{seed}")

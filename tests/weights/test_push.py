@@ -26,8 +26,15 @@ def model(seed: int) -> TinyLM:
 
 
 def sync_for(procs, router, **kw) -> WeightSync:
-    return WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(), backend="gloo",
-                      router_url=router.url, timeout_secs=60, **kw)
+    return WeightSync(
+        targets(procs),
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        backend="gloo",
+        router_url=router.url,
+        timeout_secs=60,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "names"])
@@ -40,8 +47,17 @@ def test_push_makes_every_engine_equal_to_the_trainer(fleet, tmp_path, load_form
     assert report.engines == ["e0", "e1", "e2"] and not report.failed
     assert report.buckets > 1 and report.load_format == load_format
     assert report.bytes == sum(p.numel() * p.element_size() for p in trainer.parameters())
-    assert set(report.phases) >= {"hold", "pause", "begin", "transfer", "end", "version", "verify", "continue",
-                                  "release"}
+    assert set(report.phases) >= {
+        "hold",
+        "pause",
+        "begin",
+        "transfer",
+        "end",
+        "version",
+        "verify",
+        "continue",
+        "release",
+    }
     for p in procs:
         status, out = post(p.url + "/weights_checker", {"action": "checksum"})
         assert status == 200 and out["checksums"] == expected, p.url
@@ -109,10 +125,31 @@ def test_fsdp2_model_pushed_from_two_gloo_ranks(fleet, tmp_path):
     at a time on both ranks while rank 0 pushes; the engines end equal to the unsharded model."""
     procs, router = fleet
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "tests.weights.fsdp_main", "--engines", json.dumps(targets(procs)), "--port", str(free_port()),
-         "--router", router.url, "--seed", "23", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "tests.weights.fsdp_main",
+            "--engines",
+            json.dumps(targets(procs)),
+            "--port",
+            str(free_port()),
+            "--router",
+            router.url,
+            "--seed",
+            "23",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -17,8 +17,9 @@ def test_reward_rises_and_rollouts_follow_pushes(fleet):
     torch.manual_seed(0)
     args = parse_args(["--steps", "14", "--push-every", "2", "--seed", "0"])
     model = resolve_model("sim://tiny", "auto", None)
-    with WeightSync(targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url,
-                    timeout_secs=60) as sync:
+    with WeightSync(
+        targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url, timeout_secs=60
+    ) as sync:
         records = train(sync, router.url, model, args)
     first = sum(r["reward"] for r in records[:3]) / 3
     last = sum(r["reward"] for r in records[-3:]) / 3

@@ -33,8 +33,15 @@ def main() -> None:
                 time.sleep(600)
             yield pair
 
-    sync = WeightSync(json.loads(args.engines), master_address="127.0.0.1", master_port=args.port,
-                      router_url=args.router, bucket_mb=0.01, lease_secs=3, timeout_secs=60)
+    sync = WeightSync(
+        json.loads(args.engines),
+        master_address="127.0.0.1",
+        master_port=args.port,
+        router_url=args.router,
+        bucket_mb=0.01,
+        lease_secs=3,
+        timeout_secs=60,
+    )
     sync.connect()
     sync.push(tensors(), version=f"seed{args.seed}")
 
