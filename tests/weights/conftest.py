@@ -16,7 +16,8 @@ def fleet(tmp_path_factory):
     specs = [
         ("--disaggregation-mode", "prefill"),
         ("--disaggregation-mode", "prefill", "--tp-size", "2"),
-        ("--disaggregation-mode", "decode", "--tp-size", "2"),
+        # 2 ms a step: a long request stays in flight for seconds (the refit interrupt tests)
+        ("--disaggregation-mode", "decode", "--tp-size", "2", "--sim-decode-ms-per-step", "2"),
     ]
     with sims(tmp, *specs) as procs:
         router = RouterProcess(

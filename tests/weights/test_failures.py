@@ -36,6 +36,10 @@ def workers(router) -> dict[str, dict]:
     return {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}
 
 
+def running(proc) -> int:
+    return sum(s.get("num_running_reqs", 0) for s in get(proc.url + "/server_info")[1]["internal_states"])
+
+
 def wait_for(predicate, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -96,9 +100,19 @@ def test_engine_killed_mid_push(fleet, tmp_path):
         sync.close()
 
 
-def test_trainer_killed_mid_push(fleet, tmp_path):
+@pytest.mark.parametrize("refit", ["drain", "interrupt"])
+def test_trainer_killed_mid_push(fleet, tmp_path, refit):
+    """With ``interrupt``, two long requests (streamed and not) are in flight when the push
+    starts: they are stopped, wait for the update, and when the trainer dies and its lease runs
+    out each ends with an SGLang-shaped error (no engine holds a complete version), never a hang."""
     procs, router = fleet
-    marker = tmp_path / "stalled"
+    marker, go = tmp_path / "stalled", tmp_path / "go"
+    answers: list = []
+    long = {"text": "a long rollout", "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True}}
+    clients = [
+        threading.Thread(target=lambda: answers.append(post(router.url + "/generate", long, timeout=120))),
+        threading.Thread(target=lambda: answers.append(sse(router.url + "/generate", {**long, "stream": True}, 120))),
+    ]
     argv = [
         sys.executable,
         "-m",
@@ -113,13 +127,29 @@ def test_trainer_killed_mid_push(fleet, tmp_path):
         "9",
         "--marker",
         str(marker),
+        "--refit",
+        refit,
+        "--go",
+        str(go),
     ]
     log = (tmp_path / "trainer.log").open("w")
     trainer = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        if refit == "interrupt":
+            for client in clients:
+                client.start()
+            wait_for(lambda: running(procs[2]) >= 2, timeout=60)
+        go.write_text("go")
         wait_for(marker.exists, timeout=60)
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait()
+        for client in clients if refit == "interrupt" else ():
+            client.join()
+        if refit == "interrupt":
+            whole = next(a for a in answers if isinstance(a, tuple))
+            assert whole[0] == 503 and "out of rotation" in json.dumps(whole[1]), whole
+            events = next(a for a in answers if isinstance(a, list))
+            assert events[-1] == "[DONE]" and "could not be continued" in json.dumps(events[-2]), events[-3:]
         # The lease (3 s) runs out: every engine of the push leaves rotation; the router admits again
         # and answers at once instead of holding requests.
         wait_for(lambda: all(w["quarantined"] for w in workers(router).values()), timeout=20)

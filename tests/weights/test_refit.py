@@ -276,3 +276,49 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_decode_killed_during_a_continuation_hands_it_to_another_decode(tmp_path, checkpoint_b) -> None:
+    """The decode-death rule inside an interrupted request: its continuation on B moves to the other
+    decode on B, and the client still gets one exact stream."""
+    import os
+    import signal
+
+    specs = [
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--sim-decode-ms-per-step", "10"),
+        ("--disaggregation-mode", "decode", "--sim-decode-ms-per-step", "10"),
+        (),
+    ]
+    with sims(tmp_path, *specs) as procs:
+        prefill, decodes, reference = procs[0], procs[1:3], procs[3]
+        router = RouterProcess(tmp_path, *pd_router_args([prefill], decodes, "--health-check-interval-secs", "1"))
+        router.start("/readiness")
+        try:
+            body = _request(PROMPTS[1], True, True)
+            with cf.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(_final_of_stream, router.url + "/generate", body)
+                while sum(_running(d.url) for d in decodes) < 1:
+                    time.sleep(0.02)
+                fleet_ = Fleet([prefill.url, *(d.url for d in decodes)], router_url=router.url, refit="interrupt")
+                try:
+                    fleet_.load_from_disk(str(checkpoint_b), "B")
+                finally:
+                    fleet_.close()
+                while not (serving := [d for d in decodes if _running(d.url)]):
+                    time.sleep(0.02)
+                assert serving[0].proc is not None
+                os.killpg(serving[0].proc.pid, signal.SIGKILL)
+                final = answer.result()
+            metrics = get(router.url + "/metrics")[1]
+        finally:
+            router.stop()
+        assert 'reason="stream_resumed"' in metrics, "the decode died mid-continuation"
+        meta = final["meta_info"]
+        assert [v for v, _ in meta["weight_version_spans"]] == ["default", "B"], meta["weight_version_spans"]
+        k = meta["weight_version_spans"][0][1]
+        ids = final["output_ids"]
+        assert len(ids) == TOKENS and meta["finish_reason"]["type"] == "length"
+        assert ids[:k] == _greedy(reference.url, encode(PROMPTS[1]), k)[0]
+        post(reference.url + "/update_weights_from_disk", {"model_path": str(checkpoint_b)})
+        assert ids[k:] == _greedy(reference.url, encode(PROMPTS[1]) + ids[:k], TOKENS - k)[0]

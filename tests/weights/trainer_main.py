@@ -1,6 +1,6 @@
 """A trainer process for tests: connects to the engines given on the command line and pushes a
 model; with --stall-after N it stops in the middle of the push (after N tensors) and waits to
-be killed, having written --marker."""
+be killed, having written --marker; with --go FILE it pushes only once FILE exists."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--stall-after", type=int, default=-1)
     parser.add_argument("--marker", type=Path)
+    parser.add_argument("--refit", default="drain")
+    parser.add_argument("--go", type=Path, help="push only once this file exists (after connecting)")
     args = parser.parse_args()
     from dataclasses import replace
 
@@ -41,8 +43,11 @@ def main() -> None:
         bucket_mb=0.01,
         lease_secs=3,
         timeout_secs=60,
+        refit=args.refit,
     )
     sync.connect()
+    while args.go is not None and not args.go.exists():
+        time.sleep(0.01)
     sync.push(tensors(), version=f"seed{args.seed}")
 
 
