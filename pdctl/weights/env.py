@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdctl.refit import RefitMode, parse_staleness
+from pdctl.sglang import DEFAULT_GROUP_NAME
 
 WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
 ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
@@ -22,7 +23,6 @@ API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
 READY_TIMEOUT_ENV = "PDCTL_READY_TIMEOUT_SECS"
 """Set by ``pdctl up`` when the trainer starts before the engines (colocate): ``connect`` waits
 that long for every engine, and the router, to be ready."""
-DEFAULT_GROUP_NAME = "weight_update_group"
 DEFAULT_BUCKET_MB = 1024
 """Bytes per update call, in MiB: the topology's default and ``WeightSync``'s."""
 

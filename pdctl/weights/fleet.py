@@ -37,6 +37,7 @@ from pdctl.sglang import (
     update_weights_from_disk_body,
 )
 from pdctl.weights.client import CallFailure, JsonClient
+from pdctl.weights.phase import EngineFault, Failure, Phase
 from pdctl.weights.report import PushReport
 
 log = logging.getLogger("pdctl.weights")
@@ -83,15 +84,6 @@ class Member:
     @property
     def url(self) -> str:
         return self.target.url
-
-
-class EngineFault(Exception):
-    """Inside a transaction: these engines failed in this phase (id -> reason)."""
-
-    def __init__(self, phase: str, culprits: dict[str, str]):
-        super().__init__(f"{phase}: {culprits}")
-        self.phase = phase
-        self.culprits = culprits
 
 
 class Fleet:
@@ -161,7 +153,9 @@ class Fleet:
                 infos[engine.id] = result
         live = [e for e in self.engines if e.id in infos]
         if not live:
-            raise WeightSyncError("no engine answered /server_info; nothing to update", phase="probe", report=report)
+            raise WeightSyncError(
+                "no engine answered /server_info; nothing to update", phase=Phase.PROBE, report=report
+            )
         return live, infos
 
     # -- the router's side ------------------------------------------------------------------------------
@@ -181,11 +175,11 @@ class Fleet:
             yield
             return
         lease = _Lease(self)
-        with report.phase("hold"):  # a hold that fails touched nothing
+        with report.phase(Phase.HOLD):  # a hold that fails touched nothing
             lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit)
         try:
             yield
-            with report.phase("release"):
+            with report.phase(Phase.RELEASE):
                 lease.release(self.complete_urls(report), self.failed_urls(report))
         except BaseException:
             lease.abort(self.failed_urls(report, everyone=True))
@@ -196,10 +190,10 @@ class Fleet:
     def raise_if_failed(self, report: PushReport, what: str) -> None:
         if not report.failed and not report.refused:
             return
-        engine, reason = next(iter({**report.failed, **report.refused}.items()))
+        engine, failure = next(iter({**report.failed, **report.refused}.items()))
         holders = f"engines {', '.join(report.engines)} hold it completely" if report.engines else "no engine holds it"
         raise WeightSyncError(
-            f"{what} failed on engine {engine} ({reason}); {holders}; "
+            f"{what} failed on engine {engine} ({failure}); {holders}; "
             + (f"{', '.join(report.refused)} kept their previous weights and serve on; " if report.refused else "")
             + (
                 "engines left without a complete version are out of the router's rotation until a later push "
@@ -208,7 +202,7 @@ class Fleet:
                 else "no engine left rotation"
             ),
             engine=engine,
-            phase=reason.split(":", 1)[0],
+            phase=failure.phase,
             report=report,
         )
 
@@ -231,7 +225,7 @@ class Fleet:
         return out
 
     # -- fan-outs ----------------------------------------------------------------------------------------
-    def fanout(self, members: Sequence[Member], phase: str, endpoint: Endpoint, body: Any) -> dict[str, Any]:
+    def fanout(self, members: Sequence[Member], phase: Phase, endpoint: Endpoint, body: Any) -> dict[str, Any]:
         """The same call to every member at once; raises EngineFault naming those that failed."""
         futures = {m.id: self.client.submit("POST", m.url + endpoint.value, body) for m in members}
         results = {i: f.result() for i, f in futures.items()}
@@ -258,14 +252,14 @@ class Fleet:
         """
         mode = self.refit if refit is None else refit_mode(refit)
         report = PushReport(version=version, load_format="disk", refit=mode.value)
-        with report.phase("probe"):
+        with report.phase(Phase.PROBE):
             live, infos = self.probe(report)
         members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
         with self.held(report, refit=mode):
             try:
-                with report.phase("pause"):
-                    self.fanout(members, "pause", Endpoint.PAUSE_GENERATION, self.pause_body(mode))
-                with report.phase("transfer"):
+                with report.phase(Phase.PAUSE):
+                    self.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, self.pause_body(mode))
+                with report.phase(Phase.TRANSFER):
                     body = update_weights_from_disk_body(model_path)
                     futures = {
                         m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, body)
@@ -274,22 +268,24 @@ class Fleet:
                     answers = {i: f.result() for i, f in futures.items()}
                 for engine_id, answer in answers.items():
                     if isinstance(answer, CallFailure) and answer.transport:
-                        report.failed[engine_id] = f"load: {answer}"
+                        report.failed[engine_id] = Failure(engine_id, Phase.TRANSFER, f"load: {answer}")
                     elif isinstance(answer, CallFailure):
-                        report.refused[engine_id] = f"load: {answer}"
+                        report.refused[engine_id] = Failure(engine_id, Phase.TRANSFER, f"load: {answer}")
                 loaded = tuple(m for m in members if not isinstance(answers[m.id], CallFailure))
-                with report.phase("version"):
-                    self.fanout(loaded, "version", Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
+                with report.phase(Phase.VERSION):
+                    body = update_weight_version_body(version)
+                    self.fanout(loaded, Phase.VERSION, Endpoint.UPDATE_WEIGHT_VERSION, body)
                 report.engines = [m.id for m in loaded]
             except EngineFault as fault:
-                for engine, reason in fault.culprits.items():
-                    report.failed[engine] = f"{fault.phase}: {reason}"
+                report.failed.update(fault.failures())
                 report.engines = []
-                if fault.phase == "version":  # they hold the new weights under the old version's name
+                if fault.phase is Phase.VERSION:  # they hold the new weights under the old version's name
                     for m in loaded:
-                        report.failed.setdefault(m.id, "version: loaded but the version was not set everywhere")
+                        report.failed.setdefault(
+                            m.id, Failure(m.id, Phase.VERSION, "loaded but the version was not set everywhere")
+                        )
             finally:
-                with report.phase("continue"):
+                with report.phase(Phase.CONTINUE):
                     self.fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
         self.raise_if_failed(report, f"loading {model_path}")
         return report
@@ -326,7 +322,7 @@ class _Lease:
                 self._call(RELEASE_PATH, Release(txn=self.txn).to_json(), 30)
             what = "drain" if refit is RefitMode.DRAIN else "hold"
             raise WeightSyncError(
-                f"the router at {self.fleet.router_url} did not {what} for the push: {result}", phase="hold"
+                f"the router at {self.fleet.router_url} did not {what} for the push: {result}", phase=Phase.HOLD
             )
         self._thread = threading.Thread(
             target=self._renew, args=(hold.renewal(),), name="pdctl-weights-lease", daemon=True
@@ -346,7 +342,7 @@ class _Lease:
         self._stop.set()
         result = self._call(RELEASE_PATH, Release(self.txn, tuple(complete), failed).to_json(), 60)
         if isinstance(result, CallFailure):
-            raise WeightSyncError(f"the router did not resume after the push: {result}", phase="release")
+            raise WeightSyncError(f"the router did not resume after the push: {result}", phase=Phase.RELEASE)
 
     def abort(self, failed: dict[str, str]) -> None:
         self._stop.set()

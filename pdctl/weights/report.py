@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-log = logging.getLogger("pdctl.weights")
+from pdctl.weights.phase import Failure, Phase
 
-PHASES = ("probe", "hold", "pause", "begin", "transfer", "end", "version", "verify", "continue", "release")
+log = logging.getLogger("pdctl.weights")
 
 
 @dataclass
@@ -19,20 +19,20 @@ class PushReport:
     """Filled in by ``WeightSync.push``.
 
     ``engines``: ids that hold ``version`` completely (checked by ``verify`` unless it is off);
-    ``failed``: id -> ``phase: reason`` for engines left without it (out of the router's rotation);
+    ``failed``: id -> Failure for engines left without it (out of the router's rotation);
     ``skipped``: ids that did not answer before the push began (also out of rotation);
-    ``refused``: id -> reason for engines that refused a load from disk and kept their previous
+    ``refused``: id -> Failure for engines that refused a load from disk and kept their previous
     weights and version (SGLang rolls back; they stay in rotation, on the old version);
-    ``phases``: seconds per phase (a retry on the surviving engines adds to the same phases);
+    ``phases``: seconds per phase name (a retry on the surviving engines adds to the same phases);
     ``pushed``: False on trainer ranks other than 0, which send nothing.
     """
 
     version: str
     pushed: bool = True
     engines: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, Failure] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
-    refused: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, Failure] = field(default_factory=dict)
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
@@ -52,29 +52,31 @@ class PushReport:
     @property
     def overhead_seconds(self) -> float:
         """Everything but the transfer itself."""
-        return self.seconds - self.phases.get("transfer", 0.0)
+        return self.seconds - self.phases.get(Phase.TRANSFER.value, 0.0)
 
     @property
     def transfer_gbps(self) -> float:
         """Bytes moved per second of the transfer phase, in GB/s (10^9)."""
-        secs = self.phases.get("transfer", 0.0)
+        secs = self.phases.get(Phase.TRANSFER.value, 0.0)
         return self.bytes / secs / 1e9 if secs else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
+            "failed": {engine: str(f) for engine, f in self.failed.items()},
+            "refused": {engine: str(f) for engine, f in self.refused.items()},
             "seconds": self.seconds,
             "overhead_seconds": self.overhead_seconds,
             "transfer_gbps": self.transfer_gbps,
         }
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, phase: Phase) -> Iterator[None]:
         """Time a phase (added to any earlier time of the same phase) and log it."""
         started = time.perf_counter()
         try:
             yield
         finally:
             secs = time.perf_counter() - started
-            self.phases[name] = self.phases.get(name, 0.0) + secs
-            log.info("weights %s: %s %.3fs", self.version, name, secs)
+            self.phases[phase.value] = self.phases.get(phase.value, 0.0) + secs
+            log.info("weights %s: %s %.3fs", self.version, phase.value, secs)

@@ -25,7 +25,7 @@ def test_cuda_tensors_reach_every_engine(fleet):
     with sync_for(procs, router, bucket_mb=0.05, verify="full", load_format="flattened_bucket") as sync:
         report = sync.push(on_gpu, version="cuda-31")
     assert report.engines == ["e0", "e1", "e2"] and report.load_format == "flattened_bucket"
-    assert sync._staging_buffer is not None and sync._staging_buffer.is_cuda
+    assert sync.group._staging is not None and sync.group._staging.is_cuda
     for p in procs:
         status, out = post(p.url + "/weights_checker", {"action": "checksum"})
         assert status == 200 and out["checksums"] == expected, p.url

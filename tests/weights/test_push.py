@@ -161,3 +161,31 @@ def test_fsdp2_model_pushed_from_two_gloo_ranks(fleet, tmp_path):
     for p in procs:
         status, sums = post(p.url + "/weights_checker", {"action": "checksum"})
         assert status == 200 and sums["checksums"] == expected, p.url
+
+
+def test_a_group_that_cannot_form_names_the_engine_and_does_not_hang(tmp_path) -> None:
+    """An engine that refuses its ranks (a TP 2 engine declared with 1 GPU) is named at once; a
+    group that waits for ranks nobody has (a TP 1 engine declared with 2) fails at the timeout."""
+    from tests.helpers import sims
+
+    with sims(tmp_path, ("--tp-size", "2"), ()) as (tp2, tp1):
+        refusing = WeightSync(
+            [{"id": "tp2", "url": tp2.url, "gpus": 1}],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            timeout_secs=30,
+        )
+        with pytest.raises(WeightSyncError) as err:
+            refusing.connect()
+        refusing.close()
+        assert err.value.phase == "connect" and err.value.engine == "tp2" and "do not fit" in str(err.value)
+        short = WeightSync(
+            [{"id": "tp1", "url": tp1.url, "gpus": 2}],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            timeout_secs=2,
+        )
+        with pytest.raises(WeightSyncError) as err:
+            short.connect()
+        short.close()
+        assert err.value.phase == "connect" and ("tp1" in str(err.value) or "did not form" in str(err.value))
