@@ -90,13 +90,15 @@ def trainer_argv(
         "--master-port",
         str(master_port),
     ]
+    # "--" ends torchrun's options: its parser would otherwise read a trainer flag that abbreviates
+    # one of its own (--log for --log-dir, --log-specs: "ambiguous option") and exit 2.
     if cmd[0] in ("python", "python3") and len(cmd) > 1:
         if cmd[1] == "-m" and len(cmd) > 2:
-            return (*argv, "-m", *cmd[2:])
+            return (*argv, "-m", "--", *cmd[2:])
         if cmd[1].startswith("-"):
-            return (*argv, "--no-python", node.python, *cmd[1:])
-        return (*argv, *cmd[1:])
-    return (*argv, "--no-python", *cmd)
+            return (*argv, "--no-python", "--", node.python, *cmd[1:])
+        return (*argv, "--", *cmd[1:])
+    return (*argv, "--no-python", "--", *cmd)
 
 
 def router_argv(

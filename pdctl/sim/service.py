@@ -85,39 +85,51 @@ class SimService:
     async def submit(self, items: list[ItemSpec]) -> list[Running]:
         """Create and submit one engine Request per item (PD legs resolved here).
 
-        For a decode leg this reserves a KV slot and fetches the KV from the prefill first.
-        Raises SimError: 400 for bad PD fields, 500 for KV that cannot come, 503 for a full queue.
+        For a decode leg this reserves a KV slot and fetches the KV from the prefill first. The
+        items of a batch are resolved side by side and each enters the engine as soon as its KV
+        is there, as SGLang's tokenizer manager sends a batch's items as separate requests: a
+        batch never holds slots while it waits for more (several large batches together would
+        otherwise each hold part of the slots and wait for the rest, for ever).
+        Raises SimError: 400 for bad PD fields, 500 for KV that cannot come, 503 for a full queue;
+        then no item of the batch runs on.
         """
         loop = asyncio.get_running_loop()
         out: list[Running] = []
-        try:
-            for item in items:
-                queue: asyncio.Queue[Progress] = asyncio.Queue()
+        for item in items:
+            queue: asyncio.Queue[Progress] = asyncio.Queue()
 
-                def emit(req: Request, q: asyncio.Queue[Progress] = queue) -> None:
-                    loop.call_soon_threadsafe(q.put_nowait, (len(req.output_ids), req.finish is not None))
+            def emit(req: Request, q: asyncio.Queue[Progress] = queue) -> None:
+                loop.call_soon_threadsafe(q.put_nowait, (len(req.output_ids), req.finish is not None))
 
-                req = Request(
-                    rid=item.rid or self.engine.new_rid(),
-                    input_ids=item.input_ids,
-                    sampling=item.sampling,
-                    emit=emit,
-                    return_logprob=item.return_logprob,
-                    top_logprobs_num=item.top_logprobs_num,
-                )
-                out.append(Running(req, queue))
-                await self._resolve_pd(req, item)
-        except BaseException:  # nothing was submitted: give back the KV slots reserved so far
-            for running in out:
-                if running.request.reserved:
-                    running.request.reserved = False
-                    self.engine.release_slot()
-            raise
+            req = Request(
+                rid=item.rid or self.engine.new_rid(),
+                input_ids=item.input_ids,
+                sampling=item.sampling,
+                emit=emit,
+                return_logprob=item.return_logprob,
+                top_logprobs_num=item.top_logprobs_num,
+            )
+            out.append(Running(req, queue))
         limit = self.config.max_queued_requests  # (a null-mode server: no slot is reserved)
         if limit is not None and self.mode == "null" and self.engine.stats()["num_queue_reqs"] + len(out) > limit:
             raise SimError("The request queue is full.", status=503)  # SGLang's words and status
-        for running in out:
-            self.engine.submit(running.request)
+        submitted: list[Request] = []
+
+        async def start(running: Running, item: ItemSpec) -> None:
+            await self._resolve_pd(running.request, item)
+            self.engine.submit(running.request)  # no await since its KV came: it runs at once
+            submitted.append(running.request)
+
+        starts = [asyncio.ensure_future(start(r, item)) for r, item in zip(out, items, strict=True)]
+        try:
+            await asyncio.gather(*starts)
+        except BaseException:  # one item failed (or the client left): none of the batch runs on
+            for task in starts:
+                task.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)  # each gives back its own slot
+            for req in submitted:
+                self.engine.abort(req.rid, "another item of the batch failed")
+            raise
         self.metrics.requests_started(len(out))
         return out
 

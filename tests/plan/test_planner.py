@@ -110,7 +110,7 @@ def test_colocate_pairs_trainer_with_engine_gpus_and_mps_env() -> None:
     plan = plan_of("colocate.yaml")
     trainer = plan.process("trainer.n0")
     assert trainer.gpu_ids == tuple(range(8))
-    assert trainer.argv[-2:] == ("-m", "my_rl.train")
+    assert trainer.argv[-3:] == ("-m", "--", "my_rl.train")
     assert "CUDA_MPS_PIPE_DIRECTORY" in trainer.env and "CUDA_MPS_PIPE_DIRECTORY" in plan.process("decode-0").env
     assert flag(plan.process("decode-0").argv, "--mem-fraction-static") == "0.45"
     assert trainer.env["PDCTL_TRAIN_FRAC"] == "0.45" and trainer.env["PDCTL_READY_TIMEOUT_SECS"] == "900"
@@ -136,10 +136,12 @@ def test_invariant_trainer_rank_i_shares_engine_gpu_i() -> None:
 def test_trainer_command_forms() -> None:
     base = "name: t\nmodel: {path: m}\nnodes: [{name: n0, host: h, gpus: 2}]\nregular: {}\n"
     for command, tail in [
-        ("[python, train.py, --x]", ("--master-port", "20004", "train.py", "--x")),
-        ("[python, -m, pkg.train]", ("-m", "pkg.train")),
-        ("[./run.sh, a]", ("--no-python", "./run.sh", "a")),
-        ("[python, -c, 'print(1)']", ("--no-python", "python3", "-c", "print(1)")),
+        ("[python, train.py, --x]", ("--master-port", "20004", "--", "train.py", "--x")),
+        ("[python, -m, pkg.train]", ("-m", "--", "pkg.train")),
+        # a trainer flag that abbreviates torchrun's own (--log: --log-dir, --log-specs) stays the trainer's
+        ("[python, -m, pkg.train, --log, out.jsonl]", ("-m", "--", "pkg.train", "--log", "out.jsonl")),
+        ("[./run.sh, a]", ("--no-python", "--", "./run.sh", "a")),
+        ("[python, -c, 'print(1)']", ("--no-python", "--", "python3", "-c", "print(1)")),
     ]:
         top, _ = load_topology_text(yaml_text(base + f"trainer: {{command: {command}, nproc_per_node: 1}}\n"))
         argv = make_plan(top).process("trainer.n0").argv

@@ -170,3 +170,24 @@ def test_decode_gives_up_on_a_dead_prefill_after_its_heartbeats(trio) -> None:
     for status, out in answers:
         assert status == 500, out
         assert "the server was lost earlier" in json.dumps(out) and f"127.0.0.1:{dead}" in json.dumps(out)
+
+
+def test_batches_that_together_exceed_the_decode_slots_all_finish(tmp_path) -> None:
+    """Three batches of 4 items on a decode with 4 slots: each item runs as soon as its KV came,
+    so no batch holds slots while it waits for more (before, they could each hold some and wait
+    for the rest for ever: a weight update that aborted and resent several large batches wedged
+    the decode)."""
+    from tests.helpers import sims
+
+    with sims(
+        tmp_path,
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--max-running-requests", "4", "--sim-decode-ms-per-step", "5"),
+    ) as (prefill, decode):
+        trio = (None, prefill, decode)
+        body = {"text": PROMPTS[:4], "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        with cf.ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda i: pd_generate(trio, body, room=9000 + 10 * i, batch=4), range(3)))
+        assert all(status == 200 and len(items) == 4 for status, items in outs), outs
+        status, info = post(decode.url + "/flush_cache")  # nothing left running or reserved
+        assert status == 200, info
