@@ -333,12 +333,16 @@ class Dispatcher:
         pdctl.refit ``interrupt``): each such item is continued on the new weights once the
         update is released, for its remaining tokens, until it finishes, its budget is spent or
         it would span more than ``max_staleness`` + 1 weight versions; the client gets one answer.
+        An answer that cannot be continued item by item (the OpenAI routes, constrained decoding,
+        ...) has reached no client yet: it is sent again whole on the new weights instead.
         ``sent[0]``: the epoch ``send``'s latest attempt was sent in (``send`` keeps it current)."""
         if first.status != 200 or b'"abort"' not in first.body:
             return first
         job = Job.of(path, body)
-        items = _items(first.body, job.answers if job is not None else -1)
-        if job is None or items is None:
+        if job is None:
+            return await self._redo_whole(first, body, sent, send)
+        items = _items(first.body, job.answers)
+        if items is None:
             return first
         final: list[Any] = list(items)
         raw = {k: item for k, item in enumerate(items) if asked_abort(item)}
@@ -375,6 +379,16 @@ class Dispatcher:
             if k not in bases:
                 final[k] = Piece().view(item)
         return Reply(200, dumps(final[0] if job.single else final), first.content_type, first.headers)
+
+    async def _redo_whole(
+        self, reply: Reply, body: dict[str, Any], sent: list[int], send: Callable[[dict[str, Any]], Awaitable[Reply]]
+    ) -> Reply:
+        """Send ``body`` again, once the update is released, for as long as updates interrupt it."""
+        while reply.status == 200 and _interrupted_answer(reply.body) and self.gate.interrupted_since(sent[0]):
+            self.metrics.retried(errors.INTERRUPTED)
+            await self.wait_open()
+            reply = await send(body)
+        return reply
 
     # -- phase 3: race the legs -------------------------------------------------------------------
     def _leg(self, worker: Worker, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -927,6 +941,21 @@ def _server_abort(event: bytes) -> int | None:
 
 
 _DONE = b"data: [DONE]\n\n"
+
+
+def _interrupted_answer(body: bytes) -> bool:
+    """Whether a /generate answer or an OpenAI completion has an item that an asked-for abort
+    ended (SGLang's OpenAI routes give such a choice finish_reason "abort")."""
+    if b'"abort"' not in body:
+        return False
+    try:
+        parsed = loads(body)
+    except ValueError:
+        return False
+    if isinstance(parsed, dict) and isinstance(parsed.get("choices"), list):
+        return any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in parsed["choices"])
+    items = [parsed] if isinstance(parsed, dict) else parsed
+    return isinstance(items, list) and any(asked_abort(item) for item in items)
 
 
 def _items(body: bytes, count: int) -> list[Any] | None:

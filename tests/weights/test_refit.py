@@ -322,3 +322,25 @@ def test_a_decode_killed_during_a_continuation_hands_it_to_another_decode(tmp_pa
         assert ids[:k] == _greedy(reference.url, encode(PROMPTS[1]), k)[0]
         post(reference.url + "/update_weights_from_disk", {"model_path": str(checkpoint_b)})
         assert ids[k:] == _greedy(reference.url, encode(PROMPTS[1]) + ids[:k], TOKENS - k)[0]
+
+
+def test_an_interrupted_openai_completion_is_redone_whole_on_the_new_weights(fleet, tmp_path) -> None:
+    """The OpenAI routes are not continued token by token; a non-streamed completion has reached
+    no client when it is interrupted, so it is sent again whole and comes from one version."""
+    prefill, decode, _, router = fleet
+    save_checkpoint(resolve_model("sim://tiny?seed=4", "auto", None), tmp_path / "c")
+    body = {"model": "sim-tiny", "prompt": PROMPTS[0], "max_tokens": TOKENS, "temperature": 0}
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(answer=post(router.url + "/v1/completions", body, timeout=120)))
+    worker.start()
+    _wait_running(decode.url, 1)
+    fleet_ = Fleet([prefill.url, decode.url], router_url=router.url, refit="interrupt")
+    try:
+        fleet_.load_from_disk(str(tmp_path / "c"), "C")
+    finally:
+        fleet_.close()
+    worker.join()
+    status, answer = box["answer"]
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length", answer
+    assert answer["usage"]["completion_tokens"] == TOKENS
+    assert answer["metadata"]["weight_version"] == "C" and len(answer["metadata"]["weight_versions"]) == 1
