@@ -120,23 +120,36 @@ def train(sync: WeightSync, router_url: str, model: TinyLM, args: argparse.Names
             if ids:
                 p = index // args.group
                 loss = loss - advantages[index] * logprobs_of(model, prompts[p], ids) / len(outs)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        record: dict[str, Any] = {
-            "step": step,
-            "t": round(time.monotonic() - started, 3),
-            "reward": float(rewards.mean()),
-            "rollout_version": outs[0]["meta_info"]["weight_version"],
-        }
-        if step % args.push_every == 0:
-            report = sync.push([(n, p.detach()) for n, p in model.named_parameters()], version=f"step-{step}")
-            record.update(pushed=report.version, push_seconds=round(report.seconds, 4))
-        records.append(record)
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+        record = {"rollout_version": outs[0]["meta_info"]["weight_version"]}
+        records.append(_step(sync, model, optimizer, loss, rewards, record, step, started, args, log))
     return records
+
+
+def _step(
+    sync: WeightSync,
+    model: TinyLM,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    rewards: torch.Tensor,
+    record: dict[str, Any],
+    step: int,
+    started: float,
+    args: argparse.Namespace,
+    log: Any,
+) -> dict[str, Any]:
+    """One optimizer step on ``loss``, a push every ``args.push_every`` steps, the step's record
+    (``record`` plus step, time, reward, push) written to ``log``."""
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    record = {"step": step, "t": round(time.monotonic() - started, 3), "reward": float(rewards.mean()), **record}
+    if step % args.push_every == 0:
+        report = sync.push([(n, p.detach()) for n, p in model.named_parameters()], version=f"step-{step}")
+        record.update(pushed=report.version, push_seconds=round(report.seconds, 4), refit=report.refit)
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    return record
 
 
 def train_async(
@@ -200,24 +213,13 @@ def train_async(
                     spans_seen.add(span_version)
                     off_policy += n if span_version != version else 0
                 tokens += len(ids)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            record: dict[str, Any] = {
-                "step": step,
-                "t": round(time.monotonic() - started, 3),
-                "reward": float(rewards.mean()),
+            record = {
                 "rollout_versions": sorted(spans_seen),
                 "off_policy_tokens": round(off_policy / max(tokens, 1), 3),
             }
-            if step % args.push_every == 0:
-                version = f"step-{step}"
-                report = sync.push([(n, p.detach()) for n, p in model.named_parameters()], version=version)
-                record.update(pushed=report.version, push_seconds=round(report.seconds, 4), refit=report.refit)
-            records.append(record)
-            if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+            records.append(_step(sync, model, optimizer, loss, rewards, record, step, started, args, log))
+            if "pushed" in records[-1]:
+                version = records[-1]["pushed"]
     finally:
         stop.set()
     return records
