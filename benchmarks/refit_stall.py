@@ -4,9 +4,9 @@ side in one run (pdctl.refit).
 Fleet: a prefill sim and a decode sim (latency model: DECODE_MS per batched decode step) behind
 pdctl's router. For each rollout length, ROLLOUTS streamed greedy rollouts of that many tokens are
 started; once the decode runs them all, a ``Fleet.load_from_disk`` transaction (the update) runs in
-one mode, and LATE short requests arrive while it runs. Measured per update: its wall time (hold
-to release), its transfer time (the load itself), the longest gap between two events any stream
-saw, the TTFT of the late requests, and failed requests (a non-200, an error event, or a stream
+one mode, and LATE short requests arrive while it runs (sent once the router says it is held).
+Measured per update: its wall time (hold to release), its transfer time (the load itself), the
+longest gap between two events any stream saw, the TTFT of the late requests, and failed requests (a non-200, an error event, or a stream
 without every token). Modes alternate order per repetition.
 
 The update here is the sim's tiny model loaded from disk (its transfer is milliseconds), not a
@@ -105,6 +105,11 @@ def stream(url: str, body: dict) -> dict:
     return {"sent": sent, "times": times, "final": final, "failed": failed}
 
 
+def held(router: str) -> bool:
+    with urllib.request.urlopen(router + "/pdctl/weights", timeout=10) as r:
+        return bool(json.loads(r.read())["held"])
+
+
 def running(url: str) -> int:
     with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
         return sum(s.get("num_running_reqs", 0) for s in json.loads(r.read())["internal_states"])
@@ -124,6 +129,8 @@ def one_update(router: str, engines: list[str], decode: str, length: int, mode: 
         began = time.monotonic()
         updater = threading.Thread(target=lambda: box.update(report=fleet.load_from_disk(str(ckpt), version)))
         updater.start()
+        while not held(router):  # late requests arrive once the update holds the router
+            time.sleep(0.002)
         late = [pool.submit(stream, router + "/generate", late_body) for _ in range(LATE)]
         updater.join()
         ended = time.monotonic()
