@@ -6,8 +6,8 @@ pdctl's router. For each rollout length, ROLLOUTS streamed greedy rollouts of th
 started; once the decode runs them all, a ``Fleet.load_from_disk`` transaction (the update) runs in
 one mode, and LATE short requests arrive while it runs (sent once the router says it is held).
 Measured per update: its wall time (hold to release), its transfer time (the load itself), the
-longest gap between two events any stream saw, the TTFT of the late requests, and failed requests (a non-200, an error event, or a stream
-without every token). Modes alternate order per repetition.
+longest gap between two events any stream saw, the TTFT of the late requests, and failed requests (a
+non-200, an error event, or a stream without every token). Modes alternate order per repetition.
 
 The update here is the sim's tiny model loaded from disk (its transfer is milliseconds), not a
 256 MiB push: the figure of interest is what the refit mode adds around the transfer, which is the
