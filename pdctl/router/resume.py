@@ -206,7 +206,10 @@ class Piece:
         if not (isinstance(theirs, list) and all(isinstance(s, dict) for s in theirs)):
             theirs = [{"version": meta.get("weight_version"), "start": 0, "end": added}]
         spans = join_spans(self.spans, theirs, self.tokens)
-        if meta.get("finish_reason") is not None:  # the final answer: spans over the whole output
+        reason = meta.get("finish_reason")
+        if isinstance(reason, dict) and reason.get("type") == "length" and isinstance(reason.get("length"), int):
+            meta["finish_reason"] = {**reason, "length": self.tokens + reason["length"]}  # the client's budget
+        if reason is not None:  # the final answer: spans over the whole output
             meta["weight_versions"] = spans
             meta["weight_version_spans"] = compact_spans(spans)
             meta["weight_version"] = spans[-1]["version"]
@@ -222,7 +225,9 @@ class Piece:
         }
         item["meta_info"]["weight_versions"] = [{"version": self.version, "start": 0, "end": 0}]
         item["meta_info"]["weight_version"] = self.version
-        return self.view(item)
+        out = self.view(item)
+        out["meta_info"]["finish_reason"] = reason  # as given: it speaks of the whole answer
+        return out
 
     def rewrite(self, event: bytes) -> bytes:
         """A continuation's SSE event as part of the client's stream ([DONE] and errors pass)."""
