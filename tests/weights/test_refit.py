@@ -182,8 +182,11 @@ def test_batches_and_n_are_continued_item_by_item(fleet, checkpoint_b, tmp_path)
             spans = item["meta_info"]["weight_version_spans"]
             assert [v for v, _ in spans][-1] == "A2" and len(spans) == 2, spans
             assert sum(n for _, n in spans) == len(item["output_ids"]) == TOKENS
-    # Both samples of a greedy n=2 request are the same tokens.
-    assert results[1][1][0]["output_ids"] == results[1][1][1]["output_ids"]
+    # Two greedy samples stopped after the same number of tokens continue alike (stopped at
+    # different points, each continues B's greedy path from its own prefix).
+    first, second = results[1][1]
+    if first["meta_info"]["weight_version_spans"] == second["meta_info"]["weight_version_spans"]:
+        assert first["output_ids"] == second["output_ids"]
 
 
 def test_max_staleness_zero_finishes_an_interrupted_request_with_its_tokens(fleet, checkpoint_b) -> None:
