@@ -9,9 +9,10 @@ Measured per update: its wall time (hold to release), its transfer time (the loa
 longest gap between two events any stream saw, the TTFT of the late requests, and failed requests (a
 non-200, an error event, or a stream without every token). Modes alternate order per repetition.
 
-The update here is the sim's tiny model loaded from disk (its transfer is milliseconds), not a
-256 MiB push: the figure of interest is what the refit mode adds around the transfer, which is the
-same whatever moves the bytes (weight_push.py measures the transfer itself).
+The update loads a checkpoint of MODEL_MB (256) MiB from disk into both engines: the sim's tiny
+model (2 layers, hidden 64) whose position table is grown to that size, while the engines serve
+only CONTEXT positions, so that a decode step costs what the tiny model's does and the update moves
+the full size (the transfer: reading and copying 256 MiB into each engine's weights).
 
 Goals (the refit issue): in interrupt mode the update's wall time <= transfer + 0.3 s and flat in
 rollout length (drain grows with it); stream gaps and late TTFT <= the update's wall time + 0.3 s;
@@ -36,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pdctl.sim.model import resolve_model, save_checkpoint
+from pdctl.sim.model import save_checkpoint
 from pdctl.weights.fleet import Fleet
 
 ROOT = Path(__file__).resolve().parent
@@ -48,6 +49,20 @@ ROLLOUTS = 8
 LATE = 4
 DECODE_MS = float(os.environ.get("REFIT_BENCH_DECODE_MS", 5))
 MODES = ["drain", "interrupt"]
+MODEL_MB = int(os.environ.get("REFIT_BENCH_MB", 256))
+CONTEXT = 4096
+
+
+def model_of(seed: int):
+    """The tiny sim model with its position table grown so that the whole is MODEL_MB MiB."""
+    from dataclasses import replace
+
+    from pdctl.sim.model import PRESETS, TinyLM
+
+    base = replace(PRESETS["tiny"], seed=seed, context_length=CONTEXT)
+    rest = sum(p.numel() * 8 for n, p in TinyLM(base).named_parameters() if "embed_positions" not in n)
+    positions = (MODEL_MB * 2**20 - rest) // (8 * base.hidden)
+    return TinyLM(replace(base, max_positions=max(CONTEXT, positions)))
 
 
 def start(argv: list[str], log: Path) -> tuple[subprocess.Popen, int]:
@@ -163,9 +178,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="refit-bench-"))
     ckpts = {}
     for name, seed in (("a", 0), ("b", 9)):
-        save_checkpoint(resolve_model(f"sim://tiny?seed={seed}", "auto", None), tmp / name)
+        save_checkpoint(model_of(seed), tmp / name)
         ckpts[name] = tmp / name
-    sim = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", "0", "--model-path", "sim://tiny"]
+    model_mib = (tmp / "a" / "model.safetensors").stat().st_size / 2**20
+    print(f"checkpoints of {model_mib:.0f} MiB", flush=True)
+    sim = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", "0", "--model-path", str(ckpts["a"])]
     procs = []
     try:
         p_proc, p_port = start(
@@ -197,6 +214,7 @@ def main() -> None:
                     ckpt = ckpts["b" if n % 2 else "a"]
                     row = one_update(router, [prefill, decode], decode, length, mode, ckpt, f"v{n}")
                     row["rep"] = rep
+                    row["model_mib"] = round(model_mib)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
@@ -240,11 +258,13 @@ def write(rows: list[dict]) -> None:
         "late_requests": LATE,
         "decode_ms_per_step": DECODE_MS,
         "reps": REPS,
+        "update_mib": MODEL_MB,
     }
     (RESULTS / "refit_stall.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2))
     lines = [
         f"# refit stall: drain vs interrupt ({meta['machine']}; {ROLLOUTS} streamed rollouts + {LATE} late requests "
-        f"per update; decode {DECODE_MS:g} ms/step; medians of {REPS} updates)",
+        f"per update; decode {DECODE_MS:g} ms/step; an update loads {MODEL_MB} MiB into each of 2 engines; medians of "
+        f"{REPS} updates)",
         "",
         "| rollout tokens | mode | update wall (s) | transfer (s) | wall - transfer (s) | longest stream gap (s) "
         "| late TTFT, max (s) | failed | interrupted rollouts |",

@@ -44,8 +44,19 @@ from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, policy_class
-from pdctl.router.resume import Job, Piece, asked_abort, stale_reason
+from pdctl.router.resume import GENERATE, Job, Piece, asked_abort, settle
 from pdctl.router.server import STREAMED, Reply, Request
+from pdctl.router.streaming import (
+    DONE,
+    Continued,
+    Interrupted,
+    Opened,
+    Pumped,
+    error_event,
+    first_event,
+    pump,
+    sse_events,
+)
 from pdctl.router.upstream import Response, Upstream, UpstreamError, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import batch_size_of, inject_bootstrap
@@ -211,8 +222,10 @@ class Dispatcher:
             return f" ({len(held)} out of rotation for their weights: {held[0].quarantined})"
         return " (none healthy)"
 
-    def select_regular(self, ctx: RequestContext) -> Worker:
+    def select_regular(self, ctx: RequestContext, version: str | None = None) -> Worker:
         workers = self.registry.routable(Role.REGULAR)
+        if version is not None:
+            workers = [w for w in workers if w.weight_version == version]
         if not workers:
             raise RouteError(503, errors.NO_WORKERS, "No healthy workers available" + self._why_none(Role.REGULAR))
         return _chosen(self.regular_policy.select(workers, ctx), Role.REGULAR)
@@ -298,6 +311,7 @@ class Dispatcher:
     async def regular_request(self, request: Request, path: str, body: dict[str, Any], headers: Headers) -> Reply:
         text = _text_of(body) if self.regular_policy.needs_text else None
         ctx = RequestContext(text=text, routing_key=headers.upstream.get(ROUTING_KEY))
+        resume = _Resume(body, ctx, path, pd=False)
         sent = [self.gate.epoch]  # the epoch the latest attempt was sent in
 
         def attempt_with(payload: dict[str, Any]) -> Callable[[], Awaitable[Outcome]]:
@@ -307,7 +321,7 @@ class Dispatcher:
                 sent[0] = self.gate.epoch
                 worker = self.select_regular(ctx)
                 if payload.get("stream"):
-                    return await self._stream_one(request, path, data, worker, headers)
+                    return await self._stream_one(request, path, data, worker, headers, resume)
                 with self.registry.in_flight(worker):
                     leg = await self._post(worker, path, data, headers)
                 return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
@@ -348,19 +362,14 @@ class Dispatcher:
         raw = {k: item for k, item in enumerate(items) if asked_abort(item)}
         bases = {k: Piece() for k in raw}
         while raw:
-            going_on = []
-            for k, answer in raw.items():
+            for _ in raw:
                 self.metrics.retried(errors.INTERRUPTED)
-                done = bases[k].advanced(answer)
-                done.interruptions += 1
-                limit = self.gate.max_staleness
-                if limit is not None and done.versions > limit:
-                    final[k] = done.finished(stale_reason(limit, done.versions))
-                elif job.remaining(k, done) <= 0:
-                    final[k] = done.finished({"type": "length", "length": job.wanted(k)})
-                else:
-                    bases[k] = done
-                    going_on.append(k)
+            pieces = {k: bases[k].advanced(answer) for k, answer in raw.items()}
+            going, ended = settle(job, pieces, self.gate.max_staleness)
+            for k, item in ended.items():
+                final[k] = item
+            bases.update(pieces)
+            going_on = list(going)
             raw = {}
             if not going_on:
                 break
@@ -498,7 +507,7 @@ class Dispatcher:
     ) -> Outcome:
         epoch = self.gate.epoch  # before anything is sent: an interrupt from here on is this attempt's
         p_task = self._leg(prefill, self._post(prefill, path, wire, headers))
-        opened: _Opened | Leg | None = None
+        opened: Opened | Leg | None = None
         keep_prefill = False
         try:
             opened = await self._open_decode(p_task, decode, self._open_stream(decode, path, wire, headers), epoch)
@@ -516,52 +525,69 @@ class Dispatcher:
                     return self._prefill_ended(prefill, p_leg, headers)
                 prefix = _first_input_logprobs(p_leg)
             upstream = opened.response
+            rule = self._interrupt_rule(epoch, resume)
             with self.registry.in_flight(decode):  # the head's leg has ended; the body still loads decode
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-                pumped = await _pump(
+                pumped = await pump(
                     resp,
                     opened.events(),
                     functools.partial(_prepend_logprobs, prefix=prefix) if prefix is not None else None,
-                    self._interrupted_after(epoch, resume),
+                    rule,
                 )
                 keep_prefill = True
                 self._finish_unawaited(prefill, p_task)
-            if pumped.stopped is not None:  # a weight update interrupted it: continue on the new weights
-                self.registry.record(decode, True)
-                opened.response.close()  # not held open through the update
-                done = _with_input_logprobs(Piece().advanced(pumped.stopped), prefix)
-                if not await self._resume(resp, resume, done, headers, interrupted=True):
-                    await resp.write(_error_event("the stream could not be continued after a weight update"))
-            elif pumped.error is None:
-                self.registry.record(decode, True)
-            else:  # the head went out: continue elsewhere, or end the stream properly
-                self.registry.record(decode, False)
-                self.registry.mark_failed(decode)
-                last = pumped.last_data
-                resumed = last is not None and await self._resume(
-                    resp, resume, _with_input_logprobs(Piece().advanced(last), prefix), headers
-                )
-                if not resumed:
-                    await resp.write(_error_event(f"decode {decode.url} failed mid-stream: {pumped.error}"))
-            await resp.end()
+            opened.response.close()  # not held open through an update or a resume
+            await self._stream_ended(resp, resume, decode, pumped, rule, headers, prefix)
             return STREAMED
         finally:
-            if isinstance(opened, _Opened):
+            if isinstance(opened, Opened):
                 opened.response.close()
             await _cancel(None if keep_prefill else p_task)
+
+    async def _stream_ended(
+        self,
+        resp: Any,
+        resume: _Resume,
+        worker: Worker,
+        pumped: Pumped,
+        rule: Interrupted | None,
+        headers: Headers,
+        prefix: list | None = None,
+    ) -> None:
+        """End the client's stream once the engine's ended: as it is, or continued on the new
+        weights when a weight update interrupted answers (``rule.caught``), or on another
+        engine when ``worker`` failed mid-stream (a one-answer /generate stream), else with an
+        SGLang-shaped error event. ``prefix``: the prefill's input logprobs the client got."""
+        if rule is not None and rule.caught and (pumped.error is None or rule.over):
+            self.registry.record(worker, True)
+            pending = {k: _with_input_logprobs(Piece().advanced(d), prefix) for k, d in rule.caught.items()}
+            if not await self._resume(resp, resume, pending, headers, interrupted=True):
+                await resp.write(error_event("the stream could not be continued after a weight update"))
+        elif pumped.error is None:
+            self.registry.record(worker, True)
+        else:  # the engine went away: continue elsewhere, or end the stream properly
+            self.registry.record(worker, False)
+            self.registry.mark_failed(worker)
+            last = pumped.last_data
+            resumed = last is not None and await self._resume(
+                resp, resume, {0: _with_input_logprobs(Piece().advanced(last), prefix)}, headers
+            )
+            if not resumed:
+                await resp.write(error_event(f"{worker.role} {worker.url} failed mid-stream: {pumped.error}"))
+        await resp.end()
 
     def _interrupted(self, leg: Leg) -> bool:
         """Whether a weight update began after ``leg`` was sent."""
         return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
 
-    def _interrupted_after(self, epoch: int, resume: _Resume) -> _Interrupted:
-        """Whether a stream's event ends its request because a weight update began after ``epoch``
-        and the stream can be continued (a single /generate prompt)."""
-        return _Interrupted(lambda: self.gate.interrupted_since(epoch) and resume.continuable)
+    def _interrupt_rule(self, epoch: int, resume: _Resume) -> Interrupted:
+        """The rule that catches a stream's answers that a weight update begun after ``epoch``
+        interrupted, when the request can be continued (a /generate job)."""
+        return Interrupted(lambda: self.gate.interrupted_since(epoch) and resume.job is not None)
 
     async def _open_decode(
         self, p_task: asyncio.Task[Leg], decode: Worker, open_head: Coroutine[Any, Any, Response | Leg], epoch: int
-    ) -> _Opened | Leg | None:
+    ) -> Opened | Leg | None:
         """Decode's stream once its first event came; a Leg when it gave none (a failure, or
         an error status with its body) or when that event is a server-side abort (its status,
         see ``_server_abort``); None when the prefill ended the request first.
@@ -575,107 +601,142 @@ class Dispatcher:
             return head
         if head.status >= 400:
             return Leg(head.status, await head.read(), head.content_type, epoch=epoch)
-        events = _sse_events(head)
+        events = sse_events(head)
         try:
-            first = await self._race(p_task, decode, _first_event(events, self._timeout))
+            first = await self._race(p_task, decode, first_event(events, self._timeout))
         except BaseException:
             head.close()
             raise
-        if first is None or isinstance(first, BaseException):
-            head.close()
-            return None if first is None else Leg(error=first, epoch=epoch)
-        status = _server_abort(first)
-        if status is not None:  # a failed request in SGLang's stream: nothing sent on yet, so retry it
-            head.close()
-            return Leg(status, first + _DONE, "text/event-stream", epoch=epoch)
-        return _Opened(head, first, events)
+        return None if first is None else _opened(head, first, events, epoch)
+
+    async def _open_one(self, worker: Worker, path: str, wire: bytes, headers: Headers, epoch: int) -> Opened | Leg:
+        """A regular engine's stream once its first event came, else a Leg saying why not."""
+        with self.registry.in_flight(worker):
+            head = await self._open_stream(worker, path, wire, headers)
+            if isinstance(head, Leg):
+                return head
+            if head.status >= 400:
+                try:
+                    return Leg(head.status, await head.read(), head.content_type, epoch=epoch)
+                finally:
+                    head.close()
+            events = sse_events(head)
+            try:
+                first = await first_event(events, self._timeout)
+            except BaseException:
+                head.close()
+                raise
+            return _opened(head, first, events, epoch)
+
+    async def _open_continuation(
+        self, resume: _Resume, body: dict[str, Any], version: str | None, headers: Headers, epoch: int
+    ) -> _Continuation:
+        """A stream of ``body`` (a continuation) on a freshly selected pair (PD) or engine,
+        on weight ``version`` when given. RouteError when there is none."""
+        if not resume.pd:
+            worker = self.select_regular(resume.ctx, version)
+            return _Continuation(worker, await self._open_one(worker, resume.path, dumps(body), headers, epoch))
+        prefill, decode = self.select_pair(resume.ctx, version=version)
+        wire = dumps(inject_bootstrap(body, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=None))
+        p_task = self._leg(prefill, self._post(prefill, resume.path, wire, headers))
+        try:
+            opened = await self._open_decode(
+                p_task, decode, self._open_stream(decode, resume.path, wire, headers), epoch
+            )
+        except BaseException:
+            await _cancel(p_task)
+            raise
+        return _Continuation(decode, opened, prefill, p_task)
 
     async def _resume(
-        self, resp: Any, resume: _Resume, done: Piece, headers: Headers, *, interrupted: bool = False
+        self, resp: Any, resume: _Resume, pending: dict[int, Piece], headers: Headers, *, interrupted: bool = False
     ) -> bool:
-        """Continue a stream on a new pair (see pdctl.router.resume): after its decode died, on
-        the same weight version; after a weight update interrupted it, on the new weights once
-        the update is released, unless it has been interrupted more than ``max_staleness``
-        times (then it ends with its tokens so far). False when it cannot be continued: not a
-        single /generate prompt, no pair, or ``retry.max_retries`` failed pairs."""
+        """Continue a stream's answers on new legs (see pdctl.router.resume), writing their
+        events into the client's stream: after a weight update interrupted them (``pending``:
+        each such answer, by its index, with what the client has of it), on the new weights
+        once the update is released; an answer interrupted more than ``max_staleness`` times
+        ends with its tokens so far, one whose budget is spent simply ends. After its engine
+        died (a one-answer stream, ``pending`` {0: ...}), on the same weight version.
+        False when it cannot be continued: not a /generate job, no engine, or
+        ``retry.max_retries`` failed attempts."""
         job = resume.job
-        if job is None or not job.single:
+        if job is None or not (interrupted or job.single):
             return False
         failures = 0
         while True:
             if failures >= max(1, self.config.retry.max_retries):
                 return False
             if interrupted:
-                done.interruptions += 1
-                limit = self.gate.max_staleness
-                if limit is not None and done.versions > limit:
-                    await resp.write(sse_event(done.finished(stale_reason(limit, done.versions))) + _DONE)
+                pending, ended = settle(job, pending, self.gate.max_staleness)
+                shown = Continued(job, tuple(ended), {})
+                tail = b"".join(shown.event(k, item) for k, item in ended.items())
+                if not pending:
+                    await resp.write(tail + DONE)
                     return True
+                if tail:
+                    await resp.write(tail)
                 try:
                     await self.wait_open()
                 except RouteError:
                     return False
-            if job.remaining(0, done) <= 0:
-                tail = sse_event(done.finished({"type": "length", "length": job.wanted(0)})) if interrupted else b""
-                await resp.write(tail + _DONE)
+            elif job.remaining(0, pending[0]) <= 0:
+                await resp.write(DONE)
                 return True
+            order = tuple(pending)
+            shown = Continued(job, order, pending)
+            body = job.continuation([(k, pending[k]) for k in order])
+            self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
+            epoch = self.gate.epoch
             try:
-                prefill, decode = self.select_pair(resume.ctx, version=None if interrupted else done.version)
+                legs = await self._open_continuation(
+                    resume, body, None if interrupted else pending[0].version, headers, epoch
+                )
             except RouteError:
                 return False
-            wire = dumps(
-                inject_bootstrap(
-                    job.continuation([(0, done)]),
-                    host=prefill.bootstrap_host,
-                    port=prefill.bootstrap_port,
-                    batch_size=None,
-                )
-            )
-            self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
             if not interrupted:
                 log.warning(
-                    "stream %s: decode failed after %d tokens; continuing on %s",
-                    done.meta.get("id"),
-                    done.tokens,
-                    decode.url,
+                    "stream %s: %s failed after %d tokens; continuing on %s",
+                    pending[0].meta.get("id"),
+                    "decode" if resume.pd else "engine",
+                    pending[0].tokens,
+                    legs.worker.url,
                 )
-            epoch = self.gate.epoch
-            p_task = self._leg(prefill, self._post(prefill, resume.path, wire, headers))
-            opened: _Opened | Leg | None = None
             keep_prefill = False
             try:
-                opened = await self._open_decode(
-                    p_task, decode, self._open_stream(decode, resume.path, wire, headers), epoch
-                )
-                if not isinstance(opened, _Opened):
+                opened = legs.opened
+                if not isinstance(opened, Opened):
                     if self.gate.interrupted_since(epoch):  # the next update stopped it before its first token
                         interrupted = True
                         continue
                     if isinstance(opened, Leg) and opened.server_failed:
-                        self._verdict(decode, opened, errors.DECODE_FAILED)
+                        self._verdict(legs.worker, opened, errors.DECODE_FAILED)
                     failures, interrupted = failures + 1, False
                     continue
-                with self.registry.in_flight(decode):
-                    pumped = await _pump(resp, opened.events(), done.rewrite, self._interrupted_after(epoch, resume))
+                rule = self._interrupt_rule(epoch, resume)
+                with self.registry.in_flight(legs.worker):
+                    pumped = await pump(resp, opened.events(), shown.rewrite, rule)
                 keep_prefill = True
-                self._finish_unawaited(prefill, p_task)
-                if pumped.stopped is not None:
-                    self.registry.record(decode, True)
-                    done, interrupted = done.advanced(pumped.stopped), True
+                if legs.prefill is not None and legs.p_task is not None:
+                    self._finish_unawaited(legs.prefill, legs.p_task)
+                if rule.caught and (pumped.error is None or rule.over):
+                    self.registry.record(legs.worker, True)
+                    pending, interrupted = shown.caught(rule), True
                     continue
                 if pumped.error is None:
-                    self.registry.record(decode, True)
+                    self.registry.record(legs.worker, True)
                     return True
-                self.registry.record(decode, False)
-                self.registry.mark_failed(decode)
+                self.registry.record(legs.worker, False)
+                self.registry.mark_failed(legs.worker)
+                if len(order) > 1 or not job.single:
+                    return False  # which of a batch's answers ended is not tracked: not continued
                 last = pumped.last_data
                 if last is not None:
-                    done = done.advanced(last)
+                    pending = {0: pending[0].advanced(last)}
                 failures, interrupted = failures + 1, False
             finally:
-                if isinstance(opened, _Opened):
-                    opened.response.close()
-                await _cancel(None if keep_prefill else p_task)
+                if isinstance(legs.opened, Opened):
+                    legs.opened.response.close()
+                await _cancel(None if keep_prefill else legs.p_task)
 
     def _finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:
         """The reply does not need prefill's answer: record its outcome when it comes, without
@@ -696,7 +757,12 @@ class Dispatcher:
 
         task.add_done_callback(settle)
 
-    async def _stream_one(self, request: Request, path: str, data: bytes, worker: Worker, headers: Headers) -> Outcome:
+    async def _stream_one(
+        self, request: Request, path: str, data: bytes, worker: Worker, headers: Headers, resume: _Resume
+    ) -> Outcome:
+        """A regular engine's stream, forwarded; a /generate stream is read event by event, so
+        that answers a weight update interrupts are continued (the rest pass as raw chunks)."""
+        epoch = self.gate.epoch
         with self.registry.in_flight(worker):
             head = await self._open_stream(worker, path, data, headers)
         if isinstance(head, Leg):
@@ -704,15 +770,21 @@ class Dispatcher:
         upstream: Response = head
         try:
             if upstream.status >= 400:
-                leg = Leg(upstream.status, await upstream.read(), upstream.content_type)
+                leg = Leg(upstream.status, await upstream.read(), upstream.content_type, epoch=epoch)
                 return self._verdict(worker, leg, errors.WORKER_FAILED) or _respond(leg, headers)
+            generate = path == GENERATE
+            rule = self._interrupt_rule(epoch, resume) if generate else None
             with self.registry.in_flight(worker):
                 resp = await request.stream(upstream.status, {**_pass_headers(upstream), **headers})
-                pumped = await _pump(resp, upstream.chunks(), None)
+                pumped = await pump(resp, sse_events(upstream) if generate else upstream.chunks(), None, rule)
+            upstream.close()
+            if not generate:
                 self.registry.record(worker, pumped.error is None)
                 if pumped.error is not None:
-                    await resp.write(_error_event(f"worker {worker.url} failed mid-stream: {pumped.error}"))
+                    await resp.write(error_event(f"worker {worker.url} failed mid-stream: {pumped.error}"))
                 await resp.end()
+                return STREAMED
+            await self._stream_ended(resp, resume, worker, pumped, rule, headers)
             return STREAMED
         finally:
             upstream.close()
@@ -776,40 +848,14 @@ class Dispatcher:
         return base * (1 + random.uniform(-c.retry.jitter_factor, c.retry.jitter_factor)) / 1000
 
 
-@dataclass(frozen=True)
-class _Opened:
-    """A decode stream whose first event has come (and not yet been sent on)."""
-
-    response: Response
-    first: bytes
-    rest: AsyncIterator[bytes]
-
-    async def events(self) -> AsyncIterator[bytes]:
-        yield self.first
-        async for event in self.rest:
-            yield event
-
-
-async def _first_event(events: AsyncIterator[bytes], timeout: float) -> bytes | BaseException:
-    """The first event of a stream, or why there is none (UpstreamTimeout after ``timeout``)."""
-    try:
-        return await asyncio.wait_for(events.__anext__(), timeout)
-    except asyncio.TimeoutError:
-        return UpstreamTimeout("no first event within the request timeout")
-    except StopAsyncIteration:
-        return UpstreamError("the stream ended before its first event")
-    except (UpstreamError, OSError) as exc:
-        return exc
-
-
 class _Resume:
     """What continuing a stream elsewhere needs: the client's request (read as a ``Job`` only
     when a stream is to be continued)."""
 
-    __slots__ = ("_job", "body", "ctx", "path")
+    __slots__ = ("_job", "body", "ctx", "path", "pd")
 
-    def __init__(self, body: dict[str, Any], ctx: RequestContext, path: str):
-        self.body, self.ctx, self.path = body, ctx, path
+    def __init__(self, body: dict[str, Any], ctx: RequestContext, path: str, *, pd: bool = True):
+        self.body, self.ctx, self.path, self.pd = body, ctx, path, pd
         self._job: Job | bool | None = False  # False: not read yet
 
     @property
@@ -818,68 +864,28 @@ class _Resume:
             self._job = Job.of(self.path, self.body)
         return self._job  # type: ignore[return-value]
 
-    @property
-    def continuable(self) -> bool:
-        job = self.job
-        return job is not None and job.single
-
 
 @dataclass(frozen=True)
-class _Interrupted:
-    """``_pump``'s stop rule for interrupted streams: ``armed()`` (an integer compare) says
-    whether a weight update began since the stream was sent; only then is an event that
-    names an abort parsed and checked (an asked-for abort ends the request)."""
+class _Continuation:
+    """A continuation's stream (``opened``) from ``worker``, and its prefill leg under PD."""
 
-    armed: Callable[[], bool]
-
-    def __call__(self, event: bytes) -> dict[str, Any] | None:
-        if not self.armed() or b'"abort"' not in event:
-            return None
-        data = sse_data(event)
-        return data if data is not None and asked_abort(data) else None
+    worker: Worker
+    opened: Opened | Leg | None
+    prefill: Worker | None = None
+    p_task: asyncio.Task[Leg] | None = None
 
 
-@dataclass(frozen=True)
-class _Pumped:
-    """How forwarding a stream ended: ``last``, the last data event forwarded (as the upstream
-    sent it; parsed only by a caller that continues the stream); ``error``, the upstream's
-    failure; ``stopped``, the data of the event ``stop`` chose (not forwarded; the rest of the
-    upstream is dropped)."""
-
-    last: bytes | None = None
-    error: BaseException | None = None
-    stopped: dict[str, Any] | None = None
-
-    @property
-    def last_data(self) -> dict[str, Any] | None:
-        return sse_data(self.last) if self.last is not None else None
-
-
-async def _pump(
-    resp: Any,
-    events: AsyncIterator[bytes],
-    transform: Callable[[bytes], bytes] | None,
-    stop: _Interrupted | None = None,
-) -> _Pumped:
-    """Forward ``events`` (an upstream's SSE events or raw chunks) to the client. A failure to
-    write to the client propagates: a client that goes away is not the worker's fault. An event
-    is parsed only by ``stop``, after a weight update began, when it names an abort."""
-    last: bytes | None = None
-    events = events.__aiter__()
-    while True:
-        try:
-            event = await events.__anext__()
-        except StopAsyncIteration:
-            return _Pumped(last)
-        except (UpstreamError, OSError) as exc:
-            return _Pumped(last, error=exc)
-        if stop is not None:
-            stopped = stop(event)
-            if stopped is not None:
-                return _Pumped(last, stopped=stopped)
-        await resp.write(transform(event) if transform is not None else event)
-        if event.startswith(b"data: {"):
-            last = event
+def _opened(head: Response, first: bytes | BaseException, events: AsyncIterator[bytes], epoch: int) -> Opened | Leg:
+    """The stream, or a Leg when its first event is a failure or a server-side abort (with its
+    status: nothing was sent on yet, so it is retried)."""
+    if isinstance(first, BaseException):
+        head.close()
+        return Leg(error=first, epoch=epoch)
+    status = _server_abort(first)
+    if status is not None:
+        head.close()
+        return Leg(status, first + DONE, "text/event-stream", epoch=epoch)
+    return Opened(head, first, events)
 
 
 def _chosen(worker: Worker | None, role: Role) -> Worker:
@@ -940,9 +946,6 @@ def _server_abort(event: bytes) -> int | None:
     return code if isinstance(code, int) and 500 <= code < 600 else None
 
 
-_DONE = b"data: [DONE]\n\n"
-
-
 def _interrupted_answer(body: bytes) -> bool:
     """Whether a /generate answer or an OpenAI completion has an item that an asked-for abort
     ended (SGLang's OpenAI routes give such a choice finish_reason "abort")."""
@@ -966,15 +969,6 @@ def _items(body: bytes, count: int) -> list[Any] | None:
         return None
     items = [parsed] if isinstance(parsed, dict) else parsed
     return items if isinstance(items, list) and len(items) == count else None
-
-
-def _error_event(message: str) -> bytes:
-    """An SGLang-shaped error event and the stream's terminator."""
-    return (
-        b"data: "
-        + dumps({"error": {"message": message, "type": "server_error", "code": 500}})
-        + (b"\n\ndata: [DONE]\n\n")
-    )
 
 
 def _text_of(body: dict[str, Any]) -> str | None:
@@ -1049,15 +1043,3 @@ def _prepend_logprobs(event: bytes, prefix: list) -> bytes:
         return event
     meta["input_token_logprobs"] = prefix + (meta.get("input_token_logprobs") or [])
     return sse_event(chunk)
-
-
-async def _sse_events(upstream: Response):
-    """Whole SSE events (``data: ...\\n\\n``) from a streaming response."""
-    buffer = b""
-    async for chunk in upstream.chunks():
-        buffer += chunk
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            yield event + b"\n\n"
-    if buffer:
-        yield buffer

@@ -237,6 +237,25 @@ class Piece:
         return sse_event(self.view(data))
 
 
+def settle(
+    job: Job, interrupted: dict[int, Piece], max_staleness: int | None
+) -> tuple[dict[int, Piece], dict[int, Any]]:
+    """Answers that an update just interrupted, split into those to continue and those that end
+    here (as final answers): past ``max_staleness`` (``finish_reason`` type "stale") or with
+    their budget spent ("length")."""
+    going: dict[int, Piece] = {}
+    ended: dict[int, Any] = {}
+    for k, done in interrupted.items():
+        done.interruptions += 1
+        if max_staleness is not None and done.versions > max_staleness:
+            ended[k] = done.finished(stale_reason(max_staleness, done.versions))
+        elif job.remaining(k, done) <= 0:
+            ended[k] = done.finished({"type": "length", "length": job.wanted(k)})
+        else:
+            going[k] = done
+    return going, ended
+
+
 def join_spans(have: list[dict[str, Any]], more: list[dict[str, Any]], offset: int) -> list[dict[str, Any]]:
     """``have`` then ``more`` shifted by ``offset`` tokens, adjacent spans of one version merged
     and empty ones dropped (except a lone first span, as SGLang keeps it)."""

@@ -483,7 +483,7 @@ class Engine:
         opts = req.sampling
         n = len(req.output_ids)
         if n < opts.max_new_tokens and token != EOS_ID and not opts.stop and not opts.stop_token_ids:
-            return None if len(req.input_ids) + n < self.model.config.max_positions else {"type": "length", "length": n}
+            return None if len(req.input_ids) + n < self.model.config.context else {"type": "length", "length": n}
         if n > opts.min_new_tokens:
             if token == EOS_ID and not opts.ignore_eos:
                 return {"type": "stop", "matched": token}
@@ -496,7 +496,7 @@ class Engine:
                         return {"type": "stop", "matched": stop}
         if n >= opts.max_new_tokens:
             return {"type": "length", "length": opts.max_new_tokens}
-        if len(req.input_ids) + n >= self.model.config.max_positions:
+        if len(req.input_ids) + n >= self.model.config.context:
             return {"type": "length", "length": n}
         return None
 

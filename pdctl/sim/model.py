@@ -39,10 +39,18 @@ class SimModelConfig:
     mlp: int = 256
     max_positions: int = 2048
     seed: int = 0
+    context_length: int | None = None
+    """The positions the engine serves (a request's prompt + output, KV per running request);
+    None: ``max_positions``. Smaller than the position table, it keeps a model whose bytes are
+    mostly that table (benchmarks/refit_stall.py's 256 MiB update) cheap to run."""
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def context(self) -> int:
+        return self.context_length or self.max_positions
 
 
 PRESETS = {
@@ -139,8 +147,8 @@ class TinyLM(nn.Module):
         c = self.config
         if not ids:
             raise SimError("empty prompt")
-        if len(ids) > c.max_positions:
-            raise SimError(f"prompt of {len(ids)} tokens exceeds the context length {c.max_positions}")
+        if len(ids) > c.context:
+            raise SimError(f"prompt of {len(ids)} tokens exceeds the context length {c.context}")
         t = torch.tensor(ids)
         x = self.model["embed_tokens"](t) + self.model["embed_positions"](torch.arange(len(ids)))
         kv = []
@@ -199,7 +207,7 @@ class KVPool:
     """
 
     def __init__(self, config: SimModelConfig, slots: int):
-        shape = (config.layers, slots, config.heads, config.max_positions, config.head_dim)
+        shape = (config.layers, slots, config.heads, config.context, config.head_dim)
         self.slots = slots
         self.k = torch.zeros(shape, dtype=DTYPE)
         self.v = torch.zeros(shape, dtype=DTYPE)
@@ -231,19 +239,26 @@ def resolve_model(model_path: str, load_format: str, context_length: int | None)
             seed = int(value)
         config = PRESETS[name]
         config = SimModelConfig(**{**asdict(config), "seed": seed})
-        if context_length:
+        if context_length and context_length > config.max_positions:  # a preset's table grows to fit
             config = SimModelConfig(**{**asdict(config), "max_positions": context_length})
-        return TinyLM(config)
+        return TinyLM(_serving(config, context_length))
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise SimError(f"{model_path}: not a sim checkpoint (no config.json); use sim://tiny or save_checkpoint()")
-    config = SimModelConfig(**json.loads((path / "config.json").read_text()))
-    if context_length:
-        config = SimModelConfig(**{**asdict(config), "max_positions": context_length})
+    config = _serving(SimModelConfig(**json.loads((path / "config.json").read_text())), context_length)
     model = TinyLM(config)
     if load_format != "dummy":
         model.load_weights(list(load_file(str(path / "model.safetensors")).items()))
     return model
+
+
+def _serving(config: SimModelConfig, context_length: int | None) -> SimModelConfig:
+    """``config`` serving ``context_length`` positions (``--context-length``), at most its table's."""
+    if not context_length:
+        return config
+    if context_length > config.max_positions:
+        raise SimError(f"--context-length {context_length} exceeds the model's {config.max_positions} positions")
+    return SimModelConfig(**{**asdict(config), "context_length": context_length})
 
 
 def save_checkpoint(model: TinyLM, path: str | Path) -> None:

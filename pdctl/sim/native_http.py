@@ -131,8 +131,8 @@ class NativeRoutes:
                 "disaggregation_bootstrap_port": s.bootstrap_port,
                 "weight_version": s.weight_version,
                 "launch_command": c.launch_command,
-                "max_total_num_tokens": c.max_running_requests * s.model.config.max_positions,
-                "max_req_input_len": s.model.config.max_positions - 1,
+                "max_total_num_tokens": c.max_running_requests * s.model.config.context,
+                "max_req_input_len": s.model.config.context - 1,
                 "internal_states": [
                     {
                         "last_gen_throughput": s.metrics.last_gen_throughput(),

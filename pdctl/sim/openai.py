@@ -106,7 +106,7 @@ class OpenAIRoutes:
             "owned_by": "sglang",
             "root": s.config.model_path,
             "parent": None,
-            "max_model_len": s.model.config.max_positions,
+            "max_model_len": s.model.config.context,
         }
 
     async def models(self, _: web.Request) -> web.Response:

@@ -243,3 +243,24 @@ def test_rank_digest_sees_every_byte_order_and_size() -> None:
         changed = big.clone()
         changed[index] += 1
         assert checksum([("w", changed)], "sample") != checksum([("w", big)], "sample")
+
+
+def test_a_model_serves_fewer_positions_than_its_table(tmp_path) -> None:
+    """``context_length`` below ``max_positions`` (refit_stall's big checkpoint): the engine serves
+    and limits by the context, the whole table still loads, and --context-length cannot exceed it."""
+    from dataclasses import replace
+
+    from pdctl.sim.model import PRESETS, SimError
+
+    config = replace(PRESETS["tiny"], max_positions=8192, context_length=64)
+    save_checkpoint(TinyLM(config), tmp_path / "big")
+    model = resolve_model(str(tmp_path / "big"), "auto", None)
+    assert model.config.context == 64 and model.model["embed_positions"].weight.shape[0] == 8192
+    assert resolve_model(str(tmp_path / "big"), "auto", 32).config.context == 32
+    with pytest.raises(SimError, match="exceeds the model's 8192 positions"):
+        resolve_model(str(tmp_path / "big"), "auto", 9000)
+    with sims(tmp_path, ("--model-path", str(tmp_path / "big"))) as (engine,):
+        status, out = post(engine.url + "/generate", {"input_ids": [65] * 40, "sampling_params": {"max_new_tokens": 100}})
+        assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 24}, out
+        status, out = post(engine.url + "/generate", {"input_ids": [65] * 65, "sampling_params": {"max_new_tokens": 1}})
+        assert status == 400, out

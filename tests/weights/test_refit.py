@@ -19,7 +19,7 @@ import pytest
 
 from pdctl.sim.model import encode, resolve_model, save_checkpoint
 from pdctl.weights.fleet import Fleet
-from tests.helpers import RouterProcess, get, pd_router_args, post, sims
+from tests.helpers import RouterProcess, get, pd_router_args, post, sims, sse
 
 TOKENS = 160
 PROMPTS = ["The interrupted rollout", "Another prompt, longer than the first one"]
@@ -157,8 +157,28 @@ def test_an_interrupted_request_is_as_greedy_as_two_bare_engines(fleet, checkpoi
     assert interrupted == len(cases), "every request was in flight when the update began"
 
 
+def _answers_of_stream(url: str, body: dict) -> tuple[int, list[dict]]:
+    """A batch's stream as its answers (the final event of each index), checked to be one
+    well-formed SGLang batch stream: cumulative per index, nothing after an index's final event,
+    no error, one [DONE] at the end."""
+    events = sse(url, body, timeout=120)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
+    finals: dict[int, dict] = {}
+    counts: dict[int, int] = {}
+    for event in events[:-1]:
+        assert "error" not in event, event
+        index = event["index"]
+        assert index not in finals, f"answer {index} went on after its final event"
+        assert len(event["output_ids"]) >= counts.get(index, 0), "a continued answer goes on where it stopped"
+        counts[index] = len(event["output_ids"])
+        if event["meta_info"]["finish_reason"] is not None:
+            finals[index] = event
+    return 200, [finals[k] for k in sorted(finals)]
+
+
 def test_batches_and_n_are_continued_item_by_item(fleet, checkpoint_b, tmp_path) -> None:
-    """A batch of two prompts, and one prompt with n=2, both interrupted: every answer is whole."""
+    """A batch of two prompts, and one prompt with n=2, both interrupted, streamed and not:
+    every answer is whole."""
     prefill, decode, _, router = fleet
     # Back to A's weights under another name, so that this update changes the weights again.
     save_checkpoint(resolve_model("sim://tiny", "auto", None), tmp_path / "a")
@@ -166,10 +186,17 @@ def test_batches_and_n_are_continued_item_by_item(fleet, checkpoint_b, tmp_path)
     bodies = [
         {"text": PROMPTS, "sampling_params": sampling},
         {"input_ids": encode(PROMPTS[0]), "sampling_params": {**sampling, "n": 2}},
+        {"input_ids": [encode(p) for p in PROMPTS], "sampling_params": sampling, "stream": True},
+        {"text": PROMPTS[1], "sampling_params": {**sampling, "n": 2}, "stream": True},
     ]
-    with cf.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(post, router.url + "/generate", b, timeout=120) for b in bodies]
-        _wait_running(decode.url, 4)
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [
+            pool.submit(_answers_of_stream, router.url + "/generate", b)
+            if b.get("stream")
+            else pool.submit(post, router.url + "/generate", b, timeout=120)
+            for b in bodies
+        ]
+        _wait_running(decode.url, 2 * len(bodies))
         fleet_ = Fleet([prefill.url, decode.url], router_url=router.url, refit="interrupt")
         try:
             fleet_.load_from_disk(str(tmp_path / "a"), "A2")
@@ -184,9 +211,9 @@ def test_batches_and_n_are_continued_item_by_item(fleet, checkpoint_b, tmp_path)
             assert sum(n for _, n in spans) == len(item["output_ids"]) == TOKENS
     # Two greedy samples stopped after the same number of tokens continue alike (stopped at
     # different points, each continues B's greedy path from its own prefix).
-    first, second = results[1][1]
-    if first["meta_info"]["weight_version_spans"] == second["meta_info"]["weight_version_spans"]:
-        assert first["output_ids"] == second["output_ids"]
+    for _, (first, second) in (results[1], results[3]):
+        if first["meta_info"]["weight_version_spans"] == second["meta_info"]["weight_version_spans"]:
+            assert first["output_ids"] == second["output_ids"]
 
 
 def test_max_staleness_zero_finishes_an_interrupted_request_with_its_tokens(fleet, checkpoint_b) -> None:
@@ -347,3 +374,44 @@ def test_an_interrupted_openai_completion_is_redone_whole_on_the_new_weights(fle
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length", answer
     assert answer["usage"]["completion_tokens"] == TOKENS
     assert answer["metadata"]["weight_version"] == "C" and len(answer["metadata"]["weight_versions"]) == 1
+
+
+def test_regular_engines_continue_streams_and_batches_exactly(tmp_path, checkpoint_b) -> None:
+    """Without PD the router continues interrupted answers on the regular engines too: a single
+    stream, a streamed batch and a non-streamed batch, each exactly A's greedy tokens then B's
+    greedy continuation of its prefix (a bare sim is the reference)."""
+    with sims(tmp_path, ("--sim-decode-ms-per-step", "10"), ()) as (engine, reference):
+        router = RouterProcess(tmp_path, "--worker-urls", engine.url, "--health-check-interval-secs", "1")
+        router.start("/readiness")
+        try:
+            ids = [encode(p) for p in PROMPTS]
+            sampling = {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+            jobs = [
+                (_final_of_stream, {"input_ids": ids[0], "sampling_params": sampling, "stream": True}),
+                (_answers_of_stream, {"input_ids": ids, "sampling_params": sampling, "stream": True}),
+                (lambda u, b: post(u, b, timeout=120), {"input_ids": ids, "sampling_params": sampling}),
+            ]
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                futures = [pool.submit(call, router.url + "/generate", body) for call, body in jobs]
+                _wait_running(engine.url, 5)
+                fleet_ = Fleet([engine.url], router_url=router.url, refit="interrupt")
+                try:
+                    fleet_.load_from_disk(str(checkpoint_b), "B")
+                finally:
+                    fleet_.close()
+                single = futures[0].result()
+                streamed = futures[1].result()[1]
+                status, whole = futures[2].result()
+        finally:
+            router.stop()
+        assert status == 200, whole
+        answers = [(ids[0], single), *zip(ids, streamed, strict=True), *zip(ids, whole, strict=True)]
+        ref_a = {tuple(p): _greedy(reference.url, p, TOKENS)[0] for p in ids}
+        post(reference.url + "/update_weights_from_disk", {"model_path": str(checkpoint_b)})
+        for prompt, answer in answers:
+            spans = answer["meta_info"]["weight_version_spans"]
+            assert [v for v, _ in spans] == ["default", "B"], spans
+            k, out = spans[0][1], answer["output_ids"]
+            assert len(out) == TOKENS and answer["meta_info"]["completion_tokens"] == TOKENS
+            assert out[:k] == ref_a[tuple(prompt)][:k]
+            assert out[k:] == _greedy(reference.url, prompt + out[:k], TOKENS - k)[0]
