@@ -6,7 +6,8 @@ line); output is one JSON object on stdout. Imports stay light (no torch) so it 
 
 Commands:
     preflight   python/pdctl/sglang importable, GPUs visible, which planned ports are busy (and by whom)
-    spawn       start processes, each in its own session, stdout+stderr to its log file
+    spawn       start processes, each in its own session under pdctl.supervise (restarts by policy),
+                stdout+stderr to its log file
     wait-ready  poll local health URLs until 200, failing fast when a process dies
     status      which recorded processes are alive; HTTP probes of local URLs
     stop        SIGTERM whole process groups (and tagged escapees), wait, SIGKILL, verify
@@ -135,10 +136,11 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
             if key in env:
                 env[key] = expand(env[key])
         argv = list(proc["argv"])
-        if proc.get("exit_file"):  # keep the exit status (the trainer's), see pdctl.exitcode
+        if proc.get("exit_file"):  # supervised: restarted by its policy, its story kept (pdctl.supervise)
             exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
-            argv = [sys.executable, "-m", "pdctl.exitcode", exit_file, "--", *argv]
+            restart = proc.get("restart") or "never"
+            argv = [sys.executable, "-m", "pdctl.supervise", exit_file, "--restart", restart, "--", *argv]
         if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
             log_path.replace(log_path.with_name(log_path.name + ".1"))
         with open(log_path, "wb", buffering=0) as log:
@@ -171,14 +173,9 @@ def wait_ready(req: dict[str, Any]) -> WaitReadyReply:
     ready: list[str] = []
     while True:
         for t in [*watch, *pending.values()]:
-            if same_process(t["pid"], t["create_time"]) is None:
-                return {
-                    "ready": False,
-                    "ready_ids": ready,
-                    "died": t["id"],
-                    "failed": t["id"],
-                    "reason": "process exited",
-                }
+            exited = _exited(t)
+            if exited is not None:
+                return {"ready": False, "ready_ids": ready, "died": t["id"], "failed": t["id"], "reason": exited}
         for tid, t in list(pending.items()):
             if _http_ok(t["url"], timeout=float(req.get("probe_timeout_secs", 5))):
                 ready.append(tid)
@@ -189,6 +186,20 @@ def wait_ready(req: dict[str, Any]) -> WaitReadyReply:
             reason = f"not healthy after {req['timeout_secs']}s"
             return {"ready": False, "ready_ids": ready, "failed": sorted(pending)[0], "reason": reason}
         time.sleep(0.25)
+
+
+def _exited(target: dict[str, Any]) -> str | None:
+    """Why a starting process is no good: it exited, or its supervisor saw it exit once (it
+    would restart it, but a process that fails while ``up`` waits for it fails ``up``)."""
+    if same_process(target["pid"], target["create_time"]) is None:
+        return "process exited"
+    story = _story(target.get("exit_file"))
+    last = story.get("last_exit") if story else None
+    if isinstance(last, dict):
+        code = last.get("code")
+        how = f"signal {-code}" if isinstance(code, int) and code < 0 else f"code {code}"
+        return f"process exited ({how})"
+    return None
 
 
 def _http_ok(url: str, timeout: float) -> bool:
@@ -212,21 +223,43 @@ def status(req: dict[str, Any]) -> StatusReply:
     for proc in req["processes"]:
         p = same_process(proc["pid"], proc["create_time"])
         entry: ProcessState = {"alive": p is not None}
+        story = _story(proc.get("exit_file"))
+        if story is not None:
+            entry["restarts"] = int(story.get("restarts") or 0)
+            entry["last_exit"] = story.get("last_exit")
+            entry["supervisor"] = story.get("state")
+            entry["reason"] = story.get("reason")
+            child = story.get("pid")
+            if p is not None and story.get("state") != "running":
+                entry["alive"] = False  # the supervisor waits to restart it, or is about to exit
+            if p is not None and child and story.get("create_time"):
+                entry["child_pid"] = child
+                p = same_process(child, story["create_time"]) or p
         if p is None and proc.get("exit_file"):
-            try:
-                entry["exit_code"] = json.loads(Path(expand(proc["exit_file"])).read_text())["exit_code"]
-            except (OSError, ValueError, KeyError):
-                entry["exit_code"] = None  # killed before it could write (SIGKILL of the group)
-        if p is not None:
-            entry["uptime_secs"] = time.time() - proc["create_time"]
+            entry["exit_code"] = story.get("exit_code") if story else None  # None: SIGKILL of the group
+        if p is not None and entry["alive"]:
+            started = _safe(p.create_time)
+            if started is not None:
+                entry["uptime_secs"] = time.time() - started
             entry["rss_mb"] = _safe(lambda p=p: p.memory_info().rss / 2**20)
-        if p is not None and proc.get("health_url"):
+        if p is not None and entry["alive"] and proc.get("health_url"):
             entry["healthy"] = _http_ok(proc["health_url"], timeout=float(req.get("timeout_secs", 5)))
-        if p is not None and proc.get("info_url"):
+        if p is not None and entry["alive"] and proc.get("info_url"):
             info = _http_json(proc["info_url"], timeout=float(req.get("timeout_secs", 5)))
             entry["info"] = info
         out[proc["id"]] = entry
     return {"processes": out}
+
+
+def _story(path: str | None) -> dict[str, Any] | None:
+    """What a process's supervisor wrote (pdctl.supervise), if anything yet."""
+    if not path:
+        return None
+    try:
+        story = json.loads(Path(expand(path)).read_text())
+    except (OSError, ValueError):
+        return None
+    return story if isinstance(story, dict) else None
 
 
 def _safe(fn):

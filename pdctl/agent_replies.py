@@ -56,6 +56,11 @@ class ProcessState(TypedDict, total=False):
     rss_mb: float | None
     healthy: bool  # when a health URL was given
     info: Any  # the JSON of the info URL, None when it did not answer
+    restarts: int  # from the supervisor's file (pdctl.supervise), when it has written one
+    last_exit: dict[str, Any] | None  # {"code": N (negative: a signal), "at": epoch seconds}
+    supervisor: str | None  # running, backoff, exited, gave_up
+    reason: str | None  # why it was left down
+    child_pid: int  # the supervised process itself (the recorded pid is its supervisor)
 
 
 class StatusReply(TypedDict):

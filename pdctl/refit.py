@@ -79,10 +79,14 @@ class Hold:
     refit: RefitMode = RefitMode.DRAIN
     max_staleness: int | None = None
     group: Mapping[str, Any] | None = None
+    source: str | None = None
+    """A load from disk: the checkpoint path (read on each engine's node), which the router loads
+    into an engine that comes back later (pdctl.router.fleet_weights); None for a push."""
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "version": self.version,
+            "source": self.source,
             "engines": list(self.engines),
             "lease_secs": self.lease_secs,
             "timeout_secs": self.timeout_secs,
@@ -112,6 +116,7 @@ class Hold:
             refit=RefitMode.parse(body.get("refit")),
             max_staleness=parse_staleness(body.get("max_staleness")),
             group=group if isinstance(group, dict) else None,
+            source=None if body.get("source") is None else str(body["source"]),
         )
 
     def renewal(self) -> Hold:
@@ -125,6 +130,7 @@ class Hold:
             refit=self.refit,
             max_staleness=self.max_staleness,
             group=self.group,
+            source=self.source,
         )
 
 

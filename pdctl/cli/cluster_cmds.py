@@ -101,11 +101,12 @@ def down(name: str | None, purge: bool) -> None:
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name: str | None, as_json: bool) -> None:
-    """Each process of NAME: role, node, pid, alive, health, ports, weight version, uptime;
+    """Each process of NAME: role, node, pid, alive, health, ports, weight version, uptime,
+    restarts (↻N: its node's supervisor restarted it N times; JSON `restarts`, `last_exit`);
     then each engine as a unit (a multi-node engine is down when any of its processes is).
     With no NAME and several clusters: one row per cluster (state, router, processes up).
 
-    Exit 1 when anything is down or unhealthy.
+    Exit 1 when anything is down, restarting or unhealthy; 0 once everything is back.
     """
     store = StateStore()
     if name is None and len(store.names()) > 1 and not as_json:
@@ -158,6 +159,12 @@ def _print_status(result: ClusterStatus) -> None:
         alive = "?" if p.alive is None else ("[green]yes[/]" if p.alive else "[red]no[/]")
         if p.alive is False and p.exit_code is not None:
             alive = f"[{'green' if p.exit_code == 0 else 'red'}]exited {p.exit_code}[/]"
+        if p.supervisor == "backoff":
+            alive = "[yellow]restarting[/]"
+        elif p.supervisor == "gave_up":
+            alive = "[red]left down[/]"
+        if p.restarts:
+            alive += f" ↻{p.restarts}"
         health = "-" if p.healthy is None else ("[green]ok[/]" if p.healthy else "[red]failing[/]")
         uptime = f"{p.uptime_secs:.0f}s" if p.uptime_secs is not None else "-"
         ports = "\n".join(f"{k}={v}" for k, v in p.ports.items())
@@ -166,6 +173,10 @@ def _print_status(result: ClusterStatus) -> None:
     for p in result.processes:
         if p.error:
             out.print(f"[red]{p.node}: {p.error}[/]")
+        if p.reason:
+            out.print(f"[red]{p.id}: {p.reason}[/]")
+        elif p.restarts and p.last_exit:
+            out.print(f"{p.id}: restarted {p.restarts} time(s); last exit {_exit_text(p.last_exit)}")
     if result.engines:
         engines = ", ".join(
             f"{e.id} [green]up[/]" if e.up else f"{e.id} [red]DOWN[/] ({e.problem})" for e in result.engines
@@ -187,6 +198,13 @@ def _print_status(result: ClusterStatus) -> None:
             for w in result.router_workers
         )
         out.print(f"router workers: {workers or 'none'}")
+
+
+def _exit_text(last_exit: dict) -> str:
+    code = last_exit.get("code")
+    how = f"signal {-code}" if isinstance(code, int) and code < 0 else f"code {code}"
+    at = last_exit.get("at")
+    return how + (f" at {time.strftime('%H:%M:%S', time.localtime(at))}" if isinstance(at, (int, float)) else "")
 
 
 @click.command()

@@ -32,6 +32,15 @@ class ProcessStatus:
     error: str | None = None
     exit_code: int | None = None
     """For a process that has exited and whose status was kept (trainers)."""
+    restarts: int | None = None
+    """How often its node's supervisor restarted it (pdctl.supervise); None: unknown."""
+    last_exit: dict[str, Any] | None = None
+    """Its last exit: ``{"code": N (negative: killed by signal -N), "at": epoch seconds}``."""
+    supervisor: str | None = None
+    """running, backoff (restarting), exited, gave_up (left down: ``reason`` says why)."""
+    reason: str | None = None
+    supervisor_pid: int | None = None
+    """The recorded process: its supervisor (``pid`` is the supervised process)."""
 
     @property
     def ok(self) -> bool:
@@ -103,6 +112,12 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
             ps.healthy = entry.get("healthy")
             ps.uptime_secs = entry.get("uptime_secs")
             ps.exit_code = entry.get("exit_code")
+            ps.restarts = entry.get("restarts")
+            ps.last_exit = entry.get("last_exit")
+            ps.supervisor = entry.get("supervisor")
+            ps.reason = entry.get("reason")
+            if entry.get("child_pid"):
+                ps.supervisor_pid, ps.pid = rec.pid, int(entry["child_pid"])
             info = entry.get("info")
             if isinstance(info, dict):
                 if rec.role == Role.ROUTER:

@@ -57,7 +57,8 @@ class ProcessRecord:
     engine_id: str | None = None
     node_rank: int = 0
     exit_file: str | None = None
-    """Where the process's exit status is written (trainers: ``pdctl.exitcode``)."""
+    """Where the process's supervisor writes its story: restarts, last exit, exit status
+    (``pdctl.supervise``)."""
 
 
 @dataclass

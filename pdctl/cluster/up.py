@@ -178,9 +178,15 @@ def _launch(
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
             if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router
                 env.update(secrets)
-            entry = {"id": spec.id, "argv": list(spec.argv), "env": env, "cwd": spec.cwd, "log_path": spec.log_path}
-            if spec.role is Role.TRAINER:
-                entry["exit_file"] = _exit_file(spec)
+            entry = {
+                "id": spec.id,
+                "argv": list(spec.argv),
+                "env": env,
+                "cwd": spec.cwd,
+                "log_path": spec.log_path,
+                "exit_file": _exit_file(spec),
+                "restart": spec.restart,
+            }
             payload.append(entry)
             events(spec.id, "starting")
         return agent_api.spawn(ex, payload)
@@ -206,7 +212,7 @@ def _launch(
                 health_path=spec.health_path,
                 engine_id=spec.engine_id,
                 node_rank=spec.node_rank,
-                exit_file=_exit_file(spec) if spec.role is Role.TRAINER else None,
+                exit_file=_exit_file(spec),
             )
             events(spec.id, f"started pid {info['pid']} on {node}")
     store.save(state)
@@ -278,12 +284,20 @@ def _wait_ready(
     for spec in specs:
         rec = state.processes[spec.id]
         url = f"{spec.url}{path or spec.health_path or '/health'}"
-        targets[spec.node][spec.id] = {"id": spec.id, "url": url, "pid": rec.pid, "create_time": rec.create_time}
+        targets[spec.node][spec.id] = {
+            "id": spec.id,
+            "url": url,
+            "pid": rec.pid,
+            "create_time": rec.create_time,
+            "exit_file": rec.exit_file,
+        }
         events(spec.id, "waiting until healthy")
     watched: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for spec in watch or []:
         rec = state.processes[spec.id]
-        watched[spec.node].append({"id": spec.id, "pid": rec.pid, "create_time": rec.create_time})
+        watched[spec.node].append(
+            {"id": spec.id, "pid": rec.pid, "create_time": rec.create_time, "exit_file": rec.exit_file}
+        )
     deadline = time.monotonic() + timeout
     while True:
         left = max(0.0, deadline - time.monotonic())

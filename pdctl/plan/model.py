@@ -46,6 +46,8 @@ class LaunchSpec:
     entrypoint: bool = False
     """True for the one process per engine that serves HTTP requests (and the router)."""
     health_path: str | None = None
+    restart: str = "never"
+    """on-failure: its node's supervisor restarts it when it fails (pdctl.supervise)."""
 
     @property
     def url(self) -> str | None:
@@ -77,6 +79,7 @@ class LaunchSpec:
             "node_rank": self.node_rank,
             "entrypoint": self.entrypoint,
             "health_path": self.health_path,
+            "restart": self.restart,
             "url": self.url,
         }
 

@@ -86,6 +86,7 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
             host=router_host,
             entrypoint=True,
             health_path="/health",
+            restart=top.router.restart,
         )
     )
     router_url = f"http://{url_host(router_host)}:{r_port}"
@@ -179,6 +180,7 @@ def _plan_engine(
             node_rank=rank,
             entrypoint=rank == 0,
             health_path="/health" if rank == 0 else None,
+            restart=group.restart,
         )
         if rank == 0:
             url = spec.url or ""
@@ -302,7 +304,18 @@ def _plan_trainer(
         if rank == 0 and weight_group is not None:
             ports["weight_group"] = weight_group.master_port
         procs.append(
-            _spec(top, node, f"trainer.{node.name}", Role.TRAINER, argv, env, ports, gpu_ids=gpu_ids, node_rank=rank)
+            _spec(
+                top,
+                node,
+                f"trainer.{node.name}",
+                Role.TRAINER,
+                argv,
+                env,
+                ports,
+                gpu_ids=gpu_ids,
+                node_rank=rank,
+                restart=top.trainer.restart,
+            )
         )
     return procs, weight_group
 

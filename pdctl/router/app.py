@@ -24,6 +24,7 @@ from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher, Headers, RouteError
+from pdctl.router.fleet_weights import FleetWeights
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
@@ -249,10 +250,12 @@ class RouterServer:
                 return errors.error_response(409, errors.BAD_REQUEST, f"weight push {txn} has ended")
             self._txn = txn
             self._txn_engines = list(hold.engines)
+            self.registry.updating = True
             if self._last_push is None or self._last_push.get("txn") != txn:
                 self._last_push = {
                     "txn": txn,
                     "version": hold.version,
+                    "source": hold.source,
                     "state": "pushing",
                     "refit": hold.refit.value,
                     "group": hold.group,
@@ -299,6 +302,7 @@ class RouterServer:
         if self._last_push is not None and self._last_push.get("txn") == txn:
             self._last_push.update(state="abandoned (lease expired)", ended_at=time.time())
         self._txn, self._txn_engines, self._lease = None, [], None
+        self.registry.updating = False
         self.gate.open()
 
     async def release(self, request: Request) -> Reply:
@@ -328,7 +332,11 @@ class RouterServer:
                 failed=dict(release.failed),
                 ended_at=time.time(),
             )
+        push = self._last_push
+        if release.complete and push is not None and push.get("txn") == txn and push.get("version") is not None:
+            self.registry.set_fleet(FleetWeights(str(push["version"]), push.get("source")))
         self._txn, self._txn_engines, self._lease = None, [], None
+        self.registry.updating = False
         await self.registry.check_all(self.session)
         self.gate.open()
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})

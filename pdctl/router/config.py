@@ -56,9 +56,16 @@ class HealthConfig:
         "Grace after a worker is added before failed checks count (slow engine start-ups).",
     )
     disabled: bool = setting(False, "--disable-health-check", "Never check workers (they are always in rotation).")
+    liveness_interval_secs: float = setting(
+        1.0,
+        "--liveness-interval-secs",
+        "Seconds between TCP probes of each worker in rotation: one whose port refuses connections "
+        "(its process is gone) leaves rotation at once (0: no probes).",
+    )
 
     def __post_init__(self) -> None:
         _check(self.interval_secs > 0, "--health-check-interval-secs", self.interval_secs, "> 0")
+        _check(self.liveness_interval_secs >= 0, "--liveness-interval-secs", self.liveness_interval_secs, ">= 0")
         _check(self.startup_interval_secs > 0, "--worker-startup-check-interval", self.startup_interval_secs, "> 0")
         _check(self.timeout_secs > 0, "--health-check-timeout-secs", self.timeout_secs, "> 0")
         _check(self.failure_threshold >= 1, "--health-failure-threshold", self.failure_threshold, ">= 1")
@@ -180,6 +187,8 @@ class RouterConfig:
     decode_policy: str | None = None
     api_key: str | None = field(default=None, repr=False)
     """Never logged (repr=False)."""
+    weights_file: str | None = None
+    """Where the fleet's weight version is kept across router restarts (pdctl.router.fleet_weights)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -214,6 +223,7 @@ class Flag:
     API_KEY_ENV = "--api-key-env"
     PROMETHEUS_PORT = "--prometheus-port"
     LOG_LEVEL = "--log-level"
+    WEIGHTS_FILE = "--weights-file"
 
 
 @dataclass(frozen=True)

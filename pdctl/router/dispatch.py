@@ -829,7 +829,7 @@ class Dispatcher:
             self.registry.record(worker, False)
             if isinstance(leg.error, UpstreamTimeout):
                 return Stop(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {leg.error}")
-            self.registry.mark_failed(worker)
+            self.registry.mark_failed(worker, leg.error)
             return Retry(f"{worker.role} {worker.url} failed: {type(leg.error).__name__}: {leg.error}", code)
         if leg.status in BACKPRESSURE:
             return Retry(f"{worker.role} {worker.url} is busy ({leg.status}): {leg.body[:200]!r}", code, busy=True)

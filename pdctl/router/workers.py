@@ -20,6 +20,7 @@ import aiohttp
 
 from pdctl.roles import Role, engine_role
 from pdctl.router.config import RouterConfig
+from pdctl.router.fleet_weights import STALE, FleetWeights
 from pdctl.sglang import Endpoint
 
 log = logging.getLogger("pdctl.router")
@@ -95,6 +96,12 @@ class WorkerRegistry:
         self.on_change: list = []
         self.quarantine: dict[str, str] = {}
         """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
+        self.fleet: FleetWeights | None = FleetWeights.read(config.weights_file)
+        """The fleet's weight version (pdctl.router.fleet_weights); None until an update completes."""
+        self.updating = False
+        """A weight update runs: engines' versions change under it, the version rule waits."""
+        self._loading: dict[str, asyncio.Task] = {}
+        self._liveness: asyncio.Task | None = None
 
     # -- membership --------------------------------------------------------------------------
     def add(self, url: str, role: object, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
@@ -138,6 +145,54 @@ class WorkerRegistry:
                 log.info("worker %s is back in rotation (it holds the pushed weights)", url)
             else:
                 log.warning("worker %s is out of rotation: %s", url, reason)
+
+    def set_fleet(self, fleet: FleetWeights) -> None:
+        """An update completed: ``fleet`` is the version engines must hold to (re)join."""
+        if fleet != self.fleet:
+            self.fleet = fleet
+            fleet.write(self.config.weights_file)
+
+    def version_rule(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        """Keep ``worker`` (come back, or its version changed outside an update) out of rotation
+        unless it holds the fleet's version; load that version into it when it came from disk."""
+        fleet = self.fleet
+        stale = worker.quarantined is not None and worker.quarantined.startswith(STALE)
+        if fleet is None or worker.weight_version == fleet.version:
+            if stale:
+                self.set_quarantine(worker.url, None)
+            return
+        if worker.quarantined is None or stale:
+            self.set_quarantine(worker.url, fleet.stale_reason(worker.weight_version))
+        if fleet.source and worker.url not in self._loading:
+            task = asyncio.create_task(self._load(session, worker, fleet), name=f"pdctl-router-load {worker.url}")
+            self._loading[worker.url] = task
+            task.add_done_callback(functools.partial(self._loaded, worker.url))
+
+    def _loaded(self, url: str, _task: asyncio.Task) -> None:
+        self._loading.pop(url, None)
+
+    async def _load(self, session: aiohttp.ClientSession, worker: Worker, fleet: FleetWeights) -> None:
+        """``/update_weights_from_disk`` of the fleet's checkpoint into a stale worker (out of
+        rotation meanwhile); back in rotation once it holds the version."""
+        log.info("worker %s holds %r: loading %s (%s)", worker.url, worker.weight_version, fleet.source, fleet.version)
+        body = {"model_path": fleet.source, "weight_version": fleet.version}
+        timeout = aiohttp.ClientTimeout(total=self.config.admission.request_timeout_secs)
+        try:
+            async with session.post(
+                worker.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, json=body, timeout=timeout
+            ) as r:
+                answer = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            answer = None
+            log.warning("worker %s: loading %s failed: %s", worker.url, fleet.source, exc)
+        if not (isinstance(answer, dict) and answer.get("success")):
+            log.warning(
+                "worker %s did not load %s: %s (tried again at its next check)", worker.url, fleet.source, answer
+            )
+            return
+        if self.fleet == fleet and not self.updating:
+            worker.weight_version = fleet.version
+            self.set_quarantine(worker.url, None)
 
     def routable(self, role: Role) -> list[Worker]:
         now = time.monotonic()
@@ -191,17 +246,42 @@ class WorkerRegistry:
     def start(self, session: aiohttp.ClientSession) -> None:
         if not self.config.health.disabled:
             self._task = asyncio.create_task(self._health_loop(session), name="pdctl-router-health")
+            if self.config.health.liveness_interval_secs > 0:
+                self._liveness = asyncio.create_task(self._liveness_loop(), name="pdctl-router-liveness")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._liveness, *self._loading.values()):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _liveness_loop(self) -> None:
+        """A TCP connect to each worker in rotation every ``liveness_interval_secs``: a refused
+        connection means its process is gone (a crash, a restart), and it leaves rotation at
+        once rather than after ``failure_threshold`` health checks. A slow or silent worker is
+        left to the health checks' thresholds."""
+        interval = self.config.health.liveness_interval_secs
+        while True:
+            await asyncio.sleep(interval)
+            live = [w for w in self.workers.values() if w.healthy]
+            results = await asyncio.gather(*(_refused(w.url, interval) for w in live))
+            for worker, refused in zip(live, results, strict=True):
+                if refused and worker.healthy:
+                    self.lost(worker, "its port refuses connections")
+
+    def lost(self, worker: Worker, why: str) -> None:
+        """``worker``'s process is gone: out of rotation now; back after ``success_threshold`` checks."""
+        worker.healthy = False
+        worker.consecutive_successes = 0
+        worker.consecutive_failures = max(worker.consecutive_failures, self.config.health.failure_threshold)
+        log.warning("worker %s is out of rotation: %s", worker.url, why)
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
-            # Poll fast while some worker has never answered (engines still starting).
-            waiting = any(not w.activated for w in self.workers.values())
+            # Poll fast while some worker has never answered (engines still starting) or is out of
+            # rotation (a restarted engine is back as soon as it answers).
+            waiting = any(not w.activated or not w.healthy for w in self.workers.values())
             c = self.config
             await asyncio.sleep(
                 min(c.health.startup_interval_secs, c.health.interval_secs) if waiting else c.health.interval_secs
@@ -222,6 +302,7 @@ class WorkerRegistry:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
         if ok:  # the version is extra: a worker without a JSON /model_info is still healthy
+            held = worker.weight_version
             try:
                 async with session.get(worker.url + Endpoint.MODEL_INFO.value, timeout=timeout) as resp:
                     info = await resp.json(content_type=None) if resp.status == 200 else None
@@ -229,6 +310,8 @@ class WorkerRegistry:
                     worker.weight_version = info.get("weight_version")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                 pass
+            if not self.updating and (worker.weight_version != held or not worker.healthy):
+                self.version_rule(session, worker)
         self.observe_health(worker, ok)
 
     def observe_health(self, worker: Worker, ok: bool) -> None:
@@ -253,6 +336,30 @@ class WorkerRegistry:
             worker.healthy = False
             log.warning("worker %s is unhealthy (%d failed checks)", worker.url, worker.consecutive_failures)
 
-    def mark_failed(self, worker: Worker) -> None:
-        """A request could not even connect: count it as a failed health check at once."""
+    def mark_failed(self, worker: Worker, error: BaseException | None = None) -> None:
+        """A request could not even connect: a refused connection (the process is gone) takes
+        the worker out of rotation at once; another failure counts as a failed health check."""
+        refused = isinstance(error, ConnectionRefusedError) or isinstance(
+            getattr(error, "__cause__", None), ConnectionRefusedError
+        )
+        if refused and worker.healthy:
+            self.lost(worker, "its port refuses connections")
+            return
         self.observe_health(worker, False)
+
+
+async def _refused(url: str, timeout: float) -> bool:
+    """Whether a TCP connection to ``url``'s host and port is refused (nothing listens)."""
+    parts = urlsplit(url)
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout
+        )
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False

@@ -16,7 +16,7 @@ from pdctl.errors import AllocationError, Issue, PdctlError, TopologyError
 from pdctl.roles import Role
 from pdctl.topology.alloc import Allocation, Dims, parse_allocation
 from pdctl.topology.guard import MAX_BYTES, decode
-from pdctl.topology.model import ServerGroup, Topology, TrainerConfig
+from pdctl.topology.model import ServerGroup, Topology
 from pdctl.topology.schema import SourceMap, check_schema, parse_yaml
 from pdctl.topology.validate import validate
 
@@ -200,9 +200,7 @@ def _apply_trainer(top: Topology, world: int | None, alloc: Allocation) -> tuple
         return top, [
             Issue("trainer.nodes", f"allocation's trainer world size {world} does not divide over {len(nodes)} node(s)")
         ]
-    trainer = TrainerConfig(
-        command=top.trainer.command, nproc_per_node=world // len(nodes), nodes=top.trainer.nodes, env=top.trainer.env
-    )
+    trainer = replace(top.trainer, nproc_per_node=world // len(nodes))
     return replace(top, trainer=trainer), []
 
 

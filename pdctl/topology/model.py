@@ -110,6 +110,8 @@ class ServerGroup:
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     path: str = ""
     """Where the group is written (``decode``, ``prefill[1]``, ``allocation``), for messages."""
+    restart: str = "on-failure"
+    """Restart policy of its processes on their nodes (pdctl.supervise): on-failure or never."""
 
     @property
     def gpus_per_engine(self) -> int:
@@ -140,6 +142,7 @@ class ServerGroup:
             nodes=tuple(raw["nodes"]) if "nodes" in raw else None,
             args=_frozen_map(raw.get("args")),
             env=_env(raw.get("env")),
+            restart=raw.get("restart", "on-failure"),
         )
 
 
@@ -160,6 +163,7 @@ class RouterSpec:
     health_check_interval_secs: float = 10.0
     health_failure_threshold: int = 3
     """A dead engine leaves rotation after at most interval x threshold seconds."""
+    restart: str = "on-failure"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,6 +174,8 @@ class TrainerConfig:
     nodes: tuple[str, ...] | None = None
     """None = the last node."""
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    restart: str = "never"
+    """Its ranks are not restarted unless asked: a restarted rank cannot rejoin a torchrun job."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -267,6 +273,7 @@ class Topology:
                 nproc_per_node=t.get("nproc_per_node"),
                 nodes=tuple(t["nodes"]) if "nodes" in t else None,
                 env=_env(t.get("env")),
+                restart=t.get("restart", "never"),
             )
         engine = raw.get("engine", "sglang")
         weights = None

@@ -165,18 +165,24 @@ class Fleet:
 
     @contextlib.contextmanager
     def held(
-        self, report: PushReport, group: Mapping[str, Any] | None = None, refit: RefitMode | None = None
+        self,
+        report: PushReport,
+        group: Mapping[str, Any] | None = None,
+        refit: RefitMode | None = None,
+        source: str | None = None,
     ) -> Iterator[None]:
         """Hold the router (drain, a lease renewed meanwhile) around the body, then release naming
         the engines that hold ``report.version`` and those that do not. If the body raises, every
         engine not known to hold it leaves rotation. ``group`` (name, world size, each engine's
-        ranks) is kept by the router for ``pdctl weights status``. Without a router, just the body."""
+        ranks) is kept by the router for ``pdctl weights status``; ``source``, a load's checkpoint
+        path, lets the router load it into engines that come back later. Without a router, just
+        the body."""
         if not self.router_url:
             yield
             return
         lease = _Lease(self)
         with report.phase(Phase.HOLD):  # a hold that fails touched nothing
-            lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit)
+            lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit, source)
         try:
             yield
             with report.phase(Phase.RELEASE):
@@ -255,7 +261,7 @@ class Fleet:
         with report.phase(Phase.PROBE):
             live, infos = self.probe(report)
         members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
-        with self.held(report, refit=mode):
+        with self.held(report, refit=mode, source=model_path):
             try:
                 with report.phase(Phase.PAUSE):
                     self.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, self.pause_body(mode))
@@ -304,8 +310,16 @@ class _Lease:
     def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         return self.fleet.client.post(f"{self.fleet.router_url}{path}", body, timeout_secs=timeout)
 
-    def hold(self, engines: list[str], version: str, group: Mapping[str, Any] | None, refit: RefitMode) -> None:
+    def hold(
+        self,
+        engines: list[str],
+        version: str,
+        group: Mapping[str, Any] | None,
+        refit: RefitMode,
+        source: str | None = None,
+    ) -> None:
         hold = Hold(
+            source=source,
             txn=self.txn,
             version=version,
             engines=tuple(engines),

@@ -1,0 +1,187 @@
+"""``python -m pdctl.supervise FILE [--restart on-failure|never] -- ARGV...``: run ARGV, restart it
+when it fails, and keep its story in FILE.
+
+The node agent starts every process of a cluster through this wrapper, as the leader of the
+process's own session, so healing happens on the node itself and goes on while no pdctl command
+runs anywhere. The child stays in the wrapper's process group: ``down`` signals the whole group
+(wrapper and child), and the wrapper passes SIGTERM/SIGINT on to the child as well.
+
+Rules (systemd's ``Restart=on-failure``, with its clean signals):
+- a child that exits 0, or is ended by SIGTERM, SIGINT, SIGHUP or SIGPIPE, has stopped cleanly:
+  not restarted (``kill PID`` of an engine is a stop, ``kill -9`` or an OOM kill is a failure);
+- once the wrapper itself got SIGTERM or SIGINT (``down``), nothing is restarted again;
+- a failed child is restarted after a backoff (BACKOFF_SECS doubling up to BACKOFF_MAX_SECS),
+  at most MAX_RESTARTS times within WINDOW_SECS; the next failure leaves it down (``gave_up``).
+
+FILE (0600, replaced atomically) says: ``state`` (running, backoff, exited, gave_up), the child's
+``pid`` and ``create_time``, ``restarts``, ``last_exit`` (``code``: the exit status, negative for a
+signal; ``at``: epoch seconds) and, once the wrapper is done, ``exit_code`` (the trainer's status,
+as ``up`` and ``status`` read it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from pdctl.nodeproc import expand
+
+RESTART_POLICIES = ("on-failure", "never")
+MAX_RESTARTS = 5
+WINDOW_SECS = 600.0
+BACKOFF_SECS = 0.5
+BACKOFF_MAX_SECS = 10.0
+CLEAN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE})
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def failed(code: int) -> bool:
+    """Whether an exit status (negative: killed by that signal) is a failure to restart from."""
+    if code == 0:
+        return False
+    return code > 0 or signal.Signals(-code) not in CLEAN_SIGNALS
+
+
+@dataclass
+class Story:
+    """What FILE says about the supervised process."""
+
+    path: str
+    restart: str
+    state: str = "running"
+    pid: int | None = None
+    create_time: float | None = None
+    restarts: int = 0
+    last_exit: dict[str, Any] | None = None
+    reason: str | None = None
+    exit_code: int | None = None
+    recent: deque[float] = field(default_factory=deque)
+    """When the restarts within the window happened (monotonic)."""
+
+    def write(self) -> None:
+        body = {
+            "state": self.state,
+            "restart": self.restart,
+            "pid": self.pid,
+            "create_time": self.create_time,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "reason": self.reason,
+        }
+        if self.exit_code is not None:
+            body["exit_code"] = self.exit_code
+        tmp = f"{self.path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(body, out)
+        os.replace(tmp, self.path)
+
+
+class Supervisor:
+    def __init__(self, story: Story, command: list[str]):
+        self.story = story
+        self.command = command
+        self.child: subprocess.Popen | None = None
+        self.stopping = False
+
+    def run(self) -> int:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._stop)
+        while True:
+            code = self._run_once()
+            story = self.story
+            story.last_exit = {"code": code, "at": time.time()}
+            if self.stopping or story.restart == "never" or not failed(code):
+                return self._done("exited", code)
+            now = time.monotonic()
+            while story.recent and now - story.recent[0] > WINDOW_SECS:
+                story.recent.popleft()
+            if len(story.recent) >= MAX_RESTARTS:
+                story.reason = (
+                    f"failed {len(story.recent) + 1} times within {WINDOW_SECS / 60:g} minutes "
+                    f"(last exit {_describe(code)}); left down"
+                )
+                _say(f"{story.reason}")
+                return self._done("gave_up", code)
+            delay = min(BACKOFF_SECS * 2 ** len(story.recent), BACKOFF_MAX_SECS)
+            story.state, story.pid, story.create_time = "backoff", None, None
+            story.write()
+            _say(f"exited ({_describe(code)}); restart {story.restarts + 1} in {delay:g}s")
+            if self._wait_stop(delay):
+                return self._done("exited", code)
+            story.recent.append(time.monotonic())
+            story.restarts += 1
+
+    def _run_once(self) -> int:
+        story = self.story
+        if self.stopping:
+            return -signal.SIGTERM
+        try:
+            self.child = subprocess.Popen(self.command)
+        except OSError as exc:  # as a shell does: 127 for a program that cannot be run
+            _say(f"cannot run {self.command[0]}: {exc.strerror or exc}")
+            return 127
+        if self.stopping:  # a stop signal came while it started: its handler may have missed it
+            self.child.terminate()
+        story.state, story.pid = "running", self.child.pid
+        try:
+            story.create_time = psutil.Process(self.child.pid).create_time()
+        except psutil.Error:
+            story.create_time = None
+        story.write()
+        return self.child.wait()
+
+    def _stop(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def _wait_stop(self, delay: float) -> bool:
+        """Wait ``delay`` seconds for a stop signal; True if one came (or had come)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            if self.stopping:
+                return True
+            got = signal.sigtimedwait(STOP_SIGNALS, delay)
+            self.stopping = self.stopping or got is not None
+            return self.stopping
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    def _done(self, state: str, code: int) -> int:
+        self.story.state, self.story.exit_code = state, code
+        self.story.pid = self.story.create_time = None
+        self.story.write()
+        return code if code >= 0 else 128 - code
+
+
+def _describe(code: int) -> str:
+    return f"code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+
+
+def _say(message: str) -> None:
+    """A line in the process's log (the wrapper's stderr is the log), marked as pdctl's."""
+    print(f"=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} supervise: {message} ===", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    restart = "never"
+    if len(argv) >= 2 and argv[1] == "--restart":
+        restart, argv = argv[2], [argv[0], *argv[3:]]
+    if len(argv) < 3 or argv[1] != "--" or restart not in RESTART_POLICIES:
+        print("usage: python -m pdctl.supervise FILE [--restart on-failure|never] -- ARGV...", file=sys.stderr)
+        return 2
+    return Supervisor(Story(expand(argv[0]), restart), argv[2:]).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

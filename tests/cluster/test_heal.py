@@ -1,0 +1,161 @@
+"""Self-healing on localhost nodes, driven as a user would: `pdctl up`, clients through the
+router, `kill -9` of engine and router processes, `pdctl weights load`, `pdctl status`, `pdctl
+down`. No pdctl command runs while the cluster heals: the nodes' supervisors do it alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from pdctl.sim.model import resolve_model, save_checkpoint
+from tests.cluster.test_local_cli import local_topology, pdctl
+from tests.helpers import get, post
+
+
+def _status(env: dict) -> dict[str, dict]:
+    st = pdctl("status", "--json", env=env)
+    return {p["id"]: p for p in json.loads(st.stdout)["processes"]} | {"": {"ok": st.returncode == 0}}
+
+
+def _workers(router: str) -> dict[str, dict]:
+    return {w["url"]: w for w in get(router + "/workers", timeout=10)[1]["workers"]}
+
+
+def _wait_back(env: dict, proc: str, old_pid: int, restarts: int) -> dict:
+    """Wait until ``proc`` runs again under a new pid, healthy, with its restart counted."""
+    while True:
+        p = _status(env)[proc]
+        if p["pid"] != old_pid and p["alive"] and p["healthy"] and p["restarts"] == restarts:
+            return p
+        time.sleep(0.2)
+
+
+def _wait_in_rotation(router: str, url: str, version: str | None = None) -> dict:
+    while True:
+        try:
+            w = _workers(router).get(url)
+        except OSError:
+            w = None
+        if w and w["is_healthy"] and not w["quarantined"] and version in (None, w["weight_version"]):
+            return w
+        time.sleep(0.1)
+
+
+class Clients:
+    """Requests through the router from two threads until stopped: (sent at, status, version)."""
+
+    def __init__(self, router: str):
+        self.router, self.answers = router, []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run) for _ in range(2)]
+
+    def _run(self) -> None:
+        body = {"text": "heal me", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+        while not self.stop.is_set():
+            sent = time.monotonic()
+            try:
+                status, out = post(self.router + "/generate", body, timeout=120)
+            except OSError as exc:
+                status, out = 0, {"error": str(exc)}
+            self.answers.append((sent, status, out.get("meta_info", {}).get("weight_version"), out))
+
+    def __enter__(self) -> Clients:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def failed(self, since: float = 0.0) -> list:
+        return [a for a in self.answers if a[0] >= since and a[1] != 200]
+
+
+def _run_processes(run_id: str) -> list[int]:
+    """Every process on this machine whose environment carries the cluster's run id."""
+    out = []
+    needle = f"PDCTL_RUN_ID={run_id}".encode()
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if needle in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0") and p.status() != "zombie":
+                out.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_version(tmp_path) -> None:
+    node = {"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp_path / "runs")}
+    topo = local_topology(
+        tmp_path,
+        "heal",
+        26000 + os.getpid() % 3000 // 10 * 10,
+        prefill={"replicas": 2},
+        decode={"replicas": 2},
+        nodes=[node],
+    )
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    save_checkpoint(resolve_model("sim://tiny?seed=5", "auto", None), tmp_path / "ckpt")
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    state = json.loads((tmp_path / "home" / "heal" / "state.json").read_text())
+    try:
+        status = _status(env)
+        router = status["router"]["url"]
+        urls = {i: status[i]["url"] for i in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
+        with Clients(router) as clients:
+            # 1. kill -9 of a decode under load: back on its port, 0 failed requests.
+            old = status["decode-0"]
+            os.kill(old["pid"], signal.SIGKILL)
+            back = _wait_back(env, "decode-0", old["pid"], 1)
+            assert back["ports"] == old["ports"] and back["last_exit"]["code"] == -signal.SIGKILL
+            _wait_in_rotation(router, urls["decode-0"])
+
+            # 2. After a load from disk, a killed engine comes back holding the loaded version.
+            load = pdctl("weights", "load", str(tmp_path / "ckpt"), "heal", "--version", "B", env=env)
+            assert load.returncode == 0, load.stderr
+            loaded_at = time.monotonic()
+            old = _status(env)["prefill-0"]
+            os.kill(old["pid"], signal.SIGKILL)
+            _wait_back(env, "prefill-0", old["pid"], 1)
+            assert _wait_in_rotation(router, urls["prefill-0"], "B")["weight_version"] == "B"
+            old = _status(env)["decode-1"]
+            os.kill(old["pid"], signal.SIGKILL)
+            _wait_back(env, "decode-1", old["pid"], 1)
+            _wait_in_rotation(router, urls["decode-1"], "B")
+            # a request or two through the healed pair before the clients stop
+            while not [a for a in clients.answers if a[0] > time.monotonic() - 0.5 and a[1] == 200]:
+                time.sleep(0.05)
+        assert not clients.failed(), clients.failed()[:3]
+        after = [a for a in clients.answers if a[0] > loaded_at]
+        assert after and all(a[2] == "B" for a in after), {a[2] for a in after}
+
+        # 3. kill -9 of the router: back on its port; it still keeps the fleet's version.
+        old = _status(env)["router"]
+        os.kill(old["pid"], signal.SIGKILL)
+        back = _wait_back(env, "router", old["pid"], 1)
+        assert back["ports"] == old["ports"]
+        _wait_in_rotation(router, urls["decode-0"], "B")
+        code, out = post(router + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4}})
+        assert code == 200 and out["meta_info"]["weight_version"] == "B"
+        final = _status(env)
+        assert final[""]["ok"], final
+        restarts = {i: final[i]["restarts"] for i in urls.keys() | {"router"}}
+        assert restarts == {"prefill-0": 1, "prefill-1": 0, "decode-0": 1, "decode-1": 1, "router": 1}
+
+        # 4. `down` while an engine is being restarted leaves nothing behind, supervisors included.
+        old = final["decode-0"]
+        os.kill(old["pid"], signal.SIGKILL)
+        down = pdctl("down", "heal", env=env)
+        assert down.returncode == 0, down.stderr
+        assert _run_processes(state["run_id"]) == []
+    finally:
+        pdctl("down", "heal", env=env)

@@ -1,0 +1,112 @@
+"""pdctl.supervise, the wrapper every cluster process runs under on its node: what it restarts,
+what it leaves alone, and what it writes down. Real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pdctl.supervise import MAX_RESTARTS, failed
+
+CHILD = """
+import os, sys, time
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+code = int(sys.argv[2])
+if code >= 0:
+    sys.exit(code)
+time.sleep(3600)
+"""
+
+
+def _supervise(tmp: Path, code: int, restart: str = "on-failure") -> tuple[subprocess.Popen, Path, Path]:
+    runs, story = tmp / "runs", tmp / "story.json"
+    script = tmp / "child.py"
+    script.write_text(CHILD)
+    argv = [sys.executable, "-m", "pdctl.supervise", str(story), "--restart", restart, "--"]
+    proc = subprocess.Popen(
+        [*argv, sys.executable, str(script), str(runs), str(code)], start_new_session=True, stderr=subprocess.PIPE
+    )
+    return proc, story, runs
+
+
+def _read(story: Path) -> dict:
+    while True:
+        try:
+            return json.loads(story.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.02)
+
+
+def _pids(runs: Path, count: int) -> list[str]:
+    """The pids of the child's runs, once it has started ``count`` times."""
+    while len(pids := (runs.read_text().split() if runs.exists() else [])) < count:
+        time.sleep(0.02)
+    return pids
+
+
+def _wait(story: Path, check) -> dict:
+    """Wait until the story satisfies ``check`` (the wrapper writes it at every change)."""
+    while not check(current := _read(story)):
+        time.sleep(0.02)
+    return current
+
+
+def test_exit_statuses_that_count_as_failures() -> None:
+    assert failed(1) and failed(127) and failed(-signal.SIGKILL) and failed(-signal.SIGSEGV)
+    assert not failed(0) and not failed(-signal.SIGTERM) and not failed(-signal.SIGINT)
+
+
+def test_a_killed_child_is_restarted_and_a_stop_is_not(tmp_path) -> None:
+    proc, story, runs = _supervise(tmp_path, -1)
+    try:
+        first = _wait(story, lambda s: s["state"] == "running" and s["pid"])
+        _pids(runs, 1)
+        os.kill(first["pid"], signal.SIGKILL)
+        second = _wait(story, lambda s: s["restarts"] == 1 and s["state"] == "running" and s["pid"])
+        assert second["pid"] != first["pid"] and second["last_exit"]["code"] == -signal.SIGKILL
+        assert _pids(runs, 2) == [str(first["pid"]), str(second["pid"])]
+        os.killpg(proc.pid, signal.SIGTERM)  # as `down` does: the whole group
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    final = _read(story)
+    assert final["state"] == "exited" and final["restarts"] == 1 and final["pid"] is None
+    assert len(runs.read_text().split()) == 2, "nothing was restarted after the stop"
+    assert b"restart 1 in 0.5s" in proc.stderr.read()
+
+
+def test_a_clean_exit_is_kept_and_never_means_never(tmp_path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    proc, story, _ = _supervise(tmp_path / "a", 0)
+    assert proc.wait(timeout=60) == 0 and _read(story)["exit_code"] == 0
+    proc, story, runs = _supervise(tmp_path / "b", 7, "never")
+    assert proc.wait(timeout=60) == 7
+    final = _read(story)
+    assert final["exit_code"] == 7 and final["restarts"] == 0 and len(runs.read_text().split()) == 1
+
+
+def test_the_sixth_failure_within_the_window_leaves_it_down(tmp_path) -> None:
+    proc, story, runs = _supervise(tmp_path, 3)
+    assert proc.wait(timeout=100) == 3
+    final = _read(story)
+    assert final["state"] == "gave_up" and final["restarts"] == MAX_RESTARTS
+    assert f"failed {MAX_RESTARTS + 1} times within 10 minutes" in final["reason"]
+    assert len(runs.read_text().split()) == MAX_RESTARTS + 1
+    assert oct(story.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_stop_during_the_backoff_ends_it_at_once(tmp_path) -> None:
+    proc, story, runs = _supervise(tmp_path, 3)
+    _wait(story, lambda s: s["state"] == "backoff" and s["last_exit"])
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+    final = _read(story)
+    assert final["state"] == "exited" and len(runs.read_text().split()) == final["restarts"] + 1
