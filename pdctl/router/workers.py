@@ -102,6 +102,8 @@ class WorkerRegistry:
         """A weight update runs: engines' versions change under it, the version rule waits."""
         self._loading: dict[str, asyncio.Task] = {}
         self._liveness: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        """Set when a worker leaves rotation: the health loop then checks at the fast interval."""
 
     # -- membership --------------------------------------------------------------------------
     def add(self, url: str, role: object, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
@@ -275,17 +277,22 @@ class WorkerRegistry:
         worker.healthy = False
         worker.consecutive_successes = 0
         worker.consecutive_failures = max(worker.consecutive_failures, self.config.health.failure_threshold)
+        self._wake.set()
         log.warning("worker %s is out of rotation: %s", worker.url, why)
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
             # Poll fast while some worker has never answered (engines still starting) or is out of
-            # rotation (a restarted engine is back as soon as it answers).
+            # rotation (a restarted engine is back as soon as it answers); a worker lost in the
+            # meantime wakes the loop.
             waiting = any(not w.activated or not w.healthy for w in self.workers.values())
             c = self.config
-            await asyncio.sleep(
+            interval = (
                 min(c.health.startup_interval_secs, c.health.interval_secs) if waiting else c.health.interval_secs
             )
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
             await self.check_all(session)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:

@@ -53,6 +53,20 @@ def test_up_status_requests_down(clean_hosts, pdctl_home) -> None:
         assert code == 200 and out["meta_info"]["completion_tokens"] == 8, out
     text = "".join(logs("t", "decode-0", lines=20))
     assert "fired up and ready to roll" in text
+    # kill -9 of the decode on its test host: its node's supervisor restarts it on the same port,
+    # with no pdctl command running meanwhile; status counts the restart
+    before = next(p for p in st.processes if p.id == "decode-0")
+    os.kill(before.pid, signal.SIGKILL)
+    while True:
+        after = next(p for p in status("t").processes if p.id == "decode-0")
+        if after.pid != before.pid and after.alive and after.healthy:
+            break
+        time.sleep(0.2)
+    assert after.restarts == 1 and after.last_exit["code"] == -signal.SIGKILL and after.ports == before.ports
+    while not (st := status("t")).ok:  # and the router takes it back
+        time.sleep(0.2)
+    code, out = post(state.router_url + "/generate", {"text": "back", "sampling_params": {"max_new_tokens": 4}})
+    assert code == 200, out
     # the state file is private
     assert oct(StateStore().path("t").stat().st_mode & 0o777) == "0o600"
     assert "down (3 processes stopped)" in down("t")

@@ -154,3 +154,37 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
     finally:
         proc.stop()
         slow.stop()
+
+
+def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_health_checks(tmp_path) -> None:
+    """With health checks 10 minutes apart, only the 1 s liveness probe (a refused TCP connect)
+    can take a killed engine out of rotation within this test; once it listens again on its port
+    it is checked at the fast startup interval and comes back."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers import SimProcess
+
+    engine = SimProcess(tmp_path).start()
+    proc = RouterProcess(tmp_path, "--worker-urls", engine.url, "--health-check-interval-secs", "600")
+    proc.start("/readiness")
+    try:
+        assert engine.proc is not None
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait()
+        while get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
+            time.sleep(0.05)
+        status, out = post(proc.url + "/generate", greedy("nobody home"))
+        assert status == 503 and out["error"]["code"] == "no_healthy_workers", out
+        again = SimProcess(tmp_path, port=engine.port).start()
+        try:
+            while not get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
+                time.sleep(0.05)
+            assert post(proc.url + "/generate", greedy("back"))[0] == 200
+        finally:
+            again.stop()
+    finally:
+        proc.stop()
+        engine.stop()
+    assert "its port refuses connections" in proc.log.read_text()
