@@ -19,6 +19,7 @@ from pdctl.cluster import down as cluster_down
 from pdctl.cluster import logs as cluster_logs
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
+from pdctl.cluster.restart import restart as cluster_restart
 from pdctl.cluster.state import Phase
 from pdctl.errors import LifecycleError
 
@@ -246,4 +247,33 @@ def _has_process(store: StateStore, name: str, proc: str) -> bool:
     return state is not None and any(p["id"] == proc for p in state.plan.get("processes", []))
 
 
-COMMANDS = [up, down, status, logs]
+@click.command()
+@click.argument("args", nargs=-1)
+@click.option("--timeout", "timeout_secs", default=900.0, show_default=True, help="Seconds to wait for each engine.")
+def restart(args: tuple[str, ...], timeout_secs: float) -> None:
+    """Rolling restart: `pdctl restart [NAME] [PROC...]` (default: every engine of NAME).
+
+    One engine at a time: the router stops sending it requests and waits for those it runs,
+    its processes are stopped and started again on the same ports, and once the router routes
+    to it again (healthy, on the fleet's weight version) the next one goes. PROC: an engine
+    (`decode-1`), one of its processes, or `router` (its clients see a short outage). Trainer
+    ranks cannot be restarted (they could not rejoin their job). Exit 1 when an engine does not
+    come back; the engines after it are left as they were.
+    """
+    store = StateStore()
+    names = store.names()
+    if args and args[0] in names:
+        name, targets = args[0], list(args[1:])
+    else:
+        name, targets = store.resolve_name(None), list(args)
+    done = cluster_restart(
+        name,
+        targets or None,
+        store=store,
+        events=lambda p, m: console.log(f"{p}: {m}"),
+        ready_timeout_secs=timeout_secs,
+    )
+    click.echo(f"restarted {', '.join(done) or 'nothing'}")
+
+
+COMMANDS = [up, down, status, logs, restart]

@@ -91,6 +91,14 @@ def stop_processes(
         raise LifecycleError("some processes may still run:\n  " + "\n  ".join(problems))
 
 
+def stop_records(state: ClusterState, nodes: NodeSet, records: list, *, events: Events = quiet) -> None:
+    """Stop these processes only (their groups, supervisors included); they leave ``state.processes``.
+    Raises LifecycleError naming what may still run."""
+    problems = _stop_phase(state, nodes, records, [], events, GRACE_SECS)
+    if problems:
+        raise LifecycleError("some processes may still run:\n  " + "\n  ".join(problems))
+
+
 def _stop_phase(state, nodes: NodeSet, records, sweep_nodes: list[str], events: Events, grace: float) -> list[str]:
     by_node = defaultdict(list)
     for rec in records:

@@ -97,8 +97,8 @@ def up(
             entrypoints = [p for p in engines if p.entrypoint]
             others = [p for p in engines if not p.entrypoint]  # node ranks >= 1 of multi-node engines
             watch = [*others, *trainers] if plan.trainer_first else others
-            _wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
-            _wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
+            wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
+            wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             if not plan.trainer_first:
                 start_trainers()
         except (Exception, KeyboardInterrupt) as exc:
@@ -167,12 +167,24 @@ def _preflight(top: Topology, plan: Plan, nodes: NodeSet, events: Events) -> Non
 def _launch(
     specs: list[LaunchSpec], state: ClusterState, store: StateStore, nodes: NodeSet, top: Topology, events: Events
 ) -> None:
+    launch(specs, state, store, nodes, secret_env(top.router.api_key_env), events)
+
+
+def launch(
+    specs: list[LaunchSpec],
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    secrets: dict[str, str],
+    events: Events,
+) -> None:
+    """Start ``specs`` on their nodes (each under its supervisor) and record them in ``state``;
+    the router and the trainer get ``secrets`` (the router's API key) in their environment."""
     by_node: dict[str, list[LaunchSpec]] = defaultdict(list)
     for spec in specs:
         by_node[spec.node].append(spec)
-    secrets = _secret_env(top)
 
-    def launch(ex: Executor) -> SpawnReply:
+    def spawn(ex: Executor) -> SpawnReply:
         payload = []
         for spec in by_node[ex.node.name]:
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
@@ -191,7 +203,7 @@ def _launch(
             events(spec.id, "starting")
         return agent_api.spawn(ex, payload)
 
-    results = nodes.each(list(by_node), launch)
+    results = nodes.each(list(by_node), spawn)
     errors = []
     for node, res in results.items():
         if isinstance(res, RemoteError):
@@ -249,10 +261,10 @@ def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet
         time.sleep(0.5)
 
 
-def _secret_env(top: Topology) -> dict[str, str]:
-    """The router's API key, read from the control machine's environment; never logged or saved.
-    The router and the trainer get it (``PDCTL_API_KEY_ENV`` names it for ``WeightSync.from_env``)."""
-    name = top.router.api_key_env
+def secret_env(name: str | None) -> dict[str, str]:
+    """The router's API key (in variable ``name``), read from the control machine's environment;
+    never logged or saved. The router and the trainer get it (``PDCTL_API_KEY_ENV`` names it for
+    ``WeightSync.from_env``)."""
     if not name:
         return {}
     value = os.environ.get(name)
@@ -267,7 +279,7 @@ class ReadinessError(LifecycleError):
         self.process_id = process_id
 
 
-def _wait_ready(
+def wait_ready(
     specs: list[LaunchSpec],
     state: ClusterState,
     nodes: NodeSet,
@@ -304,10 +316,10 @@ def _wait_ready(
         slice_secs = min(left, WATCH_SLICE_SECS) if watched else left
         involved = [n for n in {**targets, **watched} if targets.get(n) or watched.get(n)]
 
-        def wait_ready(ex: Executor, s: float = slice_secs) -> WaitReadyReply:
+        def wait_slice(ex: Executor, s: float = slice_secs) -> WaitReadyReply:
             return agent_api.wait_ready(ex, list(targets[ex.node.name].values()), watched[ex.node.name], s)
 
-        results = nodes.each(involved, wait_ready)
+        results = nodes.each(involved, wait_slice)
         for node, res in results.items():
             if isinstance(res, RemoteError):
                 raise res

@@ -83,6 +83,28 @@ class LaunchSpec:
             "url": self.url,
         }
 
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> LaunchSpec:
+        """The spec ``to_dict`` wrote (a state file's plan), to launch it again."""
+        return cls(
+            id=raw["id"],
+            role=Role(raw["role"]),
+            node=raw["node"],
+            host=raw["host"],
+            argv=tuple(raw["argv"]),
+            env=MappingProxyType(dict(raw["env"])),
+            cwd=raw["cwd"],
+            log_path=raw["log_path"],
+            gpu_ids=tuple(raw.get("gpu_ids", ())),
+            ports=MappingProxyType(dict(raw.get("ports", {}))),
+            dist_init_block=raw.get("dist_init_block", 0),
+            engine_id=raw.get("engine_id"),
+            node_rank=raw.get("node_rank", 0),
+            entrypoint=raw.get("entrypoint", False),
+            health_path=raw.get("health_path"),
+            restart=raw.get("restart", "never"),
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineSpec:

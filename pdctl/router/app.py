@@ -140,6 +140,7 @@ class RouterServer:
         r.add("POST", "/pdctl/release", self.release)
         r.add("POST", "/pdctl/refresh", self.refresh)
         r.add("GET", "/pdctl/weights", self.weights_state)
+        r.add("POST", "/pdctl/cordon", self.cordon)
         return r
 
     async def handle(self, request: Request) -> Reply:
@@ -479,6 +480,31 @@ class RouterServer:
         # 202 and "accepted" as sglang-router and smg answer (they remove in the background; pdctl
         # has already removed it), so that clients written against them read the same reply.
         return json_reply({"status": "accepted", "worker_id": worker.id, "message": "Worker removed"}, 202)
+
+    async def cordon(self, request: Request) -> Reply:
+        """``{"url", "cordon": true, "reason", "timeout_secs"}``: take a worker out of rotation and
+        answer once the requests it runs have finished (``drained``: false when the timeout came
+        first); ``"cordon": false`` takes it back (the version rule and health still apply). The
+        worker's state comes back either way."""
+        body = await _json_or_empty(request)
+        worker = self.registry.find(str(body.get("url", "")))
+        if worker is None:
+            return errors.error_response(404, errors.NOT_FOUND, f"no worker {body.get('url')!r}")
+        timeout = body.get("timeout_secs", 600)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            return errors.error_response(400, errors.BAD_REQUEST, "timeout_secs must be a number >= 0")
+        if not body.get("cordon", True):
+            if worker.cordoned:
+                log.info("worker %s is no longer cordoned", worker.url)
+            worker.cordoned, worker.drained = None, None
+            return json_reply({**worker.to_dict(), "drained": worker.load == 0})
+        worker.cordoned = str(body.get("reason") or "cordoned")
+        worker.drained = asyncio.Event()
+        log.info("worker %s is cordoned (%s); %d request(s) to finish", worker.url, worker.cordoned, worker.load)
+        if worker.load > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(worker.drained.wait(), timeout)
+        return json_reply({**worker.to_dict(), "drained": worker.load == 0})
 
     async def metrics_endpoint(self, _: Request) -> Reply:
         return Reply(200, self.metrics.render(self.registry), "text/plain; version=0.0.4; charset=utf-8")

@@ -48,6 +48,10 @@ class Worker:
     cb_window_start: float = 0.0
     quarantined: str | None = None
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
+    cordoned: str | None = None
+    """Why an operator took it out of rotation (``pdctl restart``, ``pdctl apply``): no new
+    requests; those in flight finish (``drained`` is set when the last one does)."""
+    drained: asyncio.Event | None = None
 
     @functools.cached_property
     def bootstrap_host(self) -> str:
@@ -67,6 +71,7 @@ class Worker:
             "weight_version": self.weight_version,
             "circuit_open": self.cb_open_until > time.monotonic(),
             "quarantined": self.quarantined,
+            "cordoned": self.cordoned,
             "connection_mode": "HTTP",
         }
 
@@ -85,7 +90,10 @@ class LoadGuard:
         self.worker.load += 1
 
     def __exit__(self, *exc: object) -> None:
-        self.worker.load -= 1
+        worker = self.worker
+        worker.load -= 1
+        if worker.drained is not None and worker.load == 0:
+            worker.drained.set()
 
 
 class WorkerRegistry:
@@ -200,7 +208,7 @@ class WorkerRegistry:
         now = time.monotonic()
         out = []
         for w in self.workers.values():
-            if w.role != role or not w.healthy or w.quarantined:
+            if w.role != role or not w.healthy or w.quarantined or w.cordoned:
                 continue
             if not self.config.breaker.disabled and w.cb_open_until > now:
                 continue

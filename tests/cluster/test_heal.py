@@ -151,7 +151,22 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
         restarts = {i: final[i]["restarts"] for i in urls.keys() | {"router"}}
         assert restarts == {"prefill-0": 1, "prefill-1": 0, "decode-0": 1, "decode-1": 1, "router": 1}
 
-        # 4. `down` while an engine is being restarted leaves nothing behind, supervisors included.
+        # 4. A rolling restart of every engine under load: 0 failed requests, every engine on a new
+        #    pid and back on the fleet's version (loaded by the router), one at a time.
+        bad = pdctl("restart", "heal", "nosuch", env=env)
+        assert bad.returncode == 1 and "no engine or process 'nosuch'" in bad.stderr, bad.stderr
+        with Clients(router) as clients:
+            rolled = pdctl("restart", "heal", env=env, timeout=600)
+        assert rolled.returncode == 0, rolled.stderr
+        assert "restarted prefill-0, prefill-1, decode-0, decode-1" in rolled.stdout
+        assert not clients.failed(), clients.failed()[:3]
+        assert clients.answers and all(a[2] == "B" for a in clients.answers)
+        after = _status(env)
+        assert all(after[i]["pid"] != final[i]["pid"] for i in urls), (after, final)
+        assert all(w["weight_version"] == "B" and not w["quarantined"] for w in _workers(router).values())
+        final = after
+
+        # 5. `down` while an engine is being restarted leaves nothing behind, supervisors included.
         old = final["decode-0"]
         os.kill(old["pid"], signal.SIGKILL)
         down = pdctl("down", "heal", env=env)

@@ -1,0 +1,178 @@
+"""``restart``: a rolling restart of a running cluster's engines (and the router when named), one
+engine at a time, so that a role never drops to zero capacity.
+
+Per engine: the router cordons it (no new requests) and answers once the requests it runs have
+finished; its processes are stopped (SIGTERM to their groups, supervisors included) and started
+again from the plan, under new supervisors; once healthy the router takes it back, and the next
+engine goes only when the router routes to this one again. An engine that comes back on another
+weight version than the fleet's is held out by the router's version rule (pdctl.router.
+fleet_weights): after a load from disk the router loads it; after a trainer's push it waits for
+the next push, and the restart stops there, since going on would take the role's capacity away.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdctl.cluster.down import stop_records
+from pdctl.cluster.nodes import Events, NodeSet, quiet
+from pdctl.cluster.state import ClusterState, Phase, StateStore
+from pdctl.cluster.up import launch, secret_env, wait_ready
+from pdctl.errors import LifecycleError
+from pdctl.plan import LaunchSpec
+from pdctl.roles import Role
+from pdctl.weights.client import CallFailure, JsonClient
+
+CORDON_PATH = "/pdctl/cordon"
+DRAIN_TIMEOUT_SECS = 600.0
+BACK_TIMEOUT_SECS = 900.0
+
+
+def restart(
+    name: str,
+    targets: list[str] | None = None,
+    *,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    events: Events = quiet,
+    ready_timeout_secs: float = BACK_TIMEOUT_SECS,
+) -> list[str]:
+    """Restart ``targets`` (engine ids, process ids, or ``router``; default every engine) of
+    cluster ``name``, one engine at a time. Returns what was restarted, in order.
+
+    Raises:
+        LifecycleError: an unknown target, the trainer, a cluster that is not up, an engine that
+            did not come back (the engines after it are left as they were).
+    """
+    store = store or StateStore()
+    with store.locked(name):
+        state = store.load(name)
+        if state is None:
+            raise LifecycleError(f"no cluster {name!r} in {store.root}")
+        if state.status != Phase.UP:
+            raise LifecycleError(f"cluster {name!r} is {state.status}; restart works on a cluster that is up")
+        units = _units(state, targets)
+        if nodes is None:
+            with NodeSet(state.node_objects().values()) as owned:
+                return _restart(state, store, owned, units, events, ready_timeout_secs)
+        return _restart(state, store, nodes, units, events, ready_timeout_secs)
+
+
+def _units(state: ClusterState, targets: list[str] | None) -> list[tuple[str, list[LaunchSpec]]]:
+    """What to restart, in plan order: (engine id or ``router``, its processes)."""
+    specs = [LaunchSpec.from_dict(raw) for raw in state.plan.get("processes", [])]
+    engines: dict[str, list[LaunchSpec]] = {}
+    for spec in specs:
+        if spec.engine_id is not None:
+            engines.setdefault(spec.engine_id, []).append(spec)
+    router = [s for s in specs if s.role is Role.ROUTER]
+    if not targets:
+        return list(engines.items())
+    units: list[tuple[str, list[LaunchSpec]]] = []
+    for target in dict.fromkeys(targets):
+        owner = next((s.engine_id or s.id for s in specs if target in (s.id, s.engine_id)), None)
+        if target == "router" or (router and owner == router[0].id):
+            units.append(("router", router))
+        elif owner in engines:
+            units.append((owner, engines[owner]))
+        elif any(s.id == target and s.role is Role.TRAINER for s in specs):
+            raise LifecycleError(f"{target} is a trainer rank: it cannot rejoin its torchrun job; restart the cluster")
+        else:
+            known = ", ".join([*engines, "router"])
+            raise LifecycleError(f"no engine or process {target!r} in cluster {state.name!r}; engines: {known}")
+    return list({unit: specs for unit, specs in units}.items())  # each once, first place kept
+
+
+def _restart(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    units: list[tuple[str, list[LaunchSpec]]],
+    events: Events,
+    ready_timeout: float,
+) -> list[str]:
+    router = _RouterControl(state)
+    done = []
+    for unit, specs in units:
+        if unit == "router":
+            _relaunch(state, store, nodes, specs, events, ready_timeout, router_secrets=True)
+            wait_ready(specs, state, nodes, 60.0, events, path="/readiness")
+        else:
+            entry = next(s for s in specs if s.entrypoint)
+            url = entry.url or ""
+            events(unit, "out of rotation; waiting for its requests to finish")
+            drained = router.cordon(url, True)
+            if not drained.get("drained", False):
+                events(unit, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
+            _relaunch(state, store, nodes, specs, events, ready_timeout)
+            router.cordon(url, False)
+            _wait_routable(router, unit, url, ready_timeout, events)
+        done.append(unit)
+    return done
+
+
+def _relaunch(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    specs: list[LaunchSpec],
+    events: Events,
+    ready_timeout: float,
+    *,
+    router_secrets: bool = False,
+) -> None:
+    """Stop ``specs``' processes and start them again from the plan; wait until healthy."""
+    stop_records(state, nodes, [state.processes[s.id] for s in specs if s.id in state.processes], events=events)
+    store.save(state)
+    secrets = secret_env(state.plan.get("router", {}).get("api_key_env")) if router_secrets else {}
+    launch(specs, state, store, nodes, secrets, events)
+    entrypoints = [s for s in specs if s.entrypoint and s.role is not Role.ROUTER]
+    others = [s for s in specs if not s.entrypoint]
+    if entrypoints:
+        wait_ready(entrypoints, state, nodes, ready_timeout, events, watch=others)
+
+
+class _RouterControl:
+    """The router's operator endpoints, with its API key when it has one."""
+
+    def __init__(self, state: ClusterState):
+        key = secret_env(state.plan.get("router", {}).get("api_key_env"))
+        self.client = JsonClient(api_key=next(iter(key.values()), None), timeout_secs=DRAIN_TIMEOUT_SECS + 30)
+        self.url = state.router_url or ""
+
+    def cordon(self, worker_url: str, on: bool) -> dict[str, Any]:
+        body = {"url": worker_url, "cordon": on, "reason": "pdctl restart", "timeout_secs": DRAIN_TIMEOUT_SECS}
+        answer = self.client.post(self.url + CORDON_PATH, body)
+        if isinstance(answer, CallFailure) or not isinstance(answer, dict):
+            raise LifecycleError(
+                f"the router at {self.url} did not {'cordon' if on else 'uncordon'} {worker_url}: {answer}"
+            )
+        return answer
+
+    def worker(self, worker_url: str) -> dict[str, Any] | None:
+        answer = self.client.get(self.url + "/workers")
+        if isinstance(answer, CallFailure) or not isinstance(answer, dict):
+            return None
+        return next((w for w in answer.get("workers", []) if w.get("url") == worker_url), None)
+
+
+def _wait_routable(router: _RouterControl, unit: str, url: str, timeout: float, events: Events) -> None:
+    """Wait until the router routes to ``url`` again: healthy, not quarantined, not cordoned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        worker = router.worker(url)
+        if worker and worker["is_healthy"] and not worker["quarantined"] and not worker["cordoned"]:
+            events(unit, f"back in rotation (weights {worker.get('weight_version')})")
+            return
+        quarantined = (worker or {}).get("quarantined") or ""
+        if quarantined and "next weight push" in quarantined:
+            raise LifecycleError(
+                f"{unit} restarted but stays out of rotation: {quarantined}. The other engines were left as they "
+                "are, so that the role keeps its capacity"
+            )
+        if time.monotonic() > deadline:
+            raise LifecycleError(
+                f"{unit} restarted but the router has not taken it back after {timeout:.0f}s: {worker}"
+            )
+        time.sleep(0.2)
