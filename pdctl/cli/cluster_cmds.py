@@ -276,4 +276,38 @@ def restart(args: tuple[str, ...], timeout_secs: float) -> None:
     click.echo(f"restarted {', '.join(done) or 'nothing'}")
 
 
-COMMANDS = [up, down, status, logs, restart]
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--dry-run", is_flag=True, help="Print what would be added, replaced and removed; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="The changes as JSON.")
+@click.option(
+    "--recreate", is_flag=True, help="Apply a change that cannot be made live by taking the cluster down and up."
+)
+@click.option("--timeout", "timeout_secs", default=900.0, show_default=True, help="Seconds to wait for each engine.")
+def apply(file: str, dry_run: bool, as_json: bool, recreate: bool, timeout_secs: float) -> None:
+    """Change the running cluster of FILE's name to match FILE.
+
+    Added engines start and enter rotation once healthy and on the fleet's weight version;
+    engines whose command line, environment, node or GPUs changed are replaced one at a time
+    (drained first); removed engines are drained, then stopped. Added first, removed last, so
+    no role drops to zero capacity; running processes keep their ports. Changes that cannot be
+    made live (model.path, engine, ports.base, trainer.command, placement) are refused, naming
+    the field, unless --recreate. Exit 1 on a refusal or a failed step.
+    """
+    from pdctl.cluster.apply import apply as cluster_apply
+
+    planned, filename = load_or_default(file)
+    result = cluster_apply(
+        planned.topology,
+        dry_run=dry_run,
+        recreate=recreate,
+        events=lambda p, m: console.log(f"{p}: {m}"),
+        source=filename,
+        ready_timeout_secs=timeout_secs,
+    )
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.text())
+    if dry_run and result.refused and not recreate:
+        sys.exit(1)
+
+
+COMMANDS = [up, down, status, logs, restart, apply]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import quote
 
 from pdctl.cluster.down import stop_records
 from pdctl.cluster.nodes import Events, NodeSet, quiet
@@ -92,11 +93,11 @@ def _restart(
     events: Events,
     ready_timeout: float,
 ) -> list[str]:
-    router = _RouterControl(state)
+    router = RouterControl(state)
     done = []
     for unit, specs in units:
         if unit == "router":
-            _relaunch(state, store, nodes, specs, events, ready_timeout, router_secrets=True)
+            relaunch(state, store, nodes, specs, events, ready_timeout, router_secrets=True)
             wait_ready(specs, state, nodes, 60.0, events, path="/readiness")
         else:
             entry = next(s for s in specs if s.entrypoint)
@@ -105,14 +106,14 @@ def _restart(
             drained = router.cordon(url, True)
             if not drained.get("drained", False):
                 events(unit, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
-            _relaunch(state, store, nodes, specs, events, ready_timeout)
+            relaunch(state, store, nodes, specs, events, ready_timeout)
             router.cordon(url, False)
-            _wait_routable(router, unit, url, ready_timeout, events)
+            wait_routable(router, unit, url, ready_timeout, events)
         done.append(unit)
     return done
 
 
-def _relaunch(
+def relaunch(
     state: ClusterState,
     store: StateStore,
     nodes: NodeSet,
@@ -133,7 +134,7 @@ def _relaunch(
         wait_ready(entrypoints, state, nodes, ready_timeout, events, watch=others)
 
 
-class _RouterControl:
+class RouterControl:
     """The router's operator endpoints, with its API key when it has one."""
 
     def __init__(self, state: ClusterState):
@@ -150,6 +151,17 @@ class _RouterControl:
             )
         return answer
 
+    def add(self, worker_url: str, role: Role, bootstrap_port: int | None) -> None:
+        body = {"url": worker_url, "worker_type": role.value, "bootstrap_port": bootstrap_port}
+        answer = self.client.post(self.url + "/workers", body)
+        if isinstance(answer, CallFailure):
+            raise LifecycleError(f"the router at {self.url} did not register {worker_url}: {answer}")
+
+    def remove(self, worker_url: str) -> None:
+        answer = self.client.call("DELETE", self.url + "/workers/" + quote(worker_url, safe=""))
+        if isinstance(answer, CallFailure) and answer.status != 404:
+            raise LifecycleError(f"the router at {self.url} did not remove {worker_url}: {answer}")
+
     def worker(self, worker_url: str) -> dict[str, Any] | None:
         answer = self.client.get(self.url + "/workers")
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):
@@ -157,7 +169,7 @@ class _RouterControl:
         return next((w for w in answer.get("workers", []) if w.get("url") == worker_url), None)
 
 
-def _wait_routable(router: _RouterControl, unit: str, url: str, timeout: float, events: Events) -> None:
+def wait_routable(router: RouterControl, unit: str, url: str, timeout: float, events: Events) -> None:
     """Wait until the router routes to ``url`` again: healthy, not quarantined, not cordoned."""
     deadline = time.monotonic() + timeout
     while True:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pdctl.errors import LifecycleError
 from pdctl.roles import Role
-from pdctl.topology.model import Node, SSHConfig
+from pdctl.topology.model import Node, SSHConfig, Topology
 
 
 def state_root() -> Path:
@@ -74,6 +74,8 @@ class ClusterState:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     source: str = ""
+    declared: dict[str, Any] = field(default_factory=dict)
+    """What cannot change on a running cluster (``declared_of``), for ``pdctl apply``."""
     mps: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per node, the CUDA MPS control daemon of a colocated cluster: pid, create_time,
     pipe_dir, log_dir, and ``started`` (false: it was already running; ``down`` leaves it)."""
@@ -98,6 +100,17 @@ class ClusterState:
         }
         data["status"] = Phase(data["status"])
         return cls(**data)
+
+
+def declared_of(top: Topology) -> dict[str, Any]:
+    """The topology's fields that ``pdctl apply`` cannot change live, by their path in the file."""
+    return {
+        "model.path": top.model.path,
+        "engine": top.engine,
+        "ports.base": top.port_base,
+        "trainer.command": list(top.trainer.command) if top.trainer else None,
+        "placement.mode": "colocate" if top.placement.colocate else "separate",
+    }
 
 
 def node_to_dict(node: Node) -> dict[str, Any]:

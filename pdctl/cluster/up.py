@@ -21,7 +21,7 @@ from pdctl.agent_replies import SpawnReply, WaitReadyReply
 from pdctl.cluster.down import stop_processes
 from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, node_to_dict
+from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, declared_of, node_to_dict
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
@@ -75,6 +75,7 @@ def up(
             run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
             plan=plan.to_dict(),
             source=source,
+            declared=declared_of(top),
         )
         store.save(state)
         try:

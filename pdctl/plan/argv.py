@@ -128,7 +128,7 @@ def router_argv(
         argv += [flag_of(group, name), value]
     if r.api_key_env:
         argv += [Flag.API_KEY_ENV, r.api_key_env]
-    argv += [Flag.WEIGHTS_FILE, "router-weights.json"]  # in its run directory, its cwd
+    argv += [Flag.STATE_FILE, "router-state.json"]  # in its run directory, its cwd
     if prefill or decode:
         argv.append(Flag.PD_DISAGGREGATION)
         for url, bootstrap in prefill:

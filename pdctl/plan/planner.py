@@ -8,6 +8,7 @@ end; a violated one raises PlanError naming it.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -28,8 +29,9 @@ def run_dir(node: Node, name: str) -> str:
     return f"{node.workdir.rstrip('/')}/{name}"
 
 
-def make_plan(top: Topology) -> Plan:
-    """Plan every process of ``top``.
+def make_plan(top: Topology, keep_ports: Mapping[str, tuple[str, int, int]] | None = None) -> Plan:
+    """Plan every process of ``top``; ``keep_ports`` (``pdctl apply``, see PortCursors) keeps a
+    running cluster's processes on their ports.
 
     Raises:
         TopologyError: GPUs or ports cannot be placed (issues name groups and nodes).
@@ -39,7 +41,7 @@ def make_plan(top: Topology) -> Plan:
     if layout is None:
         raise TopologyError("<topology>", issues)
     try:
-        plan = _build(top, layout)
+        plan = _build(top, layout, keep_ports)
     except PortOverflowError as exc:
         issue = Issue("ports.base", str(exc), hint="lower ports.base or spread engines over more nodes")
         raise TopologyError("<topology>", [issue]) from exc
@@ -47,8 +49,8 @@ def make_plan(top: Topology) -> Plan:
     return plan
 
 
-def _build(top: Topology, layout: GpuLayout) -> Plan:
-    cursors = PortCursors([n.name for n in top.nodes], top.port_base)
+def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str, int, int]] | None) -> Plan:
+    cursors = PortCursors([n.name for n in top.nodes], top.port_base, keep_ports)
     router_node = top.router_node
     if top.router.port is not None:
         cursors.reserve(router_node.name, top.router.port)
@@ -61,9 +63,9 @@ def _build(top: Topology, layout: GpuLayout) -> Plan:
     engines = _assign_rank_offsets(top, engines)
 
     # Router.
-    r_port = top.router.port if top.router.port is not None else cursors.take(router_node.name)
-    metrics = cursors.take(router_node.name)
     router_id = "router"
+    r_port = top.router.port if top.router.port is not None else cursors.take(router_node.name, key="router:http")
+    metrics = cursors.take(router_node.name, key="router:metrics")
     argv = router_argv(
         top,
         router_node,
@@ -131,17 +133,19 @@ def _plan_engine(
     nnodes = len(placement.slices)
     head = top.node(placement.slices[0][0])
     # Head node first: http, nccl, bootstrap (prefill), dist-init block; then the other nodes.
-    node_ports = [(cursors.take(head.name), cursors.take(head.name))]
-    bootstrap = cursors.take(head.name) if group.role is Role.PREFILL else None
+    head_id = engine_id if nnodes == 1 else f"{engine_id}.{head.name}"
+    node_ports = [(cursors.take(head.name, key=f"{head_id}:http"), cursors.take(head.name, key=f"{head_id}:nccl"))]
+    bootstrap = cursors.take(head.name, key=f"{head_id}:bootstrap") if group.role is Role.PREFILL else None
     dist_addr = None
     block = 0
     dist_port = None
     if nnodes > 1 or group.needs_dist_init:
         block = dist_init_block_size(max(group.dp, group.attn_dp))
-        dist_port = cursors.take(head.name, block)
+        dist_port = cursors.take(head.name, block, key=f"{head_id}:dist_init")
         dist_addr = f"{url_host(head.host)}:{dist_port}"
     for node_name, _ in placement.slices[1:]:
-        node_ports.append((cursors.take(node_name), cursors.take(node_name)))
+        pid = f"{engine_id}.{node_name}"
+        node_ports.append((cursors.take(node_name, key=f"{pid}:http"), cursors.take(node_name, key=f"{pid}:nccl")))
     procs: list[LaunchSpec] = []
     url = ""
     for rank, (node_name, gpu_ids) in enumerate(placement.slices):
@@ -257,10 +261,10 @@ def _plan_trainer(
 ) -> tuple[list[LaunchSpec], WeightGroup | None]:
     assert top.trainer is not None
     head = top.node(layout.trainer[0][0])
-    master_port = cursors.take(head.name)
+    master_port = cursors.take(head.name, key=f"trainer.{head.name}:master")
     weight_group = None
     if top.weights is not None:
-        wg_port = cursors.take(head.name)
+        wg_port = cursors.take(head.name, key=f"trainer.{head.name}:weight_group")
         weight_group = WeightGroup(
             master_address=url_host(head.host).strip("[]"),
             master_port=wg_port,

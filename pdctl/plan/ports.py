@@ -8,6 +8,8 @@ here: ``up`` checks on each node that every planned port is free before launchin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pdctl.errors import Issue
 
 MAX_PORT = 65535
@@ -23,20 +25,32 @@ class PortOverflowError(Exception):
 
 
 class PortCursors:
-    """One cursor per node; ``take`` returns the first port of a free consecutive block."""
+    """One cursor per node; ``take`` returns the first port of a free consecutive block.
 
-    def __init__(self, nodes: list[str], base: int):
+    ``keep`` (``pdctl apply``: a running cluster's ports, by ``PROCESS:NAME`` key, as ``(node,
+    port, count)``) makes a process that is still planned on the same node keep its ports, so
+    that adding an engine does not move the others; every kept port is reserved, and new ports
+    come from the cursor around them."""
+
+    def __init__(self, nodes: list[str], base: int, keep: Mapping[str, tuple[str, int, int]] | None = None):
         self.base = base
         self.next = dict.fromkeys(nodes, base)
         self.reserved: dict[str, set[int]] = {n: set() for n in nodes}
         self.highest = dict.fromkeys(nodes, 0)
+        self.keep = dict(keep or {})
+        for node, port, count in self.keep.values():
+            if node in self.reserved:
+                self.reserved[node].update(range(port, port + count))
 
     def reserve(self, node: str, port: int) -> None:
         """Mark a fixed port (one the user chose) so the cursor skips it."""
         self.reserved[node].add(port)
         self.highest[node] = max(self.highest[node], port)
 
-    def take(self, node: str, count: int = 1) -> int:
+    def take(self, node: str, count: int = 1, key: str | None = None) -> int:
+        kept = self.keep.get(key) if key is not None else None
+        if kept is not None and kept[0] == node and kept[2] == count:
+            return kept[1]
         start = self.next[node]
         while any(p in self.reserved[node] for p in range(start, start + count)):
             start += 1

@@ -43,7 +43,8 @@ class RouterServer:
         ``MockUpstream``). Health checks, fan-outs and proxied GETs always use real HTTP."""
         self.config = config
         self.registry = WorkerRegistry(config)
-        for w in config.workers:
+        kept = self.registry.kept.workers  # as the worker API last left them, before a restart
+        for w in config.workers if kept is None else kept:
             self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled)
         self.metrics = RouterMetrics()
         self.gate = RefitGate()  # closed while a weight update holds the router
@@ -462,6 +463,7 @@ class RouterServer:
             worker = self.registry.add(url, role, port, healthy=self.config.health.disabled)
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, str(exc))
+        self.registry.keep_workers()
         if self.session is not None and not self.config.health.disabled:
             await self.registry.check(self.session, worker)
         return json_reply({"status": "accepted", "worker_id": worker.id, "url": worker.url}, status=202)
@@ -477,6 +479,7 @@ class RouterServer:
         worker = self.registry.remove(request.tail)
         if worker is None:
             return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.tail}")
+        self.registry.keep_workers()
         # 202 and "accepted" as sglang-router and smg answer (they remove in the background; pdctl
         # has already removed it), so that clients written against them read the same reply.
         return json_reply({"status": "accepted", "worker_id": worker.id, "message": "Worker removed"}, 202)

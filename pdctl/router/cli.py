@@ -56,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(Flag.API_KEY_ENV, metavar="VAR", help="Read the API key from this environment variable.")
     p.add_argument(Flag.PROMETHEUS_PORT, type=int, help="Also serve /metrics on this port.")
     p.add_argument(
-        Flag.WEIGHTS_FILE,
+        Flag.STATE_FILE,
         metavar="PATH",
-        help="Keep the fleet's weight version here, so that a restarted router still keeps engines that come "
-        "back on another version out of rotation (pdctl up sets it).",
+        help="Keep the fleet's weight version and the workers the worker API left here, so that a restarted "
+        "router keeps both (pdctl up sets it).",
     )
     for s in SETTINGS:  # the grouped settings: flag, type, default and help from one table
         if s.kind is bool:
@@ -118,7 +118,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
             api_key=api_key,
-            weights_file=args.weights_file,
+            state_file=args.state_file,
             **grouped(values),
         )
     except RouterConfigError as exc:

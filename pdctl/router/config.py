@@ -187,8 +187,8 @@ class RouterConfig:
     decode_policy: str | None = None
     api_key: str | None = field(default=None, repr=False)
     """Never logged (repr=False)."""
-    weights_file: str | None = None
-    """Where the fleet's weight version is kept across router restarts (pdctl.router.fleet_weights)."""
+    state_file: str | None = None
+    """What the router keeps across its restarts (pdctl.router.state_file)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -223,7 +223,7 @@ class Flag:
     API_KEY_ENV = "--api-key-env"
     PROMETHEUS_PORT = "--prometheus-port"
     LOG_LEVEL = "--log-level"
-    WEIGHTS_FILE = "--weights-file"
+    STATE_FILE = "--state-file"
 
 
 @dataclass(frozen=True)

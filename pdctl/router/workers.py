@@ -19,8 +19,9 @@ from urllib.parse import unquote, urlsplit
 import aiohttp
 
 from pdctl.roles import Role, engine_role
-from pdctl.router.config import RouterConfig
+from pdctl.router.config import RouterConfig, WorkerSpec
 from pdctl.router.fleet_weights import STALE, FleetWeights
+from pdctl.router.state_file import RouterState
 from pdctl.sglang import Endpoint
 
 log = logging.getLogger("pdctl.router")
@@ -104,7 +105,8 @@ class WorkerRegistry:
         self.on_change: list = []
         self.quarantine: dict[str, str] = {}
         """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
-        self.fleet: FleetWeights | None = FleetWeights.read(config.weights_file)
+        self.kept = RouterState.read(config.state_file)
+        self.fleet: FleetWeights | None = self.kept.fleet
         """The fleet's weight version (pdctl.router.fleet_weights); None until an update completes."""
         self.updating = False
         """A weight update runs: engines' versions change under it, the version rule waits."""
@@ -125,6 +127,14 @@ class WorkerRegistry:
         self.workers[url] = worker
         log.info("registered %s worker %s", role, url)
         return worker
+
+    def keep_workers(self) -> None:
+        """The worker set changed at run time (the worker API, ``pdctl apply``): keep it, so that
+        a restarted router comes back with it rather than its command line's."""
+        self.kept.workers = tuple(
+            WorkerSpec(url=w.url, role=w.role, bootstrap_port=w.bootstrap_port) for w in self.workers.values()
+        )
+        self.kept.write(self.config.state_file)
 
     def find(self, key: str) -> Worker | None:
         """A worker by id or URL (percent-encoded or not)."""
@@ -159,8 +169,8 @@ class WorkerRegistry:
     def set_fleet(self, fleet: FleetWeights) -> None:
         """An update completed: ``fleet`` is the version engines must hold to (re)join."""
         if fleet != self.fleet:
-            self.fleet = fleet
-            fleet.write(self.config.weights_file)
+            self.fleet = self.kept.fleet = fleet
+            self.kept.write(self.config.state_file)
 
     def version_rule(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """Keep ``worker`` (come back, or its version changed outside an update) out of rotation

@@ -174,3 +174,63 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
         assert _run_processes(state["run_id"]) == []
     finally:
         pdctl("down", "heal", env=env)
+
+
+def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path) -> None:
+    """`pdctl apply` of an edited file on a running cluster: decodes 2 -> 3 -> 2, prefills 1 -> 2,
+    a decode flag changed; --dry-run changes nothing; a model change is refused naming its field."""
+    import yaml
+
+    node = {"name": "me", "host": "127.0.0.1", "gpus": 8, "workdir": str(tmp_path / "runs")}
+    base = 29000 + os.getpid() % 3000 // 10 * 10
+    topo = local_topology(tmp_path, "grow", base, decode={"replicas": 2}, nodes=[node])
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    assert pdctl("up", topo, env=env).returncode == 0
+
+    def edit(**sections) -> str:
+        data = yaml.safe_load(Path(topo).read_text())
+        data.update(sections)
+        Path(topo).write_text(yaml.safe_dump(data))
+        return topo
+
+    try:
+        router = _status(env)["router"]["url"]
+        with Clients(router) as clients:
+            edit(decode={"replicas": 3})
+            dry = pdctl("apply", topo, "--dry-run", env=env)
+            assert dry.returncode == 0 and "+ add decode-2" in dry.stdout, dry.stdout + dry.stderr
+            assert "decode-2" not in _status(env), "--dry-run started nothing"
+            before = _status(env)
+            grown = pdctl("apply", topo, env=env, timeout=600)
+            assert grown.returncode == 0, grown.stderr
+            after = _status(env)
+            assert after["decode-2"]["alive"] and after["decode-2"]["healthy"]
+            assert {i: after[i]["pid"] for i in before if i} == {i: before[i]["pid"] for i in before if i}, (
+                "adding an engine left the others alone"
+            )
+            _wait_in_rotation(router, after["decode-2"]["url"])
+
+            edit(decode={"replicas": 2})
+            shrunk = pdctl("apply", topo, env=env, timeout=600)
+            assert shrunk.returncode == 0 and "- remove decode-2" in shrunk.stdout, shrunk.stderr
+            assert "decode-2" not in _status(env) and after["decode-2"]["url"] not in _workers(router)
+
+            edit(prefill={"replicas": 2}, decode={"replicas": 2, "args": {"max-running-requests": 16}})
+            changed = pdctl("apply", topo, env=env, timeout=600)
+            assert changed.returncode == 0, changed.stderr
+            assert "+ add prefill-1" in changed.stdout and "~ replace decode-0" in changed.stdout, changed.stdout
+            final = _status(env)
+            assert final["prefill-0"]["pid"] == before["prefill-0"]["pid"]
+            assert final["decode-0"]["pid"] != before["decode-0"]["pid"]
+            assert final["router"]["pid"] == before["router"]["pid"], "the router learned its workers live"
+            assert final["decode-0"]["ports"] == before["decode-0"]["ports"], "a replaced engine keeps its ports"
+            for i in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+                _wait_in_rotation(router, final[i]["url"])
+        assert clients.answers and not clients.failed(), clients.failed()[:3]
+
+        edit(model={"path": "sim://small"})
+        refused = pdctl("apply", topo, env=env)
+        assert refused.returncode == 1 and "model.path: 'sim://tiny' -> 'sim://small'" in refused.stderr
+        assert _status(env)[""]["ok"]
+    finally:
+        pdctl("down", "grow", env=env)

@@ -1,0 +1,299 @@
+"""``apply``: change a running cluster to match its edited topology, without a full restart.
+
+The new topology is planned with the running processes' ports kept (PortCursors ``keep``), then
+compared with the running plan engine by engine:
+- an engine only in the new plan is **added**: started, then registered with the router, which
+  takes it into rotation once it is healthy and holds the fleet's weight version;
+- one whose processes differ (command line, environment, node, GPUs) is **replaced**, one at a
+  time, as ``pdctl restart`` does (cordon, drain, stop, start the new command, back in rotation);
+- one only in the running plan is **removed**: cordoned (its requests finish), unregistered,
+  stopped.
+Added first, replaced next, removed last, so that a role never drops to zero capacity. The
+router learns worker changes through its worker API (and keeps them across its own restarts);
+a router whose own settings changed is replaced (its clients see a short outage). Fields that
+cannot change live (``declared_of``) are refused, naming the field, unless ``recreate`` (then
+the cluster is taken down and brought up again). The trainer keeps running as it is: its weight
+group does not yet learn the new engine set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdctl.cluster.down import down, stop_records
+from pdctl.cluster.nodes import Events, NodeSet, quiet
+from pdctl.cluster.restart import RouterControl, relaunch, wait_routable
+from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
+from pdctl.cluster.up import launch, up, wait_ready
+from pdctl.errors import LifecycleError, RemoteError
+from pdctl.plan import LaunchSpec, Plan, make_plan
+from pdctl.remote import agent_api
+from pdctl.roles import Role
+from pdctl.router.config import Flag
+from pdctl.topology.model import Topology
+
+COMPARED = ("argv", "env", "node", "host", "gpu_ids", "ports", "cwd")
+"""What makes a running process different from its new plan (and so replaced)."""
+WORKER_FLAGS = {Flag.PREFILL: 2, Flag.DECODE: 1}
+"""The router's per-worker flags and how many values each takes (the worker API changes those)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # add | replace | remove
+    unit: str  # an engine id, or "router"
+    processes: tuple[str, ...]
+    why: str
+
+
+@dataclass
+class ApplyPlan:
+    name: str
+    changes: list[Change] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    """``field: was -> now``, for each field that cannot change on a running cluster."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "changes": [asdict(c) for c in self.changes], "refused": self.refused,
+                "notes": self.notes}  # fmt: skip
+
+    def text(self) -> str:
+        if not self.changes and not self.refused:
+            return f"cluster {self.name!r} already matches the file; nothing to do"
+        lines = [f"cluster {self.name!r}:"]
+        signs = {"add": "+", "replace": "~", "remove": "-"}
+        for c in self.changes:
+            lines.append(f"  {signs[c.kind]} {c.kind} {c.unit} ({', '.join(c.processes)}): {c.why}")
+        for r in self.refused:
+            lines.append(f"  ! refused {r}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def diff(state: ClusterState, top: Topology, plan: Plan) -> ApplyPlan:
+    """What applying ``plan`` (``top``'s, planned with the running ports kept) would change."""
+    out = ApplyPlan(state.name)
+    was = state.declared or {}
+    for key, value in declared_of(top).items():
+        if key in was and was[key] != value:
+            out.refused.append(f"{key}: {was[key]!r} -> {value!r} cannot change on a running cluster (use --recreate)")
+    old = _units({raw["id"]: raw for raw in state.plan.get("processes", [])})
+    new = _units({spec.id: spec.to_dict() for spec in plan.processes})
+    for unit, procs in new.items():
+        if unit.startswith("trainer"):
+            continue
+        if unit not in old:
+            out.changes.append(Change("add", unit, tuple(procs), "new in the file"))
+            continue
+        why = _difference(old[unit], procs, router=unit == "router")
+        if why:
+            out.changes.append(Change("replace", unit, tuple(procs), why))
+    for unit, procs in old.items():
+        if unit not in new and not unit.startswith("trainer"):
+            out.changes.append(Change("remove", unit, tuple(procs), "no longer in the file"))
+    order = {"add": 0, "replace": 1, "remove": 2}
+    out.changes.sort(key=lambda c: (order[c.kind], c.unit == "router"))
+    if any(u.startswith("trainer") for u in new) and any(c.unit != "router" for c in out.changes):
+        out.notes.append("the trainer keeps running as it is: its weight group does not include added engines yet")
+    return out
+
+
+def _units(processes: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Processes grouped by lifecycle unit: engine id, ``router``, ``trainer``."""
+    units: dict[str, dict[str, dict[str, Any]]] = {}
+    for pid, raw in processes.items():
+        unit = raw.get("engine_id") or ("router" if raw["role"] == Role.ROUTER.value else "trainer")
+        units.setdefault(unit, {})[pid] = raw
+    return units
+
+
+def _difference(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]], *, router: bool) -> str:
+    if set(old) != set(new):
+        return f"processes {sorted(old)} -> {sorted(new)}"
+    for pid, raw in new.items():
+        for key in COMPARED:
+            a, b = old[pid].get(key), raw.get(key)
+            if key == "argv" and router:
+                a, b = _router_settings(a or []), _router_settings(b or [])
+            if a != b:
+                return f"{pid}: {key} changed" + (f" ({a} -> {b})" if key in ("gpu_ids", "ports", "node") else "")
+    return ""
+
+
+def _router_settings(argv: list[str]) -> list[str]:
+    """The router's command line without its worker list (which the worker API changes live)."""
+    out, skip = [], 0
+    for i, arg in enumerate(argv):
+        if skip:
+            skip -= 1
+        elif arg in WORKER_FLAGS:
+            skip = WORKER_FLAGS[arg]
+        elif arg == Flag.WORKER_URLS:
+            skip = len(list(a for a in argv[i + 1 :] if a.startswith(("http://", "https://"))))
+        elif arg != Flag.PD_DISAGGREGATION:
+            out.append(arg)
+    return out
+
+
+def keep_ports(state: ClusterState) -> dict[str, tuple[str, int, int]]:
+    """The running processes' ports, for the planner (``PROCESS:NAME`` -> node, port, count)."""
+    out = {}
+    for raw in state.plan.get("processes", []):
+        for name, port in (raw.get("ports") or {}).items():
+            count = raw.get("dist_init_block", 0) if name == "dist_init" else 1
+            out[f"{raw['id']}:{name}"] = (raw["node"], int(port), max(1, count))
+    return out
+
+
+def apply(
+    top: Topology,
+    *,
+    dry_run: bool = False,
+    recreate: bool = False,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    events: Events = quiet,
+    source: str = "",
+    ready_timeout_secs: float = 900.0,
+) -> ApplyPlan:
+    """Change running cluster ``top.name`` to match ``top``; returns what changed (or would).
+
+    Raises:
+        LifecycleError: no such cluster, not up, a refused change (without ``recreate``), or a
+            step that failed (what was done stays done; the state file says what runs).
+    """
+    store = store or StateStore()
+    state = store.load(top.name)
+    if state is None:
+        raise LifecycleError(f"no cluster {top.name!r} in {store.root}; start it with `pdctl up`")
+    if state.status != Phase.UP:
+        raise LifecycleError(f"cluster {top.name!r} is {state.status}; apply works on a cluster that is up")
+    plan = make_plan(top, keep_ports(state))
+    changes = diff(state, top, plan)
+    if dry_run:
+        return changes
+    if changes.refused:
+        if not recreate:
+            raise LifecycleError("apply refused:\n  " + "\n  ".join(changes.refused))
+        events("apply", "recreating the cluster (--recreate)")
+        down(top.name, store=store, events=events)
+        up(top, make_plan(top), store=store, events=events, source=source, ready_timeout_secs=ready_timeout_secs)
+        return changes
+    if not changes.changes:
+        return changes
+    with store.locked(top.name):
+        if nodes is None:
+            with NodeSet(top.nodes) as owned:
+                _apply(state, store, owned, top, plan, changes, events, ready_timeout_secs)
+        else:
+            _apply(state, store, nodes, top, plan, changes, events, ready_timeout_secs)
+    return changes
+
+
+def _apply(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    top: Topology,
+    plan: Plan,
+    changes: ApplyPlan,
+    events: Events,
+    ready_timeout: float,
+) -> None:
+    from pdctl.cluster.state import node_to_dict
+
+    state.nodes = [node_to_dict(n) for n in top.nodes]  # nodes may be added
+    state.run_dirs.update({n.name: state.run_dirs.get(n.name) or _run_dir(plan, n.name) for n in top.nodes})
+    router = RouterControl(state)
+    specs = {s.id: s for s in plan.processes}
+    engines = {e.id: e for e in plan.engines}
+    old_engines = {e["id"]: e for e in state.plan.get("engines", [])}
+    for change in changes.changes:
+        unit_specs = [specs[p] for p in change.processes if p in specs]
+        if change.kind == "add":
+            _preflight(nodes, unit_specs)
+            events(change.unit, "starting")
+            launch(unit_specs, state, store, nodes, {}, events)
+            entry = next(s for s in unit_specs if s.entrypoint)
+            wait_ready([entry], state, nodes, ready_timeout, events, watch=[s for s in unit_specs if not s.entrypoint])
+            engine = engines[change.unit]
+            router.add(engine.url, engine.role, engine.bootstrap_port)
+            wait_routable(router, change.unit, engine.url, ready_timeout, events)
+        elif change.kind == "replace" and change.unit == "router":
+            events("router", "replacing (its clients see a short outage)")
+            relaunch(state, store, nodes, unit_specs, events, ready_timeout, router_secrets=True)
+            wait_ready(unit_specs, state, nodes, 60.0, events, path="/readiness")
+        elif change.kind == "replace":
+            url = engines[change.unit].url
+            events(change.unit, "out of rotation; waiting for its requests to finish")
+            router.cordon(url, True)
+            old_ids = [p for p in state.processes if state.processes[p].engine_id == change.unit]
+            stop_records(state, nodes, [state.processes[p] for p in old_ids], events=events)
+            store.save(state)
+            launch(unit_specs, state, store, nodes, {}, events)
+            entry = next(s for s in unit_specs if s.entrypoint)
+            wait_ready([entry], state, nodes, ready_timeout, events, watch=[s for s in unit_specs if not s.entrypoint])
+            router.cordon(url, False)
+            wait_routable(router, change.unit, url, ready_timeout, events)
+        else:  # remove
+            url = old_engines[change.unit]["url"]
+            events(change.unit, "out of rotation; waiting for its requests to finish")
+            router.cordon(url, True)
+            router.remove(url)
+            stop_records(state, nodes, [state.processes[p] for p in change.processes if p in state.processes],
+                         events=events)  # fmt: skip
+        state.plan = _merged_plan(state, plan, change)
+        store.save(state)
+    state.plan = plan.to_dict() | {"processes": _running_specs(state, plan)}
+    state.declared = declared_of(top)
+    store.save(state)
+
+
+def _merged_plan(state: ClusterState, plan: Plan, change: Change) -> dict[str, Any]:
+    """The state's plan once ``change`` is done (engines and processes as they now run)."""
+    merged = dict(state.plan)
+    new_procs = {p.id: p.to_dict() for p in plan.processes}
+    procs = [p for p in merged.get("processes", []) if p["id"] not in change.processes]
+    if change.kind != "remove":
+        procs += [new_procs[p] for p in change.processes if p in new_procs]
+    merged["processes"] = procs
+    new_engines = {e.id: e.to_dict() for e in plan.engines}
+    engines = [e for e in merged.get("engines", []) if e["id"] != change.unit]
+    if change.kind != "remove" and change.unit in new_engines:
+        engines.append(new_engines[change.unit])
+    merged["engines"] = engines
+    return merged
+
+
+def _running_specs(state: ClusterState, plan: Plan) -> list[dict[str, Any]]:
+    """The new plan's processes, except a trainer that kept running as it was."""
+    running = {p["id"]: p for p in state.plan.get("processes", [])}
+    out = []
+    for spec in plan.processes:
+        if spec.role is Role.TRAINER and spec.id in running:
+            out.append(running[spec.id])
+        else:
+            out.append(spec.to_dict())
+    return out
+
+
+def _run_dir(plan: Plan, node: str) -> str:
+    return next((s.cwd for s in plan.processes if s.node == node), "")
+
+
+def _preflight(nodes: NodeSet, specs: list[LaunchSpec]) -> None:
+    """The ports new processes will bind are free on their nodes (naming who holds one)."""
+    by_node: dict[str, list[int]] = {}
+    for spec in specs:
+        by_node.setdefault(spec.node, []).extend(spec.owned_ports())
+    results = nodes.each(by_node, lambda ex: agent_api.preflight(ex, sorted(by_node[ex.node.name]), check_gpus=False))
+    problems = []
+    for node, res in results.items():
+        if isinstance(res, RemoteError):
+            problems.append(str(res))
+            continue
+        problems += [f"node {node}: port {b['port']} is in use by pid {b.get('pid')}" for b in res["busy_ports"]]
+    if problems:
+        raise LifecycleError("cannot add engines:\n  " + "\n  ".join(problems))
