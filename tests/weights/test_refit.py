@@ -415,3 +415,54 @@ def test_regular_engines_continue_streams_and_batches_exactly(tmp_path, checkpoi
             assert len(out) == TOKENS and answer["meta_info"]["completion_tokens"] == TOKENS
             assert out[:k] == ref_a[tuple(prompt)][:k]
             assert out[k:] == _greedy(reference.url, prompt + out[:k], TOKENS - k)[0]
+
+
+def test_an_engine_back_after_a_push_waits_out_of_rotation_for_the_next_push(tmp_path) -> None:
+    """The version rule after a trainer's push: a decode that comes back (killed, started again
+    on its port, as its node's supervisor does) holds the model's initial weights; the router
+    keeps it out of rotation, no answer comes from it, and the next push (whose group is rebuilt
+    for the restarted engine) brings it back."""
+    import os
+    import signal
+
+    from pdctl.weights import WeightSync
+    from tests.helpers import SimProcess
+
+    specs = [
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode"),
+        ("--disaggregation-mode", "decode"),
+    ]
+    with sims(tmp_path, *specs) as (prefill, d1, d2):
+        router = RouterProcess(tmp_path, *pd_router_args([prefill], [d1, d2], "--health-check-interval-secs", "1"))
+        router.start("/readiness")
+        engines = [{"id": "p", "url": prefill.url}, {"id": "d1", "url": d1.url}, {"id": "d2", "url": d2.url}]
+        sync = WeightSync(engines, master_address="127.0.0.1", master_port=_free_port(), router_url=router.url)
+        model = resolve_model("sim://tiny?seed=9", "auto", None)
+        again = None
+        try:
+            sync.connect()
+            sync.push(list(model.named_parameters()), version="push-1")
+            assert d2.proc is not None
+            os.killpg(d2.proc.pid, signal.SIGKILL)
+            d2.proc.wait()
+            again = SimProcess(tmp_path, "--disaggregation-mode", "decode", port=d2.port).start()
+            while True:  # the router sees it back, on the initial weights, and keeps it out
+                worker = next(w for w in get(router.url + "/workers")[1]["workers"] if w["url"] == d2.url)
+                if worker["quarantined"]:
+                    break
+                time.sleep(0.05)
+            assert "next weight push" in worker["quarantined"] and worker["weight_version"] == "default"
+            for i in range(12):
+                status, out = post(
+                    router.url + "/generate", {"text": f"r{i}", "sampling_params": {"max_new_tokens": 4}}
+                )
+                assert status == 200 and out["meta_info"]["weight_version"] == "push-1", out
+            sync.push(list(model.named_parameters()), version="push-2")
+            worker = next(w for w in get(router.url + "/workers")[1]["workers"] if w["url"] == d2.url)
+            assert worker["quarantined"] is None and worker["weight_version"] == "push-2", worker
+        finally:
+            sync.close()
+            router.stop()
+            if again is not None:
+                again.stop()
