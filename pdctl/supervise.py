@@ -38,7 +38,7 @@ from pdctl.nodeproc import expand
 RESTART_POLICIES = ("on-failure", "never")
 MAX_RESTARTS = 5
 WINDOW_SECS = 600.0
-BACKOFF_SECS = 0.5
+BACKOFF_SECS = 0.1
 BACKOFF_MAX_SECS = 10.0
 CLEAN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE})
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -101,8 +101,13 @@ class Fleet:
         hold_timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
         refit: RefitMode | str = RefitMode.DRAIN,
         max_staleness: int | None = None,
+        follow_router: bool = False,
     ):
         """``refit`` and ``max_staleness``: see pdctl.refit; a transaction may override them.
+        ``follow_router``: each ``probe`` first takes the engine set from the router's workers
+        (``pdctl apply`` adds and removes engines there), so that a trainer's next push reaches
+        the engines the cluster has now; an engine it did not know takes as many ranks as its
+        ``/server_info`` says it has GPUs.
         In ``interrupt`` mode the engines are paused in SGLang's ``abort`` mode whatever
         ``pause_mode`` says: that is what ends requests at a token boundary with their tokens."""
         self.engines = tuple(EngineTarget.coerce(e, i) for i, e in enumerate(engines))
@@ -117,6 +122,7 @@ class Fleet:
         self.hold_timeout_secs = hold_timeout_secs
         self.refit = refit_mode(refit)
         self.max_staleness = max_staleness
+        self.follow_router = follow_router and self.router_url is not None
         self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
 
     def close(self) -> None:
@@ -138,8 +144,27 @@ class Fleet:
         if waiting:
             log.warning("weights: still not ready after %.0fs: %s", timeout_secs, ", ".join(waiting))
 
+    def follow(self) -> None:
+        """Take the engine set from the router's workers (``follow_router``): engines it no longer
+        lists are dropped, new ones added (their ranks set by ``probe``). Kept as is when the
+        router does not answer."""
+        answer = self.client.get(f"{self.router_url}/workers", timeout_secs=10)
+        if isinstance(answer, CallFailure) or not isinstance(answer, dict):
+            log.warning("weights: the router did not list its workers (%s); keeping the engine set", answer)
+            return
+        urls = [str(w["url"]).rstrip("/") for w in answer.get("workers", []) if isinstance(w, dict) and "url" in w]
+        known = {e.url: e for e in self.engines}
+        engines = tuple(known.get(url) or EngineTarget(id=_engine_id(url), url=url, gpus=0) for url in urls)
+        if {e.url for e in engines} != set(known):
+            added = sorted(set(urls) - set(known))
+            removed = sorted(set(known) - set(urls))
+            log.info("weights: the router's engines changed (added %s, removed %s)", added or "none", removed or "none")
+            self.engines = engines
+
     def probe(self, report: PushReport) -> tuple[list[EngineTarget], dict[str, dict[str, Any]]]:
         """The engines that answer ``/server_info`` (the others go to ``report.skipped``) and their answers."""
+        if self.follow_router:
+            self.follow()
         futures = {
             e.id: self.client.submit("GET", e.url + Endpoint.SERVER_INFO.value, timeout_secs=10) for e in self.engines
         }
@@ -151,7 +176,12 @@ class Fleet:
                 report.skipped.append(engine.id)
             else:
                 infos[engine.id] = result
-        live = [e for e in self.engines if e.id in infos]
+        if any(e.gpus == 0 for e in self.engines):  # learned from the router: ranks from the engine itself
+            self.engines = tuple(
+                EngineTarget(e.id, e.url, _ranks(infos[e.id])) if e.gpus == 0 and e.id in infos else e
+                for e in self.engines
+            )
+        live = [e for e in self.engines if e.id in infos and e.gpus > 0]
         if not live:
             raise WeightSyncError(
                 "no engine answered /server_info; nothing to update", phase=Phase.PROBE, report=report
@@ -384,3 +414,19 @@ def failures(futures: dict[str, Future], wait_until: float | None = None) -> dic
             if isinstance(result, CallFailure):
                 out[engine_id] = result
     return out
+
+
+def _engine_id(url: str) -> str:
+    """An id for an engine known only by its URL (added to the cluster after the trainer started)."""
+    return url.split("://", 1)[-1]
+
+
+def _ranks(server_info: dict[str, Any]) -> int:
+    """How many ranks an engine takes in the weight group: its GPUs (SGLang's server args)."""
+
+    def size(key: str) -> int:
+        value = server_info.get(key)
+        return int(value) if isinstance(value, int) and value > 0 else 1
+
+    dp = 1 if server_info.get("enable_dp_attention") else size("dp_size")
+    return size("tp_size") * size("pp_size") * dp

@@ -91,6 +91,7 @@ class WeightSync:
         ready_timeout_secs: float = 0.0,
         refit: RefitMode | str = RefitMode.DRAIN,
         max_staleness: int | None = None,
+        follow_router: bool = False,
     ):
         if verify not in ("auto", "sample", "full", "off"):
             raise WeightSyncError(f"verify must be auto, sample, full or off, not {verify!r}")
@@ -106,8 +107,8 @@ class WeightSync:
             hold_timeout_secs=hold_timeout_secs,
             refit=refit,
             max_staleness=max_staleness,
+            follow_router=follow_router,
         )
-        self.engines = self.fleet.engines
         self.group = BroadcastGroup(
             self.fleet,
             master_address=master_address,
@@ -158,6 +159,7 @@ class WeightSync:
             "max_staleness": group.max_staleness,
         }
         kwargs["router_url"] = env.get(ROUTER_URL_ENV) or None
+        kwargs["follow_router"] = True  # `pdctl apply` changes the engine set; the next push follows
         try:
             kwargs["ready_timeout_secs"] = float(env.get(READY_TIMEOUT_ENV) or 0)
         except ValueError as exc:

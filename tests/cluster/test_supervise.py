@@ -79,7 +79,7 @@ def test_a_killed_child_is_restarted_and_a_stop_is_not(tmp_path) -> None:
     final = _read(story)
     assert final["state"] == "exited" and final["restarts"] == 1 and final["pid"] is None
     assert len(runs.read_text().split()) == 2, "nothing was restarted after the stop"
-    assert b"restart 1 in 0.5s" in proc.stderr.read()
+    assert b"restart 1 in 0.1s" in proc.stderr.read()
 
 
 def test_a_clean_exit_is_kept_and_never_means_never(tmp_path) -> None:

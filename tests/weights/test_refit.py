@@ -466,3 +466,41 @@ def test_an_engine_back_after_a_push_waits_out_of_rotation_for_the_next_push(tmp
             router.stop()
             if again is not None:
                 again.stop()
+
+
+def test_a_trainer_following_the_router_pushes_to_engines_added_and_not_to_removed_ones(tmp_path) -> None:
+    """`pdctl apply` adds and removes engines through the router; the trainer (WeightSync.from_env
+    follows the router) learns the new set at its next push: the group is rebuilt over it."""
+    from urllib.parse import quote
+
+    from pdctl.weights import WeightSync
+    from tests.helpers import http
+
+    specs = [("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode")]
+    with sims(tmp_path, *specs, ("--disaggregation-mode", "decode", "--tp-size", "2")) as (prefill, d1, d2):
+        router = RouterProcess(tmp_path, *pd_router_args([prefill], [d1], "--health-check-interval-secs", "1"))
+        router.start("/readiness")
+        sync = WeightSync(
+            [{"id": "p", "url": prefill.url}, {"id": "d1", "url": d1.url}],
+            master_address="127.0.0.1",
+            master_port=_free_port(),
+            router_url=router.url,
+            follow_router=True,
+        )
+        model = resolve_model("sim://tiny?seed=9", "auto", None)
+        try:
+            sync.connect()
+            assert post(router.url + "/workers", {"url": d2.url, "worker_type": "decode"})[0] == 202
+            report = sync.push(list(model.named_parameters()), version="v-added")
+            added = d2.url.split("://")[1]
+            assert sorted(report.engines) == sorted(["p", "d1", added]), report.engines
+            assert sync.group.members[-1].rank_offset == 3 and len(sync.fleet.engines) == 3  # p 1, d1 2, d2 3..4
+            worker = next(w for w in get(router.url + "/workers")[1]["workers"] if w["url"] == d2.url)
+            assert worker["weight_version"] == "v-added" and not worker["quarantined"]
+            assert http("DELETE", router.url + "/workers/" + quote(d1.url, safe=""))[0] == 202
+            report = sync.push(list(model.named_parameters()), version="v-removed")
+            assert sorted(report.engines) == sorted(["p", added])
+            assert get(d1.url + "/model_info")[1]["weight_version"] == "v-added", "a removed engine is left alone"
+        finally:
+            sync.close()
+            router.stop()
