@@ -61,8 +61,23 @@ def main() -> None:
     sims, workers = [], ["--pd-disaggregation"]
     for i, role in enumerate(["prefill", "prefill", "decode", "decode"]):
         port = free_port()
-        argv = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", str(port), "--model-path", "sim://tiny",
-                "--disaggregation-mode", role, "--max-running-requests", str(SLOTS), "--sim-decode-ms-per-step", "4"]
+        argv = [
+            PY,
+            "-m",
+            "pdctl.sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model-path",
+            "sim://tiny",
+            "--disaggregation-mode",
+            role,
+            "--max-running-requests",
+            str(SLOTS),
+            "--sim-decode-ms-per-step",
+            "4",
+        ]
         if role == "prefill":
             boot = free_port()
             argv += ["--disaggregation-bootstrap-port", str(boot)]
@@ -71,12 +86,35 @@ def main() -> None:
             workers += ["--decode", f"http://127.0.0.1:{port}"]
         sims.append(start(argv, tmp / f"sim{i}.log"))
     routers = {
-        "pdctl": lambda port: [PY, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", str(port), *workers,
-                               "--policy", "round_robin", "--log-level", "warn"],
+        "pdctl": lambda port: [
+            PY,
+            "-m",
+            "pdctl",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *workers,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+        ],
     }
     if Path(SMG_PYTHON).exists():
-        routers["smg 1.13.0"] = lambda port: [SMG_PYTHON, "-m", "smg.launch_router", *workers, "--policy",
-                                              "round_robin", "--host", "127.0.0.1", "--port", str(port)]
+        routers["smg 1.13.0"] = lambda port: [
+            SMG_PYTHON,
+            "-m",
+            "smg.launch_router",
+            *workers,
+            "--policy",
+            "round_robin",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
     else:
         print(f"smg not found at {SMG_PYTHON}: pdctl only (run the real-clients setup.sh)", file=sys.stderr)
     rows: list[dict] = []
@@ -97,15 +135,20 @@ def main() -> None:
                     stop([proc])
                 row.update(router=name, multiple=multiple, concurrency=multiple * CAPACITY)
                 rows.append(row)
-                print(f"  {name} {multiple}x: {row['rps']:.1f} req/s, p99 {row['p99_ms']:.0f} ms, "
-                      f"{row['errors']} errors", flush=True)
+                print(
+                    f"  {name} {multiple}x: {row['rps']:.1f} req/s, p99 {row['p99_ms']:.0f} ms, {row['errors']} errors",
+                    flush=True,
+                )
     finally:
         stop(sims)
     names = list(routers)
     by = {(r["router"], r["multiple"]): r for r in rows}
-    lines = ["| offered load | concurrency | " + " | ".join(f"{n} goodput req/s | {n} p99 ms | {n} errors"
-                                                        for n in names) + " |",
-             "|---|---|" + "---|---|---|" * len(names)]
+    lines = [
+        "| offered load | concurrency | "
+        + " | ".join(f"{n} goodput req/s | {n} p99 ms | {n} errors" for n in names)
+        + " |",
+        "|---|---|" + "---|---|---|" * len(names),
+    ]
     for m in MULTIPLES:
         cells = []
         for n in names:
@@ -113,15 +156,22 @@ def main() -> None:
             cells.append(f"{r['rps']:.1f} | {r['p99_ms']:.0f} | {r['errors']}")
         lines.append(f"| {m}x | {m * CAPACITY} | " + " | ".join(cells) + " |")
     pd = [by[("pdctl", m)] for m in MULTIPLES]
-    lines += ["", f"pdctl goodput at 10x / at 1x: {pd[-1]['rps'] / pd[0]['rps']:.2f}x (goal >= 0.95x); "
-                  f"errors at all steps: {sum(r['errors'] for r in pd)} (goal 0)"]
+    lines += [
+        "",
+        f"pdctl goodput at 10x / at 1x: {pd[-1]['rps'] / pd[0]['rps']:.2f}x (goal >= 0.95x); "
+        f"errors at all steps: {sum(r['errors'] for r in pd)} (goal 0)",
+    ]
     if "smg 1.13.0" in names:
-        ratios = ", ".join(f"{m}x {by[('pdctl', m)]['rps'] / max(by[('smg 1.13.0', m)]['rps'], 1e-9):.2f}"
-                           for m in MULTIPLES)
+        ratios = ", ".join(
+            f"{m}x {by[('pdctl', m)]['rps'] / max(by[('smg 1.13.0', m)]['rps'], 1e-9):.2f}" for m in MULTIPLES
+        )
         lines.append(f"pdctl goodput / smg's per step: {ratios} (goal >= 1.00 at every step)")
-    lines += ["", f"Closed loop, {DURATION:.0f} s per step after a 1 s warm-up; 2 prefill + 2 decode sims with "
-                  f"--max-running-requests {SLOTS} and --sim-decode-ms-per-step 4; 32 output tokens per request; "
-                  f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}. Sim logs: {tmp}"]
+    lines += [
+        "",
+        f"Closed loop, {DURATION:.0f} s per step after a 1 s warm-up; 2 prefill + 2 decode sims with "
+        f"--max-running-requests {SLOTS} and --sim-decode-ms-per-step 4; 32 output tokens per request; "
+        f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}. Sim logs: {tmp}",
+    ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "overload.json").write_text(json.dumps({"rows": rows}, indent=2))
     (RESULTS / "overload.md").write_text("\n".join(lines) + "\n")

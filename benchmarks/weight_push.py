@@ -143,8 +143,12 @@ class BareGroup:
         port = free_port()
         argv = [PY, __file__, "--bare-rank"]
         self.procs = [
-            subprocess.Popen([*argv, str(r), str(world), str(port), str(megabytes)], text=True,
-                             stdin=subprocess.PIPE if r == 0 else None, stdout=subprocess.PIPE if r == 0 else None)
+            subprocess.Popen(
+                [*argv, str(r), str(world), str(port), str(megabytes)],
+                text=True,
+                stdin=subprocess.PIPE if r == 0 else None,
+                stdout=subprocess.PIPE if r == 0 else None,
+            )
             for r in range(world)
         ]
         if self._line() != "ready":
@@ -198,9 +202,27 @@ class Fleet:
         prefills, decodes = [], []
         for i, (role, tp) in enumerate(ENGINES):
             port = free_port()
-            argv = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", str(port), "--model-path",
-                    str(model_dir), "--load-format", "dummy", "--tp-size", str(tp), "--disaggregation-mode", role,
-                    "--max-running-requests", "2", "--sim-weight-digest", DIGEST]
+            argv = [
+                PY,
+                "-m",
+                "pdctl.sim",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--model-path",
+                str(model_dir),
+                "--load-format",
+                "dummy",
+                "--tp-size",
+                str(tp),
+                "--disaggregation-mode",
+                role,
+                "--max-running-requests",
+                "2",
+                "--sim-weight-digest",
+                DIGEST,
+            ]
             if role == "prefill":
                 boot = free_port()
                 argv += ["--disaggregation-bootstrap-port", str(boot)]
@@ -214,8 +236,19 @@ class Fleet:
             wait(e["url"] + "/health", timeout=180)  # a 1 GiB model takes a while to build
         self.router_url = f"http://127.0.0.1:{free_port()}"
         rport = self.router_url.rsplit(":", 1)[1]
-        argv = [PY, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", rport, "--pd-disaggregation",
-                *prefills, *decodes]
+        argv = [
+            PY,
+            "-m",
+            "pdctl",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            rport,
+            "--pd-disaggregation",
+            *prefills,
+            *decodes,
+        ]
         log = (tmp / "router.log").open("w")
         self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         wait(self.router_url + "/readiness", timeout=180)
@@ -244,9 +277,17 @@ def measure(megabytes: int, tmp: Path) -> dict:
     fleet = Fleet(tmp, model_dir)
     rounds = []
     try:
+
         def sync_for(fmt: str) -> WeightSync:
-            return WeightSync(fleet.engines, master_address="127.0.0.1", master_port=free_port(), backend="gloo",
-                              router_url=fleet.router_url, timeout_secs=600, load_format=fmt)
+            return WeightSync(
+                fleet.engines,
+                master_address="127.0.0.1",
+                master_port=free_port(),
+                backend="gloo",
+                router_url=fleet.router_url,
+                timeout_secs=600,
+                load_format=fmt,
+            )
 
         with sync_for("auto") as sync:
             auto = sync.push(tensors, version=f"bench-{megabytes}-auto").load_format
@@ -261,24 +302,42 @@ def measure(megabytes: int, tmp: Path) -> dict:
                             # each push right after its own bare broadcasts: the machine's drift hits all three
                             flat, per_tensor = bare.seconds("flat"), bare.seconds("per_tensor")
                             report = sync.push(tensors, version=f"bench-{megabytes}-{r}-{fmt}-{i}").to_dict()
-                            row[fmt].append({"bare_seconds": flat, "bare_per_tensor_seconds": per_tensor,
-                                             "report": report})
+                            row[fmt].append(
+                                {"bare_seconds": flat, "bare_per_tensor_seconds": per_tensor, "report": report}
+                            )
                 rounds.append(row)
-                print(f"  {megabytes} MB round {r}: " + "; ".join(
-                    f"{fmt} " + ", ".join(f"bare {t['bare_seconds']:.2f}s/{t['bare_per_tensor_seconds']:.2f}s "
-                                          f"push {t['report']['phases']['transfer']:.2f}s" for t in trios)
-                    for fmt, trios in row.items()), flush=True)
+                print(
+                    f"  {megabytes} MB round {r}: "
+                    + "; ".join(
+                        f"{fmt} "
+                        + ", ".join(
+                            f"bare {t['bare_seconds']:.2f}s/{t['bare_per_tensor_seconds']:.2f}s "
+                            f"push {t['report']['phases']['transfer']:.2f}s"
+                            for t in trios
+                        )
+                        for fmt, trios in row.items()
+                    ),
+                    flush=True,
+                )
     finally:
         fleet.stop()
     trios = {fmt: [t for row in rounds for t in row[fmt]] for fmt in FORMATS}
     every = [t for fmt in FORMATS for t in trios[fmt]]
     bare = statistics.median(t["bare_seconds"] for t in every)
     per_tensor = statistics.median(t["bare_per_tensor_seconds"] for t in every)
-    out = {"megabytes": megabytes, "bytes": nbytes, "layers": config.layers, "auto": auto, "bare_seconds": bare,
-           "bare_gbps": nbytes / bare / 1e9, "bare_per_tensor_seconds": per_tensor,
-           "bare_per_tensor_gbps": nbytes / per_tensor / 1e9,
-           "bare_per_tensor_ratio": statistics.median(t["bare_seconds"] / t["bare_per_tensor_seconds"] for t in every),
-           "formats": {}, "rounds": rounds}
+    out = {
+        "megabytes": megabytes,
+        "bytes": nbytes,
+        "layers": config.layers,
+        "auto": auto,
+        "bare_seconds": bare,
+        "bare_gbps": nbytes / bare / 1e9,
+        "bare_per_tensor_seconds": per_tensor,
+        "bare_per_tensor_gbps": nbytes / per_tensor / 1e9,
+        "bare_per_tensor_ratio": statistics.median(t["bare_seconds"] / t["bare_per_tensor_seconds"] for t in every),
+        "formats": {},
+        "rounds": rounds,
+    }
     for fmt in FORMATS:
         reports = [t["report"] for t in trios[fmt]]
         transfer = statistics.median(rep["phases"]["transfer"] for rep in reports)
@@ -331,9 +390,15 @@ def main() -> None:
     finally:
         if not os.environ.get("WEIGHT_BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "rounds": ROUNDS, "reps": REPS,
-            "sim_weight_digest": DIGEST,
-            "engines": ENGINES, "shape": SHAPE}
+    meta = {
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "rounds": ROUNDS,
+        "reps": REPS,
+        "sim_weight_digest": DIGEST,
+        "engines": ENGINES,
+        "shape": SHAPE,
+    }
     (RESULTS / "weight_push.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
         "| size | load format | tensors | buckets | collectives | bare GB/s | push transfer GB/s "
@@ -351,20 +416,30 @@ def main() -> None:
                 f"| {f['transfer_ratio']:.2f}x [{q[0]:.2f}-{q[1]:.2f}] "
                 f"| {f['same_collectives_ratio']:.2f}x [{o[0]:.2f}-{o[1]:.2f}] | {f['overhead_seconds']:.3f} |"
             )
-    lines += ["", "Bare broadcasts (median seconds; ratio: one flat broadcast against one per tensor, "
-              "the median over every trio):", "",
-              "| size | one flat broadcast | one per tensor | tensors | flat / per tensor |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Bare broadcasts (median seconds; ratio: one flat broadcast against one per tensor, "
+        "the median over every trio):",
+        "",
+        "| size | one flat broadcast | one per tensor | tensors | flat / per tensor |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | {r['bare_seconds']:.3f} | {r['bare_per_tensor_seconds']:.3f} "
-                     f"| {r['formats']['names']['tensors']} | {r['bare_per_tensor_ratio']:.2f}x |")
+        lines.append(
+            f"| {r['bytes'] / 2**20:.0f} MiB | {r['bare_seconds']:.3f} | {r['bare_per_tensor_seconds']:.3f} "
+            f"| {r['formats']['names']['tensors']} | {r['bare_per_tensor_ratio']:.2f}x |"
+        )
     lines += ["", "Per phase (median seconds):", ""]
     names = list(results[0]["formats"][FORMATS[0]]["phases"])
     lines.append("| size | load format | " + " | ".join(names) + " |")
     lines.append("|---|---|" + "---|" * len(names))
     for r in results:
         for fmt, f in r["formats"].items():
-            lines.append(f"| {r['bytes'] / 2**20:.0f} MiB | {fmt} | "
-                         + " | ".join(f"{f['phases'].get(n, 0.0):.3f}" for n in names) + " |")
+            lines.append(
+                f"| {r['bytes'] / 2**20:.0f} MiB | {fmt} | "
+                + " | ".join(f"{f['phases'].get(n, 0.0):.3f}" for n in names)
+                + " |"
+            )
     lines += [
         "",
         f"Medians over {ROUNDS} rounds x {REPS} trios per load format on {meta['cpus']} CPUs; a trio is one bare "

@@ -53,6 +53,8 @@ class Worker:
     """Why an operator took it out of rotation (``pdctl restart``, ``pdctl apply``): no new
     requests; those in flight finish (``drained`` is set when the last one does)."""
     drained: asyncio.Event | None = None
+    gone: bool = False
+    """Its process went away (a refused connection): a new one is back at its first passed check."""
 
     @functools.cached_property
     def bootstrap_host(self) -> str:
@@ -292,7 +294,7 @@ class WorkerRegistry:
 
     def lost(self, worker: Worker, why: str) -> None:
         """``worker``'s process is gone: out of rotation now; back after ``success_threshold`` checks."""
-        worker.healthy = False
+        worker.healthy, worker.gone = False, True
         worker.consecutive_successes = 0
         worker.consecutive_failures = max(worker.consecutive_failures, self.config.health.failure_threshold)
         self._wake.set()
@@ -349,8 +351,9 @@ class WorkerRegistry:
             if not worker.activated:
                 worker.activated = worker.healthy = True
                 log.info("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
-            elif not worker.healthy and worker.consecutive_successes >= c.health.success_threshold:
-                worker.healthy = True
+            elif not worker.healthy and (worker.gone or worker.consecutive_successes >= c.health.success_threshold):
+                # A process that went away and answers again is a new one: no flapping to sit out.
+                worker.healthy, worker.gone = True, False
                 log.info("worker %s is healthy again", worker.url)
             return
         if not worker.activated or time.monotonic() - worker.registered_at < c.health.first_wait_secs:
