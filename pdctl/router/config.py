@@ -59,8 +59,9 @@ class HealthConfig:
     liveness_interval_secs: float = setting(
         1.0,
         "--liveness-interval-secs",
-        "Seconds between TCP probes of each worker in rotation: one whose port refuses connections "
-        "(its process is gone) leaves rotation at once (0: no probes).",
+        "Seconds between probes (GET /model_info) of each worker in rotation: one whose port refuses "
+        "connections (its process is gone) leaves rotation at once, one that comes back on another weight "
+        "version meets the version rule at once (0: no probes).",
     )
 
     def __post_init__(self) -> None:

@@ -269,7 +269,7 @@ class WorkerRegistry:
         if not self.config.health.disabled:
             self._task = asyncio.create_task(self._health_loop(session), name="pdctl-router-health")
             if self.config.health.liveness_interval_secs > 0:
-                self._liveness = asyncio.create_task(self._liveness_loop(), name="pdctl-router-liveness")
+                self._liveness = asyncio.create_task(self._liveness_loop(session), name="pdctl-router-liveness")
 
     async def stop(self) -> None:
         for task in (self._task, self._liveness, *self._loading.values()):
@@ -278,19 +278,25 @@ class WorkerRegistry:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def _liveness_loop(self) -> None:
-        """A TCP connect to each worker in rotation every ``liveness_interval_secs``: a refused
-        connection means its process is gone (a crash, a restart), and it leaves rotation at
-        once rather than after ``failure_threshold`` health checks. A slow or silent worker is
-        left to the health checks' thresholds."""
+    async def _liveness_loop(self, session: aiohttp.ClientSession) -> None:
+        """Each worker in rotation, every ``liveness_interval_secs``: its ``/model_info`` (no
+        generation, unlike ``/health``). A refused connection means its process is gone (a crash,
+        a restart): it leaves rotation at once rather than after ``failure_threshold`` health
+        checks. A changed weight version outside an update means a new process (one that
+        restarted between two probes): the version rule applies at once. A slow or silent
+        worker is left to the health checks' thresholds."""
         interval = self.config.health.liveness_interval_secs
         while True:
             await asyncio.sleep(interval)
             live = [w for w in self.workers.values() if w.healthy]
-            results = await asyncio.gather(*(_refused(w.url, interval) for w in live))
-            for worker, refused in zip(live, results, strict=True):
-                if refused and worker.healthy:
+            results = await asyncio.gather(*(_model_info(session, w.url, interval) for w in live))
+            for worker, info in zip(live, results, strict=True):
+                if info is _REFUSED and worker.healthy:
                     self.lost(worker, "its port refuses connections")
+                elif isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
+                    worker.weight_version = info.get("weight_version")
+                    if not self.updating:
+                        self.version_rule(session, worker)
 
     def lost(self, worker: Worker, why: str) -> None:
         """``worker``'s process is gone: out of rotation now; back after ``success_threshold`` checks."""
@@ -376,18 +382,17 @@ class WorkerRegistry:
         self.observe_health(worker, False)
 
 
-async def _refused(url: str, timeout: float) -> bool:
-    """Whether a TCP connection to ``url``'s host and port is refused (nothing listens)."""
-    parts = urlsplit(url)
+_REFUSED = object()
+
+
+async def _model_info(session: aiohttp.ClientSession, url: str, timeout: float) -> object:
+    """A worker's ``/model_info`` (a dict), ``_REFUSED`` when nothing listens on its port, or
+    None when it did not answer in time (or not with JSON)."""
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout
-        )
-    except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
+        async with session.get(url + Endpoint.MODEL_INFO.value, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            info = await resp.json(content_type=None) if resp.status == 200 else None
+    except aiohttp.ClientConnectorError as exc:
+        return _REFUSED if isinstance(exc.os_error, ConnectionRefusedError) else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None

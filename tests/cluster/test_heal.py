@@ -112,9 +112,14 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
         router = status["router"]["url"]
         urls = {i: status[i]["url"] for i in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
         with Clients(router) as clients:
-            # 1. kill -9 of a decode under load: back on its port, 0 failed requests.
+            # 1. kill -9 of a decode under load: back on its port, 0 failed requests. No pdctl command
+            #    runs until it is back: its supervisor's file and the router say so.
             old = status["decode-0"]
+            story = tmp_path / "runs" / "heal" / "logs" / "decode-0.log.exit"
             os.kill(old["pid"], signal.SIGKILL)
+            while json.loads(story.read_text()).get("pid") in (old["pid"], None):
+                time.sleep(0.05)
+            _wait_in_rotation(router, urls["decode-0"])
             back = _wait_back(env, "decode-0", old["pid"], 1)
             assert back["ports"] == old["ports"] and back["last_exit"]["code"] == -signal.SIGKILL
             _wait_in_rotation(router, urls["decode-0"])
