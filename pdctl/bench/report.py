@@ -135,15 +135,21 @@ def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> Tab
     return out
 
 
+def check_plotting() -> None:
+    """BenchError unless matplotlib can be imported: checked before any request is sent."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BenchError("--plot needs matplotlib (pip install 'pdctl[bench]'); nothing was sent")
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     """Latency CDFs of every run; for a sweep also throughput and latency against the load."""
-    try:
-        import matplotlib
+    check_plotting()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise BenchError("--plot needs matplotlib (pip install 'pdctl[bench]')") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     runs = report["runs"]
     sweep = len(runs) > 1
     fig, axes = plt.subplots(1, 4 if sweep else 2, figsize=(18 if sweep else 10, 4))

@@ -146,6 +146,8 @@ def bench(args: tuple[str, ...], **opts) -> None:  # fmt: skip
         raise click.BadParameter("must be >= 1", param_hint="--num-prompts")
     if opts["weights_reload_every"] is not None and not opts["weights_path"]:
         raise click.UsageError("--weights-reload-every needs --weights-path")
+    if opts["plot"]:
+        bench_report.check_plotting()  # before the run, not after all its requests
     config, reloader = _config(name, opts)
     progress = opts["progress"] if opts["progress"] is not None else sys.stderr.isatty()
     result = _run(config, reloader, progress)

@@ -87,7 +87,8 @@ def up(file: str | None, timeout_secs: float) -> None:
 @click.argument("name", required=False)
 @click.option("--purge", is_flag=True, help="Also remove run directories (logs) on the nodes and the state.")
 def down(name: str | None, purge: bool) -> None:
-    """Stop every process of cluster NAME on every node; idempotent.
+    """Stop every process of cluster NAME on every node; idempotent (exit 1 for a NAME that has no
+    state: a misspelled name must not look like success).
 
     SIGTERM to whole process groups, SIGKILL after a grace period, trainer rank 0 last,
     then a check that nothing of the cluster is left. An unreachable node keeps its
@@ -95,6 +96,9 @@ def down(name: str | None, purge: bool) -> None:
     """
     store = StateStore()
     name = store.resolve_name(name)
+    if store.load(name) is None:  # a misspelled name must not look like a cluster stopped
+        known = ", ".join(store.names()) or "none"
+        raise LifecycleError(f"no cluster {name!r} in {store.root} (clusters: {known}); nothing was stopped")
     click.echo(cluster_down(name, store=store, purge=purge, events=lambda p, m: None))
 
 
@@ -107,7 +111,8 @@ def status(name: str | None, as_json: bool) -> None:
     then each engine as a unit (a multi-node engine is down when any of its processes is).
     With no NAME and several clusters: one row per cluster (state, router, processes up).
 
-    Exit 1 when anything is down, restarting or unhealthy; 0 once everything is back.
+    Exit 1 when anything is down, restarting or unhealthy; 0 once everything is back. A trainer
+    that exited 0 has completed (the header says so): that is not a failure.
     """
     store = StateStore()
     if name is None and len(store.names()) > 1 and not as_json:
@@ -146,7 +151,8 @@ def _print_status(result: ClusterStatus) -> None:
     if not result.processes:  # a stopped cluster: a sentence, not an empty table
         out.print(f"cluster {result.name!r} is {result.status}: no processes (start it with `pdctl up`)")
         return
-    table = Table(title=f"{result.name}: {result.status}  router {result.router_url}")
+    phase = f"{result.status}, trainer completed" if result.completed else str(result.status)
+    table = Table(title=f"{result.name}: {phase}  router {result.router_url}")
     # Fits an 80-column terminal with ids whole: ids never wrap, ports go one per line, the rest folds.
     table.add_column("process", no_wrap=True, min_width=max(len(p.id) for p in result.processes))
     table.add_column("role", no_wrap=True)

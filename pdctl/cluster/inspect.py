@@ -43,8 +43,13 @@ class ProcessStatus:
     """The recorded process: its supervisor (``pid`` is the supervised process)."""
 
     @property
+    def completed(self) -> bool:
+        """A trainer that ran to its end with exit 0: the run is done, nothing is wrong."""
+        return self.role == Role.TRAINER and self.alive is False and self.exit_code == 0
+
+    @property
     def ok(self) -> bool:
-        return bool(self.alive) and self.healthy is not False
+        return (bool(self.alive) and self.healthy is not False) or self.completed
 
 
 @dataclass
@@ -75,10 +80,16 @@ class ClusterStatus:
     def ok(self) -> bool:
         return self.status == Phase.UP and all(p.ok for p in self.processes)
 
+    @property
+    def completed(self) -> bool:
+        """Its trainer ran to its end with exit 0 (the engines and router still serve)."""
+        trainers = [p for p in self.processes if p.role == Role.TRAINER]
+        return bool(trainers) and all(p.completed for p in trainers)
+
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "ok": self.ok, "completed": self.completed}
 
 
 def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None = None) -> ClusterStatus:

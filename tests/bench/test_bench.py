@@ -269,3 +269,17 @@ def test_a_stream_that_ends_in_an_abort_is_a_failed_request(api, status) -> None
     assert not result.ok and result.error == "aborted", result
     if status:
         assert "status 500" in result.detail
+
+
+def test_plot_without_matplotlib_fails_before_sending_anything(monkeypatch, tmp_path) -> None:
+    """`--plot` where matplotlib is not installed: a clear error at once, not after the whole run."""
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from pdctl.cli.app import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    result = CliRunner().invoke(cli, ["bench", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code != 0 and "--plot needs matplotlib" in result.output and "nothing was sent" in result.output

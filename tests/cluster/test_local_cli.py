@@ -74,7 +74,8 @@ def test_local_cli_round_trip(tmp_path) -> None:
     assert "┏" not in stopped.stdout  # a sentence, not an empty table
     purge = pdctl("down", "loc", "--purge", env=env)
     assert purge.returncode == 0 and not (tmp_path / "runs" / "loc").exists()
-    assert pdctl("down", "loc", env=env).stdout.startswith("no cluster 'loc'")
+    gone = pdctl("down", "loc", env=env)  # purged: no such cluster any more, which is not a success
+    assert gone.returncode == 1 and "no cluster 'loc'" in gone.stderr and "nothing was stopped" in gone.stderr
 
 
 def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
@@ -192,7 +193,9 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
             time.sleep(0.5)
         assert trainer["alive"] is False and trainer["exit_code"] == 0, trainer
         table = pdctl("status", "done", env=env)
-        assert "exited 0" in table.stdout
+        assert "exited 0" in table.stdout and "trainer completed" in table.stdout
+        assert table.returncode == 0, "a finished run is not a failure"
+        assert json.loads(pdctl("status", "done", "--json", env=env).stdout)["completed"] is True
     finally:
         pdctl("down", "done", env=env)
 
