@@ -62,10 +62,10 @@ class SSHExecutor(Executor):
             if self._client is not None:
                 return
             client = paramiko.SSHClient()
+            # No known_hosts file: still connect (refusing every key), so that an unreachable host
+            # says so rather than hiding behind the missing file.
             if self.known_hosts.is_file():
                 client.load_host_keys(str(self.known_hosts))
-            elif not self.node.ssh.accept_new_host_key:
-                raise RemoteError(f"{self.where}: known_hosts file {self.known_hosts} does not exist")
             if self.node.ssh.accept_new_host_key:
                 client.set_missing_host_key_policy(_AcceptNewPolicy(self.known_hosts))
             else:
@@ -95,15 +95,16 @@ class SSHExecutor(Executor):
             except paramiko.SSHException as exc:
                 client.close()
                 if "not found in known_hosts" in str(exc):
+                    where = "" if self.known_hosts.is_file() else ", which does not exist"
                     raise RemoteError(
-                        f"{self.where}: host key unknown (not in {self.known_hosts}); add it with "
+                        f"{self.where}: host key unknown (not in {self.known_hosts}{where}); add it with "
                         f"`ssh-keyscan -p {self.port} {self.hostname} >> {self.known_hosts}` after checking it, "
                         "or set ssh.accept_new_host_key: true"
                     ) from exc
                 raise RemoteError(f"{self.where}: SSH error: {exc}") from exc
             except (TimeoutError, OSError) as exc:
                 client.close()
-                raise RemoteError(f"{self.where}: unreachable: {exc}") from exc
+                raise RemoteError(f"{self.where}: unreachable: {_reason(exc)}") from exc
             self._client = client
 
     def _run(self, argv: list[str], stdin: bytes, timeout: float) -> tuple[int, bytes, bytes]:
@@ -128,3 +129,11 @@ class SSHExecutor(Executor):
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+def _reason(exc: OSError) -> str:
+    """An OS error as a person reads it: paramiko's connection errors carry no errno ("[Errno None]")."""
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        causes = {getattr(e, "strerror", None) or type(e).__name__ for e in exc.errors.values()}
+        return f"cannot connect ({', '.join(sorted(causes))})"
+    return exc.strerror or str(exc) or f"no answer within {CONNECT_TIMEOUT_SECS:g}s"
