@@ -33,8 +33,9 @@ from pdctl.topology.model import Topology
 LOG_TAIL_LINES = 50
 WATCH_SLICE_SECS = 2.0
 """While engines start, how often every node is asked whether a watched process died."""
-TRAINER_GRACE_SECS = 3.0
-"""How long ``up`` watches a just-started trainer: an exit with an error in that time fails ``up``."""
+DEFAULT_TRAINER_STARTUP_SECS = 10.0
+"""How long ``up`` watches a just-started trainer (``trainer.startup_secs``): an exit with an
+error in that time fails ``up``; one that exits 0 has completed."""
 
 
 def up(
@@ -87,7 +88,7 @@ def up(
 
             def start_trainers() -> None:
                 _launch(trainers, state, store, nodes, top, events)
-                _watch_trainers(trainers, state, nodes)
+                _watch_trainers(trainers, state, nodes, plan.trainer_startup_secs)
 
             if plan.trainer_first:  # it claims its memory share before the engines size their pools
                 start_trainers()
@@ -237,8 +238,9 @@ def _exit_file(spec: LaunchSpec) -> str:
     return spec.log_path + ".exit"
 
 
-def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet) -> None:
-    """Fail ``up`` if a trainer exits with an error within TRAINER_GRACE_SECS of its start."""
+def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet, secs: float) -> None:
+    """Fail ``up`` if a trainer exits with an error within ``secs`` of its start (all of them
+    exiting 0 ends the watch: the run completed)."""
     if not specs:
         return
     by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -247,17 +249,21 @@ def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet
         by_node[spec.node].append(
             {"id": spec.id, "pid": rec.pid, "create_time": rec.create_time, "exit_file": rec.exit_file}
         )
-    deadline = time.monotonic() + TRAINER_GRACE_SECS
+    deadline = time.monotonic() + secs
     while True:
         results = nodes.each(list(by_node), lambda ex: agent_api.status(ex, by_node[ex.node.name]))
+        finished = True
         for res in results.values():
             if isinstance(res, RemoteError):
                 raise res
             for proc_id, entry in res["processes"].items():
                 code = entry.get("exit_code")
                 if not entry["alive"] and code != 0:
-                    raise ReadinessError(proc_id, f"it exited with code {code} right after launch")
-        if time.monotonic() >= deadline:
+                    raise ReadinessError(
+                        proc_id, f"it exited with code {code} within {secs:g}s of its start (trainer.startup_secs)"
+                    )
+                finished &= not entry["alive"]
+        if finished or time.monotonic() >= deadline:
             return
         time.sleep(0.5)
 

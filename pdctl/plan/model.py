@@ -194,6 +194,8 @@ class Plan:
     mps: tuple[MpsDaemon, ...] = ()
     """Colocate with MPS: one daemon per node with GPU processes, started before any of them."""
     trainer_first: bool = False
+    trainer_startup_secs: float = 10.0
+    """How long ``up`` watches the trainer after its start (``trainer.startup_secs``)."""
     """Colocate: the trainer starts first, so it claims its memory share before engines size their pools."""
     refit: str = "drain"
     """``weights.refit``: how updates (a trainer's push, ``pdctl weights load``) treat requests in flight."""
@@ -225,5 +227,6 @@ class Plan:
             "warnings": [{"path": w.path, "message": w.message} for w in self.warnings],
             "mps": [d.to_dict() for d in self.mps],
             "trainer_first": self.trainer_first,
+            "trainer_startup_secs": self.trainer_startup_secs,
             "refit": {"mode": self.refit, "max_staleness": self.max_staleness},
         }

@@ -109,6 +109,7 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
         api_key_env=top.router.api_key_env,
         mps=_mps_daemons(top, processes),
         trainer_first=top.placement.colocate and top.trainer is not None,
+        trainer_startup_secs=top.trainer.startup_secs if top.trainer is not None else 10.0,
         refit=top.weights.refit.value if top.weights is not None else RefitMode.DRAIN.value,
         max_staleness=top.weights.max_staleness if top.weights is not None else None,
     )

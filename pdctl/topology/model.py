@@ -176,6 +176,8 @@ class TrainerConfig:
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     restart: str = "never"
     """Its ranks are not restarted unless asked: a restarted rank cannot rejoin a torchrun job."""
+    startup_secs: float = 10.0
+    """How long ``up`` watches it after its start: an exit with an error in that time fails ``up``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -274,6 +276,7 @@ class Topology:
                 nodes=tuple(t["nodes"]) if "nodes" in t else None,
                 env=_env(t.get("env")),
                 restart=t.get("restart", "never"),
+                startup_secs=t.get("startup_secs", 10.0),
             )
         engine = raw.get("engine", "sglang")
         weights = None

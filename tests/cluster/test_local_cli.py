@@ -165,11 +165,25 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
         pdctl("down", "crash", env=env)
     assert up.returncode == 1 and "exited with code" in up.stderr and "trainer" in up.stderr, up.stderr
     # pdctl's own message comes first (no traceback of pdctl's); the trainer's log tail shows the cause.
-    assert "trainer.me did not become ready: it exited with code 1 right after launch" in up.stderr, up.stderr
+    assert "trainer.me did not become ready: it exited with code 1 within 10s of its start" in up.stderr, up.stderr
     assert "trainer boom" in up.stderr
     # Everything that started was stopped: nothing of the cluster is alive.
     st = pdctl("status", "crash", "--json", env=env)
     assert all(not p["alive"] for p in json.loads(st.stdout)["processes"]) if st.stdout.strip() else True
+    # A trainer that fails 4 s after its start (past the 3 s window up once had): still within
+    # trainer.startup_secs (default 10), so up fails and stops everything.
+    late = {"command": ["python", "-c", "import sys, time; time.sleep(4); sys.exit(3)"], "nproc_per_node": 1}
+    topo = local_topology(
+        tmp_path,
+        "late",
+        base + 40,
+        trainer=late,
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}],
+    )
+    up = pdctl("up", topo, env=env)
+    if up.returncode == 0:
+        pdctl("down", "late", env=env)
+    assert up.returncode == 1 and "within 10s of its start (trainer.startup_secs)" in up.stderr, up.stderr
     # A trainer that finishes cleanly: up succeeds; status shows its exit code.
     done = {"command": ["python", "-c", "print('trained')"], "nproc_per_node": 1}
     topo = local_topology(
