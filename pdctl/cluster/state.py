@@ -1,4 +1,4 @@
-"""The state file: ``.pdctl/NAME/state.json`` under $PDCTL_HOME or the working directory.
+"""The state file: ``NAME/state.json`` under ``$PDCTL_HOME``, else ``~/.pdctl`` (``state_root``).
 
 Written atomically (temp file + rename), mode 0600, and locked (flock on ``lock``) while
 ``up`` or ``down`` runs. It holds everything ``down`` needs without the YAML: how to reach

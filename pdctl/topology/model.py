@@ -6,6 +6,7 @@ semantic checks across objects live in validate.py. Derived facts are properties
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,13 +69,17 @@ class Node:
     def from_dict(cls, raw: Mapping[str, Any]) -> Node:
         host = raw["host"]
         default_python = sys.executable if host in LOCAL_HOSTS else "python3"
+        # A node on this machine keeps its runs under this machine's pdctl home ($PDCTL_HOME), so
+        # that two homes with a cluster of the same name do not rotate each other's logs.
+        home = os.environ.get("PDCTL_HOME")
+        default_workdir = f"{home}/runs" if home and host in LOCAL_HOSTS else DEFAULT_WORKDIR
         return cls(
             name=raw["name"],
             host=host,
             gpus=raw.get("gpus", 8),
             ssh=SSHConfig(**raw.get("ssh", {})),
             python=raw.get("python", default_python),
-            workdir=raw.get("workdir", DEFAULT_WORKDIR),
+            workdir=raw.get("workdir", default_workdir),
             env=_env(raw.get("env")),
         )
 

@@ -216,3 +216,28 @@ def test_the_router_parses_its_planned_argv_into_the_topologys_settings() -> Non
     assert config.health.failure_threshold == r.health_failure_threshold
     assert config.policy == r.policy and config.api_key == "test-key"
     assert len(config.workers) == len(plan.engines)
+
+
+def test_local_nodes_keep_their_runs_under_pdctl_home(monkeypatch, tmp_path) -> None:
+    """Two homes with a cluster of the same name must not share (and rotate) each other's logs:
+    a local node without a workdir runs under $PDCTL_HOME/runs; a remote one under ~/.pdctl/runs
+    (its home on its own machine)."""
+    from pdctl.plan import make_plan
+    from pdctl.topology import load_topology_text
+
+    text = """
+name: same
+model: {path: "sim://tiny"}
+engine: sim
+nodes:
+  - {name: here, host: HOST, gpus: 2}
+"""
+    logs = {}
+    for home in ("a", "b"):
+        monkeypatch.setenv("PDCTL_HOME", str(tmp_path / home))
+        for host in ("127.0.0.1", "10.0.0.2"):
+            plan = make_plan(load_topology_text(text.replace("HOST", host) + "prefill: {}\ndecode: {}\n")[0])
+            logs[home, host] = plan.process("prefill-0").log_path
+    assert logs["a", "127.0.0.1"] == str(tmp_path / "a" / "runs" / "same" / "logs" / "prefill-0.log")
+    assert logs["a", "127.0.0.1"] != logs["b", "127.0.0.1"]
+    assert logs["a", "10.0.0.2"] == logs["b", "10.0.0.2"] == "~/.pdctl/runs/same/logs/prefill-0.log"
