@@ -150,6 +150,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     runs = report["runs"]
     sweep = len(runs) > 1
     fig, axes = plt.subplots(1, 4 if sweep else 2, figsize=(18 if sweep else 10, 4))

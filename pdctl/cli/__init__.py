@@ -1,17 +1,32 @@
 """The pdctl command line: thin commands over the library, one error boundary.
 
-Exit codes: 0 ok, 1 a pdctl error (invalid topology, failed up, something down), 2 usage.
-Tracebacks only with ``--debug``.
+Exit codes: 0 ok, 1 a pdctl error (invalid topology, failed up, something down), 2 usage,
+130 interrupted. Tracebacks only with ``--debug``. The commands are imported inside ``main``,
+so that a Ctrl-C while they load ends quietly too.
 """
 
 from __future__ import annotations
 
-from pdctl.cli.app import cli
+import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    try:
+        from pdctl.cli.app import cli
+    except KeyboardInterrupt:
+        print("pdctl: interrupted", file=sys.stderr)
+        sys.exit(130)
     cli.main(args=argv, prog_name="pdctl", standalone_mode=True)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cli":  # the click group, for tests and embedding
+        from pdctl.cli.app import cli
+
+        return cli
+    raise AttributeError(name)
 
 
 __all__ = ["cli", "main"]

@@ -10,11 +10,15 @@ started (on every node) and raises LifecycleError with the failing process's las
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from pdctl.agent import RUN_ID_ENV
 from pdctl.agent_replies import SpawnReply, WaitReadyReply
@@ -104,22 +108,43 @@ def up(
             if not plan.trainer_first:
                 start_trainers()
         except (Exception, KeyboardInterrupt) as exc:
-            events("up", "failed; stopping everything that started")
-            detail = _failure_detail(exc, state, nodes)
-            state.status = Phase.FAILED
-            store.save(state)
-            try:
-                stop_processes(state, nodes, events=events)
-                state.processes.clear()
-                stop_daemons(state, nodes, events)
-                state.status = Phase.DOWN
-            except LifecycleError as cleanup:
-                detail += f"\ncleanup incomplete: {cleanup} (run `pdctl down {plan.name}` to retry)"
-            store.save(state)
-            raise LifecycleError(detail) from exc
+            with _uninterrupted():  # a second Ctrl-C must not leave half of it running
+                _fail(exc, plan, state, store, nodes, events)
         state.status = Phase.UP
         store.save(state)
         return state
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ignore Ctrl-C (SIGINT) for the block, when this is the main thread (signals go there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _fail(
+    exc: BaseException, plan: Plan, state: ClusterState, store: StateStore, nodes: NodeSet, events: Events
+) -> NoReturn:
+    """Stop everything that started, then raise LifecycleError saying why ``up`` failed."""
+    events("up", "failed; stopping everything that started (Ctrl-C is ignored until that is done)")
+    detail = _failure_detail(exc, state, nodes)
+    state.status = Phase.FAILED
+    store.save(state)
+    try:
+        stop_processes(state, nodes, events=events)
+        state.processes.clear()
+        stop_daemons(state, nodes, events)
+        state.status = Phase.DOWN
+    except LifecycleError as cleanup:
+        detail += f"\ncleanup incomplete: {cleanup} (run `pdctl down {plan.name}` to retry)"
+    store.save(state)
+    raise LifecycleError(detail) from exc
 
 
 def _preflight(top: Topology, plan: Plan, nodes: NodeSet, events: Events) -> None:
