@@ -1,10 +1,39 @@
 """pdctl's CPU stand-in for an SGLang server (``python -m pdctl.sim``): SGLang's flags and
-HTTP API, a real tiny transformer, real PD KV hand-off, real weight-update groups."""
+HTTP API, a real tiny transformer, real PD KV hand-off, real weight-update groups.
 
-from pdctl.sim.config import SimConfig
-from pdctl.sim.model import SimModelConfig, TinyLM, decode, encode, resolve_model, save_checkpoint
-from pdctl.sim.server import SimServer
-from pdctl.sim.weights_http import weights_checksum
+The names below are loaded on first use: ``python -m pdctl.sim.null`` (the null engine the
+router benchmarks use) runs where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdctl.sim.config import SimConfig
+    from pdctl.sim.model import SimModelConfig, TinyLM, decode, encode, resolve_model, save_checkpoint
+    from pdctl.sim.server import SimServer
+    from pdctl.sim.weights_http import weights_checksum
+
+_HOMES = {
+    "SimConfig": "pdctl.sim.config",
+    "SimModelConfig": "pdctl.sim.model",
+    "TinyLM": "pdctl.sim.model",
+    "decode": "pdctl.sim.model",
+    "encode": "pdctl.sim.model",
+    "resolve_model": "pdctl.sim.model",
+    "save_checkpoint": "pdctl.sim.model",
+    "SimServer": "pdctl.sim.server",
+    "weights_checksum": "pdctl.sim.weights_http",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'pdctl.sim' has no attribute {name!r}")
+
 
 __all__ = [
     "SimConfig",
