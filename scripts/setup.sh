@@ -24,8 +24,19 @@ stamp=.venv/.pdctl-setup
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PIP install --upgrade pip >/dev/null 2>&1 || true
-  # torch first, pinned to the CPU build (a bare "torch" would pull several GB of CUDA wheels).
-  .venv/bin/python -c "import torch" 2>/dev/null || $PIP install torch==2.13.0
+  # torch first, its CPU build: from PyTorch's CPU index where that index answers (PyPI's torch is the
+  # CUDA build on an ordinary Linux machine: several GB of nvidia-* wheels for a demo that runs on CPU),
+  # else the pinned PyPI wheel (where a local wheel house or mirror serves the CPU one).
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    cpu_index=https://download.pytorch.org/whl/cpu
+    if .venv/bin/python -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null &&
+      $PIP install --index-url "$cpu_index" torch==2.13.0 2>/dev/null; then
+      echo "setup: torch 2.13.0 (CPU build) from $cpu_index"
+    else
+      $PIP install torch==2.13.0
+      echo "setup: torch 2.13.0 from the package index (PyTorch's CPU index did not answer)"
+    fi
+  fi
   # Quiet when it works (setuptools' license-table deprecation notes are noise here); all of it when not.
   if ! out=$($PIP install -e ".[test]" 2>&1); then echo "$out" >&2; exit 1; fi
 fi
