@@ -239,3 +239,30 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
         assert _status(env)[""]["ok"]
     finally:
         pdctl("down", "grow", env=env)
+
+
+def test_the_sixth_crash_within_ten_minutes_leaves_the_engine_down_and_status_says_why(tmp_path) -> None:
+    node = {"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}
+    topo = local_topology(tmp_path, "loop", 25500 + os.getpid() % 3000 // 10 * 10, nodes=[node])
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    assert pdctl("up", topo, env=env).returncode == 0
+    story = tmp_path / "runs" / "loop" / "logs" / "decode-0.log.exit"
+    try:
+        for _ in range(6):  # kill -9 each new process as soon as its supervisor started it
+            current = json.loads(story.read_text())
+            while current["state"] == "backoff" or not current.get("pid"):
+                time.sleep(0.02)
+                current = json.loads(story.read_text())
+            os.kill(current["pid"], signal.SIGKILL)
+            while json.loads(story.read_text()).get("pid") == current["pid"]:
+                time.sleep(0.02)
+        while json.loads(story.read_text())["state"] != "gave_up":
+            time.sleep(0.05)
+        st = pdctl("status", "--json", env=env)
+        decode = next(p for p in json.loads(st.stdout)["processes"] if p["id"] == "decode-0")
+        assert st.returncode == 1 and decode["alive"] is False and decode["supervisor"] == "gave_up"
+        assert decode["restarts"] == 5 and "failed 6 times within 10 minutes" in decode["reason"], decode
+        table = pdctl("status", env={**env, "COLUMNS": "200"})
+        assert "left down" in table.stdout and "failed 6 times within 10 minutes" in table.stdout, table.stdout
+    finally:
+        assert pdctl("down", "loop", env=env).returncode == 0
