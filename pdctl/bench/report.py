@@ -113,15 +113,22 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
+def _load_of(run: dict[str, Any]) -> tuple[str, str]:
+    return str(run.get("request_rate")), str(run.get("max_concurrency"))
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> Table:
-    """Run i of A beside run i of B, with B/A for every metric both have."""
+    """Each run of A beside B's run at the same load (request rate and concurrency), with B/A
+    for every metric both have; runs whose load only one report has are named in the caption."""
     out = Table(title=f"{names[0]} (A) vs {names[1]} (B)")
     out.add_column("run")
     out.add_column("metric")
     out.add_column("A", justify="right")
     out.add_column("B", justify="right")
     out.add_column("B/A", justify="right")
-    for i, (ra, rb) in enumerate(zip(a["runs"], b["runs"], strict=False)):
+    b_runs = {_load_of(run): run for run in b["runs"]}
+    pairs = [(ra, b_runs[_load_of(ra)]) for ra in a["runs"] if _load_of(ra) in b_runs]
+    for i, (ra, rb) in enumerate(pairs):
         for key, label, fmt in ROWS:
             if key not in ra or key not in rb:
                 continue
@@ -129,9 +136,12 @@ def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> Tab
             ratio = f"{vb / va:.2f}x" if va else "-"
             out.add_row(f"{i + 1}: {run_label(ra)}" if key == "completed" else "", label, fmt.format(va),
                         fmt.format(vb), ratio)  # fmt: skip
-    if len(a["runs"]) != len(b["runs"]):
-        na, nb = len(a["runs"]), len(b["runs"])
-        out.caption = f"A has {na} runs, B {nb}: only the first {min(na, nb)} compared"
+    a_loads = {_load_of(run) for run in a["runs"]}
+    alone = [f"A {run_label(r)}" for r in a["runs"] if _load_of(r) not in b_runs] + [
+        f"B {run_label(r)}" for r in b["runs"] if _load_of(r) not in a_loads
+    ]
+    if alone:
+        out.caption = f"runs at a load only one report has (not compared): {', '.join(alone)}"
     return out
 
 

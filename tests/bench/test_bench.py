@@ -283,3 +283,20 @@ def test_plot_without_matplotlib_fails_before_sending_anything(monkeypatch, tmp_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     result = CliRunner().invoke(cli, ["bench", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "p.png")])
     assert result.exit_code != 0 and "--plot needs matplotlib" in result.output and "nothing was sent" in result.output
+
+
+def test_compare_pairs_runs_by_their_load_not_their_position() -> None:
+    from rich.console import Console
+
+    from pdctl.bench.report import compare
+
+    def run(rate: float, ttft: float) -> dict:
+        return {"request_rate": rate, "max_concurrency": None, "completed": 10, "mean_ttft_ms": ttft}
+
+    a = {"runs": [run(1.0, 10.0), run(4.0, 40.0)]}
+    b = {"runs": [run(4.0, 20.0), run(8.0, 80.0)]}  # a sweep in another order, one rate only here
+    console = Console(width=200, record=True)
+    console.print(compare(a, b, ("a.json", "b.json")))
+    text = console.export_text()
+    assert "1: rate 4.0" in text and "0.50x" in text, text  # 4.0 beside 4.0: 20 / 40
+    assert "rate 1.0" in text.split("not compared")[-1] and "B rate 8.0" in text, text
