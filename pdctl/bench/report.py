@@ -177,7 +177,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     if sweep:
         xs, xlabel = _sweep_axis(runs)
         axes[2].plot(xs, [r["request_throughput"] for r in runs], "o-", label="requests/s")
-        axes[2].plot(xs, [r.get("request_goodput", math.nan) for r in runs], "s--", label="goodput")
+        if any("request_goodput" in r for r in runs):  # only with --slo-*: no legend entry without a line
+            axes[2].plot(xs, [r.get("request_goodput", math.nan) for r in runs], "s--", label="goodput")
         axes[2].set(title="throughput", xlabel=xlabel, ylabel="requests/s")
         for key, style in (
             ("median_ttft_ms", "o-"),
