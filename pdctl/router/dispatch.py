@@ -663,10 +663,15 @@ class Dispatcher:
         if job is None or not (interrupted or job.single):
             return False
         failures = 0
+        # The version the next continuation must run on: any (the new one) after an update; the
+        # version of the tokens so far after an engine died mid-stream. A continuation that fails
+        # before its first token leaves it as it was.
+        need = None if interrupted else pending[0].version
         while True:
             if failures >= max(1, self.config.retry.max_retries):
                 return False
             if interrupted:
+                need = None
                 pending, ended = settle(job, pending, self.gate.max_staleness)
                 shown = Continued(job, tuple(ended), {})
                 tail = b"".join(shown.event(k, item) for k, item in ended.items())
@@ -688,9 +693,7 @@ class Dispatcher:
             self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
             epoch = self.gate.epoch
             try:
-                legs = await self._open_continuation(
-                    resume, body, None if interrupted else pending[0].version, headers, epoch
-                )
+                legs = await self._open_continuation(resume, body, need, headers, epoch)
             except RouteError:
                 return False
             if not interrupted:
@@ -732,6 +735,7 @@ class Dispatcher:
                 last = pumped.last_data
                 if last is not None:
                     pending = {0: pending[0].advanced(last)}
+                    need = pending[0].version
                 failures, interrupted = failures + 1, False
             finally:
                 if isinstance(legs.opened, Opened):
