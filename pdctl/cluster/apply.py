@@ -23,7 +23,7 @@ from typing import Any
 
 from pdctl.cluster.down import down, stop_records
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.restart import RouterControl, relaunch, wait_routable
+from pdctl.cluster.restart import RouterControl, relaunch, replace_engine, wait_routable
 from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
 from pdctl.cluster.up import launch, up, wait_ready
 from pdctl.errors import LifecycleError, RemoteError
@@ -226,17 +226,7 @@ def _apply(
             relaunch(state, store, nodes, unit_specs, events, ready_timeout, router_secrets=True)
             wait_ready(unit_specs, state, nodes, 60.0, events, path="/readiness")
         elif change.kind == "replace":
-            url = engines[change.unit].url
-            events(change.unit, "out of rotation; waiting for its requests to finish")
-            router.cordon(url, True)
-            old_ids = [p for p in state.processes if state.processes[p].engine_id == change.unit]
-            stop_records(state, nodes, [state.processes[p] for p in old_ids], events=events)
-            store.save(state)
-            launch(unit_specs, state, store, nodes, {}, events)
-            entry = next(s for s in unit_specs if s.entrypoint)
-            wait_ready([entry], state, nodes, ready_timeout, events, watch=[s for s in unit_specs if not s.entrypoint])
-            router.cordon(url, False)
-            wait_routable(router, change.unit, url, ready_timeout, events)
+            replace_engine(state, store, nodes, router, change.unit, unit_specs, events, ready_timeout)
         else:  # remove
             url = old_engines[change.unit]["url"]
             events(change.unit, "out of rotation; waiting for its requests to finish")

@@ -100,15 +100,7 @@ def _restart(
             relaunch(state, store, nodes, specs, events, ready_timeout, router_secrets=True)
             wait_ready(specs, state, nodes, 60.0, events, path="/readiness")
         else:
-            entry = next(s for s in specs if s.entrypoint)
-            url = entry.url or ""
-            events(unit, "out of rotation; waiting for its requests to finish")
-            drained = router.cordon(url, True)
-            if not drained.get("drained", False):
-                events(unit, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
-            relaunch(state, store, nodes, specs, events, ready_timeout)
-            router.cordon(url, False)
-            wait_routable(router, unit, url, ready_timeout, events)
+            replace_engine(state, store, nodes, router, unit, specs, events, ready_timeout)
         done.append(unit)
     return done
 
@@ -132,6 +124,31 @@ def relaunch(
     others = [s for s in specs if not s.entrypoint]
     if entrypoints:
         wait_ready(entrypoints, state, nodes, ready_timeout, events, watch=others)
+
+
+def replace_engine(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    router: RouterControl,
+    engine_id: str,
+    specs: list[LaunchSpec],
+    events: Events,
+    ready_timeout: float,
+) -> None:
+    """Engine ``engine_id`` out of rotation (its requests finish), its running processes stopped,
+    ``specs`` (its processes as planned now) started, and back in rotation once the router
+    routes to it again."""
+    url = next(s for s in specs if s.entrypoint).url or ""
+    events(engine_id, "out of rotation; waiting for its requests to finish")
+    drained = router.cordon(url, True)
+    if not drained.get("drained", False):
+        events(engine_id, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
+    running = [rec for rec in state.processes.values() if rec.engine_id == engine_id]
+    stop_records(state, nodes, running, events=events)
+    relaunch(state, store, nodes, specs, events, ready_timeout)
+    router.cordon(url, False)
+    wait_routable(router, engine_id, url, ready_timeout, events)
 
 
 class RouterControl:
