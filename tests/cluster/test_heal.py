@@ -237,6 +237,14 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
         refused = pdctl("apply", topo, env=env)
         assert refused.returncode == 1 and "model.path: 'sim://tiny' -> 'sim://small'" in refused.stderr
         assert _status(env)[""]["ok"]
+
+        # --recreate takes the cluster down and up on the edited file: new processes, the new model
+        recreated = pdctl("apply", topo, "--recreate", env=env, timeout=600)
+        assert recreated.returncode == 0, recreated.stderr
+        again = _status(env)
+        assert again[""]["ok"] and again["decode-0"]["pid"] != final["decode-0"]["pid"]
+        code, info = get(again["decode-0"]["url"] + "/model_info")
+        assert code == 200 and info["model_path"] == "sim://small", info
     finally:
         pdctl("down", "grow", env=env)
 
