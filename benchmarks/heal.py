@@ -7,6 +7,8 @@ until the router routes to it again (the kill -> back time), next to the time a 
 before (the engine's own start; the difference is what pdctl adds: the supervisor's backoff, the
 router noticing the death and checking it back). Then `pdctl apply` of the same file with N more
 decodes (at most APPLY_MAX), timed per added engine. Meanwhile the supervisors' own CPU while the cluster idles.
+Then the same on SSH test hosts (one network namespace and sshd per host, as the tests build them;
+needs root): the router and prefill on h0, SSH_DECODES decodes spread over the other hosts.
 
 Goals: pdctl adds under 1 s to an engine's own start; supervisors under 1% of a core per node.
 
@@ -36,6 +38,8 @@ PY = sys.executable
 SIZES = [int(n) for n in os.environ.get("HEAL_BENCH_SIZES", "1,4,16").split(",")]
 KILLS = int(os.environ.get("HEAL_BENCH_KILLS", 3))
 IDLE_SECS = float(os.environ.get("HEAL_BENCH_IDLE_SECS", 10))
+SSH_HOSTS = int(os.environ.get("HEAL_BENCH_SSH_HOSTS", 3))
+SSH_DECODES = int(os.environ.get("HEAL_BENCH_SSH_DECODES", 4))
 APPLY_MAX = 4
 """At most this many decodes added by the apply (a sim holds ~0.5 GB; 2 x 17 would not fit in 24 GiB)."""
 
@@ -86,7 +90,9 @@ def bare_start(argv: list[str], port: int) -> float:
         proc.wait()
 
 
-def topology(tmp: Path, name: str, decodes: int, base: int) -> Path:
+def topology(tmp: Path, name: str, decodes: int, base: int, hosts=None) -> Path:
+    """Local node ``me`` by default; with ``hosts`` (tests.netns.TestHosts) the prefill and the
+    router on h0 and the decodes over the other hosts."""
     path = tmp / f"{name}.yaml"
     body = {
         "name": name,
@@ -97,6 +103,12 @@ def topology(tmp: Path, name: str, decodes: int, base: int) -> Path:
         "prefill": {},
         "decode": {"replicas": decodes},
     }
+    if hosts is not None:
+        names = [h.name for h in hosts.hosts]
+        body["nodes"] = [hosts.node(i, gpus=64) for i in range(len(names))]
+        body["prefill"] = {"nodes": names[:1]}
+        body["decode"] = {"replicas": decodes, "nodes": names[1:]}
+        body["router"] = {"host": "0.0.0.0", "node": names[0]}
     path.write_text(yaml.safe_dump(body))
     return path
 
@@ -116,20 +128,21 @@ def supervisors_cpu(run_dirs: Path, secs: float) -> float:
     return used / secs
 
 
-def one_size(tmp: Path, n: int, base: int) -> dict:
+def one_size(tmp: Path, n: int, base: int, hosts=None) -> dict:
     env = {**os.environ, "PDCTL_HOME": str(tmp / f"home-{n}")}
-    name = f"heal{n}"
-    topo = topology(tmp, name, n, base)
+    name = f"heal{n}" if hosts is None else f"healssh{n}"
+    topo = topology(tmp, name, n, base, hosts)
     pdctl("up", str(topo), env=env)
     try:
         st = status(env)
         router = st["router"]["url"]
         victim = st["decode-0"]
-        argv = json.loads((Path(env["PDCTL_HOME"]) / name / "state.json").read_text())["plan"]["processes"]
+        state = json.loads((Path(env["PDCTL_HOME"]) / name / "state.json").read_text())
+        argv = state["plan"]["processes"]
         decode_argv = next(p["argv"] for p in argv if p["id"] == "decode-0")
         spare = base + 900
-        bare = [bare_start([*_with_port(decode_argv, spare)], spare) for _ in range(KILLS)]
-        story = tmp / "runs" / name / "logs" / "decode-0.log.exit"  # its supervisor's file
+        bare = [bare_start([*_with_port(decode_argv, spare)], spare) for _ in range(KILLS)] if hosts is None else []
+        story = Path(state["processes"]["decode-0"]["log_path"] + ".exit")  # its supervisor's file (a shared filesystem)
         back = []
         for _ in range(KILLS):
             pid = json.loads(story.read_text())["pid"]
@@ -142,19 +155,21 @@ def one_size(tmp: Path, n: int, base: int) -> dict:
             back.append(time.monotonic() - began)
         idle = supervisors_cpu(tmp / "runs", IDLE_SECS)
         more = min(n, APPLY_MAX)
-        grown = topology(tmp, name, n + more, base)
+        grown = topology(tmp, name, n + more, base, hosts)
         began = time.monotonic()
         pdctl("apply", str(grown), env=env)
         apply_secs = time.monotonic() - began
         return {
+            "where": "localhost" if hosts is None else f"{len(hosts.hosts)} SSH test hosts",
             "decodes": n,
-            "engine_start_s": statistics.median(bare),
+            "engine_start_s": statistics.median(bare) if bare else None,
             "kill_to_back_s": statistics.median(back),
-            "added_by_pdctl_s": statistics.median(back) - statistics.median(bare),
+            "added_by_pdctl_s": statistics.median(back) - statistics.median(bare) if bare else None,
             "kills": back,
             "bare_starts": bare,
             "supervisors_idle_cores": idle,
             "supervisors": n + 2,
+            "nodes": 1 if hosts is None else len(hosts.hosts),
             "apply_added": more,
             "apply_s": apply_secs,
             "apply_per_engine_s": apply_secs / more,
@@ -180,20 +195,42 @@ def main() -> None:
         row = one_size(tmp, n, 27000 + 1000 * i)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    if SSH_HOSTS:
+        sys.path.insert(0, str(ROOT.parent))
+        from tests.netns import TestHosts, netns_unavailable
+
+        if why := netns_unavailable():
+            print(f"no SSH test hosts: {why}", flush=True)
+        else:
+            (tmp / "hosts").mkdir()
+            hosts = TestHosts(SSH_HOSTS, tmp / "hosts").start()
+            try:
+                row = one_size(tmp, SSH_DECODES, 26000, hosts)
+            finally:
+                hosts.close()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "kills": KILLS, "idle_secs": IDLE_SECS}
     (RESULTS / "heal.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
-        f"# healing and apply ({meta['machine']}; sim engines on localhost; medians of {KILLS} kills)",
+        f"# healing and apply ({meta['machine']}; sim engines; medians of {KILLS} kills)",
         "",
-        "| decodes | engine's own start (s) | kill -9 -> back in rotation (s) | added by pdctl (s) "
+        "On SSH test hosts the engine's own start is not measured apart (it is the same sim on the same",
+        "machine): compare their kill -> back with the localhost rows.",
+        "",
+        "| where | decodes | engine's own start (s) | kill -9 -> back in rotation (s) | added by pdctl (s) "
         "| supervisors' idle CPU (cores, all) | apply: decodes added | apply (s) | per added engine (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     for r in rows:
         lines.append(
-            f"| {r['decodes']} | {r['engine_start_s']:.2f} | {r['kill_to_back_s']:.2f} | {r['added_by_pdctl_s']:.2f} "
-            f"| {r['supervisors_idle_cores']:.4f} ({r['supervisors']}) | {r['apply_added']} | {r['apply_s']:.1f} | "
-            f"{r['apply_per_engine_s']:.2f} |"
+            f"| {r['where']} | {r['decodes']} | {secs(r['engine_start_s'])} | {r['kill_to_back_s']:.2f} "
+            f"| {secs(r['added_by_pdctl_s'])} | {r['supervisors_idle_cores']:.4f} ({r['supervisors']}) "
+            f"| {r['apply_added']} | {r['apply_s']:.1f} | {r['apply_per_engine_s']:.2f} |"
         )
     (RESULTS / "heal.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
