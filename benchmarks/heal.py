@@ -142,7 +142,7 @@ def one_size(tmp: Path, n: int, base: int, hosts=None) -> dict:
         decode_argv = next(p["argv"] for p in argv if p["id"] == "decode-0")
         spare = base + 900
         bare = [bare_start([*_with_port(decode_argv, spare)], spare) for _ in range(KILLS)] if hosts is None else []
-        story = Path(state["processes"]["decode-0"]["log_path"] + ".exit")  # its supervisor's file (a shared filesystem)
+        story = Path(state["processes"]["decode-0"]["log_path"] + ".exit")  # its supervisor's (shared filesystem)
         back = []
         for _ in range(KILLS):
             pid = json.loads(story.read_text())["pid"]

@@ -6,7 +6,13 @@ server does what the router needs and nothing more:
 
 - keep-alive, and pipelined requests answered in order (reading pauses when 32 wait);
 - request line + headers up to 64 KiB (431 beyond);
-- request bodies with Content-Length or chunked, ``Expect: 100-continue``, a size limit (413);
+- request bodies with Content-Length or chunked, ``Expect: 100-continue``, a size limit per
+  request (413) and one on all bodies being read at once (503);
+- ``check_head(method, path, headers)`` runs once a request's headers are in, before any body
+  byte is read or buffered (the router checks keys there): a refusal is answered and the
+  connection closed, so a refused body costs nothing;
+- a body is buffered in one growing buffer, so its memory is the payload's size (plus the
+  buffer's slack) whatever the framing (1-byte chunks included);
 - whole responses with Content-Length, or streamed ones with chunked encoding that wait
   for the client to drain (flow control);
 - a client that goes away cancels its handler (the router's contract: both legs of a PD
@@ -110,6 +116,8 @@ class StreamWriter:
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
+HeadCheck = Callable[[str, str, dict[str, str]], "Reply | None"]
+"""``(method, path, headers)`` -> a Reply that refuses the request, or None to read on."""
 
 
 @dataclass
@@ -156,12 +164,18 @@ class HttpServer:
         on_error: Callable[[int, str], Reply],
         *,
         max_body: int = 512 * 1024 * 1024,
+        max_inflight_body: int = 1024 * 1024 * 1024,
         keepalive_timeout: float = 75.0,
         body_timeout: float = 120.0,
+        check_head: HeadCheck | None = None,
     ):
         self.dispatch = dispatch
         self.on_error = on_error
+        self.check_head = check_head
         self.max_body = max_body
+        self.max_inflight_body = max_inflight_body
+        self.inflight_body = 0
+        """Bytes of request bodies buffered now, over every connection (not yet handed to a handler)."""
         self.keepalive_timeout = keepalive_timeout
         self.body_timeout = body_timeout
         self._server: asyncio.base_events.Server | None = None
@@ -198,8 +212,8 @@ class _Connection(asyncio.Protocol):
         self._writable: asyncio.Future | None = None  # set while the client is not reading
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._body: list[bytes] = []
-        self._size = 0
+        self._body: bytes | bytearray = b""
+        self._size = 0  # of the body being read (counted in the server's inflight_body until it is in)
         self._head_size = 0
         self._refused = False  # the current message is being refused (too large)
         self._in_body = False  # between a request's headers and its end
@@ -213,6 +227,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._connections.discard(self)
+        self._forget_body()
         self.transport = None
         # The parser and the idle timer hold bound methods of self: drop them so that a closed
         # connection is freed by reference counting, not left for a full GC (the router runs
@@ -264,8 +279,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = {}
-        self._body = []
-        self._size = 0
+        self._forget_body()
         self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
@@ -289,6 +303,12 @@ class _Connection(asyncio.Protocol):
             self.idle_timer.cancel()
             self.idle_timer = None
         self._in_body = True
+        if self.server.check_head is not None:
+            url = self._url.partition(b"?")[0].decode("latin-1")
+            refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers)
+            if refusal is not None:  # answered before any body byte is read: a refused body costs nothing
+                self._refuse_with(refusal)
+                raise httptools.HttpParserError("refused")  # stop parsing this connection
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body:
             self._refuse(413, f"request body of {length} bytes is over the {self.server.max_body}-byte limit")
@@ -298,10 +318,25 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self.server.max_body:
-            self._refuse(413, f"request body is over the {self.server.max_body}-byte limit")
+        server = self.server
+        server.inflight_body += len(body)
+        if self._size > server.max_body:
+            self._refuse(413, f"request body is over the {server.max_body}-byte limit")
             raise httptools.HttpParserError("body too large")  # stop parsing this connection
-        self._body.append(body)
+        if server.inflight_body > server.max_inflight_body:
+            self._refuse(503, f"the router is reading {server.max_inflight_body} bytes of request bodies; retry later")
+            raise httptools.HttpParserError("too many bodies")
+        if not self._body:
+            self._body = body  # the common case, one piece: kept as is, no copy
+        elif isinstance(self._body, bytes):
+            self._body = bytearray(self._body) + body  # one growing buffer from the second piece on
+        else:
+            self._body += body
+
+    def _forget_body(self) -> None:
+        self.server.inflight_body -= self._size
+        self._body = b""
+        self._size = 0
 
     def on_message_complete(self) -> None:
         self._in_body = False
@@ -310,12 +345,14 @@ class _Connection(asyncio.Protocol):
             self.body_timer = None
         url = self._url
         path, _, query = url.partition(b"?")
+        body = self._body if isinstance(self._body, bytes) else bytes(self._body)
+        self._forget_body()
         request = Request(
             method=self.parser.get_method().decode("ascii"),
             path=path.decode("latin-1"),
             query=query.decode("latin-1"),
             headers=self._headers,
-            body=b"".join(self._body) if len(self._body) != 1 else self._body[0],
+            body=body,
             keep_alive=self.parser.should_keep_alive(),
             http10=self.parser.get_http_version() == "1.0",
             _conn=self,
@@ -362,9 +399,13 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer an error the server found itself, then close the connection."""
+        self._refuse_with(self.server.on_error(status, message))
+
+    def _refuse_with(self, reply: Reply) -> None:
         self._refused = True
+        self._forget_body()
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_whole(self.server.on_error(status, message), False, False))
+            self.transport.write(_whole(reply, False, False))
             self.transport.close()
 
 
