@@ -60,16 +60,34 @@ def parse_staleness(value: Any, what: str = "max_staleness") -> int | None:
     return value
 
 
+MAX_SECS = 24 * 3600.0
+"""Longest lease or drain timeout a hold may ask for (a larger number is a mistake, not a plan)."""
+
+
 def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{key} must be a number of seconds >= 0, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECS:
+        raise ValueError(f"{key} must be a number of seconds from 0 to {MAX_SECS:.0f}, not {value!r:.40}")
     return float(value)
+
+
+def _text(body: Mapping[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string or null, not {type(value).__name__}")
+    return value
+
+
+def _urls(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(u, str) for u in value):
+        raise ValueError(f"{key} must be a list of worker URLs")
+    return tuple(u.rstrip("/") for u in value)
 
 
 @dataclass(frozen=True)
 class Hold:
-    """``POST /pdctl/hold``. ``txn`` None: a bare hold (tests, operators) with no lease."""
+    """``POST /pdctl/hold``. ``txn`` None: a bare hold (tests, operators); every hold, bare or
+    not, ends when its lease runs out unless renewed."""
 
     txn: str | None = None
     version: str | None = None
@@ -102,21 +120,22 @@ class Hold:
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Hold:
         """Raises ValueError naming the field that is wrong."""
-        txn = body.get("txn")
-        engines = body.get("engines") or []
-        if not isinstance(engines, list):
-            raise ValueError("engines must be a list of URLs")
         group = body.get("group")
+        if group is not None and not isinstance(group, dict):
+            raise ValueError("group must be an object or null")
+        lease = _number(body, "lease_secs", DEFAULT_LEASE_SECS)
+        if lease <= 0:
+            raise ValueError("lease_secs must be > 0: every hold expires")
         return cls(
-            txn=None if txn is None else str(txn),
-            version=None if body.get("version") is None else str(body["version"]),
-            engines=tuple(str(u).rstrip("/") for u in engines),
-            lease_secs=_number(body, "lease_secs", DEFAULT_LEASE_SECS),
+            txn=_text(body, "txn"),
+            version=_text(body, "version"),
+            engines=_urls(body.get("engines") or [], "engines"),
+            lease_secs=lease,
             timeout_secs=_number(body, "timeout_secs", DEFAULT_HOLD_TIMEOUT_SECS),
             refit=RefitMode.parse(body.get("refit")),
             max_staleness=parse_staleness(body.get("max_staleness")),
-            group=group if isinstance(group, dict) else None,
-            source=None if body.get("source") is None else str(body["source"]),
+            group=group,
+            source=_text(body, "source"),
         )
 
     def renewal(self) -> Hold:
@@ -178,15 +197,11 @@ class Release:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Release:
-        complete = body.get("complete") or []
         failed = body.get("failed") or {}
-        if not isinstance(complete, list):
-            raise ValueError("complete must be a list of URLs")
-        if not isinstance(failed, dict):
-            raise ValueError("failed must map URLs to reasons")
-        txn = body.get("txn")
+        if not isinstance(failed, dict) or not all(isinstance(v, str) for v in failed.values()):
+            raise ValueError("failed must map worker URLs to reasons (strings)")
         return cls(
-            txn=None if txn is None else str(txn),
-            complete=tuple(str(u).rstrip("/") for u in complete),
-            failed={str(u).rstrip("/"): str(why) for u, why in failed.items()},
+            txn=_text(body, "txn"),
+            complete=_urls(body.get("complete") or [], "complete"),
+            failed={u.rstrip("/"): why for u, why in failed.items()},
         )

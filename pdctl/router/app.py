@@ -11,17 +11,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from pdctl.refit import Hold, HoldAnswer, RefitMode, Release
 from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
+from pdctl.router.auth import Keys
+from pdctl.router.body_rules import body_problem
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher, Headers, RouteError
 from pdctl.router.fleet_weights import FleetWeights
@@ -34,7 +36,6 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
-OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
 
 
 class RouterServer:
@@ -45,7 +46,9 @@ class RouterServer:
         self.registry = WorkerRegistry(config)
         kept = self.registry.kept.workers  # as the worker API last left them, before a restart
         for w in config.workers if kept is None else kept:
-            self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled)
+            key = config.worker_key if kept is None else w.api_key
+            self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled, api_key=key)
+        self.keys = Keys(config.api_key, config.control_keys, audit=config.audit)
         self.metrics = RouterMetrics()
         self.gate = RefitGate()  # closed while a weight update holds the router
         self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream, self.gate)
@@ -66,7 +69,6 @@ class RouterServer:
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count()
-        self._auth_header = f"Bearer {config.api_key}".encode() if config.api_key else None
         self.routes = self._routes()
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -78,7 +80,14 @@ class RouterServer:
         await self.registry.check_all(self.session)
         self.registry.start(self.session)
         try:
-            main = HttpServer(self.handle, errors.server_error, max_body=self.config.admission.max_payload_size)
+            admission = self.config.admission
+            main = HttpServer(
+                self.handle,
+                errors.server_error,
+                max_body=admission.max_payload_size,
+                max_inflight_body=admission.max_inflight_body_bytes,
+                check_head=self.keys.check,  # keys are checked before any body byte is read
+            )
             self.port = await self._listen(main, self.config.port)
             if self.config.prometheus_port is not None:
                 metrics_routes = Routes()
@@ -145,11 +154,7 @@ class RouterServer:
         return r
 
     async def handle(self, request: Request) -> Reply:
-        """Every request: API key (when set, except on OPEN_PATHS), then its route."""
-        if self._auth_header is not None and not request.path.startswith(OPEN_PATHS):
-            given = request.headers.get("authorization", "").encode("latin-1")
-            if not secrets.compare_digest(given, self._auth_header):
-                return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key")
+        """Every request that passed the key check (``Keys.check``, on its headers): its route."""
         return await _route(self.routes, request)
 
     # -- traffic ------------------------------------------------------------------------------------------
@@ -168,6 +173,11 @@ class RouterServer:
             except ValueError as exc:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, f"invalid JSON body: {exc}", headers)
+            admission = self.config.admission
+            problem = body_problem(route, body, max_n=admission.max_n, max_sequences=admission.max_sequences)
+            if problem is not None:
+                status = 400
+                return errors.error_response(400, errors.BAD_REQUEST, problem, headers)
             if self._slots is None and self.gate.is_open:
                 resp = await self._counted(self._route(request, route, body, headers))  # the common, cheap path
             else:
@@ -238,8 +248,11 @@ class RouterServer:
         engines leave rotation (their weights may be partial) and requests are admitted again.
         The body is a ``pdctl.refit.Hold``.
         """
+        raw, problem = _json_object(request)
         try:
-            hold = Hold.from_json(await _json_or_empty(request))
+            if problem is not None:
+                raise ValueError(problem)
+            hold = Hold.from_json(raw)
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, f"bad hold: {exc}")
         txn = hold.txn
@@ -281,7 +294,7 @@ class RouterServer:
                 except asyncio.TimeoutError:
                     return json_reply(HoldAnswer(True, False, self._active, hold.refit).to_json(), 504)
         finally:  # the lease starts when the answer goes out (a drain longer than the lease is no dead trainer)
-            if txn is not None and self._txn == txn:
+            if self._txn == txn and not self.gate.is_open:  # (a bare hold's txn and self._txn are both None)
                 if self._lease is not None:
                     self._lease.cancel()
                 self._lease = asyncio.get_running_loop().call_later(
@@ -289,8 +302,13 @@ class RouterServer:
                 )
         return json_reply(HoldAnswer(True, True, self._active, hold.refit).to_json())
 
-    def _lease_expired(self, txn: str, lease: float) -> None:
+    def _lease_expired(self, txn: str | None, lease: float) -> None:
         if self._txn != txn:
+            return
+        if txn is None:  # a bare hold nobody renewed: requests flow again
+            log.warning("a hold without a transaction was not renewed within %.0fs: admitting requests again", lease)
+            self._lease = None
+            self.gate.open()
             return
         log.error(
             "weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
@@ -314,8 +332,11 @@ class RouterServer:
         ``failed`` maps engines that do not to why (out of rotation until a later push).
         """
         assert self.session is not None
+        raw, problem = _json_object(request)
         try:
-            release = Release.from_json(await _json_or_empty(request))
+            if problem is not None:
+                raise ValueError(problem)
+            release = Release.from_json(raw)
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, f"bad release: {exc}")
         txn = release.txn
@@ -400,7 +421,9 @@ class RouterServer:
         if not workers:
             return errors.error_response(503, errors.NO_WORKERS, "no healthy worker to ask")
         try:
-            async with self.session.get(workers[0].url + request.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self.session.get(
+                workers[0].url + request.path, timeout=aiohttp.ClientTimeout(total=10), headers=workers[0].auth
+            ) as r:
                 return Reply(r.status, await r.read(), r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return errors.error_response(502, errors.WORKER_FAILED, f"{workers[0].url}: {exc}")
@@ -433,7 +456,8 @@ class RouterServer:
 
         async def one(worker: Worker) -> tuple[Any, int, Any]:
             try:
-                async with session.request(method, worker.url + path, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                timeout = aiohttp.ClientTimeout(total=30)
+                async with session.request(method, worker.url + path, timeout=timeout, headers=worker.auth) as r:
                     raw = await r.read()
                     try:
                         return worker, r.status, loads(raw)
@@ -451,16 +475,23 @@ class RouterServer:
         return json_reply({"workers": workers, "total": len(workers), "stats": stats})
 
     async def add_worker(self, request: Request) -> Reply:
-        body = await _json_or_empty(request)
-        url, role = body.get("url"), body.get("worker_type", Role.REGULAR.value)
-        port = body.get("bootstrap_port")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            return errors.error_response(400, errors.BAD_REQUEST, "url must be an http(s) URL")
-        if port is not None and not isinstance(port, int):
-            return errors.error_response(400, errors.BAD_REQUEST, "bootstrap_port must be an integer")
+        """``{"url", "worker_type", "bootstrap_port", "api_key"}``; ``api_key`` (write-only, never
+        answered) is what the router sends the worker: without it the worker gets no key (smg's
+        rule; a worker registered at run time never receives the router's engine key unasked)."""
+        body, problem = _json_object(request)
+        if problem is None:
+            problem = worker_problem(body)
+        if problem is not None:
+            return errors.error_response(400, errors.BAD_REQUEST, problem)
+        url, role = body["url"], body.get("worker_type", Role.REGULAR.value)
+        key = body.get("api_key")
+        if key is None and self.config.worker_key:
+            log.warning("worker %s added without api_key: the router sends it no key", url)
         try:
             # Runtime workers join unhealthy and enter rotation after passing health checks.
-            worker = self.registry.add(url, role, port, healthy=self.config.health.disabled)
+            worker = self.registry.add(
+                url, role, body.get("bootstrap_port"), healthy=self.config.health.disabled, api_key=key
+            )
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, str(exc))
         self.registry.keep_workers()
@@ -489,8 +520,14 @@ class RouterServer:
         answer once the requests it runs have finished (``drained``: false when the timeout came
         first); ``"cordon": false`` takes it back (the version rule and health still apply). The
         worker's state comes back either way."""
-        body = await _json_or_empty(request)
-        worker = self.registry.find(str(body.get("url", "")))
+        body, problem = _json_object(request)
+        if problem is None and not isinstance(body.get("url"), str):
+            problem = "url must be the worker's URL (a string)"
+        if problem is None and not isinstance(body.get("cordon", True), bool):
+            problem = "cordon must be true or false"
+        if problem is not None:
+            return errors.error_response(400, errors.BAD_REQUEST, problem)
+        worker = self.registry.find(body["url"])
         if worker is None:
             return errors.error_response(404, errors.NOT_FOUND, f"no worker {body.get('url')!r}")
         timeout = body.get("timeout_secs", 600)
@@ -528,11 +565,44 @@ async def _route(routes: Routes, request: Request) -> Reply:
     return await handler(request)
 
 
-async def _json_or_empty(request: Request) -> dict[str, Any]:
-    if not request.body:
-        return {}
+def _json_object(request: Request) -> tuple[dict[str, Any], str | None]:
+    """The body as a JSON object (an empty body is ``{}``), or why it is not one."""
+    if not request.body.strip():
+        return {}, None
     try:
         body = loads(request.body)
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
+    except ValueError as exc:
+        return {}, f"invalid JSON body: {exc}"
+    if not isinstance(body, dict):
+        return {}, "the body must be a JSON object"
+    return body, None
+
+
+def worker_problem(body: dict[str, Any]) -> str | None:
+    """Why a ``POST /workers`` body is refused, or None."""
+    url = body.get("url")
+    if not isinstance(url, str):
+        return "url must be a string: http(s)://HOST:PORT"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"url {url!r:.80}: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"url {url!r:.80} must be http(s)://HOST[:PORT]"
+    if port is not None and not 1 <= port <= 65535:
+        return f"url {url!r:.80}: port must be 1 to 65535"
+    if parts.query or parts.fragment or parts.username or parts.password:
+        return f"url {url!r:.80} must not carry credentials, a query or a fragment"
+    role = body.get("worker_type", Role.REGULAR.value)
+    if not isinstance(role, str):
+        return "worker_type must be a string: regular, prefill or decode"
+    bootstrap = body.get("bootstrap_port")
+    if bootstrap is not None and (
+        not isinstance(bootstrap, int) or isinstance(bootstrap, bool) or not 1 <= bootstrap <= 65535
+    ):
+        return "bootstrap_port must be an integer from 1 to 65535 (or null)"
+    key = body.get("api_key")
+    if key is not None and (not isinstance(key, str) or not key or any(c in key for c in "\r\n")):
+        return "api_key must be a non-empty string on one line"
+    return None

@@ -17,6 +17,7 @@ from typing import Any
 from pdctl.errors import RouterConfigError
 from pdctl.roles import Role
 from pdctl.router.app import RouterServer
+from pdctl.router.auth import parse_control_keys
 from pdctl.router.config import SETTINGS, Flag, RouterConfig, WorkerSpec, grouped
 from pdctl.router.policies import REGISTRY
 from pdctl.signals import stop_event
@@ -52,8 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(Flag.PREFILL_POLICY, choices=policies, help="Policy for prefill workers only.")
     p.add_argument(Flag.DECODE_POLICY, choices=policies, help="Policy for decode workers only.")
-    p.add_argument(Flag.API_KEY, help="Require 'Authorization: Bearer KEY' (prefer --api-key-env: argv is visible).")
-    p.add_argument(Flag.API_KEY_ENV, metavar="VAR", help="Read the API key from this environment variable.")
+    p.add_argument(
+        Flag.API_KEY,
+        help="The client key: inference routes require 'Authorization: Bearer KEY'; it also guards the control "
+        "plane when no control-plane keys are given (prefer --api-key-env: argv is visible).",
+    )
+    p.add_argument(Flag.API_KEY_ENV, metavar="VAR", help="Read the client key from this environment variable.")
+    p.add_argument(
+        Flag.CONTROL_KEYS,
+        nargs="+",
+        default=[],
+        metavar="ID:NAME:ROLE:KEY",
+        help="Control-plane keys (sglang-router's format); ROLE admin (every control call) or user (reads: "
+        "GET /workers, /pdctl/weights). With them the client key no longer reaches the control plane.",
+    )
+    p.add_argument(
+        Flag.CONTROL_KEYS_ENV,
+        metavar="VAR",
+        help=f"Read {Flag.CONTROL_KEYS} entries (one per line) from this environment variable.",
+    )
+    p.add_argument(Flag.AUDIT, action="store_true", help="Log every control-plane call (who, what, outcome).")
+    p.add_argument(
+        Flag.ENGINE_KEY_ENV,
+        metavar="VAR",
+        help="The key the router sends to workers, read from this environment variable (default: the client "
+        "key, as sglang-router does). A client's own Authorization header is never sent to a worker.",
+    )
     p.add_argument(Flag.PROMETHEUS_PORT, type=int, help="Also serve /metrics on this port.")
     p.add_argument(
         Flag.STATE_FILE,
@@ -104,10 +129,22 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             parser.error(f"{Flag.API_KEY_ENV} {args.api_key_env}: the variable is unset or empty")
+    entries = list(args.control_plane_api_keys)
+    if args.control_plane_api_keys_env:
+        raw = os.environ.get(args.control_plane_api_keys_env)
+        if not raw:
+            parser.error(f"{Flag.CONTROL_KEYS_ENV} {args.control_plane_api_keys_env}: the variable is unset or empty")
+        entries += raw.splitlines()
+    engine_key = None
+    if args.engine_api_key_env:
+        engine_key = os.environ.get(args.engine_api_key_env)
+        if not engine_key:
+            parser.error(f"{Flag.ENGINE_KEY_ENV} {args.engine_api_key_env}: the variable is unset or empty")
     values: dict[str, dict[str, Any]] = {}
     for s in SETTINGS:
         values.setdefault(s.group, {})[s.name] = getattr(args, s.dest)
     try:
+        control_keys = parse_control_keys(entries)
         return RouterConfig(
             host=args.host,
             port=args.port,
@@ -118,6 +155,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
             api_key=api_key,
+            control_keys=control_keys,
+            engine_api_key=engine_key,
+            audit=args.control_plane_audit_enabled,
             state_file=args.state_file,
             **grouped(values),
         )

@@ -32,6 +32,8 @@ class WorkerSpec:
     url: str
     role: Role  # an engine role: regular, prefill or decode
     bootstrap_port: int | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """What the router sends it as ``Authorization: Bearer`` (never logged, never answered)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,8 +129,25 @@ class AdmissionConfig:
         60.0, "--queue-timeout-secs", "How long a request may wait for a slot; beyond: 408."
     )
     max_payload_size: int = setting(512 * 1024 * 1024, "--max-payload-size", "Bytes; a larger request body gets 413.")
+    max_inflight_body_bytes: int = setting(
+        1024 * 1024 * 1024,
+        "--max-inflight-body-bytes",
+        "Bytes of request bodies the router reads at once over all connections; beyond: 503 (a bound "
+        "on its memory whatever clients send).",
+    )
     request_timeout_secs: float = setting(
         1800.0, "--request-timeout-secs", "Limit on a worker's answer (a stream's: until its first event)."
+    )
+    max_n: int = setting(
+        1024,
+        "--max-n",
+        "Most samples per prompt (n) a request may ask for; beyond: 400 (SGLang has no limit; a 70-byte body "
+        "with a huge n would make an engine allocate without bound).",
+    )
+    max_sequences: int = setting(
+        65536,
+        "--max-sequences-per-request",
+        "Most sequences (prompts x n) one request may ask for; beyond: 400.",
     )
     max_hold_secs: float = setting(
         600.0,
@@ -142,8 +161,16 @@ class AdmissionConfig:
         _check(self.queue_size >= 0, "--queue-size", self.queue_size, ">= 0")
         _check(self.queue_timeout_secs > 0, "--queue-timeout-secs", self.queue_timeout_secs, "> 0")
         _check(self.max_payload_size >= 1, "--max-payload-size", self.max_payload_size, ">= 1")
+        _check(
+            self.max_inflight_body_bytes >= self.max_payload_size,
+            "--max-inflight-body-bytes",
+            self.max_inflight_body_bytes,
+            f">= --max-payload-size ({self.max_payload_size})",
+        )
         _check(self.request_timeout_secs > 0, "--request-timeout-secs", self.request_timeout_secs, "> 0")
         _check(self.max_hold_secs > 0, "--max-hold-secs", self.max_hold_secs, "> 0")
+        _check(self.max_n >= 1, "--max-n", self.max_n, ">= 1")
+        _check(self.max_sequences >= 1, "--max-sequences-per-request", self.max_sequences, ">= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +214,14 @@ class RouterConfig:
     prefill_policy: str | None = None
     decode_policy: str | None = None
     api_key: str | None = field(default=None, repr=False)
-    """Never logged (repr=False)."""
+    """The client (data-plane) key; never logged (repr=False)."""
+    control_keys: tuple[Any, ...] = field(default=(), repr=False)
+    """``pdctl.router.auth.ControlKey``s: the control plane's keys, with roles."""
+    engine_api_key: str | None = field(default=None, repr=False)
+    """What the router sends to workers as ``Authorization: Bearer``; None: the client key (as
+    sglang-router does). A client's own Authorization is never sent on."""
+    audit: bool = False
+    """Log every control-plane call (who, what, allowed or denied) at INFO to pdctl.router.audit."""
     state_file: str | None = None
     """What the router keeps across its restarts (pdctl.router.state_file)."""
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -195,6 +229,11 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    @property
+    def worker_key(self) -> str | None:
+        """The key command-line workers get: the engine key, else the client key (sglang-router's rule)."""
+        return self.engine_api_key or self.api_key
 
     def __post_init__(self) -> None:
         # A port past 65535 is not refused by the socket layer: it binds the port modulo 65536.
@@ -222,6 +261,10 @@ class Flag:
     DECODE_POLICY = "--decode-policy"
     API_KEY = "--api-key"
     API_KEY_ENV = "--api-key-env"
+    CONTROL_KEYS = "--control-plane-api-keys"
+    CONTROL_KEYS_ENV = "--control-plane-api-keys-env"
+    AUDIT = "--control-plane-audit-enabled"
+    ENGINE_KEY_ENV = "--engine-api-key-env"
     PROMETHEUS_PORT = "--prometheus-port"
     LOG_LEVEL = "--log-level"
     STATE_FILE = "--state-file"

@@ -77,9 +77,10 @@ _HOP_HEADERS = {
 
 
 ROUTING_KEY = "x-smg-routing-key"
-FORWARDED = frozenset({"authorization", "x-correlation-id", "traceparent", "tracestate", ROUTING_KEY})
+FORWARDED = frozenset({"x-correlation-id", "traceparent", "tracestate", ROUTING_KEY})
 """Client headers sent on to workers (with X-Request-ID and ``x-request-id-*``), as smg does;
-the rest (cookies, custom headers) stay at the router."""
+the rest (cookies, custom headers) stay at the router. Never the client's Authorization: a
+worker gets its own key (``Worker.auth``), so no worker learns a client's credentials."""
 
 
 class Headers(dict[str, str]):
@@ -796,7 +797,7 @@ class Dispatcher:
     async def _post(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Leg:
         epoch = self.gate.epoch
         try:
-            r = await self.upstream.post(worker.url + path, data, headers.upstream, timeout=self._timeout)
+            r = await self.upstream.post(worker.url + path, data, _to(worker, headers), timeout=self._timeout)
         except (UpstreamError, OSError) as exc:
             return Leg(error=exc, epoch=epoch)
         return Leg(r.status, r.body, r.content_type, epoch=epoch)
@@ -806,7 +807,7 @@ class Dispatcher:
         epoch = self.gate.epoch
         try:
             return await asyncio.wait_for(
-                self.upstream.post(worker.url + path, data, headers.upstream, stream=True), self._timeout
+                self.upstream.post(worker.url + path, data, _to(worker, headers), stream=True), self._timeout
             )
         except asyncio.TimeoutError:
             return Leg(error=UpstreamTimeout("no response head within the request timeout"), epoch=epoch)
@@ -1001,6 +1002,11 @@ async def _cancel(*tasks: asyncio.Task | None) -> None:
     for task in pending:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+def _to(worker: Worker, headers: Headers) -> dict[str, str]:
+    """The headers sent to ``worker``: the forwarded client headers and the worker's own key."""
+    return {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
 
 
 def _pass_headers(upstream: Response) -> dict[str, str]:

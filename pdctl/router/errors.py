@@ -15,6 +15,8 @@ PREFILL_FAILED = "prefill_server_error"
 DECODE_FAILED = "decode_server_error"
 WORKER_FAILED = "worker_error"
 UNAUTHORIZED = "unauthorized"
+FORBIDDEN = "forbidden"
+BUSY = "busy"
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
 TIMEOUT = "request_timeout"
@@ -36,11 +38,13 @@ _SERVER_CODES = {
     413: TOO_LARGE,
     431: TOO_LARGE,
     408: REQUEST_TIMEOUT,
+    503: BUSY,
 }
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",

@@ -2,6 +2,10 @@
 line it was first given): the fleet's weight version, and its workers as ``pdctl apply`` or the
 worker API last left them (the command line's list is then out of date).
 
+Workers' keys are not written: a worker that used the router's engine key is marked so
+(``"engine_key": true``) and gets it back from the command line; one given another key through
+``POST /workers`` comes back without it (register it again).
+
 One JSON file (0600, replaced atomically), tagged with the run it belongs to (``PDCTL_RUN_ID``,
 which ``pdctl up`` gives every process): a file that another run of the cluster left in the same
 run directory is ignored, so a fresh ``up`` starts from its own command line.
@@ -32,7 +36,7 @@ class RouterState:
     run: str | None = field(default_factory=lambda: os.environ.get(RUN_ID_ENV))
 
     @classmethod
-    def read(cls, path: str | None) -> RouterState:
+    def read(cls, path: str | None, engine_key: str | None = None) -> RouterState:
         state = cls()
         if not path:
             return state
@@ -53,7 +57,12 @@ class RouterState:
             workers = raw.get("workers")
             if isinstance(workers, list):
                 state.workers = tuple(
-                    WorkerSpec(url=str(w["url"]), role=engine_role(w["role"]), bootstrap_port=w.get("bootstrap_port"))
+                    WorkerSpec(
+                        url=str(w["url"]),
+                        role=engine_role(w["role"]),
+                        bootstrap_port=w.get("bootstrap_port"),
+                        api_key=engine_key if w.get("engine_key") else None,
+                    )
                     for w in workers
                 )
         except (KeyError, TypeError, ValueError) as exc:
@@ -61,7 +70,7 @@ class RouterState:
             return cls()
         return state
 
-    def write(self, path: str | None) -> None:
+    def write(self, path: str | None, engine_key: str | None = None) -> None:
         if not path:
             return
         body: dict[str, Any] = {"run": self.run}
@@ -69,7 +78,13 @@ class RouterState:
             body["fleet"] = {"version": self.fleet.version, "source": self.fleet.source}
         if self.workers is not None:
             body["workers"] = [
-                {"url": w.url, "role": w.role.value, "bootstrap_port": w.bootstrap_port} for w in self.workers
+                {
+                    "url": w.url,
+                    "role": w.role.value,
+                    "bootstrap_port": w.bootstrap_port,
+                    "engine_key": bool(engine_key) and w.api_key == engine_key,
+                }
+                for w in self.workers
             ]
         tmp = f"{path}.tmp"
         try:

@@ -55,6 +55,8 @@ class Worker:
     drained: asyncio.Event | None = None
     gone: bool = False
     """Its process went away (a refused connection): a new one is back at its first passed check."""
+    auth: dict[str, str] = field(default_factory=dict, repr=False)
+    """Headers for every call the router makes to it: its key, never a client's."""
 
     @functools.cached_property
     def bootstrap_host(self) -> str:
@@ -107,7 +109,7 @@ class WorkerRegistry:
         self.on_change: list = []
         self.quarantine: dict[str, str] = {}
         """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
-        self.kept = RouterState.read(config.state_file)
+        self.kept = RouterState.read(config.state_file, config.worker_key)
         self.fleet: FleetWeights | None = self.kept.fleet
         """The fleet's weight version (pdctl.router.fleet_weights); None until an update completes."""
         self.updating = False
@@ -118,13 +120,24 @@ class WorkerRegistry:
         """Set when a worker leaves rotation: the health loop then checks at the fast interval."""
 
     # -- membership --------------------------------------------------------------------------
-    def add(self, url: str, role: object, bootstrap_port: int | None = None, *, healthy: bool = False) -> Worker:
-        """Register a worker; ValueError for a role that is not an engine's (from a client's body)."""
+    def add(
+        self,
+        url: str,
+        role: object,
+        bootstrap_port: int | None = None,
+        *,
+        healthy: bool = False,
+        api_key: str | None = None,
+    ) -> Worker:
+        """Register a worker (``api_key``: what the router sends it); ValueError for a role that
+        is not an engine's (from a client's body)."""
         role = engine_role(role)
         url = url.rstrip("/")
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
         worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, healthy=healthy, activated=healthy)
+        if api_key:
+            worker.auth = {"Authorization": f"Bearer {api_key}"}
         worker.quarantined = self.quarantine.get(url)
         self.workers[url] = worker
         log.info("registered %s worker %s", role, url)
@@ -134,9 +147,10 @@ class WorkerRegistry:
         """The worker set changed at run time (the worker API, ``pdctl apply``): keep it, so that
         a restarted router comes back with it rather than its command line's."""
         self.kept.workers = tuple(
-            WorkerSpec(url=w.url, role=w.role, bootstrap_port=w.bootstrap_port) for w in self.workers.values()
+            WorkerSpec(url=w.url, role=w.role, bootstrap_port=w.bootstrap_port, api_key=_key_of(w))
+            for w in self.workers.values()
         )
-        self.kept.write(self.config.state_file)
+        self.kept.write(self.config.state_file, self.config.worker_key)
 
     def find(self, key: str) -> Worker | None:
         """A worker by id or URL (percent-encoded or not)."""
@@ -172,7 +186,7 @@ class WorkerRegistry:
         """An update completed: ``fleet`` is the version engines must hold to (re)join."""
         if fleet != self.fleet:
             self.fleet = self.kept.fleet = fleet
-            self.kept.write(self.config.state_file)
+            self.kept.write(self.config.state_file, self.config.worker_key)
 
     def version_rule(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """Keep ``worker`` (come back, or its version changed outside an update) out of rotation
@@ -201,7 +215,7 @@ class WorkerRegistry:
         timeout = aiohttp.ClientTimeout(total=self.config.admission.request_timeout_secs)
         try:
             async with session.post(
-                worker.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, json=body, timeout=timeout
+                worker.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, json=body, timeout=timeout, headers=worker.auth
             ) as r:
                 answer = await r.json(content_type=None) if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
@@ -289,7 +303,7 @@ class WorkerRegistry:
         while True:
             await asyncio.sleep(interval)
             live = [w for w in self.workers.values() if w.healthy]
-            results = await asyncio.gather(*(_model_info(session, w.url, interval) for w in live))
+            results = await asyncio.gather(*(_model_info(session, w, interval) for w in live))
             for worker, info in zip(live, results, strict=True):
                 if info is _REFUSED and worker.healthy:
                     self.lost(worker, "its port refuses connections")
@@ -330,14 +344,16 @@ class WorkerRegistry:
         timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_secs)
         ok = False
         try:
-            async with session.get(worker.url + Endpoint.HEALTH.value, timeout=timeout) as resp:
+            async with session.get(worker.url + Endpoint.HEALTH.value, timeout=timeout, headers=worker.auth) as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
         if ok:  # the version is extra: a worker without a JSON /model_info is still healthy
             held = worker.weight_version
             try:
-                async with session.get(worker.url + Endpoint.MODEL_INFO.value, timeout=timeout) as resp:
+                async with session.get(
+                    worker.url + Endpoint.MODEL_INFO.value, timeout=timeout, headers=worker.auth
+                ) as resp:
                     info = await resp.json(content_type=None) if resp.status == 200 else None
                 if isinstance(info, dict):
                     worker.weight_version = info.get("weight_version")
@@ -385,11 +401,18 @@ class WorkerRegistry:
 _REFUSED = object()
 
 
-async def _model_info(session: aiohttp.ClientSession, url: str, timeout: float) -> object:
+def _key_of(worker: Worker) -> str | None:
+    value = worker.auth.get("Authorization", "")
+    return value[len("Bearer ") :] if value else None
+
+
+async def _model_info(session: aiohttp.ClientSession, worker: Worker, timeout: float) -> object:
     """A worker's ``/model_info`` (a dict), ``_REFUSED`` when nothing listens on its port, or
     None when it did not answer in time (or not with JSON)."""
     try:
-        async with session.get(url + Endpoint.MODEL_INFO.value, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(
+            worker.url + Endpoint.MODEL_INFO.value, timeout=aiohttp.ClientTimeout(total=timeout), headers=worker.auth
+        ) as resp:
             info = await resp.json(content_type=None) if resp.status == 200 else None
     except aiohttp.ClientConnectorError as exc:
         return _REFUSED if isinstance(exc.os_error, ConnectionRefusedError) else None

@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import RouterProcess, free_port, get, http, post, wait_http
 
 CLIENT_HEADERS = {
-    "Authorization": "Bearer worker-key",
+    "Authorization": "Bearer worker-key",  # the routers' own key, which both send the worker
     "X-Request-Id": "req-17",
     "X-Correlation-Id": "corr-17",
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
@@ -102,7 +102,11 @@ def _has_sglang_router() -> bool:
 
 
 def test_allow_listed_headers_reach_the_worker_and_others_do_not(tmp_path):
-    with echo_worker(tmp_path, "--api-key", "worker-key") as worker, routers(tmp_path, [worker]) as urls:
+    # Both routers hold the worker's key as their own (--api-key): the worker sees it.
+    with (
+        echo_worker(tmp_path, "--api-key", "worker-key") as worker,
+        routers(tmp_path, [worker], "--api-key", "worker-key") as urls,
+    ):
         for name, url in urls.items():
             status, out = post(url + "/generate", {"text": "h"}, headers=CLIENT_HEADERS)
             assert status == 200, (name, out)
@@ -110,9 +114,32 @@ def test_allow_listed_headers_reach_the_worker_and_others_do_not(tmp_path):
             for header in FORWARDED:
                 assert got.get(header) == {k.lower(): v for k, v in CLIENT_HEADERS.items()}[header], (name, header)
             assert "cookie" not in got and "x-custom" not in got, (name, got)
-        # Without the worker's key the worker's own 401 comes back.
+        # Without the key the router itself refuses (before reading the body).
         for name, url in urls.items():
             assert post(url + "/generate", {"text": "h"})[0] == 401, name
+
+
+def test_a_client_key_never_reaches_a_worker_which_gets_the_engine_key(tmp_path):
+    """pdctl's router with a client key and a separate engine key: the worker sees the engine
+    key only (sglang-router 0.3.2 and smg 1.13.0 pass the client's Authorization on)."""
+    with echo_worker(tmp_path, "--api-key", "engine-key") as worker:
+        router = RouterProcess(
+            tmp_path,
+            "--worker-urls",
+            worker,
+            "--api-key",
+            "client-key",
+            "--engine-api-key-env",
+            "TEST_ENGINE_KEY",
+            env={"TEST_ENGINE_KEY": "engine-key"},
+        ).start("/readiness")
+        try:
+            status, out = post(router.url + "/generate", {"text": "h"}, headers={"Authorization": "Bearer client-key"})
+            assert status == 200, out
+            assert out["headers"]["authorization"] == "Bearer engine-key"
+            assert "client-key" not in str(out["headers"])
+        finally:
+            router.stop()
 
 
 def test_a_worker_500_reaches_the_client_as_500(tmp_path):

@@ -1,0 +1,175 @@
+"""Who may call which route: a client (data-plane) key, control-plane keys with roles, and the
+engine key the router itself sends to workers.
+
+The rules follow smg 1.13.0 (sglang-router 0.3.2's successor), as observed against its binary:
+- open: ``/health``, ``/liveness``, ``/readiness``, ``/metrics`` (probes and scrapes);
+- data plane (inference and model info): the client key (``--api-key``), when one is set;
+- control plane: with control-plane keys (``--control-plane-api-keys 'id:name:role:key'``), only
+  they: ``admin`` for everything, ``user`` for reading (GET). Without any, the client key guards
+  the control plane too (sglang-router's fallback), and with no key at all everything is open.
+- refusals: 401 for a missing or unknown key, 403 for a key whose role is too small.
+
+pdctl differs on purpose in two places: ``/health_generate`` (it runs a generation) needs the
+client key, and a control-plane key is not a client key (it does not reach the data plane: a
+leaked admin key does not also read other users' prompts' answers, and vice versa).
+
+Every decision is made from the request line and headers alone (``HttpServer.check_head``), so
+a refused request's body is never read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from pdctl.errors import RouterConfigError
+from pdctl.router import errors
+from pdctl.router.server import Reply
+
+log = logging.getLogger("pdctl.router")
+audit_log = logging.getLogger("pdctl.router.audit")
+
+OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
+
+
+class ControlRole(str, Enum):
+    ADMIN = "admin"
+    USER = "user"
+    """Reads the control plane (GET /workers, /pdctl/weights); changes nothing."""
+
+
+class Door(str, Enum):
+    """What a route needs."""
+
+    OPEN = "open"
+    DATA = "data"
+    CONTROL_READ = "control-read"
+    CONTROL_WRITE = "control-write"
+
+
+CONTROL_READ_ROUTES = frozenset({("GET", "/workers"), ("GET", "/pdctl/weights")})
+CONTROL_READ_PREFIXES = (("GET", "/workers/"),)
+CONTROL_WRITE_ROUTES = frozenset(
+    {
+        ("POST", "/workers"),
+        ("POST", "/flush_cache"),
+        ("POST", "/pdctl/hold"),
+        ("POST", "/pdctl/release"),
+        ("POST", "/pdctl/refresh"),
+        ("POST", "/pdctl/cordon"),
+    }
+)
+CONTROL_WRITE_PREFIXES = (("DELETE", "/workers/"), ("PUT", "/workers/"), ("PATCH", "/workers/"))
+
+
+def door_of(method: str, path: str) -> Door:
+    """The door a request goes through; anything that is not open or control is data plane
+    (unknown paths included: they need a client key before they learn they do not exist)."""
+    if path in OPEN_PATHS:
+        return Door.OPEN
+    if (method, path) in CONTROL_WRITE_ROUTES or any(
+        method == m and path.startswith(p) for m, p in CONTROL_WRITE_PREFIXES
+    ):
+        return Door.CONTROL_WRITE
+    read_prefix = any(method == m and path.startswith(p) for m, p in CONTROL_READ_PREFIXES)
+    if (method, path) in CONTROL_READ_ROUTES or read_prefix:
+        return Door.CONTROL_READ
+    return Door.DATA
+
+
+@dataclass(frozen=True)
+class ControlKey:
+    """One ``id:name:role:key`` entry of ``--control-plane-api-keys`` (sglang-router's format;
+    the key may contain ':')."""
+
+    id: str
+    name: str
+    role: ControlRole
+    key: str
+
+    @classmethod
+    def parse(cls, entry: str) -> ControlKey:
+        parts = entry.split(":", 3)
+        if len(parts) != 4 or not all(parts):
+            raise RouterConfigError("--control-plane-api-keys entries are 'id:name:role:key' (none of them empty)")
+        ident, name, role, key = parts
+        try:
+            parsed = ControlRole(role.lower())
+        except ValueError:
+            raise RouterConfigError(
+                f"--control-plane-api-keys {ident}: role {role!r} must be one of "
+                f"{', '.join(r.value for r in ControlRole)}"
+            ) from None
+        return cls(ident, name, parsed, key)
+
+    def __repr__(self) -> str:  # the key is never logged
+        return f"ControlKey({self.id!r}, {self.name!r}, {self.role.value})"
+
+
+def parse_control_keys(entries: Iterable[str]) -> tuple[ControlKey, ...]:
+    keys = tuple(ControlKey.parse(e) for e in entries if e.strip())
+    ids = [k.id for k in keys]
+    if len(set(ids)) != len(ids):
+        raise RouterConfigError("--control-plane-api-keys: each id may appear once")
+    return keys
+
+
+class Keys:
+    """Checks a request's ``Authorization`` header against the door its route needs."""
+
+    def __init__(self, client_key: str | None, control: tuple[ControlKey, ...] = (), *, audit: bool = False):
+        self._client = _bearer(client_key) if client_key else None
+        self._control = [(_bearer(k.key), k) for k in control]
+        self.audit = audit
+
+    @property
+    def open(self) -> bool:
+        """No key at all: every route is open (the router should listen on loopback only)."""
+        return self._client is None and not self._control
+
+    def check(self, method: str, path: str, headers: dict[str, str]) -> Reply | None:
+        """None when the request may go on, else the refusal to send."""
+        door = door_of(method, path)
+        if door is Door.OPEN:
+            return None
+        given = headers.get("authorization", "").encode("latin-1")
+        if door is Door.DATA:
+            if self._client is None or hmac.compare_digest(given, self._client):
+                return None
+            return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key")
+        refusal, who = self._control_check(door, given)
+        if self.audit:
+            audit_log.info(
+                "control_plane_audit principal=%s method=%s path=%s outcome=%s",
+                who,
+                method,
+                path,
+                "denied" if refusal else "allowed",
+            )
+        return refusal
+
+    def _control_check(self, door: Door, given: bytes) -> tuple[Reply | None, str]:
+        if not self._control:  # sglang-router's fallback: the client key guards the control plane too
+            if self._client is None or hmac.compare_digest(given, self._client):
+                return None, "api-key" if self._client else "anonymous"
+            return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key"), "unauthenticated"
+        match = None
+        for bearer, key in self._control:  # every entry compared: the time does not say which matched
+            if hmac.compare_digest(given, bearer):
+                match = key
+        if match is None:
+            return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong control-plane key"), (
+                "unauthenticated"
+            )
+        if door is Door.CONTROL_WRITE and match.role is not ControlRole.ADMIN:
+            return errors.error_response(403, errors.FORBIDDEN, "admin role required for this control-plane call"), (
+                match.id
+            )
+        return None, match.id
+
+
+def _bearer(key: str) -> bytes:
+    return f"Bearer {key}".encode("latin-1")

@@ -1,0 +1,190 @@
+"""The router as an attacker and a careless client meet it (hardening issue): keys per door,
+refused bodies never buffered, memory bounded whatever the framing, holds that always end,
+bodies and worker registrations validated. A real router process, null engines behind it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import NullEngine, RouterProcess, get, http, post
+
+CLIENT, ADMIN, READER = "client-key", "admin-key", "reader-key"
+KEYS = ["--api-key", CLIENT, "--control-plane-api-keys", f"a1:ops:admin:{ADMIN}", f"u1:dash:user:{READER}"]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    prefill, decode = NullEngine(tmp_path, "prefill").start(), NullEngine(tmp_path, "decode").start()
+    router = RouterProcess(
+        tmp_path,
+        "--pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        str(prefill.bootstrap_port),
+        "--decode",
+        decode.url,
+        *KEYS,
+        "--control-plane-audit-enabled",
+    ).start("/readiness")
+    try:
+        yield router
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_each_key_opens_its_own_door_only(fleet) -> None:
+    url = fleet.url
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    new_worker = {"url": "http://127.0.0.1:1", "worker_type": "decode"}
+    # the data plane: the client key only
+    assert post(url + "/generate", body, headers=bearer(CLIENT))[0] == 200
+    for key in (ADMIN, READER, "wrong"):
+        assert post(url + "/generate", body, headers=bearer(key))[0] == 401, key
+    assert post(url + "/generate", body)[0] == 401
+    # /health_generate runs a generation: the client key; probes stay open
+    assert get(url + "/health_generate")[0] == 401
+    assert get(url + "/health_generate", headers=bearer(CLIENT))[0] == 200
+    for path in ("/health", "/liveness", "/readiness", "/metrics"):
+        assert get(url + path)[0] == 200, path
+    # the control plane: the inference key cannot add a worker; a reader reads; the admin changes
+    assert post(url + "/workers", new_worker, headers=bearer(CLIENT))[0] == 401
+    assert post(url + "/workers", new_worker, headers=bearer(READER))[0] == 403
+    assert get(url + "/workers", headers=bearer(READER))[0] == 200
+    assert get(url + "/pdctl/weights", headers=bearer(READER))[0] == 200
+    assert post(url + "/pdctl/hold", {}, headers=bearer(READER))[0] == 403
+    assert post(url + "/pdctl/hold", {}, headers=bearer(CLIENT))[0] == 401
+    status, out = post(url + "/workers", {**new_worker, "api_key": "its-own"}, headers=bearer(ADMIN))
+    assert status == 202, out
+    status, listed = get(url + "/workers", headers=bearer(ADMIN))
+    assert status == 200 and "its-own" not in str(listed), "a worker's key is never answered"
+    audit = fleet.log.read_text()
+    assert "principal=u1 method=POST path=/workers outcome=denied" in audit
+    assert "principal=a1 method=POST path=/workers outcome=allowed" in audit
+    assert ADMIN not in audit and READER not in audit and CLIENT not in audit, "keys are never logged"
+
+
+def _vm_hwm_mb(pid: int) -> float:
+    """The process's peak resident memory so far (MB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def _send(port: int, head: bytes, body: bytes) -> bytes:
+    """Send ``head`` then ``body``; the answer (empty if the router closed first)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(head)
+        with contextlib.suppress(OSError):  # a router that refused at the head closes mid-send
+            s.sendall(body)
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                answer += chunk
+        return answer
+
+
+def _one_byte_chunks(payload: bytes) -> bytes:
+    return b"".join(b"1\r\n" + payload[i : i + 1] + b"\r\n" for i in range(len(payload))) + b"0\r\n\r\n"
+
+
+def test_refused_and_trickled_bodies_cost_the_router_no_memory(fleet) -> None:
+    pid = fleet.proc.pid
+    before = _vm_hwm_mb(pid)
+    # 10 MB in 1-byte chunks, no key: refused at the head, nothing of the body is kept
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer = _send(fleet.port, head, _one_byte_chunks(b"a" * 10_000_000))
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+    # 300 MB announced with Content-Length, no key: refused before a byte of it is read
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 300000000\r\n\r\n"
+    answer = _send(fleet.port, head, b"b" * 300_000_000)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+    # an authorized 5 MB body in 1-byte chunks is buffered in one buffer (it had cost ~90 bytes per
+    # byte); a control-plane route reads it whole and answers without an engine (whose own limit is 1 MiB)
+    payload = b'{"url": "http://nowhere:1", "reason": "' + b"c" * 5_000_000 + b'"}'
+    head = (
+        f"POST /pdctl/cordon HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+        "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    ).encode()
+    answer = _send(fleet.port, head, _one_byte_chunks(payload))
+    assert answer.startswith(b"HTTP/1.1 404") and b"no worker" in answer, answer[-400:]
+    grown = _vm_hwm_mb(pid) - before
+    assert grown < 50, f"the router's peak memory grew by {grown:.0f} MB"
+
+
+def test_request_bodies_the_router_can_see_are_malformed_get_400(fleet) -> None:
+    url, key = fleet.url, bearer(CLIENT)
+    cases = [
+        ("/generate", {"text": "a", "stream": "yes"}, "stream must be true or false"),
+        ("/generate", {"text": "a", "stream": 1}, "stream must be true or false"),
+        ("/generate", {"text": "a", "sampling_params": {"n": "2"}}, "sampling_params.n must be an integer"),
+        ("/generate", {"text": "a", "sampling_params": {"n": 10**9}}, "at most 1024 samples"),
+        ("/generate", {"text": ["a"] * 70, "sampling_params": {"n": 1000}}, "70000 sequences"),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": -1}}, "must be at least 0"),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 5.5}}, "must be an integer"),
+        ("/generate", {"text": "a", "sampling_params": "x"}, "sampling_params must be an object"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "n": True}, "n must be an integer"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": "5"}, "max_tokens must be an integer"),
+        ("/v1/chat/completions", {"model": "m", "messages": [], "stream": "on"}, "stream must be true"),
+        ("/generate", [1, 2], "must be a JSON object"),
+    ]
+    for path, body, message in cases:
+        status, out = post(url + path, body, headers=key)
+        assert status == 400 and message in out["error"]["message"], (path, body, out)
+    assert post(url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}, headers=key)[0] == 200
+
+
+def test_holds_validate_their_body_and_always_end(fleet) -> None:
+    url, admin = fleet.url, bearer(ADMIN)
+    for raw, field in [
+        (b"not json", "invalid JSON"),
+        (b'{"lease_secs": "abc"}', "lease_secs"),
+        (b'{"lease_secs": 1e300}', "lease_secs"),
+        (b'{"timeout_secs": -1}', "timeout_secs"),
+        (b'{"txn": {"a": 1}}', "txn"),
+        (b'{"engines": "http://x"}', "engines"),
+        (b'{"refit": ["drain"]}', "refit"),
+        (b"[]", "JSON object"),
+    ]:
+        status, out = http("POST", url + "/pdctl/hold", raw=raw, headers=admin)
+        assert status == 400 and field in out["error"]["message"], (raw, out)
+    assert http("POST", url + "/pdctl/release", raw=b'{"complete": 5}', headers=admin)[0] == 400
+    assert get(url + "/pdctl/weights", headers=admin)[1]["held"] is False, "no refused hold held the router"
+    # a bare hold (no transaction) that nobody renews ends with its lease
+    status, out = post(url + "/pdctl/hold", {"lease_secs": 0.5, "refit": "interrupt"}, headers=admin)
+    assert status == 200 and out["held"], out
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
+    status, _ = post(url + "/generate", body, headers=bearer(CLIENT))  # waits for the gate, then runs
+    assert status == 200
+
+
+def test_worker_registrations_are_validated(fleet) -> None:
+    url, admin = fleet.url, bearer(ADMIN)
+    bad = [
+        ({"url": "http://"}, "must be http(s)://HOST"),
+        ({"url": "ftp://example.com"}, "must be http(s)://HOST"),
+        ({"url": "http://h:70000"}, "url"),
+        ({"url": "http://u:p@h:1"}, "credentials"),
+        ({"url": 5}, "url must be a string"),
+        ({"url": "http://h:1", "bootstrap_port": 0}, "bootstrap_port"),
+        ({"url": "http://h:1", "bootstrap_port": 70000}, "bootstrap_port"),
+        ({"url": "http://h:1", "bootstrap_port": True}, "bootstrap_port"),
+        ({"url": "http://h:1", "worker_type": "trainer"}, "worker_type must be one of"),
+        ({"url": "http://h:1", "worker_type": 3}, "worker_type"),
+        ({"url": "http://h:1", "api_key": "a\nb"}, "api_key"),
+    ]
+    for body, message in bad:
+        status, out = post(url + "/workers", body, headers=admin)
+        assert status == 400 and message in out["error"]["message"], (body, out)
+    assert http("POST", url + "/workers", raw=b"{", headers=admin)[0] == 400
+    assert len(get(url + "/workers", headers=admin)[1]["workers"]) == 2, "nothing was registered"
