@@ -210,9 +210,10 @@ def _http_ok(url: str, timeout: float) -> bool:
         return False
 
 
-def _http_json(url: str, timeout: float) -> Any:
+def _http_json(url: str, timeout: float, key: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
             return json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -245,7 +246,7 @@ def status(req: dict[str, Any]) -> StatusReply:
         if p is not None and entry["alive"] and proc.get("health_url"):
             entry["healthy"] = _http_ok(proc["health_url"], timeout=float(req.get("timeout_secs", 5)))
         if p is not None and entry["alive"] and proc.get("info_url"):
-            info = _http_json(proc["info_url"], timeout=float(req.get("timeout_secs", 5)))
+            info = _http_json(proc["info_url"], timeout=float(req.get("timeout_secs", 5)), key=proc.get("info_key"))
             entry["info"] = info
         out[proc["id"]] = entry
     return {"processes": out}

@@ -89,6 +89,17 @@ def http(
         return status, text
 
 
+def engine_auth(name: str, home: str | Path | None = None) -> dict[str, str]:
+    """The ``Authorization`` header for the engines of cluster ``name`` (the key ``pdctl up``
+    made; ``home``: its PDCTL_HOME, else this process's)."""
+    from pdctl.cluster.keys import load_keys
+    from pdctl.cluster.state import StateStore
+
+    keys = load_keys(StateStore(Path(home) if home else None), name)
+    assert keys is not None, f"cluster {name} has no keys"
+    return {"Authorization": f"Bearer {keys.engine}"}
+
+
 def post(url: str, body: Any = None, **kw: Any):
     return http("POST", url, body if body is not None else {}, **kw)
 

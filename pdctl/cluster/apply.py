@@ -206,7 +206,7 @@ def _apply(
 
     state.nodes = [node_to_dict(n) for n in top.nodes]  # nodes may be added
     state.run_dirs.update({n.name: state.run_dirs.get(n.name) or _run_dir(plan, n.name) for n in top.nodes})
-    router = RouterControl(state)
+    router = RouterControl(state, store)
     specs = {s.id: s for s in plan.processes}
     engines = {e.id: e for e in plan.engines}
     old_engines = {e["id"]: e for e in state.plan.get("engines", [])}

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.cluster.keys import load_keys
 from pdctl.cluster.mps import MpsStatus, daemon_status
 from pdctl.cluster.nodes import NodeSet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
@@ -98,6 +99,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     if nodes is None:
         with NodeSet(state.node_objects().values()) as owned:  # connections closed on return
             return status(name, store=store, nodes=owned)
+    keys = load_keys(store, name)
     by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in state.processes.values():
         query: dict[str, Any] = {"id": rec.id, "pid": rec.pid, "create_time": rec.create_time}
@@ -106,6 +108,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
         if rec.url and rec.health_path:
             query["health_url"] = rec.url + ("/readiness" if rec.role == Role.ROUTER else rec.health_path)
             query["info_url"] = rec.url + ("/workers" if rec.role == Role.ROUTER else Endpoint.MODEL_INFO.value)
+            if keys is not None:  # the router's /workers is control plane, an engine's /model_info needs its key
+                query["info_key"] = keys.control if rec.role == Role.ROUTER else keys.engine
         by_node[rec.node].append(query)
     results = nodes.each(by_node, lambda ex: agent_api.status(ex, by_node[ex.node.name], timeout=60))
     out: list[ProcessStatus] = []

@@ -17,9 +17,10 @@ from typing import Any
 from urllib.parse import quote
 
 from pdctl.cluster.down import stop_records
+from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
-from pdctl.cluster.up import launch, secret_env, wait_ready
+from pdctl.cluster.up import launch, router_client_key, secret_env, wait_ready
 from pdctl.errors import LifecycleError
 from pdctl.plan import LaunchSpec
 from pdctl.roles import Role
@@ -93,7 +94,7 @@ def _restart(
     events: Events,
     ready_timeout: float,
 ) -> list[str]:
-    router = RouterControl(state)
+    router = RouterControl(state, store)
     done = []
     for unit, specs in units:
         if unit == "router":
@@ -152,11 +153,13 @@ def replace_engine(
 
 
 class RouterControl:
-    """The router's operator endpoints, with its API key when it has one."""
+    """The router's operator endpoints, with the cluster's control-plane key (or, for a cluster
+    brought up before pdctl made keys, the router's client key)."""
 
-    def __init__(self, state: ClusterState):
-        key = secret_env(state.plan.get("router", {}).get("api_key_env"))
-        self.client = JsonClient(api_key=next(iter(key.values()), None), timeout_secs=DRAIN_TIMEOUT_SECS + 30)
+    def __init__(self, state: ClusterState, store: StateStore | None = None):
+        self.keys = load_keys(store or StateStore(), state.name)
+        key = self.keys.control if self.keys else router_client_key(state)
+        self.client = JsonClient(api_key=key, timeout_secs=DRAIN_TIMEOUT_SECS + 30)
         self.url = state.router_url or ""
 
     def cordon(self, worker_url: str, on: bool) -> dict[str, Any]:
@@ -169,7 +172,9 @@ class RouterControl:
         return answer
 
     def add(self, worker_url: str, role: Role, bootstrap_port: int | None) -> None:
-        body = {"url": worker_url, "worker_type": role.value, "bootstrap_port": bootstrap_port}
+        body: dict[str, Any] = {"url": worker_url, "worker_type": role.value, "bootstrap_port": bootstrap_port}
+        if self.keys is not None:  # what the router sends the new engine (a worker added live gets no key unasked)
+            body["api_key"] = self.keys.engine
         answer = self.client.post(self.url + "/workers", body)
         if isinstance(answer, CallFailure):
             raise LifecycleError(f"the router at {self.url} did not register {worker_url}: {answer}")

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from pdctl.agent import RUN_ID_ENV
 from pdctl.agent_replies import SpawnReply, WaitReadyReply
 from pdctl.cluster.down import stop_processes
+from pdctl.cluster.keys import ClusterKeys, load_keys, save_keys
 from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, declared_of, node_to_dict
@@ -83,6 +84,7 @@ def up(
             declared=declared_of(top),
         )
         store.save(state)
+        save_keys(store, plan.name, ClusterKeys.generate())  # a new engine and control key per up
         try:
             if plan.mps:  # before any GPU process: a CUDA client that finds no daemon runs without MPS
                 start_daemons(plan, state, store, nodes, events)
@@ -206,7 +208,11 @@ def launch(
     events: Events,
 ) -> None:
     """Start ``specs`` on their nodes (each under its supervisor) and record them in ``state``;
-    the router and the trainer get ``secrets`` (the router's API key) in their environment."""
+    the router and the trainer get ``secrets`` (the router's client key) and the cluster's keys
+    in their environment, engines the engine key (``--api-key``: SGLang's only way in)."""
+    keys = load_keys(store, state.name)
+    if keys is not None:
+        secrets = {**secrets, **keys.env()}
     by_node: dict[str, list[LaunchSpec]] = defaultdict(list)
     for spec in specs:
         by_node[spec.node].append(spec)
@@ -217,9 +223,12 @@ def launch(
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
             if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router
                 env.update(secrets)
+            argv = list(spec.argv)
+            if keys is not None and spec.role.is_engine:  # not in the plan: `pdctl plan` never shows it
+                argv += ["--api-key", keys.engine]
             entry = {
                 "id": spec.id,
-                "argv": list(spec.argv),
+                "argv": argv,
                 "env": env,
                 "cwd": spec.cwd,
                 "log_path": spec.log_path,
@@ -303,6 +312,11 @@ def secret_env(name: str | None) -> dict[str, str]:
     if not value:
         raise LifecycleError(f"router.api_key_env is {name} but ${name} is unset or empty on this machine")
     return {name: value}
+
+
+def router_client_key(state: ClusterState) -> str | None:
+    """The router's client key (from the variable ``router.api_key_env`` names), or None."""
+    return next(iter(secret_env((state.plan.get("router") or {}).get("api_key_env")).values()), None)
 
 
 class ReadinessError(LifecycleError):

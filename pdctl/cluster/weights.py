@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdctl.cluster.inspect import load_state
+from pdctl.cluster.keys import load_keys
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError
 from pdctl.refit import RefitMode
@@ -59,20 +60,27 @@ class WeightsStatus:
         return {**asdict(self), "ok": self.ok}
 
 
-def fleet_of(state: ClusterState, timeout_secs: float = 30.0) -> Fleet:
-    """The cluster's HTTP engines and router as a ``Fleet``, with the router's key if it has one."""
+def fleet_of(state: ClusterState, timeout_secs: float = 30.0, store: StateStore | None = None) -> Fleet:
+    """The cluster's HTTP engines and router as a ``Fleet``, with the cluster's keys."""
     engines = state.plan.get("engines") or []
     if not engines:
         raise LifecycleError(f"cluster {state.name!r} has no engines")
-    key_env = (state.plan.get("router") or {}).get("api_key_env")
-    api_key = os.environ.get(key_env) if key_env else None
-    if key_env and not api_key:
-        raise LifecycleError(f"the router needs its API key: set ${key_env} on this machine")
+    keys = load_keys(store or StateStore(), state.name)
+    api_key: str | None
+    engine_key: str | None
+    if keys is not None:
+        api_key, engine_key = keys.control, keys.engine
+    else:  # a cluster brought up before pdctl made keys: the router's client key for both
+        key_env = (state.plan.get("router") or {}).get("api_key_env")
+        api_key, engine_key = os.environ.get(key_env) if key_env else None, None
+        if key_env and not api_key:
+            raise LifecycleError(f"the router needs its API key: set ${key_env} on this machine")
     refit = state.plan.get("refit") or {}  # the topology's weights.refit and max_staleness
     return Fleet(
         [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in engines],
         router_url=state.router_url,
         api_key=api_key,
+        engine_key=engine_key,
         timeout_secs=timeout_secs,
         refit=refit.get("mode") or RefitMode.DRAIN,
         max_staleness=refit.get("max_staleness"),
@@ -80,8 +88,9 @@ def fleet_of(state: ClusterState, timeout_secs: float = 30.0) -> Fleet:
 
 
 def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStatus:
-    state = _load(store or StateStore(), name)
-    fleet = fleet_of(state, timeout_secs=10)
+    store = store or StateStore()
+    state = _load(store, name)
+    fleet = fleet_of(state, timeout_secs=10, store=store)
     try:
         planned = {e["url"]: e for e in (state.plan.get("weight_group") or {}).get("engines", [])}
         group = state.plan.get("weight_group")
@@ -130,8 +139,9 @@ def load_weights(
     engine, as one transaction (``Fleet.load_from_disk``), in ``refit`` mode (default: the
     topology's ``weights.refit``). Raises WeightSyncError naming the engine and phase when any
     engine did not load it (that engine leaves the router's rotation)."""
-    state = _load(store or StateStore(), name)
-    fleet = fleet_of(state, timeout_secs=600)
+    store = store or StateStore()
+    state = _load(store, name)
+    fleet = fleet_of(state, timeout_secs=600, store=store)
     try:
         return fleet.load_from_disk(model_path, version, refit)
     finally:

@@ -11,6 +11,7 @@ from pdctl.roles import Role
 from pdctl.router.config import Flag, flag_of
 from pdctl.sglang import render_extra_args
 from pdctl.topology.model import Node, ServerGroup, Topology
+from pdctl.weights.env import CONTROL_KEYS_ENV, ENGINE_KEY_ENV
 
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "sim": "pdctl.sim"}
 
@@ -128,6 +129,8 @@ def router_argv(
         argv += [flag_of(group, name), value]
     if r.api_key_env:
         argv += [Flag.API_KEY_ENV, r.api_key_env]
+    # The cluster's engine and control-plane keys: `up` puts them in the router's environment.
+    argv += [Flag.ENGINE_KEY_ENV, ENGINE_KEY_ENV, Flag.CONTROL_KEYS_ENV, CONTROL_KEYS_ENV]
     argv += [Flag.STATE_FILE, "router-state.json"]  # in its run directory, its cwd
     if prefill or decode:
         argv.append(Flag.PD_DISAGGREGATION)

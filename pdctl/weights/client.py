@@ -34,20 +34,21 @@ class CallFailure:
 
 
 class JsonClient:
-    """POST/GET JSON with a timeout and an optional bearer key; never raises for HTTP errors."""
+    """POST/GET JSON with a timeout and an optional bearer key; never raises for HTTP errors.
 
-    def __init__(self, api_key: str | None = None, timeout_secs: float = 120.0):
+    ``api_key`` goes to every server but those in ``keys`` (``"http://host:port"`` -> its own
+    key): the engines get the engine key, the router its control-plane key."""
+
+    def __init__(self, api_key: str | None = None, timeout_secs: float = 120.0, keys: dict[str, str] | None = None):
         self.api_key = api_key
+        self.keys = {origin.rstrip("/"): key for origin, key in (keys or {}).items()}
         self.timeout_secs = timeout_secs
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdctl-weights-http")
 
     def call(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
         """The parsed JSON (or text) of a 2xx answer whose ``success`` is not false, else a CallFailure."""
         data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        request = urllib.request.Request(url, data=data, method=method, headers=self._headers(url))
         try:
             with urllib.request.urlopen(request, timeout=timeout_secs or self.timeout_secs) as resp:
                 raw, status = resp.read(), resp.status
@@ -57,6 +58,14 @@ class JsonClient:
             reason = getattr(exc, "reason", exc)
             return CallFailure(url, f"no answer from {url}: {reason}", transport=True)
         return _answer(url, raw, status)
+
+    def _headers(self, url: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        parts = urlsplit(url)
+        key = self.keys.get(f"{parts.scheme}://{parts.netloc}", self.api_key)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
 
     def post(self, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
         return self.call("POST", url, body if body is not None else {}, timeout_secs)
@@ -76,11 +85,8 @@ class JsonClient:
 
     def send(self, conn: http.client.HTTPConnection, url: str, body: Any) -> Any:
         """POST ``body`` on a connection from ``connect``; answers as ``call`` does. Closes it."""
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
         try:
-            conn.request("POST", urlsplit(url).path, body=json.dumps(body).encode(), headers=headers)
+            conn.request("POST", urlsplit(url).path, body=json.dumps(body).encode(), headers=self._headers(url))
             resp = conn.getresponse()
             raw, status = resp.read(), resp.status
         except (OSError, http.client.HTTPException) as exc:

@@ -19,6 +19,12 @@ from pdctl.sglang import DEFAULT_GROUP_NAME
 WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
 ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
 API_KEY_ENV_ENV = "PDCTL_API_KEY_ENV"
+ENGINE_KEY_ENV = "PDCTL_ENGINE_KEY"
+"""The cluster's engine key (``pdctl up`` makes one per cluster): engines require it."""
+CONTROL_KEY_ENV = "PDCTL_CONTROL_KEY"
+"""The cluster's control-plane admin key: the router's hold, release, workers and cordon."""
+CONTROL_KEYS_ENV = "PDCTL_CONTROL_KEYS"
+"""The router's ``--control-plane-api-keys-env`` variable: ``pdctl:pdctl:admin:KEY``."""
 """Names the variable holding the router's (and engines') API key; the key itself is never in the plan."""
 READY_TIMEOUT_ENV = "PDCTL_READY_TIMEOUT_SECS"
 """Set by ``pdctl up`` when the trainer starts before the engines (colocate): ``connect`` waits

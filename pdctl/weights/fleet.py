@@ -95,6 +95,7 @@ class Fleet:
         *,
         router_url: str | None = None,
         api_key: str | None = None,
+        engine_key: str | None = None,
         timeout_secs: float = 120.0,
         pause_mode: str = "retract",
         lease_secs: float = DEFAULT_LEASE_SECS,
@@ -104,6 +105,8 @@ class Fleet:
         follow_router: bool = False,
     ):
         """``refit`` and ``max_staleness``: see pdctl.refit; a transaction may override them.
+        ``api_key``: the router's key (a pdctl cluster's control-plane key); ``engine_key``: the
+        engines' (default: ``api_key``).
         ``follow_router``: each ``probe`` first takes the engine set from the router's workers
         (``pdctl apply`` adds and removes engines there), so that a trainer's next push reaches
         the engines the cluster has now; an engine it did not know takes as many ranks as its
@@ -123,7 +126,10 @@ class Fleet:
         self.refit = refit_mode(refit)
         self.max_staleness = max_staleness
         self.follow_router = follow_router and self.router_url is not None
-        self.client = JsonClient(api_key=api_key, timeout_secs=timeout_secs)
+        # The engines get the engine key (else the router's key, for engines that share it); the
+        # router gets its own key (the control-plane key of a pdctl cluster).
+        router_keys = {self.router_url: api_key} if self.router_url and api_key else {}
+        self.client = JsonClient(api_key=engine_key or api_key, timeout_secs=timeout_secs, keys=router_keys)
 
     def close(self) -> None:
         self.client.close()

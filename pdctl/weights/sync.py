@@ -35,7 +35,9 @@ from pdctl.refit import DEFAULT_HOLD_TIMEOUT_SECS, DEFAULT_LEASE_SECS, RefitMode
 from pdctl.sglang import DEFAULT_GROUP_NAME, Endpoint
 from pdctl.weights.env import (
     API_KEY_ENV_ENV,
+    CONTROL_KEY_ENV,
     DEFAULT_BUCKET_MB,
+    ENGINE_KEY_ENV,
     READY_TIMEOUT_ENV,
     ROUTER_URL_ENV,
     WEIGHT_GROUP_ENV,
@@ -80,6 +82,7 @@ class WeightSync:
         group_name: str = DEFAULT_GROUP_NAME,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         api_key: str | None = None,
+        engine_key: str | None = None,
         timeout_secs: float = 120.0,
         pause_mode: str = "retract",
         verify: str = "auto",
@@ -101,6 +104,7 @@ class WeightSync:
             engines,
             router_url=router_url,
             api_key=api_key,
+            engine_key=engine_key,
             timeout_secs=timeout_secs,
             pause_mode=pause_mode,
             lease_secs=lease_secs,
@@ -164,8 +168,9 @@ class WeightSync:
             kwargs["ready_timeout_secs"] = float(env.get(READY_TIMEOUT_ENV) or 0)
         except ValueError as exc:
             raise WeightSyncError(f"${READY_TIMEOUT_ENV} is not a number of seconds: {exc}") from exc
-        key_var = env.get(API_KEY_ENV_ENV)
-        kwargs["api_key"] = env.get(key_var) if key_var else None
+        key_var = env.get(API_KEY_ENV_ENV)  # the router's client key (clusters up before control keys)
+        kwargs["api_key"] = env.get(CONTROL_KEY_ENV) or (env.get(key_var) if key_var else None)
+        kwargs["engine_key"] = env.get(ENGINE_KEY_ENV) or None
         kwargs.update(options)
         return cls(**kwargs)
 

@@ -15,7 +15,7 @@ import psutil
 
 from pdctl.sim.model import resolve_model, save_checkpoint
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import get, post
+from tests.helpers import engine_auth, get, post
 
 
 def _status(env: dict) -> dict[str, dict]:
@@ -243,7 +243,7 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
         assert recreated.returncode == 0, recreated.stderr
         again = _status(env)
         assert again[""]["ok"] and again["decode-0"]["pid"] != final["decode-0"]["pid"]
-        code, info = get(again["decode-0"]["url"] + "/model_info")
+        code, info = get(again["decode-0"]["url"] + "/model_info", headers=engine_auth("grow", env["PDCTL_HOME"]))
         assert code == 200 and info["model_path"] == "sim://small", info
     finally:
         pdctl("down", "grow", env=env)

@@ -16,7 +16,7 @@ from pdctl.cluster import StateStore, down, logs, status, up
 from pdctl.errors import LifecycleError, PdctlError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
-from tests.helpers import post
+from tests.helpers import engine_auth, post
 
 pytestmark = pytest.mark.netns
 
@@ -301,7 +301,7 @@ def test_weight_push_across_hosts(clean_hosts, pdctl_home) -> None:
         engines = [p for p in status("wx").processes if p.role in ("prefill", "decode")]
         assert {p.weight_version for p in engines} == {"netns-41"}
         for p in engines:
-            code, out = post(p.url + "/weights_checker", {"action": "checksum"})
+            code, out = post(p.url + "/weights_checker", {"action": "checksum"}, headers=engine_auth("wx"))
             assert code == 200 and out["checksums"] == expected, p.id
     finally:
         down("wx")

@@ -16,7 +16,7 @@ from pdctl.cluster import down, logs, status, up
 from pdctl.errors import LifecycleError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
-from tests.helpers import SimProcess, get, post
+from tests.helpers import SimProcess, engine_auth, get, post
 
 pytestmark = pytest.mark.netns
 
@@ -98,7 +98,7 @@ def test_tp4_decode_over_two_hosts(clean_hosts, pdctl_home, tmp_path) -> None:
         assert "PUSHED ['prefill-0', 'decode-0']" in text
         expected = weights_checksum(TinyLM(replace(PRESETS["tiny"], seed=43)))
         decode_url = state.processes["decode-0.h1"].url
-        code, out = post(decode_url + "/weights_checker", {"action": "checksum"})
+        code, out = post(decode_url + "/weights_checker", {"action": "checksum"}, headers=engine_auth("mn"))
         assert code == 200 and out["checksums"] == expected and out["weight_version"] == "mn-43"
         # world 6: trainer 0, prefill 1, decode 2..5 (node 0 holds 2..3, node 1 holds 4..5)
         crc0 = re.findall(r"digest (\w+), on ranks 2\.\.5", "".join(logs("mn", "decode-0.h1", lines=500)))

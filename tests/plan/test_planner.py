@@ -203,18 +203,26 @@ def test_the_router_parses_its_planned_argv_into_the_topologys_settings() -> Non
     argv = list(plan.router.argv)
     args = argv[argv.index("router") + 1 :]
     parser = build_parser()
-    env_name = flag(plan.router.argv, "--api-key-env")
-    os.environ[env_name] = "test-key"  # the router reads its key from the variable the plan names
+    # the router reads its keys from the variables the plan names (`up` sets them at launch)
+    given = {
+        flag(plan.router.argv, "--api-key-env"): "test-key",
+        flag(plan.router.argv, "--engine-api-key-env"): "engine-key",
+        flag(plan.router.argv, "--control-plane-api-keys-env"): "pdctl:pdctl:admin:control-key",
+    }
+    os.environ.update(given)
     try:
         config = config_from_args(parser.parse_args(args), parser)
     finally:
-        del os.environ[env_name]
+        for name in given:
+            del os.environ[name]
     r = top.router
     assert config.admission.request_timeout_secs == r.request_timeout_secs
     assert config.admission.max_concurrent_requests == r.max_concurrent_requests
     assert config.health.interval_secs == r.health_check_interval_secs
     assert config.health.failure_threshold == r.health_failure_threshold
     assert config.policy == r.policy and config.api_key == "test-key"
+    assert config.engine_api_key == "engine-key" and [k.role.value for k in config.control_keys] == ["admin"]
+    assert "engine-key" not in " ".join(plan.router.argv), "no key itself is on a planned command line"
     assert len(config.workers) == len(plan.engines)
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from pdctl.weights.buckets import tensor_checksum
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import post
+from tests.helpers import engine_auth, post
 
 KEY_ENV = "PDCTL_TEST_ROUTER_KEY"
 
@@ -66,7 +66,11 @@ def test_weights_status_and_load(tmp_path) -> None:
         assert code == 0 and [e["version"] for e in st["engines"]] == ["ckpt-99", "ckpt-99"]
         want = {n: tensor_checksum(n, t, "full") for n, t in model.named_parameters()}
         for engine in st["engines"]:
-            status, sums = post(engine["url"] + "/weights_checker", {"names": list(want), "mode": "full"})
+            status, sums = post(
+                engine["url"] + "/weights_checker",
+                {"names": list(want), "mode": "full"},
+                headers=engine_auth("wcli", env["PDCTL_HOME"]),
+            )
             assert status == 200 and sums["checksums"] == want
 
         # A missing checkpoint: every engine refuses and keeps what it had; the fleet serves on.
@@ -83,9 +87,14 @@ def test_weights_status_and_load(tmp_path) -> None:
         )
         assert status == 200 and out["meta_info"]["weight_version"] == "ckpt-99"
 
-        # Without the key the command says which variable to set.
+        # pdctl's own commands use the cluster's control-plane key, not the client key: they work
+        # without it; an engine refuses a caller without the engine key.
         nokey = pdctl("weights", "status", env={k: v for k, v in env.items() if k != KEY_ENV})
-        assert nokey.returncode == 1 and f"set ${KEY_ENV}" in nokey.stderr and "Traceback" not in nokey.stderr
+        assert nokey.returncode == 0, nokey.stderr
+        assert post(st["engines"][0]["url"] + "/pause_generation", {"mode": "abort"})[0] == 401
+        assert (
+            post(url + "/workers", {"url": "http://127.0.0.1:1"}, headers={"Authorization": f"Bearer {key}"})[0] == 401
+        )
     finally:
         assert pdctl("down", env=env).returncode == 0
     gone = pdctl("weights", "status", "wcli", env=env)
