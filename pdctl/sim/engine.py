@@ -13,6 +13,15 @@ through ``_commands`` and wait for it to act (pause, continue) or mark requests 
 Pause modes follow SGLang: ``abort`` ends running and queued requests, ``retract`` sends
 running ones back to the queue (they re-prefill prompt + output on continue), ``in_place``
 keeps their KV and just stops stepping. ``exclusive()`` is the weight-update writer lock.
+
+Failures: an exception while starting one request ends that request with a 500 and the
+scheduler goes on; one the scheduler cannot recover from (a batched step failed: every running
+request's state is suspect) ends every request with a 500, refuses new ones and calls
+``on_fatal``, so that the process exits and its supervisor restarts it, as SGLang's scheduler
+ends its server, rather than leaving a live process that never answers again.
+
+Aborts mark requests finished without searching the queues for them; the queues drop finished
+requests in one pass afterwards (``_purge``), so aborting N queued requests costs O(N), not O(N^2).
 """
 
 from __future__ import annotations
@@ -103,6 +112,8 @@ class Request:
     kv: KVPayload | None = None
     reserved: bool = False
     """True while a decode request holds a capacity reservation made before its KV arrived."""
+    queued: bool = False
+    """In the waiting (or held) queue: a finished one there is dropped by the next purge."""
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -159,10 +170,15 @@ class Engine:
         self.on_finish: Callable[[Request], None] | None = None
         self.on_capacity: Callable[[], None] | None = None
         """Called (any thread, must not block) when a running slot or a reservation is freed."""
+        self.on_fatal: Callable[[str], None] | None = None
+        """Called once, on the scheduler thread, when the scheduler cannot go on (must not block)."""
+        self.fatal: str | None = None
+        """Why the scheduler stopped for good; new requests then fail at once with a 500."""
         self._seeds = torch.Generator().manual_seed(random_seed)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._held: deque[Request] = deque()  # arrived during a weight update
+        self._stale = 0  # finished requests still in _waiting or _held
         self._running: list[Request] = []  # running[i].slot == i
         self._reserved = 0
         self._admitting: list[Request] = []  # popped from the queue, being prefilled
@@ -197,7 +213,11 @@ class Engine:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
         with self._cond:
+            if self.fatal is not None:
+                self._finish(req, abort_reason(f"the engine failed: {self.fatal}", 500))
+                return
             (self._held if self._updating else self._waiting).append(req)
+            req.queued = True
             self._cond.notify_all()
 
     def reserve_slot(self) -> bool:
@@ -231,9 +251,26 @@ class Engine:
                 for r in (*self._running, *self._admitting, *self._waiting, *self._held)
                 if not r.finished and (rid is None or r.rid == rid)
             ]
-            for req in victims:
-                self._finish(req, abort_reason(message))
-            return len(victims)
+        return self.abort_requests(victims, message)
+
+    def abort_requests(self, requests: Iterable[Request], message: str = "Abort requested") -> int:
+        """Abort these requests (those not finished yet): one pass over the queues whatever their
+        number (a 100k-prompt batch whose client left costs O(100k)); how many were aborted."""
+        with self._cond:
+            aborted = 0
+            for req in requests:
+                if not req.finished:
+                    self._finish(req, abort_reason(message))
+                    aborted += 1
+            if self._stale * 2 > len(self._waiting) + len(self._held):
+                self._purge()  # amortized: each purge drops at least half of what it scans
+            return aborted
+
+    def _purge(self) -> None:
+        """Drop finished requests from the queues (one pass). Holds _cond."""
+        self._waiting = deque(r for r in self._waiting if not r.finished)
+        self._held = deque(r for r in self._held if not r.finished)
+        self._stale = 0
 
     def set_weight_version(self, version: str) -> None:
         """Take a new weight version; live requests with output note where it changed (SGLang's
@@ -258,11 +295,13 @@ class Engine:
             if mode == "abort":
                 for req in (*self._running, *self._waiting):
                     self._finish(req, abort_reason("Aborted"))  # SGLang: FINISH_ABORT()'s default message
+                self._purge()
             elif mode == "retract":
                 for req in reversed(self._running):
                     if not req.finished:
                         req.retractions += 1
                         req.slot = None
+                        req.queued = True
                         self._waiting.appendleft(req)
                 self._running.clear()
                 self._capacity_freed()
@@ -322,7 +361,7 @@ class Engine:
             running = sum(1 for r in (*self._running, *self._admitting) if not r.finished)
             return {
                 "num_running_reqs": running,
-                "num_queue_reqs": len(self._waiting) + len(self._held),
+                "num_queue_reqs": len(self._waiting) + len(self._held) - self._stale,
                 "num_reserved_decode_slots": self._reserved,
                 "free_slots": self.capacity - len(self._running) - self._reserved,
             }
@@ -330,6 +369,26 @@ class Engine:
     # -- the scheduler thread -----------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        try:
+            self._run()
+        except Exception as exc:  # a bug or a broken model: no request can be trusted to go on
+            self._die(exc)
+
+    def _die(self, exc: Exception) -> None:
+        reason = f"scheduler failed: {type(exc).__name__}: {exc}"
+        log.exception("%s; ending every request and this engine", reason)
+        with self._cond:
+            self.fatal = reason
+            for req in (*self._running, *self._admitting, *self._waiting, *self._held):
+                self._finish(req, abort_reason(f"the engine failed: {reason}", 500))
+            self._purge()
+            while self._commands:  # a caller waiting for the scheduler learns it is gone
+                _act, done = self._commands.popleft()
+                done.set()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._has_work():
@@ -347,10 +406,13 @@ class Engine:
                     req = self._waiting[0]
                     if req.finished:
                         self._waiting.popleft()
+                        req.queued = False
+                        self._stale -= 1
                         continue
                     if not req.reserved and self._used() + len(admit) >= self.capacity:
                         break
                     self._waiting.popleft()
+                    req.queued = False
                     if req.reserved:
                         req.reserved = False
                         self._reserved -= 1
@@ -403,6 +465,10 @@ class Engine:
         except SimError as exc:
             with self._cond:
                 self._finish(req, abort_reason(str(exc), exc.status))
+        except Exception as exc:  # this request's fault or a bug it hit: it ends, the others go on
+            log.error("request %s failed in the scheduler: %s: %s", req.rid, type(exc).__name__, exc)
+            with self._cond:
+                self._finish(req, abort_reason(f"internal error: {type(exc).__name__}: {exc}", 500))
         with self._cond:
             self._running.append(req)  # finished ones are reaped next iteration, keeping slots dense
             self._admitting.remove(req)
@@ -504,10 +570,9 @@ class Engine:
         """Mark finished and deliver. Caller holds ``_cond``; the scheduler frees the slot."""
         if req.finished:
             return
-        req.finish = reason
-        for queue in (self._waiting, self._held):
-            if req in queue:
-                queue.remove(req)
+        req.finish = reason  # a queued request stays queued until the next _purge or admission pass
+        if req.queued:
+            self._stale += 1
         if req.reserved:
             req.reserved = False
             self._reserved -= 1

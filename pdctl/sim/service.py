@@ -127,8 +127,7 @@ class SimService:
             for task in starts:
                 task.cancel()
             await asyncio.gather(*starts, return_exceptions=True)  # each gives back its own slot
-            for req in submitted:
-                self.engine.abort(req.rid, "another item of the batch failed")
+            self.engine.abort_requests(submitted, "another item of the batch failed")
             raise
         self.metrics.requests_started(len(out))
         return out
@@ -139,10 +138,8 @@ class SimService:
         stops working on the requests of ``batch`` that have not finished."""
         try:
             yield
-        finally:
-            for running in batch:
-                if not running.request.finished:
-                    self.engine.abort(running.request.rid, reason)
+        finally:  # one pass whatever the batch's size (aborting by rid would search per request)
+            self.engine.abort_requests((r.request for r in batch), reason)
 
     async def _reserve_decode_slot(self) -> None:
         """Wait, in arrival order, for a KV slot (SGLang's decode prealloc queue: a full decode
