@@ -42,7 +42,7 @@ def measure(hosts: TestHosts, n: int, home: Path) -> dict:
         "ports": {"base": 25000},
         "prefill": {"replicas": 2 * n, "tp": 1, "nodes": names},
         "decode": {"replicas": 2 * n, "tp": 1, "nodes": names},
-        "router": {"host": "0.0.0.0"},
+        "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
     }
     top, _ = load_topology_text(yaml.safe_dump(data))
     plan = make_plan(top)

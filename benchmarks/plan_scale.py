@@ -30,7 +30,7 @@ def topology_text(n_nodes: int) -> str:
         "nodes": nodes,
         "prefill": {"replicas": pairs * 2 if n_nodes > 1 else 1, "tp": 4},
         "decode": {"replicas": pairs if n_nodes > 1 else 1, "tp": 8 if n_nodes > 1 else 4},
-        "router": {"host": "0.0.0.0"},
+        "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
     }
     return yaml.safe_dump(data)
 

@@ -163,6 +163,9 @@ class RouterSpec:
     decode_policy: str | None = None
     api_key_env: str | None = None
     """Environment variable holding the API key; the key never appears in files or logs."""
+    allow_unauthenticated: bool = False
+    """Serve inference without a client key on an address other machines reach (validate refuses
+    a non-loopback router without ``api_key_env`` unless this is true)."""
     request_timeout_secs: float = 1800.0
     max_concurrent_requests: int = -1
     health_check_interval_secs: float = 10.0

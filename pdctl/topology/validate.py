@@ -230,11 +230,25 @@ def _colocate(top: Topology) -> list[Issue]:
     return out
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def _router(top: Topology) -> list[Issue]:
     r = top.router
     out: list[Issue] = []
     if r.node and r.node not in {n.name for n in top.nodes}:
         return out  # reported by _node_refs
+    if r.host not in LOOPBACK_HOSTS and not r.host.startswith("127.") and not r.api_key_env:
+        if not r.allow_unauthenticated:
+            out.append(
+                Issue(
+                    "router.host",
+                    f"the router binds {r.host} with no client key: anyone who reaches it can send requests",
+                    hint="set router.api_key_env (the variable holding the key), bind 127.0.0.1, or set "
+                    "router.allow_unauthenticated: true on a network you trust",
+                )
+            )
+        return out
     node = top.router_node
     if node.is_local or r.host not in ("127.0.0.1", "localhost"):
         return out

@@ -30,7 +30,7 @@ def topology(hosts, *, name="t", base=24000, decode_args=None, nodes=None, route
         "ports": {"base": base},
         "prefill": {"replicas": 1, "tp": 1, "nodes": ["h0"]},
         "decode": {"replicas": 1, "tp": 1, "nodes": ["h1"], "args": decode_args or {}},
-        "router": {"host": "0.0.0.0", "node": router_node},
+        "router": {"host": "0.0.0.0", "node": router_node, "allow_unauthenticated": True},
     }
     return load_topology_text(yaml.safe_dump(data))[0]
 
@@ -120,7 +120,7 @@ def test_up_killed_halfway_then_down_cleans_up(clean_hosts, pdctl_home, tmp_path
         "ports": {"base": 24300},
         "prefill": {"nodes": ["h0"]},
         "decode": {"nodes": ["h1"]},
-        "router": {"host": "0.0.0.0"},
+        "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
     }
     top_file.write_text(yaml.safe_dump(data))
     assert top.name == "t"
@@ -194,7 +194,7 @@ def test_trainer_starts_last_with_the_plan_env_and_stops_last(clean_hosts, pdctl
                 "ports": {"base": 24600},
                 "prefill": {"nodes": ["h0"]},
                 "decode": {"nodes": ["h1"]},
-                "router": {"host": "0.0.0.0"},
+                "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
                 "trainer": {
                     "command": [
                         "python",

@@ -45,7 +45,13 @@ def topology(hosts, *, name: str, base: int, h2_env: dict | None = None, trainer
         "ports": {"base": base},
         "prefill": {"replicas": 1, "tp": 1, "nodes": ["h0"]},
         "decode": {"replicas": 1, "tp": 4, "nodes": ["h1", "h2"]},
-        "router": {"host": "0.0.0.0", "node": "h0", "health_check_interval_secs": 1, "health_failure_threshold": 2},
+        "router": {
+            "host": "0.0.0.0",
+            "allow_unauthenticated": True,
+            "node": "h0",
+            "health_check_interval_secs": 1,
+            "health_failure_threshold": 2,
+        },
     }
     if trainer:
         data["trainer"] = trainer

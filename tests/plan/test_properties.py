@@ -31,7 +31,7 @@ def topologies(draw):
         "ports": {"base": draw(st.integers(10000, 30000))},
         "prefill": {"replicas": p_rep, "tp": p_tp},
         "decode": {"replicas": d_rep, "tp": d_tp, "attn_dp": draw(st.sampled_from([1, d_tp]))},
-        "router": {"host": "0.0.0.0"},
+        "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
     }
     if draw(st.booleans()):
         data["trainer"] = {"command": ["python", "t.py"], "nodes": [nodes[-1]["name"]], "nproc_per_node": 1}

@@ -182,7 +182,7 @@ def test_allocation_builds_groups() -> None:
     top, _ = checked(
         yaml_text(
             BASE + 'allocation: "sglang[prefill]:d2t2 + sglang[decode]:d1t4 + fsdp[trainer]:d8"\n'
-            "router: {host: 0.0.0.0}\ntrainer: {command: [python, t.py], nodes: [n1]}\n"
+            "router: {host: 0.0.0.0, api_key_env: K}\ntrainer: {command: [python, t.py], nodes: [n1]}\n"
         )
     )
     assert [(g.name, g.role.value, g.replicas, g.tp) for g in top.groups] == [
@@ -217,8 +217,20 @@ def test_all_errors_are_collected() -> None:
 def test_router_on_loopback_of_a_remote_node_warns() -> None:
     _, warnings = checked(yaml_text(BASE + "prefill: {}\ndecode: {}\n"))
     assert any("binds 127.0.0.1 on remote node n0" in w.message for w in warnings)
-    _, warnings = checked(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0}\n"))
+    _, warnings = checked(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0, api_key_env: K}\n"))
     assert not any("binds 127.0.0.1" in w.message for w in warnings)
+
+
+def test_a_router_open_to_the_network_needs_a_client_key_or_says_it_does_not() -> None:
+    with pytest.raises(TopologyError) as info:
+        checked(yaml_text(BASE + "prefill: {}\ndecode: {}\nrouter: {host: 0.0.0.0}\n"))
+    assert "router.host" in str(info.value) and "no client key" in str(info.value)
+    for router in (
+        "{host: 0.0.0.0, api_key_env: K}",
+        "{host: 0.0.0.0, allow_unauthenticated: true}",
+        "{host: 127.0.0.1}",
+    ):
+        checked(yaml_text(BASE + f"prefill: {{}}\ndecode: {{}}\nrouter: {router}\n"))
 
 
 def test_colocate_rules_each_have_a_failing_case() -> None:
