@@ -129,8 +129,9 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
     for proc in req["processes"]:
         cwd = expand(proc["cwd"])
         log_path = Path(expand(proc["log_path"]))
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        Path(cwd).mkdir(parents=True, exist_ok=True)
+        log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log_path.parent.chmod(0o700)  # logs hold prompts and errors: their owner's only
+        Path(cwd).mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {**os.environ, **proc["env"]}
         for key in PATH_VALUED_ENV:  # the planner writes the run directory as the node spells it (~/...)
             if key in env:
@@ -143,7 +144,8 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
             argv = [sys.executable, "-m", "pdctl.supervise", exit_file, "--restart", restart, "--", *argv]
         if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
             log_path.replace(log_path.with_name(log_path.name + ".1"))
-        with open(log_path, "wb", buffering=0) as log:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "wb", buffering=0) as log:
             log.write(f"=== pdctl {time.strftime('%Y-%m-%d %H:%M:%S')} {proc['id']}: start ===\n".encode())
             child = subprocess.Popen(
                 argv,

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from pdctl.refit import Hold, HoldAnswer, RefitMode, Release
+from pdctl.refit import MAX_SECS, Hold, HoldAnswer, RefitMode, Release
 from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
 from pdctl.router.auth import Keys
@@ -531,8 +531,9 @@ class RouterServer:
         if worker is None:
             return errors.error_response(404, errors.NOT_FOUND, f"no worker {body.get('url')!r}")
         timeout = body.get("timeout_secs", 600)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
-            return errors.error_response(400, errors.BAD_REQUEST, "timeout_secs must be a number >= 0")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= MAX_SECS:
+            message = f"timeout_secs must be a number from 0 to {MAX_SECS:g}"
+            return errors.error_response(400, errors.BAD_REQUEST, message)
         if not body.get("cordon", True):
             if worker.cordoned:
                 log.info("worker %s is no longer cordoned", worker.url)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -67,8 +68,11 @@ def test_up_status_requests_down(clean_hosts, pdctl_home) -> None:
         time.sleep(0.2)
     code, out = post(state.router_url + "/generate", {"text": "back", "sampling_params": {"max_new_tokens": 4}})
     assert code == 200, out
-    # the state file is private
+    # the state file, the cluster's keys, the logs and their directory are private
     assert oct(StateStore().path("t").stat().st_mode & 0o777) == "0o600"
+    assert oct((StateStore().dir("t") / "keys.json").stat().st_mode & 0o777) == "0o600"
+    log = Path(state.processes["decode-0"].log_path)
+    assert oct(log.stat().st_mode & 0o777) == "0o600" and oct(log.parent.stat().st_mode & 0o777) == "0o700"
     assert "down (3 processes stopped)" in down("t")
     assert "already down" in down("t")  # idempotent
     assert not status("t").ok
