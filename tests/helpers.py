@@ -100,6 +100,16 @@ def engine_auth(name: str, home: str | Path | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {keys.engine}"}
 
 
+def control_auth(name: str, home: str | Path | None = None) -> dict[str, str]:
+    """The ``Authorization`` header for the router's control plane of cluster ``name``."""
+    from pdctl.cluster.keys import load_keys
+    from pdctl.cluster.state import StateStore
+
+    keys = load_keys(StateStore(Path(home) if home else None), name)
+    assert keys is not None, f"cluster {name} has no keys"
+    return {"Authorization": f"Bearer {keys.control}"}
+
+
 def post(url: str, body: Any = None, **kw: Any):
     return http("POST", url, body if body is not None else {}, **kw)
 

@@ -15,7 +15,7 @@ import psutil
 
 from pdctl.sim.model import resolve_model, save_checkpoint
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import engine_auth, get, post
+from tests.helpers import control_auth, engine_auth, get, post
 
 
 def _status(env: dict) -> dict[str, dict]:
@@ -23,8 +23,18 @@ def _status(env: dict) -> dict[str, dict]:
     return {p["id"]: p for p in json.loads(st.stdout)["processes"]} | {"": {"ok": st.returncode == 0}}
 
 
+CONTROL: dict[str, dict[str, str]] = {}
+"""Router URL -> its cluster's control-plane header (``/workers`` is control plane)."""
+
+
+def _router(env: dict, name: str) -> str:
+    url = _status(env)["router"]["url"]
+    CONTROL[url] = control_auth(name, env["PDCTL_HOME"])
+    return url
+
+
 def _workers(router: str) -> dict[str, dict]:
-    return {w["url"]: w for w in get(router + "/workers", timeout=10)[1]["workers"]}
+    return {w["url"]: w for w in get(router + "/workers", timeout=10, headers=CONTROL[router])[1]["workers"]}
 
 
 def _wait_back(env: dict, proc: str, old_pid: int, restarts: int) -> dict:
@@ -109,7 +119,7 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
     state = json.loads((tmp_path / "home" / "heal" / "state.json").read_text())
     try:
         status = _status(env)
-        router = status["router"]["url"]
+        router = _router(env, "heal")
         urls = {i: status[i]["url"] for i in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
         with Clients(router) as clients:
             # 1. kill -9 of a decode under load: back on its port, 0 failed requests. No pdctl command
@@ -199,7 +209,7 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
         return topo
 
     try:
-        router = _status(env)["router"]["url"]
+        router = _router(env, "grow")
         with Clients(router) as clients:
             edit(decode={"replicas": 3})
             dry = pdctl("apply", topo, "--dry-run", env=env)

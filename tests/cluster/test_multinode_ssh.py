@@ -66,7 +66,7 @@ def greedy(url: str, prompt: str) -> list[int]:
 
 
 def decode_worker(router_url: str) -> dict | None:
-    code, out = get(router_url + "/workers")
+    code, out = get(router_url + "/workers", headers=control_auth("mn"))
     assert code == 200, out
     return next((w for w in out["workers"] if w["worker_type"] == "decode"), None)
 

@@ -87,11 +87,20 @@ def test_weights_status_and_load(tmp_path) -> None:
         )
         assert status == 200 and out["meta_info"]["weight_version"] == "ckpt-99"
 
+        # bench through the router with the client key (the cluster's own, from the state), engine
+        # metrics read alongside: the whole lifecycle works with every key set
+        bench = pdctl("bench", "wcli", "--num-prompts", "4", "--output-len", "4", "--input-len", "8", env=env)
+        assert bench.returncode == 0 and "Traceback" not in bench.stderr, bench.stderr + bench.stdout
+
         # pdctl's own commands use the cluster's control-plane key, not the client key: they work
         # without it; an engine refuses a caller without the engine key.
         nokey = pdctl("weights", "status", env={k: v for k, v in env.items() if k != KEY_ENV})
         assert nokey.returncode == 0, nokey.stderr
-        assert post(st["engines"][0]["url"] + "/pause_generation", {"mode": "abort"})[0] == 401
+        engine_url = st["engines"][0]["url"]
+        assert post(engine_url + "/pause_generation", {"mode": "abort"})[0] == 401
+        assert post(engine_url + "/update_weights_from_disk", {"model_path": str(tmp_path / "ckpt-99")})[0] == 401
+        client = {"Authorization": f"Bearer {key}"}  # the client key is no engine key either
+        assert post(engine_url + "/pause_generation", {"mode": "abort"}, headers=client)[0] == 401
         assert (
             post(url + "/workers", {"url": "http://127.0.0.1:1"}, headers={"Authorization": f"Bearer {key}"})[0] == 401
         )
