@@ -16,7 +16,7 @@ from pdctl.cluster import down, logs, status, up
 from pdctl.errors import LifecycleError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
-from tests.helpers import SimProcess, engine_auth, get, post
+from tests.helpers import SimProcess, control_auth, engine_auth, get, post
 
 pytestmark = pytest.mark.netns
 
