@@ -284,7 +284,7 @@ def test_weight_push_across_hosts(clean_hosts, pdctl_home) -> None:
         "ports": {"base": 24700},
         "prefill": {"nodes": ["h0"]},
         "decode": {"nodes": ["h0"]},
-        "router": {"host": "0.0.0.0", "node": "h0"},
+        "router": {"host": "0.0.0.0", "node": "h0", "allow_unauthenticated": True},
         "trainer": {"command": ["python", "-c", PUSH_SEEDED], "nproc_per_node": 1, "nodes": ["h1"]},
         "weights": {"backend": "gloo", "bucket_mb": 1},
     }
