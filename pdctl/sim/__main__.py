@@ -27,6 +27,9 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         ("--tp-size", args.tp_size),
         ("--max-running-requests", args.max_running_requests),
         ("--context-length", args.context_length),
+        ("--sim-max-n", args.sim_max_n),
+        ("--sim-max-sequences-per-request", args.sim_max_sequences_per_request),
+        ("--sim-max-request-tokens", args.sim_max_request_tokens),
     ):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
@@ -58,6 +61,9 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         prefill_ms_per_token=sim.prefill_ms_per_token,
         decode_ms_per_step=sim.decode_ms_per_step,
         weight_digest=sim.weight_digest,
+        max_n=sim.max_n,
+        max_sequences_per_request=sim.max_sequences_per_request,
+        max_request_tokens=sim.max_request_tokens,
         layout=layout,
         dist_timeout_secs=float(args.dist_timeout or 600),
         server_args=server_args,

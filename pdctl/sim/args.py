@@ -8,11 +8,33 @@ argparse does. Flags that only mean something on a GPU are accepted and listed i
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 
 from pdctl.sglang import server_flags
+from pdctl.sim.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
-_TYPES = {"int": int, "float": float}
+
+def human_readable_int(value: str) -> int:
+    """SGLang's ``human_readable_int`` (``--context-length 32k``): an integer, or a number with an
+    SI suffix (k M G T) or an IEC one (Ki Mi Gi Ti, integers only); suffixes are case-sensitive."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)", value.strip())
+    try:
+        if match is None:
+            return int(value)
+        number, suffix = match.groups()
+        if suffix.endswith("i"):
+            return int(number) * 2 ** (10 * ("KMGT".index(suffix[0]) + 1))
+        return int(Decimal(number) * 10 ** (3 * ("kMGT".index(suffix) + 1)))
+    except (ValueError, InvalidOperation):
+        raise argparse.ArgumentTypeError(
+            f"Invalid integer value: '{value}'. Use a plain integer, SI suffixes (1k, 1M), or IEC suffixes "
+            "(1Ki, 1Mi). Suffixes are case-sensitive."
+        ) from None
+
+
+_TYPES = {"int": int, "float": float, "human_readable_int": human_readable_int}
 # Flags the sim acts on; everything else set on the command line is logged as ignored.
 USED = {
     "model_path",
@@ -56,6 +78,9 @@ class SimOptions:
     decode_ms_per_step: float
     threads: int
     weight_digest: str
+    max_n: int = DEFAULT_MAX_N
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="How the engine's TP ranks compare each weight update they received (SGLang does not): "
         "full reads every byte; sample reads names, sizes, each tensor's ends and 64 words (default full).",
     )
+    limits = parser.add_argument_group("sim only (request bounds; SGLang has none; beyond: 400 naming the flag)")
+    limits.add_argument(
+        "--sim-max-n", type=int, default=DEFAULT_MAX_N, help=f"Largest n of one request (default {DEFAULT_MAX_N})."
+    )
+    limits.add_argument(
+        "--sim-max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help=f"Largest prompts x n of one request (default {DEFAULT_MAX_SEQUENCES_PER_REQUEST}).",
+    )
+    limits.add_argument(
+        "--sim-max-request-tokens",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        help=f"Most prompt tokens over all sequences of one request (default {DEFAULT_MAX_REQUEST_TOKENS}).",
+    )
     return parser
 
 
@@ -110,5 +151,11 @@ def ignored_flags(args: argparse.Namespace) -> list[str]:
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
     return SimOptions(
-        args.sim_prefill_ms_per_token, args.sim_decode_ms_per_step, args.sim_threads, args.sim_weight_digest
+        args.sim_prefill_ms_per_token,
+        args.sim_decode_ms_per_step,
+        args.sim_threads,
+        args.sim_weight_digest,
+        args.sim_max_n,
+        args.sim_max_sequences_per_request,
+        args.sim_max_request_tokens,
     )

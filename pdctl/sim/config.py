@@ -9,6 +9,11 @@ if TYPE_CHECKING:
     from pdctl.sim.multinode import NodeLayout
 
 DEFAULT_BOOTSTRAP_PORT = 8998
+# The sim's bounds on one request (SGLang 0.5.23 has none): the router's --max-n and
+# --max-sequences-per-request defaults, and prompt tokens over all sequences.
+DEFAULT_MAX_N = 1024
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 65536
+DEFAULT_MAX_REQUEST_TOKENS = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,12 @@ class SimConfig:
     decode_ms_per_step: float = 0.0
     weight_digest: str = "full"
     """How TP ranks compare a weight update (``--sim-weight-digest``; sim/weights.py ``Digest``)."""
+    max_n: int = DEFAULT_MAX_N
+    """``--sim-max-n``: the largest ``n`` a request may ask for (400 above)."""
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    """``--sim-max-sequences-per-request``: prompts x n of one request."""
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    """``--sim-max-request-tokens``: prompt tokens over all sequences of one request."""
     layout: NodeLayout | None = None
     """Node rank 0 of a multi-node engine (multinode.py); None on one node."""
     dist_timeout_secs: float = 600.0

@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 from aiohttp import web
 
 from pdctl.errors import SimError
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body
-from pdctl.sim.body import read_json
+from pdctl.sim.body import ContractError, ValidationError, read_json, read_object
 from pdctl.sim.engine import Mode, first_failure
-from pdctl.sim.requests import GenerateBody, failed_output, generate_output, parse_generate
+from pdctl.sim.requests import GenerateBody, Limits, failed_output, generate_output, parse_generate
 from pdctl.sim.service import Running, SimService
 from pdctl.sim.sse import EventStream
+
+log = logging.getLogger("pdctl.sim")
 
 
 def add_routes(app: web.Application, service: SimService) -> None:
@@ -37,16 +41,18 @@ def add_routes(app: web.Application, service: SimService) -> None:
 class NativeRoutes:
     def __init__(self, service: SimService):
         self.s = service
+        self.limits = Limits.of(service.config, service.model.config)
 
     def _output(self, running: Running, tokens: int) -> dict:
         req = running.request
         return generate_output(req, tokens, self.s.weight_version, pd_decode=req.mode is Mode.DECODE)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await read_json(request)
         try:
-            body = parse_generate(await read_json(request))
+            body = parse_generate(raw, self.limits)
         except SimError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            return await refuse(request, raw, exc)
         if body.stream:  # SGLang sends a stream's head at once: what fails later is an event in it
             return await self._stream(request, body)
         try:
@@ -161,7 +167,7 @@ class NativeRoutes:
         )
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await read_json(request, default={})
+        body = await read_object(request, default={})
         try:
             self.s.engine.pause(str(body.get("mode", "abort")))
         except SimError as exc:
@@ -173,7 +179,7 @@ class NativeRoutes:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await read_json(request, default={})
+        body = await read_object(request, default={})
         self.s.engine.abort(None if body.get("abort_all") else str(body.get("rid")), "Abort requested")
         return web.Response(status=200)
 
@@ -182,3 +188,18 @@ class NativeRoutes:
             return web.json_response({"detail": "Not Found"}, status=404)
         stats = {**self.s.engine.stats(), "num_decode_prealloc_queue_reqs": self.s.prealloc_waiting}
         return web.Response(body=self.s.metrics.render(stats), content_type="text/plain")
+
+
+async def refuse(request: web.Request, raw: Any, exc: SimError) -> web.StreamResponse:
+    """A /generate body SGLang refuses, answered as it answers: the parse stages' 400 (their
+    shapes), a later stage's 400 ``{"error": {"message"}}``, or for ``stream: true`` that error
+    as the one event of a 200 stream (``serve_generate_request``). One log line, no traceback."""
+    log.info("%s refused: %s", request.path, exc)
+    if isinstance(exc, ValidationError | ContractError):
+        return web.json_response(exc.body(), status=exc.status)
+    if isinstance(raw, dict) and raw.get("stream") is True:
+        stream = await EventStream.open(request)
+        error = {"message": str(exc), "type": "invalid_request_error", "code": exc.status, "retryable": False}
+        await stream.send({"error": error})
+        return await stream.close()
+    return web.json_response(generate_error_body(str(exc)), status=exc.status)

@@ -3,12 +3,19 @@
 The chat template is the sim's own (roles in ``<|role|>`` markers, then
 ``<|assistant|>\\n``); PD fields the router injects (``bootstrap_*``, scalars or per-choice
 lists) are honoured as on /generate. Errors use SGLang's OpenAI ``ErrorResponse`` shape.
+
+A body is checked as SGLang 0.5.23 checks it: the JSON content type, pydantic's lax parse of
+``CompletionRequest`` / ``ChatCompletionRequest`` (``"5"`` is an int, ``"yes"`` a bool; type
+"Bad Request"), ``_validate_request``, then the sampling and length checks shared with
+/generate (type "BadRequestError"). Every refusal is a 400 before any stream starts.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -16,13 +23,28 @@ from aiohttp import web
 
 from pdctl.errors import SimError
 from pdctl.sglang import Endpoint, openai_error_body, openai_stream_error_chunk
-from pdctl.sim.body import read_json
+from pdctl.sim.body import (
+    REQUIRED,
+    ValidationError,
+    field,
+    lax_bool,
+    lax_dict,
+    lax_float,
+    lax_int,
+    lax_list,
+    lax_or_list,
+    lax_str,
+    lax_union,
+    read_openai_json,
+)
 from pdctl.sim.engine import Request, failure_of, first_failure
 from pdctl.sim.model import decode, encode
-from pdctl.sim.requests import ItemSpec, parallel_samples, weight_version_spans
+from pdctl.sim.requests import ItemSpec, Limits, parallel_samples, per_item, weight_version_spans
 from pdctl.sim.sampling import SamplingOptions
 from pdctl.sim.service import SimService
 from pdctl.sim.sse import EventStream
+
+log = logging.getLogger("pdctl.sim")
 
 
 def add_routes(app: web.Application, service: SimService) -> None:
@@ -33,69 +55,171 @@ def add_routes(app: web.Application, service: SimService) -> None:
     app.router.add_post(Endpoint.CHAT_COMPLETIONS.value, routes.chat)
 
 
-def chat_prompt(messages: Any) -> str:
-    if not isinstance(messages, list) or not messages:
-        raise SimError("messages must be a non-empty list")
+_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+
+
+def lax_messages(value: Any) -> list[dict[str, Any]]:
+    """``List[ChatCompletionMessageParam]``: objects with a known role (``user`` exactly, the
+    others in any case) and string or content-part content (a user message needs some)."""
+    if not isinstance(value, list):
+        raise ValueError("Input should be a valid list")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {i}: Input should be a valid dictionary or object")
+        role, content = m.get("role"), m.get("content")
+        if role != "user" and not (isinstance(role, str) and role.lower() in _ROLES):
+            raise ValueError(f"message {i}: 'role' must be 'user' or one of {', '.join(_ROLES)} (case-insensitive).")
+        if content is None and role == "user":
+            raise ValueError(f"message {i}: content: Field required")
+        parts = content if isinstance(content, list) else []
+        if not (content is None or isinstance(content, str | list)) or not all(_is_part(p) for p in parts):
+            raise ValueError(f"message {i}: content must be a string or a list of content parts")
+    return value
+
+
+def _is_part(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("type"), str) and isinstance(part.get("text", ""), str)
+
+
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
     parts = []
     for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise SimError("each message needs a role")
         content = m.get("content") or ""
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<|{m['role']}|>\n{content}\n")
+            content = "".join(p.get("text", "") for p in content)
+        parts.append(f"<|{m['role'].lower()}|>\n{content}\n")
     return "".join(parts) + "<|assistant|>\n"
 
 
-def _samples(body: dict[str, Any]) -> int:
-    n = body.get("n", 1)
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise SimError("n must be a positive integer")
-    return n
+def _prompt_type(value: Any) -> Any:
+    raise ValueError("Input should be a string, a list of strings, a list of token ids or a list of such lists")
 
 
-def _top_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+# ``Union[List[int], List[List[int]], str, List[str]]``: a value that is exactly one of the
+# string forms stays a string (pydantic's smart union), else ints as lax as pydantic takes them.
+lax_prompt = lax_union(lax_str, lax_list(lax_str), lax_list(lax_int), lax_list(lax_list(lax_int)), _prompt_type)
+
+
+def _positive(check: Callable[[Any], int]) -> Callable[[Any], int]:
+    def positive(value: Any) -> int:
+        value = check(value)
+        if value <= 0:
+            raise ValueError("Value error, max_tokens must be positive")
+        return value
+
+    return positive
+
+
+def _stream_options(value: Any) -> dict[str, Any]:
+    usage = lax_dict(value).get("include_usage")
+    return {"include_usage": usage is not None and lax_bool(usage)}
+
+
+# The fields of CompletionRequest / ChatCompletionRequest (entrypoints/openai/protocol.py) that
+# the sim reads: pydantic's check and the default (REQUIRED: none; None: Optional).
+_SHARED: dict[str, tuple[Callable[[Any], Any], Any]] = {
+    "model": (lax_str, ""),
+    "stream": (lax_bool, False),
+    "stream_options": (_stream_options, None),
+    "n": (lax_int, 1),
+    "frequency_penalty": (lax_float, 0.0),
+    "presence_penalty": (lax_float, 0.0),
+    "min_tokens": (lax_int, 0),
+    "seed": (lax_int, None),
+    "stop": (lax_or_list(lax_str), None),
+    "stop_token_ids": (lax_list(lax_int), None),
+    "stop_regex": (lax_or_list(lax_str), None),
+    "regex": (lax_str, None),
+    "ebnf": (lax_str, None),
+    "ignore_eos": (lax_bool, False),
+    "no_stop_trim": (lax_bool, False),
+    "logit_bias": (lambda v: {k: lax_float(x) for k, x in lax_dict(v).items()}, None),
+    "rid": (lax_or_list(lax_str), None),
+    "bootstrap_host": (lax_or_list(lax_str), None),
+    "bootstrap_port": (lax_or_list(lax_int, optional_items=True), None),
+    "bootstrap_room": (lax_or_list(lax_int), None),
+}
+_COMPLETION = {
+    **_SHARED,
+    "prompt": (lax_prompt, REQUIRED),
+    "echo": (lax_bool, False),
+    "max_tokens": (_positive(lax_int), 16),
+    "temperature": (lax_float, 1.0),
+    "top_p": (lax_float, 1.0),
+    "top_k": (lax_int, -1),
+    "min_p": (lax_float, 0.0),
+    "repetition_penalty": (lax_float, 1.0),
+    "json_schema": (lax_str, None),
+    "logprobs": (lax_int, None),
+}
+_CHAT = {
+    **_SHARED,
+    "messages": (lax_messages, REQUIRED),
+    "max_tokens": (lax_int, None),
+    "max_completion_tokens": (lax_int, None),
+    "temperature": (lax_float, None),
+    "top_p": (lax_float, None),
+    "top_k": (lax_int, None),
+    "min_p": (lax_float, None),
+    "repetition_penalty": (lax_float, None),
+    "logprobs": (lax_bool, False),
+    "top_logprobs": (lax_int, None),
+}
+
+
+def parse(body: dict[str, Any], fields: dict[str, tuple[Callable[[Any], Any], Any]]) -> dict[str, Any]:
+    """The request as pydantic hands it over; raises ValidationError."""
+    return {name: field(body, name, check, default) for name, (check, default) in fields.items()}
+
+
+def _top_logprobs(req: dict[str, Any], chat: bool) -> int | None:
     """None: no logprobs; else how many alternatives per token (completions: ``logprobs: N``;
     chat: ``logprobs: true`` with ``top_logprobs: N``)."""
-    if chat:
-        if not body.get("logprobs"):
-            return None
-        top = body.get("top_logprobs") or 0
-    else:
-        if body.get("logprobs") is None or body.get("logprobs") is False:
-            return None
-        top = body.get("logprobs")
-    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+    if chat and not req["logprobs"]:
+        return None
+    top = (req["top_logprobs"] or 0) if chat else req["logprobs"]
+    if top is not None and not 0 <= top <= 20:  # OpenAI's bound (SGLang has none)
         raise SimError("top_logprobs must be an integer in [0, 20]")
     return top
 
 
-def _sampling(body: dict[str, Any], default_max: int | None) -> SamplingOptions:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
-    raw: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "top_k": body.get("top_k"),
-        "min_p": body.get("min_p"),
-        "stop": body.get("stop"),
-        "stop_token_ids": body.get("stop_token_ids"),
-        "ignore_eos": body.get("ignore_eos"),
-        "min_new_tokens": body.get("min_tokens"),
-        "sampling_seed": body.get("seed"),
-    }
-    return SamplingOptions.from_json({k: v for k, v in raw.items() if v is not None})
+# Request fields that go into sampling_params under their own names.
+_SAMPLING = [
+    "temperature",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "n",
+    "no_stop_trim",
+    "ignore_eos",
+    "logit_bias",
+]
 
 
-def _pick(value: Any, i: int) -> Any:
-    return value[i] if isinstance(value, list) else value
+def _sampling(req: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+    """SGLang's ``_build_sampling_params`` / ``to_sampling_params``: the sampling_params object."""
+    raw = {key: req.get(key) for key in _SAMPLING}
+    raw.update(min_new_tokens=req["min_tokens"], sampling_seed=req["seed"])
+    raw["max_new_tokens"] = (req["max_completion_tokens"] or req["max_tokens"]) if chat else req["max_tokens"]
+    return raw
+
+
+PD_FIELDS = ("host", "port", "room")
 
 
 class OpenAIRoutes:
     def __init__(self, service: SimService):
         self.s = service
+        self.limits = Limits.of(service.config, service.model.config)
 
     def _model_card(self) -> dict[str, Any]:
         s = self.s
@@ -121,49 +245,46 @@ class OpenAIRoutes:
             return web.json_response(body, status=404)
         return web.json_response(self._model_card())
 
-    @staticmethod
-    def _items(
-        body: dict[str, Any], prompts: list[list[int]], sampling: SamplingOptions, top: int | None
-    ) -> list[ItemSpec]:
-        n = _samples(body)
+    def _items(self, req: dict[str, Any], prompts: list[list[int]], *, chat: bool) -> list[ItemSpec]:
+        """SGLang's later stages: the sim's bounds, each prompt's length and the sampling values."""
+        limits, n = self.limits, req["n"]
+        raw = _sampling(req, chat=chat)
+        limits.check_size(len(prompts), n, sum(map(len, prompts)))
+        for ids in prompts:
+            limits.check_prompt(ids, raw["max_new_tokens"], "messages" if chat else "prompt")
+        sampling = SamplingOptions.from_json(raw, limits.vocab_size)
+        top = _top_logprobs(req, chat)
+        hosts, ports, rooms = (per_item(req[f"bootstrap_{k}"], len(prompts), f"bootstrap_{k}") for k in PD_FIELDS)
         items = []
-        for i, ids in enumerate(prompts):
-            room = _pick(body.get("bootstrap_room"), i)
-            item = ItemSpec(
-                None,
-                ids,
-                sampling,
-                top is not None,
-                _pick(body.get("bootstrap_host"), i),
-                _pick(body.get("bootstrap_port"), i),
-                room,
-                top_logprobs_num=top or 0,
-            )
+        for ids, host, port, room in zip(prompts, hosts, ports, rooms, strict=True):
+            item = ItemSpec(None, ids, sampling, top is not None, host, port, room, top_logprobs_num=top or 0)
             items.extend(parallel_samples(item, n))
         return items
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await read_json(request)
-            prompts = _prompts(body.get("prompt"))
-            sampling = _sampling(body, 16)
-            items = self._items(body, prompts, sampling, _top_logprobs(body, chat=False))
+            req = parse(await read_openai_json(request), _COMPLETION)
+            prompt = req["prompt"]
+            if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+                raise SimError("Prompt cannot be empty")
+            if isinstance(prompt, str) or isinstance(prompt[0], str):
+                prompts = [encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+            else:
+                prompts = [prompt] if isinstance(prompt[0], int) else prompt
+            items = self._items(req, prompts, chat=False)
         except SimError as exc:
-            return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
-        except AttributeError as exc:  # a body that is not an object
-            return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
-        return await self._respond(request, body, items, chat=False)
+            return _refuse(request, exc)
+        return await self._respond(request, req, items, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await read_json(request)
-            prompts = [encode(chat_prompt(body.get("messages")))]
-            items = self._items(body, prompts, _sampling(body, None), _top_logprobs(body, chat=True))
+            req = parse(await read_openai_json(request), _CHAT)
+            if not req["messages"]:
+                raise SimError("Messages cannot be empty.")
+            items = self._items(req, [encode(chat_prompt(req["messages"]))], chat=True)
         except SimError as exc:
-            return web.json_response(openai_error_body(str(exc), status=exc.status), status=exc.status)
-        except AttributeError as exc:  # a body that is not an object
-            return web.json_response(openai_error_body(f"invalid request: {exc}"), status=400)
-        return await self._respond(request, body, items, chat=True)
+            return _refuse(request, exc)
+        return await self._respond(request, req, items, chat=True)
 
     async def _respond(
         self, request: web.Request, body: dict[str, Any], items: list[ItemSpec], *, chat: bool
@@ -264,24 +385,18 @@ class OpenAIRoutes:
         return await stream.close()
 
 
+def _refuse(request: web.Request, exc: SimError) -> web.Response:
+    """A refused body: 400 before any stream, pydantic's type or BadRequestError; one log line."""
+    log.info("%s refused: %s", request.path, exc)
+    body = exc.body() if isinstance(exc, ValidationError) else openai_error_body(str(exc), status=exc.status)
+    return web.json_response(body, status=exc.status)
+
+
 def _stream_error(message: str, status: int) -> dict[str, Any]:
     """SGLang's streamed OpenAI error: a bad request (a ValueError) is a ``BadRequestError``, an
     abort with a status names the status (``create_streaming_error_response(msg, code.name, code)``)."""
     err_type = "BadRequestError" if status == HTTPStatus.BAD_REQUEST else HTTPStatus(status).name
     return openai_stream_error_chunk(message, status=status, err_type=err_type)
-
-
-def _prompts(prompt: Any) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [encode(prompt)]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return [encode(p) for p in prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        if all(isinstance(p, list) for p in prompt):
-            return [list(p) for p in prompt]
-    raise SimError("prompt must be a string, a list of strings, or token ids")
 
 
 def _finish_reason(req: Request) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -21,7 +22,7 @@ from pdctl.errors import SimError
 from pdctl.httputil import start_site
 from pdctl.sglang import generate_error_body
 from pdctl.sim import native_http, openai, weights_http
-from pdctl.sim.body import MAX_BODY_BYTES
+from pdctl.sim.body import MAX_BODY_BYTES, ContractError, ValidationError
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Engine
 from pdctl.sim.kv import KVStore, bootstrap_app
@@ -50,7 +51,8 @@ class SimServer:
         self._engine: Engine | None = None
         self.hub: PeerHub | None = None
         self.failed = asyncio.Event()
-        """Set when the engine can no longer serve (a TP peer node died); the process then exits."""
+        """Set when the engine can no longer serve (a TP peer node died, its scheduler failed); the
+        process then exits with 1."""
 
     @property
     def status(self) -> str:
@@ -75,7 +77,7 @@ class SimServer:
         c = self.config
         peers: list = []
         if c.layout is not None:  # every TP rank rendezvouses before anything loads, as in SGLang
-            self.hub = PeerHub(c.layout, c.model_path, self._peer_lost)
+            self.hub = PeerHub(c.layout, c.model_path, self._cannot_serve)
             peers = await self.hub.start(c.dist_timeout_secs)
         model = await asyncio.to_thread(resolve_model, c.model_path, c.load_format, c.context_length)
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
@@ -100,6 +102,12 @@ class SimServer:
         service = SimService(
             c, model, self._engine, self._members, metrics, self._session, bootstrap_port=bootstrap_port
         )
+        loop = asyncio.get_running_loop()
+        # A scheduler that cannot go on ends the process (exit 1), for its supervisor to restart it.
+        def fatal(reason: str) -> None:  # on the scheduler thread
+            loop.call_soon_threadsafe(self._cannot_serve, reason)
+
+        self._engine.on_fatal = fatal
         self._engine.start()
         # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
         runner, service.port = await start_site(self.app(service), c.host, c.port, handler_cancellation=True)
@@ -128,7 +136,7 @@ class SimServer:
         if self.hub:
             await self.hub.stop()
 
-    def _peer_lost(self, reason: str) -> None:
+    def _cannot_serve(self, reason: str) -> None:
         if self.service is not None:
             self.service.status = "failed"
         log.error("%s: this engine cannot serve any more; exiting", reason)
@@ -151,22 +159,35 @@ class SimServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """SGLang's API key check (utils/auth.py ``decide_request_auth``): health, readiness and
+        metrics (by prefix) and OPTIONS are open; everything else, unknown paths included, needs
+        ``Authorization: Bearer <key>`` (scheme in any case), compared in constant time."""
         key = self.config.api_key
-        # SGLang leaves health, readiness and metrics open for probes (utils/auth.py).
-        open_path = request.path.startswith(("/health", "/ready", "/metrics"))
-        if key and not open_path and request.headers.get("Authorization", "") != f"Bearer {key}":
+        open_path = request.method == "OPTIONS" or request.path.startswith(("/health", "/ready", "/metrics"))
+        if key and not open_path and not bearer_matches(request.headers.get("Authorization"), key):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
+
+
+def bearer_matches(header: str | None, key: str) -> bool:
+    parts = (header or "").split(" ", 1)
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return False
+    # As bytes: SGLang's secrets.compare_digest on str raises for non-ASCII text (a 500 there).
+    return hmac.compare_digest(parts[1].encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
 
 
 @web.middleware
 async def _sim_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A SimError no route caught (a body that is not JSON, on the small routes) is the
-    client's fault: its status with SGLang's error body, not a 500 and a traceback."""
+    client's fault: its status with SGLang's error body for its stage, not a 500 and a
+    traceback; one log line."""
     try:
         return await handler(request)
     except SimError as exc:
-        return web.json_response(generate_error_body(str(exc)), status=exc.status)
+        log.info("%s refused: %s", request.path, exc)
+        body = exc.body() if isinstance(exc, ValidationError | ContractError) else generate_error_body(str(exc))
+        return web.json_response(body, status=exc.status)
 
 
 def torch_threads(n: int) -> None:

@@ -108,3 +108,39 @@ def test_aborting_a_large_queue_is_one_pass_and_keeps_the_books(engine) -> None:
     engine.submit(after)
     done.wait("after")
     assert after.finish["type"] == "length", "the engine serves on"
+
+
+def test_a_server_whose_scheduler_fails_answers_500_and_fails_for_its_supervisor(monkeypatch) -> None:
+    """The whole server in-process: the failed step's request is answered 500, /health says 503
+    and the server's ``failed`` event fires (``python -m pdctl.sim`` then exits 1)."""
+    import asyncio
+
+    import aiohttp
+
+    from pdctl.sim.__main__ import config_from_argv
+    from pdctl.sim.server import SimServer
+
+    async def scenario() -> tuple[int, dict, int]:
+        server = SimServer(config_from_argv(["--model-path", "sim://tiny", "--port", "0", "--skip-server-warmup"]))
+        await server.start()
+        try:
+
+            def broken(*_args):
+                raise RuntimeError("NCCL error: unhandled system error (test)")
+
+            assert server._engine is not None
+            monkeypatch.setattr(server._engine.model, "decode_step", broken)
+            body = {"text": "hello", "sampling_params": {"max_new_tokens": 4}}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(server.url + "/generate", json=body) as resp:
+                    status, answer = resp.status, await resp.json(content_type=None)
+                await asyncio.wait_for(server.failed.wait(), 60)
+                async with http.get(server.url + "/health") as resp:
+                    health = resp.status
+            return status, answer, health
+        finally:
+            await server.stop()
+
+    status, answer, health = asyncio.run(scenario())
+    assert status == 500 and "the engine failed" in str(answer), answer
+    assert health == 503

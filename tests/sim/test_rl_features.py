@@ -81,5 +81,5 @@ def test_openai_n_and_logprobs(trio, pd_router):
         content = chat["choices"][0]["logprobs"]["content"]
         assert len(content) == chat["usage"]["completion_tokens"]
         assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
-    status, out = post(trio[0].url + "/v1/completions", {"prompt": "hi", "n": 0})
+    status, out = post(trio[0].url + "/v1/completions", {"prompt": "hi", "n": 1025})  # over --sim-max-n
     assert status == 400

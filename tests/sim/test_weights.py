@@ -260,9 +260,10 @@ def test_a_model_serves_fewer_positions_than_its_table(tmp_path) -> None:
     with pytest.raises(SimError, match="exceeds the model's 8192 positions"):
         resolve_model(str(tmp_path / "big"), "auto", 9000)
     with sims(tmp_path, ("--model-path", str(tmp_path / "big"))) as (engine,):
-        status, out = post(
-            engine.url + "/generate", {"input_ids": [65] * 40, "sampling_params": {"max_new_tokens": 100}}
-        )
+        status, out = post(engine.url + "/generate", {"input_ids": [65] * 40})  # no max_new_tokens: up to the context
         assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 24}, out
+        body = {"input_ids": [65] * 40, "sampling_params": {"max_new_tokens": 100}}
+        status, out = post(engine.url + "/generate", body)
+        assert status == 400 and "exceeds the model's maximum context length of 64" in str(out), out  # as SGLang
         status, out = post(engine.url + "/generate", {"input_ids": [65] * 65, "sampling_params": {"max_new_tokens": 1}})
         assert status == 400, out
