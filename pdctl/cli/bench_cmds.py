@@ -25,6 +25,7 @@ from pdctl.bench.workloads import (
     shared_prefix_workload,
     sharegpt_workload,
 )
+from pdctl.cli.tables import print_table
 from pdctl.cluster import StateStore
 from pdctl.cluster.inspect import load_state
 from pdctl.refit import RefitMode
@@ -133,8 +134,9 @@ def bench(args: tuple[str, ...], **opts) -> None:  # fmt: skip
         if len(args) != 3:
             raise click.UsageError("usage: pdctl bench compare A.json B.json")
         a, b = Path(args[1]), Path(args[2])
-        Console(width=None if sys.stdout.isatty() else 160).print(
-            bench_report.compare(bench_report.load(a), bench_report.load(b), (a.name, b.name))
+        print_table(
+            Console(width=None if sys.stdout.isatty() else 160),
+            bench_report.compare(bench_report.load(a), bench_report.load(b), (a.name, b.name)),
         )
         return
     if len(args) > 1:
@@ -152,7 +154,7 @@ def bench(args: tuple[str, ...], **opts) -> None:  # fmt: skip
     progress = opts["progress"] if opts["progress"] is not None else sys.stderr.isatty()
     result = _run(config, reloader, progress)
     out = Console(width=None if sys.stdout.isatty() else 160)
-    out.print(bench_report.table(result))
+    print_table(out, bench_report.table(result), fold="split")  # load points in groups that fit
     if opts["json_out"]:
         opts["json_out"].write_text(json.dumps(result, indent=1) + "\n")
         out.print(f"report written to {opts['json_out']}")

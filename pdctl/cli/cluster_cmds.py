@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pdctl.cli.tables import print_table
 from pdctl.cli.topology_cmds import load_or_default
 from pdctl.cluster import ClusterStatus, StateStore
 from pdctl.cluster import down as cluster_down
@@ -139,7 +140,7 @@ def _print_summary(store: StateStore) -> None:
         up = sum(1 for p in result.processes if p.ok)
         table.add_row(cluster, result.status, result.router_url or "-", f"{up}/{len(result.processes)}")
         whole &= result.status == Phase.DOWN or result.ok
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print_table(Console(width=None if sys.stdout.isatty() else 160), table)
     click.echo("`pdctl status NAME` shows one cluster's processes")
     if not whole:
         sys.exit(1)
@@ -153,15 +154,8 @@ def _print_status(result: ClusterStatus) -> None:
         return
     phase = f"{result.status}, trainer completed" if result.completed else str(result.status)
     table = Table(title=f"{result.name}: {phase}  router {result.router_url}")
-    # Fits an 80-column terminal with ids whole: ids never wrap, ports go one per line, the rest folds.
-    table.add_column("process", no_wrap=True, min_width=max(len(p.id) for p in result.processes))
-    table.add_column("role", no_wrap=True)
-    for col in ("node", "pid"):
-        table.add_column(col, overflow="fold")
-    for col in ("alive", "health"):  # "exited 0", "failing": read whole
-        table.add_column(col, no_wrap=True)
-    for col in ("weights", "ports", "uptime"):
-        table.add_column(col, overflow="fold")
+    for col in ("process", "role", "node", "pid", "alive", "health", "weights", "ports", "uptime"):
+        table.add_column(col)
     for p in result.processes:
         alive = "?" if p.alive is None else ("[green]yes[/]" if p.alive else "[red]no[/]")
         if p.alive is False and p.exit_code is not None:
@@ -176,7 +170,7 @@ def _print_status(result: ClusterStatus) -> None:
         uptime = f"{p.uptime_secs:.0f}s" if p.uptime_secs is not None else "-"
         ports = "\n".join(f"{k}={v}" for k, v in p.ports.items())
         table.add_row(p.id, p.role, p.node, str(p.pid), alive, health, p.weight_version or "-", ports, uptime)
-    out.print(table)
+    print_table(out, table)  # whole, or one block per process when the terminal is narrower
     for p in result.processes:
         if p.error:
             out.print(f"[red]{p.node}: {p.error}[/]")

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from pdctl.cli.tables import print_table
 from pdctl.errors import Issue, TopologyError
 from pdctl.plan import Plan, Planned, load_plan, load_plan_text
 from pdctl.topology import default_topology_text, topology_schema
@@ -72,20 +73,16 @@ def plan(file: str | None, as_json: bool) -> None:
 
 
 def render_plan(result: Plan) -> None:
-    """A table that fits 80 columns with every id whole, then each process's full command line
-    (plain text, so a narrow terminal wraps it instead of cutting it)."""
+    """A table (folded per process when the terminal is narrower than it), then each process's
+    full command line (plain text, so a narrow terminal wraps it instead of cutting it)."""
     console = Console()
     table = Table(title=f"plan {result.name} ({result.engine})", show_lines=False)
-    width = max(len(p.id) for p in result.processes)
-    table.add_column("process", no_wrap=True, min_width=width)
-    table.add_column("role", no_wrap=True)
-    table.add_column("node", overflow="fold")
-    table.add_column("GPUs", overflow="fold")
-    table.add_column("ports", overflow="fold")
+    for col in ("process", "role", "node", "GPUs", "ports"):
+        table.add_column(col)
     for proc in result.processes:
         ports = "\n".join(f"{k}={v}" for k, v in proc.ports.items())
         table.add_row(proc.id, proc.role.value, proc.node, _ranges(proc.gpu_ids) or "-", ports)
-    console.print(table)
+    print_table(console, table)
     console.print("commands:", style="bold")
     for proc in result.processes:
         console.print(f"{proc.id} on {proc.node}: {shlex.join(proc.argv)}", soft_wrap=True, highlight=False)

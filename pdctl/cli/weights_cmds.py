@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from pdctl.cli.tables import print_table
 from pdctl.cluster import StateStore
 from pdctl.cluster.weights import WeightsStatus, load_weights, weights_status
 from pdctl.refit import RefitMode
@@ -83,7 +84,7 @@ def _print(result: WeightsStatus) -> None:
         in_group = _ranks(e.group_ranks) if result.last_push and result.last_push.get("group") else "-"
         rotation = f"[red]out: {e.out_of_rotation}[/]" if e.out_of_rotation else "[green]in[/]"
         table.add_row(e.id, e.role, version, planned, in_group, rotation)
-    out.print(table)
+    print_table(out, table)
     push = result.last_push
     if push:
         line = f"last push: {push.get('version')} {push.get('state')}"
