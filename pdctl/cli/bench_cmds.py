@@ -58,8 +58,35 @@ def _concurrency(text: str) -> int:
     return int(text)
 
 
-@click.command()
-@click.argument("args", nargs=-1, metavar="[NAME | compare A.json B.json]")
+class BenchGroup(click.Group):
+    """``pdctl bench run ...`` and ``pdctl bench compare A.json B.json``; anything else after
+    ``bench`` (a NAME, options) is ``run``'s, so ``pdctl bench NAME --sweep ...`` keeps working."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=BenchGroup)
+def bench() -> None:
+    """Load-test a cluster or any SGLang-compatible server (`run`, the default), or compare two
+    reports (`compare`). `pdctl bench NAME [options]` is `pdctl bench run NAME [options]`."""
+
+
+@bench.command("compare")
+@click.argument("a", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("b", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def compare(a: Path, b: Path) -> None:
+    """Each run of report A beside B's run at the same load, with B/A for every metric."""
+    print_table(
+        Console(width=None if sys.stdout.isatty() else 160),
+        bench_report.compare(bench_report.load(a), bench_report.load(b), (a.name, b.name)),
+    )
+
+
+@bench.command("run")
+@click.argument("name", required=False)
 @click.option("--url", help="Any SGLang-compatible server or router instead of a pdctl cluster.")
 @click.option(
     "--api",
@@ -123,25 +150,13 @@ def _concurrency(text: str) -> int:
     help="How each reload treats requests in flight: drain or interrupt (default: the topology's weights.refit).",
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
-def bench(args: tuple[str, ...], **opts) -> None:  # fmt: skip
-    """Load-test cluster NAME (its router) or --url; or `pdctl bench compare A.json B.json`.
+def run(name: str | None, **opts) -> None:  # fmt: skip
+    """Load-test cluster NAME (its router; default: the only cluster) or --url.
 
     Measures from the stream: TTFT, inter-token latency, TPOT, end-to-end latency (mean,
     median, p90, p99), request and token throughput, goodput under --slo-*. Token counts are
     checked against the server's. Exit 1 when more than --max-error-rate of a run fails.
     """
-    if args and args[0] == "compare":
-        if len(args) != 3:
-            raise click.UsageError("usage: pdctl bench compare A.json B.json")
-        a, b = Path(args[1]), Path(args[2])
-        print_table(
-            Console(width=None if sys.stdout.isatty() else 160),
-            bench_report.compare(bench_report.load(a), bench_report.load(b), (a.name, b.name)),
-        )
-        return
-    if len(args) > 1:
-        raise click.UsageError("usage: pdctl bench [NAME | --url URL] [options]")
-    name = args[0] if args else None
     if name and opts["url"]:
         raise click.UsageError("give NAME or --url, not both")
     if opts["num_prompts"] < 1:

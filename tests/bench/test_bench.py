@@ -300,3 +300,22 @@ def test_compare_pairs_runs_by_their_load_not_their_position() -> None:
     text = console.export_text()
     assert "1: rate 4.0" in text and "0.50x" in text, text  # 4.0 beside 4.0: 20 / 40
     assert "rate 1.0" in text.split("not compared")[-1] and "B rate 8.0" in text, text
+
+
+def test_bench_is_a_group_whose_default_command_is_run(tmp_path) -> None:
+    """`pdctl bench run ...`, `pdctl bench compare A B`, and `pdctl bench [NAME] [options]` as before."""
+    from click.testing import CliRunner
+
+    from pdctl.cli.app import cli
+
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["bench", "--help"])
+    assert listed.exit_code == 0 and "compare" in listed.output and "run" in listed.output
+    for argv in (
+        ["bench", "--url", "http://127.0.0.1:1", "--num-prompts", "0"],
+        ["bench", "run", "--num-prompts", "0"],
+    ):
+        out = runner.invoke(cli, argv)
+        assert out.exit_code == 2 and "--num-prompts" in out.output, out.output  # parsed by `run`
+    missing = runner.invoke(cli, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
