@@ -65,14 +65,16 @@ def model_of(seed: int):
     return TinyLM(replace(base, max_positions=max(CONTEXT, positions)))
 
 
-def start(argv: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    """Start a server on port 0 and read the port it bound from its log's first port line."""
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+def start(argv: list[str], log: Path, port_flag: str = "--port-file") -> tuple[subprocess.Popen, dict]:
+    """Start a server on port 0; the ports it bound, from the port file it writes."""
+    ports = log.with_suffix(".ports")
+    proc = subprocess.Popen(
+        [*argv, port_flag, str(ports)], stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     sys.path.insert(0, str(ROOT.parent))
-    from tests.helpers import bound_ports  # the tests' reader of the port a server logs
+    from tests.helpers import bound_ports  # the tests' reader of a server's port file
 
-    port, _ = bound_ports(log, proc)
-    return proc, port
+    return proc, bound_ports(ports, proc, log)
 
 
 def wait_ok(url: str) -> None:
@@ -185,25 +187,30 @@ def main() -> None:
     sim = [PY, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", "0", "--model-path", str(ckpts["a"])]
     procs = []
     try:
-        p_proc, p_port = start(
-            [*sim, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"], tmp / "p.log"
+        p_proc, p_ports = start(
+            [*sim, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"],
+            tmp / "p.log",
+            "--sim-port-file",
         )
         procs.append(p_proc)
-        bootstrap = bound_bootstrap(tmp / "p.log", p_proc)
-        d_proc, d_port = start(
-            [*sim, "--disaggregation-mode", "decode", "--sim-decode-ms-per-step", str(DECODE_MS)], tmp / "d.log"
+        p_port, bootstrap = p_ports["port"], p_ports["bootstrap_port"]
+        d_proc, d_ports = start(
+            [*sim, "--disaggregation-mode", "decode", "--sim-decode-ms-per-step", str(DECODE_MS)],
+            tmp / "d.log",
+            "--sim-port-file",
         )
         procs.append(d_proc)
+        d_port = d_ports["port"]
         prefill, decode = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         wait_ok(prefill + "/health")
         wait_ok(decode + "/health")
-        r_proc, r_port = start(
+        r_proc, r_ports = start(
             [PY, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", "0", "--pd-disaggregation",
              "--prefill", prefill, str(bootstrap), "--decode", decode, "--health-check-interval-secs", "1"],
             tmp / "r.log",
         )  # fmt: skip
         procs.append(r_proc)
-        router = f"http://127.0.0.1:{r_port}"
+        router = f"http://127.0.0.1:{r_ports['port']}"
         wait_ok(router + "/readiness")
         rows = []
         n = 0
@@ -222,14 +229,6 @@ def main() -> None:
             proc.terminate()
             proc.wait()
     write(rows)
-
-
-def bound_bootstrap(log: Path, proc: subprocess.Popen) -> int:
-    from tests.helpers import bound_ports
-
-    _, bootstrap = bound_ports(log, proc)
-    assert bootstrap is not None
-    return bootstrap
 
 
 def write(rows: list[dict]) -> None:

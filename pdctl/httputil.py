@@ -18,3 +18,18 @@ async def start_site(app: web.Application, host: str, port: int, **runner_kwargs
     if server is not None and server.sockets:
         bound = int(server.sockets[0].getsockname()[1])
     return runner, bound
+
+
+def write_port_file(path: str | None, **ports: int | None) -> None:
+    """Write the ports a server bound (port 0 picks any) to ``path`` as JSON, atomically (a reader
+    never sees half a file), 0600: how tests and tools learn them, rather than from log text."""
+    if not path:
+        return
+    import json
+    import os
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({k: v for k, v in ports.items() if v is not None}, out)
+    os.replace(tmp, path)

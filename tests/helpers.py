@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import json
 import os
-import re
+import random
 import socket
 import subprocess
 import sys
@@ -42,25 +42,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_base(span: int = 200) -> int:
+    """A ``ports.base`` for a local cluster: a random block of ``span`` ports, every one free now
+    (a cluster's port cursor starts at the base). Random, not derived from the pid: two suites on
+    one machine do not pick the same block; a port taken between this check and ``up`` is caught
+    by up's preflight (a clear error, not a silent clash)."""
+    rng = random.SystemRandom()
+    while True:
+        base = rng.randrange(20000, 60000 - span, 10)
+        try:
+            for port in range(base, base + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+
+
 _serial = itertools.count()
-_LISTENING = re.compile(rb" on http://\S+?:(\d+)")
-_BOOTSTRAP = re.compile(rb"bootstrap port (\d+)")
 
 
-def bound_ports(log: Path, proc: subprocess.Popen, timeout: float = 120) -> tuple[int, int | None]:
-    """The port (and a prefill's bootstrap port) that a server started on port 0 reports in
-    its start-up line ("... on http://HOST:PORT ..., bootstrap port N")."""
+def bound_ports(port_file: Path, proc: subprocess.Popen, log: Path | None = None, timeout: float = 120) -> dict:
+    """The ports a server started on port 0 wrote to ``port_file`` (``--sim-port-file``,
+    ``--port-file``): ``{"port": N, "bootstrap_port": M, ...}``, written once it serves."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in (log.read_bytes() if log.exists() else b"").splitlines():
-            found = _LISTENING.search(line)
-            if found:
-                boot = _BOOTSTRAP.search(line)
-                return int(found.group(1)), int(boot.group(1)) if boot else None
+        if port_file.exists():
+            return json.loads(port_file.read_text())
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode}:\n{_tail(log)}")
-        time.sleep(0.1)
-    raise TimeoutError(f"no start-up line in {log} after {timeout}s\n{_tail(log)}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no port file {port_file} after {timeout}s\n{_tail(log)}")
 
 
 def http(
@@ -157,7 +169,7 @@ def _tail(log: Path | None) -> str:
 
 class SimProcess:
     """A real ``python -m pdctl.sim`` process on 127.0.0.1: on port 0 (the port it got is read
-    from its log) unless ``port`` is given; a multi-node sim's ranks use free ports."""
+    from the port file it writes) unless ``port`` is given; a multi-node sim's ranks use free ports."""
 
     def __init__(self, tmp: Path, *args: str, name: str = "sim", env: dict | None = None, port: int | None = None):
         self.args = list(args)
@@ -167,7 +179,9 @@ class SimProcess:
         if "prefill" in args and "--disaggregation-bootstrap-port" not in args:
             self.bootstrap_port = free_port() if multinode else 0
             self.args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        self.log = tmp / f"{name}-{next(_serial)}.log"
+        serial = next(_serial)
+        self.log = tmp / f"{name}-{serial}.log"
+        self.port_file = tmp / f"{name}-{serial}.ports"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
@@ -180,6 +194,8 @@ class SimProcess:
         argv = [sys.executable, "-m", "pdctl.sim", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         if "--model-path" not in self.args:
             argv += ["--model-path", "sim://tiny"]
+        if self.port == 0:
+            argv += ["--sim-port-file", str(self.port_file)]
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
@@ -191,12 +207,13 @@ class SimProcess:
     def _learn_ports(self) -> None:
         assert self.proc is not None
         try:
-            self.port, bootstrap = bound_ports(self.log, self.proc)
+            ports = bound_ports(self.port_file, self.proc, self.log)
         except BaseException:
             self.stop()
             raise
+        self.port = ports["port"]
         if self.bootstrap_port == 0:
-            self.bootstrap_port = bootstrap
+            self.bootstrap_port = ports.get("bootstrap_port")
 
     def _ready(self, url: str) -> None:
         """Wait until it answers; a process that never does is stopped, not left behind."""
@@ -247,14 +264,16 @@ def pd_body(body: dict, prefill: SimProcess, *, room: int, batch: int | None = N
 
 class RouterProcess:
     """A real ``python -m pdctl router`` process on port 0 of 127.0.0.1 (the port it got is read
-    from its start-up line)."""
+    from the port file it writes)."""
 
     def __init__(self, tmp: Path, *args: str, env: dict | None = None, port: int = 0):
         """``port``: give one when the router will not log its start-up line (--log-level warn)."""
         self.port = port
         self.bootstrap_port: int | None = None
         self.args = list(args)
-        self.log = tmp / f"router-{next(_serial)}.log"
+        serial = next(_serial)
+        self.log = tmp / f"router-{serial}.log"
+        self.port_file = tmp / f"router-{serial}.ports"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
@@ -265,6 +284,7 @@ class RouterProcess:
 
     def start(self, ready_path: str = "/health") -> RouterProcess:
         argv = [sys.executable, "-m", "pdctl", "router", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        argv += ["--port-file", str(self.port_file)]
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
@@ -297,6 +317,7 @@ class NullEngine:
         serial = next(_serial)
         self.log = tmp / f"null-{role}-{serial}.log"
         self.record = tmp / f"null-{role}-{serial}.jsonl" if record else None
+        self.port_file = tmp / f"null-{role}-{serial}.ports"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -306,6 +327,7 @@ class NullEngine:
 
     def start(self) -> NullEngine:
         argv = [sys.executable, "-m", "pdctl.sim.null", "--port", "0", "--role", self.role]
+        argv += ["--port-file", str(self.port_file)]
         if self.bootstrap_port is not None:
             argv += ["--bootstrap-port", "0"]
         if self.record:

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from pdctl.errors import RouterConfigError
+from pdctl.httputil import write_port_file
 from pdctl.roles import Role
 from pdctl.router.app import RouterServer
 from pdctl.router.auth import parse_control_keys
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Keep the fleet's weight version and the workers the worker API left here, so that a restarted "
         "router keeps both (pdctl up sets it).",
     )
+    p.add_argument(Flag.PORT_FILE, metavar="PATH", help="Once serving, write the bound ports here as JSON.")
     for s in SETTINGS:  # the grouped settings: flag, type, default and help from one table
         if s.kind is bool:
             p.add_argument(s.flag, dest=s.dest, action="store_true", help=s.help)
@@ -159,6 +161,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             engine_api_key=engine_key,
             audit=args.control_plane_audit_enabled,
             state_file=args.state_file,
+            port_file=args.port_file,
             **grouped(values),
         )
     except RouterConfigError as exc:
@@ -172,6 +175,7 @@ async def serve(config: RouterConfig) -> None:
     _tune_gc()
     roles = ", ".join(f"{w.role} {w.url}" for w in server.registry.workers.values()) or "no workers yet"
     log.info("pdctl router on %s (%s); %s", server.url, "PD" if config.pd_disaggregation else "regular", roles)
+    write_port_file(config.port_file, port=server.port, prometheus_port=server.prometheus_port)
     try:
         await stop.wait()
     finally:

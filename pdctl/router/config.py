@@ -224,6 +224,8 @@ class RouterConfig:
     """Log every control-plane call (who, what, allowed or denied) at INFO to pdctl.router.audit."""
     state_file: str | None = None
     """What the router keeps across its restarts (pdctl.router.state_file)."""
+    port_file: str | None = None
+    """Where the bound ports are written once it serves (``--port 0`` picks any)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -268,6 +270,7 @@ class Flag:
     PROMETHEUS_PORT = "--prometheus-port"
     LOG_LEVEL = "--log-level"
     STATE_FILE = "--state-file"
+    PORT_FILE = "--port-file"
 
 
 @dataclass(frozen=True)

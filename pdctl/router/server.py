@@ -179,6 +179,7 @@ class HttpServer:
         self.keepalive_timeout = keepalive_timeout
         self.body_timeout = body_timeout
         self._server: asyncio.base_events.Server | None = None
+        self.stopping = False
         self._connections: set[_Connection] = set()
         self.port = 0
 
@@ -191,6 +192,7 @@ class HttpServer:
     async def stop(self) -> None:
         if self._server is None:
             return
+        self.stopping = True
         self._server.close()
         for conn in list(self._connections):
             conn.close()
@@ -369,8 +371,17 @@ class _Connection(asyncio.Protocol):
         while True:
             try:
                 reply = await self.server.dispatch(request)
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as exc:
+                uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
+                if self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > 0):
+                    raise  # the client went away, or the server stops: the handler's work ends
+                # A cancellation the handler made itself leaked out of it: a bug, but the client must
+                # not wait for ever on an open connection. Answer (or close a half-sent stream).
+                log.error("handler for %s %s ended by a stray cancellation", request.method, request.path, exc_info=exc)
+                if request.streaming:
+                    self.close()
+                    break
+                reply = self.server.on_error(500, "internal error: the request was cancelled")
             except Exception as exc:
                 if request.streaming:  # half a stream was sent: closing is the only honest end
                     log.warning("stream for %s %s broke: %s: %s", request.method, request.path, type(exc).__name__, exc)

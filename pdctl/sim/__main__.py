@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from pdctl.errors import PdctlError
+from pdctl.httputil import write_port_file
 from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, sim_options
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
@@ -71,6 +72,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         log_level=(args.log_level or "info").upper(),
         torch_threads=sim.threads,
         ignored_flags=tuple(ignored_flags(args)),
+        port_file=args.sim_port_file,
     )
 
 
@@ -113,6 +115,8 @@ async def serve(config: SimConfig) -> int:
             config.tp_size,
             f", bootstrap port {server.bootstrap_port}" if config.disaggregation_mode == "prefill" else "",
         )
+        prefill = config.disaggregation_mode == "prefill"
+        write_port_file(config.port_file, port=server.port, bootstrap_port=server.bootstrap_port if prefill else None)
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         if failed.done():
             await asyncio.sleep(FAIL_EXIT_DELAY_SECS)  # /health answers 503 meanwhile

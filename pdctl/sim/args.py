@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-decode-ms-per-step", type=float, default=0.0, help="Added per batched decode step.")
     sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
     sim.add_argument(
+        "--sim-port-file", help="Once serving, write the bound ports here as JSON (for --port 0; pdctl's own flag)."
+    )
+    sim.add_argument(
         "--sim-weight-digest",
         choices=["full", "sample"],
         default="full",

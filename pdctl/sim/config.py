@@ -55,6 +55,8 @@ class SimConfig:
     log_level: str = "INFO"
     torch_threads: int = 1
     """Process settings: applied by ``python -m pdctl.sim``'s main, not by the server."""
+    port_file: str | None = None
+    """``--sim-port-file``: where the bound ports are written once the engine serves."""
     ignored_flags: tuple[str, ...] = ()
     """SGLang flags accepted but without effect on CPU (logged at start)."""
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pdctl.httputil import start_site
+from pdctl.httputil import start_site, write_port_file
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, batch_size_of
 from pdctl.signals import stop_event
 
@@ -125,12 +125,14 @@ async def serve(args: argparse.Namespace) -> None:
     app = make_app(args.role, args.record, args.busy, args.stream_tokens)
     runner, port = await start_site(app, args.host, args.port)
     line = f"pdctl.sim.null ({args.role}) on http://{args.host}:{port}"
+    bootstrap_port = None
     if args.role == "prefill" and args.bootstrap_port is not None:
         boot = web.Application()
         boot.router.add_get("/health", _bootstrap_health)
         _, bootstrap_port = await start_site(boot, args.host, args.bootstrap_port)
         line += f", bootstrap port {bootstrap_port}"
-    print(line, flush=True)  # tests that bind port 0 read the ports here
+    print(line, flush=True)
+    write_port_file(args.port_file, port=port, bootstrap_port=bootstrap_port)
     await stop_event().wait()
     await runner.cleanup()
 
@@ -144,6 +146,7 @@ def main() -> None:
     p.add_argument("--record", help="Append every request body to this file (JSON lines).")
     p.add_argument("--busy", action="store_true", help="Answer every generation with 503 (a full queue).")
     p.add_argument("--stream-tokens", type=int, default=0, help="Streamed /generate: this many one-token chunks.")
+    p.add_argument("--port-file", help="Once listening, write the bound ports here as JSON (port 0 picks any).")
     args = p.parse_args()
     try:
         import uvloop

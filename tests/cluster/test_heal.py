@@ -15,7 +15,7 @@ import psutil
 
 from pdctl.sim.model import resolve_model, save_checkpoint
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, engine_auth, get, post
+from tests.helpers import control_auth, engine_auth, free_port_base, get, post
 
 
 def _status(env: dict) -> dict[str, dict]:
@@ -107,7 +107,7 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
     topo = local_topology(
         tmp_path,
         "heal",
-        26000 + os.getpid() % 3000 // 10 * 10,
+        free_port_base(),
         prefill={"replicas": 2},
         decode={"replicas": 2},
         nodes=[node],
@@ -197,7 +197,7 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
     import yaml
 
     node = {"name": "me", "host": "127.0.0.1", "gpus": 8, "workdir": str(tmp_path / "runs")}
-    base = 29000 + os.getpid() % 3000 // 10 * 10
+    base = free_port_base()
     topo = local_topology(tmp_path, "grow", base, decode={"replicas": 2}, nodes=[node])
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     assert pdctl("up", topo, env=env).returncode == 0
@@ -261,7 +261,7 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
 
 def test_the_sixth_crash_within_ten_minutes_leaves_the_engine_down_and_status_says_why(tmp_path) -> None:
     node = {"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}
-    topo = local_topology(tmp_path, "loop", 25500 + os.getpid() % 3000 // 10 * 10, nodes=[node])
+    topo = local_topology(tmp_path, "loop", free_port_base(), nodes=[node])
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     assert pdctl("up", topo, env=env).returncode == 0
     story = tmp_path / "runs" / "loop" / "logs" / "decode-0.log.exit"

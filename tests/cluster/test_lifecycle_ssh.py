@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,7 +89,14 @@ def test_busy_port_refuses_before_launching(clean_hosts, pdctl_home) -> None:
         f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0',{port})); s.listen(); time.sleep(120)",
     )
     try:
-        time.sleep(1.0)
+        host_ip = clean_hosts.hosts[1].ip
+        while True:  # until the blocker listens (an event, not a fixed second)
+            assert blocker.poll() is None, "the port blocker exited"
+            try:
+                socket.create_connection((host_ip, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
         with pytest.raises(LifecycleError) as info:
             up(top, plan, ready_timeout_secs=60)
         message = str(info.value)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import post
+from tests.helpers import free_port_base, post
 
 
 def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -38,7 +38,7 @@ def local_topology(tmp_path, name: str, base: int, **sections) -> str:
 
 
 def test_local_cli_round_trip(tmp_path) -> None:
-    topo = local_topology(tmp_path, "loc", 23000 + os.getpid() % 4000 // 10 * 10, router={"policy": "cache_aware"})
+    topo = local_topology(tmp_path, "loc", free_port_base(), router={"policy": "cache_aware"})
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     up = pdctl("up", topo, env=env)
     assert up.returncode == 0, up.stderr
@@ -84,7 +84,7 @@ def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
 
     # the decode's warm-up prompt takes 60 s: up is still waiting when Ctrl-C comes
     slow = {"args": {"sim-prefill-ms-per-token": 60000}}
-    topo = local_topology(tmp_path, "slow", 26000 + os.getpid() % 2000 // 10 * 10, decode=slow)
+    topo = local_topology(tmp_path, "slow", free_port_base(), decode=slow)
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdctl", "up", topo],
@@ -156,7 +156,7 @@ def test_logs_follow_sees_new_lines(tmp_path) -> None:
 
 def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_codes(tmp_path) -> None:
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
-    base = 24500 + os.getpid() % 3000 // 10 * 10
+    base = free_port_base()
     crash = {"command": ["python", "-c", "import sys; print('trainer boom'); sys.exit(3)"], "nproc_per_node": 1}
     topo = local_topology(
         tmp_path,
@@ -228,7 +228,7 @@ def test_one_home_from_any_directory_and_logs_per_run(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PDCTL_HOME"}
     env["HOME"] = str(home)
     node = [{"name": "me", "host": "127.0.0.1", "gpus": 2}]  # default workdir: ~/.pdctl/runs
-    base = 25500 + os.getpid() % 2000 // 10 * 10
+    base = free_port_base()
     one = local_topology(tmp_path, "one", base, nodes=node)
     two = local_topology(tmp_path, "two", base + 20, nodes=node)
 

@@ -97,6 +97,10 @@ async def burst(url: str, n: int, tokens: int = 24) -> list[dict]:
     return [r if isinstance(r, dict) else {"ok": False, "status": 0, "body": repr(r)} for r in results]
 
 
+def _running(server) -> int:
+    return get(server.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"]
+
+
 def test_burst_at_ten_times_the_slots_loses_nothing(fleet):
     procs, router = fleet
     results = asyncio.run(burst(router.url, 10 * 2 * SLOTS))
@@ -113,7 +117,9 @@ def test_decode_killed_during_a_burst_loses_nothing(fleet):
 
     async def run() -> list[dict]:
         task = asyncio.create_task(burst(router.url, 10 * 2 * SLOTS, tokens=48))
-        await asyncio.sleep(0.8)
+        while not await asyncio.to_thread(_running, victim):  # mid-burst: the victim has requests
+            assert not task.done(), "the burst ended before the decode ran any of it"
+            await asyncio.sleep(0.05)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         return await task
 

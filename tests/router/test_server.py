@@ -28,6 +28,7 @@ class App:
         self.routes.add("POST", "/hang", self.hang)
         self.routes.add("GET", "/stream", self.stream)
         self.routes.add("GET", "/boom", self.boom)
+        self.routes.add("GET", "/self-cancel", self.self_cancel)
         self.routes.add("GET", "/break-stream", self.break_stream)
         self.routes.add_prefix("DELETE", "/items/", self.delete)
 
@@ -65,6 +66,14 @@ class App:
 
     async def boom(self, r: Request) -> Reply:
         raise RuntimeError("a bug")
+
+    async def self_cancel(self, r: Request) -> Reply:
+        """A handler whose own cancellation leaks out (the bug a PD race once had under load)."""
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+        return Reply(200)
 
     async def break_stream(self, r: Request) -> Reply:
         writer = await r.stream(200, {"Content-Type": "text/event-stream"})
@@ -272,5 +281,19 @@ def test_arbitrary_bytes_never_break_the_server(garbage: bytes) -> None:
         assert out == b"" or out.startswith(b"HTTP/1.1 ")
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/echo") as r:
             assert r.status == 200  # and it still serves the next client
+
+    run(test)
+
+
+def test_a_stray_cancellation_is_answered_and_the_connection_serves_on() -> None:
+    """A handler ended by a cancellation that is not the client's leaving: the client gets a 500
+    at once (it had waited for ever on an open connection) and the connection serves on."""
+
+    async def test(app: App, port: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/self-cancel") as r:
+                assert r.status == 500 and "cancelled" in (await r.json())["error"]["message"]
+            async with session.get(f"http://127.0.0.1:{port}/echo") as r:
+                assert r.status == 200
 
     run(test)

@@ -209,12 +209,15 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
         tmp_path, "--max-running-requests", "1", "--max-queued-requests", "2", "--sim-decode-ms-per-step", "20"
     ).start()
     try:
-        body = {"text": "q", "sampling_params": {"max_new_tokens": 30}}
+        # the first runs for 200 steps (4 s or more): the burst arrives while it holds the only slot,
+        # however loaded the machine; the others ask for one token each
+        long = {"text": "q", "sampling_params": {"max_new_tokens": 200}}
+        body = {"text": "q", "sampling_params": {"max_new_tokens": 1}}
         with cf.ThreadPoolExecutor(6) as pool:
-            first = pool.submit(post, sim.url + "/generate", body)
-            deadline = time.monotonic() + 10  # it must be running, not waiting, before the others come
+            first = pool.submit(post, sim.url + "/generate", long)
+            # it must be running, not waiting, before the others come
             while get(sim.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] < 1:
-                assert time.monotonic() < deadline, "the first request never started"
+                assert not first.done(), first.result()
                 time.sleep(0.01)
             burst = [pool.submit(post, sim.url + "/generate", body) for _ in range(5)]
             results = [first.result(), *(f.result() for f in burst)]

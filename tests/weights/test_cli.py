@@ -12,7 +12,7 @@ from dataclasses import replace
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from pdctl.weights.buckets import tensor_checksum
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import engine_auth, post
+from tests.helpers import engine_auth, free_port_base, post
 
 KEY_ENV = "PDCTL_TEST_ROUTER_KEY"
 
@@ -31,7 +31,7 @@ def test_weights_status_and_load(tmp_path) -> None:
     topo = local_topology(
         tmp_path,
         "wcli",
-        21000 + os.getpid() % 3000 // 10 * 10,
+        free_port_base(),
         router={"policy": "round_robin", "api_key_env": KEY_ENV},
         trainer=trainer,
         weights={"backend": "gloo", "bucket_mb": 1},
