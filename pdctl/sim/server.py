@@ -103,6 +103,7 @@ class SimServer:
             c, model, self._engine, self._members, metrics, self._session, bootstrap_port=bootstrap_port
         )
         loop = asyncio.get_running_loop()
+
         # A scheduler that cannot go on ends the process (exit 1), for its supervisor to restart it.
         def fatal(reason: str) -> None:  # on the scheduler thread
             loop.call_soon_threadsafe(self._cannot_serve, reason)
