@@ -15,9 +15,10 @@ import time
 import uuid
 from collections.abc import Awaitable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
+import yarl
 
 from pdctl.refit import MAX_SECS, Hold, HoldAnswer, RefitMode, Release
 from pdctl.roles import ENGINE_ROLES, Role
@@ -88,6 +89,7 @@ class RouterServer:
                 max_inflight_body=admission.max_inflight_body_bytes,
                 check_head=self.keys.check,  # keys are checked before any body byte is read
             )
+            self.metrics.body_bytes.set_function(lambda: main.inflight_body)
             self.port = await self._listen(main, self.config.port)
             if self.config.prometheus_port is not None:
                 metrics_routes = Routes()
@@ -360,8 +362,10 @@ class RouterServer:
             self.registry.set_fleet(FleetWeights(str(push["version"]), push.get("source")))
         self._txn, self._txn_engines, self._lease = None, [], None
         self.registry.updating = False
-        await self.registry.check_all(self.session)
-        self.gate.open()
+        try:
+            await self.registry.check_all(self.session)
+        finally:  # whatever the checks met, requests flow again
+            self.gate.open()
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
 
     async def weights_state(self, _: Request) -> Reply:
@@ -420,10 +424,14 @@ class RouterServer:
         workers = self.registry.routable(role) or self.registry.routable(Role.DECODE)
         if not workers:
             return errors.error_response(503, errors.NO_WORKERS, "no healthy worker to ask")
+        path = request.path
+        if request.tail:  # /v1/models/{id}: the id alone goes on, never a path the worker would resolve
+            if any(seg in (".", "..") for seg in request.tail.split("/")):
+                return errors.error_response(404, errors.NOT_FOUND, f"no model {request.tail!r:.80}")
+            path = Endpoint.MODELS.value + "/" + quote(request.tail, safe="/")
+        url = yarl.URL(workers[0].url + path, encoded=True)  # sent as built: no dot-segment resolving
         try:
-            async with self.session.get(
-                workers[0].url + request.path, timeout=aiohttp.ClientTimeout(total=10), headers=workers[0].auth
-            ) as r:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=10), headers=workers[0].auth) as r:
                 return Reply(r.status, await r.read(), r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return errors.error_response(502, errors.WORKER_FAILED, f"{workers[0].url}: {exc}")
@@ -484,6 +492,10 @@ class RouterServer:
         if problem is not None:
             return errors.error_response(400, errors.BAD_REQUEST, problem)
         url, role = body["url"], body.get("worker_type", Role.REGULAR.value)
+        pd = self.config.pd_disaggregation
+        if (role == Role.REGULAR.value) == pd and role in {r.value for r in ENGINE_ROLES}:
+            wanted = "prefill or decode (a PD router)" if pd else "regular (a router without --pd-disaggregation)"
+            return errors.error_response(400, errors.BAD_REQUEST, f"worker_type must be {wanted}, not {role}")
         key = body.get("api_key")
         if key is None and self.config.worker_key:
             log.warning("worker %s added without api_key: the router sends it no key", url)
@@ -584,17 +596,23 @@ def worker_problem(body: dict[str, Any]) -> str | None:
     url = body.get("url")
     if not isinstance(url, str):
         return "url must be a string: http(s)://HOST:PORT"
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
+        return f"url {url!r:.80} must not hold spaces or control characters"
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
+        host = parts.hostname or ""
+        host.encode("idna")  # every label 1 to 63 characters, no empty one
+    except (ValueError, UnicodeError) as exc:
         return f"url {url!r:.80}: {exc}"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not host:
         return f"url {url!r:.80} must be http(s)://HOST[:PORT]"
     if port is not None and not 1 <= port <= 65535:
         return f"url {url!r:.80}: port must be 1 to 65535"
     if parts.query or parts.fragment or parts.username or parts.password:
         return f"url {url!r:.80} must not carry credentials, a query or a fragment"
+    if parts.path not in ("", "/"):
+        return f"url {url!r:.80} must be a server's root (no path): requests go to its SGLang routes"
     role = body.get("worker_type", Role.REGULAR.value)
     if not isinstance(role, str):
         return "worker_type must be a string: regular, prefill or decode"
@@ -604,6 +622,6 @@ def worker_problem(body: dict[str, Any]) -> str | None:
     ):
         return "bootstrap_port must be an integer from 1 to 65535 (or null)"
     key = body.get("api_key")
-    if key is not None and (not isinstance(key, str) or not key or any(c in key for c in "\r\n")):
-        return "api_key must be a non-empty string on one line"
+    if key is not None and (not isinstance(key, str) or not key or any(not 0x21 <= ord(c) <= 0x7E for c in key)):
+        return "api_key must be a non-empty string of printable ASCII without spaces"
     return None

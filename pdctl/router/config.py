@@ -132,8 +132,8 @@ class AdmissionConfig:
     max_inflight_body_bytes: int = setting(
         1024 * 1024 * 1024,
         "--max-inflight-body-bytes",
-        "Bytes of request bodies the router reads at once over all connections; beyond: 503 (a bound "
-        "on its memory whatever clients send).",
+        "Bytes of request bodies the router holds at once over all connections, from their first byte "
+        "until their answer; beyond: 503 (a bound on its memory whatever clients send, during holds too).",
     )
     request_timeout_secs: float = setting(
         1800.0, "--request-timeout-secs", "Limit on a worker's answer (a stream's: until its first event)."

@@ -22,6 +22,11 @@ class RouterMetrics:
         self.retries = Counter("pdctl_router_retries", "Retried requests", ["reason"], registry=r)
         self.in_flight = Gauge("pdctl_router_in_flight_requests", "Requests in flight", registry=r)
         self.queued = Gauge("pdctl_router_queued_requests", "Requests waiting for a slot", registry=r)
+        self.body_bytes = Gauge(
+            "pdctl_router_request_body_bytes",
+            "Bytes of request bodies the router holds (being read, or waiting for their answer)",
+            registry=r,
+        )
         self.worker_health = Gauge("pdctl_router_worker_healthy", "1 if healthy", ["worker", "role"], registry=r)
         self.worker_load = Gauge("pdctl_router_worker_load", "Requests in flight", ["worker", "role"], registry=r)
 

@@ -7,7 +7,8 @@ server does what the router needs and nothing more:
 - keep-alive, and pipelined requests answered in order (reading pauses when 32 wait);
 - request line + headers up to 64 KiB (431 beyond);
 - request bodies with Content-Length or chunked, ``Expect: 100-continue``, a size limit per
-  request (413) and one on all bodies being read at once (503);
+  request (413) and one on all the bodies it holds at once (503): a body counts from its first
+  byte until its request is answered (a request waiting at a held router still holds its body);
 - ``check_head(method, path, headers)`` runs once a request's headers are in, before any body
   byte is read or buffered (the router checks keys there): a refusal is answered and the
   connection closed, so a refused body costs nothing;
@@ -84,6 +85,10 @@ class Request:
     tail: str = ""  # the path after a prefix route's prefix, percent-decoded
     streaming: bool = False  # the head of a streamed reply has been sent
     _conn: _Connection | None = field(default=None, repr=False)
+    held: int = 0
+    """Bytes of its body counted in the server's ``inflight_body`` until it is answered."""
+    refusal: Reply | None = None
+    """Refused at its head while earlier pipelined requests were unanswered: sent in its turn."""
 
     async def stream(self, status: int, headers: dict[str, str]) -> StreamWriter:
         """Send the status line and headers now; the body follows in chunks."""
@@ -175,7 +180,8 @@ class HttpServer:
         self.max_body = max_body
         self.max_inflight_body = max_inflight_body
         self.inflight_body = 0
-        """Bytes of request bodies buffered now, over every connection (not yet handed to a handler)."""
+        """Bytes of request bodies held now over every connection: being read, or read and waiting
+        for their answer."""
         self.keepalive_timeout = keepalive_timeout
         self.body_timeout = body_timeout
         self._server: asyncio.base_events.Server | None = None
@@ -241,6 +247,8 @@ class _Connection(asyncio.Protocol):
         self.idle_timer = self.body_timer = None
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its handler (and the engines' work) stops
+        for request in self.pending:
+            self._release(request)
         self.pending.clear()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
@@ -309,7 +317,13 @@ class _Connection(asyncio.Protocol):
             url = self._url.partition(b"?")[0].decode("latin-1")
             refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers)
             if refusal is not None:  # answered before any body byte is read: a refused body costs nothing
-                self._refuse_with(refusal)
+                if self.task is None:
+                    self._refuse_with(refusal)
+                else:  # earlier pipelined requests are unanswered: the refusal waits its turn
+                    self._refused = True
+                    self.pending.append(Request("", "", "", {}, b"", False, False, refusal=refusal))
+                    if self.transport is not None:
+                        self.transport.pause_reading()
                 raise httptools.HttpParserError("refused")  # stop parsing this connection
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body:
@@ -348,7 +362,7 @@ class _Connection(asyncio.Protocol):
         url = self._url
         path, _, query = url.partition(b"?")
         body = self._body if isinstance(self._body, bytes) else bytes(self._body)
-        self._forget_body()
+        held, self._body, self._size = self._size, b"", 0  # counted until the request is answered
         request = Request(
             method=self.parser.get_method().decode("ascii"),
             path=path.decode("latin-1"),
@@ -358,6 +372,7 @@ class _Connection(asyncio.Protocol):
             keep_alive=self.parser.should_keep_alive(),
             http10=self.parser.get_http_version() == "1.0",
             _conn=self,
+            held=held,
         )
         if self.task is None:
             self.task = self.loop.create_task(self._serve(request))
@@ -370,39 +385,57 @@ class _Connection(asyncio.Protocol):
     async def _serve(self, request: Request) -> None:
         while True:
             try:
-                reply = await self.server.dispatch(request)
-            except asyncio.CancelledError as exc:
-                uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
-                if self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > 0):
-                    raise  # the client went away, or the server stops: the handler's work ends
-                # A cancellation the handler made itself leaked out of it: a bug, but the client must
-                # not wait for ever on an open connection. Answer (or close a half-sent stream).
-                log.error("handler for %s %s ended by a stray cancellation", request.method, request.path, exc_info=exc)
-                if request.streaming:
-                    self.close()
-                    break
-                reply = self.server.on_error(500, "internal error: the request was cancelled")
-            except Exception as exc:
-                if request.streaming:  # half a stream was sent: closing is the only honest end
-                    log.warning("stream for %s %s broke: %s: %s", request.method, request.path, type(exc).__name__, exc)
-                    self.close()
-                    break
-                log.exception("handler for %s %s failed", request.method, request.path)  # a bug: 500, keep serving
-                reply = self.server.on_error(500, f"internal error: {type(exc).__name__}")
-            if self.transport is None:
-                break
-            if reply is not STREAMED:
-                self.transport.write(_whole(reply, request.keep_alive, request.http10))
-            if not request.keep_alive:
-                self.close()
-                break
-            if not self.pending:
+                go_on = await self._answer(request)
+            finally:
+                self._release(request)
+            if not go_on or not self.pending:
                 break
             request = self.pending.popleft()
             if len(self.pending) == MAX_PIPELINED // 2 and self.transport is not None:
                 self.transport.resume_reading()
         self.task = None
         self._arm_idle()
+
+    async def _answer(self, request: Request) -> bool:
+        """Dispatch ``request`` and write its answer; whether the connection serves on."""
+        if request.refusal is not None:  # refused at its head behind earlier pipelined requests
+            if self.transport is not None:
+                self.transport.write(_whole(request.refusal, False, False))
+            self.close()
+            return False
+        try:
+            reply = await self.server.dispatch(request)
+        except asyncio.CancelledError as exc:
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
+            if self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > 0):
+                raise  # the client went away, or the server stops: the handler's work ends
+            # A cancellation the handler made itself leaked out of it: a bug, but the client must
+            # not wait for ever on an open connection. Answer (or close a half-sent stream).
+            log.error("handler for %s %s ended by a stray cancellation", request.method, request.path, exc_info=exc)
+            if request.streaming:
+                self.close()
+                return False
+            reply = self.server.on_error(500, "internal error: the request was cancelled")
+        except Exception as exc:
+            if request.streaming:  # half a stream was sent: closing is the only honest end
+                log.warning("stream for %s %s broke: %s: %s", request.method, request.path, type(exc).__name__, exc)
+                self.close()
+                return False
+            log.exception("handler for %s %s failed", request.method, request.path)  # a bug: 500, keep serving
+            reply = self.server.on_error(500, f"internal error: {type(exc).__name__}")
+        if self.transport is None:
+            return False
+        if reply is not STREAMED:
+            self.transport.write(_whole(reply, request.keep_alive, request.http10))
+        if not request.keep_alive:
+            self.close()
+            return False
+        return True
+
+    def _release(self, request: Request) -> None:
+        """``request``'s body no longer counts against the bodies the server holds."""
+        self.server.inflight_body -= request.held
+        request.held = 0
 
     def _arm_idle(self) -> None:
         if self.transport is not None and self.task is None and not self._in_body:

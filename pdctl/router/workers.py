@@ -341,6 +341,17 @@ class WorkerRegistry:
             await asyncio.gather(*(self.check(session, w) for w in workers))
 
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        """One health check of ``worker``. Whatever goes wrong stays inside this worker's check
+        (a failed check): one bad worker must not stop the health loop or a release."""
+        try:
+            await self._check(session, worker)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("health check of %s failed: %s: %s", worker.url, type(exc).__name__, exc)
+            self.observe_health(worker, False)
+
+    async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_secs)
         ok = False
         try:
@@ -416,6 +427,8 @@ async def _model_info(session: aiohttp.ClientSession, worker: Worker, timeout: f
             info = await resp.json(content_type=None) if resp.status == 200 else None
     except aiohttp.ClientConnectorError as exc:
         return _REFUSED if isinstance(exc.os_error, ConnectionRefusedError) else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # (a URL that cannot even be requested is no answer either)
         return None
     return info if isinstance(info, dict) else None

@@ -5,7 +5,9 @@ bodies and worker registrations validated. A real router process, null engines b
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,106 @@ def test_worker_registrations_are_validated(fleet) -> None:
         assert status == 400 and message in out["error"]["message"], (body, out)
     assert http("POST", url + "/workers", raw=b"{", headers=admin)[0] == 400
     assert len(get(url + "/workers", headers=admin)[1]["workers"]) == 2, "nothing was registered"
+
+
+def test_a_worker_url_that_cannot_be_requested_is_refused_and_could_not_stop_the_health_loop(fleet) -> None:
+    """Found by a probe: a 64-character host label passed the checks, its health check raised
+    UnicodeError, the health loop died and a release then failed, leaving the router held."""
+    url, admin = fleet.url, bearer(ADMIN)
+    for bad in ("http://" + "a" * 64 + ":9", "http://a..b:9", "http://127.0.0.1:9/\nINJECTED", "http://h:9/x"):
+        status, out = post(url + "/workers", {"url": bad, "worker_type": "decode"}, headers=admin)
+        assert status == 400, (bad, out)
+    status, out = post(url + "/workers", {"url": "http://127.0.0.1:9", "worker_type": "regular"}, headers=admin)
+    assert status == 400 and "prefill or decode" in out["error"]["message"], out
+    # a hold and its release still work, and requests flow
+    assert post(url + "/pdctl/hold", {"refit": "interrupt"}, headers=admin)[0] == 200
+    assert post(url + "/pdctl/release", {}, headers=admin)[0] == 200
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
+    assert post(url + "/generate", body, headers=bearer(CLIENT))[0] == 200
+
+
+def test_one_workers_failing_check_stays_in_its_check() -> None:
+    """Whatever a worker's check raises, check_all goes on with the others (in-process)."""
+    import asyncio
+
+    import aiohttp
+
+    from pdctl.router.config import RouterConfig
+    from pdctl.router.workers import WorkerRegistry
+
+    async def run() -> list[bool]:
+        registry = WorkerRegistry(RouterConfig())
+        bad = registry.add("http://" + "a" * 64 + ":9", "decode")  # bypasses POST /workers' checks
+        bad.activated = bad.healthy = True
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                await registry.check_all(session)  # raised UnicodeError before
+        return [bad.healthy]
+
+    assert asyncio.run(run()) == [False], "the bad worker failed its checks and left rotation"
+
+
+def test_a_model_id_cannot_walk_to_another_engine_route(fleet) -> None:
+    """Found by a probe: /v1/models/../../flush_cache reached the engine's /flush_cache with the
+    engine key (a client-key holder running an admin route)."""
+    for path in ("/v1/models/../../flush_cache", "/v1/models/%2e%2e/%2e%2e/flush_cache", "/v1/models/a/../.."):
+        with socket.create_connection(("127.0.0.1", fleet.port), timeout=30) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CLIENT}\r\n\r\n".encode())
+            head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 404"), (path, head[:200])
+
+
+def test_bodies_waiting_at_a_held_router_count_against_its_body_limit(tmp_path) -> None:
+    """Found by a probe: whole bodies held at a held router were not counted (40 x 10 MB took it
+    from 78 MB to 887 MB). Now a body counts until its answer: beyond the limit, 503."""
+    import threading
+
+    prefill, decode = NullEngine(tmp_path, "prefill").start(), NullEngine(tmp_path, "decode").start()
+    router = RouterProcess(
+        tmp_path, "--pd-disaggregation", "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode",
+        decode.url, *KEYS, "--max-payload-size", "8000000", "--max-inflight-body-bytes", "20000000",
+    ).start("/readiness")  # fmt: skip
+    try:
+        assert (
+            post(router.url + "/pdctl/hold", {"refit": "interrupt", "lease_secs": 600}, headers=bearer(ADMIN))[0] == 200
+        )
+        body = {"text": "x" * 6_000_000, "sampling_params": {"max_new_tokens": 1}}
+        answers: list[int] = []
+        held = [
+            threading.Thread(
+                target=lambda: answers.append(post(router.url + "/generate", body, headers=bearer(CLIENT))[0])
+            )
+            for _ in range(3)
+        ]
+        for t in held:
+            t.start()
+
+        def held_bytes() -> float:
+            text = get(router.url + "/metrics")[1]
+            return float(
+                next(
+                    line.split()[-1]
+                    for line in text.splitlines()
+                    if line.startswith("pdctl_router_request_body_bytes ")
+                )
+            )
+
+        while held_bytes() < 18_000_000:  # the three bodies are in, waiting at the held router
+            time.sleep(0.05)
+        raw = json.dumps(body).encode()
+        head = (
+            f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CLIENT}\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n"
+        ).encode()
+        answer = _send(router.port, head, raw)  # refused mid-body: read what came back
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry later" in answer, answer[:300]
+        assert post(router.url + "/pdctl/release", {}, headers=bearer(ADMIN))[0] == 200
+        for t in held:
+            t.join()
+        assert len(answers) == 3 and 503 not in answers, answers  # answered (the null engine refuses 6 MB: 413)
+        while held_bytes() != 0:  # every body is let go once answered
+            time.sleep(0.05)
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()

@@ -297,3 +297,21 @@ def test_a_stray_cancellation_is_answered_and_the_connection_serves_on() -> None
                 assert r.status == 200
 
     run(test)
+
+
+def test_a_request_refused_at_its_head_is_answered_in_its_pipelined_turn() -> None:
+    """Found by a probe: a refused request pipelined behind a good one got its refusal written at
+    once, ahead of the good one's answer, which the client then read as its own."""
+
+    def check_head(method: str, path: str, headers: dict[str, str]) -> Reply | None:
+        return server_error(401, "refused") if path == "/refused" else None
+
+    async def test(app: App, port: int) -> None:
+        out = await exchange(
+            port, b"GET /echo?first HTTP/1.1\r\nHost: x\r\n\r\nGET /refused HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        first, second = out.find(b"HTTP/1.1 200"), out.find(b"HTTP/1.1 401")
+        assert 0 <= first < second, out[:400]
+        assert b'"query":"first"' in out[:second]
+
+    run(test, check_head=check_head)
