@@ -45,7 +45,7 @@ from pdctl.agent_replies import (
     StopReply,
     WaitReadyReply,
 )
-from pdctl.nodeproc import expand, same_process
+from pdctl.nodeproc import expand, redact, same_process
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
 PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
@@ -104,7 +104,7 @@ def _listeners() -> dict[int, dict[str, Any]]:
             if c.pid:
                 try:
                     p = psutil.Process(c.pid)
-                    info.update(name=p.name(), cmdline=" ".join(p.cmdline())[:200])
+                    info.update(name=p.name(), cmdline=" ".join(redact(p.cmdline()))[:200])
                 except psutil.Error:
                     pass
             owners.setdefault(c.laddr.port, info)

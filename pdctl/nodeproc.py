@@ -29,3 +29,19 @@ def same_process(pid: int, create_time: float) -> psutil.Process | None:
     except psutil.Error:
         pass
     return None
+
+
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+
+
+def redact(argv: list[str]) -> list[str]:
+    """``argv`` with the values of SGLang's key flags replaced by ``***`` (both ``--api-key KEY``
+    and ``--api-key=KEY``): for anything that shows a command line (a busy port's owner, the
+    sim's /server_info)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in SECRET_FLAGS and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif arg.startswith(tuple(f"{flag}=" for flag in SECRET_FLAGS)):
+            out[i] = arg.split("=", 1)[0] + "=***"
+    return out

@@ -225,7 +225,7 @@ def launch(
                 env.update(secrets)
             argv = list(spec.argv)
             if keys is not None and spec.role.is_engine:  # not in the plan: `pdctl plan` never shows it
-                argv += ["--api-key", keys.engine]
+                argv.append(f"--api-key={keys.engine}")  # one word: a key may begin with '-'
             entry = {
                 "id": spec.id,
                 "argv": argv,

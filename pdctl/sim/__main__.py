@@ -9,6 +9,7 @@ import sys
 
 from pdctl.errors import PdctlError
 from pdctl.httputil import write_port_file
+from pdctl.nodeproc import redact
 from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, sim_options
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
@@ -68,20 +69,12 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         layout=layout,
         dist_timeout_secs=float(args.dist_timeout or 600),
         server_args=server_args,
-        launch_command=shlex.join(["python", "-m", "pdctl.sim", *_redact(argv)]),
+        launch_command=shlex.join(["python", "-m", "pdctl.sim", *redact(argv)]),
         log_level=(args.log_level or "info").upper(),
         torch_threads=sim.threads,
         ignored_flags=tuple(ignored_flags(args)),
         port_file=args.sim_port_file,
     )
-
-
-def _redact(argv: list[str]) -> list[str]:
-    out = list(argv)
-    for i, a in enumerate(out[:-1]):
-        if a in ("--api-key", "--admin-api-key"):
-            out[i + 1] = "***"
-    return out
 
 
 async def serve(config: SimConfig) -> int:
