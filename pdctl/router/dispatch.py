@@ -423,7 +423,8 @@ class Dispatcher:
         cancels this task only while the race is on."""
         me = asyncio.current_task(self.loop)  # with the loop given: no get_running_loop() syscall
         assert me is not None
-        racing, ended = True, False
+        racing, ended, caught = True, False, False
+        base = _cancel_requests(me)  # requests already counted (a consumed one must not read as outside)
 
         def on_prefill(task: asyncio.Task[Leg]) -> None:
             nonlocal ended
@@ -436,12 +437,17 @@ class Dispatcher:
             with self.registry.in_flight(decode):
                 return await work
         except asyncio.CancelledError:
-            if not ended or _cancelled_from_outside(me):
+            caught = True
+            if not ended or _withdraw_cancel(me, base):
                 raise  # the client went away (or the server stops)
             return None
         finally:
             racing = False
             p_task.remove_done_callback(on_prefill)
+            if ended and not caught:
+                # The leg consumed the race's cancel (Python 3.11's wait_for returns a result that
+                # came with the cancel): withdraw it, or a later race would read it as the client's.
+                _withdraw_cancel(me, base)
 
     async def _decode_failed(
         self, prefill: Worker, p_task: asyncio.Task[Leg], decode: Worker, d_leg: Leg, headers: Headers
@@ -987,12 +993,22 @@ def _text_of(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _cancelled_from_outside(task: asyncio.Task) -> bool:
-    """Whether ``task`` was also cancelled by someone other than the race that just cancelled it
-    (Python 3.11+ counts cancel requests; 3.10 cannot tell, and the race's reading wins). The
-    race's own request is withdrawn, so that later timeouts in this task read right."""
+def _cancel_requests(task: asyncio.Task) -> int:
+    """How many cancel requests ``task`` has (Python 3.11+ counts them; 3.10: 0)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
+
+
+def _withdraw_cancel(task: asyncio.Task, base: int) -> bool:
+    """Withdraw the race's own cancel request (if ``task`` holds more than ``base``), and say
+    whether someone else cancelled it too: the client going away, the server stopping. Python
+    3.10 cannot tell, and the race's reading wins."""
     uncancel = getattr(task, "uncancel", None)
-    return uncancel is not None and uncancel() > 0
+    if uncancel is None:
+        return False
+    if _cancel_requests(task) > base:
+        uncancel()
+    return _cancel_requests(task) > base
 
 
 async def _cancel(*tasks: asyncio.Task | None) -> None:
