@@ -6,8 +6,18 @@
     ├── PlanError              a plan invariant failed (a bug or an impossible topology)
     ├── RemoteError            SSH / local execution failed (unreachable, bad host key, ...)
     ├── LifecycleError         up/down/status could not do what was asked
+    │   └── ReadinessError     a process did not become ready (pdctl.cluster.up)
+    ├── RouterConfigError      a router setting is out of its range (names the flag)
     ├── SimError               the sim engine refused a request or a weight update
-    └── WeightSyncError        the trainer-side weight push failed
+    │   ├── ValidationError    SGLang's pydantic stage would refuse the body (pdctl.sim.body)
+    │   ├── ContractError      /generate's strict JSON contract refuses it (pdctl.sim.body)
+    │   └── PrefillAborted     a decode's prefill ended the request without KV (pdctl.sim.kv)
+    ├── WeightSyncError        the trainer-side weight push failed
+    ├── BenchError             a benchmark could not run (pdctl.bench.runner)
+    ├── WorkloadError          a benchmark workload cannot be built (pdctl.bench.workloads)
+    └── RolloutError           the RL example could not sample rollouts (pdctl.examples.rl_sim)
+
+tests/test_structure.py holds this drawing against the real classes.
 
 Foreign errors (yaml, jsonschema, paramiko, aiohttp) are converted at their seam with
 ``raise ... from exc`` so that the CLI never shows a traceback unless ``--debug``.

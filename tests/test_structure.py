@@ -113,3 +113,49 @@ def test_no_import_circles() -> None:
     graph = import_graph()
     assert len(graph) > 50 and "pdctl.plan" in graph["pdctl.cli.topology_cmds"]  # the scan sees imports
     assert circles(graph) == []
+
+
+def error_classes() -> dict[str, str]:
+    """Every class under PdctlError in pdctl's source (read, not imported): name -> its base."""
+    bases: dict[str, str] = {}
+    for path, _ in module_names().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.bases:
+                base = node.bases[0]
+                name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+                bases[node.name] = name
+    out: dict[str, str] = {}
+    changed = True
+    while changed:
+        changed = False
+        for cls, base in bases.items():
+            if cls not in out and (base == "PdctlError" or base in out):
+                out[cls] = base
+                changed = True
+    return out
+
+
+def drawn_tree() -> dict[str, str]:
+    """The error tree drawn in pdctl/errors.py's docstring: name -> its parent."""
+    import pdctl.errors
+
+    doc = pdctl.errors.__doc__ or ""
+    lines = doc[doc.index("    PdctlError") :].split("\n\n")[0].splitlines()
+    parents: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in lines:
+        start = next(i for i, ch in enumerate(line) if ch.isalpha())
+        name = line[start:].split()[0]
+        while stack and stack[-1][0] >= start:
+            stack.pop()
+        if stack:
+            parents[name] = stack[-1][1]
+        stack.append((start, name))
+    return parents
+
+
+def test_the_drawn_error_tree_is_the_real_one() -> None:
+    real, drawn = error_classes(), drawn_tree()
+    assert drawn == real, f"drawn but not real: {set(drawn.items()) - set(real.items())}; " + (
+        f"real but not drawn: {set(real.items()) - set(drawn.items())}"
+    )
