@@ -120,13 +120,13 @@ def router_argv(
         argv += [Flag.PREFILL_POLICY, r.prefill_policy]
     if r.decode_policy:
         argv += [Flag.DECODE_POLICY, r.decode_policy]
-    for group, name, value in (  # flags spelled once, in the router's settings table
-        ("admission", "request_timeout_secs", f"{r.request_timeout_secs:g}"),
-        ("admission", "max_concurrent_requests", str(r.max_concurrent_requests)),
-        ("health", "interval_secs", f"{r.health_check_interval_secs:g}"),
-        ("health", "failure_threshold", str(r.health_failure_threshold)),
-    ):
-        argv += [flag_of(group, name), value]
+    for group, values in r.settings.items():  # what the file sets; flags spelled once, in the router's table
+        for name, value in values.items():
+            flag = flag_of(group, name)
+            if isinstance(value, bool):
+                argv += [flag] if value else []  # a switch; false is its default
+            else:
+                argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     if r.api_key_env:
         argv += [Flag.API_KEY_ENV, r.api_key_env]
     # The cluster's engine and control-plane keys: `up` puts them in the router's environment.

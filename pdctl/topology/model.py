@@ -166,12 +166,34 @@ class RouterSpec:
     allow_unauthenticated: bool = False
     """Serve inference without a client key on an address other machines reach (validate refuses
     a non-loopback router without ``api_key_env`` unless this is true)."""
-    request_timeout_secs: float = 1800.0
-    max_concurrent_requests: int = -1
-    health_check_interval_secs: float = 10.0
-    health_failure_threshold: int = 3
-    """A dead engine leaves rotation after at most interval x threshold seconds."""
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
+    """The router's own settings as the file gives them: group (``retry``, ``breaker``,
+    ``admission``, ``health``, ``cache``) -> setting -> value; what is not given keeps the router's
+    default (pdctl.router.config). The planner turns each into its flag."""
     restart: str = "on-failure"
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RouterSpec:
+        r = dict(raw)
+        settings: dict[str, dict[str, Any]] = {}
+        for group in ROUTER_GROUPS:
+            if group in r:
+                settings[group] = dict(r.pop(group))
+        for key, (group, name) in LEGACY_ROUTER_KEYS.items():  # the flat spellings of earlier files
+            if key in r:
+                settings.setdefault(group, {}).setdefault(name, r.pop(key))
+        return cls(**r, settings=MappingProxyType({g: MappingProxyType(v) for g, v in settings.items()}))
+
+
+ROUTER_GROUPS = ("health", "retry", "breaker", "admission", "cache")
+"""pdctl.router.config.GROUPS' names (kept here: the topology does not import the router)."""
+LEGACY_ROUTER_KEYS = {
+    "request_timeout_secs": ("admission", "request_timeout_secs"),
+    "max_concurrent_requests": ("admission", "max_concurrent_requests"),
+    "health_check_interval_secs": ("health", "interval_secs"),
+    "health_failure_threshold": ("health", "failure_threshold"),
+}
+"""Flat ``router:`` keys of earlier topology files -> the group setting they mean."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -302,7 +324,7 @@ class Topology:
             port_base=raw.get("ports", {}).get("base", DEFAULT_PORT_BASE),
             allocation=raw.get("allocation"),
             groups=tuple(groups),
-            router=RouterSpec(**r),
+            router=RouterSpec.from_dict(r),
             trainer=trainer,
             weights=weights,
             placement=placement,

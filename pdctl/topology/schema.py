@@ -29,9 +29,23 @@ Path = tuple[PathKey, ...]
 
 @cache
 def topology_schema() -> dict[str, Any]:
-    """The topology JSON Schema (draft 2020-12), shipped as package data."""
+    """The topology JSON Schema (draft 2020-12), shipped as package data, with ``router``'s
+    setting groups (``retry``, ``breaker``, ``admission``, ``health``, ``cache``) added from the
+    router's own settings table (pdctl.router.config.SETTINGS): one definition, one set of defaults."""
+    from pdctl.router.config import SETTINGS
+
     text = resources.files("pdctl").joinpath("schemas/topology.schema.json").read_text()
-    return json.loads(text)
+    schema = json.loads(text)
+    router = schema["properties"]["router"]["properties"]
+    kinds = {int: "integer", float: "number", bool: "boolean"}
+    for setting in SETTINGS:
+        group = router.setdefault(setting.group, {"type": "object", "additionalProperties": False, "properties": {}})
+        group["properties"][setting.name] = {
+            "type": kinds[setting.kind],
+            "default": setting.default,
+            "description": f"{setting.help} (pdctl router {setting.flag})",
+        }
+    return schema
 
 
 @cache

@@ -20,7 +20,8 @@ COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffe
 def validate(top: Topology) -> list[Issue]:
     """Every semantic issue in ``top`` itself (whether it fits its nodes is the planner's to say)."""
     issues: list[Issue] = []
-    for check in (_nodes, _node_refs, _groups, _pd_pairing, _extra_args, _weights, _trainer, _colocate, _router):
+    checks = (_nodes, _node_refs, _groups, _pd_pairing, _extra_args, _weights, _trainer, _colocate, _router)
+    for check in (*checks, _router_settings):
         issues += check(top)
     return issues
 
@@ -262,4 +263,23 @@ def _router(top: Topology) -> list[Issue]:
             hint="set router.host to 0.0.0.0 or the node address (with router.api_key_env), or use an SSH tunnel",
         )
     )
+    return out
+
+
+def _router_settings(top: Topology) -> list[Issue]:
+    """Each ``router.GROUP`` checked by the router's own setting class (the rules the router
+    applies to its flags), reported at the setting that breaks one."""
+    from pdctl.errors import RouterConfigError
+    from pdctl.router.config import GROUPS, SETTINGS
+
+    out: list[Issue] = []
+    for group, values in top.router.settings.items():
+        try:
+            GROUPS[group](**values)
+        except RouterConfigError as exc:
+            flag = str(exc).split(" ", 1)[0]  # its message names the flag first
+            name = next((st.name for st in SETTINGS if st.group == group and st.flag == flag), "")
+            rule = str(exc).split(": must be ", 1)[-1]
+            path = f"router.{group}.{name}" if name else f"router.{group}"
+            out.append(Issue(path, f"must be {rule} (pdctl router {flag})"))
     return out

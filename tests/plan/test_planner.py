@@ -10,6 +10,7 @@ import pytest
 
 from pdctl.errors import PlanError
 from pdctl.plan import make_plan
+from pdctl.plan.load import load_plan
 from pdctl.plan.planner import check_invariants
 from pdctl.topology import load_topology, load_topology_text
 from tests.conftest import REPO, yaml_text
@@ -216,10 +217,9 @@ def test_the_router_parses_its_planned_argv_into_the_topologys_settings() -> Non
         for name in given:
             del os.environ[name]
     r = top.router
-    assert config.admission.request_timeout_secs == r.request_timeout_secs
-    assert config.admission.max_concurrent_requests == r.max_concurrent_requests
-    assert config.health.interval_secs == r.health_check_interval_secs
-    assert config.health.failure_threshold == r.health_failure_threshold
+    for group, values in r.settings.items():  # what the file sets, the router reads back
+        for name, value in values.items():
+            assert getattr(getattr(config, group), name) == value, (group, name)
     assert config.policy == r.policy and config.api_key == "test-key"
     assert config.engine_api_key == "engine-key" and [k.role.value for k in config.control_keys] == ["admin"]
     assert "engine-key" not in " ".join(plan.router.argv), "no key itself is on a planned command line"
@@ -249,3 +249,39 @@ nodes:
     assert logs["a", "127.0.0.1"] == str(tmp_path / "a" / "runs" / "same" / "logs" / "prefill-0.log")
     assert logs["a", "127.0.0.1"] != logs["b", "127.0.0.1"]
     assert logs["a", "10.0.0.2"] == logs["b", "10.0.0.2"] == "~/.pdctl/runs/same/logs/prefill-0.log"
+
+
+def test_router_settings_nest_in_the_topology_and_plan_exactly_their_flags(tmp_path) -> None:
+    """router.retry / breaker / admission / health / cache take the router's own settings: the
+    plan carries exactly the flags the file sets, and a bad value is refused at its line."""
+    from pdctl.errors import TopologyError
+
+    head = "name: r\nmodel: {path: m}\nnodes: [{name: n0, host: 127.0.0.1, gpus: 2}]\nprefill: {}\ndecode: {}\n"
+    text = head + (
+        "router:\n"
+        "  retry: {max_retries: 2, initial_backoff_ms: 10}\n"
+        "  breaker: {failure_threshold: 4, disabled: true}\n"
+        "  admission: {max_concurrent_requests: 32}\n"
+    )
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    planned = load_plan(path)
+    argv = list(planned.plan.router.argv)
+    flags = [a for a in argv if a.startswith("--retry") or a.startswith("--cb-") or a.startswith("--disable-")]
+    flags += [a for a in argv if a in ("--max-concurrent-requests", "--health-check-interval-secs")]
+    assert sorted(flags) == sorted(
+        ["--retry-max-retries", "--retry-initial-backoff-ms", "--cb-failure-threshold", "--disable-circuit-breaker",
+         "--max-concurrent-requests"]
+    ), argv  # fmt: skip
+    assert flag(argv, "--retry-max-retries") == "2" and flag(argv, "--cb-failure-threshold") == "4"
+    assert flag(argv, "--max-concurrent-requests") == "32"
+    for bad, where, needle in [
+        ("  retry: {max_retries: -1}\n", ":7:", "router.retry.max_retries: must be >= 0"),
+        ("  breaker: {failure_threshold: 0}\n", ":7:", "router.breaker.failure_threshold: must be >= 1"),
+        ("  retry: {max_retries: two}\n", ":7:", "router.retry.max_retries"),
+        ("  retry: {maximum_retries: 2}\n", ":7:", "maximum_retries"),
+    ]:
+        path.write_text(head + "router:\n" + bad)
+        with pytest.raises(TopologyError) as info:
+            load_plan(path)
+        assert f"r.yaml{where}" in str(info.value) and needle in str(info.value), str(info.value)
