@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from pdctl.choices import Choice
+
 
 class Role(str, Enum):
     """What a process is. ``prefill``/``decode`` are PD engines, ``regular`` a non-PD engine.
@@ -35,3 +37,11 @@ def engine_role(value: object) -> Role:
         if value == role.value:
             return role
     raise ValueError(f"worker_type must be one of {', '.join(r.value for r in ENGINE_ROLES)}")
+
+
+class RestartPolicy(Choice):
+    """The topology's ``restart:`` on engine groups, the router and the trainer (systemd's words);
+    the node's supervisor (pdctl.supervise) applies it."""
+
+    ON_FAILURE = "on-failure"
+    NEVER = "never"

@@ -34,8 +34,8 @@ from typing import Any
 import psutil
 
 from pdctl.nodeproc import expand
+from pdctl.roles import RestartPolicy
 
-RESTART_POLICIES = ("on-failure", "never")
 MAX_RESTARTS = 5
 WINDOW_SECS = 600.0
 BACKOFF_SECS = 0.1
@@ -100,7 +100,7 @@ class Supervisor:
             code = self._run_once()
             story = self.story
             story.last_exit = {"code": code, "at": time.time()}
-            if self.stopping or story.restart == "never" or not failed(code):
+            if self.stopping or story.restart == RestartPolicy.NEVER or not failed(code):
                 return self._done("exited", code)
             now = time.monotonic()
             while story.recent and now - story.recent[0] > WINDOW_SECS:
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     restart = "never"
     if len(argv) >= 2 and argv[1] == "--restart":
         restart, argv = argv[2], [argv[0], *argv[3:]]
-    if len(argv) < 3 or argv[1] != "--" or restart not in RESTART_POLICIES:
+    if len(argv) < 3 or argv[1] != "--" or restart not in {p.value for p in RestartPolicy}:
         print("usage: python -m pdctl.supervise FILE [--restart on-failure|never] -- ARGV...", file=sys.stderr)
         return 2
     return Supervisor(Story(expand(argv[0]), restart), argv[2:]).run()

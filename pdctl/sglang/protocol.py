@@ -8,8 +8,9 @@ from __future__ import annotations
 import random
 import secrets
 from collections.abc import Sequence
-from enum import Enum
 from typing import Any
+
+from pdctl.choices import Choice
 
 # Decode treats a request whose bootstrap_host is this as fake: no KV is transferred
 # (SGLang disaggregation/utils.py FAKE_BOOTSTRAP_HOST, used by warm-up and /health).
@@ -24,7 +25,7 @@ WEIGHT_SESSION_SINCE = (0, 5, 21)
 FLATTENED_BUCKET_SINCE = (0, 5, 12)
 
 
-class Endpoint(str, Enum):
+class Endpoint(Choice):
     """Every SGLang server path pdctl speaks (server side in the sim, client side elsewhere)."""
 
     GENERATE = "/generate"
@@ -159,9 +160,18 @@ def update_weights_from_distributed_body(
     }
 
 
-def pause_generation_body(mode: str = "retract") -> dict[str, Any]:
-    """Body of ``POST /pause_generation`` (0.5.12+): ``abort`` | ``retract`` | ``in_place``."""
-    return {"mode": mode}
+class PauseMode(Choice):
+    """``/pause_generation``'s modes (0.5.12+): ``abort`` ends running and queued requests,
+    ``retract`` sends running ones back to the queue, ``in_place`` keeps their KV and stops."""
+
+    ABORT = "abort"
+    RETRACT = "retract"
+    IN_PLACE = "in_place"
+
+
+def pause_generation_body(mode: PauseMode | str = PauseMode.RETRACT) -> dict[str, Any]:
+    """Body of ``POST /pause_generation``."""
+    return {"mode": PauseMode(mode).value}
 
 
 def update_weight_version_body(version: str) -> dict[str, Any]:

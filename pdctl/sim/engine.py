@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
+from pdctl.choices import parse_choice
 from pdctl.errors import SimError
+from pdctl.sglang.protocol import PauseMode
 from pdctl.sim.model import EOS_ID, KVPool, TinyLM, decode
 from pdctl.sim.sampling import SamplingOptions, sample
 
@@ -285,18 +287,20 @@ class Engine:
             self.weight_version = version
 
     # -- pause / continue / exclusive ---------------------------------------------------
-    def pause(self, mode: str) -> None:
+    def pause(self, how: PauseMode | str) -> None:
         """Pause as SGLang's /pause_generation does; returns once the scheduler has acted."""
-        if mode not in ("abort", "retract", "in_place"):
-            raise SimError(f"pause mode must be abort, retract or in_place, not {mode!r}")
+        try:
+            mode = parse_choice(PauseMode, how, "pause mode")
+        except ValueError as exc:
+            raise SimError(str(exc)) from None
 
         def act() -> None:
             self._paused = True
-            if mode == "abort":
+            if mode is PauseMode.ABORT:
                 for req in (*self._running, *self._waiting):
                     self._finish(req, abort_reason("Aborted"))  # SGLang: FINISH_ABORT()'s default message
                 self._purge()
-            elif mode == "retract":
+            elif mode is PauseMode.RETRACT:
                 for req in reversed(self._running):
                     if not req.finished:
                         req.retractions += 1

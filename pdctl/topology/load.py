@@ -16,7 +16,7 @@ from pdctl.errors import AllocationError, Issue, PdctlError, TopologyError
 from pdctl.roles import Role
 from pdctl.topology.alloc import Allocation, Dims, parse_allocation
 from pdctl.topology.guard import MAX_BYTES, decode
-from pdctl.topology.model import ServerGroup, Topology
+from pdctl.topology.model import PlacementMode, ServerGroup, Topology
 from pdctl.topology.schema import SourceMap, check_schema, parse_yaml
 from pdctl.topology.validate import validate
 
@@ -127,7 +127,7 @@ def _apply_allocation(top: Topology, data: dict[str, Any], source: SourceMap) ->
         if "placement" in data and not top.placement.colocate:
             issues.append(Issue("placement", "allocation colocates components with '|' but placement is separate"))
         elif not top.placement.colocate:
-            top = replace(top, placement=replace(top.placement, mode="colocate"))
+            top = replace(top, placement=replace(top.placement, mode=PlacementMode.COLOCATE))
     elif top.placement.colocate:
         issues.append(
             Issue(

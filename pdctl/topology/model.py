@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from pdctl.choices import Choice
 from pdctl.refit import RefitMode
-from pdctl.roles import Role
+from pdctl.roles import RestartPolicy, Role
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 DEFAULT_PORT_BASE = 20000
@@ -115,7 +116,7 @@ class ServerGroup:
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     path: str = ""
     """Where the group is written (``decode``, ``prefill[1]``, ``allocation``), for messages."""
-    restart: str = "on-failure"
+    restart: RestartPolicy = RestartPolicy.ON_FAILURE
     """Restart policy of its processes on their nodes (pdctl.supervise): on-failure or never."""
 
     @property
@@ -147,7 +148,7 @@ class ServerGroup:
             nodes=tuple(raw["nodes"]) if "nodes" in raw else None,
             args=_frozen_map(raw.get("args")),
             env=_env(raw.get("env")),
-            restart=raw.get("restart", "on-failure"),
+            restart=RestartPolicy(raw.get("restart", "on-failure")),
         )
 
 
@@ -170,7 +171,7 @@ class RouterSpec:
     """The router's own settings as the file gives them: group (``retry``, ``breaker``,
     ``admission``, ``health``, ``cache``) -> setting -> value; what is not given keeps the router's
     default (pdctl.router.config). The planner turns each into its flag."""
-    restart: str = "on-failure"
+    restart: RestartPolicy = RestartPolicy.ON_FAILURE
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RouterSpec:
@@ -182,6 +183,8 @@ class RouterSpec:
         for key, (group, name) in LEGACY_ROUTER_KEYS.items():  # the flat spellings of earlier files
             if key in r:
                 settings.setdefault(group, {}).setdefault(name, r.pop(key))
+        if "restart" in r:
+            r["restart"] = RestartPolicy(r["restart"])
         return cls(**r, settings=MappingProxyType({g: MappingProxyType(v) for g, v in settings.items()}))
 
 
@@ -204,15 +207,29 @@ class TrainerConfig:
     nodes: tuple[str, ...] | None = None
     """None = the last node."""
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    restart: str = "never"
+    restart: RestartPolicy = RestartPolicy.NEVER
     """Its ranks are not restarted unless asked: a restarted rank cannot rejoin a torchrun job."""
     startup_secs: float = 10.0
     """How long ``up`` watches it after its start: an exit with an error in that time fails ``up``."""
 
 
+class WeightBackend(Choice):
+    """The flat weight group's torch.distributed backend: ``nccl`` on GPUs, ``gloo`` on CPU."""
+
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
+class PlacementMode(Choice):
+    SEPARATE = "separate"
+    """Engines and trainer on disjoint GPUs."""
+    COLOCATE = "colocate"
+    """Trainer ranks share the engines' GPUs (under CUDA MPS)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightsConfig:
-    backend: str = "nccl"
+    backend: WeightBackend = WeightBackend.NCCL
     bucket_mb: int = 1024  # pdctl.weights.env.DEFAULT_BUCKET_MB (a test holds the two together)
     group_name: str = "weight_update_group"
     refit: RefitMode = RefitMode.DRAIN
@@ -228,7 +245,7 @@ class Placement:
     ``mps``: None when the file does not say (colocate then runs MPS); ``thread_percentage``:
     ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` per role (trainer, prefill, decode, regular)."""
 
-    mode: str = "separate"
+    mode: PlacementMode = PlacementMode.SEPARATE
     train_frac: float | None = None
     infer_frac: float | None = None
     mps: bool | None = None
@@ -236,7 +253,7 @@ class Placement:
 
     @property
     def colocate(self) -> bool:
-        return self.mode == "colocate"
+        return self.mode is PlacementMode.COLOCATE
 
     @property
     def uses_mps(self) -> bool:
@@ -246,8 +263,10 @@ class Placement:
     @classmethod
     def from_dict(cls, raw: str | Mapping[str, Any]) -> Placement:
         if isinstance(raw, str):
-            return cls(mode=raw)
+            return cls(mode=PlacementMode(raw))
         fields = {k: v for k, v in raw.items() if k != "mps_active_thread_percentage"}
+        if "mode" in fields:
+            fields["mode"] = PlacementMode(fields["mode"])
         percentages = raw.get("mps_active_thread_percentage") or {}
         return cls(**fields, thread_percentage=MappingProxyType({str(k): int(v) for k, v in percentages.items()}))
 
@@ -305,14 +324,14 @@ class Topology:
                 nproc_per_node=t.get("nproc_per_node"),
                 nodes=tuple(t["nodes"]) if "nodes" in t else None,
                 env=_env(t.get("env")),
-                restart=t.get("restart", "never"),
+                restart=RestartPolicy(t.get("restart", "never")),
                 startup_secs=t.get("startup_secs", 10.0),
             )
         engine = raw.get("engine", "sglang")
         weights = None
         if "weights" in raw or trainer is not None:
             w = dict(raw.get("weights", {}))
-            w.setdefault("backend", "gloo" if engine == "sim" else "nccl")
+            w["backend"] = WeightBackend(w.get("backend") or ("gloo" if engine == "sim" else "nccl"))
             w["refit"] = RefitMode.parse(w.get("refit"))
             weights = WeightsConfig(**w)
         r = raw.get("router", {})

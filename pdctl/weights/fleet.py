@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from pdctl.choices import parse_choice
 from pdctl.errors import WeightSyncError
 from pdctl.refit import (
     DEFAULT_HOLD_TIMEOUT_SECS,
@@ -32,6 +33,7 @@ from pdctl.refit import (
 )
 from pdctl.sglang import (
     Endpoint,
+    PauseMode,
     pause_generation_body,
     update_weight_version_body,
     update_weights_from_disk_body,
@@ -97,7 +99,7 @@ class Fleet:
         api_key: str | None = None,
         engine_key: str | None = None,
         timeout_secs: float = 120.0,
-        pause_mode: str = "retract",
+        pause_mode: PauseMode | str = PauseMode.RETRACT,
         lease_secs: float = DEFAULT_LEASE_SECS,
         hold_timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
         refit: RefitMode | str = RefitMode.DRAIN,
@@ -116,8 +118,10 @@ class Fleet:
         self.engines = tuple(EngineTarget.coerce(e, i) for i, e in enumerate(engines))
         if len({e.url for e in self.engines}) != len(self.engines):
             raise WeightSyncError("an engine URL is listed twice")
-        if pause_mode not in ("retract", "abort", "in_place"):
-            raise WeightSyncError(f"pause_mode must be retract, abort or in_place, not {pause_mode!r}")
+        try:
+            pause_mode = parse_choice(PauseMode, pause_mode, "pause_mode")
+        except ValueError as exc:
+            raise WeightSyncError(str(exc)) from None
         self.router_url = router_url.rstrip("/") if router_url else None
         self.timeout_secs = timeout_secs
         self.pause_mode = pause_mode
@@ -197,7 +201,7 @@ class Fleet:
     # -- the router's side ------------------------------------------------------------------------------
     def pause_body(self, refit: RefitMode) -> dict[str, Any]:
         """The /pause_generation body for a transaction in ``refit`` mode."""
-        return pause_generation_body("abort" if refit is RefitMode.INTERRUPT else self.pause_mode)
+        return pause_generation_body(PauseMode.ABORT if refit is RefitMode.INTERRUPT else self.pause_mode)
 
     @contextlib.contextmanager
     def held(

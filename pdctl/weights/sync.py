@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pdctl.choices import parse_choice
 from pdctl.errors import WeightSyncError
 from pdctl.refit import DEFAULT_HOLD_TIMEOUT_SECS, DEFAULT_LEASE_SECS, RefitMode
 from pdctl.sglang import DEFAULT_GROUP_NAME, Endpoint
@@ -45,6 +46,7 @@ from pdctl.weights.env import (
 )
 from pdctl.weights.fleet import EngineTarget, Fleet, Member, refit_mode
 from pdctl.weights.group import BroadcastGroup
+from pdctl.weights.modes import LoadFormat, VerifyMode
 from pdctl.weights.phase import EngineFault, Failure, Phase
 from pdctl.weights.report import PushReport
 from pdctl.weights.transaction import NamedTensors, Transaction
@@ -85,8 +87,8 @@ class WeightSync:
         engine_key: str | None = None,
         timeout_secs: float = 120.0,
         pause_mode: str = "retract",
-        verify: str = "auto",
-        load_format: str = "auto",
+        verify: VerifyMode | str = VerifyMode.AUTO,
+        load_format: LoadFormat | str = LoadFormat.AUTO,
         recover: bool = True,
         lease_secs: float = DEFAULT_LEASE_SECS,
         hold_timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
@@ -96,10 +98,11 @@ class WeightSync:
         max_staleness: int | None = None,
         follow_router: bool = False,
     ):
-        if verify not in ("auto", "sample", "full", "off"):
-            raise WeightSyncError(f"verify must be auto, sample, full or off, not {verify!r}")
-        if load_format not in ("auto", "flattened_bucket", "names"):
-            raise WeightSyncError(f"load_format must be auto, flattened_bucket or names, not {load_format!r}")
+        try:
+            verify = parse_choice(VerifyMode, verify, "verify")
+            load_format = parse_choice(LoadFormat, load_format, "load_format")
+        except ValueError as exc:
+            raise WeightSyncError(str(exc)) from None
         self.fleet = Fleet(
             engines,
             router_url=router_url,

@@ -40,6 +40,7 @@ from pdctl.weights.buckets import Bucket, buckets, tensor_checksum
 from pdctl.weights.client import CallFailure
 from pdctl.weights.fleet import Fleet, Member, failures
 from pdctl.weights.group import BroadcastGroup
+from pdctl.weights.modes import LoadFormat, VerifyMode
 from pdctl.weights.phase import EngineFault, Phase
 from pdctl.weights.report import PushReport
 
@@ -65,8 +66,8 @@ class Transaction:
         group: BroadcastGroup,
         *,
         bucket_bytes: int,
-        verify: str,
-        load_format: str,
+        verify: VerifyMode,
+        load_format: LoadFormat,
         timeout_secs: float,
     ):
         self.fleet = fleet
