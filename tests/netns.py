@@ -1,7 +1,7 @@
 """Real test hosts: one network namespace per host, each with its own sshd.
 
 A bridge in the root namespace joins a veth pair per host, on a private /24 used only for
-this (10.77.X.0/24, X from the pid so that concurrent runs do not collide); the control
+this (10.77.X.0/24, X random and claimed by creating its bridge, so that concurrent runs do not collide); the control
 side is 10.77.X.1. sshd runs with a throwaway host key and an authorized throwaway client
 key; known_hosts is written here. The filesystem is shared, so the test venv works on every
 host. ``close()`` removes processes, namespaces, veths and the bridge even after failures.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -68,31 +70,46 @@ class TestHost:
 class TestHosts:
     def __init__(self, count: int, tmp: Path):
         self.tmp = tmp
-        tag = os.getpid() % 10000
-        self.subnet = 10 + os.getpid() % 240
-        self.prefix = f"pd{tag}"
-        self.bridge = f"{self.prefix}br"
-        self.gateway = f"10.77.{self.subnet}.1"
-        self.hosts = [TestHost(f"h{i}", f"{self.prefix}h{i}", f"10.77.{self.subnet}.{i + 2}") for i in range(count)]
+        self.count = count
+        self.subnet = 0
+        self.prefix = self.bridge = self.gateway = ""
+        self.hosts: list[TestHost] = []
         self.client_key = tmp / "client_key"
         self.known_hosts = tmp / "known_hosts"
 
     # -- build ---------------------------------------------------------------------------
     def start(self) -> TestHosts:
         try:
+            self._claim()
             self._network()
             self._keys()
             for i, host in enumerate(self.hosts):
                 self._sshd(i, host)
             for host in self.hosts:
-                self._wait_port(host.ip, 22)
+                self._wait_sshd(host)
         except Exception:
             self.close()
             raise
         return self
 
+    def _claim(self) -> None:
+        """A 10.77.X.0/24 no other run uses (X random, not from the pid: suites sharing a machine
+        each get their own), claimed by creating its bridge ``pdXbr``: a second run that picks
+        the same X fails to create it and picks again."""
+        used = set(re.findall(r"10\.77\.(\d+)\.", _run("ip", "-4", "-o", "addr").stdout))
+        spaces = set(_run("ip", "netns", "list", check=False).stdout.split())
+        for x in random.SystemRandom().sample(range(10, 250), 240):
+            if str(x) in used or f"pd{x}h0" in spaces:
+                continue
+            if _run("ip", "link", "add", f"pd{x}br", "type", "bridge", check=False).returncode != 0:
+                continue  # taken meanwhile
+            self.subnet, self.prefix = x, f"pd{x}"
+            self.bridge, self.gateway = f"pd{x}br", f"10.77.{x}.1"
+            self.hosts = [TestHost(f"h{i}", f"pd{x}h{i}", f"10.77.{x}.{i + 2}") for i in range(self.count)]
+            return
+        raise RuntimeError("no free 10.77.X.0/24 for test hosts")
+
     def _network(self) -> None:
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for i, host in enumerate(self.hosts):
@@ -148,13 +165,18 @@ class TestHosts:
         log = (self.tmp / f"sshd_{i}.log").open("w")
         host.sshd = host.exec("/usr/sbin/sshd", "-D", "-e", "-f", str(config), stdout=log, stderr=subprocess.STDOUT)
 
-    def _wait_port(self, ip: str, port: int, timeout: float = 20) -> None:
+    def _wait_sshd(self, host: TestHost, timeout: float = 300) -> None:
+        """Until the host's sshd takes connections (an event: however loaded the machine), or it
+        exits; ``timeout`` only stops a hang from holding the suite."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=1):
+            with contextlib.suppress(OSError), socket.create_connection((host.ip, 22), timeout=1):
                 return
-            time.sleep(0.1)
-        raise TimeoutError(f"sshd on {ip}:{port} did not start")
+            if host.sshd is not None and host.sshd.poll() is not None:
+                log = (self.tmp / f"sshd_{self.hosts.index(host)}.log").read_text()[-2000:]
+                raise RuntimeError(f"sshd on {host.ip} exited with {host.sshd.returncode}: {log}")
+            time.sleep(0.05)
+        raise TimeoutError(f"sshd on {host.ip}:22 took no connection within {timeout:.0f}s")
 
     # -- helpers for tests ------------------------------------------------------------------
     def node(self, i: int, **extra) -> dict:
@@ -193,7 +215,8 @@ class TestHosts:
             _run("ip", "netns", "del", host.netns, check=False)
         for i in range(len(self.hosts)):
             _run("ip", "link", "del", f"{self.prefix}v{i}", check=False)
-        _run("ip", "link", "del", self.bridge, check=False)
+        if self.bridge:
+            _run("ip", "link", "del", self.bridge, check=False)
 
 
 def _venv_python() -> str:
