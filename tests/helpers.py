@@ -48,8 +48,11 @@ def free_port_base(span: int = 200) -> int:
     one machine do not pick the same block; a port taken between this check and ``up`` is caught
     by up's preflight (a clear error, not a silent clash)."""
     rng = random.SystemRandom()
-    while True:
-        base = rng.randrange(20000, 60000 - span, 10)
+    ephemeral = 32768  # Linux's default start of the range outgoing connections take ports from
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:  # below the ephemeral range: no client socket takes a port between this check and up
+        base = rng.randrange(10000, ephemeral - span, 10)
         try:
             for port in range(base, base + span):
                 with socket.socket() as s:

@@ -211,7 +211,7 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
     try:
         # the first runs for 200 steps (4 s or more): the burst arrives while it holds the only slot,
         # however loaded the machine; the others ask for one token each
-        long = {"text": "q", "sampling_params": {"max_new_tokens": 200}}
+        long = {"text": "q", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # no early EOS
         body = {"text": "q", "sampling_params": {"max_new_tokens": 1}}
         with cf.ThreadPoolExecutor(6) as pool:
             first = pool.submit(post, sim.url + "/generate", long)
