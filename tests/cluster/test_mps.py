@@ -21,6 +21,7 @@ from pdctl.cluster.state import StateStore
 from pdctl.errors import LifecycleError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
+from tests.helpers import free_port_base
 
 FAKE_MPS = Path(__file__).resolve().parents[1] / "fake_mps"
 PATH = f"{FAKE_MPS}:{os.environ['PATH']}"
@@ -109,7 +110,7 @@ def colocated(tmp_path, name: str, base: int, *, env: dict | None = None, placem
 
 
 def test_up_starts_mps_first_then_the_trainer_and_down_quits_it(tmp_path, pdctl_home) -> None:
-    top = colocated(tmp_path, "colo", 26000)
+    top = colocated(tmp_path, "colo", free_port_base())
     plan = make_plan(top)
     [daemon] = plan.mps
     events: list[tuple[str, str]] = []
@@ -149,7 +150,7 @@ def test_up_starts_mps_first_then_the_trainer_and_down_quits_it(tmp_path, pdctl_
 
 
 def test_a_daemon_already_running_is_reused_and_left_running(tmp_path, pdctl_home) -> None:
-    top = colocated(tmp_path, "reuse", 26100)
+    top = colocated(tmp_path, "reuse", free_port_base())
     plan = make_plan(top)
     [daemon] = plan.mps
     request = {"pipe_dir": daemon.pipe_dir, "log_dir": daemon.log_dir, "env": {"PATH": PATH}}
@@ -167,7 +168,7 @@ def test_a_daemon_already_running_is_reused_and_left_running(tmp_path, pdctl_hom
 
 
 def test_mps_that_fails_to_start_fails_up_and_leaves_nothing(tmp_path, pdctl_home) -> None:
-    top = colocated(tmp_path, "nomps", 26200, env={"FAKE_MPS": "fail"})
+    top = colocated(tmp_path, "nomps", free_port_base(), env={"FAKE_MPS": "fail"})
     plan = make_plan(top)
     with pytest.raises(LifecycleError) as err:
         up(top, plan, ready_timeout_secs=60)
@@ -182,7 +183,7 @@ def test_mps_that_fails_to_start_fails_up_and_leaves_nothing(tmp_path, pdctl_hom
 
 def test_mps_false_runs_colocated_without_a_daemon(tmp_path, pdctl_home) -> None:
     placement = {"mode": "colocate", "train_frac": 0.4, "infer_frac": 0.4, "mps": False}
-    top = colocated(tmp_path, "plain", 26300, placement=placement)
+    top = colocated(tmp_path, "plain", free_port_base(), placement=placement)
     plan = make_plan(top)
     assert plan.mps == () and plan.trainer_first
     events: list[tuple[str, str]] = []
