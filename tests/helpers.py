@@ -107,22 +107,21 @@ def http(
 def engine_auth(name: str, home: str | Path | None = None) -> dict[str, str]:
     """The ``Authorization`` header for the engines of cluster ``name`` (the key ``pdctl up``
     made; ``home``: its PDCTL_HOME, else this process's)."""
-    from pdctl.cluster.keys import load_keys
-    from pdctl.cluster.state import StateStore
-
-    keys = load_keys(StateStore(Path(home) if home else None), name)
-    assert keys is not None, f"cluster {name} has no keys"
-    return {"Authorization": f"Bearer {keys.engine}"}
+    return _cluster_auth(name, home, "engine")
 
 
 def control_auth(name: str, home: str | Path | None = None) -> dict[str, str]:
     """The ``Authorization`` header for the router's control plane of cluster ``name``."""
+    return _cluster_auth(name, home, "control")
+
+
+def _cluster_auth(name: str, home: str | Path | None, which: str) -> dict[str, str]:
     from pdctl.cluster.keys import load_keys
     from pdctl.cluster.state import StateStore
 
     keys = load_keys(StateStore(Path(home) if home else None), name)
     assert keys is not None, f"cluster {name} has no keys"
-    return {"Authorization": f"Bearer {keys.control}"}
+    return {"Authorization": f"Bearer {getattr(keys, which)}"}
 
 
 def post(url: str, body: Any = None, **kw: Any):
