@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.choices import parse_choice
+
 HOLD_PATH = "/pdctl/hold"
 RELEASE_PATH = "/pdctl/release"
 DEFAULT_LEASE_SECS = 30.0
@@ -42,13 +44,7 @@ class RefitMode(str, enum.Enum):
     @classmethod
     def parse(cls, value: str | RefitMode | None, what: str = "refit") -> RefitMode:
         """``value`` as a mode (None is ``drain``); ValueError naming ``what`` and the choices."""
-        if value is None:
-            return cls.DRAIN
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(m.value for m in cls)
-            raise ValueError(f"{what} must be one of {choices}, not {value!r}") from None
+        return cls.DRAIN if value is None else parse_choice(cls, value, what)
 
 
 def parse_staleness(value: Any, what: str = "max_staleness") -> int | None:
