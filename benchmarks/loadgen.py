@@ -16,6 +16,9 @@ import time
 import aiohttp
 
 BODY = json.dumps({"text": "benchmark", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).encode()
+STREAM_BODY = json.dumps(
+    {"text": "benchmark", "stream": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+).encode()
 
 
 async def run(url: str, concurrency: int, duration: float, max_requests: int, body: bytes = BODY) -> dict:
@@ -31,8 +34,8 @@ async def run(url: str, concurrency: int, duration: float, max_requests: int, bo
                 start = time.perf_counter()
                 try:
                     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
-                        await resp.read()
-                        ok = resp.status == 200
+                        data = await resp.read()
+                        ok = resp.status == 200 and b'"error"' not in data  # a stream may end in an error event
                 except (aiohttp.ClientError, OSError):
                     ok = False
                 if ok:
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--max-requests", type=int, default=1_000_000)
+    p.add_argument("--stream", action="store_true", help="Streamed /generate requests (read to the end).")
     a = p.parse_args()
     try:
         import uvloop
@@ -68,7 +72,8 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    print(json.dumps(asyncio.run(run(a.url, a.concurrency, a.duration, a.max_requests))))
+    body = STREAM_BODY if a.stream else BODY
+    print(json.dumps(asyncio.run(run(a.url, a.concurrency, a.duration, a.max_requests, body))))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Router cost per request, side by side in one run, on the same null backends.
 
-Targets (closed loop, concurrency 64, /generate): the decode backend directly; pdctl router
-in PD mode; sglang-router 0.3.2 (Rust) in PD mode with round_robin; sglang-router's Python
-MiniLB (--mini-lb). Each target runs ROUNDS times, interleaved, and the median is kept.
+Targets (closed loop, concurrency 64, /generate, plain and streamed with 8 SSE events): the
+decode backend directly; pdctl router in PD mode; sglang-router 0.3.2 (Rust) and smg 1.13.0
+(its successor; SMG_PYTHON names its interpreter, default the real-clients venv) in PD mode
+with round_robin; sglang-router's Python MiniLB (--mini-lb, plain only).
+Each target runs ROUNDS times, interleaved, and the median is kept.
 With two or more CPUs the router under test is pinned to the last CPU and the load generator
 and backends to the others, so that they do not take turns on the router's core (unpinned,
 the CPU-per-request figures of every router swung by +-40% from run to run here).
@@ -37,6 +39,8 @@ PY = sys.executable
 DURATION = float(os.environ.get("ROUTER_BENCH_DURATION", 8.0))
 CONCURRENCY = 64
 ROUNDS = int(os.environ.get("ROUTER_BENCH_ROUNDS", 5))
+STREAM_TOKENS = 8  # streamed requests: 8 SSE events of one token each, then [DONE]
+SMG_PYTHON = os.environ.get("SMG_PYTHON", "/tmp/pdctl-real-clients/smg/bin/python")
 
 
 def free_port() -> int:
@@ -105,8 +109,8 @@ def _pin_to_others() -> None:
     os.sched_setaffinity(0, OTHER_CPUS)
 
 
-def measure(name: str, url: str, router: subprocess.Popen | None) -> dict:
-    loadgen = [PY, str(ROOT / "loadgen.py"), url]
+def measure(name: str, url: str, router: subprocess.Popen | None, stream: bool) -> dict:
+    loadgen = [PY, str(ROOT / "loadgen.py"), url, *(["--stream"] if stream else [])]
     subprocess.run(
         [*loadgen, "--concurrency", "8", "--duration", "1"], capture_output=True, check=True, preexec_fn=_pin_to_others
     )  # warm-up
@@ -121,7 +125,9 @@ def measure(name: str, url: str, router: subprocess.Popen | None) -> dict:
     used = (cpu_secs(router) - before) if router else 0.0
     row = json.loads(out.stdout)
     row.update(
-        target=name, router_cpu_us_per_req=(used / row["requests"] * 1e6) if router and row["requests"] else None
+        target=name,
+        mode="streamed" if stream else "plain",
+        router_cpu_us_per_req=(used / row["requests"] * 1e6) if router and row["requests"] else None,
     )
     return row
 
@@ -129,96 +135,81 @@ def measure(name: str, url: str, router: subprocess.Popen | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", metavar="REF", help="also run pdctl's router as of this git ref")
+    parser.add_argument("--modes", default="plain,streamed", help="plain, streamed or both (comma-separated)")
     args = parser.parse_args()
     baseline_dir = checkout(args.baseline, Path(tempfile.mkdtemp()) / "baseline") if args.baseline else None
     try:
-        run(args.baseline, baseline_dir)
+        run(args.baseline, baseline_dir, [m.strip() for m in args.modes.split(",")])
     finally:
         if baseline_dir:
             remove_checkout(baseline_dir)
 
 
-def run(baseline: str | None, baseline_dir: Path | None) -> None:
+PDCTL, RUST, SMG, MINI = (
+    "pdctl router (PD)",
+    "sglang-router 0.3.2 (PD, Rust)",
+    "smg 1.13.0 (PD, Rust)",
+    "MiniLB (sglang-router --mini-lb)",
+)
+
+
+def run(baseline: str | None, baseline_dir: Path | None, modes: list[str]) -> None:
     prefill_port, boot_port, decode_port = free_port(), free_port(), free_port()
+    null = [PY, "-m", "pdctl.sim.null", "--stream-tokens", str(STREAM_TOKENS)]
     backends = [
-        start(
-            [
-                PY,
-                "-m",
-                "pdctl.sim.null",
-                "--port",
-                str(prefill_port),
-                "--role",
-                "prefill",
-                "--bootstrap-port",
-                str(boot_port),
-            ]
-        ),
-        start([PY, "-m", "pdctl.sim.null", "--port", str(decode_port), "--role", "decode"]),
+        start([*null, "--port", str(prefill_port), "--role", "prefill", "--bootstrap-port", str(boot_port)]),
+        start([*null, "--port", str(decode_port), "--role", "decode"]),
     ]
     prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
     wait(prefill + "/health")
     wait(decode + "/health")
 
-    # the same workers and policy for both routers
+    # the same workers and policy for every router
     pd_workers = ["--pd-disaggregation", "--prefill", prefill, str(boot_port), "--decode", decode]
     pd_workers += ["--policy", "round_robin"]
 
     def pdctl_router(port: int) -> list[str]:
-        return [
-            PY,
-            "-m",
-            "pdctl",
-            "router",
-            "--port",
-            str(port),
-            *pd_workers,
-            "--log-level",
-            "error",
-        ]
+        return [PY, "-m", "pdctl", "router", "--port", str(port), *pd_workers, "--log-level", "error"]
 
-    def sglang_router(port: int, mini: bool = False) -> list[str]:
-        argv = [
-            PY,
-            "-m",
-            "sglang_router.launch_router",
-            *pd_workers,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "error",
-        ]
+    def rust_router(python: str, module: str, port: int, mini: bool = False) -> list[str]:
+        argv = [python, "-m", module, *pd_workers, "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--prometheus-port", str(free_port()), "--log-level", "error"]
         return [*argv, "--mini-lb"] if mini else argv
 
     targets: dict[str, Callable[[int], list[str]] | None] = {
         "direct to decode": None,
-        "pdctl router (PD)": pdctl_router,
-        "sglang-router 0.3.2 (PD, Rust)": sglang_router,
-        "MiniLB (sglang-router --mini-lb)": lambda port: sglang_router(port, mini=True),
+        PDCTL: pdctl_router,
+        RUST: lambda port: rust_router(PY, "sglang_router.launch_router", port),
     }
+    if Path(SMG_PYTHON).exists():
+        targets[SMG] = lambda port: rust_router(SMG_PYTHON, "smg.launch_router", port)
+    else:
+        print(f"smg not found at {SMG_PYTHON}: run ../shared/tools/real-clients/setup.sh", file=sys.stderr)
+    targets[MINI] = lambda port: rust_router(PY, "sglang_router.launch_router", port, mini=True)
     old_name = f"pdctl router at {baseline} (PD)"
     if baseline_dir:  # the old tree's code, this environment's packages
         targets[old_name] = pdctl_router
-    runs: dict[str, list[dict]] = {name: [] for name in targets}
+    runs: dict[tuple[str, str], list[dict]] = {}
     try:
         for _ in range(ROUNDS):
-            for name, make in targets.items():
-                if make is None:
-                    runs[name].append(measure(name, decode + "/generate", None))
-                    continue
-                port = free_port()
-                proc = start(make(port), ROUTER_CPUS, baseline_dir if name == old_name else None)
-                try:
-                    wait(f"http://127.0.0.1:{port}/health")
-                    time.sleep(1.0)
-                    runs[name].append(measure(name, f"http://127.0.0.1:{port}/generate", proc))
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
+            for mode in modes:
+                stream = mode == "streamed"
+                for name, make in targets.items():
+                    if stream and name == MINI:
+                        continue  # MiniLB is 4x slower than every other router: measured for plain requests only
+                    rs = runs.setdefault((mode, name), [])
+                    if make is None:
+                        rs.append(measure(name, decode + "/generate", None, stream))
+                        continue
+                    port = free_port()
+                    proc = start(make(port), ROUTER_CPUS, baseline_dir if name == old_name else None)
+                    try:
+                        wait(f"http://127.0.0.1:{port}/health")
+                        time.sleep(1.0)  # the Rust routers mark workers healthy after their first check
+                        rs.append(measure(name, f"http://127.0.0.1:{port}/generate", proc, stream))
+                    finally:
+                        proc.terminate()
+                        proc.wait(timeout=30)
     finally:
         for b in backends:
             b.terminate()
@@ -228,32 +219,38 @@ def run(baseline: str | None, baseline_dir: Path | None) -> None:
         best = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]  # the median run by req/s
         cpu = [r["router_cpu_us_per_req"] for r in rs if r["router_cpu_us_per_req"] is not None]
         rows.append({**best, "router_cpu_us_per_req": statistics.median(cpu) if cpu else None, "all_runs": rs})
-    by = {r["target"]: r for r in rows}
-    pd, rust, mini = (
-        by["pdctl router (PD)"],
-        by["sglang-router 0.3.2 (PD, Rust)"],
-        by["MiniLB (sglang-router --mini-lb)"],
-    )
-    per_round = [
-        a["router_cpu_us_per_req"] / b["router_cpu_us_per_req"]
-        for a, b in zip(pd["all_runs"], rust["all_runs"], strict=True)
-    ]
-    ratios = {
-        "pdctl_cpu_per_req_vs_sglang_router": pd["router_cpu_us_per_req"] / rust["router_cpu_us_per_req"],
-        "pdctl_cpu_per_req_vs_sglang_router_per_round": per_round,
-        "pdctl_rps_vs_minilb": pd["rps"] / mini["rps"],
-        "pdctl_rps_vs_sglang_router": pd["rps"] / rust["rps"],
-    }
-    if baseline:
-        old = by[old_name]
-        per_round_old = [
-            a["router_cpu_us_per_req"] / b["router_cpu_us_per_req"]
-            for a, b in zip(pd["all_runs"], old["all_runs"], strict=True)
+    by = {(r["mode"], r["target"]): r for r in rows}
+
+    def cpu_ratio(mode: str, other: str) -> tuple[float, list[float]] | None:
+        a, b = by.get((mode, PDCTL)), by.get((mode, other))
+        if a is None or b is None:
+            return None
+        rounds = [
+            x["router_cpu_us_per_req"] / y["router_cpu_us_per_req"]
+            for x, y in zip(a["all_runs"], b["all_runs"], strict=True)
         ]
-        ratios["pdctl_cpu_per_req_vs_baseline"] = pd["router_cpu_us_per_req"] / old["router_cpu_us_per_req"]
-        ratios["pdctl_cpu_per_req_vs_baseline_per_round"] = per_round_old
-        ratios["pdctl_rps_vs_baseline"] = pd["rps"] / old["rps"]
-        ratios["pdctl_p99_vs_baseline"] = pd["p99_ms"] / old["p99_ms"]
+        return a["router_cpu_us_per_req"] / b["router_cpu_us_per_req"], rounds
+
+    goals = {("plain", SMG): 0.5, ("streamed", SMG): 0.6}
+    ratios: dict[str, object] = {}
+    summary: list[str] = []
+    for mode in modes:
+        for other, label in ((SMG, "smg 1.13.0"), (RUST, "sglang-router 0.3.2"), (old_name, f"pdctl at {baseline}")):
+            got = cpu_ratio(mode, other)
+            if got is None:
+                continue
+            ratio, rounds = got
+            key = f"{mode}_pdctl_cpu_per_req_vs_{label.split()[0]}"
+            ratios[key], ratios[key + "_per_round"] = ratio, rounds
+            goal = goals.get((mode, other))
+            summary.append(
+                f"{mode}: pdctl CPU per request / {label}'s: {ratio:.2f}x"
+                + (f" (goal <= {goal}x)" if goal else "")
+                + f"; per round {', '.join(f'{r:.2f}x' for r in rounds)}"
+            )
+    if ("plain", MINI) in by:
+        ratios["plain_pdctl_rps_vs_minilb"] = by[("plain", PDCTL)]["rps"] / by[("plain", MINI)]["rps"]
+        summary.append(f"plain: pdctl req/s / MiniLB's: {ratios['plain_pdctl_rps_vs_minilb']:.2f}x (goal >= 3x)")
     RESULTS.mkdir(exist_ok=True)
     meta = {
         "machine": platform.machine(),
@@ -262,6 +259,7 @@ def run(baseline: str | None, baseline_dir: Path | None) -> None:
         "duration_s": DURATION,
         "concurrency": CONCURRENCY,
         "rounds": ROUNDS,
+        "stream_tokens": STREAM_TOKENS,
         "baseline": baseline,
         "head": subprocess.run(
             ["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -269,29 +267,23 @@ def run(baseline: str | None, baseline_dir: Path | None) -> None:
     }
     stem = f"router_overhead_vs_{baseline}".replace("/", "_") if baseline else "router_overhead"
     (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=2))
-    lines = ["| target | req/s | p50 ms | p99 ms | router CPU us/req | errors |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | target | req/s | p50 ms | p99 ms | router CPU us/req | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         cpu = f"{r['router_cpu_us_per_req']:.0f}" if r["router_cpu_us_per_req"] else "-"
         lines.append(
-            f"| {r['target']} | {r['rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {cpu} | {r['errors']} |"
+            f"| {r['mode']} | {r['target']} | {r['rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {cpu} "
+            f"| {r['errors']} |"
         )
     lines += [
         "",
-        f"pdctl CPU per request / sglang-router's: {ratios['pdctl_cpu_per_req_vs_sglang_router']:.2f}x (goal <= 1.5x)",
-        f"same ratio within each round: {', '.join(f'{r:.2f}x' for r in per_round)}",
-        f"pdctl req/s / MiniLB's: {ratios['pdctl_rps_vs_minilb']:.2f}x (goal >= 3x)",
-        f"pdctl req/s / sglang-router's: {ratios['pdctl_rps_vs_sglang_router']:.2f}x",
-        f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}; "
-        f"the router runs on CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
+        *summary,
+        f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}, "
+        f"at {meta['head']}; streamed: {STREAM_TOKENS} SSE events and [DONE], one write each; the router runs on "
+        f"CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
     ]
-    if baseline:
-        lines[-1:-1] = [
-            f"pdctl (this tree, {meta['head']}) CPU per request / at {baseline}: "
-            f"{ratios['pdctl_cpu_per_req_vs_baseline']:.2f}x",
-            f"same ratio within each round: {', '.join(f'{r:.2f}x' for r in per_round_old)}",
-            f"pdctl req/s / at {baseline}: {ratios['pdctl_rps_vs_baseline']:.2f}x; "
-            f"p99 / at {baseline}: {ratios['pdctl_p99_vs_baseline']:.2f}x",
-        ]
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

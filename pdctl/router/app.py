@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -26,12 +27,15 @@ from pdctl.router import errors
 from pdctl.router.auth import Keys
 from pdctl.router.body_rules import body_problem
 from pdctl.router.config import RouterConfig
-from pdctl.router.dispatch import Dispatcher, Headers, RouteError
+from pdctl.router.dispatch import Dispatcher
+from pdctl.router.errors import RouteError
 from pdctl.router.fleet_weights import FleetWeights
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
-from pdctl.router.server import HttpServer, Reply, Request, Routes, json_reply, text_reply
+from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_reply
+from pdctl.router.server import HttpServer, Request, Routes
+from pdctl.router.shaping import Headers
 from pdctl.router.upstream import Upstream
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
@@ -155,18 +159,23 @@ class RouterServer:
         r.add("POST", "/pdctl/cordon", self.cordon)
         return r
 
-    async def handle(self, request: Request) -> Reply:
+    async def handle(self, request: Request) -> Answer:
         """Every request that passed the key check (``Keys.check``, on its headers): its route."""
         return await _route(self.routes, request)
 
     # -- traffic ------------------------------------------------------------------------------------------
-    async def generate(self, request: Request) -> Reply:
+    async def generate(self, request: Request) -> Answer:
+        """A generation request, from admission to its answer. It holds its admission slot and
+        counts in flight (``hold`` in ``drain`` mode waits for the count to reach zero) until
+        its answer ends: a stream's when its body ends, however it ends."""
         started = time.monotonic()
         route = request.path
         h = request.headers
         request_id = h.get("x-request-id") or h.get("x-correlation-id") or h.get("request-id")
         headers = Headers.of(request_id or f"{self._id_prefix}{next(self._ids):x}", h)
         status = 500
+        ends: list[Callable[[], None]] = []  # what to undo once the answer ends
+        answer: Answer | None = None
         try:
             try:
                 body = loads(request.body)
@@ -180,64 +189,65 @@ class RouterServer:
             if problem is not None:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, problem, headers)
-            if self._slots is None and self.gate.is_open:
-                resp = await self._counted(self._route(request, route, body, headers))  # the common, cheap path
-            else:
-                async with self._admission():
-                    await self.dispatcher.wait_open()
-                    resp = await self._counted(self._route(request, route, body, headers))
-            status = resp.status or 200  # a streamed reply has answered 200
-            return resp
+            if self._slots is not None:
+                ends.append(await self._admit())
+            if not self.gate.is_open:
+                await self.dispatcher.wait_open()
+            self._active += 1
+            self._idle.clear()
+            ends.append(self._leave)
+            answer = await self._route(route, body, headers)
+            status = answer.status
+            return answer
         except RouteError as exc:
             status = exc.status
             return errors.error_response(exc.status, exc.code, str(exc), headers)
         finally:
-            self.metrics.child(self.metrics.requests, route, str(status)).inc()
-            self.metrics.child(self.metrics.latency, route).observe(time.monotonic() - started)
+            end = functools.partial(self._ended, route, status, started, ends)
+            if isinstance(answer, StreamReply):
+                answer.on_close.append(end)
+            else:
+                end()
 
-    async def _route(self, request: Request, route: str, body: dict[str, Any], headers: Headers) -> Reply:
+    def _ended(self, route: str, status: int, started: float, ends: list[Callable[[], None]]) -> None:
+        for undo in ends:
+            undo()
+        self.metrics.child(self.metrics.requests, route, str(status)).inc()
+        self.metrics.child(self.metrics.latency, route).observe(time.monotonic() - started)
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
+
+    async def _route(self, route: str, body: dict[str, Any], headers: Headers) -> Answer:
         if not self.config.pd_disaggregation:
-            return await self.dispatcher.regular_request(request, route, body, headers)
+            return await self.dispatcher.regular_request(route, body, headers)
         if route == Endpoint.GENERATE.value:
             batch = batch_size_of(body)
         elif route == Endpoint.COMPLETIONS.value:
             batch = _prompt_batch(body.get("prompt"))
         else:
             batch = None  # chat: scalar fields (n > 1 is refused by the engines we drive)
-        return await self.dispatcher.pd_request(request, route, body, batch, headers)
+        return await self.dispatcher.pd_request(route, body, batch, headers)
 
-    @contextlib.asynccontextmanager
-    async def _admission(self):
-        """The concurrency limit: a bounded queue, then 429 (queue full) or 503 (queue timeout)."""
-        if self._slots is None:
-            yield
-            return
-        if self._slots.locked() and self._waiting >= self.config.admission.queue_size:
+    async def _admit(self) -> Callable[[], None]:
+        """A slot under the concurrency limit, waited for in a bounded queue (429 when the queue
+        is full, 408 past the queue timeout); the callable gives it back."""
+        slots = self._slots
+        assert slots is not None
+        if slots.locked() and self._waiting >= self.config.admission.queue_size:
             raise RouteError(429, errors.QUEUE_FULL, f"too many requests: {self._waiting} already queued")
         self._waiting += 1
         self.metrics.queued.set(self._waiting)
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.config.admission.queue_timeout_secs)
+            await asyncio.wait_for(slots.acquire(), self.config.admission.queue_timeout_secs)
         except asyncio.TimeoutError:
             raise RouteError(408, errors.QUEUE_TIMEOUT, "timed out waiting for a free slot") from None
         finally:
             self._waiting -= 1
             self.metrics.queued.set(self._waiting)
-        try:
-            yield
-        finally:
-            self._slots.release()
-
-    async def _counted(self, work: Awaitable[Reply]) -> Reply:
-        """Count a request in flight (``hold`` waits for the count to reach zero)."""
-        self._active += 1
-        self._idle.clear()
-        try:
-            return await work
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
+        return slots.release
 
     # -- hold / release (weight updates) ----------------------------------------------------------------
     async def hold(self, request: Request) -> Reply:
@@ -569,7 +579,7 @@ def _prompt_batch(prompt: Any) -> int | None:
     return None
 
 
-async def _route(routes: Routes, request: Request) -> Reply:
+async def _route(routes: Routes, request: Request) -> Answer:
     handler = routes.find(request)
     if handler is None:
         return errors.error_response(404, errors.NOT_FOUND, f"no route {request.path}")

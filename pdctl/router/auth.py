@@ -27,7 +27,7 @@ from enum import Enum
 
 from pdctl.errors import RouterConfigError
 from pdctl.router import errors
-from pdctl.router.server import Reply
+from pdctl.router.reply import Reply
 
 log = logging.getLogger("pdctl.router")
 audit_log = logging.getLogger("pdctl.router.audit")

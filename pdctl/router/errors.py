@@ -5,7 +5,7 @@ Codes are stable snake_case constants; tests assert on them.
 
 from __future__ import annotations
 
-from pdctl.router.server import Reply, json_reply
+from pdctl.router.reply import Reply, json_reply
 
 NO_PREFILL = "no_prefill_servers"
 NO_DECODE = "no_decode_servers"
@@ -52,6 +52,14 @@ _TYPES = {
     431: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class RouteError(Exception):
+    """A request the router answers with this error itself (no worker's answer to pass on)."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
 def error_body(status: int, code: str, message: str) -> dict:

@@ -22,8 +22,8 @@ server does what the router needs and nothing more:
   ``keepalive_timeout`` seconds; a request body must be in within ``body_timeout`` seconds
   of its headers.
 
-Handlers take a ``Request`` and return a ``Reply``, or ``STREAMED`` after writing through
-``Request.stream()``. Routes are exact ``(method, path)`` pairs plus path prefixes.
+Handlers take a ``Request`` and return a ``Reply`` or a ``StreamReply`` (pdctl.router.reply),
+which the server writes. Routes are exact ``(method, path)`` pairs plus path prefixes.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
-from typing import Any, cast
+from typing import cast
 from urllib.parse import unquote
 
 import httptools
 
-from pdctl.router.jsonutil import dumps
+from pdctl.router.reply import Answer, Reply, StreamReply
 
 log = logging.getLogger("pdctl.router.server")
 
@@ -50,27 +50,6 @@ MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is refused with a 431
 MAX_PIPELINED = 32  # requests parsed ahead of their answers; then reading pauses
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-@dataclass(slots=True)
-class Reply:
-    """A whole response. ``headers`` are extra headers (Content-Type/Length are written for you)."""
-
-    status: int = 200
-    body: bytes = b""
-    content_type: str = "application/json"
-    headers: dict[str, str] | None = None
-
-
-def json_reply(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
-    return Reply(status, dumps(value), "application/json", headers)
-
-
-def text_reply(text: str, status: int = 200, content_type: str = "text/plain; charset=utf-8") -> Reply:
-    return Reply(status, text.encode(), content_type)
-
-
-STREAMED = Reply(0)  # returned by a handler that answered through Request.stream()
 
 
 @dataclass(slots=True)
@@ -83,44 +62,13 @@ class Request:
     keep_alive: bool
     http10: bool
     tail: str = ""  # the path after a prefix route's prefix, percent-decoded
-    streaming: bool = False  # the head of a streamed reply has been sent
-    _conn: _Connection | None = field(default=None, repr=False)
     held: int = 0
     """Bytes of its body counted in the server's ``inflight_body`` until it is answered."""
     refusal: Reply | None = None
     """Refused at its head while earlier pipelined requests were unanswered: sent in its turn."""
 
-    async def stream(self, status: int, headers: dict[str, str]) -> StreamWriter:
-        """Send the status line and headers now; the body follows in chunks."""
-        assert self._conn is not None
-        writer = StreamWriter(self._conn)
-        self.streaming = True
-        head = _head(status, headers, self.keep_alive, self.http10)
-        writer.write_raw(head + b"Transfer-Encoding: chunked\r\n\r\n")
-        return writer
 
-
-class StreamWriter:
-    """Chunked body writer; ``write`` waits while the client is not reading (flow control)."""
-
-    def __init__(self, conn: _Connection):
-        self._conn = conn
-
-    def write_raw(self, data: bytes) -> None:
-        if self._conn.transport is not None and not self._conn.transport.is_closing():
-            self._conn.transport.write(data)
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            self.write_raw(b"%x\r\n%b\r\n" % (len(data), data))
-            await self._conn.drain()
-
-    async def end(self) -> None:
-        self.write_raw(b"0\r\n\r\n")
-        await self._conn.drain()
-
-
-Handler = Callable[[Request], Awaitable[Reply]]
+Handler = Callable[[Request], Awaitable[Answer]]
 HeadCheck = Callable[[str, str, dict[str, str]], "Reply | None"]
 """``(method, path, headers)`` -> a Reply that refuses the request, or None to read on."""
 
@@ -158,7 +106,7 @@ class Routes:
 class HttpServer:
     """Serve ``dispatch`` (which sees every request) on host:port; port 0 picks a free one.
 
-    ``dispatch`` must return a Reply (or STREAMED); an exception it raises is logged and
+    ``dispatch`` must return a Reply or a StreamReply; an exception it raises is logged and
     answered with a 500. ``on_error(status, message)`` builds the Reply for the server's own
     errors (bad request, too large, not found, 500) so that they share the app's error shape.
     """
@@ -277,10 +225,6 @@ class _Connection(asyncio.Protocol):
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
-    async def drain(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            await self._writable
-
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -371,7 +315,6 @@ class _Connection(asyncio.Protocol):
             body=body,
             keep_alive=self.parser.should_keep_alive(),
             http10=self.parser.get_http_version() == "1.0",
-            _conn=self,
             held=held,
         )
         if self.task is None:
@@ -406,31 +349,72 @@ class _Connection(asyncio.Protocol):
         try:
             reply = await self.server.dispatch(request)
         except asyncio.CancelledError as exc:
-            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
-            if self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > 0):
+            if self._client_cancelled():
                 raise  # the client went away, or the server stops: the handler's work ends
             # A cancellation the handler made itself leaked out of it: a bug, but the client must
-            # not wait for ever on an open connection. Answer (or close a half-sent stream).
+            # not wait for ever on an open connection.
             log.error("handler for %s %s ended by a stray cancellation", request.method, request.path, exc_info=exc)
-            if request.streaming:
-                self.close()
-                return False
             reply = self.server.on_error(500, "internal error: the request was cancelled")
-        except Exception as exc:
-            if request.streaming:  # half a stream was sent: closing is the only honest end
-                log.warning("stream for %s %s broke: %s: %s", request.method, request.path, type(exc).__name__, exc)
-                self.close()
-                return False
+        except Exception:
             log.exception("handler for %s %s failed", request.method, request.path)  # a bug: 500, keep serving
-            reply = self.server.on_error(500, f"internal error: {type(exc).__name__}")
+            reply = self.server.on_error(500, "internal error")
+        if isinstance(reply, StreamReply):
+            if not await self._stream(request, reply):
+                self.close()  # half a stream was sent: closing is the only honest end
+                return False
+        elif self.transport is not None:
+            self.transport.write(_whole(reply, request.keep_alive, request.http10))
         if self.transport is None:
             return False
-        if reply is not STREAMED:
-            self.transport.write(_whole(reply, request.keep_alive, request.http10))
         if not request.keep_alive:
             self.close()
             return False
         return True
+
+    async def _stream(self, request: Request, reply: StreamReply) -> bool:
+        """Write ``reply``'s head, then its body in chunks as they come (waiting while the client
+        does not read); whether the stream ended whole. Its body is closed, and its ``on_close``
+        callbacks run, however it ends."""
+        body = reply.body
+        try:
+            if self.transport is None:
+                return False
+            head = _head(reply.status, reply.headers, request.keep_alive, request.http10)
+            self.transport.write(
+                b"%bContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r\n"
+                % (head, reply.content_type.encode("latin-1"))
+            )
+            async for chunk in body:
+                transport = self.transport
+                if transport is None:
+                    return False
+                if chunk:
+                    transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    if self._writable is not None and not self._writable.done():
+                        await self._writable  # flow control: the client is not reading
+            if self.transport is not None:
+                self.transport.write(b"0\r\n\r\n")
+            return True
+        except asyncio.CancelledError as exc:
+            if self._client_cancelled():
+                raise
+            log.error("stream for %s %s ended by a stray cancellation", request.method, request.path, exc_info=exc)
+            return False
+        except Exception as exc:
+            log.warning("stream for %s %s broke: %s: %s", request.method, request.path, type(exc).__name__, exc)
+            return False
+        finally:
+            try:
+                await body.aclose()
+            finally:
+                for done in reply.on_close:
+                    done()
+
+    def _client_cancelled(self) -> bool:
+        """Whether the cancellation being handled came from outside the handler: the client went
+        away or the server stops (withdrawn here if it was the handler's own, Python 3.11+)."""
+        uncancel = getattr(asyncio.current_task(), "uncancel", None)
+        return self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > 0)
 
     def _release(self, request: Request) -> None:
         """``request``'s body no longer counts against the bodies the server holds."""

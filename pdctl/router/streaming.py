@@ -1,9 +1,11 @@
-"""Forwarding an engine's SSE stream to the client, and the pieces a continued stream needs.
+"""An engine's SSE stream as the client gets it, and the pieces a continued stream needs.
 
-``pump`` forwards events as they come and parses none of them on the common path; after a
-weight update (refit ``interrupt``) its ``Interrupted`` rule catches the events that end an
-answer in an asked-for abort, so that the dispatcher can continue those answers on the new
-weights (``Continued`` shows a continuation's events as part of the client's stream).
+A stream is forwarded in *blocks* (``sse_blocks``): what arrived, cut at the last event
+boundary, so that the client never gets half an event and the router parses none of them on
+the common path. After a weight update (refit ``interrupt``) the ``Interrupted`` rule reads
+the blocks that name an abort event by event and catches those that end an answer in an
+asked-for abort, so that the dispatcher can continue those answers on the new weights
+(``Continued`` shows a continuation's events as part of the client's stream).
 """
 
 from __future__ import annotations
@@ -18,26 +20,23 @@ from pdctl.router.resume import Job, Piece, asked_abort
 from pdctl.router.upstream import Response, UpstreamError, UpstreamTimeout
 
 DONE = b"data: [DONE]\n\n"
+Transform = Callable[[bytes], bytes]
+"""What the client sees of one event."""
 
 
 @dataclass(frozen=True)
 class Opened:
-    """An engine stream whose first event has come (and not yet been sent on)."""
+    """An engine stream whose first block has come (and not yet been sent on)."""
 
     response: Response
     first: bytes
     rest: AsyncIterator[bytes]
 
-    async def events(self) -> AsyncIterator[bytes]:
-        yield self.first
-        async for event in self.rest:
-            yield event
 
-
-async def first_event(events: AsyncIterator[bytes], timeout: float) -> bytes | BaseException:
-    """The first event of a stream, or why there is none (UpstreamTimeout after ``timeout``)."""
+async def first_block(blocks: AsyncIterator[bytes], timeout: float) -> bytes | BaseException:
+    """The first block of a stream, or why there is none (UpstreamTimeout after ``timeout``)."""
     try:
-        return await asyncio.wait_for(events.__anext__(), timeout)
+        return await asyncio.wait_for(blocks.__anext__(), timeout)
     except asyncio.TimeoutError:
         return UpstreamTimeout("no first event within the request timeout")
     except StopAsyncIteration:
@@ -46,16 +45,42 @@ async def first_event(events: AsyncIterator[bytes], timeout: float) -> bytes | B
         return exc
 
 
-async def sse_events(upstream: Response) -> AsyncIterator[bytes]:
-    """Whole SSE events (``data: ...\\n\\n``) from a streaming response."""
-    buffer = b""
+async def sse_blocks(upstream: Response) -> AsyncIterator[bytes]:
+    """A streaming response's body as it arrives, cut after its last whole event (``...\\n\\n``):
+    each block is one or more whole events; the rest waits for the next read. A tail with no
+    boundary at the end of the body comes last."""
+    tail = b""
     async for chunk in upstream.chunks():
-        buffer += chunk
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            yield event + b"\n\n"
-    if buffer:
-        yield buffer
+        if tail:
+            chunk = tail + chunk
+        cut = chunk.rfind(b"\n\n") + 2
+        if cut == 1:  # no boundary yet
+            tail = chunk
+        elif cut == len(chunk):
+            tail = b""
+            yield chunk
+        else:
+            tail = chunk[cut:]
+            yield chunk[:cut]
+    if tail:
+        yield tail
+
+
+def events_of(block: bytes) -> list[bytes]:
+    """A block's events, each with its ``\\n\\n``."""
+    return [event + b"\n\n" for event in block.split(b"\n\n") if event]
+
+
+def shaped(block: bytes, transform: Transform) -> bytes:
+    return b"".join(transform(event) for event in events_of(block))
+
+
+def last_data(block: bytes | None) -> dict[str, Any] | None:
+    """The JSON of the last ``data: {...}`` event in ``block``."""
+    if block is None:
+        return None
+    start = block.rfind(b"data: {")
+    return sse_data(block[start:]) if start >= 0 else None
 
 
 @dataclass
@@ -86,45 +111,21 @@ class Interrupted:
         self.over = index is None
         return True
 
+    def reads(self, block: bytes) -> bool:
+        """Whether ``block`` must be read event by event (``passed``) rather than passed whole."""
+        return bool(self.caught) or (b'"abort"' in block and self.armed())
 
-@dataclass(frozen=True)
-class Pumped:
-    """How forwarding a stream ended: ``last``, the last data event forwarded (as the upstream
-    sent it; parsed only by a caller that continues the stream); ``error``, the upstream's
-    failure."""
-
-    last: bytes | None = None
-    error: BaseException | None = None
-
-    @property
-    def last_data(self) -> dict[str, Any] | None:
-        return sse_data(self.last) if self.last is not None else None
-
-
-async def pump(
-    resp: Any,
-    events: AsyncIterator[bytes],
-    transform: Callable[[bytes], bytes] | None,
-    rule: Interrupted | None = None,
-) -> Pumped:
-    """Forward ``events`` (an upstream's SSE events or raw chunks) to the client. A failure to
-    write to the client propagates: a client that goes away is not the worker's fault."""
-    last: bytes | None = None
-    events = events.__aiter__()
-    while True:
-        try:
-            event = await events.__anext__()
-        except StopAsyncIteration:
-            return Pumped(last)
-        except (UpstreamError, OSError) as exc:
-            return Pumped(last, error=exc)
-        if rule is not None and rule.catches(event):
-            if rule.over:
-                return Pumped(last)
-            continue
-        await resp.write(transform(event) if transform is not None else event)
-        if event.startswith(b"data: {"):
-            last = event
+    def passed(self, block: bytes, transform: Transform | None) -> bytes:
+        """What the client gets of ``block``: its events but those caught, and none after the
+        one that ends the stream (``over``)."""
+        out = []
+        for event in events_of(block):
+            if self.catches(event):
+                if self.over:
+                    break
+                continue
+            out.append(transform(event) if transform is not None else event)
+        return b"".join(out)
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,10 @@ class Response:
     content_type: str = "application/json"
     _source: BodySource | None = field(default=None, repr=False)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (streamed responses only)."""
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (streamed responses only; read once)."""
         assert self._source is not None
-        async for chunk in self._source.body_chunks():
-            yield chunk
+        return self._source.body_chunks()
 
     async def read(self) -> bytes:
         """The rest of a streamed body, whole."""

@@ -38,8 +38,9 @@ def _item(i: int = 0) -> dict[str, Any]:
     }
 
 
-def _stream_chunks(n: int) -> bytes:
-    """A /generate stream of ``n`` chunks of one token each (cumulative counts, as SGLang's)."""
+def _stream_events(n: int) -> list[bytes]:
+    """A /generate stream of ``n`` events of one token each (cumulative counts, as SGLang's),
+    then [DONE]: each is written as its own chunk, as an engine writes tokens as they come."""
     out = []
     for k in range(1, n + 1):
         item = _item()
@@ -49,11 +50,11 @@ def _stream_chunks(n: int) -> bytes:
         if k == n:
             item["meta_info"]["finish_reason"] = {"type": "length", "length": n}
         out.append(b"data: " + _dumps(item) + b"\n\n")
-    return b"".join(out) + b"data: [DONE]\n\n"
+    return [*out, b"data: [DONE]\n\n"]
 
 
 def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: int = 0) -> web.Application:
-    streamed = _stream_chunks(stream_tokens) if stream_tokens else None
+    streamed = _stream_events(stream_tokens) if stream_tokens else None
     log = open(record, "a") if record else None  # noqa: SIM115 - lives as long as the app
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -82,7 +83,8 @@ def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: i
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             if streamed is not None and request.path == Endpoint.GENERATE.value and not n:
-                await resp.write(streamed)
+                for event in streamed:
+                    await resp.write(event)
             else:
                 await resp.write(b"data: " + _dumps(out) + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()

@@ -393,7 +393,7 @@ def test_a_policy_that_chooses_no_worker_is_a_503_not_the_first_worker(role: Rol
     engines = Engines()
 
     async def scenario(r: Run) -> tuple[int, Any]:
-        setattr(r.server.dispatcher, f"{role.value}_policy", ChoosesNone())
+        setattr(r.server.dispatcher.select, f"{role.value}_policy", ChoosesNone())
         return await r.generate()
 
     status, body = run(engines, scenario)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdctl.router.errors import server_error
-from pdctl.router.server import STREAMED, HttpServer, Reply, Request, Routes, json_reply
+from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, started
+from pdctl.router.server import HttpServer, Request, Routes
 
 PAD = "x" * 4096
 
@@ -23,6 +24,8 @@ class App:
         self.routes = Routes()
         self.cancelled = asyncio.Event()
         self.started = asyncio.Event()
+        self.body_closed = asyncio.Event()
+        self.stream_ended = asyncio.Event()
         self.routes.add("POST", "/echo", self.echo)
         self.routes.add("GET", "/echo", self.echo)
         self.routes.add("POST", "/hang", self.hang)
@@ -32,7 +35,7 @@ class App:
         self.routes.add("GET", "/break-stream", self.break_stream)
         self.routes.add_prefix("DELETE", "/items/", self.delete)
 
-    async def dispatch(self, request: Request) -> Reply:
+    async def dispatch(self, request: Request) -> Answer:
         handler = self.routes.find(request)
         if handler is None:
             return server_error(404, "no route")
@@ -55,14 +58,22 @@ class App:
             raise
         return Reply(200)
 
-    async def stream(self, r: Request) -> Reply:
-        writer = await r.stream(200, {"Content-Type": "text/event-stream"})
+    async def stream(self, r: Request) -> Answer:
         self.written = 0
-        for i in range(int(r.query.split("=")[1]) if r.query else 3):
-            await writer.write(f"data: {i} {PAD}\n\n".encode())
-            self.written += 1
-        await writer.end()
-        return STREAMED
+        count = int(r.query.split("=")[1]) if r.query else 3
+
+        async def body() -> AsyncGenerator[bytes, None]:
+            try:
+                yield b""
+                for i in range(count):
+                    yield f"data: {i} {PAD}\n\n".encode()
+                    self.written += 1
+            finally:
+                self.body_closed.set()
+
+        reply = StreamReply(200, {"X-Stream": "1"}, await started(body()))
+        reply.on_close.append(self.stream_ended.set)
+        return reply
 
     async def boom(self, r: Request) -> Reply:
         raise RuntimeError("a bug")
@@ -75,10 +86,13 @@ class App:
         await asyncio.sleep(0)
         return Reply(200)
 
-    async def break_stream(self, r: Request) -> Reply:
-        writer = await r.stream(200, {"Content-Type": "text/event-stream"})
-        await writer.write(b"data: 0\n\n")
-        raise ConnectionError("upstream died")
+    async def break_stream(self, r: Request) -> Answer:
+        async def body() -> AsyncGenerator[bytes, None]:
+            yield b""
+            yield b"data: 0\n\n"
+            raise ConnectionError("upstream died")
+
+        return StreamReply(200, None, await started(body()))
 
     async def delete(self, r: Request) -> Reply:
         return json_reply({"deleted": r.tail})
@@ -219,11 +233,29 @@ def test_streamed_reply_is_chunked_and_flow_controlled() -> None:
     async def test(app: App, port: int) -> None:
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/stream?n=4000") as r:  # 16 MB
             assert r.headers["Transfer-Encoding"] == "chunked"
-            assert r.headers["Content-Type"] == "text/event-stream"
+            assert r.headers["Content-Type"] == "text/event-stream" and r.headers["X-Stream"] == "1"
             await asyncio.sleep(0.5)  # not reading: the writer must wait, not buffer without bound
             assert app.written < 4000
             text = (await r.read()).decode()
         assert text == "".join(f"data: {i} {PAD}\n\n" for i in range(4000))
+        await app.stream_ended.wait()
+        assert app.body_closed.is_set()
+
+    run(test)
+
+
+def test_a_stream_whose_client_leaves_before_its_body_closes_the_body() -> None:
+    """The client goes away with the head in hand: the body (started, never read to its end) is
+    closed, so its cleanup runs, and the reply's on_close callbacks run once."""
+
+    async def test(app: App, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /stream?n=100000 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 OK")
+        writer.close()  # gone, with the body unread: the server's writes back up, then fail
+        await app.stream_ended.wait()
+        assert app.body_closed.is_set() and app.written < 100000
 
     run(test)
 

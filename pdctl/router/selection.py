@@ -1,0 +1,92 @@
+"""Selection: which prefill and decode (or which regular engine) serve a request.
+
+The workers in rotation (healthy, breaker closed, not quarantined or cordoned), narrowed to one
+weight version when a continuation must stay on the version its tokens came from; a prefill and
+its decode always share a weight version. A ``RouteError`` (503) names what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdctl.roles import Role
+from pdctl.router import errors
+from pdctl.router.config import RouterConfig
+from pdctl.router.errors import RouteError
+from pdctl.router.metrics import RouterMetrics
+from pdctl.router.policies import RequestContext, policy_class
+from pdctl.router.workers import Worker, WorkerRegistry
+
+
+class Selector:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics):
+        self.registry = registry
+        self.metrics = metrics
+        self.prefill_policy = policy_class(config.prefill_policy or config.policy).from_config(config)
+        self.decode_policy = policy_class(config.decode_policy or config.policy).from_config(config)
+        self.regular_policy = policy_class(config.policy).from_config(config)
+        self.pd_needs_text = self.prefill_policy.needs_text or self.decode_policy.needs_text
+
+    def context(self, body: dict[str, Any], routing_key: str | None, *, pd: bool) -> RequestContext:
+        """What the policies read of a request (its text only for those that hash or match it)."""
+        needs_text = self.pd_needs_text if pd else self.regular_policy.needs_text
+        return RequestContext(text=text_of(body) if needs_text else None, routing_key=routing_key)
+
+    def pair(self, ctx: RequestContext, version: str | None = None) -> tuple[Worker, Worker]:
+        """A prefill and a decode on the same weight version (``version`` when given)."""
+        prefills = self.registry.routable(Role.PREFILL)
+        if version is not None:
+            prefills = [p for p in prefills if p.weight_version == version]
+        if not prefills:
+            raise RouteError(503, errors.NO_PREFILL, "No prefill workers available" + self._why_none(Role.PREFILL))
+        decodes = self.registry.routable(Role.DECODE)
+        if not decodes:
+            raise RouteError(503, errors.NO_DECODE, "No decode workers available" + self._why_none(Role.DECODE))
+        versions = {d.weight_version for d in decodes}
+        pairable = [p for p in prefills if p.weight_version in versions]
+        if not pairable:
+            raise RouteError(
+                503,
+                errors.VERSION_MISMATCH,
+                "no prefill and decode share a weight version "
+                f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, "
+                f"decode {sorted(map(str, versions))})",
+            )
+        prefill = _chosen(self.prefill_policy.select(pairable, ctx), Role.PREFILL)
+        same = [d for d in decodes if d.weight_version == prefill.weight_version]
+        decode = _chosen(self.decode_policy.select(same, ctx), Role.DECODE)
+        self.metrics.selected(prefill, decode)
+        return prefill, decode
+
+    def regular(self, ctx: RequestContext, version: str | None = None) -> Worker:
+        """A regular engine (``version``'s when given)."""
+        workers = self.registry.routable(Role.REGULAR)
+        if version is not None:
+            workers = [w for w in workers if w.weight_version == version]
+        if not workers:
+            raise RouteError(503, errors.NO_WORKERS, "No healthy workers available" + self._why_none(Role.REGULAR))
+        return _chosen(self.regular_policy.select(workers, ctx), Role.REGULAR)
+
+    def _why_none(self, role: Role) -> str:
+        held = [w for w in self.registry.of_role(role) if w.quarantined]
+        if held:
+            return f" ({len(held)} out of rotation for their weights: {held[0].quarantined})"
+        return " (none healthy)"
+
+
+def _chosen(worker: Worker | None, role: Role) -> Worker:
+    if worker is None:  # a policy must choose among the workers it is given
+        raise RouteError(503, errors.NO_WORKERS, f"the {role} policy chose no worker")
+    return worker
+
+
+def text_of(body: dict[str, Any]) -> str | None:
+    """A request's prompt text, for policies that hash or match it."""
+    for key in ("text", "prompt"):
+        value = body.get(key)
+        if isinstance(value, str):
+            return value
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    return None
