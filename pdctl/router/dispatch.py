@@ -259,8 +259,8 @@ class Dispatcher:
         )
         shown: Continued | None = None  # how the current continuation's events show in the client's stream
         current: _Live | None = live
+        primed = False
         try:
-            yield b""  # started: from here on, closing this stream runs its finally
             while current is not None:
                 worker = current.worker
                 rule = self._interrupt_rule(current.epoch, request) if request.path == GENERATE else None
@@ -269,6 +269,9 @@ class Dispatcher:
                 last: bytes | None = None  # the last block with data, as the engine sent it
                 error: BaseException | None = None
                 with self.registry.in_flight(worker):  # the head's leg has ended; the body still loads it
+                    if not primed:
+                        primed = True
+                        yield b""  # started: from here on, closing this stream runs its finally
                     while True:
                         if b"data: {" in block:
                             last = block

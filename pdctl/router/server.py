@@ -48,6 +48,7 @@ log = logging.getLogger("pdctl.router.server")
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is refused with a 431
 MAX_PIPELINED = 32  # requests parsed ahead of their answers; then reading pauses
+MAX_CORKED_BYTES = 64 * 1024  # a stream's writes gathered at most, before they go out at once
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -166,6 +167,8 @@ class _Connection(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self._writable: asyncio.Future | None = None  # set while the client is not reading
+        self._corked: list[bytes] | None = None  # a stream's writes, gathered until the loop's next turn
+        self._corked_bytes = 0
         self._url = b""
         self._headers: dict[str, str] = {}
         self._body: bytes | bytearray = b""
@@ -227,7 +230,37 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
+            self._uncork()
             self.transport.close()
+
+    def _send(self, data: bytes) -> None:
+        """Write ``data`` once this turn of the event loop ends, with all else written in it.
+
+        A stream's head, blocks and end often come in one turn (an engine's events arrive
+        together): they go out in one system call, not one each (the writes were most of a
+        streamed request's CPU)."""
+        corked = self._corked
+        if corked is None:
+            self._corked = [data]
+            self._corked_bytes = len(data)
+            self.loop.call_soon(self._uncork)
+        else:
+            corked.append(data)
+            self._corked_bytes += len(data)
+            if self._corked_bytes > MAX_CORKED_BYTES:
+                self._uncork()  # now: a body that comes faster than the client reads meets flow control
+
+    def _write(self, data: bytes) -> None:
+        """Write ``data`` now, or behind what a stream has gathered (answers keep their order)."""
+        if self._corked is not None:
+            self._corked.append(data)
+        elif self.transport is not None:
+            self.transport.write(data)
+
+    def _uncork(self) -> None:
+        corked, self._corked = self._corked, None
+        if corked and self.transport is not None:
+            self.transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
 
     # -- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -342,8 +375,7 @@ class _Connection(asyncio.Protocol):
     async def _answer(self, request: Request) -> bool:
         """Dispatch ``request`` and write its answer; whether the connection serves on."""
         if request.refusal is not None:  # refused at its head behind earlier pipelined requests
-            if self.transport is not None:
-                self.transport.write(_whole(request.refusal, False, False))
+            self._write(_whole(request.refusal, False, False))
             self.close()
             return False
         try:
@@ -362,8 +394,8 @@ class _Connection(asyncio.Protocol):
             if not await self._stream(request, reply):
                 self.close()  # half a stream was sent: closing is the only honest end
                 return False
-        elif self.transport is not None:
-            self.transport.write(_whole(reply, request.keep_alive, request.http10))
+        else:
+            self._write(_whole(reply, request.keep_alive, request.http10))
         if self.transport is None:
             return False
         if not request.keep_alive:
@@ -380,20 +412,20 @@ class _Connection(asyncio.Protocol):
             if self.transport is None:
                 return False
             head = _head(reply.status, reply.headers, request.keep_alive, request.http10)
-            self.transport.write(
+            self._send(
                 b"%bContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r\n"
                 % (head, reply.content_type.encode("latin-1"))
             )
             async for chunk in body:
-                transport = self.transport
-                if transport is None:
+                if self.transport is None:
                     return False
                 if chunk:
-                    transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    self._send(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                     if self._writable is not None and not self._writable.done():
                         await self._writable  # flow control: the client is not reading
-            if self.transport is not None:
-                self.transport.write(b"0\r\n\r\n")
+            if self.transport is None:
+                return False
+            self._send(b"0\r\n\r\n")
             return True
         except asyncio.CancelledError as exc:
             if self._client_cancelled():
@@ -433,8 +465,8 @@ class _Connection(asyncio.Protocol):
         self._refused = True
         self._forget_body()
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_whole(reply, False, False))
-            self.transport.close()
+            self._write(_whole(reply, False, False))
+            self.close()
 
 
 def _date_header() -> bytes:

@@ -101,10 +101,9 @@ class _Conn(asyncio.Protocol):
     def _reset(self) -> None:
         loop = self.loop
         self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
+        self.body: list[bytes] = []  # a whole body; a stream's chunks not read yet
         self.got_bytes = False
-        self.streaming = False
-        self.queue: asyncio.Queue[bytes | None] | None = None  # made for streamed responses only
+        self.waiter: asyncio.Future | None = None  # a stream's reader, waiting for more
         self.head = loop.create_future()
         self.done = loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
@@ -116,8 +115,6 @@ class _Conn(asyncio.Protocol):
 
     def _time_out(self) -> None:
         self._fail(UpstreamTimeout("no answer within the request timeout"))
-        if self.queue is not None:
-            self.queue.put_nowait(None)
         self.close()
 
     # -- asyncio.Protocol / httptools callbacks ----------------------------------------
@@ -136,8 +133,6 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         self.parser = None  # type: ignore[assignment]  # it holds bound methods of self: a cycle (never used again)
         self._cancel_timer()
-        if self.queue is not None:
-            self.queue.put_nowait(None)
         self._fail(UpstreamError(f"connection closed: {exc or 'by peer'}"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -148,33 +143,46 @@ class _Conn(asyncio.Protocol):
             self.head.set_result(self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
-        if self.queue is not None:
-            self.queue.put_nowait(body)
-        else:
-            self.body.append(body)
+        self.body.append(body)
+        if self.waiter is not None:
+            self._wake()
 
     def on_message_complete(self) -> None:
         self._cancel_timer()
-        if self.queue is not None:
-            self.queue.put_nowait(None)
         if not self.done.done():
             self.done.set_result(self.parser.should_keep_alive())
+        if self.waiter is not None:
+            self._wake()
 
     def _fail(self, exc: Exception) -> None:
         for fut in (self.head, self.done):
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved; the caller may be gone
+        if self.waiter is not None:
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- use -------------------------------------------------------------------------------
     async def body_chunks(self) -> AsyncIterator[bytes]:
-        assert self.queue is not None
+        """A stream's body: each time, all that has arrived since the last (one chunk however
+        many reads or HTTP chunks it came in, so that the client gets it in one write)."""
+        body = self.body
         try:
             while True:
-                chunk = await self.queue.get()
-                if chunk is None:
+                if body:
+                    chunk = body[0] if len(body) == 1 else b"".join(body)
+                    body.clear()
+                    yield chunk
+                elif self.done.done():
                     break
-                yield chunk
+                else:
+                    self.waiter = self.loop.create_future()
+                    await self.waiter
             await self.done  # raises if the connection died mid-body
         finally:
             self.pool.release(self)
@@ -248,9 +256,6 @@ class UpstreamPool:
                     conn = await self._connect(key)
                 except OSError as exc:
                     raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
-            conn.streaming = stream
-            if stream:
-                conn.queue = asyncio.Queue()
             conn.arm(timeout)
             try:
                 assert conn.transport is not None

@@ -1,0 +1,278 @@
+"""The dispatcher through its seam, in-process: no HTTP server, no sockets.
+
+A ``Dispatcher`` over the toy PD fleet of test_failure_rules (a ``MockUpstream``) answers with
+a ``Reply`` or a ``StreamReply`` whose body the test reads (or abandons) itself, as the server
+would. The retry policy runs on a fake clock: its sleeps are recorded, never slept, so that the
+budget and the backoff are checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from pdctl.router.config import BreakerConfig, RetryConfig, RouterConfig
+from pdctl.router.dispatch import Dispatcher
+from pdctl.router.errors import RouteError
+from pdctl.router.metrics import RouterMetrics
+from pdctl.router.mock_upstream import MockReply
+from pdctl.router.reply import Reply, StreamReply
+from pdctl.router.retry import Retry, RetryPolicy
+from pdctl.router.shaping import Headers
+from pdctl.router.upstream import UpstreamError
+from pdctl.router.workers import WorkerRegistry
+from tests.router.test_failure_rules import (
+    D1,
+    D2,
+    P1,
+    P2,
+    PROMPT,
+    Engines,
+    answers,
+    config,
+    continuation,
+    decode_stream,
+)
+
+pytestmark = pytest.mark.timeout(60)
+RETRY = RetryConfig(max_retries=3, initial_backoff_ms=100, backoff_multiplier=2, max_backoff_ms=250, jitter_factor=0.2)
+
+
+class FakeClock:
+    """The retry policy's clock and sleep: time moves only when the policy sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, secs: float) -> None:
+        self.sleeps.append(secs)
+        self.now += secs
+        await asyncio.sleep(0)
+
+
+class Fleet:
+    """A dispatcher over ``engines``, with the fake clock; ``load()`` reads every worker's load."""
+
+    def __init__(self, engines: Engines, router: RouterConfig, clock: FakeClock):
+        self.engines, self.clock = engines, clock
+        self.registry = WorkerRegistry(router)
+        for w in router.workers:
+            self.registry.add(w.url, w.role, w.bootstrap_port, healthy=True)
+        policy = RetryPolicy(router.retry, 30.0, clock=clock, sleep=clock.sleep, uniform=lambda a, b: 0.0)
+        self.dispatcher = Dispatcher(router, self.registry, RouterMetrics(), engines.mock, retry=policy)
+
+    async def generate(self, *, stream: bool = False, tokens: int = 8) -> Reply | StreamReply:
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": tokens, "temperature": 0}, "stream": stream}
+        return await self.dispatcher.pd_request("/generate", body, None, Headers({"X-Request-ID": "r1"}, {}))
+
+    def load(self) -> dict[str, int]:
+        return {url: w.load for url, w in self.registry.workers.items()}
+
+
+def run(
+    engines: Engines,
+    scenario: Callable[[Fleet], Awaitable[Any]],
+    *,
+    prefills: tuple[str, ...] = (P1,),
+    decodes: tuple[str, ...] = (D1,),
+    **groups: Any,
+) -> Any:
+    groups.setdefault("retry", RETRY)
+    clock = FakeClock()
+
+    async def main() -> Any:
+        fleet = Fleet(engines, config(prefills, decodes, **groups), clock)
+        try:
+            return await scenario(fleet)
+        finally:
+            await fleet.dispatcher.close()
+
+    return asyncio.run(main())
+
+
+async def read(reply: StreamReply) -> list[Any]:
+    """A stream's data events (dicts, "[DONE]"), read as the server would, body closed after."""
+    raw = b""
+    try:
+        async for chunk in reply.body:
+            raw += chunk
+    finally:
+        await reply.body.aclose()
+        for done in reply.on_close:
+            done()
+    events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_a_plain_request_is_a_reply_with_decodes_answer_and_both_legs_end() -> None:
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate()
+        assert isinstance(reply, Reply) and reply.status == 200
+        assert json.loads(reply.body)["text"] == continuation(PROMPT, 8)
+        assert reply.headers == {"X-Request-ID": "r1"}
+        (p,), (d,) = f.engines.bodies(P1), f.engines.bodies(D1)
+        assert p["bootstrap_room"] == d["bootstrap_room"]
+        await asyncio.sleep(0)  # the prefill leg the reply did not wait for
+        assert f.load() == {P1: 0, D1: 0}
+
+    run(Engines(), scenario)
+
+
+def test_a_stream_is_a_stream_reply_whose_body_is_the_decodes_events() -> None:
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate(stream=True)
+        assert isinstance(reply, StreamReply) and reply.status == 200
+        assert reply.content_type == "text/event-stream" and reply.headers == {"X-Request-ID": "r1"}
+        assert f.load()[D1] == 1  # the decode counts until the body ends
+        events = await read(reply)
+        assert events[-1] == "[DONE]" and events[-2]["text"] == continuation(PROMPT, 8)
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == list(range(1, 9))
+        assert f.load() == {P1: 0, D1: 0} and f.clock.sleeps == []
+
+    run(Engines(), scenario)
+
+
+def test_a_stream_abandoned_before_its_first_chunk_ends_both_legs() -> None:
+    """The server closes a body it never read (the client left with the head in hand): the decode's
+    stream is dropped (the engine sees the reader go away) and its load released."""
+
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate(stream=True)
+        assert isinstance(reply, StreamReply)
+        await reply.body.aclose()
+        for _ in range(10):
+            await asyncio.sleep(0)  # the engine's generator sees its reader leave
+        assert D1 in f.engines.abandoned
+        assert f.load() == {P1: 0, D1: 0}
+
+    run(Engines(), scenario)
+
+
+def test_connection_failures_use_the_budget_with_exponential_backoff() -> None:
+    """max_retries 3: four attempts, three waits of 100, 200 and 250 ms (capped), then 502."""
+
+    async def refused(engines: Engines, request: Any, body: dict) -> MockReply:
+        raise UpstreamError("connection refused")
+
+    async def scenario(f: Fleet) -> None:
+        with pytest.raises(RouteError) as caught:
+            await f.generate()
+        assert caught.value.status == 502 and "after 4 attempt(s)" in str(caught.value)
+        assert len(f.engines.bodies(D1)) == 4
+        assert f.clock.sleeps == pytest.approx([0.1, 0.2, 0.25])
+
+    run(Engines(D1=refused), scenario, breaker=BreakerConfig(disabled=True))
+
+
+def test_a_worker_5xx_is_retried_then_passed_on_as_is() -> None:
+    async def broken(engines: Engines, request: Any, body: dict) -> MockReply:
+        await engines.room(body)
+        return await answers(500, "decode broke")
+
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate()
+        assert isinstance(reply, Reply) and reply.status == 500
+        assert json.loads(reply.body) == {"error": {"message": "decode broke", "code": 500}}
+        assert reply.headers == {"X-Request-ID": "r1"}
+        assert len(f.clock.sleeps) == 3
+
+    run(Engines(D1=broken), scenario, breaker=BreakerConfig(disabled=True))
+
+
+def test_backpressure_waits_without_the_budget_until_the_request_timeout() -> None:
+    """503s from a live decode: retried past the budget (3) with the backoff capped at 250 ms,
+    until the next wait would pass the 2 s request timeout; then 503."""
+
+    async def busy(engines: Engines, request: Any, body: dict) -> MockReply:
+        return await answers(503, "queue full")
+
+    async def scenario(f: Fleet) -> None:
+        f.dispatcher.retry.timeout_secs = 2.0
+        with pytest.raises(RouteError) as caught:
+            await f.generate()
+        assert caught.value.status == 503 and "busy for 2s" in str(caught.value)
+        assert f.clock.sleeps[:3] == pytest.approx([0.1, 0.2, 0.25]) and len(f.clock.sleeps) > 4
+        assert sum(f.clock.sleeps) <= 2.0 < sum(f.clock.sleeps) + 0.25
+        assert len(f.engines.bodies(D1)) == len(f.clock.sleeps) + 1
+        assert not f.registry.workers[D1].to_dict()["circuit_open"]
+
+    run(Engines(D1=busy), scenario)
+
+
+def test_a_stream_whose_decode_dies_continues_on_another_pair_after_a_backoff() -> None:
+    """The decode dies after 3 events: the body's tail is a continuation on the other pair, after
+    the policy's first backoff; the client's stream is one answer with cumulative counts."""
+
+    async def dies(engines: Engines, request: Any, body: dict) -> MockReply:
+        return MockReply(
+            chunks=decode_stream(engines, request.base, body, die_after=3), content_type="text/event-stream"
+        )
+
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate(stream=True)
+        assert isinstance(reply, StreamReply)
+        events = await read(reply)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert events[-2]["text"] == continuation(PROMPT, 8)
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == list(range(1, 9))
+        (resumed,) = f.engines.bodies(D2)
+        assert resumed["text"] == PROMPT + continuation(PROMPT, 3)
+        assert resumed["sampling_params"]["max_new_tokens"] == 5
+        assert f.clock.sleeps == pytest.approx([0.1])
+        assert f.load() == {P1: 0, P2: 0, D1: 0, D2: 0}
+
+    run(Engines(D1=dies), scenario, prefills=(P1, P2), decodes=(D1, D2))
+
+
+def test_a_stream_that_dies_once_the_budget_is_spent_ends_with_an_error_event() -> None:
+    """With retries disabled a decode that dies mid-stream is not continued: the client's stream
+    ends with an SGLang-shaped error event and [DONE]."""
+
+    async def dies(engines: Engines, request: Any, body: dict) -> MockReply:
+        return MockReply(
+            chunks=decode_stream(engines, request.base, body, die_after=2), content_type="text/event-stream"
+        )
+
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate(stream=True)
+        assert isinstance(reply, StreamReply)
+        events = await read(reply)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
+        assert "failed mid-stream" in events[-2]["error"]["message"]
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-2]] == [1, 2]
+        assert not f.engines.bodies(D2) and f.clock.sleeps == []
+
+    run(Engines(D1=dies), scenario, prefills=(P1, P2), decodes=(D1, D2), retry=RetryConfig(disabled=True))
+
+
+def test_the_policy_counts_failures_and_busy_streaks_apart() -> None:
+    clock = FakeClock()
+    policy = RetryPolicy(RETRY, 1.0, clock=clock, sleep=clock.sleep, uniform=lambda a, b: b)  # jitter at its top
+    tries = policy.start()
+    failure, busy = Retry("boom", "x"), Retry("full", "y", busy=True)
+    assert tries.next(failure) == pytest.approx(0.12)  # 100 ms + 20% jitter
+    assert tries.next(busy) == pytest.approx(0.12)  # a busy streak starts its own backoff
+    clock.now = 0.95
+    assert tries.next(busy) is None  # 0.95 + 0.24 passes the 1 s deadline
+    tries.paused(0.5)  # a weight update held the request: not counted
+    assert tries.next(busy) == pytest.approx(0.3)  # 250 ms cap + jitter, within 1.5
+    tries.progressed()
+    clock.now = 10.0
+    assert tries.next(busy) == pytest.approx(0.12)  # tokens reached the client: a fresh streak
+    assert tries.next(failure) == pytest.approx(0.24)
+    assert tries.next(failure) == pytest.approx(0.3)
+    assert tries.next(failure) is None  # the fourth failure: 1 + max_retries attempts
+    assert tries.give_up(Retry("boom", "x", answer=Reply(500, b"{}"))).status == 500
+    with pytest.raises(RouteError) as caught:
+        tries.give_up(busy)
+    assert caught.value.status == 503
+    off = RetryPolicy(RetryConfig(disabled=True), 1.0, clock=clock, sleep=clock.sleep).start()
+    assert off.next(failure) is None
