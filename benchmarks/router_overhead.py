@@ -136,10 +136,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", metavar="REF", help="also run pdctl's router as of this git ref")
     parser.add_argument("--modes", default="plain,streamed", help="plain, streamed or both (comma-separated)")
+    parser.add_argument(
+        "--only", help="measure only these targets (comma-separated: direct, pdctl, sglang-router, smg, minilb)"
+    )
     args = parser.parse_args()
     baseline_dir = checkout(args.baseline, Path(tempfile.mkdtemp()) / "baseline") if args.baseline else None
     try:
-        run(args.baseline, baseline_dir, [m.strip() for m in args.modes.split(",")])
+        only = {t.strip() for t in args.only.split(",")} if args.only else None
+        run(args.baseline, baseline_dir, [m.strip() for m in args.modes.split(",")], only)
     finally:
         if baseline_dir:
             remove_checkout(baseline_dir)
@@ -153,7 +157,10 @@ PDCTL, RUST, SMG, MINI = (
 )
 
 
-def run(baseline: str | None, baseline_dir: Path | None, modes: list[str]) -> None:
+SHORT = {"direct to decode": "direct", PDCTL: "pdctl", RUST: "sglang-router", SMG: "smg", MINI: "minilb"}
+
+
+def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only: set[str] | None = None) -> None:
     prefill_port, boot_port, decode_port = free_port(), free_port(), free_port()
     null = [PY, "-m", "pdctl.sim.null", "--stream-tokens", str(STREAM_TOKENS)]
     backends = [
@@ -186,6 +193,8 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str]) -> No
     else:
         print(f"smg not found at {SMG_PYTHON}: run ../shared/tools/real-clients/setup.sh", file=sys.stderr)
     targets[MINI] = lambda port: rust_router(PY, "sglang_router.launch_router", port, mini=True)
+    if only is not None:
+        targets = {name: make for name, make in targets.items() if SHORT[name] in only}
     old_name = f"pdctl router at {baseline} (PD)"
     if baseline_dir:  # the old tree's code, this environment's packages
         targets[old_name] = pdctl_router

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,10 +45,10 @@ def main() -> None:
     try:
         wait(prefill + "/health")
         wait(decode + "/health")
+        pd_args = ["--prefill", prefill, str(boot_port), "--decode", decode, "--policy", "round_robin"]
+        pd_args += ["--log-level", "error"]
         router = start(
-            [PY, "-m", "pdctl", "router", "--port", str(router_port), "--pd-disaggregation"]
-            + ["--prefill", prefill, str(boot_port), "--decode", decode, "--policy", "round_robin"]
-            + ["--log-level", "error"],
+            [PY, "-m", "pdctl", "router", "--port", str(router_port), "--pd-disaggregation", *pd_args],
             ROUTER_CPUS,
         )
         procs.append(router)
@@ -57,9 +58,9 @@ def main() -> None:
         subprocess.run([*loadgen, "--duration", "2"], capture_output=True, check=True)  # warm-up
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "profile.txt"
+            spy_args = ["--duration", str(int(args.duration)), "--output", str(raw), "--nonblocking"]
             spy_proc = subprocess.Popen(
-                [spy, "record", "--pid", str(router.pid), "--rate", "1000", "--format", "raw"]
-                + ["--duration", str(int(args.duration)), "--output", str(raw), "--nonblocking"],
+                [spy, "record", "--pid", str(router.pid), "--rate", "1000", "--format", "raw", *spy_args],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -72,6 +73,8 @@ def main() -> None:
             )
             spy_proc.wait(timeout=args.duration + 60)
             stacks = raw.read_text().splitlines()
+            if os.environ.get("PROFILE_RAW"):  # the raw stacks, for a closer look by line
+                shutil.copy(raw, os.environ["PROFILE_RAW"])
     finally:
         for p in procs:
             p.terminate()

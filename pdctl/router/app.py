@@ -212,8 +212,7 @@ class RouterServer:
     def _ended(self, route: str, status: int, started: float, ends: list[Callable[[], None]]) -> None:
         for undo in ends:
             undo()
-        self.metrics.child(self.metrics.requests, route, str(status)).inc()
-        self.metrics.child(self.metrics.latency, route).observe(time.monotonic() - started)
+        self.metrics.answered(route, status, time.monotonic() - started)
 
     def _leave(self) -> None:
         self._active -= 1

@@ -109,10 +109,8 @@ class Legs:
         """The status and headers of a streamed response, or a Leg carrying why there are none."""
         epoch = self.gate.epoch
         to = {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
-        try:
-            return await asyncio.wait_for(self.upstream.post(worker.url + path, data, to, stream=True), self.timeout)
-        except asyncio.TimeoutError:
-            return Leg(error=UpstreamTimeout("no response head within the request timeout"), epoch=epoch)
+        try:  # the timeout bounds the head and the first event (``opened`` disarms it then)
+            return await self.upstream.post(worker.url + path, data, to, stream=True, timeout=self.timeout)
         except (UpstreamError, OSError) as exc:
             return Leg(error=exc, epoch=epoch)
 
@@ -124,13 +122,14 @@ class Legs:
             if head.status >= 400:
                 return Leg(head.status, await head.read(), head.content_type, epoch=epoch)
             blocks = sse_blocks(head)
-            first = await first_block(blocks, self.timeout)
+            first = await first_block(blocks)
         except BaseException:
             head.close()
             raise
         if isinstance(first, BaseException):
             head.close()
             return Leg(error=first, epoch=epoch)
+        head.disarm()  # the rest of a stream may take longer than the request timeout
         status = server_abort(first)
         if status is not None:
             head.close()

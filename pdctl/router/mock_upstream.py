@@ -85,10 +85,11 @@ class MockUpstream:
         request = UpstreamRequest(url, body, dict(headers), stream)
         self.requests.append(request)
         try:
-            if stream:  # as the real pool does: the timeout covers the whole exchange
+            if stream:  # as the real pool does: the timeout covers the head and the body until disarmed
+                deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
                 reply = await asyncio.wait_for(self.handler(request), timeout)
                 head = [(b"content-type", reply.content_type.encode()), *reply.headers]
-                source = _Chunks(reply, self._closing)
+                source = _Chunks(reply, self._closing, deadline)
                 return Response(reply.status, head, content_type=reply.content_type, _source=source)
             return await asyncio.wait_for(self._whole(request), timeout)
         except asyncio.TimeoutError:
@@ -107,15 +108,30 @@ class MockUpstream:
 class _Chunks:
     """A streamed reply's body, read once."""
 
-    def __init__(self, reply: MockReply, closing: set[asyncio.Task]):
+    def __init__(self, reply: MockReply, closing: set[asyncio.Task], deadline: float | None):
         self._parts = reply.body_parts()
         self._finished = False
         self._closing = closing
+        self._deadline = deadline
 
     async def body_chunks(self) -> AsyncIterator[bytes]:
-        async for part in self._parts:
+        parts = self._parts.__aiter__()
+        while True:
+            try:
+                if self._deadline is None:
+                    part = await parts.__anext__()
+                else:
+                    remaining = self._deadline - asyncio.get_running_loop().time()
+                    part = await asyncio.wait_for(parts.__anext__(), max(remaining, 0))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout("no answer within the request timeout") from None
             yield part
         self._finished = True
+
+    def disarm(self) -> None:
+        self._deadline = None
 
     def finished(self) -> bool:
         return self._finished

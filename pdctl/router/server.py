@@ -275,7 +275,9 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-        self._count_head(len(name) + len(value))
+        self._head_size += len(name) + len(value)
+        if self._head_size > MAX_HEAD_BYTES:
+            self._count_head(0)
 
     def _count_head(self, n: int) -> None:
         self._head_size += n

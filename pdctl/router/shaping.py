@@ -40,12 +40,13 @@ class Headers(dict[str, str]):
     @classmethod
     def of(cls, request_id: str, client: dict[str, str]) -> Headers:
         """``client``: the request's headers, names in lower case. Values with CR or LF are dropped."""
-        forwarded = {
+        upstream = {
             name: value
             for name, value in client.items()
             if (name in FORWARDED or name.startswith("x-request-id-")) and "\r" not in value and "\n" not in value
         }
-        return cls({"X-Request-ID": request_id}, {**forwarded, "X-Request-ID": request_id})
+        upstream["X-Request-ID"] = request_id
+        return cls({"X-Request-ID": request_id}, upstream)
 
 
 def passed_headers(upstream: list[tuple[bytes, bytes]], headers: Headers) -> dict[str, str]:

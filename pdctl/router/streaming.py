@@ -10,14 +10,13 @@ asked-for abort, so that the dispatcher can continue those answers on the new we
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.router.jsonutil import dumps, sse_data, sse_event
 from pdctl.router.resume import Job, Piece, asked_abort
-from pdctl.router.upstream import Response, UpstreamError, UpstreamTimeout
+from pdctl.router.upstream import Response, UpstreamError
 
 DONE = b"data: [DONE]\n\n"
 Transform = Callable[[bytes], bytes]
@@ -33,12 +32,10 @@ class Opened:
     rest: AsyncIterator[bytes]
 
 
-async def first_block(blocks: AsyncIterator[bytes], timeout: float) -> bytes | BaseException:
-    """The first block of a stream, or why there is none (UpstreamTimeout after ``timeout``)."""
+async def first_block(blocks: AsyncIterator[bytes]) -> bytes | BaseException:
+    """The first block of a stream, or why there is none (the upstream's timeout bounds it)."""
     try:
-        return await asyncio.wait_for(blocks.__anext__(), timeout)
-    except asyncio.TimeoutError:
-        return UpstreamTimeout("no first event within the request timeout")
+        return await blocks.__anext__()
     except StopAsyncIteration:
         return UpstreamError("the stream ended before its first event")
     except (UpstreamError, OSError) as exc:

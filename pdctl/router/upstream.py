@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -46,6 +47,10 @@ class BodySource(Protocol):
         """Stop reading: the sender sees the reader go away."""
         ...
 
+    def disarm(self) -> None:
+        """The request timeout no longer applies to the rest of the body."""
+        ...
+
 
 @dataclass
 class Response:
@@ -69,6 +74,11 @@ class Response:
         if self._source is not None and not self._source.finished():
             self._source.close()
 
+    def disarm(self) -> None:
+        """A stream's first event came: the request timeout no longer bounds the rest of it."""
+        if self._source is not None:
+            self._source.disarm()
+
 
 class Upstream(Protocol):
     """How the router talks to engines: POST a JSON body, get the answer (or its head)."""
@@ -78,7 +88,9 @@ class Upstream(Protocol):
     ) -> Response:
         """The whole response, or (``stream``) status and headers with ``chunks()`` to read.
 
-        Raises UpstreamError when the connection fails, UpstreamTimeout when ``timeout`` passes.
+        Raises UpstreamError when the connection fails, UpstreamTimeout when ``timeout`` passes:
+        for the whole answer, or a stream's until ``Response.disarm()`` (then a stream's body
+        raises it from ``chunks()``).
         Cancelling it closes the connection (the engine sees the client go away)."""
         ...
 
@@ -101,12 +113,17 @@ class _Conn(asyncio.Protocol):
     def _reset(self) -> None:
         loop = self.loop
         self.headers: list[tuple[bytes, bytes]] = []
+        self.content_type = b""
         self.body: list[bytes] = []  # a whole body; a stream's chunks not read yet
         self.got_bytes = False
+        self.timed_out = False  # (a timeout is not a dead kept-alive connection: not tried again)
         self.waiter: asyncio.Future | None = None  # a stream's reader, waiting for more
         self.head = loop.create_future()
         self.done = loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
+
+    def disarm(self) -> None:
+        self._cancel_timer()
 
     def arm(self, timeout: float | None) -> None:
         """Fail this request with TimeoutError after ``timeout`` seconds (a timer, not a task)."""
@@ -114,6 +131,7 @@ class _Conn(asyncio.Protocol):
             self.timer = self.loop.call_later(timeout, self._time_out)
 
     def _time_out(self) -> None:
+        self.timed_out = True
         self._fail(UpstreamTimeout("no answer within the request timeout"))
         self.close()
 
@@ -137,6 +155,8 @@ class _Conn(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        if len(name) == 12 and name.lower() == b"content-type":
+            self.content_type = value
 
     def on_headers_complete(self) -> None:
         if not self.head.done():
@@ -262,19 +282,19 @@ class UpstreamPool:
                 conn.transport.write(data)
                 if stream:
                     status = await conn.head
-                    return Response(status, conn.headers, content_type=_content_type(conn.headers), _source=conn)
+                    return Response(status, conn.headers, content_type=_media_type(conn.content_type), _source=conn)
                 await conn.done  # one wake-up per request: the head is complete when the message is
                 status = conn.head.result()
             except UpstreamError:
                 conn.close()
-                if attempt == 0 and conn.reused and not conn.got_bytes:
+                if attempt == 0 and conn.reused and not conn.got_bytes and not conn.timed_out:
                     continue  # a kept-alive connection the server had closed: one fresh try
                 raise
             except BaseException:
                 conn.close()  # cancelled: the engine must see the client leave
                 raise
             self.release(conn)
-            return Response(status, conn.headers, b"".join(conn.body), _content_type(conn.headers))
+            return Response(status, conn.headers, b"".join(conn.body), _media_type(conn.content_type))
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -284,8 +304,9 @@ class UpstreamPool:
         self._idle.clear()
 
 
-def _content_type(headers: list[tuple[bytes, bytes]]) -> str:
-    for name, value in headers:
-        if name.lower() == b"content-type":
-            return value.decode("latin-1").split(";")[0].strip()
-    return "application/octet-stream"
+@functools.lru_cache(maxsize=64)  # engines send a handful of values: parsed once each
+def _media_type(content_type: bytes) -> str:
+    """A Content-Type header's media type (its parameters dropped)."""
+    if not content_type:
+        return "application/octet-stream"
+    return content_type.decode("latin-1").split(";")[0].strip()
