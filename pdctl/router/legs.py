@@ -173,13 +173,17 @@ class Legs:
     def spawn(self, worker: Worker, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """``work`` as a task owned here, counted in ``worker``'s load until it ends."""
 
-        async def guarded() -> T:
-            with self.registry.in_flight(worker):
-                return await work
+        guard = self.registry.in_flight(worker)
+        guard.__enter__()
+        task = self.loop.create_task(work)
+        tasks = self._tasks
+        tasks.add(task)
 
-        task = self.loop.create_task(guarded())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        def ended(done: asyncio.Task[T]) -> None:
+            tasks.discard(done)
+            guard.__exit__(None, None, None)
+
+        task.add_done_callback(ended)
         return task
 
     def finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:

@@ -165,6 +165,7 @@ class _Connection(asyncio.Protocol):
         self.pending: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0
         self.body_timer: asyncio.TimerHandle | None = None
         self._writable: asyncio.Future | None = None  # set while the client is not reading
         self._corked: list[bytes] | None = None  # a stream's writes, gathered until the loop's next turn
@@ -286,11 +287,8 @@ class _Connection(asyncio.Protocol):
             raise httptools.HttpParserError("head too large")  # stop parsing this connection
 
     def on_headers_complete(self) -> None:
-        # The idle timer runs until a request's headers are in: a client that trickles
+        # The idle clock runs until a request's headers are in: a client that trickles
         # headers (slowloris) is closed like an idle one; a body may take its time.
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
         self._in_body = True
         if self.server.check_head is not None:
             url = self._url.partition(b"?")[0].decode("latin-1")
@@ -456,8 +454,26 @@ class _Connection(asyncio.Protocol):
         request.held = 0
 
     def _arm_idle(self) -> None:
+        """Start the idle clock: closed if no request's headers are in within ``keepalive_timeout``.
+
+        One timer per connection, not per request (arming and cancelling one per request cost
+        microseconds on the hot path): when it fires it closes the connection if it has been
+        idle that long, waits on if it went idle later, and goes away if a request is being
+        served (answering re-arms it)."""
         if self.transport is not None and self.task is None and not self._in_body:
-            self.idle_timer = self.loop.call_later(self.server.keepalive_timeout, self.close)
+            self._idle_since = self.loop.time()
+            if self.idle_timer is None:
+                self.idle_timer = self.loop.call_later(self.server.keepalive_timeout, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self.idle_timer = None
+        if self.transport is None or self.task is not None or self._in_body:
+            return
+        left = self._idle_since + self.server.keepalive_timeout - self.loop.time()
+        if left > 0:
+            self.idle_timer = self.loop.call_later(left, self._check_idle)
+        else:
+            self.close()
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer an error the server found itself, then close the connection."""

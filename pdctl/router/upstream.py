@@ -108,29 +108,48 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.deadline: float | None = None  # of the request in flight, on the loop's clock
+        self.timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
-        loop = self.loop
         self.headers: list[tuple[bytes, bytes]] = []
         self.content_type = b""
+        self.status = 0
         self.body: list[bytes] = []  # a whole body; a stream's chunks not read yet
         self.got_bytes = False
         self.timed_out = False  # (a timeout is not a dead kept-alive connection: not tried again)
         self.waiter: asyncio.Future | None = None  # a stream's reader, waiting for more
-        self.head = loop.create_future()
-        self.done = loop.create_future()
-        self.timer: asyncio.TimerHandle | None = None
-
-    def disarm(self) -> None:
-        self._cancel_timer()
+        self.head: asyncio.Future[int] | None = None  # made for streams: their reader waits for the head
+        self.done = self.loop.create_future()
 
     def arm(self, timeout: float | None) -> None:
-        """Fail this request with TimeoutError after ``timeout`` seconds (a timer, not a task)."""
-        if timeout is not None:
-            self.timer = self.loop.call_later(timeout, self._time_out)
+        """Fail this request with UpstreamTimeout after ``timeout`` seconds.
 
-    def _time_out(self) -> None:
+        One timer per connection, not per request: a request moves the deadline, and the timer,
+        when it fires, waits on for a later deadline or finds none (the request ended). Arming
+        and cancelling a timer per request cost microseconds on the hot path; timeouts are rare."""
+        if timeout is None:
+            self.deadline = None
+            return
+        deadline = self.deadline = self.loop.time() + timeout
+        if self.timer is None or deadline < self._timer_at:
+            self._cancel_timer()
+            self._timer_at = deadline
+            self.timer = self.loop.call_at(deadline, self._check_deadline)
+
+    def disarm(self) -> None:
+        self.deadline = None  # the timer finds nothing to do when it fires
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        if self.deadline is None or self.closed:
+            return
+        if self.deadline > self.loop.time():
+            self._timer_at = self.deadline
+            self.timer = self.loop.call_at(self.deadline, self._check_deadline)
+            return
         self.timed_out = True
         self._fail(UpstreamTimeout("no answer within the request timeout"))
         self.close()
@@ -159,8 +178,9 @@ class _Conn(asyncio.Protocol):
             self.content_type = value
 
     def on_headers_complete(self) -> None:
-        if not self.head.done():
-            self.head.set_result(self.parser.get_status_code())
+        self.status = self.parser.get_status_code()
+        if self.head is not None and not self.head.done():
+            self.head.set_result(self.status)
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -168,7 +188,7 @@ class _Conn(asyncio.Protocol):
             self._wake()
 
     def on_message_complete(self) -> None:
-        self._cancel_timer()
+        self.deadline = None
         if not self.done.done():
             self.done.set_result(self.parser.should_keep_alive())
         if self.waiter is not None:
@@ -176,7 +196,7 @@ class _Conn(asyncio.Protocol):
 
     def _fail(self, exc: Exception) -> None:
         for fut in (self.head, self.done):
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved; the caller may be gone
         if self.waiter is not None:
@@ -279,12 +299,13 @@ class UpstreamPool:
             conn.arm(timeout)
             try:
                 assert conn.transport is not None
+                head = conn.head = conn.loop.create_future() if stream else None
                 conn.transport.write(data)
-                if stream:
-                    status = await conn.head
+                if head is not None:
+                    status = await head
                     return Response(status, conn.headers, content_type=_media_type(conn.content_type), _source=conn)
                 await conn.done  # one wake-up per request: the head is complete when the message is
-                status = conn.head.result()
+                status = conn.status
             except UpstreamError:
                 conn.close()
                 if attempt == 0 and conn.reused and not conn.got_bytes and not conn.timed_out:
