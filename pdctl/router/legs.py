@@ -136,12 +136,16 @@ class Legs:
             return Leg(status, first + DONE, "text/event-stream", epoch=epoch)
         return Opened(head, first, blocks)
 
+    async def open_first(self, worker: Worker, path: str, data: bytes, headers: Headers, epoch: int) -> Opened | Leg:
+        """A stream once its head and first block came, else a Leg saying why not (not counted
+        in the worker's load: the caller counts it). ``epoch``: the refit gate's when sent."""
+        head = await self.open_stream(worker, path, data, headers)
+        return head if isinstance(head, Leg) else await self.opened(head, epoch)
+
     async def open_one(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Opened | Leg:
         """A regular engine's stream once its first block came, else a Leg saying why not."""
-        epoch = self.gate.epoch
         with self.registry.in_flight(worker):
-            head = await self.open_stream(worker, path, data, headers)
-            return head if isinstance(head, Leg) else await self.opened(head, epoch)
+            return await self.open_first(worker, path, data, headers, self.gate.epoch)
 
     def verdict(self, worker: Worker, leg: Leg, code: str) -> Retry | Stop | None:
         """What ``worker``'s answer means for the request (module docstring): None when it
@@ -266,12 +270,8 @@ class PairAttempt:
         prefill can still end the request, and nothing has reached the client, so a failure
         is still retried on another pair. ``epoch``: the refit gate's when the attempt was sent."""
         legs = self.legs
-        head = await self.race(legs.open_stream(self.decode, self.path, self.wire, self.headers))
-        if head is None:
-            return self.prefill_ended(self.p_task.result())
-        opened = head if isinstance(head, Leg) else await self.race(legs.opened(head, epoch))
-        if opened is None:
-            head.close()  # type: ignore[union-attr]  # a Response: a Leg never races again
+        opened = await self.race(legs.open_first(self.decode, self.path, self.wire, self.headers, epoch))
+        if opened is None:  # (its stream, if it had one, was closed as the race cancelled it)
             return self.prefill_ended(self.p_task.result())
         if isinstance(opened, Opened):
             return opened
