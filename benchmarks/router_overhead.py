@@ -176,7 +176,8 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     pd_workers += ["--policy", "round_robin"]
 
     def pdctl_router(port: int) -> list[str]:
-        return [PY, "-m", "pdctl", "router", "--port", str(port), *pd_workers, "--log-level", "error"]
+        python = os.environ.get("PDCTL_ROUTER_PYTHON", PY)  # another interpreter's venv with pdctl installed
+        return [python, "-m", "pdctl", "router", "--port", str(port), *pd_workers, "--log-level", "error"]
 
     def rust_router(python: str, module: str, port: int, mini: bool = False) -> list[str]:
         argv = [python, "-m", module, *pd_workers, "--host", "127.0.0.1", "--port", str(port)]
