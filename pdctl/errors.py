@@ -26,10 +26,6 @@ Foreign errors (yaml, jsonschema, paramiko, aiohttp) are converted at their seam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # (a type only: pdctl.errors imports nothing of pdctl)
-    from pdctl.weights.phase import Phase
 
 
 class PdctlError(Exception):
@@ -110,12 +106,13 @@ class WeightSyncError(PdctlError):
     """A trainer-side weight push failed.
 
     ``engine`` names the engine at fault (None when the trainer or the router failed),
-    ``phase`` the step of the transaction (a ``pdctl.weights.phase.Phase``: connect, probe, hold,
-    pause, begin, transfer, end, version, verify, continue, release; "phase" means only this in
-    pdctl), ``report`` what the push did anyway (a PushReport).
+    ``phase`` the step of the transaction (a ``pdctl.weights.phase.Phase``, typed as the str it
+    is: this module imports nothing of pdctl): connect, probe, hold, pause, begin, transfer, end,
+    version, verify, continue, release ("phase" means only this in pdctl); ``report`` what the
+    push did anyway (a PushReport).
     """
 
-    def __init__(self, message: str, *, engine: str | None = None, phase: Phase | None = None, report: object = None):
+    def __init__(self, message: str, *, engine: str | None = None, phase: str | None = None, report: object = None):
         super().__init__(message)
         self.engine = engine
         self.phase = phase

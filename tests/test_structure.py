@@ -159,3 +159,24 @@ def test_the_drawn_error_tree_is_the_real_one() -> None:
     assert drawn == real, f"drawn but not real: {set(drawn.items()) - set(real.items())}; " + (
         f"real but not drawn: {set(real.items()) - set(drawn.items())}"
     )
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_request_path_never_reaches_the_http_server() -> None:
+    """The dispatcher returns a reply and the server writes it (issue 30): nothing under dispatch
+    imports the server, so that the request path is tested without one."""
+    graph = import_graph()
+    for module in ("pdctl.router.dispatch", "pdctl.router.legs", "pdctl.router.retry", "pdctl.router.shaping"):
+        assert "pdctl.router.server" not in reachable(graph, module), module
+    assert "pdctl.router.server" in reachable(graph, "pdctl.router.app")  # the check can see an import

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pdctl.refit import RefitMode
 from pdctl.router.config import BreakerConfig, RetryConfig, RouterConfig
 from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
@@ -36,6 +37,8 @@ from tests.router.test_failure_rules import (
     config,
     continuation,
     decode_stream,
+    output,
+    sse,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -276,3 +279,55 @@ def test_the_policy_counts_failures_and_busy_streaks_apart() -> None:
     assert caught.value.status == 503
     off = RetryPolicy(RetryConfig(disabled=True), 1.0, clock=clock, sleep=clock.sleep).start()
     assert off.next(failure) is None
+
+
+def test_an_interrupted_stream_continues_after_the_release_under_the_retry_policy() -> None:
+    """A weight update interrupts a stream after 3 tokens (the engine ends it with an asked-for
+    abort): the tail waits for the release, then continues on the new weights; its first attempt
+    fails (a failure: the policy's backoff, 100 ms), the next one finishes the answer."""
+    aborted = asyncio.Event()
+    attempts: list[dict] = []
+
+    async def interrupted_once(engines: Engines, request: Any, body: dict) -> MockReply:
+        attempts.append(body)
+        if len(attempts) == 2:
+            raise UpstreamError("connection reset by peer")
+        if len(attempts) > 2:
+            return MockReply(chunks=decode_stream(engines, request.base, body), content_type="text/event-stream")
+
+        async def events() -> Any:
+            await engines.room(body)
+            text = continuation(PROMPT, 8)
+            for i in range(1, 4):
+                yield sse(output(body, text[:i], False))[: -len(b"data: [DONE]\n\n")]
+            await aborted.wait()  # the update pauses the engine: it aborts what it runs
+            cut = output(body, text[:3], False)
+            cut["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused for a weight update"}
+            yield sse(cut)
+
+        return MockReply(chunks=events(), content_type="text/event-stream")
+
+    async def scenario(f: Fleet) -> None:
+        reply = await f.generate(stream=True)
+        assert isinstance(reply, StreamReply)
+        reading = asyncio.ensure_future(read(reply))
+        gate = f.dispatcher.gate
+        gate.close(RefitMode.INTERRUPT, None, new_transaction=True)
+        aborted.set()
+        while f.load()[D1]:  # the interrupted stream is read to its end (its abort caught)
+            await asyncio.sleep(0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(attempts) == 1 and not reading.done(), "nothing is sent while the update holds the router"
+        gate.open()
+        events = await reading
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == list(range(1, 9))
+        last = events[-2]
+        assert last["text"] == continuation(PROMPT, 8) and last["meta_info"]["pdctl_interruptions"] == 1
+        assert attempts[2]["text"] == PROMPT + continuation(PROMPT, 3)
+        assert attempts[2]["sampling_params"]["max_new_tokens"] == 5
+        assert f.clock.sleeps == pytest.approx([0.1])
+        assert f.load() == {P1: 0, P2: 0, D1: 0, D2: 0}
+
+    run(Engines(D1=interrupted_once, D2=interrupted_once), scenario, prefills=(P1, P2), decodes=(D1, D2))
