@@ -236,8 +236,10 @@ class Dispatcher:
 
     async def _after(self, retry: Retry, tries: Tries, headers: Headers) -> Reply | None:
         """Wait before the next attempt after ``retry``; the answer when the request is over
-        (the worker's own 5xx, or RouteError). A retry of an attempt that a weight update
-        interrupted waits until the update is released (not counted against the request timeout)."""
+        (the worker's own 5xx, or RouteError). A retry waits while a weight update holds the
+        router when that update interrupted its attempt, or interrupts (its paused engines would
+        abort the retry as if the client had asked); a drain's hold lets it go on, since the
+        drain waits for it. The wait is not counted against the request timeout."""
         interrupted = retry.code == errors.INTERRUPTED
         self.metrics.retried("busy" if retry.busy and not interrupted else retry.code)
         delay = tries.next(retry)
@@ -245,11 +247,16 @@ class Dispatcher:
             answer = tries.give_up(retry)
             return Reply(answer.status, answer.body, answer.content_type, headers)
         await self.retry.sleep(delay)
-        if interrupted and not self.gate.is_open:  # other retries go on: a drain waits for them
-            held = self.retry.clock()
-            await self.wait_open()
-            tries.paused(self.retry.clock() - held)
+        if (interrupted and not self.gate.is_open) or self.gate.interrupting:
+            await self._held(tries)
         return None
+
+    async def _held(self, tries: Tries) -> None:
+        """Wait for the release of the weight update that holds the router (not counted against
+        the request timeout); RouteError past ``admission.max_hold_secs``."""
+        held = self.retry.clock()
+        await self.wait_open()
+        tries.paused(self.retry.clock() - held)
 
     # -- streams ----------------------------------------------------------------------------------
     async def _relay(self, request: _Request, live: _Live, tries: Tries) -> AsyncGenerator[bytes, None]:
@@ -373,15 +380,14 @@ class Dispatcher:
                 out += b"".join(Continued(job, tuple(ended), {}).event(k, item) for k, item in ended.items())
                 if not pending:
                     return out + DONE, None, None
-                held = self.retry.clock()
-                try:
-                    await self.wait_open()
-                except RouteError:
-                    return out + error_event(why), None, None
-                tries.paused(self.retry.clock() - held)
                 settling = False
             elif not interrupted and job.remaining(0, pending[0]) <= 0:
                 return out + DONE, None, None
+            if interrupted or self.gate.interrupting:
+                try:
+                    await self._held(tries)
+                except RouteError:
+                    return out + error_event(why), None, None
             order = tuple(pending)
             shown = Continued(job, order, pending)
             body = job.continuation([(k, pending[k]) for k in order])

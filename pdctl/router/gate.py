@@ -22,6 +22,8 @@ class RefitGate:
         """How many interrupt holds have begun; a request notes it when it is sent."""
         self.max_staleness: int | None = None
         """The current (or latest) interrupting transaction's bound, read when a request is interrupted."""
+        self.mode: RefitMode | None = None
+        """The holding transaction's refit mode while the gate is closed."""
 
     @property
     def is_open(self) -> bool:
@@ -30,6 +32,7 @@ class RefitGate:
     def close(self, mode: RefitMode, max_staleness: int | None, *, new_transaction: bool) -> None:
         """Hold new requests; an interrupting transaction's first hold starts a new epoch."""
         self._open.clear()
+        self.mode = mode
         if mode is RefitMode.INTERRUPT:
             self.max_staleness = max_staleness
             if new_transaction:
@@ -37,6 +40,14 @@ class RefitGate:
 
     def open(self) -> None:
         self._open.set()
+        self.mode = None
+
+    @property
+    def interrupting(self) -> bool:
+        """Whether an ``interrupt`` transaction holds the gate now: its engines abort what they
+        are sent, so that nothing (first attempt, retry or continuation) may go out until the
+        release. (A ``drain`` hold lets retries and continuations go on: it waits for them.)"""
+        return self.mode is RefitMode.INTERRUPT and not self._open.is_set()
 
     def interrupted_since(self, epoch: int) -> bool:
         return self.epoch != epoch
