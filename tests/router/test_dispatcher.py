@@ -118,6 +118,23 @@ async def read(reply: StreamReply) -> list[Any]:
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
+async def streamed(f: Fleet) -> list[Any]:
+    """A streamed request's events, as its client gets them."""
+    reply = await f.generate(stream=True)
+    assert isinstance(reply, StreamReply)
+    return await read(reply)
+
+
+def dies_after(events: int) -> Callable[[Engines, Any, dict], Awaitable[MockReply]]:
+    """A decode whose stream dies (a reset connection) after ``events`` events."""
+
+    async def dies(engines: Engines, request: Any, body: dict) -> MockReply:
+        chunks = decode_stream(engines, request.base, body, die_after=events)
+        return MockReply(chunks=chunks, content_type="text/event-stream")
+
+    return dies
+
+
 def test_a_plain_request_is_a_reply_with_decodes_answer_and_both_legs_end() -> None:
     async def scenario(f: Fleet) -> None:
         reply = await f.generate()
@@ -217,15 +234,8 @@ def test_a_stream_whose_decode_dies_continues_on_another_pair_after_a_backoff() 
     """The decode dies after 3 events: the body's tail is a continuation on the other pair, after
     the policy's first backoff; the client's stream is one answer with cumulative counts."""
 
-    async def dies(engines: Engines, request: Any, body: dict) -> MockReply:
-        return MockReply(
-            chunks=decode_stream(engines, request.base, body, die_after=3), content_type="text/event-stream"
-        )
-
     async def scenario(f: Fleet) -> None:
-        reply = await f.generate(stream=True)
-        assert isinstance(reply, StreamReply)
-        events = await read(reply)
+        events = await streamed(f)
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
         assert events[-2]["text"] == continuation(PROMPT, 8)
         assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == list(range(1, 9))
@@ -235,28 +245,21 @@ def test_a_stream_whose_decode_dies_continues_on_another_pair_after_a_backoff() 
         assert f.clock.sleeps == pytest.approx([0.1])
         assert f.load() == {P1: 0, P2: 0, D1: 0, D2: 0}
 
-    run(Engines(D1=dies), scenario, prefills=(P1, P2), decodes=(D1, D2))
+    run(Engines(D1=dies_after(3)), scenario, prefills=(P1, P2), decodes=(D1, D2))
 
 
 def test_a_stream_that_dies_once_the_budget_is_spent_ends_with_an_error_event() -> None:
     """With retries disabled a decode that dies mid-stream is not continued: the client's stream
     ends with an SGLang-shaped error event and [DONE]."""
 
-    async def dies(engines: Engines, request: Any, body: dict) -> MockReply:
-        return MockReply(
-            chunks=decode_stream(engines, request.base, body, die_after=2), content_type="text/event-stream"
-        )
-
     async def scenario(f: Fleet) -> None:
-        reply = await f.generate(stream=True)
-        assert isinstance(reply, StreamReply)
-        events = await read(reply)
+        events = await streamed(f)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
         assert "failed mid-stream" in events[-2]["error"]["message"]
         assert [e["meta_info"]["completion_tokens"] for e in events[:-2]] == [1, 2]
         assert not f.engines.bodies(D2) and f.clock.sleeps == []
 
-    run(Engines(D1=dies), scenario, prefills=(P1, P2), decodes=(D1, D2), retry=RetryConfig(disabled=True))
+    run(Engines(D1=dies_after(2)), scenario, prefills=(P1, P2), decodes=(D1, D2), retry=RetryConfig(disabled=True))
 
 
 def test_the_policy_counts_failures_and_busy_streaks_apart() -> None:
