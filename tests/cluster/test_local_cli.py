@@ -93,13 +93,20 @@ def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal delivers it, whatever this suite inherited: a shell's background job
+        # (``cmd &`` in a script) ignores SIGINT, and Python then leaves it ignored in its children.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     state_path = tmp_path / "home" / "slow" / "state.json"
+
+    def started() -> dict:
+        return json.loads(state_path.read_text())["processes"] if state_path.exists() else {}
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (state_path.exists() and json.loads(state_path.read_text())["processes"]):
+    while time.monotonic() < deadline and len(started()) < 3:  # prefill, decode and router launched
         time.sleep(0.1)
-    time.sleep(1.0)
-    pids = [p["pid"] for p in json.loads(state_path.read_text())["processes"].values()]
+    pids = [p["pid"] for p in started().values()]
+    assert len(pids) == 3, pids
     proc.send_signal(signal.SIGINT)
     # an impatient second Ctrl-C while up stops what it started: ignored, the cleanup finishes
     while proc.poll() is None and json.loads(state_path.read_text())["status"] != "failed":
