@@ -27,7 +27,7 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps
-from pdctl.router.legs import Leg, Legs, Outcome, PairAttempt
+from pdctl.router.legs import Legs, Outcome, PairAttempt
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext
 from pdctl.router.reply import Answer, Reply, StreamReply, started
@@ -479,6 +479,3 @@ class Dispatcher:
             assert isinstance(again, Reply)
             reply = again
         return reply
-
-
-__all__ = ["Dispatcher", "Leg", "RouteError"]

@@ -98,9 +98,8 @@ class Legs:
     async def post(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Leg:
         """``worker``'s whole answer (not counted in its load: the caller counts it)."""
         epoch = self.gate.epoch
-        to = {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
         try:
-            r = await self.upstream.post(worker.url + path, data, to, timeout=self.timeout)
+            r = await self.upstream.post(worker.url + path, data, _sent(worker, headers), timeout=self.timeout)
         except (UpstreamError, OSError) as exc:
             return Leg(error=exc, epoch=epoch)
         return Leg(r.status, r.body, r.content_type, epoch=epoch)
@@ -108,7 +107,7 @@ class Legs:
     async def open_stream(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | Leg:
         """The status and headers of a streamed response, or a Leg carrying why there are none."""
         epoch = self.gate.epoch
-        to = {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
+        to = _sent(worker, headers)
         try:  # the timeout bounds the head and the first event (``opened`` disarms it then)
             return await self.upstream.post(worker.url + path, data, to, stream=True, timeout=self.timeout)
         except (UpstreamError, OSError) as exc:
@@ -356,6 +355,11 @@ class PairAttempt:
         if legs.interrupted(p_leg) and aborted(p_leg.body):
             return Retry(f"prefill {self.prefill.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         return legs.verdict(self.prefill, p_leg, errors.PREFILL_FAILED) or p_leg.reply(self.headers)
+
+
+def _sent(worker: Worker, headers: Headers) -> dict[str, str]:
+    """The headers sent to ``worker``: the forwarded client headers and the worker's own key."""
+    return {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
 
 
 def _cancel_requests(task: asyncio.Task) -> int:
