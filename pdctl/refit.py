@@ -184,11 +184,16 @@ class Release:
     txn: str | None = None
     complete: tuple[str, ...] = ()
     failed: Mapping[str, str] = field(default_factory=dict)
+    phases: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per phase of the transaction before its release (``pdctl.weights.phase``), for the
+    router's refit metrics; optional (older trainers send none)."""
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"complete": list(self.complete), "failed": dict(self.failed)}
         if self.txn is not None:
             body["txn"] = self.txn
+        if self.phases:
+            body["phases"] = dict(self.phases)
         return body
 
     @classmethod
@@ -196,8 +201,14 @@ class Release:
         failed = body.get("failed") or {}
         if not isinstance(failed, dict) or not all(isinstance(v, str) for v in failed.values()):
             raise ValueError("failed must map worker URLs to reasons (strings)")
+        phases = body.get("phases") or {}
+        if not isinstance(phases, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in phases.values()
+        ):
+            raise ValueError("phases must map phase names to seconds (numbers >= 0)")
         return cls(
             txn=_text(body, "txn"),
             complete=_urls(body.get("complete") or [], "complete"),
             failed={u.rstrip("/"): why for u, why in failed.items()},
+            phases={str(k): float(v) for k, v in phases.items()},
         )

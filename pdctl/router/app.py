@@ -69,6 +69,7 @@ class RouterServer:
         self._txn_engines: list[str] = []
         self._lease: asyncio.TimerHandle | None = None
         self._last_push: dict[str, Any] | None = None  # the latest weight transaction, for `pdctl weights status`
+        self._held_at = 0.0  # when the gate last closed
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
@@ -291,6 +292,7 @@ class RouterServer:
                 self._lease.cancel()
                 self._lease = None
         if self.gate.is_open:
+            self._held_at = time.monotonic()
             log.info(
                 "held for a weight update%s (%s); %d request(s) in flight",
                 f" ({txn})" if txn else "",
@@ -332,6 +334,7 @@ class RouterServer:
             self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
         if self._last_push is not None and self._last_push.get("txn") == txn:
             self._last_push.update(state="abandoned (lease expired)", ended_at=time.time())
+        self.metrics.weight_update_ended("abandoned", {}, self._held_secs())
         self._txn, self._txn_engines, self._lease = None, [], None
         self.registry.updating = False
         self.gate.open()
@@ -360,12 +363,15 @@ class RouterServer:
         if self._lease is not None:
             self._lease.cancel()
         if self._last_push is not None and txn is not None and self._last_push.get("txn") == txn:
+            outcome = "failed" if release.failed or not release.complete else "complete"
             self._last_push.update(
-                state="failed" if release.failed or not release.complete else "complete",
+                state=outcome,
                 complete=list(release.complete),
                 failed=dict(release.failed),
+                phases=dict(release.phases),
                 ended_at=time.time(),
             )
+            self.metrics.weight_update_ended(outcome, dict(release.phases), self._held_secs())
         push = self._last_push
         if release.complete and push is not None and push.get("txn") == txn and push.get("version") is not None:
             self.registry.set_fleet(FleetWeights(str(push["version"]), push.get("source")))
@@ -376,6 +382,10 @@ class RouterServer:
         finally:  # whatever the checks met, requests flow again
             self.gate.open()
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
+
+    def _held_secs(self) -> float | None:
+        """How long the current hold has kept the gate closed (None: it is open)."""
+        return None if self.gate.is_open else time.monotonic() - self._held_at
 
     async def weights_state(self, _: Request) -> Reply:
         """The latest weight transaction (group, version, outcome) and each worker's version."""

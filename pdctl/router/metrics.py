@@ -10,22 +10,27 @@ from __future__ import annotations
 
 import bisect
 import collections
+import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pdctl.router import errors
 from pdctl.router.workers import Worker, WorkerRegistry
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple, object] = {}
         self.hot = HotCounters()
         r.register(self.hot)
         self.retries = Counter("pdctl_router_retries", "Retried requests", ["reason"], registry=r)
+        for reason in RETRY_REASONS:  # a series at 0 from the start: rate() and dashboards see "none yet"
+            self.child(self.retries, reason)
         self.in_flight = Gauge("pdctl_router_in_flight_requests", "Requests in flight", registry=r)
         self.queued = Gauge("pdctl_router_queued_requests", "Requests waiting for a slot", registry=r)
         self.body_bytes = Gauge(
@@ -33,10 +38,27 @@ class RouterMetrics:
             "Bytes of request bodies the router holds (being read, or waiting for their answer)",
             registry=r,
         )
-        self.worker_health = Gauge("pdctl_router_worker_healthy", "1 if healthy", ["worker", "role"], registry=r)
-        self.worker_load = Gauge("pdctl_router_worker_load", "Requests in flight", ["worker", "role"], registry=r)
-
-        self._children: dict[tuple, object] = {}
+        self.fleet = FleetCollector()
+        r.register(self.fleet)
+        self.weight_updates = Counter(
+            "pdctl_router_weight_updates",
+            "Weight transactions ended, by outcome (complete, failed, abandoned: its lease ran out)",
+            ["outcome"],
+            registry=r,
+        )
+        self.refit_phase = Histogram(
+            "pdctl_router_weight_update_phase_seconds",
+            "Seconds per phase of a weight transaction (probe, hold, pause, transfer, ... as its trainer reported)",
+            ["phase"],
+            buckets=REFIT_BUCKETS,
+            registry=r,
+        )
+        self.refit_held = Histogram(
+            "pdctl_router_weight_update_held_seconds",
+            "How long a weight transaction held the router (new requests waited at its gate)",
+            buckets=REFIT_BUCKETS,
+            registry=r,
+        )
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, cached: labels() costs microseconds on the hot path."""
@@ -64,14 +86,71 @@ class RouterMetrics:
     def retried(self, reason: str) -> None:
         self.child(self.retries, reason).inc()
 
+    def weight_update_ended(self, outcome: str, phases: dict[str, float], held_secs: float | None) -> None:
+        """A weight transaction ended: ``phases`` as its trainer timed them, ``held_secs`` the
+        router's own hold (None for a transaction that never held it)."""
+        self.weight_updates.labels(outcome).inc()
+        for phase, secs in phases.items():
+            self.refit_phase.labels(phase).observe(secs)
+        if held_secs is not None:
+            self.refit_held.observe(held_secs)
+
     def render(self, workers: WorkerRegistry) -> bytes:
-        for w in workers.workers.values():
-            self.worker_health.labels(w.url, w.role).set(1 if w.healthy else 0)
-            self.worker_load.labels(w.url, w.role).set(w.load)
+        self.fleet.workers = workers
         return generate_latest(self.registry)
 
 
+RETRY_REASONS = (
+    "busy",
+    errors.PREFILL_FAILED,
+    errors.DECODE_FAILED,
+    errors.WORKER_FAILED,
+    errors.CONTINUATION_FAILED,
+    errors.INTERRUPTED,
+    "stream_resumed",
+)
+"""The reasons dispatch counts retries under (pdctl.router.dispatch)."""
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+REFIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class FleetCollector(Collector):
+    """Each worker's state as the router sees it, read at scrape time: a worker that left the
+    registry, or a version it no longer holds, leaves no stale series behind."""
+
+    def __init__(self) -> None:
+        self.workers: WorkerRegistry | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "worker_type"]  # not "role": a scrape's target label (pdctl metrics) is
+        healthy = GaugeMetricFamily("pdctl_router_worker_healthy", "1 if the worker is in rotation", labels=labels)
+        load = GaugeMetricFamily("pdctl_router_worker_load", "Requests the router has in flight on it", labels=labels)
+        circuit = GaugeMetricFamily(
+            "pdctl_router_worker_circuit_open", "1 while its circuit breaker is open", labels=labels
+        )
+        opens = CounterMetricFamily(
+            "pdctl_router_worker_circuit_opens", "Times its circuit breaker opened", labels=labels
+        )
+        restarts = CounterMetricFamily(
+            "pdctl_router_worker_restarts",
+            "Times its process went away (refused connections) and a new one passed its health check",
+            labels=labels,
+        )
+        version = GaugeMetricFamily(
+            "pdctl_router_worker_weight_version",
+            "1 for the weight version the worker holds (label version; empty when unknown)",
+            labels=[*labels, "version"],
+        )
+        now = time.monotonic()
+        for w in self.workers.workers.values() if self.workers is not None else ():
+            key = [w.url, str(w.role)]
+            healthy.add_metric(key, 1 if w.healthy else 0)
+            load.add_metric(key, w.load)
+            circuit.add_metric(key, 1 if w.cb_open_until > now else 0)
+            opens.add_metric(key, w.cb_opens)
+            restarts.add_metric(key, w.restarts)
+            version.add_metric([*key, w.weight_version or ""], 1)
+        yield from (healthy, load, circuit, opens, restarts, version)
 
 
 class HotCounters(Collector):
@@ -96,7 +175,7 @@ class HotCounters(Collector):
                 cumulative.append((bound, running))
             latency.add_metric([route], cumulative, sum_value=counts[-1])
         yield latency
-        picks = CounterMetricFamily("pdctl_router_worker_selection", "Worker picks", labels=["worker", "role"])
+        picks = CounterMetricFamily("pdctl_router_worker_selection", "Worker picks", labels=["worker", "worker_type"])
         for (url, role), n in sorted(self.picks.items()):
             picks.add_metric([url, role], n)
         yield picks

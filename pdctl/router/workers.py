@@ -47,6 +47,9 @@ class Worker:
     cb_open_until: float = 0.0
     cb_half_open: bool = False
     cb_window_start: float = 0.0
+    cb_opens: int = 0
+    restarts: int = 0
+    """Times its process went away (``gone``) and a new one passed a health check."""
     quarantined: str | None = None
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
     cordoned: str | None = None
@@ -274,6 +277,7 @@ class WorkerRegistry:
         worker.cb_failures += 1
         if worker.cb_half_open or worker.cb_failures >= self.config.breaker.failure_threshold:
             worker.cb_open_until = now + self.config.breaker.timeout_duration_secs
+            worker.cb_opens += 1
             worker.cb_half_open = True  # after the timeout, trial requests decide
             worker.cb_failures = 0
             log.warning("circuit opened for %s for %.0fs", worker.url, self.config.breaker.timeout_duration_secs)
@@ -386,6 +390,8 @@ class WorkerRegistry:
                 log.info("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
             elif not worker.healthy and (worker.gone or worker.consecutive_successes >= c.health.success_threshold):
                 # A process that went away and answers again is a new one: no flapping to sit out.
+                if worker.gone:
+                    worker.restarts += 1
                 worker.healthy, worker.gone = True, False
                 log.info("worker %s is healthy again", worker.url)
             return

@@ -226,7 +226,7 @@ class Fleet:
         try:
             yield
             with report.phase(Phase.RELEASE):
-                lease.release(self.complete_urls(report), self.failed_urls(report))
+                lease.release(self.complete_urls(report), self.failed_urls(report), report.phases)
         except BaseException:
             lease.abort(self.failed_urls(report, everyone=True))
             raise
@@ -392,9 +392,9 @@ class _Lease:
     def stop(self) -> None:
         self._stop.set()
 
-    def release(self, complete: list[str], failed: dict[str, str]) -> None:
+    def release(self, complete: list[str], failed: dict[str, str], phases: Mapping[str, float]) -> None:
         self._stop.set()
-        result = self._call(RELEASE_PATH, Release(self.txn, tuple(complete), failed).to_json(), 60)
+        result = self._call(RELEASE_PATH, Release(self.txn, tuple(complete), failed, dict(phases)).to_json(), 60)
         if isinstance(result, CallFailure):
             raise WeightSyncError(f"the router did not resume after the push: {result}", phase=Phase.RELEASE)
 
