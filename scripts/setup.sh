@@ -14,6 +14,11 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) ||
       echo "setup: could not install ${need[*]}; the multi-host tests will be skipped" >&2
   fi
+  if ! command -v promtool >/dev/null; then  # the observability tests' real Prometheus (not started here)
+    (apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) ||
+      echo "setup: could not install prometheus; the Prometheus test will be skipped" >&2
+  fi
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -2,7 +2,8 @@
 
 Written atomically (temp file + rename), mode 0600, and locked (flock on ``lock``) while
 ``up`` or ``down`` runs. It holds everything ``down`` needs without the YAML: how to reach
-every node and every process's pid, process group and start time.
+every node and every process's pid, process group and start time. Each save also rewrites
+the Prometheus target list beside it (pdctl.cluster.scrape).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from pdctl.cluster.scrape import write_targets
 from pdctl.errors import LifecycleError
 from pdctl.roles import Role
 from pdctl.topology.model import Node, SSHConfig, Topology
@@ -156,6 +158,7 @@ class StateStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path(state.name))
+        write_targets(directory, state)  # Prometheus' file_sd list follows every change of the state
 
     def names(self) -> list[str]:
         if not self.root.is_dir():
