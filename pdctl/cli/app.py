@@ -56,9 +56,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from pdctl.cli import bench_cmds, cluster_cmds, router_cmds, topology_cmds, weights_cmds
+    from pdctl.cli import bench_cmds, cluster_cmds, observe_cmds, router_cmds, topology_cmds, weights_cmds
 
-    for module in (topology_cmds, cluster_cmds, router_cmds, weights_cmds, bench_cmds):
+    for module in (topology_cmds, cluster_cmds, observe_cmds, router_cmds, weights_cmds, bench_cmds):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -1,0 +1,489 @@
+"""What ``pdctl top`` shows: frames of a running cluster, each made of two samples of its HTTP
+endpoints and the latest word from its nodes' supervisors.
+
+Sampled each refresh (concurrently, each call bounded by ``HTTP_TIMEOUT_SECS`` so that a frame
+is never late because one engine hangs): every engine's ``/metrics`` (SGLang's ``sglang:`` names)
+and ``/model_info`` (its weight version), the router's ``/metrics``, ``/workers`` and
+``/pdctl/weights`` (the latest weight transaction). Rates (tokens/s, requests/s) are counter
+deltas between the newest sample and the one before; the router's p50/p99 come from its latency
+histogram's bucket deltas over the last ``LATENCY_WINDOW_SECS``. Restarts, the trainer and
+whether each process is alive come from ``pdctl.cluster.inspect.status`` (the node agents), which
+costs a process per node and so runs in the background, at most once per ``STATUS_EVERY_SECS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdctl.cluster.inspect import ClusterStatus, ProcessStatus
+from pdctl.cluster.keys import ClusterKeys
+from pdctl.cluster.state import ClusterState, ProcessRecord
+from pdctl.roles import Role
+from pdctl.sglang import Endpoint
+
+HTTP_TIMEOUT_SECS = 0.8
+STATUS_EVERY_SECS = 5.0
+LATENCY_WINDOW_SECS = 10.0
+
+
+# -- one sample -------------------------------------------------------------------------------------
+@dataclass
+class EngineSample:
+    reach: str
+    """``up``; ``refused`` (nothing listens: its process is gone); ``no answer`` (timed out);
+    or the error."""
+    running: float | None = None
+    queued: float | None = None
+    kv_use: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    weight_version: str | None = None
+
+
+@dataclass
+class RouterSample:
+    reach: str
+    requests: dict[int, float] = field(default_factory=dict)
+    """Answers so far by status (summed over routes)."""
+    latency: dict[float, float] = field(default_factory=dict)
+    """Cumulative count per bucket bound (``le``, inf included), summed over routes."""
+    retries: float = 0.0
+    in_flight: float | None = None
+    queued: float | None = None
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    last_push: dict[str, Any] | None = None
+
+
+@dataclass
+class Sample:
+    at: float
+    engines: dict[str, EngineSample]
+    """By the engine's entrypoint process id."""
+    router: RouterSample | None
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The figures ``top`` reads from an SGLang engine's ``/metrics``, each summed over label sets."""
+    wanted = {
+        "sglang:num_running_reqs": "running",
+        "sglang:num_queue_reqs": "queued",
+        "sglang:num_decode_prealloc_queue_reqs": "queued",
+        "sglang:token_usage": "kv_use",
+        "sglang:prompt_tokens_total": "prompt_tokens",
+        "sglang:generation_tokens_total": "generation_tokens",
+    }
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def parse_router_metrics(text: str, into: RouterSample) -> None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdctl_router_requests_total":
+                status = int(s.labels.get("status", "0"))
+                into.requests[status] = into.requests.get(status, 0.0) + s.value
+            elif s.name == "pdctl_router_request_duration_seconds_bucket":
+                bound = float(s.labels["le"])
+                into.latency[bound] = into.latency.get(bound, 0.0) + s.value
+            elif s.name == "pdctl_router_retries_total":
+                into.retries += s.value
+            elif s.name == "pdctl_router_in_flight_requests":
+                into.in_flight = s.value
+            elif s.name == "pdctl_router_queued_requests":
+                into.queued = s.value
+
+
+class Sampler:
+    """Samples one cluster's endpoints; ``keys`` open the engines' ``/model_info`` and the
+    router's control-plane reads (without them those columns stay empty)."""
+
+    def __init__(self, state: ClusterState, keys: ClusterKeys | None, session: aiohttp.ClientSession):
+        self.state = state
+        self.keys = keys
+        self.session = session
+        self.entrypoints = engine_entrypoints(state)
+
+    async def sample(self) -> Sample:
+        at = time.monotonic()
+        ids = list(self.entrypoints)
+        engines, router = await asyncio.gather(
+            asyncio.gather(*(self._engine(self.entrypoints[i]) for i in ids)), self._router()
+        )
+        return Sample(at, dict(zip(ids, engines, strict=True)), router)
+
+    async def _get(self, url: str, key: str | None = None) -> tuple[str, Any]:
+        """(reach, body): body is the text of a 200, else None."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            async with self.session.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_SECS)
+            ) as resp:
+                if resp.status != 200:
+                    return f"HTTP {resp.status}", None
+                return "up", await resp.text()
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return ("refused" if refused else f"unreachable ({exc.os_error})"), None
+        except asyncio.TimeoutError:
+            return "no answer", None
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"error ({type(exc).__name__})", None
+
+    async def _engine(self, rec: ProcessRecord) -> EngineSample:
+        assert rec.url is not None
+        key = self.keys.engine if self.keys else None
+        (reach, text), (_, info) = await asyncio.gather(
+            self._get(rec.url + "/metrics"), self._get(rec.url + Endpoint.MODEL_INFO.value, key)
+        )
+        sample = EngineSample(reach)
+        if text is not None:
+            for k, v in parse_engine_metrics(text).items():
+                setattr(sample, k, v)
+        version = _json_field(info, "weight_version")
+        sample.weight_version = None if version is None else str(version)
+        return sample
+
+    async def _router(self) -> RouterSample | None:
+        url = self.state.router_url
+        if not url:
+            return None
+        key = self.keys.control if self.keys else None
+        (reach, text), (_, workers), (_, weights) = await asyncio.gather(
+            self._get(url + "/metrics"), self._get(url + "/workers", key), self._get(url + "/pdctl/weights", key)
+        )
+        sample = RouterSample(reach)
+        if text is not None:
+            parse_router_metrics(text, sample)
+        listed = _json_field(workers, "workers")
+        sample.workers = [w for w in listed if isinstance(w, dict)] if isinstance(listed, list) else []
+        push = _json_field(weights, "last_push")
+        sample.last_push = push if isinstance(push, dict) else None
+        return sample
+
+
+def _json_field(body: str | None, key: str) -> Any:
+    if body is None:
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def engine_entrypoints(state: ClusterState) -> dict[str, ProcessRecord]:
+    """Each engine's HTTP entrypoint (node rank 0 of a multi-node engine), by process id, in plan order."""
+    order = {p["id"]: i for i, p in enumerate(state.plan.get("processes", []))}
+    recs = [r for r in state.processes.values() if r.role.is_engine and r.url]
+    return {r.id: r for r in sorted(recs, key=lambda r: order.get(r.id, len(order)))}
+
+
+# -- one frame --------------------------------------------------------------------------------------
+@dataclass
+class EngineRow:
+    engine: str
+    role: str
+    node: str
+    health: str
+    weight_version: str | None
+    running: float | None
+    queued: float | None
+    kv_use: float | None
+    prompt_tokens_per_s: float | None
+    generation_tokens_per_s: float | None
+    restarts: int | None
+    url: str
+
+
+@dataclass
+class RouterRow:
+    health: str
+    requests_per_s: float | None
+    errors_per_s: float | None
+    """Answers with status >= 500 per second."""
+    p50_ms: float | None
+    p99_ms: float | None
+    retries_per_s: float | None
+    in_flight: float | None
+    queued: float | None
+    open_breakers: list[str]
+    restarts: int | None
+
+
+@dataclass
+class TrainerRow:
+    state: str
+    """running, completed, exited N, restarting, left down, not running, unknown."""
+    processes: int
+    restarts: int | None
+
+
+@dataclass
+class Frame:
+    cluster: str
+    status: str
+    interval_secs: float
+    engines: list[EngineRow]
+    router: RouterRow | None
+    weights: dict[str, Any] | None
+    """The router's latest weight transaction: version, state, refit, phases, seconds, age."""
+    trainer: TrainerRow | None
+    processes_checked_secs_ago: float | None
+    """How old the supervisors' word (restarts, trainer, alive) is; None: not yet."""
+    processes_error: str | None = None
+    """Why the latest ask of the node agents failed (the frame keeps the answer before)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_frame(
+    state: ClusterState,
+    samples: Iterable[Sample],
+    status: ClusterStatus | None,
+    status_age_secs: float | None,
+    now_wall: float | None = None,
+) -> Frame:
+    """The frame for the newest of ``samples`` (oldest first; at least one, two for rates)."""
+    history = list(samples)
+    new = history[-1]
+    old = history[-2] if len(history) > 1 else None
+    dt = new.at - old.at if old is not None else 0.0
+    procs: dict[str, ProcessStatus] = {p.id: p for p in status.processes} if status else {}
+    router_view = {w.get("url", "").rstrip("/"): w for w in (new.router.workers if new.router else [])}
+    rows = []
+    for pid, es in new.engines.items():
+        rec = state.processes[pid]
+        engine_id = rec.engine_id or pid
+        members = [p for p in state.processes.values() if (p.engine_id or p.id) == engine_id]
+        restarts = _restarts(procs, [m.id for m in members]) if status else None
+        before = old.engines.get(pid) if old else None
+        prompt_before = before.prompt_tokens if before else None
+        generated_before = before.generation_tokens if before else None
+        rows.append(
+            EngineRow(
+                engine=engine_id,
+                role=str(rec.role),
+                node=rec.node,
+                health=_engine_health(
+                    es, [procs[m.id] for m in members if m.id in procs], router_view.get(rec.url or "")
+                ),
+                weight_version=es.weight_version,
+                running=es.running,
+                queued=es.queued,
+                kv_use=es.kv_use,
+                prompt_tokens_per_s=_rate(prompt_before, es.prompt_tokens, dt),
+                generation_tokens_per_s=_rate(generated_before, es.generation_tokens, dt),
+                restarts=restarts,
+                url=rec.url or "",
+            )
+        )
+    router = _router_row(history, procs, state, status is not None) if new.router else None
+    return Frame(
+        cluster=state.name,
+        status=str(status.status if status else state.status),
+        interval_secs=dt,
+        engines=rows,
+        router=router,
+        weights=_weights(new.router.last_push if new.router else None, now_wall),
+        trainer=_trainer(state, procs) if status else _trainer_unknown(state),
+        processes_checked_secs_ago=status_age_secs,
+    )
+
+
+def _restarts(procs: Mapping[str, ProcessStatus], ids: list[str]) -> int | None:
+    known = [procs[i].restarts for i in ids if i in procs and procs[i].restarts is not None]
+    return sum(known) if known else None  # type: ignore[arg-type]
+
+
+def _engine_health(sample: EngineSample, procs: list[ProcessStatus], worker: dict[str, Any] | None) -> str:
+    """One word or two for the row: what is wrong first (gone, restarting, out of rotation), else serving."""
+    for p in procs:
+        if p.supervisor == "backoff":
+            return "restarting"
+        if p.supervisor == "gave_up":
+            return "left down"
+    if sample.reach == "refused":
+        return "down"
+    if sample.reach != "up":
+        return sample.reach
+    if worker is None:
+        return "up (not routed)"
+    if worker.get("cordoned"):
+        return "cordoned"
+    if worker.get("quarantined"):
+        return "quarantined"
+    if worker.get("circuit_open"):
+        return "breaker open"
+    if not worker.get("is_healthy"):
+        return "unhealthy"
+    return "serving"
+
+
+def _rate(before: float | None, now: float | None, dt: float) -> float | None:
+    if now is None or before is None or dt <= 0:
+        return None
+    delta = now - before
+    return (now if delta < 0 else delta) / dt  # a counter that went back: the process restarted
+
+
+def _router_row(
+    history: list[Sample], procs: Mapping[str, ProcessStatus], state: ClusterState, known: bool
+) -> RouterRow:
+    new = history[-1].router
+    assert new is not None
+    old = history[-2].router if len(history) > 1 else None
+    dt = history[-1].at - history[-2].at if len(history) > 1 else 0.0
+    since = next(
+        (s.router for s in history[:-1] if s.router is not None and history[-1].at - s.at <= LATENCY_WINDOW_SECS),
+        None,
+    )
+    base = since.latency if since is not None else {}
+    if any(new.latency[b] < base.get(b, 0.0) for b in new.latency):
+        base = {}  # the router restarted in the window: its counts began again
+    window = {b: new.latency[b] - base.get(b, 0.0) for b in new.latency}
+    p50, p99 = quantile(0.5, window), quantile(0.99, window)
+    router_ids = [p.id for p in state.processes.values() if p.role == Role.ROUTER]
+    return RouterRow(
+        health="up" if new.reach == "up" else ("down" if new.reach == "refused" else new.reach),
+        requests_per_s=_rate(sum(old.requests.values()), sum(new.requests.values()), dt) if old else None,
+        errors_per_s=_rate(_errors(old.requests), _errors(new.requests), dt) if old else None,
+        p50_ms=None if p50 is None else p50 * 1000,
+        p99_ms=None if p99 is None else p99 * 1000,
+        retries_per_s=_rate(old.retries, new.retries, dt) if old else None,
+        in_flight=new.in_flight,
+        queued=new.queued,
+        open_breakers=sorted(str(w.get("url")) for w in new.workers if w.get("circuit_open")),
+        restarts=_restarts(procs, router_ids) if known else None,
+    )
+
+
+def _errors(requests: Mapping[int, float]) -> float:
+    return sum(n for status, n in requests.items() if status >= 500)
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """Prometheus' ``histogram_quantile`` over cumulative ``buckets`` (bound -> count): linear
+    within the bucket that holds the rank; the largest finite bound when it falls in +Inf;
+    None without observations."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _weights(push: dict[str, Any] | None, now_wall: float | None) -> dict[str, Any] | None:
+    if not push:
+        return None
+    now = time.time() if now_wall is None else now_wall
+    started, ended = push.get("started_at"), push.get("ended_at")
+    out = {k: push.get(k) for k in ("version", "state", "refit", "source")}
+    out["phases"] = dict(push.get("phases") or {})
+    started = started if isinstance(started, (int, float)) else None
+    ended = ended if isinstance(ended, (int, float)) else None
+    out["seconds"] = ended - started if started is not None and ended is not None else None
+    last = ended if ended is not None else started
+    out["secs_ago"] = now - last if last is not None else None
+    out["failed"] = dict(push.get("failed") or {})
+    return out
+
+
+def _trainer(state: ClusterState, procs: Mapping[str, ProcessStatus]) -> TrainerRow | None:
+    ranks = [procs[p.id] for p in state.processes.values() if p.role == Role.TRAINER and p.id in procs]
+    if not ranks:
+        return _trainer_unknown(state)
+    restarts = _restarts(procs, [p.id for p in ranks])
+    if all(p.completed for p in ranks):
+        word = "completed"
+    elif any(p.supervisor == "backoff" for p in ranks):
+        word = "restarting"
+    elif any(p.supervisor == "gave_up" for p in ranks):
+        word = "left down"
+    elif all(p.alive for p in ranks):
+        word = "running"
+    elif any(p.alive is None for p in ranks):
+        word = "unknown (node unreachable)"
+    else:
+        codes = sorted({p.exit_code for p in ranks if not p.alive and p.exit_code is not None})
+        word = f"exited {', '.join(map(str, codes))}" if codes else "not running"
+    return TrainerRow(word, len(ranks), restarts)
+
+
+def _trainer_unknown(state: ClusterState) -> TrainerRow | None:
+    n = sum(1 for p in state.processes.values() if p.role == Role.TRAINER)
+    return TrainerRow("unknown (checking)", n, None) if n else None
+
+
+class Watch:
+    """Keeps the samples a frame needs and the nodes' latest status; ``frame()`` takes a new
+    sample. ``status_source`` is called in a worker thread (it blocks on the node agents)."""
+
+    def __init__(self, state: ClusterState, sampler: Sampler, status_source: Any):
+        self.state = state
+        self.sampler = sampler
+        self.status_source = status_source
+        self.history: deque[Sample] = deque()
+        self.status: ClusterStatus | None = None
+        self.status_at: float | None = None
+        self.status_error: str | None = None
+        self._status_task: asyncio.Task | None = None
+
+    async def refresh_status(self) -> None:
+        """Ask the node agents now (and wait). A failure keeps the last answer and says why."""
+        try:
+            self.status = await asyncio.to_thread(self.status_source)
+            self.status_error = None
+        except Exception as exc:  # a node agent's trouble must not end the view
+            self.status_error = str(exc) or type(exc).__name__
+        self.status_at = time.monotonic()
+
+    def _status_due(self) -> None:
+        if self._status_task is not None and not self._status_task.done():
+            return
+        if self.status_at is None or time.monotonic() - self.status_at >= STATUS_EVERY_SECS:
+            self._status_task = asyncio.ensure_future(self.refresh_status())
+
+    async def frame(self) -> Frame:
+        self._status_due()
+        sample = await self.sampler.sample()
+        self.history.append(sample)
+        while len(self.history) > 2 and sample.at - self.history[0].at > LATENCY_WINDOW_SECS:
+            self.history.popleft()
+        age = None if self.status_at is None else time.monotonic() - self.status_at
+        frame = make_frame(self.state, self.history, self.status, age)
+        frame.processes_error = self.status_error
+        return frame
+
+    async def close(self) -> None:
+        if self._status_task is not None:
+            self._status_task.cancel()
+            try:
+                await self._status_task
+            except (asyncio.CancelledError, Exception):
+                pass
