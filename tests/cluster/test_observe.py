@@ -26,7 +26,7 @@ import psutil
 import pytest
 import yaml
 
-from pdctl.cluster.state import ClusterState, Phase, ProcessRecord
+from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore
 from pdctl.cluster.watch import EngineSample, RouterSample, Sample, make_frame, quantile
 from pdctl.refit import Release
 from pdctl.roles import Role
@@ -93,6 +93,11 @@ def test_scrape_targets_and_config(tmp_path) -> None:
     assert listed[2]["labels"] == {"cluster": "c", "role": "router", "process": "router", "node": "me"}
     path = write_targets(tmp_path, state)
     assert json.loads(path.read_text()) == listed and path.stat().st_mode & 0o777 == 0o600
+    store = StateStore(tmp_path / "home")  # every save of the state rewrites the list: down empties it
+    store.save(state)
+    assert json.loads((store.dir("c") / "prometheus-targets.json").read_text()) == listed
+    store.save(replace(state, processes={}))
+    assert json.loads((store.dir("c") / "prometheus-targets.json").read_text()) == []
     config = yaml.safe_load(scrape_config("c", path, interval_secs=2))
     job = config["scrape_configs"][0]
     assert job["file_sd_configs"][0]["files"] == [str(path)] and job["scrape_interval"] == "2s"
@@ -112,7 +117,9 @@ def test_release_carries_phases_and_refuses_bad_ones() -> None:
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("observe")
     # the decode stays down once killed (restart: never): the killed-engine check sees it down
-    topo = local_topology(tmp, NAME, free_port_base(), decode={"restart": "never"})
+    trainer = {"command": ["python", "-c", "import time; time.sleep(3600)"], "nproc_per_node": 1, "startup_secs": 0.5}
+    node = {"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp / "runs")}
+    topo = local_topology(tmp, NAME, free_port_base(), decode={"restart": "never"}, trainer=trainer, nodes=[node])
     env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}
     save_checkpoint(TinyLM(replace(PRESETS["tiny"], seed=7)), tmp / "ckpt")
     up = pdctl("up", topo, env=env)
@@ -170,6 +177,7 @@ def test_top_under_load_and_after_a_weights_load(cluster) -> None:
     router = frame["router"]
     assert router["health"] == "up" and router["requests_per_s"] > 0 and router["p50_ms"] > 0, router
     assert router["errors_per_s"] == 0 and router["open_breakers"] == [], router
+    assert frame["trainer"] == {"state": "running", "processes": 1, "restarts": 0}, frame["trainer"]
     # after the load: every engine on the new version, the update with its phases
     assert {e["weight_version"] for e in after["engines"]} == {"top-v2"}, after["engines"]
     weights = after["weights"]
@@ -303,8 +311,8 @@ def test_a_real_prometheus_scrapes_the_fleet_and_answers_every_dashboard_query(c
             empty[:] = [(title, expr) for title, expr in empty if not series(expr)]
             return not empty
 
+        _wait(lambda: series('pdctl_router_worker_weight_version{version="prom-v3"}') != [], "the loaded version", log)
         _wait(answered, lambda: f"a series for every dashboard query (still without: {empty})", log)
-        assert series('pdctl_router_worker_weight_version{version="prom-v3"}'), "the loaded version"
         assert series('pdctl_router_weight_updates_total{outcome="complete"} >= 1'), "the weight update"
         assert series('pdctl_router_weight_update_phase_seconds_count{phase="transfer"} >= 1'), "its phases"
         ttft = series(queries[1][1])  # p99 TTFT by role: a figure, not only a series
