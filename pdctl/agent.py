@@ -45,7 +45,7 @@ from pdctl.agent_replies import (
     StopReply,
     WaitReadyReply,
 )
-from pdctl.nodeproc import expand, redact, same_process
+from pdctl.nodeproc import expand, redact, same_process, wait_gone
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
 PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
@@ -293,10 +293,10 @@ def stop(req: dict[str, Any]) -> StopReply:
     procs = list(victims.values())
     for p in procs:
         _signal(p, signal.SIGTERM)
-    gone, alive = psutil.wait_procs(procs, timeout=grace)
+    gone, alive = wait_gone(procs, grace)
     for p in alive:
         _signal(p, signal.SIGKILL)
-    killed, alive = psutil.wait_procs(alive, timeout=5)
+    killed, alive = wait_gone(alive, 5)
     left = {p.pid for p in alive if _safe(p.status) not in (None, psutil.STATUS_ZOMBIE)}
     if run_id:
         left |= {p.pid for p in _tagged(run_id)}
