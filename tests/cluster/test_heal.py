@@ -57,6 +57,11 @@ def _wait_in_rotation(router: str, url: str, version: str | None = None) -> dict
         time.sleep(0.1)
 
 
+PACED = {"sim-decode-ms-per-step": 10}
+"""Decode steps paced like a real engine's (10 ms each): requests stay in flight across kills and
+restarts, and the clients' closed loop does not spend the CPU the restarts need."""
+
+
 class Clients:
     """Requests through the router from two threads until stopped: (sent at, status, version)."""
 
@@ -109,7 +114,7 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
         "heal",
         free_port_base(),
         prefill={"replicas": 2},
-        decode={"replicas": 2},
+        decode={"replicas": 2, "args": PACED},
         nodes=[node],
     )
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
@@ -198,7 +203,7 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
 
     node = {"name": "me", "host": "127.0.0.1", "gpus": 8, "workdir": str(tmp_path / "runs")}
     base = free_port_base()
-    topo = local_topology(tmp_path, "grow", base, decode={"replicas": 2}, nodes=[node])
+    topo = local_topology(tmp_path, "grow", base, decode={"replicas": 2, "args": PACED}, nodes=[node])
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     assert pdctl("up", topo, env=env).returncode == 0
 
@@ -211,7 +216,7 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
     try:
         router = _router(env, "grow")
         with Clients(router) as clients:
-            edit(decode={"replicas": 3})
+            edit(decode={"replicas": 3, "args": PACED})
             dry = pdctl("apply", topo, "--dry-run", env=env)
             assert dry.returncode == 0 and "+ add decode-2" in dry.stdout, dry.stdout + dry.stderr
             assert "decode-2" not in _status(env), "--dry-run started nothing"
@@ -225,12 +230,12 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
             )
             _wait_in_rotation(router, after["decode-2"]["url"])
 
-            edit(decode={"replicas": 2})
+            edit(decode={"replicas": 2, "args": PACED})
             shrunk = pdctl("apply", topo, env=env, timeout=600)
             assert shrunk.returncode == 0 and "- remove decode-2" in shrunk.stdout, shrunk.stderr
             assert "decode-2" not in _status(env) and after["decode-2"]["url"] not in _workers(router)
 
-            edit(prefill={"replicas": 2}, decode={"replicas": 2, "args": {"max-running-requests": 16}})
+            edit(prefill={"replicas": 2}, decode={"replicas": 2, "args": {**PACED, "max-running-requests": 16}})
             changed = pdctl("apply", topo, env=env, timeout=600)
             assert changed.returncode == 0, changed.stderr
             assert "+ add prefill-1" in changed.stdout and "~ replace decode-0" in changed.stdout, changed.stdout
