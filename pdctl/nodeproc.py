@@ -48,7 +48,7 @@ def wait_gone(procs: Iterable[psutil.Process], timeout: float) -> tuple[list[psu
         poller.register(fd, select.POLLIN)
     try:
         while watched or polled:
-            still = []
+            still: list[psutil.Process] = []
             for proc in polled:
                 (still if running(proc) else gone).append(proc)
             polled = still
