@@ -14,6 +14,7 @@ from pdctl.nodeproc import redact
 from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, sim_options
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
+from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
 from pdctl.sim.server import SimServer, torch_threads
 
@@ -38,6 +39,10 @@ def config_from_argv(argv: list[str]) -> SimConfig:
             parser.error(f"{flag} must be >= 1, got {value}")
     try:
         layout = NodeLayout.parse(args.dist_init_addr, args.nnodes or 1, args.node_rank or 0, args.tp_size or 1)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        hooks = parse_hook_specs(args.forward_hooks)
     except ValueError as exc:
         parser.error(str(exc))
     server_args = tuple((k, v) for k, v in sorted(vars(args).items()) if not k.startswith("sim_") and k != "api_key")
@@ -75,6 +80,8 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         torch_threads=sim.threads,
         ignored_flags=tuple(ignored_flags(args)),
         port_file=args.sim_port_file,
+        forward_hooks=hooks,
+        enable_return_hidden_states=bool(args.enable_return_hidden_states),
     )
 
 

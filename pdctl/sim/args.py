@@ -67,6 +67,8 @@ USED = {
     "max_queued_requests",
     "dtype",
     "mem_fraction_static",
+    "forward_hooks",
+    "enable_return_hidden_states",
 }
 
 

@@ -56,6 +56,10 @@ class SimConfig:
     torch_threads: int = 1
     """Process settings: applied by ``python -m pdctl.sim``'s main, not by the server."""
     port_file: str | None = None
+    forward_hooks: tuple[dict[str, Any], ...] = ()
+    """``--forward-hooks``: registered on the model at load (pdctl.sim.hooks)."""
+    enable_return_hidden_states: bool = False
+    """``--enable-return-hidden-states``: requests may ask for ``return_hidden_states``."""
     """``--sim-port-file``: where the bound ports are written once the engine serves."""
     ignored_flags: tuple[str, ...] = ()
     """SGLang flags accepted but without effect on CPU (logged at start)."""

@@ -129,6 +129,10 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     generator: torch.Generator | None = None
+    return_hidden_states: bool = False
+    hidden_states: list[Any] = field(default_factory=list)
+    """SGLang's ``meta_info.hidden_states``: the prompt's final hidden states (one row per prompt
+    token, from the prefill), then one row per decode step (the step that made the next token)."""
 
     @property
     def finished(self) -> bool:
@@ -161,8 +165,13 @@ class Engine:
         decode_ms_per_step: float = 0.0,
         publish_kv: Callable[[int, KVPayload | str], None] | None = None,
         weight_version: str = "default",
+        capture_hidden_states: bool = False,
     ):
         self.model = model
+        self._hidden: torch.Tensor | None = None
+        """The latest forward's final hidden states (``model.norm``'s output), when captured."""
+        if capture_hidden_states:  # (--enable-return-hidden-states: a forward hook, as a user's would be)
+            model.model["norm"].register_forward_hook(self._keep_hidden)
         self.pool = KVPool(model.config, max_running)
         self.capacity = max_running
         self.prefill_ms_per_token = prefill_ms_per_token
@@ -477,11 +486,16 @@ class Engine:
             self._running.append(req)  # finished ones are reaped next iteration, keeping slots dense
             self._admitting.remove(req)
 
+    def _keep_hidden(self, _module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        self._hidden = output
+
     def _prefill(self, req: Request) -> None:
         ids = req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
         if self.prefill_ms_per_token:
             time.sleep(len(ids) * self.prefill_ms_per_token / 1000)
         logits, kv = self.model.prefill(ids)
+        if req.return_hidden_states and not req.output_ids and self._hidden is not None:
+            req.hidden_states.append(self._hidden.tolist())  # (a re-prefill after a retract has them)
         assert req.slot is not None
         self.pool.write(req.slot, kv)
         if req.output_ids:  # re-prefill after retract: the pending token is already known
@@ -524,9 +538,12 @@ class Engine:
             torch.log_softmax(logits, dim=-1) if any(r.return_logprob or r.top_logprobs_num for r in batch) else None
         )
         emit = self._emit_token
+        hidden = self._hidden
         for row, req in enumerate(batch):
             if req.finish is not None:  # aborted meanwhile; reaped next iteration
                 continue
+            if req.return_hidden_states and hidden is not None:
+                req.hidden_states.append(hidden[row].tolist())
             opts = req.sampling
             token = (
                 greedy[row]

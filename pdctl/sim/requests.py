@@ -118,6 +118,7 @@ class ItemSpec:
     bootstrap_port: int | None
     bootstrap_room: int | None
     top_logprobs_num: int = 0
+    return_hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,7 @@ def _normalize(body: dict[str, Any], limits: Limits) -> GenerateBody:
     sampling_of = per_item(sampling, size, "sampling_params")
     logprob = per_item(body.get("return_logprob"), size, "return_logprob")
     tops = per_item(body.get("top_logprobs_num"), size, "top_logprobs_num")
+    hidden = per_item(body.get("return_hidden_states"), size, "return_hidden_states")
     hosts = per_item(body.get("bootstrap_host"), size, "bootstrap_host")
     ports = per_item(body.get("bootstrap_port"), size, "bootstrap_port")
     room = body.get("bootstrap_room")
@@ -283,6 +285,7 @@ def _normalize(body: dict[str, Any], limits: Limits) -> GenerateBody:
             bootstrap_port=ports[i],
             bootstrap_room=rooms[i],
             top_logprobs_num=int(tops[i] or 0),
+            return_hidden_states=bool(hidden[i]),
         )
         items.extend(parallel_samples(item, n))
     batch = not single or n > 1
@@ -366,6 +369,8 @@ def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: boo
         # SGLang: per position a list of [logprob, token_id, text]; input positions are not computed here.
         meta["input_top_logprobs"] = [None] * len(req.input_ids) if not pd_decode else []
         meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in top] for top in req.output_top_logprobs[:n]]
+    if req.return_hidden_states and done:  # (on the last answer of a stream only: the rows add up)
+        meta["hidden_states"] = req.hidden_states[:n]
     if done:  # SGLang reports the spans of a finished request's output (utils/weight_versions.py)
         meta["weight_versions"] = weight_version_spans(req.version_events, weight_version, len(ids))
         meta["weight_version"] = meta["weight_versions"][-1]["version"]

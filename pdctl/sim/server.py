@@ -25,6 +25,7 @@ from pdctl.sim import native_http, openai, weights_http
 from pdctl.sim.body import MAX_BODY_BYTES, ContractError, ValidationError
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Engine
+from pdctl.sim.hooks import register_forward_hooks
 from pdctl.sim.kv import KVStore, bootstrap_app
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.model import resolve_model
@@ -80,6 +81,7 @@ class SimServer:
             self.hub = PeerHub(c.layout, c.model_path, self._cannot_serve)
             peers = await self.hub.start(c.dist_timeout_secs)
         model = await asyncio.to_thread(resolve_model, c.model_path, c.load_format, c.context_length)
+        register_forward_hooks(model, c.forward_hooks)  # once, at load, as SGLang's ModelRunner does
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
         self._members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers, c.weight_digest)
         kv_store, bootstrap_port = None, c.bootstrap_port
@@ -96,6 +98,7 @@ class SimServer:
             decode_ms_per_step=c.decode_ms_per_step,
             publish_kv=kv_store.put_threadsafe if kv_store else None,
             weight_version=c.weight_version,
+            capture_hidden_states=c.enable_return_hidden_states,
         )
         self._engine.on_finish = metrics.observe_finished
         self._session = aiohttp.ClientSession()

@@ -93,6 +93,11 @@ class SimService:
         Raises SimError: 400 for bad PD fields, 500 for KV that cannot come, 503 for a full queue;
         then no item of the batch runs on.
         """
+        if not self.config.enable_return_hidden_states and any(i.return_hidden_states for i in items):
+            raise SimError(  # SGLang's TokenizerManager._validate_one_request, word for word
+                "The server is not configured to return the hidden states. "
+                "Please set `--enable-return-hidden-states` to enable this feature."
+            )
         loop = asyncio.get_running_loop()
         out: list[Running] = []
         for item in items:
@@ -108,6 +113,7 @@ class SimService:
                 emit=emit,
                 return_logprob=item.return_logprob,
                 top_logprobs_num=item.top_logprobs_num,
+                return_hidden_states=item.return_hidden_states,
             )
             out.append(Running(req, queue))
         limit = self.config.max_queued_requests  # (a null-mode server: no slot is reserved)
