@@ -200,6 +200,9 @@ def test_top_in_a_terminal_quits_on_q_and_on_ctrl_c(cluster) -> None:
             [sys.executable, "-m", "pdctl", "top", NAME, "--interval", "0.5"],
             stdin=follower, stdout=follower, stderr=follower, env={**cluster["env"], "COLUMNS": "100"},
             start_new_session=True,
+            # a suite started as a background job ignores SIGINT, and Python leaves it ignored in its
+            # children: the Ctrl-C below must reach a top that handles it
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         os.close(follower)
         seen = b""
