@@ -30,6 +30,8 @@ chat = post("/v1/chat/completions", {"model": "sim-tiny", "messages": [{"role": 
 print(f"  /v1/chat/completions -> {chat['choices'][0]['message']['content']!r}")
 PY
 "$PDCTL" status
+echo "== one frame of pdctl top (live without --once; q quits)"
+"$PDCTL" top --once
 "$PDCTL" down
 trap - EXIT
 echo "demo finished: the sim fleet came up, served requests through the PD router, and went down."
