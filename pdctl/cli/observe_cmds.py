@@ -187,7 +187,8 @@ def _print_frame(out: Console, f: Frame) -> None:
         breakers = ", ".join(r.open_breakers) if r.open_breakers else "none open"
         out.print(
             f"[bold]router[/] {r.health}: {_num(r.requests_per_s, '{:.1f}')} req/s, {_num(r.errors_per_s, '{:.1f}')} "
-            f"5xx/s, p50 {_num(r.p50_ms)} ms, p99 {_num(r.p99_ms)} ms (last 10 s), {_num(r.retries_per_s, '{:.1f}')} "
+            f"5xx/s, p50 {_num(r.p50_ms, '{:.0f} ms')}, p99 {_num(r.p99_ms, '{:.0f} ms')} (last 10 s), "
+            f"{_num(r.retries_per_s, '{:.1f}')} "
             f"retries/s, {_num(r.in_flight)} in flight, {_num(r.queued)} queued, breakers {breakers}, "
             f"restarts {_num(r.restarts)}"
         )

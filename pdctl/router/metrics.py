@@ -13,7 +13,7 @@ import collections
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -28,6 +28,7 @@ class RouterMetrics:
         self._children: dict[tuple, object] = {}
         self.hot = HotCounters()
         r.register(self.hot)
+        ProcessCollector(registry=r)  # process_start_time_seconds (restarts), CPU, memory: read at scrape
         self.retries = Counter("pdctl_router_retries", "Retried requests", ["reason"], registry=r)
         for reason in RETRY_REASONS:  # a series at 0 from the start: rate() and dashboards see "none yet"
             self.child(self.retries, reason)

@@ -101,6 +101,8 @@ def test_bad_hook_specs_fail_clearly() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 1 and "cannot import 'no_such_module'" in run.stderr and "Traceback" not in run.stderr
-    garbled = subprocess.run([sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--forward-hooks", "[{"], capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
+    garbled = subprocess.run(
+        [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--forward-hooks", "[{"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert garbled.returncode == 2 and "--forward-hooks is not JSON" in garbled.stderr
