@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pdctl.cli.tables import print_table
-from pdctl.cluster import NodeSet, StateStore
+from pdctl.cluster import ClusterState, ClusterStatus, NodeSet, StateStore
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster.inspect import load_state
 from pdctl.cluster.keys import load_keys
@@ -69,9 +69,13 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
     live_view = not as_json and frames is None and sys.stdout.isatty()
     with NodeSet(state.node_objects().values()) as nodes:
         async with aiohttp.ClientSession() as session:
-            watch = Watch(
-                state, Sampler(state, keys, session), lambda: cluster_status(state.name, store=store, nodes=nodes)
-            )
+
+            def now() -> tuple[ClusterState, ClusterStatus]:
+                current = load_state(store, state.name)
+                nodes.nodes.update(current.node_objects())  # a node an apply added
+                return current, cluster_status(state.name, store=store, nodes=nodes)
+
+            watch = Watch(state, Sampler(state, keys, session), now)
             try:
                 await watch.refresh_status()  # restarts and the trainer in the first frame already
                 await watch.frame()  # the first sample: rates need two

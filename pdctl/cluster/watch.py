@@ -118,6 +118,10 @@ class Sampler:
         self.session = session
         self.entrypoints = engine_entrypoints(state)
 
+    def follow(self, state: ClusterState) -> None:
+        """Sample ``state``'s engines from the next sample on (after an ``apply``)."""
+        self.state, self.entrypoints = state, engine_entrypoints(state)
+
     async def sample(self) -> Sample:
         at = time.monotonic()
         ids = list(self.entrypoints)
@@ -268,7 +272,9 @@ def make_frame(
     router_view = {w.get("url", "").rstrip("/"): w for w in (new.router.workers if new.router else [])}
     rows = []
     for pid, es in new.engines.items():
-        rec = state.processes[pid]
+        rec = state.processes.get(pid)
+        if rec is None:  # removed since the sample was planned (an apply)
+            continue
         engine_id = rec.engine_id or pid
         members = [p for p in state.processes.values() if (p.engine_id or p.id) == engine_id]
         restarts = _restarts(procs, [m.id for m in members]) if status else None
@@ -442,7 +448,9 @@ def _trainer_unknown(state: ClusterState) -> TrainerRow | None:
 
 class Watch:
     """Keeps the samples a frame needs and the nodes' latest status; ``frame()`` takes a new
-    sample. ``status_source`` is called in a worker thread (it blocks on the node agents)."""
+    sample. ``status_source`` is called in a worker thread (it blocks on the node agents) and
+    returns the state as saved now with its status: an engine ``apply`` adds or removes joins or
+    leaves the view at the next ask."""
 
     def __init__(self, state: ClusterState, sampler: Sampler, status_source: Any):
         self.state = state
@@ -457,7 +465,9 @@ class Watch:
     async def refresh_status(self) -> None:
         """Ask the node agents now (and wait). A failure keeps the last answer and says why."""
         try:
-            self.status = await asyncio.to_thread(self.status_source)
+            state, self.status = await asyncio.to_thread(self.status_source)
+            self.state = state
+            self.sampler.follow(state)
             self.status_error = None
         except Exception as exc:  # a node agent's trouble must not end the view
             self.status_error = str(exc) or type(exc).__name__

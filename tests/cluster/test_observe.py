@@ -408,3 +408,35 @@ def test_the_routers_fleet_metrics_follow_its_workers() -> None:
     assert after[("pdctl_router_weight_updates_total", (("outcome", "complete"),))] == 1
     assert after[("pdctl_router_weight_update_phase_seconds_sum", (("phase", "transfer"),))] == 0.5
     assert after[("pdctl_router_weight_update_held_seconds_count", ())] == 1
+
+
+def test_the_view_follows_an_apply_that_removes_an_engine() -> None:
+    """The status source brings the state as saved now: a removed engine leaves the frame, and
+    the sampler is told to sample the new state's engines."""
+    import asyncio
+
+    from pdctl.cluster.inspect import ClusterStatus
+    from pdctl.cluster.watch import Watch
+
+    full = _state()
+    shrunk = replace(full, processes={k: v for k, v in full.processes.items() if k != "decode-0"})
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.followed: list = []
+
+        async def sample(self) -> Sample:  # both engines still answer this time
+            return Sample(time.monotonic(), {"prefill-0": EngineSample("up"), "decode-0": EngineSample("up")}, None)
+
+        def follow(self, state) -> None:
+            self.followed.append(state)
+
+    async def run() -> list[str]:
+        sampler = Sampler()
+        watch = Watch(full, sampler, lambda: (shrunk, ClusterStatus("c", Phase.UP, None, [])))  # type: ignore[arg-type]
+        await watch.refresh_status()
+        frame = await watch.frame()
+        assert sampler.followed == [shrunk]
+        return [e.engine for e in frame.engines]
+
+    assert asyncio.run(run()) == ["prefill-0"]
