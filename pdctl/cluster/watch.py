@@ -61,6 +61,8 @@ class RouterSample:
     in_flight: float | None = None
     queued: float | None = None
     workers: list[dict[str, Any]] = field(default_factory=list)
+    workers_known: bool = False
+    """Whether ``GET /workers`` answered (else the router's view of the engines is unknown)."""
     last_push: dict[str, Any] | None = None
 
 
@@ -175,6 +177,7 @@ class Sampler:
             parse_router_metrics(text, sample)
         listed = _json_field(workers, "workers")
         sample.workers = [w for w in listed if isinstance(w, dict)] if isinstance(listed, list) else []
+        sample.workers_known = isinstance(listed, list)
         push = _json_field(weights, "last_push")
         sample.last_push = push if isinstance(push, dict) else None
         return sample
@@ -269,7 +272,11 @@ def make_frame(
     old = history[-2] if len(history) > 1 else None
     dt = new.at - old.at if old is not None else 0.0
     procs: dict[str, ProcessStatus] = {p.id: p for p in status.processes} if status else {}
-    router_view = {w.get("url", "").rstrip("/"): w for w in (new.router.workers if new.router else [])}
+    router_view = (
+        {w.get("url", "").rstrip("/"): w for w in new.router.workers}
+        if new.router is not None and new.router.workers_known
+        else None
+    )
     rows = []
     for pid, es in new.engines.items():
         rec = state.processes.get(pid)
@@ -287,7 +294,10 @@ def make_frame(
                 role=str(rec.role),
                 node=rec.node,
                 health=_engine_health(
-                    es, [procs[m.id] for m in members if m.id in procs], router_view.get(rec.url or "")
+                    es,
+                    [procs[m.id] for m in members if m.id in procs],
+                    router_view.get(rec.url or "") if router_view is not None else None,
+                    router_known=router_view is not None,
                 ),
                 weight_version=es.weight_version,
                 running=es.running,
@@ -317,8 +327,11 @@ def _restarts(procs: Mapping[str, ProcessStatus], ids: list[str]) -> int | None:
     return sum(known) if known else None  # type: ignore[arg-type]
 
 
-def _engine_health(sample: EngineSample, procs: list[ProcessStatus], worker: dict[str, Any] | None) -> str:
-    """One word or two for the row: what is wrong first (gone, restarting, out of rotation), else serving."""
+def _engine_health(
+    sample: EngineSample, procs: list[ProcessStatus], worker: dict[str, Any] | None, *, router_known: bool
+) -> str:
+    """One word or two for the row: what is wrong first (gone, restarting, out of rotation), else
+    serving; ``up`` when it answers but the router's view is unknown (no router, or it did not answer)."""
     for p in procs:
         if p.supervisor == "backoff":
             return "restarting"
@@ -328,6 +341,8 @@ def _engine_health(sample: EngineSample, procs: list[ProcessStatus], worker: dic
         return "down"
     if sample.reach != "up":
         return sample.reach
+    if not router_known:
+        return "up"
     if worker is None:
         return "up (not routed)"
     if worker.get("cordoned"):

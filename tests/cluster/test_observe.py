@@ -65,7 +65,9 @@ def _state() -> ClusterState:
 def test_frame_rates_come_from_counter_deltas_and_survive_a_restart() -> None:
     state = _state()
     router0 = RouterSample("up", {200: 100.0, 503: 1.0}, {0.1: 50.0, 1.0: 100.0, float("inf"): 101.0}, retries=2)
-    router1 = RouterSample("up", {200: 120.0, 503: 3.0}, {0.1: 50.0, 1.0: 120.0, float("inf"): 123.0}, retries=6)
+    router1 = RouterSample(
+        "up", {200: 120.0, 503: 3.0}, {0.1: 50.0, 1.0: 120.0, float("inf"): 123.0}, retries=6, workers_known=True
+    )
     s0 = Sample(10.0, {"prefill-0": EngineSample("up", prompt_tokens=1000.0), "decode-0": EngineSample(
         "up", generation_tokens=500.0)}, router0)  # fmt: skip
     s1 = Sample(12.0, {"prefill-0": EngineSample("up", prompt_tokens=1400.0), "decode-0": EngineSample(
@@ -82,6 +84,9 @@ def test_frame_rates_come_from_counter_deltas_and_survive_a_restart() -> None:
     s2 = Sample(13.0, {"prefill-0": EngineSample("up", prompt_tokens=50.0), "decode-0": EngineSample("up")}, router1)
     assert make_frame(state, [s1, s2], None, None).engines[0].prompt_tokens_per_s == pytest.approx(50.0)
     assert frame.trainer is not None and frame.trainer.state.startswith("unknown")
+    # the router's view unknown (its /workers did not answer): an engine that answers is just "up"
+    blind = make_frame(state, [s0, replace(s1, router=replace(router1, workers_known=False))], None, None)
+    assert blind.engines[0].health == "up"
 
 
 def test_scrape_targets_and_config(tmp_path) -> None:
