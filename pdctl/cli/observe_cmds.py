@@ -25,8 +25,9 @@ from pdctl.cluster import ClusterState, ClusterStatus, NodeSet, StateStore
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster.inspect import load_state
 from pdctl.cluster.keys import load_keys
+from pdctl.cluster.sampling import Sampler
 from pdctl.cluster.scrape import TARGETS_FILE, scrape_config, targets, write_targets
-from pdctl.cluster.watch import Frame, Sampler, Watch
+from pdctl.cluster.watch import Frame, Watch
 
 
 @click.command()

@@ -26,8 +26,9 @@ import psutil
 import pytest
 import yaml
 
+from pdctl.cluster.sampling import EngineSample, RouterSample, Sample
 from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore
-from pdctl.cluster.watch import EngineSample, RouterSample, Sample, make_frame, quantile
+from pdctl.cluster.watch import make_frame, quantile
 from pdctl.refit import Release
 from pdctl.roles import Role
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint

@@ -1,0 +1,186 @@
+"""One sample of a running cluster's HTTP endpoints, for ``pdctl top`` (pdctl.cluster.watch).
+
+Each engine's ``/metrics`` (SGLang's ``sglang:`` names) and ``/model_info`` (its weight
+version), the router's ``/metrics``, ``/workers`` and ``/pdctl/weights``: all concurrently, each
+call bounded by ``HTTP_TIMEOUT_SECS`` so that one engine that hangs never makes a sample late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdctl.cluster.keys import ClusterKeys
+from pdctl.cluster.state import ClusterState, ProcessRecord
+from pdctl.sglang import Endpoint
+
+HTTP_TIMEOUT_SECS = 0.8
+
+
+@dataclass
+class EngineSample:
+    reach: str
+    """``up``; ``refused`` (nothing listens: its process is gone); ``no answer`` (timed out);
+    or the error."""
+    running: float | None = None
+    queued: float | None = None
+    kv_use: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    weight_version: str | None = None
+
+
+@dataclass
+class RouterSample:
+    reach: str
+    requests: dict[int, float] = field(default_factory=dict)
+    """Answers so far by status (summed over routes)."""
+    latency: dict[float, float] = field(default_factory=dict)
+    """Cumulative count per bucket bound (``le``, inf included), summed over routes."""
+    retries: float = 0.0
+    in_flight: float | None = None
+    queued: float | None = None
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    workers_known: bool = False
+    """Whether ``GET /workers`` answered (else the router's view of the engines is unknown)."""
+    last_push: dict[str, Any] | None = None
+
+
+@dataclass
+class Sample:
+    at: float
+    engines: dict[str, EngineSample]
+    """By the engine's entrypoint process id."""
+    router: RouterSample | None
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The figures ``top`` reads from an SGLang engine's ``/metrics``, each summed over label sets."""
+    wanted = {
+        "sglang:num_running_reqs": "running",
+        "sglang:num_queue_reqs": "queued",
+        "sglang:num_decode_prealloc_queue_reqs": "queued",
+        "sglang:token_usage": "kv_use",
+        "sglang:prompt_tokens_total": "prompt_tokens",
+        "sglang:generation_tokens_total": "generation_tokens",
+    }
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def parse_router_metrics(text: str, into: RouterSample) -> None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdctl_router_requests_total":
+                status = int(s.labels.get("status", "0"))
+                into.requests[status] = into.requests.get(status, 0.0) + s.value
+            elif s.name == "pdctl_router_request_duration_seconds_bucket":
+                bound = float(s.labels["le"])
+                into.latency[bound] = into.latency.get(bound, 0.0) + s.value
+            elif s.name == "pdctl_router_retries_total":
+                into.retries += s.value
+            elif s.name == "pdctl_router_in_flight_requests":
+                into.in_flight = s.value
+            elif s.name == "pdctl_router_queued_requests":
+                into.queued = s.value
+
+
+class Sampler:
+    """Samples one cluster's endpoints; ``keys`` open the engines' ``/model_info`` and the
+    router's control-plane reads (without them those columns stay empty)."""
+
+    def __init__(self, state: ClusterState, keys: ClusterKeys | None, session: aiohttp.ClientSession):
+        self.state = state
+        self.keys = keys
+        self.session = session
+        self.entrypoints = engine_entrypoints(state)
+
+    def follow(self, state: ClusterState) -> None:
+        """Sample ``state``'s engines from the next sample on (after an ``apply``)."""
+        self.state, self.entrypoints = state, engine_entrypoints(state)
+
+    async def sample(self) -> Sample:
+        at = time.monotonic()
+        ids = list(self.entrypoints)
+        engines, router = await asyncio.gather(
+            asyncio.gather(*(self._engine(self.entrypoints[i]) for i in ids)), self._router()
+        )
+        return Sample(at, dict(zip(ids, engines, strict=True)), router)
+
+    async def _get(self, url: str, key: str | None = None) -> tuple[str, Any]:
+        """(reach, body): body is the text of a 200, else None."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            async with self.session.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_SECS)
+            ) as resp:
+                if resp.status != 200:
+                    return f"HTTP {resp.status}", None
+                return "up", await resp.text()
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return ("refused" if refused else f"unreachable ({exc.os_error})"), None
+        except asyncio.TimeoutError:
+            return "no answer", None
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"error ({type(exc).__name__})", None
+
+    async def _engine(self, rec: ProcessRecord) -> EngineSample:
+        assert rec.url is not None
+        key = self.keys.engine if self.keys else None
+        (reach, text), (_, info) = await asyncio.gather(
+            self._get(rec.url + "/metrics"), self._get(rec.url + Endpoint.MODEL_INFO.value, key)
+        )
+        sample = EngineSample(reach)
+        if text is not None:
+            for k, v in parse_engine_metrics(text).items():
+                setattr(sample, k, v)
+        version = _json_field(info, "weight_version")
+        sample.weight_version = None if version is None else str(version)
+        return sample
+
+    async def _router(self) -> RouterSample | None:
+        url = self.state.router_url
+        if not url:
+            return None
+        key = self.keys.control if self.keys else None
+        (reach, text), (_, workers), (_, weights) = await asyncio.gather(
+            self._get(url + "/metrics"), self._get(url + "/workers", key), self._get(url + "/pdctl/weights", key)
+        )
+        sample = RouterSample(reach)
+        if text is not None:
+            parse_router_metrics(text, sample)
+        listed = _json_field(workers, "workers")
+        sample.workers = [w for w in listed if isinstance(w, dict)] if isinstance(listed, list) else []
+        sample.workers_known = isinstance(listed, list)
+        push = _json_field(weights, "last_push")
+        sample.last_push = push if isinstance(push, dict) else None
+        return sample
+
+
+def _json_field(body: str | None, key: str) -> Any:
+    if body is None:
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def engine_entrypoints(state: ClusterState) -> dict[str, ProcessRecord]:
+    """Each engine's HTTP entrypoint (node rank 0 of a multi-node engine), by process id, in plan order."""
+    order = {p["id"]: i for i, p in enumerate(state.plan.get("processes", []))}
+    recs = [r for r in state.processes.values() if r.role.is_engine and r.url]
+    return {r.id: r for r in sorted(recs, key=lambda r: order.get(r.id, len(order)))}
