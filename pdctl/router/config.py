@@ -78,7 +78,12 @@ class HealthConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RetryConfig:
-    max_retries: int = setting(5, "--retry-max-retries", "Attempts after the first on a failed or refused request.")
+    max_retries: int = setting(
+        5,
+        "--retry-max-retries",
+        "Retries one request may spend on failures (connection errors, 5xx), across its first attempts and "
+        "its stream's continuations (an engine that died mid-stream); busy answers (429, 503) do not count.",
+    )
     initial_backoff_ms: float = setting(50.0, "--retry-initial-backoff-ms", "Wait before the first retry.")
     max_backoff_ms: float = setting(30000.0, "--retry-max-backoff-ms", "Longest wait between retries.")
     backoff_multiplier: float = setting(1.5, "--retry-backoff-multiplier", "Each wait is the previous times this.")
