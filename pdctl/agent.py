@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -168,12 +169,19 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
 def wait_ready(req: dict[str, Any]) -> WaitReadyReply:
     """Poll each target {id, url, pid, create_time} until 200, and check that each ``watch``
     process {id, pid, create_time} lives, until every target is ready, one of them all dies
-    (``died``), or the deadline passes. ``ready_ids``: the targets that became ready."""
+    (``died``), or the deadline passes. ``ready_ids``: the targets that became ready.
+
+    It also ends when its caller is gone (it was re-parented: a ``pdctl up`` killed, its SSH
+    session closed), so that a killed ``up`` leaves no agent polling on the node for the rest of
+    its timeout."""
     deadline = time.monotonic() + float(req["timeout_secs"])
     pending = {t["id"]: t for t in req["targets"]}
     watch = req.get("watch", [])
     ready: list[str] = []
+    caller = os.getppid()
     while True:
+        if _caller_gone(caller):
+            return {"ready": False, "ready_ids": ready, "failed": sorted(pending)[0], "reason": "its caller went away"}
         for t in [*watch, *pending.values()]:
             exited = _exited(t)
             if exited is not None:
@@ -188,6 +196,16 @@ def wait_ready(req: dict[str, Any]) -> WaitReadyReply:
             reason = f"not healthy after {req['timeout_secs']}s"
             return {"ready": False, "ready_ids": ready, "failed": sorted(pending)[0], "reason": reason}
         time.sleep(0.25)
+
+
+def _caller_gone(caller: int) -> bool:
+    """The agent's caller is gone: it was re-parented, or nobody reads its answer any more (the
+    read end of its stdout closed: an SSH session whose client died)."""
+    if os.getppid() != caller:
+        return True
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), 0)  # POLLERR and POLLHUP are always reported
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
 
 
 def _exited(target: dict[str, Any]) -> str | None:

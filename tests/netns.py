@@ -60,11 +60,21 @@ class TestHost:
                 continue
             if comm.startswith("sshd"):
                 continue
+            if _zombie(pid):  # it has exited; its reaper (this container's init) may come late
+                continue
             result.append(pid)
         return result
 
     def exec(self, *argv: str, **kw) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], **kw)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # gone meanwhile
+    return stat[stat.rindex(")") + 2 :].startswith("Z")  # the state field follows "(comm) "
 
 
 class TestHosts:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.netns import TestHosts, netns_unavailable
@@ -21,8 +23,9 @@ def clean_hosts(hosts):
     """Asserts after the test that no process of ours is left on any host."""
     yield hosts
     strays = hosts.stray_pids()
+    seen = {pid: _cmdline(pid) for pids in strays.values() for pid in pids}
     hosts.kill_strays()
-    assert not strays, f"stray processes left on test hosts: {strays}"
+    assert not strays, f"stray processes left on test hosts: {strays}: {seen}"
 
 
 @pytest.fixture
@@ -30,3 +33,10 @@ def pdctl_home(tmp_path, monkeypatch):
     home = tmp_path / "pdctl-home"
     monkeypatch.setenv("PDCTL_HOME", str(home))
     return home
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
