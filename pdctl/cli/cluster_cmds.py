@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -13,7 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pdctl.cli.tables import print_table
+from pdctl.cli.tables import print_table, stdout_console
 from pdctl.cli.topology_cmds import load_or_default
 from pdctl.cluster import ClusterStatus, StateStore
 from pdctl.cluster import down as cluster_down
@@ -147,8 +146,7 @@ def _print_summary(store: StateStore) -> None:
 
 
 def _print_status(result: ClusterStatus) -> None:
-    # A terminal's width or $COLUMNS; piped without $COLUMNS 160, not rich's 80 (which folds versions and ports)
-    out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
+    out = stdout_console()
     if not result.processes:  # a stopped cluster: a sentence, not an empty table
         out.print(f"cluster {result.name!r} is {result.status}: no processes (start it with `pdctl up`)")
         return

@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdctl.cli.tables import print_table
+from pdctl.cli.tables import print_table, stdout_console
 from pdctl.cluster import ClusterState, ClusterStatus, NodeSet, StateStore
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster.inspect import load_state
@@ -90,7 +90,7 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
                     if as_json:
                         click.echo(json.dumps(frame.to_dict(), indent=2 if frames == 1 else None))
                     else:
-                        _print_frame(_console(), frame)
+                        _print_frame(stdout_console(highlight=False), frame)
                     sys.stdout.flush()
                     shown += 1
             finally:
@@ -129,11 +129,6 @@ def _keys_pressed(on_key) -> Iterator[None]:
     finally:
         loop.remove_reader(fd)
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-
-
-def _console() -> Console:
-    # A terminal's width or $COLUMNS; piped without $COLUMNS 160, as `status` does
-    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160, highlight=False)
 
 
 def _render(frame: Frame, width: int, color: bool) -> Text:

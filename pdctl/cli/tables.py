@@ -12,6 +12,8 @@ A single word longer than the whole line is the only thing that may still break.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Literal
 
 from rich.console import Console
@@ -32,6 +34,12 @@ def _fits(console: Console, table: Table) -> bool:
     # Measured with room to spare: a measurement within the console's own width is clamped to it.
     natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
     return natural <= console.width
+
+
+def stdout_console(**kwargs: object) -> Console:
+    """A console on stdout: a terminal's width or $COLUMNS; piped without $COLUMNS 160, not
+    rich's 80 (which would fold versions and ports)."""
+    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160, **kwargs)  # type: ignore[arg-type]
 
 
 def print_table(console: Console, table: Table, fold: Fold = "stack") -> None:
