@@ -13,6 +13,7 @@
     │   ├── ContractError      /generate's strict JSON contract refuses it (pdctl.sim.body)
     │   └── PrefillAborted     a decode's prefill ended the request without KV (pdctl.sim.kv)
     ├── WeightSyncError        the trainer-side weight push failed
+    ├── DataPlaneError         the colocated data plane failed (names the engine rank; pdctl.colocate)
     ├── BenchError             a benchmark could not run (pdctl.bench.runner)
     ├── WorkloadError          a benchmark workload cannot be built (pdctl.bench.workloads)
     └── RolloutError           the RL example could not sample rollouts (pdctl.examples.rl_sim)
@@ -100,6 +101,17 @@ class SimError(PdctlError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class DataPlaneError(PdctlError):
+    """The colocated data plane (pdctl.colocate) failed: ``engine`` and ``rank`` name the engine
+    rank that did not send (or could not be reached), ``step`` the step it owed, where known."""
+
+    def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None, step: int | None = None):
+        super().__init__(message)
+        self.engine = engine
+        self.rank = rank
+        self.step = step
 
 
 class WeightSyncError(PdctlError):

@@ -98,6 +98,14 @@ def render_plan(result: Plan) -> None:
             f"weight group: {wg.backend} world_size={wg.world_size} at {wg.master_address}:{wg.master_port}; "
             f"rank offsets: {ranks}"
         )
+    if result.data_plane:
+        dp = result.data_plane
+        pairs = ", ".join(f"{e.id}@{e.first_rank}" for e in dp.engines)
+        console.print(
+            f"data plane: {dp.backend} world_size={dp.world_size} at {dp.master_address}:{dp.master_port}; "
+            f"trainer ranks 0..{dp.trainer_ranks - 1}, engine TP ranks from: {pairs}; "
+            f"{dp.batch_size} sequences per step, aux layers {list(dp.aux_layers) or 'none'}"
+        )
 
 
 def _ranges(ids: tuple[int, ...]) -> str:

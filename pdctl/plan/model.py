@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from pdctl.colocate.env import DataPlaneSpec
 from pdctl.errors import Issue
 from pdctl.roles import Role
 
@@ -27,7 +28,7 @@ class LaunchSpec:
 
     ``ports`` names each port the process owns on its node: ``http``, ``nccl``,
     ``bootstrap`` (prefill), ``dist_init`` (first of a block of ``dist_init_block``),
-    ``metrics`` (router), ``master`` and ``weight_group`` (trainer node rank 0).
+    ``metrics`` (router), ``master``, ``weight_group`` and ``data_plane`` (trainer node rank 0).
     """
 
     id: str
@@ -200,6 +201,8 @@ class Plan:
     refit: str = "drain"
     """``weights.refit``: how updates (a trainer's push, ``pdctl weights load``) treat requests in flight."""
     max_staleness: int | None = None
+    data_plane: DataPlaneSpec | None = None
+    """Colocate with ``placement.data_plane``: the union world of trainer and engine ranks."""
 
     def process(self, process_id: str) -> LaunchSpec:
         for spec in self.processes:
@@ -229,4 +232,5 @@ class Plan:
             "trainer_first": self.trainer_first,
             "trainer_startup_secs": self.trainer_startup_secs,
             "refit": {"mode": self.refit, "max_staleness": self.max_staleness},
+            "data_plane": self.data_plane.to_dict() if self.data_plane else None,
         }

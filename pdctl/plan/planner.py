@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
+from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks, hook_specs
 from pdctl.errors import Issue, PlanError, TopologyError
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
@@ -94,8 +96,13 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
     router_url = f"http://{url_host(router_host)}:{r_port}"
 
     weight_group = None
+    data_plane = None
     if top.trainer is not None:
         trainer_procs, weight_group = _plan_trainer(top, layout, cursors, engines, router_url)
+        data_plane = _plan_data_plane(top, layout, cursors, engines)
+        if data_plane is not None:
+            trainer_procs = [_trainer_with_data_plane(p, data_plane) for p in trainer_procs]
+            processes = [_engine_with_data_plane(top, p, data_plane) for p in processes]
         processes += trainer_procs
     warnings = cursors.warnings()
     return Plan(
@@ -112,7 +119,66 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
         trainer_startup_secs=top.trainer.startup_secs if top.trainer is not None else 10.0,
         refit=top.weights.refit.value if top.weights is not None else RefitMode.DRAIN.value,
         max_staleness=top.weights.max_staleness if top.weights is not None else None,
+        data_plane=data_plane,
     )
+
+
+POSITIONS_MODULE = {"sim": "model.embed_positions", "sglang": "model.layers.0.self_attn.rotary_emb"}
+"""A module whose first input is the positions of the forward's rows (the sim's learned position
+table; SGLang's Llama/Qwen rotary embedding, called as ``rotary_emb(positions, q, k)``)."""
+
+
+def _plan_data_plane(
+    top: Topology, layout: GpuLayout, cursors: PortCursors, engines: list[EngineSpec]
+) -> DataPlaneSpec | None:
+    """The union world: trainer ranks 0..N-1, then every engine's TP ranks in engine order (so the
+    engine GPU trainer rank i shares is union rank N + i); rank 0 hosts the store on a port of
+    the trainer's head node."""
+    config = top.placement.data_plane
+    if config is None or not top.placement.colocate:
+        return None
+    head = top.node(layout.trainer[0][0])
+    port = cursors.take(head.name, key=f"trainer.{head.name}:data_plane")
+    trainer_ranks = sum(len(gpus) for _, gpus in layout.trainer)
+    ranks, first = [], trainer_ranks
+    for engine in engines:
+        ranks.append(EngineRanks(id=engine.id, tp=engine.gpus, first_rank=first))
+        first += engine.gpus
+    backend = config.backend or (top.weights.backend if top.weights is not None else None)
+    return DataPlaneSpec(
+        master_address=url_host(head.host).strip("[]"),
+        master_port=port,
+        trainer_ranks=trainer_ranks,
+        engines=tuple(ranks),
+        backend=backend.value if backend is not None else ("gloo" if top.engine == "sim" else "nccl"),
+        batch_size=config.batch_size,
+        aux_layers=config.aux_layers,
+        dtype=config.dtype,
+        timeout_secs=config.timeout_secs,
+    )
+
+
+def _trainer_with_data_plane(spec: LaunchSpec, data_plane: DataPlaneSpec) -> LaunchSpec:
+    """The trainer's node rank 0 hosts the union world's store (its ``data_plane`` port)."""
+    if spec.node_rank == 0:
+        spec = replace(spec, ports=MappingProxyType({**spec.ports, "data_plane": data_plane.master_port}))
+    return _with_data_plane(spec, data_plane)
+
+
+def _with_data_plane(spec: LaunchSpec, data_plane: DataPlaneSpec) -> LaunchSpec:
+    return replace(spec, env=MappingProxyType({**spec.env, DATA_PLANE_ENV: data_plane.to_json()}))
+
+
+def _engine_with_data_plane(top: Topology, spec: LaunchSpec, data_plane: DataPlaneSpec) -> LaunchSpec:
+    """An engine process gets the data plane's hooks (``--forward-hooks``), whole-prompt prefills
+    (``--disable-radix-cache``), no warm-up prompt in the data (``--skip-server-warmup``) and the
+    union world in its environment; others are unchanged."""
+    if spec.engine_id is None:
+        return spec
+    hooks = hook_specs(spec.engine_id, positions_module=POSITIONS_MODULE[top.engine], aux_layers=data_plane.aux_layers)
+    argv = [*spec.argv, "--forward-hooks", compact_json(hooks)]
+    argv += [flag for flag in ("--disable-radix-cache", "--skip-server-warmup") if flag not in argv]
+    return _with_data_plane(replace(spec, argv=tuple(argv)), data_plane)
 
 
 def _mps_daemons(top: Topology, processes: list[LaunchSpec]) -> tuple[MpsDaemon, ...]:
@@ -247,8 +313,6 @@ def _assign_rank_offsets(top: Topology, engines: list[EngineSpec]) -> list[Engin
     """Engine i gets rank_offset = 1 + GPUs of the engines before it (trainer rank 0 is 0)."""
     if top.trainer is None or top.weights is None:
         return engines
-    from dataclasses import replace
-
     out = []
     offset = 1
     for engine in engines:

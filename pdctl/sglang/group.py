@@ -59,7 +59,7 @@ def init_custom_process_group(
             os.environ[AGENT_STORE_ENV] = saved
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
-    with _gloo_interface_towards(master_address if backend == "gloo" else None):
+    with gloo_interface_towards(master_address if backend == "gloo" else None):
         group, _ = _new_process_group_helper(
             # group_name: torch 2.13 types it as the NewType GroupName, older torch as str; both take a str
             world_size,
@@ -75,7 +75,7 @@ def init_custom_process_group(
 
 
 @contextlib.contextmanager
-def _gloo_interface_towards(master_address: str | None) -> Iterator[None]:
+def gloo_interface_towards(master_address: str | None) -> Iterator[None]:
     """Gloo binds to the address its host name resolves to, which on many hosts (and in network
     namespaces) is 127.0.0.1: peers on other hosts are then told to connect to their own
     loopback. Unless GLOO_SOCKET_IFNAME is set, use the interface that routes to the master."""

@@ -69,6 +69,7 @@ USED = {
     "mem_fraction_static",
     "forward_hooks",
     "enable_return_hidden_states",
+    "disable_radix_cache",  # holds trivially: the sim prefills every prompt whole (no prefix cache)
 }
 
 

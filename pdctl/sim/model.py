@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,8 +80,9 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: SimModelConfig):
+    def __init__(self, c: SimModelConfig, index: int):
         super().__init__()
+        self.index = index
         self.input_layernorm = RMSNorm(c.hidden)
         self.self_attn = nn.ModuleDict(
             {
@@ -97,6 +99,13 @@ class Block(nn.Module):
             }
         )
 
+    def forward(self, x: torch.Tensor, attend: Callable[[Block, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The residual stream after this layer (what a forward hook on ``model.layers.N`` sees);
+        ``attend(block, normed)`` is the attention output, which prefill and decode compute
+        differently (their KV lives outside the model)."""
+        x = x + attend(self, self.input_layernorm(x))
+        return x + self.mlp_out(x)
+
     def mlp_out(self, x: torch.Tensor) -> torch.Tensor:
         h = self.post_attention_layernorm(x)
         return self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
@@ -112,7 +121,7 @@ class TinyLM(nn.Module):
             {
                 "embed_tokens": nn.Embedding(config.vocab_size, config.hidden, dtype=DTYPE),
                 "embed_positions": nn.Embedding(config.max_positions, config.hidden, dtype=DTYPE),
-                "layers": nn.ModuleList(Block(config) for _ in range(config.layers)),
+                "layers": nn.ModuleList(Block(config, i) for i in range(config.layers)),
                 "norm": RMSNorm(config.hidden),
             }
         )
@@ -152,13 +161,15 @@ class TinyLM(nn.Module):
         t = torch.tensor(ids)
         x = self.model["embed_tokens"](t) + self.model["embed_positions"](torch.arange(len(ids)))
         kv = []
-        for block in self.blocks:
-            h = block.input_layernorm(x)
+
+        def attend(block: Block, h: torch.Tensor) -> torch.Tensor:
             q, k, v = (self._split(block.self_attn[n](h)) for n in ("q_proj", "k_proj", "v_proj"))
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + block.self_attn["o_proj"](att.transpose(0, 1).reshape(len(ids), c.hidden))
-            x = x + block.mlp_out(x)
             kv.append(torch.stack([k, v]))
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return block.self_attn["o_proj"](att.transpose(0, 1).reshape(len(ids), c.hidden))
+
+        for block in self.blocks:
+            x = block(x, attend)
         logits = self.lm_head(self.model["norm"](x))
         return logits, torch.stack(kv)
 
@@ -171,17 +182,20 @@ class TinyLM(nn.Module):
         x = self.model["embed_tokens"](ids) + self.model["embed_positions"](positions)  # [B, hidden]
         span = int(positions.max()) + 1
         mask = torch.arange(span)[None, :] <= positions[:, None]  # [B, span]
-        for li, block in enumerate(self.blocks):
-            h = block.input_layernorm(x)
+
+        def attend(block: Block, h: torch.Tensor) -> torch.Tensor:
+            layer = block.index
             q, k, v = (block.self_attn[n](h).view(-1, c.heads, c.head_dim) for n in ("q_proj", "k_proj", "v_proj"))
-            pool.k[li, rows, :, positions] = k
-            pool.v[li, rows, :, positions] = v
+            pool.k[layer, rows, :, positions] = k
+            pool.v[layer, rows, :, positions] = v
             # Views, not copies: [B, heads, span, head_dim], each head's positions contiguous.
-            keys = pool.k[li, :batch, :, :span]
-            values = pool.v[li, :batch, :, :span]
+            keys = pool.k[layer, :batch, :, :span]
+            values = pool.v[layer, :batch, :, :span]
             att = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :])
-            x = x + block.self_attn["o_proj"](att.reshape(-1, c.hidden))
-            x = x + block.mlp_out(x)
+            return block.self_attn["o_proj"](att.reshape(-1, c.hidden))
+
+        for block in self.blocks:
+            x = block(x, attend)
         return self.lm_head(self.model["norm"](x))
 
     # -- weights -----------------------------------------------------------------

@@ -239,6 +239,29 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DataPlaneConfig:
+    """``placement.data_plane``: hidden states from engine TP rank i to trainer rank i
+    (pdctl.colocate). ``backend`` None: the weights backend (gloo for the sim, else nccl)."""
+
+    backend: WeightBackend | None = None
+    batch_size: int = 8
+    """Sequences per step of one engine; TP rank j sends its TP-th share of them."""
+    aux_layers: tuple[int, ...] = ()
+    """Layers whose output (the residual stream after ``model.layers.K``) is sent too, as Eagle3 reads."""
+    dtype: str | None = None
+    """None: as the engine computed them."""
+    timeout_secs: float = 300.0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> DataPlaneConfig:
+        fields = dict(raw)
+        if fields.get("backend") is not None:
+            fields["backend"] = WeightBackend(fields["backend"])
+        fields["aux_layers"] = tuple(sorted(int(k) for k in fields.get("aux_layers") or ()))
+        return cls(**fields)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
     """``separate``: engines and trainer on disjoint GPUs; ``colocate``: shared under CUDA MPS.
 
@@ -250,6 +273,7 @@ class Placement:
     infer_frac: float | None = None
     mps: bool | None = None
     thread_percentage: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    data_plane: DataPlaneConfig | None = None
 
     @property
     def colocate(self) -> bool:
@@ -267,6 +291,8 @@ class Placement:
         fields = {k: v for k, v in raw.items() if k != "mps_active_thread_percentage"}
         if "mode" in fields:
             fields["mode"] = PlacementMode(fields["mode"])
+        if "data_plane" in fields:
+            fields["data_plane"] = DataPlaneConfig.from_dict(fields["data_plane"] or {})
         percentages = raw.get("mps_active_thread_percentage") or {}
         return cls(**fields, thread_percentage=MappingProxyType({str(k): int(v) for k, v in percentages.items()}))
 

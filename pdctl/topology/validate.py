@@ -186,6 +186,8 @@ def _colocate(top: Topology) -> list[Issue]:
         ]
         if p.thread_percentage:
             given.append("mps_active_thread_percentage")
+        if p.data_plane is not None:
+            given.append("data_plane")
         if given:
             out.append(
                 Issue(
@@ -228,6 +230,41 @@ def _colocate(top: Topology) -> list[Issue]:
                     f"trainer world size {world} != engine count x TP = {engine_gpus}",
                 )
             )
+    return out + _data_plane(top)
+
+
+def _data_plane(top: Topology) -> list[Issue]:
+    """The data plane pairs engine TP rank i with trainer rank i: every engine GPU must compute
+    prompts' hidden states in one forward of the whole batch."""
+    dp = top.placement.data_plane
+    if dp is None:
+        return []
+    out = []
+    for group in top.groups:
+        path = group.path
+        if group.role is Role.DECODE:
+            out.append(
+                Issue(
+                    path,
+                    f"{group.name}: a decode engine computes no prompt hidden states, so its GPUs' trainer ranks "
+                    "would get nothing from the data plane",
+                    hint="serve with regular (or prefill) engines only",
+                )
+            )
+        for key in ("dp", "pp", "attn_dp"):
+            if getattr(group, key) != 1:
+                out.append(Issue(f"{path}.{key}", f"{group.name}: the data plane needs {key} 1 (TP shards the batch)"))
+        if dp.batch_size % group.tp:
+            out.append(
+                Issue(
+                    "placement.data_plane.batch_size",
+                    f"batch_size {dp.batch_size} is not a multiple of {group.name}'s tp {group.tp}: "
+                    "each TP rank sends an equal share of a step",
+                )
+            )
+    backend = dp.backend or (top.weights.backend if top.weights is not None else None)
+    if top.engine == "sim" and backend is not None and backend.value == "nccl":
+        out.append(Issue("placement.data_plane.backend", "the sim runs on CPU: use gloo"))
     return out
 
 

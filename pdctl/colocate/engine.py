@@ -1,0 +1,212 @@
+"""The engine side of the data plane: forward hooks that SGLang's ``--forward-hooks`` (or the
+sim's) loads by import path, ``pdctl.colocate.engine:hook_factory``.
+
+The plan registers one hook per ``Tap`` (``pdctl.colocate.env.hook_specs``): the embedding's
+input (token ids), a module whose first input is the positions (where each sequence of a
+prefill batch starts: position 0), optional auxiliary layers, and ``model.norm`` (the final
+hidden states), where a forward ends. A forward with no position 0 is a decode step and sends
+nothing. Prefilled sequences are queued until ``batch_size`` of them make a step; then TP rank
+``j`` sends sequences ``j*B/TP .. (j+1)*B/TP`` of it to its trainer rank (``pdctl.colocate.wire``),
+inside the forward: the engine does not go on until its trainer has taken the step.
+
+Under SGLang every TP rank is a process that runs this hook on the same (replicated) hidden
+states and sends its own shard; the sim runs all TP ranks of an engine in one process, which then
+plays every rank (``local_tp_ranks``). Requirements on the engine: every prompt prefilled whole
+and from position 0 (SGLang: ``--disable-radix-cache``, which the plan adds, and prompts within
+``--chunked-prefill-size``); a request retracted and prefilled again is sent again. Health
+probes (``input_ids [0]``) are not data and are dropped.
+
+A failure (the trainer gone, a timeout) is logged once, naming the trainer rank, and stops the
+data plane of this engine; the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdctl.colocate.env import DataPlaneSpec, Tap
+from pdctl.colocate.wire import Header, dtype_named, pack_meta
+from pdctl.colocate.world import RankGroups, join
+
+log = logging.getLogger("pdctl.colocate")
+
+Hook = Callable[[nn.Module, tuple[Any, ...], Any], None]
+
+HEALTH_PROBE_ID = 0
+"""``GET /health`` prefills ``input_ids=[0]`` (sglang-protocol.md 5): such a one-token sequence is
+dropped. The plan adds ``--skip-server-warmup`` so that the warm-up prompt is not sent either."""
+
+_producers: dict[str, Producer] = {}
+_producers_lock = threading.Lock()
+
+
+def hook_factory(config: dict[str, Any]) -> Hook:
+    """SGLang's hook factory contract: called once per hook spec with its ``config``
+    (``{"tap": ..., "engine": ENGINE_ID}``); the data plane itself comes from
+    ``PDCTL_DATA_PLANE``. All taps of one engine share one ``Producer``."""
+    tap = Tap(config["tap"])
+    engine_id = str(config["engine"])
+    with _producers_lock:
+        producer = _producers.get(engine_id)
+        if producer is None:
+            producer = _producers[engine_id] = Producer(DataPlaneSpec.from_env(), engine_id)
+    return producer.hook(tap)
+
+
+def local_tp_ranks(tp: int) -> list[int]:
+    """The TP ranks this process plays: its own under SGLang (one process per TP rank), all of
+    them elsewhere (the sim)."""
+    try:
+        from sglang.srt.distributed import (
+            get_tensor_model_parallel_rank,
+            model_parallel_is_initialized,
+        )
+    except ImportError:
+        return list(range(tp))
+    if model_parallel_is_initialized():
+        return [int(get_tensor_model_parallel_rank())]
+    return list(range(tp))
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """One prefilled sequence, as the forward left it (views, no copies)."""
+
+    input_ids: torch.Tensor
+    final: torch.Tensor
+    aux: tuple[torch.Tensor, ...]
+
+
+class Producer:
+    """One engine's end of the data plane in this process (one or more of its TP ranks).
+
+    Joins the union world in a background thread at once (the engine's start does not wait
+    for the trainer); the first step waits for that join."""
+
+    def __init__(self, spec: DataPlaneSpec, engine_id: str, *, tp_ranks: Sequence[int] | None = None):
+        self.spec = spec
+        self.engine = spec.engine(engine_id)
+        self.tp_ranks = list(tp_ranks) if tp_ranks is not None else local_tp_ranks(self.engine.tp)
+        self.dtype = dtype_named(spec.dtype) if spec.dtype else None
+        self.shard_size = spec.batch_size // self.engine.tp
+        self.steps_sent = 0
+        self.failure: str | None = None
+        self._ids: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._aux: list[torch.Tensor] = []
+        self._pending: list[Prefilled] = []
+        self._groups: list[RankGroups] = []
+        self._join_error: BaseException | None = None
+        self._joined = threading.Event()
+        threading.Thread(target=self._join, name=f"data-plane-{engine_id}", daemon=True).start()
+
+    def _join(self) -> None:
+        try:
+            self._groups = join(self.spec, [self.engine.first_rank + j for j in self.tp_ranks])
+            log.info("data plane: engine %s joined as union ranks %s", self.engine.id, [g.rank for g in self._groups])
+        except BaseException as exc:  # reported by the first step that needs the groups
+            self._join_error = exc
+        finally:
+            self._joined.set()
+
+    # -- hooks -----------------------------------------------------------------------------
+    def hook(self, tap: Tap) -> Hook:
+        if tap is Tap.INPUT_IDS:
+            return self._on_input_ids
+        if tap is Tap.POSITIONS:
+            return self._on_positions
+        if tap is Tap.AUX:
+            return self._on_aux
+        return self._on_final
+
+    def _on_input_ids(self, _module: nn.Module, inputs: tuple[Any, ...], _output: Any) -> None:
+        self._ids = inputs[0]
+
+    def _on_positions(self, _module: nn.Module, inputs: tuple[Any, ...], _output: Any) -> None:
+        self._positions = inputs[0]
+
+    def _on_aux(self, _module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
+        # SGLang's decoder layers return (hidden, residual): the residual stream is their sum.
+        if isinstance(output, tuple):
+            output = output[0] + output[1] if len(output) > 1 and output[1] is not None else output[0]
+        self._aux.append(output)
+
+    def _on_final(self, _module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
+        # SGLang's final norm returns (normed, residual): the first is the final hidden states.
+        final = output[0] if isinstance(output, tuple) else output
+        ids, positions, aux = self._ids, self._positions, tuple(self._aux)
+        self._ids, self._positions, self._aux = None, None, []
+        if ids is None or positions is None:
+            return
+        self.add_forward(ids, positions, final, aux)
+
+    # -- steps -------------------------------------------------------------------------------
+    def add_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        final: torch.Tensor,
+        aux: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        """One forward's rows; sends every step that is complete (blocking until its trainer
+        ranks take it)."""
+        if self.failure is not None:
+            return
+        starts = (positions == 0).nonzero().flatten().tolist()
+        if not starts:
+            return  # a decode step
+        for start, end in zip(starts, [*starts[1:], len(positions)], strict=True):
+            if end - start == 1 and int(input_ids[start]) == HEALTH_PROBE_ID:
+                continue  # SGLang's (and the sim's) /health runs input_ids [0]: not training data
+            self._pending.append(Prefilled(input_ids[start:end], final[start:end], tuple(a[start:end] for a in aux)))
+        while len(self._pending) >= self.spec.batch_size and self.failure is None:
+            batch = self._pending[: self.spec.batch_size]
+            del self._pending[: self.spec.batch_size]
+            self._send_step(batch)
+
+    def _send_step(self, batch: list[Prefilled]) -> None:
+        step = self.steps_sent
+        if not self._joined.wait(self.spec.timeout_secs) or self._join_error is not None:
+            self._fail(step, None, f"could not join the union world: {self._join_error or 'timed out'}")
+            return
+        for tp_rank, groups in zip(self.tp_ranks, self._groups, strict=True):
+            trainer = self.spec.trainer_of(self.engine, tp_rank)
+            shard = batch[tp_rank * self.shard_size : (tp_rank + 1) * self.shard_size]
+            try:
+                self._send_shard(groups, trainer, step, shard)
+            except (RuntimeError, ValueError) as exc:
+                self._fail(step, trainer, str(exc))
+                return
+        self.steps_sent += 1
+
+    def _send_shard(self, groups: RankGroups, trainer: int, step: int, shard: list[Prefilled]) -> None:
+        ready = torch.empty(1, dtype=torch.int64)
+        groups.meta.recv([ready], trainer, 0).wait()
+        if int(ready) != step:
+            raise ValueError(f"trainer rank {trainer} is ready for step {int(ready)}, this engine sends step {step}")
+        final = self._joined_rows([s.final for s in shard])
+        aux = [self._joined_rows([s.aux[k] for s in shard]) for k in range(len(shard[0].aux))]
+        header = Header(step, len(shard), final.shape[0], final.shape[1], len(aux), final.dtype)
+        groups.meta.send([header.encode()], trainer, 0).wait()
+        groups.meta.send([pack_meta([s.input_ids for s in shard])], trainer, 0).wait()
+        for tensor in (final, *aux):
+            groups.data.send([tensor], trainer, 0).wait()
+
+    def _joined_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.dtype is not None and rows.dtype != self.dtype:
+            rows = rows.to(self.dtype)
+        return rows.contiguous()
+
+    def _fail(self, step: int, trainer: int | None, why: str) -> None:
+        peer = f"trainer rank {trainer}" if trainer is not None else "the trainer"
+        self.failure = f"data plane of engine {self.engine.id}: step {step} to {peer} failed: {why}"
+        self._pending.clear()
+        log.error("%s; this engine sends no more steps (it keeps serving)", self.failure)

@@ -1,0 +1,158 @@
+"""The trainer side of the data plane: ``DataPlane.from_env()`` on every trainer rank, then
+``recv()`` once per step.
+
+Trainer rank ``i`` receives what the engine rank on its GPU sends (``pdctl.colocate.engine``):
+its shard of each step's sequences, packed (``[n_tokens, hidden]`` with the sequence lengths),
+into buffers allocated once and grown only when a step is larger than every one before. The
+tensors of a ``Step`` are views of those buffers: the next ``recv`` overwrites them.
+``trainer_group`` is the trainer ranks' own world (torchrun's), for FSDP or DDP.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdctl.colocate.env import DataPlaneSpec
+from pdctl.colocate.wire import HEADER_LEN, Header, unpack_meta
+from pdctl.colocate.world import join
+from pdctl.errors import DataPlaneError
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step's shard. ``loss_mask`` is 1 where a token has a next token in its sequence."""
+
+    step: int
+    engine: str
+    tp_rank: int
+    input_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: torch.Tensor
+    """``[n_tokens, hidden]``: the final hidden states (``model.norm``'s output)."""
+    aux: tuple[torch.Tensor, ...]
+    """``[n_tokens, hidden]`` per auxiliary layer, in ``aux_layers`` order."""
+
+
+class DataPlane:
+    """Trainer rank ``rank``'s end of the union world; ``recv`` takes steps 0, 1, 2, ... in order."""
+
+    def __init__(self, spec: DataPlaneSpec, rank: int, *, device: torch.device | str | None = None):
+        self.spec = spec
+        self.rank = rank
+        engine, self.tp_rank = spec.pair_of_trainer(rank)
+        self.engine = engine.id
+        self.peer = spec.trainer_ranks + rank
+        self.device = torch.device(device or ("cuda" if spec.backend == "nccl" else "cpu"))
+        self.next_step = 0
+        self._ready = torch.empty(1, dtype=torch.int64)
+        self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._meta = torch.empty(0, dtype=torch.int64)
+        self._hidden = torch.empty(0, device=self.device)
+        self._groups = join(spec, [rank])[0]
+
+    @classmethod
+    def from_env(cls, *, rank: int | None = None, device: torch.device | str | None = None) -> DataPlane:
+        """This process's end, from ``PDCTL_DATA_PLANE`` and torchrun's ``RANK`` (or ``rank``).
+        Blocks until every rank of the union world (every engine rank) has joined.
+
+        Raises:
+            DataPlaneError: no data plane in the environment, or no rank.
+        """
+        try:
+            spec = DataPlaneSpec.from_env()
+        except ValueError as exc:
+            raise DataPlaneError(str(exc)) from None
+        if rank is None:
+            if "RANK" not in os.environ:
+                raise DataPlaneError("no trainer rank: run under torchrun (RANK) or pass rank=")
+            rank = int(os.environ["RANK"])
+        if not 0 <= rank < spec.trainer_ranks:
+            raise DataPlaneError(f"trainer rank {rank} is outside the data plane's {spec.trainer_ranks} trainer ranks")
+        return cls(spec, rank, device=device)
+
+    @property
+    def trainer_group(self) -> dist.ProcessGroup | None:
+        """The trainer ranks' own group (torchrun's world, initialised by the trainer) for FSDP or
+        DDP; None when the default group is not initialised."""
+        if not dist.is_initialized():
+            return None
+        if dist.get_world_size() != self.spec.trainer_ranks:
+            raise DataPlaneError(
+                f"the default group has {dist.get_world_size()} ranks, "
+                f"the data plane {self.spec.trainer_ranks} trainer ranks"
+            )
+        return dist.group.WORLD
+
+    def recv(self) -> Step:
+        """The next step's shard from this rank's engine rank. Says "ready" for it first, so the
+        engine never runs ahead.
+
+        Raises:
+            DataPlaneError: the engine rank sent nothing within ``timeout_secs``, closed the
+            connection (it died), or sent another step than the one asked for.
+        """
+        step = self.next_step
+        meta_group, data_group = self._groups.meta, self._groups.data
+        try:
+            self._ready[0] = step
+            meta_group.send([self._ready], self.peer, 0).wait()
+            meta_group.recv([self._header], self.peer, 0).wait()
+            header = Header.decode(self._header)
+            if header.step != step:
+                raise self._error(step, f"sent step {header.step} when step {step} was asked for")
+            meta = self._buffer_meta(header.meta_len)
+            meta_group.recv([meta], self.peer, 0).wait()
+            views = self._buffer_hidden(header)
+            for view in views:
+                data_group.recv([view], self.peer, 0).wait()
+        except (RuntimeError, ValueError) as exc:
+            raise self._error(step, _why(exc, self.spec.timeout_secs)) from exc
+        self.next_step += 1
+        ids, lens, mask = unpack_meta(meta, header)
+        return Step(step, self.engine, self.tp_rank, ids, lens, mask, views[0], tuple(views[1:]))
+
+    def _buffer_meta(self, n: int) -> torch.Tensor:
+        if self._meta.numel() < n:
+            self._meta = torch.empty(n, dtype=torch.int64)
+        return self._meta[:n]
+
+    def _buffer_hidden(self, header: Header) -> list[torch.Tensor]:
+        per = header.n_tokens * header.hidden
+        need = per * (1 + header.n_aux)
+        if self._hidden.dtype != header.dtype or self._hidden.numel() < need:
+            self._hidden = torch.empty(need, dtype=header.dtype, device=self.device)
+        shape = (header.n_tokens, header.hidden)
+        return [self._hidden[k * per : (k + 1) * per].view(shape) for k in range(1 + header.n_aux)]
+
+    def _error(self, step: int, why: str) -> DataPlaneError:
+        return DataPlaneError(
+            f"data plane: engine {self.engine} TP rank {self.tp_rank} (union rank {self.peer}) -> trainer rank "
+            f"{self.rank}, step {step}: {why}",
+            engine=self.engine,
+            rank=self.peer,
+            step=step,
+        )
+
+    def close(self) -> None:
+        """Drop the groups (the engine ranks see the connection close)."""
+        self._groups = None  # type: ignore[assignment]
+
+    def __enter__(self) -> DataPlane:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _why(exc: BaseException, timeout_secs: float) -> str:
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text:
+        return f"nothing sent within {timeout_secs:g} s (timeout_secs)"
+    if "Connection closed" in text or "Connection reset" in text:
+        return "the engine rank closed the connection (it died or stopped): see its log (pdctl logs)"
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,88 @@
+"""Joining the union world: one TCP store hosted by trainer rank 0, one process group per rank.
+
+The groups are made as ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` objects and used through their
+own ``send``/``recv``, never registered as torch's default group: a trainer under torchrun keeps
+its own world for FSDP, and an engine process that plays several TP ranks (the sim runs every TP
+rank of its engine in one process) holds one group per rank. Every rank must join concurrently:
+a group's construction blocks until all ``world_size`` ranks have connected.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from pdctl.colocate.env import DataPlaneSpec
+from pdctl.sglang.group import gloo_interface_towards
+
+JOIN_TIMEOUT_SECS = 900.0
+"""How long a rank waits for the others to join: engines start after the trainer (colocate),
+and an SGLang engine loads its model first."""
+
+
+class PointToPoint(Protocol):
+    """What the data plane uses of a process group backend (torch's stubs leave these out)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RankGroups:
+    """One rank's groups: ``data`` carries hidden states (nccl or gloo), ``meta`` the small
+    per-step messages on the CPU (the same group as ``data`` when the backend is gloo)."""
+
+    rank: int
+    data: PointToPoint
+    meta: PointToPoint
+    store: dist.TCPStore
+
+
+def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JOIN_TIMEOUT_SECS) -> list[RankGroups]:
+    """Join the union world as each of ``ranks`` (in parallel threads); blocks until every rank
+    of the world has joined. Operations time out after ``spec.timeout_secs``."""
+    results: dict[int, RankGroups] = {}
+    errors: list[BaseException] = []
+
+    def one(rank: int) -> None:
+        try:
+            results[rank] = _join_rank(spec, rank, join_timeout_secs)
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    with gloo_interface_towards(spec.master_address):
+        threads = [threading.Thread(target=one, args=(r,), name=f"data-plane-join-{r}") for r in ranks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+    return [results[r] for r in ranks]
+
+
+def _join_rank(spec: DataPlaneSpec, rank: int, join_timeout_secs: float) -> RankGroups:
+    store = dist.TCPStore(
+        spec.master_address,
+        spec.master_port,
+        spec.world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=join_timeout_secs),
+        wait_for_workers=False,
+    )
+    op_timeout = timedelta(seconds=spec.timeout_secs)
+    meta_store = dist.PrefixStore(f"{spec.group_name}/meta", store)
+    meta = cast(PointToPoint, dist.ProcessGroupGloo(meta_store, rank, spec.world_size, op_timeout))
+    if spec.backend == "gloo":
+        return RankGroups(rank=rank, data=meta, meta=meta, store=store)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = op_timeout
+    data_store = dist.PrefixStore(f"{spec.group_name}/data", store)
+    data = cast(PointToPoint, dist.ProcessGroupNCCL(data_store, rank, spec.world_size, options))
+    return RankGroups(rank=rank, data=data, meta=meta, store=store)
