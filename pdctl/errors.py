@@ -16,7 +16,8 @@
     ├── DataPlaneError         the colocated data plane failed (names the engine rank; pdctl.colocate)
     ├── BenchError             a benchmark could not run (pdctl.bench.runner)
     ├── WorkloadError          a benchmark workload cannot be built (pdctl.bench.workloads)
-    └── RolloutError           the RL example could not sample rollouts (pdctl.examples.rl_sim)
+    ├── RolloutError           the RL example could not sample rollouts (pdctl.examples.rl_sim)
+    └── FeedError              the draft example could not send its prompts (pdctl.examples.colocate_draft)
 
 tests/test_structure.py holds this drawing against the real classes.
 

@@ -285,3 +285,57 @@ def test_router_settings_nest_in_the_topology_and_plan_exactly_their_flags(tmp_p
         with pytest.raises(TopologyError) as info:
             load_plan(path)
         assert f"r.yaml{where}" in str(info.value) and needle in str(info.value), str(info.value)
+
+
+def test_data_plane_union_world_ports_env_and_hooks() -> None:
+    """Trainer ranks 0..7, then engine TP ranks 8..15 in engine order (GPU i's engine rank is 8 + i);
+    the store's port comes from the trainer node's cursor; trainer and engines get the same spec,
+    engines the hooks that load pdctl.colocate by import path."""
+    from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec
+
+    plan = plan_of("colocate-draft.yaml")
+    dp = plan.data_plane
+    assert dp is not None and dp.world_size == 16 and dp.trainer_ranks == 8
+    assert [(e.id, e.tp, e.first_rank) for e in dp.engines] == [(f"regular-{i}", 2, 8 + 2 * i) for i in range(4)]
+    assert (dp.backend, dp.batch_size, dp.aux_layers, dp.dtype) == ("nccl", 16, (1, 17, 32), "bfloat16")
+    assert [dp.pair_of_trainer(i)[0].id for i in range(8)] == [f"regular-{i // 2}" for i in range(8)]
+    assert [dp.pair_of_trainer(i)[1] for i in range(8)] == [0, 1] * 4
+    trainer = plan.process("trainer.n0")
+    assert trainer.ports["data_plane"] == dp.master_port and dp.master_address == "10.0.0.10"
+    assert DataPlaneSpec.from_json(trainer.env[DATA_PLANE_ENV]) == dp
+    for i in range(4):
+        engine = plan.process(f"regular-{i}")
+        assert DataPlaneSpec.from_json(engine.env[DATA_PLANE_ENV]) == dp
+        hooks = json.loads(flag(engine.argv, "--forward-hooks"))
+        assert [(h["config"]["tap"], h["target_modules"]) for h in hooks] == [
+            ("input_ids", ["model.embed_tokens"]),
+            ("positions", ["model.layers.0.self_attn.rotary_emb"]),
+            ("aux", ["model.layers.1", "model.layers.17", "model.layers.32"]),
+            ("final", ["model.norm"]),
+        ]
+        assert {h["hook_factory"] for h in hooks} == {"pdctl.colocate.engine:hook_factory"}
+        assert {h["config"]["engine"] for h in hooks} == {f"regular-{i}"}
+        assert "--disable-radix-cache" in engine.argv and "--skip-server-warmup" in engine.argv
+    assert DATA_PLANE_ENV not in plan.process("router").env
+    assert plan.to_dict()["data_plane"]["world_size"] == 16
+    # The sim: its own positions module, gloo from the weights default.
+    sim = plan_of("colocate-draft-sim.yaml")
+    assert sim.data_plane is not None and sim.data_plane.backend == "gloo"
+    sim_hooks = json.loads(flag(sim.process("regular-0").argv, "--forward-hooks"))
+    assert sim_hooks[1]["target_modules"] == ["model.embed_positions"]
+    assert plan_of("colocate.yaml").data_plane is None
+
+
+def test_the_data_plane_flags_parse_as_sglang_parses_them() -> None:
+    """The engine argv of a data-plane plan is accepted by SGLang 0.5.23's own flag table (the sim's
+    parser is built from it): --forward-hooks is one JSON argument."""
+    from pdctl.sim.__main__ import config_from_argv
+
+    argv = plan_of("colocate-draft-sim.yaml").process("regular-0").argv
+    config = config_from_argv(list(argv[3:]))
+    assert [s["name"] for s in config.forward_hooks] == [
+        "pdctl-data-plane-input_ids",
+        "pdctl-data-plane-positions",
+        "pdctl-data-plane-aux",
+        "pdctl-data-plane-final",
+    ]

@@ -264,3 +264,32 @@ def test_colocate_rules_each_have_a_failing_case() -> None:
     # no colocate keys when placement is separate
     for key in ("train_frac: 0.4", "mps: false", "mps_active_thread_percentage: {trainer: 50}"):
         one_error(head + groups + f"placement: {{mode: separate, {key}}}\n", "only applies to mode colocate")
+
+
+def test_data_plane_rules_each_have_a_failing_case() -> None:
+    head = "name: c\nmodel: {path: /m}\nnodes: [{name: n0, host: h, gpus: 4}]\n"
+    trainer = "trainer: {command: [python, t.py]}\n"
+
+    def colo(data_plane: str, mode: str = "colocate") -> str:
+        fracs = ", train_frac: 0.4, infer_frac: 0.4" if mode == "colocate" else ""
+        return f"placement: {{mode: {mode}{fracs}, data_plane: {data_plane}}}\n"
+
+    top, _ = checked(yaml_text(head + "regular: {replicas: 2, tp: 2}\n" + trainer + colo("{batch_size: 4}")))
+    assert top.placement.data_plane is not None and top.placement.data_plane.batch_size == 4
+    one_error(head + "regular: {tp: 4}\n" + colo("{}", mode="separate"), "only applies to mode colocate")
+    one_error(
+        head + "prefill: {tp: 2}\ndecode: {tp: 2}\n" + trainer + colo("{}"),
+        "f.yaml:5:1: decode:",
+        "a decode engine computes no prompt hidden states",
+    )
+    one_error(head + "regular: {tp: 4}\n" + trainer + colo("{batch_size: 6}"), "not a multiple of regular's tp 4")
+    one_error(head + "regular: {tp: 2, dp: 2}\n" + trainer + colo("{}"), "regular.dp", "needs dp 1")
+    one_error(head + "regular: {tp: 2, pp: 2}\n" + trainer + colo("{}"), "regular.pp", "needs pp 1")
+    sim = head.replace("model: {path: /m}", "model: {path: sim://tiny}\nengine: sim")
+    one_error(sim + "regular: {tp: 4}\n" + trainer + colo("{backend: nccl}"), "the sim runs on CPU: use gloo")
+    # the schema: types and ranges, with the line of the value
+    one_error(head + "regular: {tp: 4}\n" + trainer + colo("{batch_size: 0}"), "batch_size: 0 is less than")
+    one_error(head + "regular: {tp: 4}\n" + trainer + colo("{dtype: int8}"), "data_plane.dtype: 'int8' is not one of")
+    one_error(head + "regular: {tp: 4}\n" + trainer + colo("{aux_layers: [1, 1]}"), "has non-unique elements")
+    unknown = colo("{timeout: 3}")
+    one_error(head + "regular: {tp: 4}\n" + trainer + unknown, "unknown key 'timeout'", "did you mean 'timeout_secs'")
