@@ -200,7 +200,12 @@ class Producer:
             groups.data.send([tensor], trainer, 0).wait()
 
     def _joined_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        """The shard's rows as one tensor: a view when they lie back to back in one forward's
+        output (SGLang's batched prefill: no copy), else a concatenation (the sim prefills one
+        sequence per forward); cast to the plane's dtype where it sets one."""
+        rows = _adjacent_span(parts)
+        if rows is None:
+            rows = torch.cat(parts)
         if self.dtype is not None and rows.dtype != self.dtype:
             rows = rows.to(self.dtype)
         return rows.contiguous()
@@ -210,3 +215,19 @@ class Producer:
         self.failure = f"data plane of engine {self.engine.id}: step {step} to {peer} failed: {why}"
         self._pending.clear()
         log.error("%s; this engine sends no more steps (it keeps serving)", self.failure)
+
+
+def _adjacent_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over row-contiguous ``parts`` that follow each other in the same storage, or None."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if not all(p.is_contiguous() for p in parts):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr() + first.numel() * first.element_size()
+    for part in parts[1:]:
+        if part.untyped_storage().data_ptr() != storage or part.data_ptr() != end or part.shape[1:] != first.shape[1:]:
+            return None
+        end += part.numel() * part.element_size()
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())

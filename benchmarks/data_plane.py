@@ -1,0 +1,308 @@
+"""The colocated data plane against the HTTP ``return_hidden_states`` path and a bare send/recv,
+side by side in one run.
+
+Two worker processes stand for an engine TP rank and its trainer rank (TP 1, world 2, gloo on
+loopback, this machine's CPU). One step is the final hidden states of B sequences x 512 tokens x
+hidden 1024 (float32), for B in 8, 16, 32, 64, moved three ways:
+
+- **data plane**: the engine worker feeds one prefill forward's rows (ids, positions, hidden) to a
+  real ``pdctl.colocate.engine.Producer``; the trainer worker takes the step with
+  ``DataPlane.recv`` (ready handshake, header, ids/lengths/mask, hidden states).
+- **bare**: one ``torch.distributed`` send/recv of the same bytes in a plain gloo group of the same
+  two processes, into a buffer allocated once (the limit for this transport).
+- **HTTP**: what a trainer does today without a data plane: POST a batch to the engine, which
+  answers as SGLang does with ``return_hidden_states`` (each sequence's ``meta_info.hidden_states``
+  as JSON lists, encoded with orjson as SGLang's ORJSONResponse does), and build the tensor from
+  the answer. The hidden states are computed once beforehand: only the transport is timed, as for
+  the other two.
+
+Each round times one step of each path back to back (bare, data plane, HTTP), so the machine's
+drift hits all three; times are medians over the rounds. CPU per step is the user + system time
+both worker processes spent in it (psutil, in 10 ms ticks, so a mean over the rounds), so it counts
+the engine's encoding and the trainer's decoding.
+
+Goals (the data plane issue): >= 20x the HTTP path's bytes/s, and >= 0.9x the bare send/recv's.
+
+    python benchmarks/data_plane.py   # writes benchmarks/results/data_plane.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+TOKENS = 512
+HIDDEN = 1024
+BATCHES = [int(b) for b in os.environ.get("DATA_PLANE_BENCH_BATCHES", "8,16,32,64").split(",")]
+ROUNDS = int(os.environ.get("DATA_PLANE_BENCH_ROUNDS", 5))
+HTTP_ROUNDS = int(os.environ.get("DATA_PLANE_BENCH_HTTP_ROUNDS", 3))
+"""The HTTP path takes seconds per step at B 64: fewer rounds of it (the first ones of each round)."""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the workers ---------------------------------------------------------------------------------------
+def worker(role: str, bare_port: int, http_port: int) -> None:
+    """Read one command per line on stdin, answer one line on stdout when done.
+
+    ``plane B PORT``: join a fresh union world for steps of B sequences; ``dp B``, ``bare B``,
+    ``http B``: one step of that path; ``exit``."""
+    import torch
+    import torch.distributed as dist
+
+    from pdctl.colocate.engine import Producer
+    from pdctl.colocate.env import DataPlaneSpec, EngineRanks
+    from pdctl.colocate.trainer import DataPlane
+
+    torch.set_num_threads(1)
+    rank = 1 if role == "engine" else 0
+    store = dist.TCPStore("127.0.0.1", bare_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    bare = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), rank, 2, timedelta(seconds=600))
+    most = max(BATCHES) * TOKENS
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(most, HIDDEN, generator=generator) if role == "engine" else None
+    buffer = torch.empty(most, HIDDEN) if role == "trainer" else None
+    ids = torch.randint(0, 32000, (most,), generator=generator)
+    positions = torch.arange(TOKENS).repeat(max(BATCHES))
+    producer: Producer | None = None
+    plane: DataPlane | None = None
+    if role == "engine":
+        assert hidden is not None
+        _serve_http(hidden, http_port)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "exit":
+            break
+        batch = int(args[0])
+        rows = batch * TOKENS
+        if cmd == "plane":
+            spec = DataPlaneSpec(
+                master_address="127.0.0.1",
+                master_port=int(args[1]),
+                trainer_ranks=1,
+                engines=(EngineRanks(id="engine", tp=1, first_rank=1),),
+                backend="gloo",
+                batch_size=batch,
+                timeout_secs=600,
+            )
+            if role == "engine":
+                producer = Producer(spec, "engine", tp_ranks=[0])
+            else:
+                plane = DataPlane(spec, 0)
+        elif cmd == "dp":
+            if role == "engine":
+                assert producer is not None and hidden is not None
+                producer.add_forward(ids[:rows], positions[:rows], hidden[:rows])
+                assert producer.failure is None, producer.failure
+            else:
+                assert plane is not None
+                step = plane.recv()
+                assert step.hidden.shape == (rows, HIDDEN)
+        elif cmd == "bare":
+            if role == "engine":
+                assert hidden is not None
+                bare.send([hidden[:rows]], 0, 0).wait()
+            else:
+                assert buffer is not None
+                bare.recv([buffer[:rows]], 1, 0).wait()
+        elif cmd == "http" and role == "trainer":
+            got = _http_step(http_port, batch)
+            assert got.shape == (rows, HIDDEN)
+        print("done", flush=True)
+
+
+def _serve_http(hidden, port: int) -> None:
+    """The engine's HTTP side: /generate answers B sequences' hidden states as SGLang does."""
+    import asyncio
+
+    import orjson
+    from aiohttp import web
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        batch = len(body["text"])
+        rows = hidden[: batch * TOKENS].view(batch, TOKENS, HIDDEN)
+        answer = [
+            {"text": "", "meta_info": {"id": str(i), "finish_reason": {"type": "length", "length": 1},
+                                       "hidden_states": [rows[i].tolist()]}}
+            for i in range(batch)
+        ]  # fmt: skip
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    def run() -> None:
+        app = web.Application(client_max_size=2**30)
+        app.router.add_post("/generate", generate)
+        web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=False)
+
+    threading.Thread(target=run, daemon=True).start()
+    asyncio.run(_wait_port(port))
+
+
+async def _wait_port(port: int) -> None:
+    import asyncio
+
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+
+
+def _http_step(port: int, batch: int):
+    import http.client
+
+    import orjson
+    import torch
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = orjson.dumps({"text": ["x"] * batch, "sampling_params": {"max_new_tokens": 1}, "return_hidden_states": True})
+    conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+    answer = orjson.loads(conn.getresponse().read())
+    conn.close()
+    return torch.cat([torch.tensor(a["meta_info"]["hidden_states"][0], dtype=torch.float32) for a in answer])
+
+
+# -- the harness ---------------------------------------------------------------------------------------
+class Pair:
+    def __init__(self) -> None:
+        import psutil
+
+        bare_port, http_port = free_port(), free_port()
+        self.procs = {
+            role: subprocess.Popen(
+                [sys.executable, __file__, "--worker", role, str(bare_port), str(http_port)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for role in ("trainer", "engine")
+        }
+        self.ps = {role: psutil.Process(p.pid) for role, p in self.procs.items()}
+        for proc in self.procs.values():
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+    def cpu(self) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in self.ps.values())
+
+    def step(self, command: str, roles: tuple[str, ...] = ("trainer", "engine")) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of both workers) of one command."""
+        cpu0, wall0 = self.cpu(), time.perf_counter()
+        for role in roles:
+            proc = self.procs[role]
+            assert proc.stdin is not None
+            proc.stdin.write(command + "\n")
+            proc.stdin.flush()
+        for role in roles:
+            stdout = self.procs[role].stdout
+            assert stdout is not None
+            line = stdout.readline().strip()
+            assert line == "done", f"{role}: {command}: {line!r}"
+        return time.perf_counter() - wall0, self.cpu() - cpu0
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.stdin:
+                proc.stdin.write("exit\n")
+                proc.stdin.close()
+        for proc in self.procs.values():
+            proc.wait(timeout=60)
+
+
+def run() -> dict:
+    pair = Pair()
+    results = []
+    try:
+        for batch in BATCHES:
+            pair.step(f"plane {batch} {free_port()}")
+            for path in ("bare", "dp", "http"):  # warm-up: connections, pages, allocator
+                pair.step(f"{path} {batch}")
+            samples: dict[str, list[tuple[float, float]]] = {"bare": [], "dp": [], "http": []}
+            for r in range(ROUNDS):
+                samples["bare"].append(pair.step(f"bare {batch}"))
+                samples["dp"].append(pair.step(f"dp {batch}"))
+                if r < HTTP_ROUNDS:
+                    samples["http"].append(pair.step(f"http {batch}"))
+            nbytes = batch * TOKENS * HIDDEN * 4
+            row: dict = {"batch": batch, "tokens": TOKENS, "hidden": HIDDEN, "bytes": nbytes}
+            for path, got in samples.items():
+                wall = statistics.median(w for w, _ in got)
+                row[path] = {
+                    "seconds": round(wall, 5),
+                    "gb_per_s": round(nbytes / wall / 1e9, 4),
+                    "cpu_seconds": round(statistics.mean(c for _, c in got), 5),  # (psutil ticks: 10 ms)
+                    "samples": len(got),
+                }
+            row["dp_vs_http"] = round(row["http"]["seconds"] / row["dp"]["seconds"], 1)
+            row["dp_vs_bare"] = round(row["bare"]["seconds"] / row["dp"]["seconds"], 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        pair.close()
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "rounds": ROUNDS,
+        "http_rounds": HTTP_ROUNDS,
+        "results": results,
+        "goals": {"dp_vs_http": ">= 20", "dp_vs_bare": ">= 0.9"},
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Data plane vs HTTP return_hidden_states vs bare send/recv",
+        "",
+        f"One step = B sequences x {TOKENS} tokens x hidden {HIDDEN}, float32; engine and trainer worker processes,",
+        f"gloo on loopback, {report['machine']['cpus']} CPUs. Medians over {report['rounds']} rounds "
+        f"({report['http_rounds']} for HTTP), each round one step of every path back to back.",
+        "CPU = user + system seconds of both processes per step (mean). Goals: >= 20x HTTP, >= 0.9x bare.",
+        "",
+        "| B | MB/step | bare GB/s | data plane GB/s | HTTP GB/s | plane / HTTP | plane / bare "
+        "| CPU s: bare | plane | HTTP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['batch']} | {r['bytes'] / 2**20:.0f} | {r['bare']['gb_per_s']:.3f} | {r['dp']['gb_per_s']:.3f} | "
+            f"{r['http']['gb_per_s']:.4f} | {r['dp_vs_http']}x | {r['dp_vs_bare']}x | {r['bare']['cpu_seconds']:.3f} | "
+            f"{r['dp']['cpu_seconds']:.3f} | {r['http']['cpu_seconds']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=3, metavar=("ROLE", "BARE_PORT", "HTTP_PORT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        role, bare_port, http_port = args.worker
+        worker(role, int(bare_port), int(http_port))
+        return
+    report = run()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "data_plane.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "data_plane.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The data plane's pieces without a network: the wire header, the packed metadata, the union
+world's ranks, the hook specs, and the shard that is sent without a copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdctl.colocate.engine import _adjacent_span
+from pdctl.colocate.env import DataPlaneSpec, EngineRanks, hook_specs
+from pdctl.colocate.wire import Header, pack_meta, unpack_meta
+
+
+def test_header_round_trip_and_garbage_refused() -> None:
+    header = Header(step=7, n_seqs=3, n_tokens=40, hidden=1024, n_aux=2, dtype=torch.bfloat16)
+    assert Header.decode(header.encode()) == header
+    with pytest.raises(ValueError, match="not a data plane header"):
+        Header.decode(torch.zeros(8, dtype=torch.int64))
+    bad = header.encode()
+    bad[6] = 99  # no such dtype code
+    with pytest.raises(ValueError):
+        Header.decode(bad)
+
+
+def test_meta_packs_ids_lengths_and_the_next_token_mask() -> None:
+    seqs = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
+    meta = pack_meta(seqs)
+    header = Header(0, 3, 6, 4, 0, torch.float32)
+    assert meta.numel() == header.meta_len
+    ids, lens, mask = unpack_meta(meta, header)
+    assert ids.tolist() == [5, 6, 7, 8, 9, 10] and lens.tolist() == [3, 1, 2]
+    assert mask.tolist() == [1, 1, 0, 0, 1, 0]
+
+
+def test_union_ranks_pair_trainer_rank_i_with_engine_gpu_i() -> None:
+    spec = DataPlaneSpec(
+        master_address="10.0.0.1",
+        master_port=20000,
+        trainer_ranks=3,
+        engines=(EngineRanks(id="a", tp=1, first_rank=3), EngineRanks(id="b", tp=2, first_rank=4)),
+        aux_layers=(2, 5),
+    )
+    assert spec.world_size == 6
+    assert [(e.id, tp) for e, tp in map(spec.pair_of_trainer, range(3))] == [("a", 0), ("b", 0), ("b", 1)]
+    assert [spec.trainer_of(spec.engine("b"), j) for j in (0, 1)] == [1, 2]
+    assert DataPlaneSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="PDCTL_DATA_PLANE is not a data plane spec"):
+        DataPlaneSpec.from_json('{"master_address": "x"}')
+    hooks = hook_specs("b", positions_module="model.embed_positions", aux_layers=(2, 5))
+    assert [h["target_modules"] for h in hooks] == [
+        ["model.embed_tokens"], ["model.embed_positions"], ["model.layers.2", "model.layers.5"], ["model.norm"]
+    ]  # fmt: skip
+
+
+def test_a_shard_of_adjacent_rows_is_sent_as_a_view_else_joined() -> None:
+    forward = torch.arange(40.0).view(20, 2)
+    view = _adjacent_span([forward[0:5], forward[5:6], forward[6:20]])
+    assert view is not None and view.data_ptr() == forward.data_ptr() and torch.equal(view, forward)
+    assert _adjacent_span([forward[0:5], forward[6:8]]) is None  # a gap
+    assert _adjacent_span([forward[0:5], torch.arange(40.0).view(20, 2)[5:8]]) is None  # another forward
+    assert _adjacent_span([forward[5:8], forward[0:5]]) is None  # out of order
