@@ -162,3 +162,16 @@ def test_a_step_never_sent_times_out_naming_the_engine_rank(tmp_path) -> None:
         got = run.received(0)
     assert got[0]["engine"] == "regular-0" and got[0]["rank"] == 1 and got[0]["step"] == 0
     assert "nothing sent within 3 s" in got[0]["error"], got
+
+
+def test_an_engine_whose_trainer_is_gone_logs_it_once_and_keeps_serving(tmp_path) -> None:
+    spec = plane(1, batch_size=1)
+    with Colocated(tmp_path, spec, steps=1) as run:
+        generate(run.engine.url, "taken")
+        assert run.received(0)[0]["step"] == 0  # the receiver took its one step and exited
+        for text in ("nobody takes this", "nor this"):
+            answer = generate(run.engine.url, text)  # the step fails at once (connection closed)...
+            assert answer["meta_info"]["finish_reason"]["type"] == "length"  # ...the request does not
+        log = run.engine.log.read_text()
+    assert log.count("data plane of engine regular-0: step 1 to trainer rank 0 failed") == 1, log[-2000:]
+    assert "keeps serving" in log
