@@ -16,8 +16,8 @@ hidden 1024 (float32), for B in 8, 16, 32, 64, moved three ways:
   the answer. The hidden states are computed once beforehand: only the transport is timed, as for
   the other two.
 
-Each round times one step of each path back to back (bare, data plane, HTTP), so the machine's
-drift hits all three; times are medians over the rounds. CPU per step is the user + system time
+Each round times one step of each path back to back, the first path rotating from round to
+round, so the machine's drift hits all three; times are medians over the rounds. CPU per step is the user + system time
 both worker processes spent in it (psutil, in 10 ms ticks, so a mean over the rounds), so it counts
 the engine's encoding and the trainer's decoding.
 
@@ -238,10 +238,9 @@ def run() -> dict:
                 pair.step(f"{path} {batch}")
             samples: dict[str, list[tuple[float, float]]] = {"bare": [], "dp": [], "http": []}
             for r in range(ROUNDS):
-                samples["bare"].append(pair.step(f"bare {batch}"))
-                samples["dp"].append(pair.step(f"dp {batch}"))
-                if r < HTTP_ROUNDS:
-                    samples["http"].append(pair.step(f"http {batch}"))
+                paths = ["bare", "dp", "http"] if r < HTTP_ROUNDS else ["bare", "dp"]
+                for path in paths[r % len(paths) :] + paths[: r % len(paths)]:  # each path first in turn
+                    samples[path].append(pair.step(f"{path} {batch}"))
             nbytes = batch * TOKENS * HIDDEN * 4
             row: dict = {"batch": batch, "tokens": TOKENS, "hidden": HIDDEN, "bytes": nbytes}
             for path, got in samples.items():

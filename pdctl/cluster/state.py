@@ -112,7 +112,21 @@ def declared_of(top: Topology) -> dict[str, Any]:
         "ports.base": top.port_base,
         "trainer.command": list(top.trainer.command) if top.trainer else None,
         "placement.mode": "colocate" if top.placement.colocate else "separate",
+        "placement.data_plane": _data_plane_declared(top),
     }
+
+
+def _data_plane_declared(top: Topology) -> dict[str, Any] | None:
+    """A data plane's union world is fixed when it forms (as torchrun's is): its settings and the
+    engines it pairs with trainer ranks cannot change under a running trainer."""
+    dp = top.placement.data_plane
+    if dp is None:
+        return None
+    out = {k: v for k, v in asdict(dp).items() if k != "backend"}
+    out["aux_layers"] = list(dp.aux_layers)
+    out["backend"] = dp.backend.value if dp.backend else None
+    out["engines"] = [f"{g.name}: {g.replicas} x tp {g.tp}" for g in top.groups]
+    return out
 
 
 def node_to_dict(node: Node) -> dict[str, Any]:

@@ -2,21 +2,21 @@
 sim's) loads by import path, ``pdctl.colocate.engine:hook_factory``.
 
 The plan registers one hook per ``Tap`` (``pdctl.colocate.env.hook_specs``): the embedding's
-input (token ids), a module whose first input is the positions (where each sequence of a
-prefill batch starts: position 0), optional auxiliary layers, and ``model.norm`` (the final
-hidden states), where a forward ends. A forward with no position 0 is a decode step and sends
-nothing. Prefilled sequences are queued until ``batch_size`` of them make a step; then TP rank
-``j`` sends sequences ``j*B/TP .. (j+1)*B/TP`` of it to its trainer rank (``pdctl.colocate.wire``),
-inside the forward: the engine does not go on until its trainer has taken the step.
+input (token ids), a module whose first input is the positions, optional auxiliary layers, and
+``model.norm`` (the final hidden states), where a forward ends. ``pdctl.colocate.steps`` cuts
+the forward into whole prompts and steps of ``batch_size``; then TP rank ``j`` sends sequences
+``j*B/TP .. (j+1)*B/TP`` of a step to its trainer rank (``pdctl.colocate.wire``), inside the
+forward: the engine waits for its trainer rank's "ready" as long as that one lives (backpressure:
+a step the trainer has not taken holds the engine's scheduler, so a trainer must not wait on
+that engine meanwhile, for instance to push weights into it).
 
 Under SGLang every TP rank is a process that runs this hook on the same (replicated) hidden
 states and sends its own shard; the sim runs all TP ranks of an engine in one process, which then
 plays every rank (``local_tp_ranks``). Requirements on the engine: every prompt prefilled whole
 and from position 0 (SGLang: ``--disable-radix-cache``, which the plan adds, and prompts within
-``--chunked-prefill-size``); a request retracted and prefilled again is sent again. Health
-probes (``input_ids [0]``) are not data and are dropped.
+``--chunked-prefill-size``); a request retracted and prefilled again is sent again.
 
-A failure (the trainer gone, a timeout) is logged once, naming the trainer rank, and stops the
+A failure (the trainer gone, an error) is logged once, naming the trainer rank, and stops the
 data plane of this engine; the engine keeps serving.
 """
 
@@ -25,23 +25,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from pdctl.colocate.env import DataPlaneSpec, Tap
+from pdctl.colocate.steps import Prefilled, StepCutter
 from pdctl.colocate.wire import Header, dtype_named, pack_meta
-from pdctl.colocate.world import RankGroups, join
+from pdctl.colocate.world import JOIN_TIMEOUT_SECS, READY_WAIT, RankGroups, join
 
 log = logging.getLogger("pdctl.colocate")
 
 Hook = Callable[[nn.Module, tuple[Any, ...], Any], None]
-
-HEALTH_PROBE_ID = 0
-"""``GET /health`` prefills ``input_ids=[0]`` (sglang-protocol.md 5): such a one-token sequence is
-dropped. The plan adds ``--skip-server-warmup`` so that the warm-up prompt is not sent either."""
 
 _producers: dict[str, Producer] = {}
 _producers_lock = threading.Lock()
@@ -75,20 +71,12 @@ def local_tp_ranks(tp: int) -> list[int]:
     return list(range(tp))
 
 
-@dataclass(frozen=True, slots=True)
-class Prefilled:
-    """One prefilled sequence, as the forward left it (views, no copies)."""
-
-    input_ids: torch.Tensor
-    final: torch.Tensor
-    aux: tuple[torch.Tensor, ...]
-
-
 class Producer:
     """One engine's end of the data plane in this process (one or more of its TP ranks).
 
     Joins the union world in a background thread at once (the engine's start does not wait
-    for the trainer); the first step waits for that join."""
+    for the trainer); the first step waits for that join. Only the sequences of this process's
+    own shards are kept until their step is sent."""
 
     def __init__(self, spec: DataPlaneSpec, engine_id: str, *, tp_ranks: Sequence[int] | None = None):
         self.spec = spec
@@ -100,8 +88,8 @@ class Producer:
         self.failure: str | None = None
         self._ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
-        self._aux: list[torch.Tensor] = []
-        self._pending: list[Prefilled] = []
+        self._aux: list[Any] = []
+        self._cutter = StepCutter(spec.batch_size, self.engine.tp, self.tp_ranks, name=engine_id)
         self._groups: list[RankGroups] = []
         self._join_error: BaseException | None = None
         self._joined = threading.Event()
@@ -127,16 +115,14 @@ class Producer:
         return self._on_final
 
     def _on_input_ids(self, _module: nn.Module, inputs: tuple[Any, ...], _output: Any) -> None:
-        self._ids = inputs[0]
+        # The embedding runs first in a forward: whatever an interrupted forward left is dropped.
+        self._ids, self._positions, self._aux = inputs[0], None, []
 
     def _on_positions(self, _module: nn.Module, inputs: tuple[Any, ...], _output: Any) -> None:
         self._positions = inputs[0]
 
     def _on_aux(self, _module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
-        # SGLang's decoder layers return (hidden, residual): the residual stream is their sum.
-        if isinstance(output, tuple):
-            output = output[0] + output[1] if len(output) > 1 and output[1] is not None else output[0]
-        self._aux.append(output)
+        self._aux.append(output)  # (reduced to rows only for the sequences kept: see _rows)
 
     def _on_final(self, _module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
         # SGLang's final norm returns (normed, residual): the first is the final hidden states.
@@ -149,46 +135,42 @@ class Producer:
 
     # -- steps -------------------------------------------------------------------------------
     def add_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        final: torch.Tensor,
-        aux: tuple[torch.Tensor, ...] = (),
+        self, input_ids: torch.Tensor, positions: torch.Tensor, final: Any, aux: tuple[Any, ...] = ()
     ) -> None:
         """One forward's rows; sends every step that is complete (blocking until its trainer
-        ranks take it)."""
+        ranks take it). ``final`` and each of ``aux`` are a tensor ``[rows, hidden]`` or SGLang's
+        ``(hidden, residual)`` pair (the residual stream is their sum). Never raises: a failure
+        stops this engine's data plane and is logged."""
         if self.failure is not None:
             return
-        starts = (positions == 0).nonzero().flatten().tolist()
-        if not starts:
-            return  # a decode step
-        for start, end in zip(starts, [*starts[1:], len(positions)], strict=True):
-            if end - start == 1 and int(input_ids[start]) == HEALTH_PROBE_ID:
-                continue  # SGLang's (and the sim's) /health runs input_ids [0]: not training data
-            self._pending.append(Prefilled(input_ids[start:end], final[start:end], tuple(a[start:end] for a in aux)))
-        while len(self._pending) >= self.spec.batch_size and self.failure is None:
-            batch = self._pending[: self.spec.batch_size]
-            del self._pending[: self.spec.batch_size]
-            self._send_step(batch)
+        try:
+            self._add_forward(input_ids, positions, final, aux)
+        except Exception as exc:  # the forward (and the engine) must go on
+            self._fail(self.steps_sent, None, f"{type(exc).__name__}: {exc}")
 
-    def _send_step(self, batch: list[Prefilled]) -> None:
+    def _add_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, final: Any, aux: tuple[Any, ...]) -> None:
+        for shards in self._cutter.add(input_ids, positions, final, aux):
+            self._send_step(shards)
+            if self.failure is not None:
+                return
+
+    def _send_step(self, shards: dict[int, list[Prefilled]]) -> None:
         step = self.steps_sent
-        if not self._joined.wait(self.spec.timeout_secs) or self._join_error is not None:
+        if not self._joined.wait(JOIN_TIMEOUT_SECS) or self._join_error is not None:
             self._fail(step, None, f"could not join the union world: {self._join_error or 'timed out'}")
             return
         for tp_rank, groups in zip(self.tp_ranks, self._groups, strict=True):
             trainer = self.spec.trainer_of(self.engine, tp_rank)
-            shard = batch[tp_rank * self.shard_size : (tp_rank + 1) * self.shard_size]
             try:
-                self._send_shard(groups, trainer, step, shard)
+                self._send_shard(groups, trainer, step, shards[tp_rank])
             except (RuntimeError, ValueError) as exc:
-                self._fail(step, trainer, str(exc))
+                self._fail(step, trainer, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 return
         self.steps_sent += 1
 
     def _send_shard(self, groups: RankGroups, trainer: int, step: int, shard: list[Prefilled]) -> None:
         ready = torch.empty(1, dtype=torch.int64)
-        groups.meta.recv([ready], trainer, 0).wait()
+        groups.meta.recv([ready], trainer, 0).wait(READY_WAIT)
         if int(ready) != step:
             raise ValueError(f"trainer rank {trainer} is ready for step {int(ready)}, this engine sends step {step}")
         final = self._joined_rows([s.final for s in shard])
@@ -202,18 +184,21 @@ class Producer:
     def _joined_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The shard's rows as one tensor: a view when they lie back to back in one forward's
         output (SGLang's batched prefill: no copy), else a concatenation (the sim prefills one
-        sequence per forward); cast to the plane's dtype where it sets one."""
+        sequence per forward); cast to the plane's dtype where it sets one; in host memory for
+        gloo (which reads only host pointers)."""
         rows = _adjacent_span(parts)
         if rows is None:
             rows = torch.cat(parts)
         if self.dtype is not None and rows.dtype != self.dtype:
             rows = rows.to(self.dtype)
+        if self.spec.backend == "gloo" and rows.device.type != "cpu":
+            rows = rows.cpu()
         return rows.contiguous()
 
     def _fail(self, step: int, trainer: int | None, why: str) -> None:
         peer = f"trainer rank {trainer}" if trainer is not None else "the trainer"
         self.failure = f"data plane of engine {self.engine.id}: step {step} to {peer} failed: {why}"
-        self._pending.clear()
+        self._cutter.clear()
         log.error("%s; this engine sends no more steps (it keeps serving)", self.failure)
 
 

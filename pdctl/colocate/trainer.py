@@ -47,8 +47,10 @@ class DataPlane:
         engine, self.tp_rank = spec.pair_of_trainer(rank)
         self.engine = engine.id
         self.peer = spec.trainer_ranks + rank
-        self.device = torch.device(device or ("cuda" if spec.backend == "nccl" else "cpu"))
+        self.device = _device(spec.backend, device)
         self.next_step = 0
+        self.failure: DataPlaneError | None = None
+        """Set by the first failed ``recv``: the wire is then out of step, so later calls raise it again."""
         self._ready = torch.empty(1, dtype=torch.int64)
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
         self._meta = torch.empty(0, dtype=torch.int64)
@@ -73,7 +75,11 @@ class DataPlane:
             rank = int(os.environ["RANK"])
         if not 0 <= rank < spec.trainer_ranks:
             raise DataPlaneError(f"trainer rank {rank} is outside the data plane's {spec.trainer_ranks} trainer ranks")
-        return cls(spec, rank, device=device)
+        try:
+            return cls(spec, rank, device=device)
+        except (RuntimeError, ValueError, KeyError) as exc:  # the store or a group could not be made
+            where = f"{spec.master_address}:{spec.master_port}"
+            raise DataPlaneError(f"trainer rank {rank} could not join the data plane at {where}: {exc}") from exc
 
     @property
     def trainer_group(self) -> dist.ProcessGroup | None:
@@ -96,6 +102,15 @@ class DataPlane:
             DataPlaneError: the engine rank sent nothing within ``timeout_secs``, closed the
             connection (it died), or sent another step than the one asked for.
         """
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return self._recv()
+        except DataPlaneError as exc:
+            self.failure = exc
+            raise
+
+    def _recv(self) -> Step:
         step = self.next_step
         meta_group, data_group = self._groups.meta, self._groups.data
         try:
@@ -105,6 +120,12 @@ class DataPlane:
             header = Header.decode(self._header)
             if header.step != step:
                 raise self._error(step, f"sent step {header.step} when step {step} was asked for")
+            if header.n_aux != len(self.spec.aux_layers):
+                raise self._error(
+                    step,
+                    f"sent {header.n_aux} auxiliary layer(s) for aux_layers {list(self.spec.aux_layers)}: a layer "
+                    "the model does not have matches no module (the engine's log names the hook spec)",
+                )
             meta = self._buffer_meta(header.meta_len)
             meta_group.recv([meta], self.peer, 0).wait()
             views = self._buffer_hidden(header)
@@ -147,6 +168,19 @@ class DataPlane:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _device(backend: str, device: torch.device | str | None) -> torch.device:
+    """gloo: host memory (gloo reads only host pointers); nccl: the given device, else this rank's
+    (torchrun's LOCAL_RANK among the visible GPUs, else the current one)."""
+    if backend == "gloo":
+        if device is not None and torch.device(device).type != "cpu":
+            raise DataPlaneError(f"backend gloo receives into host memory, not {device}")
+        return torch.device("cpu")
+    if device is not None:
+        return torch.device(device)
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
 
 
 def _why(exc: BaseException, timeout_secs: float) -> str:

@@ -9,6 +9,7 @@ a group's construction blocks until all ``world_size`` ranks have connected.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pdctl.colocate.env import DataPlaneSpec
-from pdctl.sglang.group import gloo_interface_towards
+from pdctl.sglang.group import GLOO_IFNAME_ENV, interface_towards
 
 JOIN_TIMEOUT_SECS = 900.0
 """How long a rank waits for the others to join: engines start after the trainer (colocate),
@@ -31,6 +32,12 @@ class PointToPoint(Protocol):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+
+
+READY_WAIT = timedelta(days=7)
+"""How long an engine rank waits for its trainer rank's "ready": as long as the trainer lives (a
+dead trainer closes the connection, which ends the wait at once); a slow step, a checkpoint or
+an evaluation on the trainer is not a failure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,28 +53,32 @@ class RankGroups:
 
 def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JOIN_TIMEOUT_SECS) -> list[RankGroups]:
     """Join the union world as each of ``ranks`` (in parallel threads); blocks until every rank
-    of the world has joined. Operations time out after ``spec.timeout_secs``."""
+    of the world has joined. Operations time out after ``spec.timeout_secs`` unless they say
+    otherwise."""
     results: dict[int, RankGroups] = {}
     errors: list[BaseException] = []
+    # Gloo binds where the host name resolves, often 127.0.0.1 (and in network namespaces):
+    # peers on other hosts would be told to connect to their own loopback. Bind the interface
+    # that routes to the master instead, unless GLOO_SOCKET_IFNAME says otherwise.
+    interface = None if os.environ.get(GLOO_IFNAME_ENV) else interface_towards(spec.master_address)
 
     def one(rank: int) -> None:
         try:
-            results[rank] = _join_rank(spec, rank, join_timeout_secs)
+            results[rank] = _join_rank(spec, rank, interface, join_timeout_secs)
         except BaseException as exc:  # re-raised on the caller's thread
             errors.append(exc)
 
-    with gloo_interface_towards(spec.master_address):
-        threads = [threading.Thread(target=one, args=(r,), name=f"data-plane-join-{r}") for r in ranks]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    threads = [threading.Thread(target=one, args=(r,), name=f"data-plane-join-{r}") for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     if errors:
         raise errors[0]
     return [results[r] for r in ranks]
 
 
-def _join_rank(spec: DataPlaneSpec, rank: int, join_timeout_secs: float) -> RankGroups:
+def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeout_secs: float) -> RankGroups:
     store = dist.TCPStore(
         spec.master_address,
         spec.master_port,
@@ -77,12 +88,16 @@ def _join_rank(spec: DataPlaneSpec, rank: int, join_timeout_secs: float) -> Rank
         wait_for_workers=False,
     )
     op_timeout = timedelta(seconds=spec.timeout_secs)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (left out of torch's stubs)
+    options._timeout = op_timeout
+    device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None
+    options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
     meta_store = dist.PrefixStore(f"{spec.group_name}/meta", store)
-    meta = cast(PointToPoint, dist.ProcessGroupGloo(meta_store, rank, spec.world_size, op_timeout))
+    meta = cast(PointToPoint, dist.ProcessGroupGloo(meta_store, rank, spec.world_size, options))
     if spec.backend == "gloo":
         return RankGroups(rank=rank, data=meta, meta=meta, store=store)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = op_timeout
+    nccl_options = dist.ProcessGroupNCCL.Options()
+    nccl_options._timeout = op_timeout
     data_store = dist.PrefixStore(f"{spec.group_name}/data", store)
-    data = cast(PointToPoint, dist.ProcessGroupNCCL(data_store, rank, spec.world_size, options))
+    data = cast(PointToPoint, dist.ProcessGroupNCCL(data_store, rank, spec.world_size, nccl_options))
     return RankGroups(rank=rank, data=data, meta=meta, store=store)

@@ -59,7 +59,7 @@ def init_custom_process_group(
             os.environ[AGENT_STORE_ENV] = saved
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
-    with gloo_interface_towards(master_address if backend == "gloo" else None):
+    with _gloo_interface_towards(master_address if backend == "gloo" else None):
         group, _ = _new_process_group_helper(
             # group_name: torch 2.13 types it as the NewType GroupName, older torch as str; both take a str
             world_size,
@@ -75,11 +75,11 @@ def init_custom_process_group(
 
 
 @contextlib.contextmanager
-def gloo_interface_towards(master_address: str | None) -> Iterator[None]:
+def _gloo_interface_towards(master_address: str | None) -> Iterator[None]:
     """Gloo binds to the address its host name resolves to, which on many hosts (and in network
     namespaces) is 127.0.0.1: peers on other hosts are then told to connect to their own
     loopback. Unless GLOO_SOCKET_IFNAME is set, use the interface that routes to the master."""
-    name = None if master_address is None or os.environ.get(GLOO_IFNAME_ENV) else _interface_towards(master_address)
+    name = None if master_address is None or os.environ.get(GLOO_IFNAME_ENV) else interface_towards(master_address)
     if name is None:
         yield
         return
@@ -90,7 +90,8 @@ def gloo_interface_towards(master_address: str | None) -> Iterator[None]:
         os.environ.pop(GLOO_IFNAME_ENV, None)
 
 
-def _interface_towards(address: str) -> str | None:
+def interface_towards(address: str) -> str | None:
+    """The local network interface whose address routes to ``address`` (None if none does)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:  # UDP connect sends nothing

@@ -251,6 +251,8 @@ class DataPlaneConfig:
     dtype: str | None = None
     """None: as the engine computed them."""
     timeout_secs: float = 300.0
+    """How long a trainer rank's ``recv`` waits for its engine rank's step once it said ready
+    (an engine rank waits for its trainer rank as long as that one lives)."""
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DataPlaneConfig:
@@ -291,8 +293,8 @@ class Placement:
         fields = {k: v for k, v in raw.items() if k != "mps_active_thread_percentage"}
         if "mode" in fields:
             fields["mode"] = PlacementMode(fields["mode"])
-        if "data_plane" in fields:
-            fields["data_plane"] = DataPlaneConfig.from_dict(fields["data_plane"] or {})
+        if fields.get("data_plane") is not None:  # (null: no data plane)
+            fields["data_plane"] = DataPlaneConfig.from_dict(fields["data_plane"])
         percentages = raw.get("mps_active_thread_percentage") or {}
         return cls(**fields, thread_percentage=MappingProxyType({str(k): int(v) for k, v in percentages.items()}))
 

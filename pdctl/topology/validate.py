@@ -254,6 +254,9 @@ def _data_plane(top: Topology) -> list[Issue]:
         for key in ("dp", "pp", "attn_dp"):
             if getattr(group, key) != 1:
                 out.append(Issue(f"{path}.{key}", f"{group.name}: the data plane needs {key} 1 (TP shards the batch)"))
+        for flag, why in DATA_PLANE_CONFLICTS.items():
+            if flag in group.args:
+                out.append(Issue(f"{path}.args.{flag}", f"{group.name}: --{flag} {why}", hint="remove it"))
         if dp.batch_size % group.tp:
             out.append(
                 Issue(
@@ -264,8 +267,20 @@ def _data_plane(top: Topology) -> list[Issue]:
             )
     backend = dp.backend or (top.weights.backend if top.weights is not None else None)
     if top.engine == "sim" and backend is not None and backend.value == "nccl":
-        out.append(Issue("placement.data_plane.backend", "the sim runs on CPU: use gloo"))
+        path = "placement.data_plane.backend" if dp.backend else "weights.backend"
+        why = "the sim runs on CPU: the data plane needs gloo" + ("" if dp.backend else " (it takes weights.backend)")
+        out.append(Issue(path, why, hint="set placement.data_plane.backend: gloo"))
     return out
+
+
+DATA_PLANE_CONFLICTS = {
+    "forward-hooks": "is set by the data plane (its hooks are the engine's --forward-hooks)",
+    "enable-mixed-chunk": "mixes decode rows into prefill batches, where the data plane cuts sequences",
+    "enable-two-batch-overlap": "interleaves two micro-batches' forwards, which the data plane's hooks read as one",
+    "speculative-algorithm": "runs a draft model whose forwards would reach the same hooks",
+}
+"""SGLang flags that break what the data plane's hooks assume of a forward (one whole batch of
+whole prompts, one model)."""
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -23,7 +23,9 @@ RECEIVER = Path(__file__).with_name("receiver.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def plane(tp: int, *, batch_size: int, aux: tuple[int, ...] = (), timeout: float = 120) -> DataPlaneSpec:
+def plane(
+    tp: int, *, batch_size: int, aux: tuple[int, ...] = (), timeout: float = 120, dtype: str | None = None
+) -> DataPlaneSpec:
     return DataPlaneSpec(
         master_address="127.0.0.1",
         master_port=free_port(),
@@ -33,6 +35,7 @@ def plane(tp: int, *, batch_size: int, aux: tuple[int, ...] = (), timeout: float
         batch_size=batch_size,
         aux_layers=aux,
         timeout_secs=timeout,
+        dtype=dtype,
     )
 
 
@@ -40,6 +43,7 @@ class Colocated:
     """One sim engine of TP ``spec``'s and one receiver process per trainer rank."""
 
     def __init__(self, tmp: Path, spec: DataPlaneSpec, steps: int):
+        tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.spec, self.steps = tmp, spec, steps
         env = {DATA_PLANE_ENV: spec.to_json(), "PYTHONPATH": str(REPO)}
         self.receivers = [
@@ -175,3 +179,19 @@ def test_an_engine_whose_trainer_is_gone_logs_it_once_and_keeps_serving(tmp_path
         log = run.engine.log.read_text()
     assert log.count("data plane of engine regular-0: step 1 to trainer rank 0 failed") == 1, log[-2000:]
     assert "keeps serving" in log
+
+
+def test_the_dtype_set_is_what_arrives_and_a_missing_aux_layer_is_named(tmp_path) -> None:
+    """dtype float32: the sim's float64 rows, cast once on the engine. aux_layers [0, 99]: the sim
+    has no layer 99, so its hook matches one module only; the trainer names what is missing."""
+    with Colocated(tmp_path / "cast", spec := plane(1, batch_size=1, dtype="float32"), steps=1) as run:
+        answer = generate(run.engine.url, "cast me")
+        got = run.received(0)[0]
+    assert spec.dtype == "float32" and got["hidden"].dtype == torch.float32
+    http = torch.tensor(answer["meta_info"]["hidden_states"][0], dtype=torch.float64)
+    assert torch.equal(got["hidden"], http.float())
+    with Colocated(tmp_path / "aux", plane(1, batch_size=1, aux=(0, 99)), steps=1) as run:
+        generate(run.engine.url, "where is layer 99")
+        got = run.received(0)[0]
+    assert got["step"] == 0 and got["engine"] == "regular-0"
+    assert "sent 1 auxiliary layer(s) for aux_layers [0, 99]" in got["error"], got

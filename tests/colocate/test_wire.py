@@ -59,3 +59,26 @@ def test_a_shard_of_adjacent_rows_is_sent_as_a_view_else_joined() -> None:
     assert _adjacent_span([forward[0:5], forward[6:8]]) is None  # a gap
     assert _adjacent_span([forward[0:5], torch.arange(40.0).view(20, 2)[5:8]]) is None  # another forward
     assert _adjacent_span([forward[5:8], forward[0:5]]) is None  # out of order
+
+
+def test_forwards_are_cut_into_whole_prompts_and_steps_of_own_shards() -> None:
+    """Two prompts per forward and one more, batch 4 over TP 2, this process playing TP rank 1
+    only: the step completes on the 4th prompt and holds prompts 2 and 3; decode rows, the health
+    probe and a chunk that does not start at 0 are not prompts."""
+    from pdctl.colocate.steps import StepCutter
+
+    cutter = StepCutter(batch_size=4, tp=2, tp_ranks=[1])
+    hidden = torch.arange(24.0).view(12, 2)
+
+    def forward(positions: list[int], ids: list[int]):
+        rows = hidden[: len(positions)]
+        return cutter.add(torch.tensor(ids), torch.tensor(positions), rows, ((rows, rows),))
+
+    assert forward([5, 9], [1, 2]) == []  # decode rows
+    assert forward([0], [0]) == []  # GET /health's probe
+    assert forward([3, 4, 5], [7, 7, 7]) == [] and cutter.in_step == 0  # a later chunk of a long prompt
+    assert forward([0, 1, 0, 1, 2], [10, 11, 20, 21, 22]) == [] and cutter.in_step == 2  # prompts 0, 1 (rank 0's)
+    (step,) = forward([0, 1, 0, 0, 1], [30, 31, 40, 50, 51])  # prompts 2, 3 complete the step; 4 opens the next
+    assert list(step) == [1] and [p.input_ids.tolist() for p in step[1]] == [[30, 31], [40]]
+    assert torch.equal(step[1][0].final, hidden[0:2]) and torch.equal(step[1][1].aux[0], 2 * hidden[2:3])
+    assert cutter.in_step == 1

@@ -1,0 +1,63 @@
+"""What a data-plane topology may not be, and what a running one may not become: each rule fails
+without it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdctl.cluster.apply import diff
+from pdctl.cluster.state import ClusterState, Phase, declared_of
+from pdctl.plan import make_plan
+from pdctl.topology import load_topology_text
+from tests.conftest import yaml_text
+from tests.topology.test_validate import one_error
+
+HEAD = (
+    "name: c\nmodel: {path: sim://tiny}\nengine: sim\nnodes: [{name: n0, host: 127.0.0.1, gpus: 4}]\n"
+    "trainer: {command: [python, t.py]}\n"
+)
+COLO = "placement: {mode: colocate, train_frac: 0.4, infer_frac: 0.4, mps: false, data_plane: %s}\n"
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "forward-hooks: '[]'",
+        "enable-mixed-chunk: true",
+        "enable-two-batch-overlap: true",
+        "speculative-algorithm: EAGLE",
+    ],
+)
+def test_flags_that_break_the_hooks_assumptions_are_refused(flag) -> None:
+    name = flag.split(":")[0]
+    one_error(HEAD + f"regular: {{tp: 4, args: {{{flag}}}}}\n" + COLO % "{}", f"regular.args.{name}", f"--{name}")
+
+
+def test_null_is_no_data_plane_and_an_inherited_backend_is_blamed_where_it_is_written() -> None:
+    top, _ = load_topology_text(yaml_text(HEAD + "regular: {tp: 4}\n" + COLO % "null"))
+    assert top.placement.data_plane is None and make_plan(top).data_plane is None
+    one_error(
+        HEAD + "regular: {tp: 4}\nweights: {backend: nccl}\n" + COLO % "{}",
+        "weights.backend: the sim runs on CPU: the data plane needs gloo (it takes weights.backend)",
+    )
+
+
+def test_apply_refuses_to_change_the_union_world_of_a_running_cluster() -> None:
+    """Its settings, or the engines it pairs (here one more replica), would leave the running
+    trainer in a world its new engines can never join."""
+    running, _ = load_topology_text(yaml_text(HEAD + "regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 4}"))
+    plan = make_plan(running)
+    state = ClusterState(
+        name="c", run_id="r", status=Phase.UP, nodes=[], plan=plan.to_dict(), declared=declared_of(running)
+    )
+    json.dumps(state.declared)  # (kept in the state file)
+    for change in ("regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 8}",
+                   "regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 4, aux_layers: [1]}",
+                   "regular: {replicas: 1, tp: 2}\n" + COLO % "{batch_size: 4}"):  # fmt: skip
+        edited, _ = load_topology_text(yaml_text(HEAD + change))
+        refused = diff(state, edited, make_plan(edited)).refused
+        assert [r.split(":")[0] for r in refused] == ["placement.data_plane"], refused
+    same, _ = load_topology_text(yaml_text(HEAD + "regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 4}"))
+    assert diff(state, same, make_plan(same)).refused == []
