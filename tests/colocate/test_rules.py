@@ -61,3 +61,25 @@ def test_apply_refuses_to_change_the_union_world_of_a_running_cluster() -> None:
         assert [r.split(":")[0] for r in refused] == ["placement.data_plane"], refused
     same, _ = load_topology_text(yaml_text(HEAD + "regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 4}"))
     assert diff(state, same, make_plan(same)).refused == []
+
+
+def test_planning_a_data_plane_imports_no_torch() -> None:
+    """The control machine installs no torch: validating and planning a data-plane topology, and
+    printing its plan, must not import it (pdctl.colocate.env is torch-free)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (
+        "import sys\n"
+        "from pdctl.plan import load_plan\n"
+        "from pdctl.cli.topology_cmds import render_plan\n"
+        f"plan = load_plan({str(REPO / 'topologies' / 'colocate-draft.yaml')!r}).plan\n"
+        "render_plan(plan)\n"
+        "assert plan.data_plane is not None\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "data plane: nccl world_size=16" in done.stdout
