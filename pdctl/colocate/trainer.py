@@ -187,6 +187,11 @@ def _why(exc: BaseException, timeout_secs: float) -> str:
     text = str(exc)
     if "Timed out" in text or "timed out" in text:
         return f"nothing sent within {timeout_secs:g} s (timeout_secs)"
+    if "Duplicate GPU" in text:
+        return (
+            "NCCL refuses two ranks of one communicator on one GPU (NCCL >= 2.5): "
+            "set placement.data_plane.backend: gloo (docs/colocate.md, 'Not verified here')"
+        )
     if "Connection closed" in text or "Connection reset" in text:
         return "the engine rank closed the connection (it died or stopped): see its log (pdctl logs)"
     return text.splitlines()[0] if text else type(exc).__name__
