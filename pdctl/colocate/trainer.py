@@ -35,7 +35,7 @@ class Step:
     hidden: torch.Tensor
     """``[n_tokens, hidden]``: the final hidden states (``model.norm``'s output)."""
     aux: tuple[torch.Tensor, ...]
-    """``[n_tokens, hidden]`` per auxiliary layer, in ``aux_layers`` order."""
+    """``[n_tokens, hidden]`` per auxiliary layer, in ascending layer order (``aux_layers`` sorted)."""
 
 
 class DataPlane:
