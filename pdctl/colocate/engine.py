@@ -23,6 +23,7 @@ data plane of this engine; the engine keeps serving.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,17 +58,12 @@ def hook_factory(config: dict[str, Any]) -> Hook:
 
 
 def local_tp_ranks(tp: int) -> list[int]:
-    """The TP ranks this process plays: its own under SGLang (one process per TP rank), all of
-    them elsewhere (the sim)."""
-    try:
-        from sglang.srt.distributed import (
-            get_tensor_model_parallel_rank,
-            model_parallel_is_initialized,
-        )
-    except ImportError:
-        return list(range(tp))
-    if model_parallel_is_initialized():
-        return [int(get_tensor_model_parallel_rank())]
+    """The TP ranks this process plays: its own under SGLang (one process per TP rank, whose
+    model runner has set up its parallel state before it registers hooks), all of them elsewhere
+    (the sim). Nothing is imported: SGLang's state module is looked up where it already is."""
+    state = sys.modules.get("sglang.srt.distributed.parallel_state")
+    if state is not None and state.model_parallel_is_initialized():
+        return [int(state.get_tensor_model_parallel_rank())]
     return list(range(tp))
 
 

@@ -82,3 +82,18 @@ def test_forwards_are_cut_into_whole_prompts_and_steps_of_own_shards() -> None:
     assert list(step) == [1] and [p.input_ids.tolist() for p in step[1]] == [[30, 31], [40]]
     assert torch.equal(step[1][0].final, hidden[0:2]) and torch.equal(step[1][1].aux[0], 2 * hidden[2:3])
     assert cutter.in_step == 1
+
+
+def test_a_process_plays_its_own_tp_rank_under_sglang_and_every_rank_elsewhere(monkeypatch) -> None:
+    import sys
+    import types
+
+    from pdctl.colocate.engine import local_tp_ranks
+
+    monkeypatch.delitem(sys.modules, "sglang.srt.distributed.parallel_state", raising=False)
+    assert local_tp_ranks(4) == [0, 1, 2, 3]  # the sim: one process for the engine's ranks
+    state = types.SimpleNamespace(model_parallel_is_initialized=lambda: True, get_tensor_model_parallel_rank=lambda: 2)
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed.parallel_state", state)
+    assert local_tp_ranks(4) == [2]  # an SGLang TP worker whose parallel state is set up
+    state.model_parallel_is_initialized = lambda: False
+    assert local_tp_ranks(4) == [0, 1, 2, 3]
