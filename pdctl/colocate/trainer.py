@@ -160,8 +160,10 @@ class DataPlane:
         )
 
     def close(self) -> None:
-        """Drop the groups (the engine ranks see the connection close)."""
-        self._groups = None  # type: ignore[assignment]
+        """Drop the groups (the engine ranks see the connection close); ``recv`` then raises."""
+        if self.failure is None:
+            self.failure = DataPlaneError(f"data plane of trainer rank {self.rank} is closed")
+        self.__dict__.pop("_groups", None)
 
     def __enter__(self) -> DataPlane:
         return self

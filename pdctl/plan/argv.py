@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from pdctl.colocate.env import hook_specs
 from pdctl.roles import Role
 from pdctl.router.config import Flag, flag_of
 from pdctl.sglang import render_extra_args
@@ -28,8 +29,9 @@ def engine_argv(
     dist_init_addr: str | None,
     nnodes: int,
     node_rank: int,
+    engine_id: str,
 ) -> tuple[str, ...]:
-    """argv of one engine server process (node rank ``node_rank`` of ``nnodes``)."""
+    """argv of one engine server process (node rank ``node_rank`` of ``nnodes``) of ``engine_id``."""
     argv = [node.python, "-m", ENGINE_MODULES[top.engine], "--model-path", top.model.path]
     if top.model.served_name:
         argv += ["--served-model-name", top.model.served_name]
@@ -61,8 +63,22 @@ def engine_argv(
         argv.append("--enable-metrics")
     if top.placement.colocate and top.placement.infer_frac and "mem-fraction-static" not in extra:
         extra["mem-fraction-static"] = top.placement.infer_frac
+    if top.placement.colocate and top.placement.data_plane is not None:
+        extra.update(_data_plane_args(top, engine_id, top.placement.data_plane.aux_layers))
     argv += render_extra_args(extra)
     return tuple(argv)
+
+
+POSITIONS_MODULE = {"sim": "model.embed_positions", "sglang": "model.layers.0.self_attn.rotary_emb"}
+"""A module whose first input is the positions of the forward's rows (the sim's learned position
+table; SGLang's Llama/Qwen rotary embedding, called as ``rotary_emb(positions, q, k)``)."""
+
+
+def _data_plane_args(top: Topology, engine_id: str, aux_layers: tuple[int, ...]) -> dict[str, object]:
+    """The data plane's engine flags: its hooks (``--forward-hooks``), whole-prompt prefills
+    (``--disable-radix-cache``) and no warm-up prompt in the data (``--skip-server-warmup``)."""
+    hooks = hook_specs(engine_id, positions_module=POSITIONS_MODULE[top.engine], aux_layers=aux_layers)
+    return {"forward-hooks": compact_json(hooks), "disable-radix-cache": True, "skip-server-warmup": True}
 
 
 def trainer_argv(

@@ -13,7 +13,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks, hook_specs
+from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks
 from pdctl.errors import Issue, PlanError, TopologyError
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
@@ -102,7 +102,7 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
         data_plane = _plan_data_plane(top, layout, cursors, engines)
         if data_plane is not None:
             trainer_procs = [_trainer_with_data_plane(p, data_plane) for p in trainer_procs]
-            processes = [_engine_with_data_plane(top, p, data_plane) for p in processes]
+            processes = [_with_data_plane(p, data_plane) if p.engine_id else p for p in processes]
         processes += trainer_procs
     warnings = cursors.warnings()
     return Plan(
@@ -123,11 +123,6 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
     )
 
 
-POSITIONS_MODULE = {"sim": "model.embed_positions", "sglang": "model.layers.0.self_attn.rotary_emb"}
-"""A module whose first input is the positions of the forward's rows (the sim's learned position
-table; SGLang's Llama/Qwen rotary embedding, called as ``rotary_emb(positions, q, k)``)."""
-
-
 def _plan_data_plane(
     top: Topology, layout: GpuLayout, cursors: PortCursors, engines: list[EngineSpec]
 ) -> DataPlaneSpec | None:
@@ -144,13 +139,14 @@ def _plan_data_plane(
     for engine in engines:
         ranks.append(EngineRanks(id=engine.id, tp=engine.gpus, first_rank=first))
         first += engine.gpus
-    backend = config.backend or (top.weights.backend if top.weights is not None else None)
+    backend = top.data_plane_backend
+    assert backend is not None  # (a data plane has a trainer, and so a weights config)
     return DataPlaneSpec(
         master_address=url_host(head.host).strip("[]"),
         master_port=port,
         trainer_ranks=trainer_ranks,
         engines=tuple(ranks),
-        backend=backend.value if backend is not None else ("gloo" if top.engine == "sim" else "nccl"),
+        backend=backend.value,
         batch_size=config.batch_size,
         aux_layers=config.aux_layers,
         dtype=config.dtype,
@@ -167,18 +163,6 @@ def _trainer_with_data_plane(spec: LaunchSpec, data_plane: DataPlaneSpec) -> Lau
 
 def _with_data_plane(spec: LaunchSpec, data_plane: DataPlaneSpec) -> LaunchSpec:
     return replace(spec, env=MappingProxyType({**spec.env, DATA_PLANE_ENV: data_plane.to_json()}))
-
-
-def _engine_with_data_plane(top: Topology, spec: LaunchSpec, data_plane: DataPlaneSpec) -> LaunchSpec:
-    """An engine process gets the data plane's hooks (``--forward-hooks``), whole-prompt prefills
-    (``--disable-radix-cache``), no warm-up prompt in the data (``--skip-server-warmup``) and the
-    union world in its environment; others are unchanged."""
-    if spec.engine_id is None:
-        return spec
-    hooks = hook_specs(spec.engine_id, positions_module=POSITIONS_MODULE[top.engine], aux_layers=data_plane.aux_layers)
-    argv = [*spec.argv, "--forward-hooks", compact_json(hooks)]
-    argv += [flag for flag in ("--disable-radix-cache", "--skip-server-warmup") if flag not in argv]
-    return _with_data_plane(replace(spec, argv=tuple(argv)), data_plane)
 
 
 def _mps_daemons(top: Topology, processes: list[LaunchSpec]) -> tuple[MpsDaemon, ...]:
@@ -229,6 +213,7 @@ def _plan_engine(
             dist_init_addr=dist_addr,
             nnodes=nnodes,
             node_rank=rank,
+            engine_id=engine_id,
         )
         ports = {"http": http, "nccl": nccl}
         if rank == 0:

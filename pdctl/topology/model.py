@@ -316,6 +316,13 @@ class Topology:
     placement: Placement = field(default_factory=Placement)
 
     @property
+    def data_plane_backend(self) -> WeightBackend | None:
+        """``placement.data_plane.backend``, else the weights backend (gloo for the sim, else nccl)."""
+        if self.placement.data_plane is None:
+            return None
+        return self.placement.data_plane.backend or (self.weights.backend if self.weights is not None else None)
+
+    @property
     def is_pd(self) -> bool:
         return any(g.role in (Role.PREFILL, Role.DECODE) for g in self.groups)
 

@@ -265,7 +265,7 @@ def _data_plane(top: Topology) -> list[Issue]:
                     "each TP rank sends an equal share of a step",
                 )
             )
-    backend = dp.backend or (top.weights.backend if top.weights is not None else None)
+    backend = top.data_plane_backend
     if top.engine == "sim" and backend is not None and backend.value == "nccl":
         path = "placement.data_plane.backend" if dp.backend else "weights.backend"
         why = "the sim runs on CPU: the data plane needs gloo" + ("" if dp.backend else " (it takes weights.backend)")

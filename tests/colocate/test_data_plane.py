@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks, hook_specs
-from pdctl.plan.planner import POSITIONS_MODULE
+from pdctl.plan.argv import POSITIONS_MODULE
 from pdctl.sim.model import encode, resolve_model
 from tests.helpers import SimProcess, free_port, post
 
