@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -41,6 +41,7 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
+GENERATE, COMPLETIONS = Endpoint.GENERATE.value, Endpoint.COMPLETIONS.value
 
 
 class RouterServer:
@@ -160,9 +161,9 @@ class RouterServer:
         r.add("POST", "/pdctl/cordon", self.cordon)
         return r
 
-    async def handle(self, request: Request) -> Answer:
+    def handle(self, request: Request) -> Awaitable[Answer]:
         """Every request that passed the key check (``Keys.check``, on its headers): its route."""
-        return await _route(self.routes, request)
+        return _route(self.routes, request)
 
     # -- traffic ------------------------------------------------------------------------------------------
     async def generate(self, request: Request) -> Answer:
@@ -220,16 +221,17 @@ class RouterServer:
         if self._active == 0:
             self._idle.set()
 
-    async def _route(self, route: str, body: dict[str, Any], headers: Headers) -> Answer:
+    def _route(self, route: str, body: dict[str, Any], headers: Headers) -> Awaitable[Answer]:
+        # Not a coroutine of its own: it returns the dispatcher's (a layer less on every request).
         if not self.config.pd_disaggregation:
-            return await self.dispatcher.regular_request(route, body, headers)
-        if route == Endpoint.GENERATE.value:
+            return self.dispatcher.regular_request(route, body, headers)
+        if route == GENERATE:
             batch = batch_size_of(body)
-        elif route == Endpoint.COMPLETIONS.value:
+        elif route == COMPLETIONS:
             batch = _prompt_batch(body.get("prompt"))
         else:
             batch = None  # chat: scalar fields (n > 1 is refused by the engines we drive)
-        return await self.dispatcher.pd_request(route, body, batch, headers)
+        return self.dispatcher.pd_request(route, body, batch, headers)
 
     async def _admit(self) -> Callable[[], None]:
         """A slot under the concurrency limit, waited for in a bounded queue (429 when the queue
@@ -588,13 +590,19 @@ def _prompt_batch(prompt: Any) -> int | None:
     return None
 
 
-async def _route(routes: Routes, request: Request) -> Answer:
+def _route(routes: Routes, request: Request) -> Awaitable[Answer]:
+    """``request``'s handler, called (its coroutine is the server's to await), or its 404 or 405."""
     handler = routes.find(request)
     if handler is None:
-        return errors.error_response(404, errors.NOT_FOUND, f"no route {request.path}")
+        return _now(errors.error_response(404, errors.NOT_FOUND, f"no route {request.path}"))
     if isinstance(handler, bool):  # False: the path exists under another method
-        return errors.error_response(405, errors.METHOD_NOT_ALLOWED, f"{request.method} not allowed on {request.path}")
-    return await handler(request)
+        message = f"{request.method} not allowed on {request.path}"
+        return _now(errors.error_response(405, errors.METHOD_NOT_ALLOWED, message))
+    return handler(request)
+
+
+async def _now(answer: Answer) -> Answer:
+    return answer
 
 
 def _json_object(request: Request) -> tuple[dict[str, Any], str | None]:

@@ -19,6 +19,7 @@ a refused request's body is never read.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 from collections.abc import Iterable
@@ -65,6 +66,7 @@ CONTROL_WRITE_ROUTES = frozenset(
 CONTROL_WRITE_PREFIXES = (("DELETE", "/workers/"), ("PUT", "/workers/"), ("PATCH", "/workers/"))
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every request, of a handful of routes; bounded for odd paths
 def door_of(method: str, path: str) -> Door:
     """The door a request goes through; anything that is not open or control is data plane
     (unknown paths included: they need a client key before they learn they do not exist)."""

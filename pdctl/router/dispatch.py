@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,7 @@ from pdctl.sglang import batch_size_of, inject_bootstrap
 log = logging.getLogger("pdctl.router")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     """One client request as the dispatcher serves it."""
 
@@ -130,17 +130,18 @@ class Dispatcher:
             raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long")
 
     # -- requests ------------------------------------------------------------------------------------
-    async def pd_request(self, path: str, body: dict[str, Any], batch: int | None, headers: Headers) -> Answer:
+    # pd_request and regular_request return the request's coroutine rather than being one: a
+    # layer less on every request.
+    def pd_request(self, path: str, body: dict[str, Any], batch: int | None, headers: Headers) -> Awaitable[Answer]:
         """A request served by a prefill and a decode (``batch``: its batch size, for the rooms)."""
         ctx = self.select.context(body, headers.upstream.get(ROUTING_KEY), pd=True)
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
-        request = _Request(path, body, ctx, headers, True, batch, bool(body.get("stream")), with_logprobs)
-        return await self._serve(request)
+        return self._serve(_Request(path, body, ctx, headers, True, batch, bool(body.get("stream")), with_logprobs))
 
-    async def regular_request(self, path: str, body: dict[str, Any], headers: Headers) -> Answer:
+    def regular_request(self, path: str, body: dict[str, Any], headers: Headers) -> Awaitable[Answer]:
         """A request served by one regular engine."""
         ctx = self.select.context(body, headers.upstream.get(ROUTING_KEY), pd=False)
-        return await self._serve(_Request(path, body, ctx, headers, False, stream=bool(body.get("stream"))))
+        return self._serve(_Request(path, body, ctx, headers, False, stream=bool(body.get("stream"))))
 
     async def _serve(self, request: _Request) -> Answer:
         tries = self.retry.start()

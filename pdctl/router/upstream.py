@@ -52,7 +52,7 @@ class BodySource(Protocol):
         ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Response:
     status: int
     headers: list[tuple[bytes, bytes]]
