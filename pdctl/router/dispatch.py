@@ -203,8 +203,7 @@ class Dispatcher:
                     return _Live(worker, one, epoch)
                 leg = one
             else:
-                with self.registry.in_flight(worker):
-                    leg = await self.legs.post(worker, request.path, data, headers)
+                leg = await self.legs.start(worker, request.path, data, headers)
             return self.legs.verdict(worker, leg, errors.WORKER_FAILED) or leg.reply(headers)
         prefill, decode = self.select.pair(request.ctx, version)
         # a new room per attempt (a retried room could collide with the orphan)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pdctl.router import errors
 from pdctl.router.gate import RefitGate
@@ -80,7 +80,7 @@ class Legs:
         self.gate = gate
         self.timeout = timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task] = set()  # every leg task in flight; cancelled by close()
+        self._legs: set[asyncio.Future[Leg]] = set()  # every whole leg in flight; cancelled by close()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -92,17 +92,41 @@ class Legs:
 
     async def close(self) -> None:
         """Cancel every leg still running (a prefill that outlived its reply, for instance)."""
-        await cancel(*self._tasks)
+        await cancel(*self._legs)
         self.upstream.close()
 
-    async def post(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Leg:
-        """``worker``'s whole answer (not counted in its load: the caller counts it)."""
+    def start(self, worker: Worker, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
+        """``worker``'s whole answer, as a future that its connection completes (no task and no
+        coroutine per leg: they were a large share of the router's CPU per request), counted in
+        ``worker``'s load until it is done. Cancelling it closes the connection: the engine
+        aborts the request. ``close()`` cancels every leg still running."""
         epoch = self.gate.epoch
-        try:
-            r = await self.upstream.post(worker.url + path, data, _sent(worker, headers), timeout=self.timeout)
-        except (UpstreamError, OSError) as exc:
-            return Leg(error=exc, epoch=epoch)
-        return Leg(r.status, r.body, r.content_type, epoch=epoch)
+        leg: asyncio.Future[Leg] = self.loop.create_future()
+
+        def answered(got: Response | BaseException) -> None:
+            if leg.done():
+                return
+            if isinstance(got, Response):
+                leg.set_result(Leg(got.status, got.body, got.content_type, epoch=epoch))
+            elif isinstance(got, (UpstreamError, OSError)):
+                leg.set_result(Leg(error=got, epoch=epoch))
+            else:
+                leg.set_exception(got)  # a bug: it reaches whoever awaits the leg
+
+        sending = self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
+        guard = self.registry.in_flight(worker)
+        guard.__enter__()
+        legs = self._legs
+        legs.add(leg)
+
+        def ended(done: asyncio.Future[Leg]) -> None:
+            legs.discard(done)
+            guard.__exit__(None, None, None)
+            if done.cancelled():
+                sending.cancel()
+
+        leg.add_done_callback(ended)
+        return leg
 
     async def open_stream(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | Leg:
         """The status and headers of a streamed response, or a Leg carrying why there are none."""
@@ -141,10 +165,13 @@ class Legs:
         head = await self.open_stream(worker, path, data, headers)
         return head if isinstance(head, Leg) else await self.opened(head, epoch)
 
-    async def open_one(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Opened | Leg:
-        """A regular engine's stream once its first block came, else a Leg saying why not."""
+    async def open_one(
+        self, worker: Worker, path: str, data: bytes, headers: Headers, epoch: int | None = None
+    ) -> Opened | Leg:
+        """``open_first``, counted in ``worker``'s load until the stream opened or did not
+        (``epoch``: the refit gate's when the attempt was sent; now unless given)."""
         with self.registry.in_flight(worker):
-            return await self.open_first(worker, path, data, headers, self.gate.epoch)
+            return await self.open_first(worker, path, data, headers, self.gate.epoch if epoch is None else epoch)
 
     def verdict(self, worker: Worker, leg: Leg, code: str) -> Retry | Stop | None:
         """What ``worker``'s answer means for the request (module docstring): None when it
@@ -173,27 +200,11 @@ class Legs:
         """Whether a weight update began after ``leg`` was sent."""
         return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
 
-    def spawn(self, worker: Worker, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """``work`` as a task owned here, counted in ``worker``'s load until it ends."""
-
-        guard = self.registry.in_flight(worker)
-        guard.__enter__()
-        task = self.loop.create_task(work)
-        tasks = self._tasks
-        tasks.add(task)
-
-        def ended(done: asyncio.Task[T]) -> None:
-            tasks.discard(done)
-            guard.__exit__(None, None, None)
-
-        task.add_done_callback(ended)
-        return task
-
-    def finish_unawaited(self, prefill: Worker, task: asyncio.Task[Leg]) -> None:
+    def finish_unawaited(self, prefill: Worker, task: asyncio.Future[Leg]) -> None:
         """The reply does not need prefill's answer: record its outcome when it comes, without
         holding the reply, and cancel it if it takes longer than PREFILL_GRACE_SECS."""
 
-        def record(t: asyncio.Task[Leg]) -> None:
+        def record(t: asyncio.Future[Leg]) -> None:
             if not t.cancelled() and t.result().status not in BACKPRESSURE:
                 self.registry.record(prefill, not t.result().server_failed)
 
@@ -202,7 +213,7 @@ class Legs:
             return
         timer = self.loop.call_later(PREFILL_GRACE_SECS, task.cancel)
 
-        def settle(t: asyncio.Task[Leg]) -> None:
+        def settle(t: asyncio.Future[Leg]) -> None:
             timer.cancel()  # the handle would keep the task alive until it fires
             record(t)
 
@@ -210,10 +221,10 @@ class Legs:
 
 
 class PairAttempt:
-    """Both legs of one PD attempt, from start to finish. The prefill runs as a task (``Legs``
-    owns it); the decode runs in the caller's task, raced against it (``race``). Closing the
-    attempt cancels the prefill unless ``keep_prefill`` handed it over (the reply does not need
-    it: its outcome is recorded when it comes).
+    """Both legs of one PD attempt, from start to finish. The prefill is a leg future (``Legs``
+    owns it); the decode is awaited in the caller's task, raced against it (``race``). Closing
+    the attempt cancels the prefill unless ``keep_prefill`` handed it over (the reply does not
+    need it: its outcome is recorded when it comes).
 
         async with PairAttempt(legs, prefill, decode, path, wire, headers) as pair:
             outcome = await pair.whole(with_logprobs)
@@ -224,7 +235,7 @@ class PairAttempt:
     def __init__(self, legs: Legs, prefill: Worker, decode: Worker, path: str, wire: bytes, headers: Headers):
         self.legs, self.prefill, self.decode = legs, prefill, decode
         self.path, self.wire, self.headers = path, wire, headers
-        self.p_task = legs.spawn(prefill, legs.post(prefill, path, wire, headers))
+        self.p_task = legs.start(prefill, path, wire, headers)
         self._kept = False
 
     async def __aenter__(self) -> PairAttempt:
@@ -246,7 +257,7 @@ class PairAttempt:
     async def whole(self, with_logprobs: bool) -> Outcome:
         """Both answers, buffered: the client's Reply, or why not."""
         legs = self.legs
-        d_leg = await self.race(legs.post(self.decode, self.path, self.wire, self.headers))
+        d_leg = await self.race(legs.start(self.decode, self.path, self.wire, self.headers))
         if d_leg is None:
             return self.prefill_ended(self.p_task.result())
         if d_leg.server_failed or d_leg.status in BACKPRESSURE:
@@ -269,7 +280,7 @@ class PairAttempt:
         prefill can still end the request, and nothing has reached the client, so a failure
         is still retried on another pair. ``epoch``: the refit gate's when the attempt was sent."""
         legs = self.legs
-        opened = await self.race(legs.open_first(self.decode, self.path, self.wire, self.headers, epoch))
+        opened = await self.race(legs.open_one(self.decode, self.path, self.wire, self.headers, epoch))
         if opened is None:  # (its stream, if it had one, was closed as the race cancelled it)
             return self.prefill_ended(self.p_task.result())
         if isinstance(opened, Opened):
@@ -286,10 +297,10 @@ class PairAttempt:
         return self.prefill_ended(p_leg) if p_leg.ends_request else first_input_logprobs(p_leg.body)
 
     # -- the race and its verdicts ---------------------------------------------------------------
-    async def race(self, work: Coroutine[Any, Any, T]) -> T | None:
-        """Run the decode leg ``work`` in this task, counted in the decode's load, against the
-        prefill: its result, or None when the prefill ended the request first (then ``work``
-        is cancelled: its KV will never come).
+    async def race(self, work: Awaitable[T]) -> T | None:
+        """Await the decode leg ``work`` (a leg future, or a coroutine that counts its own load)
+        in this task, against the prefill: its result, or None when the prefill ended the
+        request first (then ``work`` is cancelled: its KV will never come).
 
         The decode leg runs inline rather than as a second task, which cost CPU on every
         request (benchmarks/results/router_overhead_vs_cb21479.md). The prefill's done-callback
@@ -300,7 +311,7 @@ class PairAttempt:
         racing, ended, caught = True, False, False
         base = _cancel_requests(me)  # requests already counted (a consumed one must not read as outside)
 
-        def on_prefill(task: asyncio.Task[Leg]) -> None:
+        def on_prefill(task: asyncio.Future[Leg]) -> None:
             nonlocal ended
             if racing and not task.cancelled() and task.result().ends_request:
                 ended = True
@@ -309,8 +320,7 @@ class PairAttempt:
         p_task = self.p_task
         p_task.add_done_callback(on_prefill)
         try:
-            with legs.registry.in_flight(self.decode):
-                return await work
+            return await work
         except asyncio.CancelledError:
             caught = True
             if not ended or _withdraw_cancel(me, base):
@@ -380,8 +390,8 @@ def _withdraw_cancel(task: asyncio.Task, base: int) -> bool:
     return _cancel_requests(task) > base
 
 
-async def cancel(*tasks: asyncio.Task | None) -> None:
-    """Cancel ``tasks`` and wait for them to end."""
+async def cancel(*tasks: asyncio.Future | None) -> None:
+    """Cancel ``tasks`` (tasks or futures) and wait for them to end."""
     pending = [t for t in tasks if t is not None and not t.done()]
     for task in pending:
         task.cancel()

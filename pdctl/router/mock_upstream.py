@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdctl.router.jsonutil import dumps, loads
-from pdctl.router.upstream import Response, UpstreamTimeout
+from pdctl.router.upstream import Answered, Posting, Response, Sending, UpstreamTimeout
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,11 @@ class MockUpstream:
             return await asyncio.wait_for(self._whole(request), timeout)
         except asyncio.TimeoutError:
             raise UpstreamTimeout("no answer within the request timeout") from None
+
+    def send(
+        self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
+    ) -> Sending:
+        return Posting(self.post(url, body, headers, timeout=timeout), answered)
 
     async def _whole(self, request: UpstreamRequest) -> Response:
         reply = await self.handler(request)

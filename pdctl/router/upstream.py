@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -94,9 +94,80 @@ class Upstream(Protocol):
         Cancelling it closes the connection (the engine sees the client go away)."""
         ...
 
+    def send(
+        self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
+    ) -> Sending:
+        """Start a POST whose answer is read whole; ``answered`` is called once, with the Response
+        or with the exception that ended it (UpstreamError, UpstreamTimeout past ``timeout``), and
+        never after ``Sending.cancel()``, which closes the connection (the engine sees the client
+        go away). No task or coroutine is made for it where a pooled connection is ready."""
+        ...
+
     def close(self) -> None:
         """Close every connection."""
         ...
+
+
+Answered = Callable[["Response | BaseException"], None]
+
+
+class Sending(Protocol):
+    """A request started by ``Upstream.send``."""
+
+    def cancel(self) -> None:
+        """Stop it: its connection is closed and ``answered`` is not called."""
+        ...
+
+
+class Posting:
+    """``Upstream.send`` over a ``post`` coroutine run as a task: for a request that must connect
+    first, and for upstreams with no callback path of their own (MockUpstream)."""
+
+    __slots__ = ("answered", "task")
+
+    def __init__(self, post: Coroutine[Any, Any, Response], answered: Answered):
+        self.answered: Answered | None = answered
+        self.task = asyncio.ensure_future(post)
+        self.task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Response]) -> None:
+        answered, self.answered = self.answered, None
+        if answered is None or task.cancelled():
+            return
+        exc = task.exception()
+        answered(task.result() if exc is None else exc)
+
+    def cancel(self) -> None:
+        self.answered = None
+        self.task.cancel()  # post closes its connection when cancelled
+
+
+class _Sent:
+    """A request started by ``UpstreamPool.send`` on a pooled connection: the connection calls
+    ``finish`` when its answer is in or it failed."""
+
+    __slots__ = ("answered", "conn", "data", "key", "retry", "timeout")
+
+    def __init__(self, answered: Answered, conn: _Conn, key: tuple[str, int], data: bytes, timeout: float | None):
+        self.answered: Answered | None = answered
+        self.conn: _Conn | None = conn
+        self.key, self.data, self.timeout = key, data, timeout
+        self.retry: Posting | None = None  # on a fresh connection, after a kept-alive one had died
+
+    def finish(self, got: Response | BaseException) -> None:
+        self.conn = None
+        answered, self.answered = self.answered, None
+        if answered is not None:
+            answered(got)
+
+    def cancel(self) -> None:
+        self.answered = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.sent = None
+            conn.close()  # the engine sees the client go away
+        if self.retry is not None:
+            self.retry.cancel()
 
 
 class _Conn(asyncio.Protocol):
@@ -111,6 +182,7 @@ class _Conn(asyncio.Protocol):
         self.deadline: float | None = None  # of the request in flight, on the loop's clock
         self.timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self.sent: _Sent | None = None  # a request started by send(), answered through callbacks
         self._reset()
 
     def _reset(self) -> None:
@@ -193,6 +265,12 @@ class _Conn(asyncio.Protocol):
             self.done.set_result(self.parser.should_keep_alive())
         if self.waiter is not None:
             self._wake()
+        sent = self.sent
+        if sent is not None:
+            self.sent = None
+            response = Response(self.status, self.headers, b"".join(self.body), _media_type(self.content_type))
+            self.pool.release(self)
+            sent.finish(response)
 
     def _fail(self, exc: Exception) -> None:
         for fut in (self.head, self.done):
@@ -201,6 +279,16 @@ class _Conn(asyncio.Protocol):
                 fut.exception()  # mark retrieved; the caller may be gone
         if self.waiter is not None:
             self._wake()
+        sent = self.sent
+        if sent is not None:
+            self.sent = None
+            self.close()
+            if self.reused and not self.got_bytes and not self.timed_out:
+                # a kept-alive connection the server had closed: one try on a fresh one
+                sent.conn = None
+                sent.retry = Posting(self.pool.on_fresh(sent.key, sent.data, sent.timeout), sent.finish)
+            else:
+                sent.finish(exc)
 
     def _wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -282,15 +370,45 @@ class UpstreamPool:
             target = self._targets[url] = (key, prefix.encode())
         return target
 
+    def _request(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[tuple[str, int], bytes]:
+        """The address and the bytes of a POST of ``body`` to ``url``."""
+        key, prefix = self._target(url)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        return key, prefix + f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+    def send(
+        self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
+    ) -> Sending:
+        """See ``Upstream.send``: on a pooled connection, the connection's callbacks answer it."""
+        key, data = self._request(url, body, headers)
+        conn = self._idle_conn(key)
+        if conn is None:  # connecting is a coroutine: the request runs as one, in a task
+            return Posting(self._post(key, data, False, timeout), answered)
+        sent = conn.sent = _Sent(answered, conn, key, data, timeout)
+        conn.arm(timeout)
+        assert conn.transport is not None
+        conn.transport.write(data)
+        return sent
+
+    def on_fresh(self, key: tuple[str, int], data: bytes, timeout: float | None) -> Coroutine[Any, Any, Response]:
+        """A whole POST of ``data`` on a new connection (the retry of one whose kept-alive
+        connection had died)."""
+        return self._post(key, data, False, timeout, pooled=False)
+
     async def post(
         self, url: str, body: bytes, headers: dict[str, str], *, stream: bool = False, timeout: float | None = None
     ) -> Response:
         """See ``Upstream.post``."""
-        key, prefix = self._target(url)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        data = prefix + f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+        key, data = self._request(url, body, headers)
+        return await self._post(key, data, stream, timeout)
+
+    async def _post(
+        self, key: tuple[str, int], data: bytes, stream: bool, timeout: float | None, *, pooled: bool = True
+    ) -> Response:
+        """``data`` sent to ``key`` on a pooled connection (``pooled``), tried once more on a fresh
+        one when a kept-alive connection had died before any answer, else on a fresh one."""
         for attempt in range(2):
-            conn = self._idle_conn(key)
+            conn = self._idle_conn(key) if pooled else None
             if conn is None:
                 try:
                     conn = await self._connect(key)
@@ -308,7 +426,7 @@ class UpstreamPool:
                 status = conn.status
             except UpstreamError:
                 conn.close()
-                if attempt == 0 and conn.reused and not conn.got_bytes and not conn.timed_out:
+                if attempt == 0 and pooled and conn.reused and not conn.got_bytes and not conn.timed_out:
                     continue  # a kept-alive connection the server had closed: one fresh try
                 raise
             except BaseException:

@@ -1,0 +1,148 @@
+"""The router's upstream client (``UpstreamPool``) against a real HTTP server on loopback: a
+request started with ``send`` is answered through its connection's callbacks, reuses pooled
+connections, is tried once more on a fresh connection when a kept-alive one had died, times
+out without a second try, and closes its connection when cancelled (the engine sees the client
+go away)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdctl.router.upstream import Response, UpstreamPool, UpstreamTimeout
+
+ANSWER = b'{"text": "hi"}'
+
+
+class Engine:
+    """A keep-alive HTTP/1.1 server that answers every request whole, or (``hang``) never; it
+    counts connections and notices connections closed by the client."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests = 0
+        self.hang = False
+        self.hung = asyncio.Event()  # a request is being held (``hang``)
+        self.client_left = asyncio.Event()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.handlers: set[asyncio.Task] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        handler = asyncio.current_task()
+        assert handler is not None
+        self.handlers.add(handler)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                self.requests += 1
+                if self.hang:
+                    self.hung.set()
+                    await reader.read()  # returns at EOF: the client closed the connection
+                    self.client_left.set()
+                    return
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                    % (len(ANSWER), ANSWER)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    def drop_idle_connections(self) -> None:
+        """Close every connection server-side, as an engine does with idle keep-alive ones."""
+        for writer in self.writers:
+            writer.close()
+        self.writers.clear()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        self.drop_idle_connections()
+        await asyncio.gather(*self.handlers)  # each ends once its connection is closed
+
+
+def send(pool: UpstreamPool, url: str, timeout: float | None = 30) -> asyncio.Future[Response | BaseException]:
+    """``pool.send``'s answer as a future (the callback called more than once would fail it)."""
+    got: asyncio.Future[Response | BaseException] = asyncio.get_running_loop().create_future()
+    pool.send(url + "/generate", b"{}", {"X-Request-ID": "t"}, got.set_result, timeout=timeout)
+    return got
+
+
+def run(scenario) -> None:
+    async def main() -> None:
+        engine = Engine()
+        url = await engine.start()
+        pool = UpstreamPool()
+        try:
+            await scenario(engine, url, pool)
+        finally:
+            pool.close()
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_send_answers_through_callbacks_and_reuses_the_connection() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        for _ in range(3):
+            got = await send(pool, url)
+            assert isinstance(got, Response), got
+            assert (got.status, got.body, got.content_type) == (200, ANSWER, "application/json")
+        assert engine.connections == 1, "the first request connects, the next ones reuse its connection"
+
+    run(scenario)
+
+
+def test_a_kept_alive_connection_that_died_is_tried_once_more_on_a_fresh_one() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        assert isinstance(await send(pool, url), Response)
+        engine.drop_idle_connections()  # the pooled connection dies while idle
+        got = await send(pool, url)
+        assert isinstance(got, Response) and got.body == ANSWER, got
+        assert engine.connections == 2
+
+    run(scenario)
+
+
+def test_a_request_past_its_timeout_fails_and_is_not_sent_again() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        assert isinstance(await send(pool, url), Response)  # a pooled connection to time out on
+        engine.hang = True
+        got = await send(pool, url, timeout=0.05)
+        assert isinstance(got, UpstreamTimeout), got
+        await engine.client_left.wait()  # the timed-out request's connection was closed
+        assert engine.requests == 2, "a timed-out request is not tried again"
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled-connection", "while-connecting"])
+def test_cancelling_a_sent_request_closes_its_connection_and_answers_nothing(pooled: bool) -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        if pooled:
+            assert isinstance(await send(pool, url), Response)
+        engine.hang = True
+        answers: list[object] = []
+        sending = pool.send(url + "/generate", b"{}", {}, answers.append, timeout=30)
+        await engine.hung.wait()  # the engine has the request
+        sending.cancel()
+        await engine.client_left.wait()  # the engine sees the client go away
+        assert answers == [], "a cancelled request's callback is never called"
+
+    run(scenario)
