@@ -195,8 +195,9 @@ class RouterServer:
                 ends.append(await self._admit())
             if not self.gate.is_open:
                 await self.dispatcher.wait_open()
+            if self._active == 0:
+                self._idle.clear()
             self._active += 1
-            self._idle.clear()
             ends.append(self._leave)
             answer = await self._route(route, body, headers)
             status = answer.status
@@ -205,11 +206,10 @@ class RouterServer:
             status = exc.status
             return errors.error_response(exc.status, exc.code, str(exc), headers)
         finally:
-            end = functools.partial(self._ended, route, status, started, ends)
             if isinstance(answer, StreamReply):
-                answer.on_close.append(end)
+                answer.on_close.append(functools.partial(self._ended, route, status, started, ends))
             else:
-                end()
+                self._ended(route, status, started, ends)
 
     def _ended(self, route: str, status: int, started: float, ends: list[Callable[[], None]]) -> None:
         for undo in ends:

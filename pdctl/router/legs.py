@@ -81,6 +81,9 @@ class Legs:
         self.timeout = timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._legs: set[asyncio.Future[Leg]] = set()  # every whole leg in flight; cancelled by close()
+        self.grace_secs = PREFILL_GRACE_SECS
+        self._graced: dict[asyncio.Future[Leg], float] = {}  # prefill legs the reply went out without
+        self._grace_timer: asyncio.TimerHandle | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -92,6 +95,9 @@ class Legs:
 
     async def close(self) -> None:
         """Cancel every leg still running (a prefill that outlived its reply, for instance)."""
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         await cancel(*self._legs)
         self.upstream.close()
 
@@ -200,24 +206,39 @@ class Legs:
         """Whether a weight update began after ``leg`` was sent."""
         return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
 
-    def finish_unawaited(self, prefill: Worker, task: asyncio.Future[Leg]) -> None:
+    def finish_unawaited(self, prefill: Worker, leg: asyncio.Future[Leg]) -> None:
         """The reply does not need prefill's answer: record its outcome when it comes, without
-        holding the reply, and cancel it if it takes longer than PREFILL_GRACE_SECS."""
+        holding the reply, and cancel it if it takes longer than ``grace_secs``."""
 
-        def record(t: asyncio.Future[Leg]) -> None:
-            if not t.cancelled() and t.result().status not in BACKPRESSURE:
-                self.registry.record(prefill, not t.result().server_failed)
+        def record(done: asyncio.Future[Leg]) -> None:
+            self._graced.pop(done, None)
+            if not done.cancelled() and done.result().status not in BACKPRESSURE:
+                self.registry.record(prefill, not done.result().server_failed)
 
-        if task.done():  # the common case: prefill answered first
-            record(task)
+        if leg.done():  # the common case: prefill answered first
+            record(leg)
             return
-        timer = self.loop.call_later(PREFILL_GRACE_SECS, task.cancel)
+        # One timer for all the legs in their grace, not one each (a timer armed and cancelled
+        # per request cost microseconds): they end in the order they began it.
+        self._graced[leg] = self.loop.time() + self.grace_secs
+        leg.add_done_callback(record)
+        if self._grace_timer is None:
+            self._grace_timer = self.loop.call_later(self.grace_secs, self._end_grace)
 
-        def settle(t: asyncio.Future[Leg]) -> None:
-            timer.cancel()  # the handle would keep the task alive until it fires
-            record(t)
-
-        task.add_done_callback(settle)
+    def _end_grace(self) -> None:
+        """Cancel the legs whose grace is over; wait on for the next one's."""
+        now = self.loop.time()
+        over = []
+        for leg, deadline in self._graced.items():
+            if deadline > now:
+                self._grace_timer = self.loop.call_at(deadline, self._end_grace)
+                break
+            over.append(leg)
+        else:
+            self._grace_timer = None
+        for leg in over:
+            leg.cancel()  # its done callback forgets it
+            self._graced.pop(leg, None)
 
 
 class PairAttempt:

@@ -192,9 +192,12 @@ class _Conn(asyncio.Protocol):
         self.body: list[bytes] = []  # a whole body; a stream's chunks not read yet
         self.got_bytes = False
         self.timed_out = False  # (a timeout is not a dead kept-alive connection: not tried again)
+        self.complete = False  # the response was read whole
+        self.keep_alive = False  # ... and the server keeps the connection open
+        self.error: Exception | None = None  # what ended the response before it was complete
         self.waiter: asyncio.Future | None = None  # a stream's reader, waiting for more
         self.head: asyncio.Future[int] | None = None  # made for streams: their reader waits for the head
-        self.done = self.loop.create_future()
+        self.done: asyncio.Future[None] | None = None  # made by post(): it waits for the end
 
     def arm(self, timeout: float | None) -> None:
         """Fail this request with UpstreamTimeout after ``timeout`` seconds.
@@ -261,8 +264,10 @@ class _Conn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.deadline = None
-        if not self.done.done():
-            self.done.set_result(self.parser.should_keep_alive())
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
         if self.waiter is not None:
             self._wake()
         sent = self.sent
@@ -273,6 +278,8 @@ class _Conn(asyncio.Protocol):
             sent.finish(response)
 
     def _fail(self, exc: Exception) -> None:
+        if not self.complete and self.error is None:
+            self.error = exc
         for fut in (self.head, self.done):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -306,17 +313,18 @@ class _Conn(asyncio.Protocol):
                     chunk = body[0] if len(body) == 1 else b"".join(body)
                     body.clear()
                     yield chunk
-                elif self.done.done():
+                elif self.complete:
                     break
+                elif self.error is not None:
+                    raise self.error  # the connection died mid-body
                 else:
                     self.waiter = self.loop.create_future()
                     await self.waiter
-            await self.done  # raises if the connection died mid-body
         finally:
             self.pool.release(self)
 
     def finished(self) -> bool:
-        return self.done.done()
+        return self.complete or self.error is not None
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:
@@ -355,7 +363,7 @@ class UpstreamPool:
         return conn
 
     def release(self, conn: _Conn) -> None:
-        keep = conn.done.done() and not conn.done.exception() and conn.done.result() and not conn.closed
+        keep = conn.complete and conn.keep_alive and not conn.closed
         if keep and len(self._idle[conn.key]) < self.max_idle:
             self._idle[conn.key].append(conn)
         else:
@@ -417,12 +425,14 @@ class UpstreamPool:
             conn.arm(timeout)
             try:
                 assert conn.transport is not None
-                head = conn.head = conn.loop.create_future() if stream else None
-                conn.transport.write(data)
-                if head is not None:
+                if stream:
+                    head = conn.head = conn.loop.create_future()
+                    conn.transport.write(data)
                     status = await head
                     return Response(status, conn.headers, content_type=_media_type(conn.content_type), _source=conn)
-                await conn.done  # one wake-up per request: the head is complete when the message is
+                done = conn.done = conn.loop.create_future()
+                conn.transport.write(data)
+                await done  # one wake-up per request: the head is complete when the message is
                 status = conn.status
             except UpstreamError:
                 conn.close()

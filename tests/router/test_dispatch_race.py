@@ -13,6 +13,7 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Legs, PairAttempt
 from pdctl.router.mock_upstream import MockReply, MockUpstream, UpstreamRequest
+from pdctl.router.reply import Reply
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import UpstreamError
 from pdctl.router.workers import WorkerRegistry
@@ -93,3 +94,47 @@ def test_a_client_that_leaves_during_a_race_still_ends_the_request() -> None:
     reached, prefill_load = asyncio.run(scenario())
     assert reached, "the client's cancel reaches the handler"
     assert prefill_load == 0, "the prefill leg was cancelled with the attempt"
+
+
+def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a_late_one_recorded() -> None:
+    """``keep_prefill`` hands a running prefill over: one that answers within its grace is
+    recorded (its circuit counts it), one that does not is cancelled (the engine aborts it);
+    legs end in the order they began their grace, under one timer."""
+
+    async def scenario() -> tuple[list[str], int, int]:
+        answer_now = asyncio.Event()
+        seen: list[str] = []
+
+        async def engines(request: UpstreamRequest) -> MockReply:
+            room = request.json().get("room")
+            if request.base == DECODE:
+                return MockReply(json={"text": "ok"})
+            try:
+                if room == "slow":
+                    await asyncio.Event().wait()  # never answers
+                await answer_now.wait()
+                return MockReply(status=500, json={"error": "prefill failed late"})
+            except asyncio.CancelledError:
+                seen.append(f"{room} cancelled")
+                raise
+
+        registry, legs = _fleet(engines)
+        prefill, decode = registry.workers[PREFILL], registry.workers[DECODE]
+        legs.grace_secs = 0.2
+        slow = PairAttempt(legs, prefill, decode, "/generate", b'{"room": "slow"}', Headers({}, {}))
+        late = PairAttempt(legs, prefill, decode, "/generate", b'{"room": "late"}', Headers({}, {}))
+        for pair in (slow, late):
+            reply = await pair.whole(with_logprobs=False)
+            assert isinstance(reply, Reply) and reply.status == 200  # the decode's answer, kept
+        failures_before = prefill.cb_failures
+        answer_now.set()  # the second prefill answers within its grace (a 500: a failure to record)
+        await asyncio.wait_for(asyncio.shield(late.p_task), 5)
+        await asyncio.wait_for(asyncio.gather(slow.p_task, return_exceptions=True), 5)  # ends at its grace
+        recorded = prefill.cb_failures - failures_before
+        await legs.close()
+        return seen, recorded, prefill.load
+
+    seen, recorded, load = asyncio.run(scenario())
+    assert seen == ["slow cancelled"], seen
+    assert recorded == 1, "the late prefill's failure was recorded"
+    assert load == 0
