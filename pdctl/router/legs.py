@@ -72,7 +72,7 @@ class Leg:
 
 
 class Legs:
-    """Sends legs to workers through ``upstream`` and judges their answers; owns the leg tasks."""
+    """Sends legs to workers through ``upstream`` and judges their answers; owns the legs in flight."""
 
     def __init__(self, upstream: Upstream, registry: WorkerRegistry, gate: RefitGate, timeout_secs: float):
         self.upstream = upstream

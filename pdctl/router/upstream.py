@@ -7,6 +7,10 @@ stream; pooled connections per host; a connection that was reused and died befor
 answer is retried once on a fresh one. Cancelling a request closes its connection, so the
 engine sees the client go away and aborts the request.
 
+Two ways in: ``post``, a coroutine (streams, and a request that must connect first), and
+``send``, which starts a whole request on a pooled connection and has the connection's parser
+callbacks answer it (no task or coroutine per request: the router's legs use it).
+
 ``Upstream`` is the interface the dispatcher uses; ``UpstreamPool`` is the real one and
 ``pdctl.router.mock_upstream.MockUpstream`` an in-memory one for tests.
 """
