@@ -75,7 +75,7 @@ class _Request:
         return self._job  # type: ignore[return-value]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Live:
     """A stream that opened (its first block is in) and has not been sent on yet."""
 
@@ -302,7 +302,6 @@ class Dispatcher:
                 current = None
                 if last is not None:
                     tries.progressed()
-                job = request.job if rule is not None else None
                 if rule is not None and rule.caught and (error is None or rule.over):
                     self.registry.record(worker, True)
                     if shown is not None:
@@ -311,6 +310,7 @@ class Dispatcher:
                         pending = {
                             k: with_input_logprobs(Piece().advanced(d), live.prefix) for k, d in rule.caught.items()
                         }
+                    job = request.job
                     assert job is not None  # the rule catches answers of /generate jobs only
                     why = "the stream could not be continued after a weight update"
                     tail, current, shown = await self._tail(request, job, pending, tries, why, interrupted=True)
@@ -322,6 +322,7 @@ class Dispatcher:
                     self.registry.mark_failed(worker)
                     why = f"{worker.role} {worker.url} failed mid-stream: {error}"
                     data = last_data(last)
+                    job = request.job if rule is not None else None  # parsed only now: rarely needed
                     if job is None or not job.single or data is None:
                         yield error_event(why)
                         return

@@ -23,7 +23,7 @@ Transform = Callable[[bytes], bytes]
 """What the client sees of one event."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs a call per field)
 class Opened:
     """An engine stream whose first block has come (and not yet been sent on)."""
 
@@ -80,7 +80,7 @@ def last_data(block: bytes | None) -> dict[str, Any] | None:
     return sse_data(block[start:]) if start >= 0 else None
 
 
-@dataclass
+@dataclass(slots=True)
 class Interrupted:
     """``pump``'s rule for streams a weight update may interrupt. ``armed()`` (an integer
     compare) says whether an update began since the stream was sent; only then is an event
