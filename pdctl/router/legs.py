@@ -412,10 +412,13 @@ def _withdraw_cancel(task: asyncio.Task, base: int) -> bool:
 
 
 async def cancel(*tasks: asyncio.Future | None) -> None:
-    """Cancel ``tasks`` (tasks or futures) and wait for them to end."""
+    """Cancel ``tasks`` (tasks or futures) and wait for them to end, their done callbacks
+    included (a leg's closes its connection and gives back its worker's load)."""
     pending = [t for t in tasks if t is not None and not t.done()]
     for task in pending:
         task.cancel()
     for task in pending:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+    if pending:
+        await asyncio.sleep(0)  # a cancelled future's callbacks run in the loop's next turn

@@ -136,7 +136,10 @@ class Posting:
 
     def _done(self, task: asyncio.Task[Response]) -> None:
         answered, self.answered = self.answered, None
-        if answered is None or task.cancelled():
+        if answered is None:
+            return  # cancel() was called
+        if task.cancelled():  # by someone else (the loop shutting down): an answer all the same
+            answered(UpstreamError("the request was cancelled"))
             return
         exc = task.exception()
         answered(task.result() if exc is None else exc)
@@ -429,6 +432,8 @@ class UpstreamPool:
             conn.arm(timeout)
             try:
                 assert conn.transport is not None
+                if conn.error is not None:  # it died before this request began (it would wait for ever)
+                    raise conn.error
                 if stream:
                     head = conn.head = conn.loop.create_future()
                     conn.transport.write(data)

@@ -138,3 +138,38 @@ def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a
     assert seen == ["slow cancelled"], seen
     assert recorded == 1, "the late prefill's failure was recorded"
     assert load == 0
+
+
+def test_closing_an_attempt_gives_back_its_prefill_leg_at_once() -> None:
+    """``close()`` returns once the cancelled prefill leg has given back its worker's load
+    (its done callbacks run in the loop's next turn: close waits for them)."""
+
+    async def scenario() -> int:
+        registry, legs = _fleet(_prefill_runs)
+        pair = _pair(registry, legs)
+        while not legs.upstream.requests:  # type: ignore[attr-defined]  # the prefill leg is sent
+            await asyncio.sleep(0)
+        await pair.close()
+        load = registry.workers[PREFILL].load
+        await legs.close()
+        return load
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_a_leg_whose_request_task_is_cancelled_from_outside_still_ends() -> None:
+    """A request run as a task (connecting first; the MockUpstream) that something else cancels
+    (the loop shutting down) ends its leg with an error, not a leg that waits for ever."""
+
+    async def cancelled_engine(request: UpstreamRequest) -> MockReply:
+        raise asyncio.CancelledError
+
+    async def scenario() -> object:
+        registry, legs = _fleet(cancelled_engine)
+        leg = legs.start(registry.workers[DECODE], "/generate", b"{}", Headers({}, {}))
+        got = await asyncio.wait_for(leg, 5)
+        await legs.close()
+        return got.error
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, UpstreamError), error
