@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from router_overhead import PY, RESULTS, ROUTER_CPUS, SMG_PYTHON, free_port, measure, start, wait
+from router_overhead import PY, RESULTS, ROUTER_CPUS, SMG_PYTHON, free_port, measure, start, stop, wait
 
 ROUNDS = int(os.environ.get("ROUTER_BENCH_ROUNDS", 5))
 
@@ -156,12 +156,9 @@ def run() -> None:
                         raise RuntimeError(f"{name}: {row['errors']} errors")
                     cpu[name].append(row["router_cpu_us_per_req"])
                 finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
+                    stop(proc)
     finally:
-        for b in backends:
-            b.terminate()
-            b.wait(timeout=30)
+        stop(*backends)
     smg = cpu["smg 1.13.0"]
     rows = {
         name: {

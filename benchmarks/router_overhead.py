@@ -82,6 +82,13 @@ def start(argv: list[str], cpus: set[int] = OTHER_CPUS, cwd: Path | None = None)
     )
 
 
+def stop(*procs: subprocess.Popen) -> None:
+    """Terminate ``procs`` and wait for each to exit."""
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def checkout(ref: str, into: Path) -> Path:
     """A detached worktree of this repository at ``ref`` (removed by ``remove_checkout``)."""
     repo = ROOT.parent
@@ -218,12 +225,9 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
                         time.sleep(1.0)  # the Rust routers mark workers healthy after their first check
                         rs.append(measure(name, f"http://127.0.0.1:{port}/generate", proc, stream))
                     finally:
-                        proc.terminate()
-                        proc.wait(timeout=30)
+                        stop(proc)
     finally:
-        for b in backends:
-            b.terminate()
-            b.wait(timeout=30)
+        stop(*backends)
     rows = []
     for rs in runs.values():
         best = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]  # the median run by req/s
