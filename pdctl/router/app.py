@@ -25,7 +25,7 @@ from pdctl.refit import MAX_SECS, Hold, HoldAnswer, RefitMode, Release
 from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
 from pdctl.router.auth import Keys
-from pdctl.router.body_rules import body_problem
+from pdctl.router.body_rules import COMPLETIONS, GENERATE, body_problem
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
@@ -41,7 +41,6 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
-GENERATE, COMPLETIONS = Endpoint.GENERATE.value, Endpoint.COMPLETIONS.value
 
 
 class RouterServer:

@@ -251,12 +251,12 @@ class PairAttempt:
             outcome = await pair.whole(with_logprobs)
     """
 
-    __slots__ = ("_kept", "decode", "headers", "legs", "p_task", "path", "prefill", "wire")
+    __slots__ = ("_kept", "decode", "headers", "legs", "path", "prefill", "prefill_leg", "wire")
 
     def __init__(self, legs: Legs, prefill: Worker, decode: Worker, path: str, wire: bytes, headers: Headers):
         self.legs, self.prefill, self.decode = legs, prefill, decode
         self.path, self.wire, self.headers = path, wire, headers
-        self.p_task = legs.start(prefill, path, wire, headers)
+        self.prefill_leg = legs.start(prefill, path, wire, headers)
         self._kept = False
 
     async def __aenter__(self) -> PairAttempt:
@@ -267,12 +267,12 @@ class PairAttempt:
 
     async def close(self) -> None:
         if not self._kept:
-            await cancel(self.p_task)
+            await cancel(self.prefill_leg)
 
     def keep_prefill(self) -> None:
         if not self._kept:
             self._kept = True
-            self.legs.finish_unawaited(self.prefill, self.p_task)
+            self.legs.finish_unawaited(self.prefill, self.prefill_leg)
 
     # -- the two shapes of an attempt ------------------------------------------------------------
     async def whole(self, with_logprobs: bool) -> Outcome:
@@ -280,14 +280,14 @@ class PairAttempt:
         legs = self.legs
         d_leg = await self.race(legs.start(self.decode, self.path, self.wire, self.headers))
         if d_leg is None:
-            return self.prefill_ended(self.p_task.result())
+            return self.prefill_ended(self.prefill_leg.result())
         if d_leg.server_failed or d_leg.status in BACKPRESSURE:
             return await self.decode_failed(d_leg)
         legs.registry.record(self.decode, True)
         if d_leg.status >= 400 or not with_logprobs:
             self.keep_prefill()
             return d_leg.reply(self.headers)
-        p_leg = await self.p_task
+        p_leg = await self.prefill_leg
         if p_leg.ends_request:
             return self.prefill_ended(p_leg)
         return Reply(d_leg.status, merged_logprobs(p_leg.body, d_leg.body), d_leg.content_type, self.headers)
@@ -303,7 +303,7 @@ class PairAttempt:
         legs = self.legs
         opened = await self.race(legs.open_one(self.decode, self.path, self.wire, self.headers, epoch))
         if opened is None:  # (its stream, if it had one, was closed as the race cancelled it)
-            return self.prefill_ended(self.p_task.result())
+            return self.prefill_ended(self.prefill_leg.result())
         if isinstance(opened, Opened):
             return opened
         if opened.server_failed or opened.status in BACKPRESSURE:
@@ -314,7 +314,7 @@ class PairAttempt:
     async def input_logprobs(self) -> list | Outcome:
         """The prefill's input logprobs (a stream that asked for them shows them first), or the
         outcome when the prefill ended the request."""
-        p_leg = await self.p_task
+        p_leg = await self.prefill_leg
         return self.prefill_ended(p_leg) if p_leg.ends_request else first_input_logprobs(p_leg.body)
 
     # -- the race and its verdicts ---------------------------------------------------------------
@@ -338,8 +338,8 @@ class PairAttempt:
                 ended = True
                 me.cancel()
 
-        p_task = self.p_task
-        p_task.add_done_callback(on_prefill)
+        prefill_leg = self.prefill_leg
+        prefill_leg.add_done_callback(on_prefill)
         try:
             return await work
         except asyncio.CancelledError:
@@ -349,7 +349,7 @@ class PairAttempt:
             return None
         finally:
             racing = False
-            p_task.remove_done_callback(on_prefill)
+            prefill_leg.remove_done_callback(on_prefill)
             if ended and not caught:
                 # The leg consumed the race's cancel (Python 3.11's wait_for returns a result that
                 # came with the cancel): withdraw it, or a later race would read it as the client's.
@@ -361,11 +361,11 @@ class PairAttempt:
         connection with prefill instance (bootstrap_addr: HOST:PORT)"), else the decode.
         Blaming the decode for a dead prefill opened the circuit of a healthy decode, the
         fleet's only one in a bench_serving run."""
-        p_task, prefill = self.p_task, self.prefill
+        prefill_leg, prefill = self.prefill_leg, self.prefill
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(p_task), VERDICT_GRACE_SECS)
-        if p_task.done() and not p_task.cancelled() and p_task.result().ends_request:
-            return self.prefill_ended(p_task.result())
+            await asyncio.wait_for(asyncio.shield(prefill_leg), VERDICT_GRACE_SECS)
+        if prefill_leg.done() and not prefill_leg.cancelled() and prefill_leg.result().ends_request:
+            return self.prefill_ended(prefill_leg.result())
         legs = self.legs
         if (
             d_leg.error is None

@@ -280,7 +280,7 @@ class _Conn(asyncio.Protocol):
         sent = self.sent
         if sent is not None:
             self.sent = None
-            response = Response(self.status, self.headers, b"".join(self.body), _media_type(self.content_type))
+            response = self.whole()
             self.pool.release(self)
             sent.finish(response)
 
@@ -297,12 +297,21 @@ class _Conn(asyncio.Protocol):
         if sent is not None:
             self.sent = None
             self.close()
-            if self.reused and not self.got_bytes and not self.timed_out:
-                # a kept-alive connection the server had closed: one try on a fresh one
+            if self.died_idle:  # one try on a fresh connection
                 sent.conn = None
                 sent.retry = Posting(self.pool.on_fresh(sent.key, sent.data, sent.timeout), sent.finish)
             else:
                 sent.finish(exc)
+
+    @property
+    def died_idle(self) -> bool:
+        """A kept-alive connection the server had closed: it failed before any answer byte, and
+        not by the request timeout (such a request is tried once more on a fresh connection)."""
+        return self.reused and not self.got_bytes and not self.timed_out
+
+    def whole(self) -> Response:
+        """The response read whole (status, headers, body)."""
+        return Response(self.status, self.headers, b"".join(self.body), _media_type(self.content_type))
 
     def _wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -442,17 +451,17 @@ class UpstreamPool:
                 done = conn.done = conn.loop.create_future()
                 conn.transport.write(data)
                 await done  # one wake-up per request: the head is complete when the message is
-                status = conn.status
             except UpstreamError:
                 conn.close()
-                if attempt == 0 and pooled and conn.reused and not conn.got_bytes and not conn.timed_out:
-                    continue  # a kept-alive connection the server had closed: one fresh try
+                if attempt == 0 and pooled and conn.died_idle:
+                    continue  # one fresh try
                 raise
             except BaseException:
                 conn.close()  # cancelled: the engine must see the client leave
                 raise
+            response = conn.whole()
             self.release(conn)
-            return Response(status, conn.headers, b"".join(conn.body), _media_type(conn.content_type))
+            return response
         raise AssertionError("unreachable")
 
     def close(self) -> None:

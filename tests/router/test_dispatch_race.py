@@ -128,8 +128,8 @@ def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a
             assert isinstance(reply, Reply) and reply.status == 200  # the decode's answer, kept
         failures_before = prefill.cb_failures
         answer_now.set()  # the second prefill answers within its grace (a 500: a failure to record)
-        await asyncio.wait_for(asyncio.shield(late.p_task), 5)
-        await asyncio.wait_for(asyncio.gather(slow.p_task, return_exceptions=True), 5)  # ends at its grace
+        await asyncio.wait_for(asyncio.shield(late.prefill_leg), 5)
+        await asyncio.wait_for(asyncio.gather(slow.prefill_leg, return_exceptions=True), 5)  # ends at its grace
         recorded = prefill.cb_failures - failures_before
         await legs.close()
         return seen, recorded, prefill.load
