@@ -53,6 +53,10 @@ def cli(ctx: click.Context, debug: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if not debug:
+        # paramiko logs a failed handshake itself (an empty ERROR line for an unreachable host);
+        # pdctl reports the failure with the node's name, so paramiko's own lines only with --debug.
+        logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 
 def _register() -> None:
