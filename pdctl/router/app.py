@@ -41,6 +41,7 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before its answer (never sent)
 
 
 class RouterServer:
@@ -204,6 +205,9 @@ class RouterServer:
         except RouteError as exc:
             status = exc.status
             return errors.error_response(exc.status, exc.code, str(exc), headers)
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED  # the client went away (or the router stops): no failure of ours
+            raise
         finally:
             if isinstance(answer, StreamReply):
                 answer.on_close.append(functools.partial(self._ended, route, status, started, ends))

@@ -465,3 +465,24 @@ def test_a_streamed_server_abort_is_retried_and_a_client_abort_is_the_answer() -
         assert not r.circuit_open(D1) and not r.circuit_open(D2)
 
     run(Engines(D1=refuses, D2=refuses), answered, decodes=(D1, D2))
+
+
+def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error():
+    """A request whose client went away ends under nginx's 499 in the router's request counter,
+    so that dashboards' 5xx rates count only the router's and the engines' failures."""
+
+    async def stuck(engines, request, body):
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable")
+
+    async def scenario(r: Run):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(r.generate(), 0.5)
+        requests = r.server.metrics.hot.requests
+        for _ in range(500):  # the handler ends once the router sees the client leave
+            if requests:
+                break
+            await asyncio.sleep(0.01)
+        return dict(requests)
+
+    assert run(Engines(P1=stuck), scenario) == {("/generate", 499): 1}
