@@ -16,6 +16,10 @@ plays every rank (``local_tp_ranks``). Requirements on the engine: every prompt 
 and from position 0 (SGLang: ``--disable-radix-cache``, which the plan adds, and prompts within
 ``--chunked-prefill-size``); a request retracted and prefilled again is sent again.
 
+With ``cuda_ipc`` each TP rank writes its shard straight into its trainer rank's buffer on their
+GPU (``pdctl.colocate.ipc``; the copies are waited for before the trainer is told); with ``gloo``
+the rows go through host memory.
+
 A failure (the trainer gone, an error) is logged once, naming the trainer rank, and stops the
 data plane of this engine; the engine keeps serving.
 """
@@ -26,15 +30,18 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
+from pdctl.colocate import ipc
 from pdctl.colocate.env import DataPlaneSpec, Tap
 from pdctl.colocate.steps import Prefilled, StepCutter
-from pdctl.colocate.wire import Header, dtype_named, pack_meta
-from pdctl.colocate.world import JOIN_TIMEOUT_SECS, READY_WAIT, RankGroups, join
+from pdctl.colocate.wire import IPC_READY_LEN, TOO_SMALL, WRITTEN, Header, IpcLayout, IpcReady, dtype_named, pack_meta
+from pdctl.colocate.world import JOIN_TIMEOUT_SECS, READY_WAIT, UnionRank, join
 
 log = logging.getLogger("pdctl.colocate")
 
@@ -86,15 +93,18 @@ class Producer:
         self._positions: torch.Tensor | None = None
         self._aux: list[Any] = []
         self._cutter = StepCutter(spec.batch_size, self.engine.tp, self.tp_ranks, name=engine_id)
-        self._groups: list[RankGroups] = []
+        self._members: list[UnionRank] = []
+        self._opened: dict[int, tuple[int, torch.Tensor]] = {}
+        """cuda_ipc: union rank -> (generation, its trainer rank's buffer opened here)."""
+        self._pinned = torch.empty(0, dtype=torch.int64)
         self._join_error: BaseException | None = None
         self._joined = threading.Event()
         threading.Thread(target=self._join, name=f"data-plane-{engine_id}", daemon=True).start()
 
     def _join(self) -> None:
         try:
-            self._groups = join(self.spec, [self.engine.first_rank + j for j in self.tp_ranks])
-            log.info("data plane: engine %s joined as union ranks %s", self.engine.id, [g.rank for g in self._groups])
+            self._members = join(self.spec, [self.engine.first_rank + j for j in self.tp_ranks])
+            log.info("data plane: engine %s joined as union ranks %s", self.engine.id, [m.rank for m in self._members])
         except BaseException as exc:  # reported by the first step that needs the groups
             self._join_error = exc
         finally:
@@ -155,39 +165,115 @@ class Producer:
         if not self._joined.wait(JOIN_TIMEOUT_SECS) or self._join_error is not None:
             self._fail(step, None, f"could not join the union world: {self._join_error or 'timed out'}")
             return
-        for tp_rank, groups in zip(self.tp_ranks, self._groups, strict=True):
+        for tp_rank, member in zip(self.tp_ranks, self._members, strict=True):
             trainer = self.spec.trainer_of(self.engine, tp_rank)
             try:
-                self._send_shard(groups, trainer, step, shards[tp_rank])
+                self._send_shard(member, trainer, step, shards[tp_rank])
             except (RuntimeError, ValueError) as exc:
                 self._fail(step, trainer, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 return
         self.steps_sent += 1
 
-    def _send_shard(self, groups: RankGroups, trainer: int, step: int, shard: list[Prefilled]) -> None:
+    def _send_shard(self, member: UnionRank, trainer: int, step: int, shard: list[Prefilled]) -> None:
+        # One list of row blocks per tensor sent: the final hidden states, then each aux layer.
+        blocks = [[s.final for s in shard], *([s.aux[k] for s in shard] for k in range(len(shard[0].aux)))]
+        if self.spec.backend == "cuda_ipc":
+            self._write_shard(member, trainer, step, shard, blocks)
+            return
+        group = member.group
         ready = torch.empty(1, dtype=torch.int64)
-        groups.meta.recv([ready], trainer, 0).wait(READY_WAIT)
+        group.recv([ready], trainer, 0).wait(READY_WAIT)
         if int(ready) != step:
             raise ValueError(f"trainer rank {trainer} is ready for step {int(ready)}, this engine sends step {step}")
-        final = self._joined_rows([s.final for s in shard])
-        aux = [self._joined_rows([s.aux[k] for s in shard]) for k in range(len(shard[0].aux))]
-        header = Header(step, len(shard), final.shape[0], final.shape[1], len(aux), final.dtype)
-        groups.meta.send([header.encode()], trainer, 0).wait()
-        groups.meta.send([pack_meta([s.input_ids for s in shard])], trainer, 0).wait()
-        for tensor in (final, *aux):
-            groups.data.send([tensor], trainer, 0).wait()
+        tensors = [self._joined_rows(parts) for parts in blocks]
+        final = tensors[0]
+        header = Header(step, len(shard), final.shape[0], final.shape[1], len(tensors) - 1, final.dtype)
+        group.send([header.encode()], trainer, 0).wait()
+        group.send([pack_meta([s.input_ids for s in shard])], trainer, 0).wait()
+        for tensor in tensors:
+            group.send([tensor], trainer, 0).wait()
+
+    def _write_shard(
+        self, member: UnionRank, trainer: int, step: int, shard: list[Prefilled], blocks: list[list[torch.Tensor]]
+    ) -> None:
+        """cuda_ipc: the shard written into the trainer rank's buffer on their GPU (the hidden
+        states cast to the plane's dtype by the copy), then the header says so; a buffer too
+        small is answered TOO_SMALL, and the one that replaces it is written."""
+        rows, hidden = sum(p.shape[0] for p in blocks[0]), blocks[0][0].shape[1]
+        dtype = self.dtype or blocks[0][0].dtype
+        header = Header(step, len(shard), rows, hidden, len(blocks) - 1, dtype, WRITTEN)
+        layout = IpcLayout.of(header)
+        buffer = self._opened_buffer(member, trainer, step, READY_WAIT)
+        if buffer is None or buffer.numel() < layout.size:
+            member.group.send([replace(header, status=TOO_SMALL).encode()], trainer, 0).wait()
+            buffer = self._opened_buffer(member, trainer, step, None)
+            if buffer is None or buffer.numel() < layout.size:
+                raise ValueError(f"trainer rank {trainer} named a buffer too small for step {step} again")
+        if blocks[0][0].device != buffer.device:
+            raise ValueError(
+                f"this engine rank's hidden states are on {blocks[0][0].device}, trainer rank {trainer}'s buffer on "
+                f"{buffer.device}: cuda_ipc pairs ranks on one GPU"
+            )
+        targets, meta = layout.views(buffer, header)
+        for target, parts in zip(targets, blocks, strict=True):
+            span = _adjacent_span(parts)
+            if span is not None:  # (SGLang's batched prefill: one copy)
+                target.copy_(span)
+                continue
+            row = 0
+            for part in parts:
+                target[row : row + part.shape[0]].copy_(part)
+                row += part.shape[0]
+        packed = pack_meta([s.input_ids for s in shard])  # (in host memory: one copy up, from pinned memory)
+        staging = self._staging(packed.numel())
+        staging.copy_(packed)
+        meta.copy_(staging, non_blocking=True)
+        torch.cuda.current_stream(buffer.device).synchronize()  # (the staging is free again after this)
+        member.group.send([header.encode()], trainer, 0).wait()
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """``n`` int64 of pinned host memory (an asynchronous copy to the GPU; pageable memory
+        makes it a synchronous one through CUDA's own staging), grown when a step needs more."""
+        if self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 2 * self._pinned.numel()), dtype=torch.int64, pin_memory=True)
+        return self._pinned[:n]
+
+    def _opened_buffer(self, member: UnionRank, trainer: int, step: int, wait: timedelta | None) -> torch.Tensor | None:
+        """The trainer rank's ready for ``step`` and the buffer it names (opened here once per
+        generation), None while it has none."""
+        raw = torch.empty(IPC_READY_LEN, dtype=torch.int64)
+        work = member.group.recv([raw], trainer, 0)
+        if wait is None:
+            work.wait()  # (the group's timeout)
+        else:
+            work.wait(wait)
+        ready = IpcReady.decode(raw)
+        if ready.step != step:
+            raise ValueError(f"trainer rank {trainer} is ready for step {ready.step}, this engine sends step {step}")
+        if ready.handle_len > 0:
+            encoded = torch.empty(ready.handle_len, dtype=torch.uint8)
+            member.group.recv([encoded], trainer, 0).wait()
+            self._opened.pop(member.rank, None)  # (drops the last buffer: its trainer may free it)
+            opened = ipc.open_shared(ipc.Handle.decode(encoded.numpy().tobytes()))
+            self._opened[member.rank] = (ready.generation, opened)
+        if ready.capacity == 0:
+            return None
+        generation, buffer = self._opened.get(member.rank, (-1, None))
+        if buffer is None or generation != ready.generation:
+            raise ValueError(f"trainer rank {trainer} named buffer {ready.generation} without its handle")
+        return buffer
 
     def _joined_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The shard's rows as one tensor: a view when they lie back to back in one forward's
         output (SGLang's batched prefill: no copy), else a concatenation (the sim prefills one
-        sequence per forward); cast to the plane's dtype where it sets one; in host memory for
-        gloo (which reads only host pointers)."""
+        sequence per forward); cast to the plane's dtype where it sets one; in host memory
+        (gloo reads only host pointers)."""
         rows = _adjacent_span(parts)
         if rows is None:
             rows = torch.cat(parts)
         if self.dtype is not None and rows.dtype != self.dtype:
             rows = rows.to(self.dtype)
-        if self.spec.backend == "gloo" and rows.device.type != "cpu":
+        if rows.device.type != "cpu":
             rows = rows.cpu()
         return rows.contiguous()
 

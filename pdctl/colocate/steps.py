@@ -10,10 +10,11 @@ the order the engine prefilled them; TP rank ``j`` owns prompts ``j*B/TP .. (j+1
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger("pdctl.colocate")
@@ -28,7 +29,8 @@ Shards = dict[int, list["Prefilled"]]
 
 @dataclass(frozen=True, slots=True)
 class Prefilled:
-    """One prefilled sequence, as the forward left it (views, where the forward's output allows)."""
+    """One prefilled sequence, as the forward left it (views, where the forward's output allows;
+    the ids in host memory)."""
 
     input_ids: torch.Tensor
     final: torch.Tensor
@@ -54,20 +56,13 @@ class StepCutter:
 
         ``final`` and each of ``aux`` are a tensor ``[rows, hidden]`` or SGLang's ``(hidden,
         residual)`` pair of a decoder layer (the residual stream is their sum)."""
-        starts = (positions == 0).nonzero().flatten().tolist()
-        if not starts:
-            return []  # a decode step
         done = []
-        for start, end in zip(starts, [*starts[1:], len(positions)], strict=True):
-            if end - start == 1 and int(input_ids[start]) == HEALTH_PROBE_ID:
-                continue
-            if not torch.equal(positions[start:end], torch.arange(end - start, device=positions.device)):
-                self._warn_partial(end - start)
-                continue
+        prompts, host_ids = _prompts(input_ids, positions, self._warn_partial)
+        for start, end in prompts:
             owner = self.in_step // self.shard_size
             if owner in self._shards:
                 rows = tuple(_rows(a, start, end) for a in aux)
-                self._shards[owner].append(Prefilled(input_ids[start:end], _rows(final, start, end), rows))
+                self._shards[owner].append(Prefilled(host_ids[start:end], _rows(final, start, end), rows))
             self.in_step += 1
             if self.in_step == self.batch_size:
                 done.append(self._shards)
@@ -88,6 +83,35 @@ class StepCutter:
                 rows,
                 rows - 1,
             )
+
+
+def _prompts(
+    input_ids: torch.Tensor, positions: torch.Tensor, partial: Callable[[int], None]
+) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """``(start, end)`` of each whole prompt of a forward (positions exactly ``0..n-1``), the
+    health probe's left out, and the forward's ids in host memory; ``partial(rows)`` for each
+    other segment that starts at position 0. Ids and positions are copied to the host once and
+    cut there with numpy: on a GPU each small kernel and host sync costs tens of microseconds,
+    and torch's CPU ops cost several each."""
+    host = torch.stack([positions.to(torch.int64), input_ids.to(torch.int64)]).cpu()
+    at, ids = host[0].numpy(), host[1]
+    starts = np.flatnonzero(at == 0)
+    if starts.size == 0:
+        return [], ids  # a decode step
+    ends = np.append(starts[1:], at.size)
+    first = int(starts[0])
+    expected = np.arange(first, at.size) - np.repeat(starts, ends - starts)
+    wrong = np.add.reduceat((at[first:] != expected).astype(np.int64), starts - first)
+    firsts = ids.numpy()[starts]
+    out = []
+    for start, end, bad, first_id in zip(starts.tolist(), ends.tolist(), wrong.tolist(), firsts.tolist(), strict=True):
+        if end - start == 1 and first_id == HEALTH_PROBE_ID:
+            continue
+        if bad:
+            partial(end - start)
+            continue
+        out.append((start, end))
+    return out, ids
 
 
 def _rows(output: Any, start: int, end: int) -> torch.Tensor:

@@ -4,7 +4,11 @@
 Trainer rank ``i`` receives what the engine rank on its GPU sends (``pdctl.colocate.engine``):
 its shard of each step's sequences, packed (``[n_tokens, hidden]`` with the sequence lengths),
 into buffers allocated once and grown only when a step is larger than every one before. The
-tensors of a ``Step`` are views of those buffers: the next ``recv`` overwrites them.
+tensors of a ``Step`` are views of those buffers: the next ``recv`` overwrites them. With
+``cuda_ipc`` they are on this rank's GPU (the ids, lengths and mask too), written there by the
+engine rank (one device-to-device copy each); ``recv`` waits for this process's GPU work first,
+so that work still queued on the last step's views is done before they are overwritten. With
+``gloo`` they are in host memory.
 ``trainer_group`` is the trainer ranks' own world (torchrun's), for FSDP or DDP.
 """
 
@@ -16,8 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdctl.colocate import ipc
 from pdctl.colocate.env import DataPlaneSpec
-from pdctl.colocate.wire import HEADER_LEN, Header, unpack_meta
+from pdctl.colocate.wire import HEADER_LEN, TOO_SMALL, WRITTEN, Header, IpcLayout, IpcReady, unpack_meta
 from pdctl.colocate.world import join
 from pdctl.errors import DataPlaneError
 
@@ -55,7 +60,13 @@ class DataPlane:
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
         self._meta = torch.empty(0, dtype=torch.int64)
         self._hidden = torch.empty(0, device=self.device)
-        self._groups = join(spec, [rank])[0]
+        """gloo: the hidden states' buffer."""
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        """cuda_ipc: the buffer the engine writes a step into (``IpcLayout``), on this rank's GPU."""
+        self._generation = 0
+        """cuda_ipc: bumped each time ``_buffer`` is allocated anew (the engine opens each once)."""
+        self._shared_generation = -1
+        self._member = join(spec, [rank])[0]
 
     @classmethod
     def from_env(cls, *, rank: int | None = None, device: torch.device | str | None = None) -> DataPlane:
@@ -112,30 +123,72 @@ class DataPlane:
 
     def _recv(self) -> Step:
         step = self.next_step
-        meta_group, data_group = self._groups.meta, self._groups.data
         try:
-            self._ready[0] = step
-            meta_group.send([self._ready], self.peer, 0).wait()
-            meta_group.recv([self._header], self.peer, 0).wait()
-            header = Header.decode(self._header)
-            if header.step != step:
-                raise self._error(step, f"sent step {header.step} when step {step} was asked for")
-            if header.n_aux != len(self.spec.aux_layers):
-                raise self._error(
-                    step,
-                    f"sent {header.n_aux} auxiliary layer(s) for aux_layers {list(self.spec.aux_layers)}: a layer "
-                    "the model does not have matches no module (the engine's log names the hook spec)",
-                )
-            meta = self._buffer_meta(header.meta_len)
-            meta_group.recv([meta], self.peer, 0).wait()
-            views = self._buffer_hidden(header)
-            for view in views:
-                data_group.recv([view], self.peer, 0).wait()
+            if self.spec.backend == "cuda_ipc":
+                header, views, meta = self._recv_by_ipc(step)
+            else:
+                header, views, meta = self._recv_by_gloo(step)
         except (RuntimeError, ValueError) as exc:
             raise self._error(step, _why(exc, self.spec.timeout_secs)) from exc
         self.next_step += 1
         ids, lens, mask = unpack_meta(meta, header)
         return Step(step, self.engine, self.tp_rank, ids, lens, mask, views[0], tuple(views[1:]))
+
+    def _recv_by_gloo(self, step: int) -> tuple[Header, list[torch.Tensor], torch.Tensor]:
+        group = self._member.group
+        self._ready[0] = step
+        group.send([self._ready], self.peer, 0).wait()
+        header = self._header_of(step)
+        meta = self._buffer_meta(header.meta_len)
+        group.recv([meta], self.peer, 0).wait()
+        views = self._buffer_hidden(header)
+        for view in views:
+            group.recv([view], self.peer, 0).wait()
+        return header, views, meta
+
+    def _recv_by_ipc(self, step: int) -> tuple[Header, list[torch.Tensor], torch.Tensor]:
+        """Ready (naming the buffer), then the header once the engine has written into it; a
+        buffer too small for the step is replaced by one that fits and named again."""
+        if self._buffer.numel():
+            torch.cuda.current_stream(self.device).synchronize()  # (see the module's docstring)
+        self._send_ipc_ready(step)
+        header = self._header_of(step)
+        if header.status == TOO_SMALL:
+            self._buffer = torch.empty(IpcLayout.of(header).size, dtype=torch.uint8, device=self.device)
+            self._generation += 1
+            self._send_ipc_ready(step)
+            header = self._header_of(step)
+        if header.status != WRITTEN:
+            raise self._error(step, f"answered status {header.status} to a cuda_ipc ready")
+        layout = IpcLayout.of(header)
+        if layout.size > self._buffer.numel():
+            raise self._error(step, f"wrote {layout.size} bytes into a buffer of {self._buffer.numel()}")
+        views, meta = layout.views(self._buffer, header)
+        return header, views, meta
+
+    def _send_ipc_ready(self, step: int) -> None:
+        group = self._member.group
+        handle = b""
+        if self._buffer.numel() and self._shared_generation != self._generation:
+            handle = ipc.share(self._buffer).encode()
+        ready = IpcReady(step, self._generation, self._buffer.numel(), len(handle))
+        group.send([ready.encode()], self.peer, 0).wait()
+        if handle:
+            group.send([torch.frombuffer(bytearray(handle), dtype=torch.uint8)], self.peer, 0).wait()
+            self._shared_generation = self._generation
+
+    def _header_of(self, step: int) -> Header:
+        self._member.group.recv([self._header], self.peer, 0).wait()
+        header = Header.decode(self._header)
+        if header.step != step:
+            raise self._error(step, f"sent step {header.step} when step {step} was asked for")
+        if header.n_aux != len(self.spec.aux_layers):
+            raise self._error(
+                step,
+                f"sent {header.n_aux} auxiliary layer(s) for aux_layers {list(self.spec.aux_layers)}: a layer "
+                "the model does not have matches no module (the engine's log names the hook spec)",
+            )
+        return header
 
     def _buffer_meta(self, n: int) -> torch.Tensor:
         if self._meta.numel() < n:
@@ -163,7 +216,7 @@ class DataPlane:
         """Drop the groups (the engine ranks see the connection close); ``recv`` then raises."""
         if self.failure is None:
             self.failure = DataPlaneError(f"data plane of trainer rank {self.rank} is closed")
-        self.__dict__.pop("_groups", None)
+        self.__dict__.pop("_member", None)
 
     def __enter__(self) -> DataPlane:
         return self
@@ -173,27 +226,24 @@ class DataPlane:
 
 
 def _device(backend: str, device: torch.device | str | None) -> torch.device:
-    """gloo: host memory (gloo reads only host pointers); nccl: the given device, else this rank's
-    (torchrun's LOCAL_RANK among the visible GPUs, else the current one)."""
+    """gloo: host memory (gloo reads only host pointers); cuda_ipc: the given device, else this
+    rank's (torchrun's LOCAL_RANK among the visible GPUs, else the current one)."""
     if backend == "gloo":
         if device is not None and torch.device(device).type != "cpu":
             raise DataPlaneError(f"backend gloo receives into host memory, not {device}")
         return torch.device("cpu")
-    if device is not None:
-        return torch.device(device)
-    local = os.environ.get("LOCAL_RANK")
-    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    if device is None:
+        local = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    if torch.device(device).type != "cuda":
+        raise DataPlaneError(f"backend {backend} receives on this rank's GPU, not {device}")
+    return torch.device(device)
 
 
 def _why(exc: BaseException, timeout_secs: float) -> str:
     text = str(exc)
     if "Timed out" in text or "timed out" in text:
         return f"nothing sent within {timeout_secs:g} s (timeout_secs)"
-    if "Duplicate GPU" in text:
-        return (
-            "NCCL refuses two ranks of one communicator on one GPU (NCCL >= 2.5): "
-            "set placement.data_plane.backend: gloo (docs/colocate.md, 'Not verified here')"
-        )
     if "Connection closed" in text or "Connection reset" in text:
         return "the engine rank closed the connection (it died or stopped): see its log (pdctl logs)"
     return text.splitlines()[0] if text else type(exc).__name__

@@ -1,7 +1,10 @@
-"""Joining the union world: one TCP store hosted by trainer rank 0, one process group per rank.
+"""Joining the union world: one TCP store hosted by trainer rank 0, one gloo group per rank.
 
-The groups are made as ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` objects and used through their
-own ``send``/``recv``, never registered as torch's default group: a trainer under torchrun keeps
+Every message of the data plane goes through that group, the hidden states too with ``gloo``;
+with ``cuda_ipc`` they go through the GPU's memory (``pdctl.colocate.ipc``) and the group carries
+only the handshakes (NCCL cannot be used: it refuses two ranks of one communicator on one GPU).
+The groups are made as ``ProcessGroupGloo`` objects and used through their own ``send``/``recv``,
+never registered as torch's default group: a trainer under torchrun keeps
 its own world for FSDP, and an engine process that plays several TP ranks (the sim runs every TP
 rank of its engine in one process) holds one group per rank. Every rank must join concurrently:
 a group's construction blocks until all ``world_size`` ranks have connected.
@@ -41,21 +44,19 @@ an evaluation on the trainer is not a failure."""
 
 
 @dataclass(frozen=True, slots=True)
-class RankGroups:
-    """One rank's groups: ``data`` carries hidden states (nccl or gloo), ``meta`` the small
-    per-step messages on the CPU (the same group as ``data`` when the backend is gloo)."""
+class UnionRank:
+    """One rank's membership of the union world: its gloo ``group`` (and the store it holds)."""
 
     rank: int
-    data: PointToPoint
-    meta: PointToPoint
+    group: PointToPoint
     store: dist.TCPStore
 
 
-def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JOIN_TIMEOUT_SECS) -> list[RankGroups]:
+def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JOIN_TIMEOUT_SECS) -> list[UnionRank]:
     """Join the union world as each of ``ranks`` (in parallel threads); blocks until every rank
     of the world has joined. Operations time out after ``spec.timeout_secs`` unless they say
     otherwise."""
-    results: dict[int, RankGroups] = {}
+    results: dict[int, UnionRank] = {}
     errors: list[BaseException] = []
     # Gloo binds where the host name resolves, often 127.0.0.1 (and in network namespaces):
     # peers on other hosts would be told to connect to their own loopback. Bind the interface
@@ -78,7 +79,7 @@ def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JO
     return [results[r] for r in ranks]
 
 
-def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeout_secs: float) -> RankGroups:
+def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeout_secs: float) -> UnionRank:
     store = dist.TCPStore(
         spec.master_address,
         spec.master_port,
@@ -92,12 +93,6 @@ def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeo
     options._timeout = op_timeout
     device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None
     options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
-    meta_store = dist.PrefixStore(f"{spec.group_name}/meta", store)
-    meta = cast(PointToPoint, dist.ProcessGroupGloo(meta_store, rank, spec.world_size, options))
-    if spec.backend == "gloo":
-        return RankGroups(rank=rank, data=meta, meta=meta, store=store)
-    nccl_options = dist.ProcessGroupNCCL.Options()
-    nccl_options._timeout = op_timeout
-    data_store = dist.PrefixStore(f"{spec.group_name}/data", store)
-    data = cast(PointToPoint, dist.ProcessGroupNCCL(data_store, rank, spec.world_size, nccl_options))
-    return RankGroups(rank=rank, data=data, meta=meta, store=store)
+    group_store = dist.PrefixStore(f"{spec.group_name}/meta", store)
+    group = cast(PointToPoint, dist.ProcessGroupGloo(group_store, rank, spec.world_size, options))
+    return UnionRank(rank=rank, group=group, store=store)

@@ -140,7 +140,7 @@ def _plan_data_plane(
         ranks.append(EngineRanks(id=engine.id, tp=engine.gpus, first_rank=first))
         first += engine.gpus
     backend = top.data_plane_backend
-    assert backend is not None  # (a data plane has a trainer, and so a weights config)
+    assert backend is not None  # (None only without a data plane)
     return DataPlaneSpec(
         master_address=url_host(head.host).strip("[]"),
         master_port=port,

@@ -238,12 +238,23 @@ class WeightsConfig:
     """``interrupt``: the most updates one request may be continued across (None: no bound)."""
 
 
+class DataPlaneBackend(Choice):
+    """How the data plane moves hidden states between the two processes on one GPU:
+    ``cuda_ipc`` (one device-to-device copy into the trainer's buffer), ``gloo`` (through host
+    memory; the sim's, on CPU). ``nccl`` is refused by validation: NCCL will not put two ranks of
+    one communicator on one GPU."""
+
+    CUDA_IPC = "cuda_ipc"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataPlaneConfig:
     """``placement.data_plane``: hidden states from engine TP rank i to trainer rank i
-    (pdctl.colocate). ``backend`` None: the weights backend (gloo for the sim, else nccl)."""
+    (pdctl.colocate). ``backend`` None: gloo for the sim, else cuda_ipc."""
 
-    backend: WeightBackend | None = None
+    backend: DataPlaneBackend | None = None
     batch_size: int = 8
     """Sequences per step of one engine; TP rank j sends its TP-th share of them."""
     aux_layers: tuple[int, ...] = ()
@@ -258,7 +269,7 @@ class DataPlaneConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> DataPlaneConfig:
         fields = dict(raw)
         if fields.get("backend") is not None:
-            fields["backend"] = WeightBackend(fields["backend"])
+            fields["backend"] = DataPlaneBackend(fields["backend"])
         fields["aux_layers"] = tuple(sorted(int(k) for k in fields.get("aux_layers") or ()))
         return cls(**fields)
 
@@ -316,11 +327,12 @@ class Topology:
     placement: Placement = field(default_factory=Placement)
 
     @property
-    def data_plane_backend(self) -> WeightBackend | None:
-        """``placement.data_plane.backend``, else the weights backend (gloo for the sim, else nccl)."""
+    def data_plane_backend(self) -> DataPlaneBackend | None:
+        """``placement.data_plane.backend``, else gloo for the sim (on CPU) and cuda_ipc for GPU engines."""
         if self.placement.data_plane is None:
             return None
-        return self.placement.data_plane.backend or (self.weights.backend if self.weights is not None else None)
+        default = DataPlaneBackend.GLOO if self.engine == "sim" else DataPlaneBackend.CUDA_IPC
+        return self.placement.data_plane.backend or default
 
     @property
     def is_pd(self) -> bool:

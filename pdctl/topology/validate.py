@@ -12,7 +12,7 @@ from collections import Counter
 from pdctl.errors import Issue
 from pdctl.roles import Role
 from pdctl.sglang import check_extra_args
-from pdctl.topology.model import Topology
+from pdctl.topology.model import DataPlaneBackend, Topology
 
 COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffers, fragmentation
 
@@ -265,11 +265,15 @@ def _data_plane(top: Topology) -> list[Issue]:
                     "each TP rank sends an equal share of a step",
                 )
             )
-    backend = top.data_plane_backend
-    if top.engine == "sim" and backend is not None and backend.value == "nccl":
-        path = "placement.data_plane.backend" if dp.backend else "weights.backend"
-        why = "the sim runs on CPU: the data plane needs gloo" + ("" if dp.backend else " (it takes weights.backend)")
-        out.append(Issue(path, why, hint="set placement.data_plane.backend: gloo"))
+    path = "placement.data_plane.backend"
+    if dp.backend is DataPlaneBackend.NCCL:
+        why = (
+            "NCCL refuses two ranks of one communicator on one GPU ('Duplicate GPU detected'), and each engine "
+            "TP rank shares its GPU with its trainer rank"
+        )
+        out.append(Issue(path, why, hint="use cuda_ipc (one copy on the GPU), or leave backend out"))
+    elif top.engine == "sim" and dp.backend is DataPlaneBackend.CUDA_IPC:
+        out.append(Issue(path, "the sim runs on CPU: its data plane is gloo", hint="use gloo, or leave backend out"))
     return out
 
 

@@ -1,30 +1,38 @@
 """One side of a same-GPU data plane pair for tests/colocate/test_gpu.py.
 
-``python gpu_pair.py engine|trainer PORT BACKEND OUT``: the engine feeds one forward of 4
-prompts (CUDA tensors made from a fixed seed on cuda:0) to a ``Producer``; the trainer takes
-the step with ``DataPlane.recv`` on cuda:0 and writes what it got (or its DataPlaneError) to OUT."""
+``python gpu_pair.py engine|trainer PORT BACKEND OUT [DIE_AFTER]``: the engine feeds ``STEPS``
+forwards (CUDA tensors made from a fixed seed on cuda:0, float32, sent as bfloat16, with one
+auxiliary layer) to a ``Producer``, then exits (at once, without closing anything, after
+``DIE_AFTER`` steps where given); the trainer takes as many steps as it can with
+``DataPlane.recv`` and writes what it got, and the error that ended it, to OUT."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
 
 from pdctl.colocate.env import DataPlaneSpec, EngineRanks
 
-TOKENS, HIDDEN, BATCH = 64, 256, 4
+HIDDEN, BATCH = 256, 4
+STEPS = (64, 128, 32)
+"""Tokens per sequence of each step: the second outgrows the trainer's buffer, the third fits it."""
 
 
-def expected() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator(device="cuda").manual_seed(7)
-    hidden = torch.randn(BATCH * TOKENS, HIDDEN, device="cuda", generator=generator, dtype=torch.bfloat16)
-    ids = torch.arange(BATCH * TOKENS, device="cuda") % 1000 + 1
-    return ids, hidden
+def expected(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens = STEPS[step]
+    generator = torch.Generator(device="cuda").manual_seed(7 + step)
+    hidden = torch.randn(BATCH * tokens, HIDDEN, device="cuda", generator=generator)
+    aux = torch.randn(BATCH * tokens, HIDDEN, device="cuda", generator=generator)
+    ids = (torch.arange(BATCH * tokens, device="cuda") * (step + 1)) % 1000 + 1
+    return ids, hidden, aux
 
 
 def main() -> None:
     role, port, backend, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    die_after = int(sys.argv[5]) if len(sys.argv) > 5 else None
     torch.cuda.set_device(0)
     spec = DataPlaneSpec(
         master_address="127.0.0.1",
@@ -33,15 +41,20 @@ def main() -> None:
         engines=(EngineRanks(id="gpu-engine", tp=1, first_rank=1),),
         backend=backend,
         batch_size=BATCH,
-        timeout_secs=120,
+        aux_layers=(1,),
+        dtype="bfloat16",
+        timeout_secs=60,
     )
-    ids, hidden = expected()
     if role == "engine":
         from pdctl.colocate.engine import Producer
 
         producer = Producer(spec, "gpu-engine", tp_ranks=[0])
-        positions = torch.arange(TOKENS, device="cuda").repeat(BATCH)
-        producer.add_forward(ids, positions, hidden)
+        for step, tokens in enumerate(STEPS):
+            if step == die_after:
+                os._exit(3)  # (a crash: no goodbye on any socket)
+            ids, hidden, aux = expected(step)
+            positions = torch.arange(tokens, device="cuda").repeat(BATCH)
+            producer.add_forward(ids, positions, hidden, (aux,))
         torch.cuda.synchronize()
         with open(out, "w") as f:
             json.dump({"failure": producer.failure, "steps_sent": producer.steps_sent}, f)
@@ -49,21 +62,27 @@ def main() -> None:
     from pdctl.colocate.trainer import DataPlane
     from pdctl.errors import DataPlaneError
 
+    plane = DataPlane(spec, 0, device="cpu" if backend == "gloo" else "cuda:0")
+    steps, error = [], None
     try:
-        plane = DataPlane(spec, 0, device="cpu" if backend == "gloo" else "cuda:0")
-        step = plane.recv()
-        torch.cuda.synchronize()
-        got = step.hidden.to("cuda")
-        result = {
-            "equal": bool(torch.equal(got, hidden)),
-            "device": str(step.hidden.device),
-            "dtype": str(step.hidden.dtype),
-            "ids": bool(torch.equal(step.input_ids.to("cuda"), ids)),
-        }
+        for step in range(len(STEPS)):
+            got = plane.recv()
+            ids, hidden, aux = expected(step)
+            steps.append(
+                {
+                    "step": got.step,
+                    "hidden_equal": bool(torch.equal(got.hidden.to("cuda"), hidden.to(torch.bfloat16))),
+                    "aux_equal": bool(torch.equal(got.aux[0].to("cuda"), aux.to(torch.bfloat16))),
+                    "ids_equal": bool(torch.equal(got.input_ids.to("cuda"), ids)),
+                    "seq_lens": got.seq_lens.tolist(),
+                    "device": str(got.hidden.device),
+                    "dtype": str(got.hidden.dtype),
+                }
+            )
     except DataPlaneError as exc:
-        result = {"error": str(exc)}
+        error = {"message": str(exc), "engine": exc.engine, "rank": exc.rank, "step": exc.step}
     with open(out, "w") as f:
-        json.dump(result, f)
+        json.dump({"steps": steps, "error": error, "buffers": getattr(plane, "_generation", None)}, f)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,19 @@ def test_flags_that_break_the_hooks_assumptions_are_refused(flag) -> None:
     one_error(HEAD + f"regular: {{tp: 4, args: {{{flag}}}}}\n" + COLO % "{}", f"regular.args.{name}", f"--{name}")
 
 
-def test_null_is_no_data_plane_and_an_inherited_backend_is_blamed_where_it_is_written() -> None:
+def test_null_is_no_data_plane_and_the_backend_is_one_that_works_on_its_engines() -> None:
+    """NCCL refuses two ranks on one GPU (seen: NCCL 2.28.9, H100), so a data plane never runs on
+    it; the sim's is gloo (it runs on CPU), a GPU engine's cuda_ipc unless the file says gloo."""
     top, _ = load_topology_text(yaml_text(HEAD + "regular: {tp: 4}\n" + COLO % "null"))
     assert top.placement.data_plane is None and make_plan(top).data_plane is None
-    one_error(
-        HEAD + "regular: {tp: 4}\nweights: {backend: nccl}\n" + COLO % "{}",
-        "weights.backend: the sim runs on CPU: the data plane needs gloo (it takes weights.backend)",
-    )
+    one_error(HEAD + "regular: {tp: 4}\n" + COLO % "{backend: nccl}", "placement.data_plane.backend", "Duplicate GPU")
+    one_error(HEAD + "regular: {tp: 4}\n" + COLO % "{backend: cuda_ipc}", "placement.data_plane.backend", "CPU")
+    sim, _ = load_topology_text(yaml_text(HEAD + "regular: {tp: 4}\nweights: {backend: nccl}\n" + COLO % "{}"))
+    assert make_plan(sim).data_plane.backend == "gloo"  # (the weights' backend is not the data plane's)
+    gpu = HEAD.replace("engine: sim", "engine: sglang").replace("sim://tiny", "/m")
+    for written, planned in (("{}", "cuda_ipc"), ("{backend: gloo}", "gloo"), ("{backend: cuda_ipc}", "cuda_ipc")):
+        top, _ = load_topology_text(yaml_text(gpu + "regular: {tp: 4}\n" + COLO % written))
+        assert make_plan(top).data_plane.backend == planned, written
 
 
 def test_apply_refuses_to_change_the_union_world_of_a_running_cluster() -> None:
@@ -82,4 +88,4 @@ def test_planning_a_data_plane_imports_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "data plane: nccl world_size=16" in done.stdout
+    assert "data plane: cuda_ipc world_size=16" in done.stdout

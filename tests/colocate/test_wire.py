@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdctl.colocate.engine import _adjacent_span
 from pdctl.colocate.env import DataPlaneSpec, EngineRanks, hook_specs
@@ -97,3 +99,56 @@ def test_a_process_plays_its_own_tp_rank_under_sglang_and_every_rank_elsewhere(m
     assert local_tp_ranks(4) == [2]  # an SGLang TP worker whose parallel state is set up
     state.model_parallel_is_initialized = lambda: False
     assert local_tp_ranks(4) == [0, 1, 2, 3]
+
+
+def test_a_cuda_ipc_handle_travels_as_plain_fields_and_garbage_is_refused() -> None:
+    """The handle comes off a socket: JSON of plain fields (no pickle), every field checked."""
+    from pdctl.colocate.ipc import Handle
+
+    handle = Handle(
+        gpu_uuid="GPU-91dc1fd1",
+        nbytes=1024,
+        ipc_handle=bytes(range(64)),
+        storage_bytes=2048,
+        offset_bytes=512,
+        ref_counter_handle=b"/torch_123_456_0",  # (the form torch gives it)
+        ref_counter_offset=3,
+        event_handle=None,
+        event_sync_required=False,
+    )
+    assert Handle.decode(handle.encode()) == handle
+    for garbage in (
+        b"",
+        b"\x80",
+        b"[]",
+        b'{"gpu_uuid": "x"}',
+        handle.encode().replace(b'"nbytes":1024', b'"nbytes":"x"'),
+    ):
+        with pytest.raises(ValueError, match="not a CUDA IPC handle"):
+            Handle.decode(garbage)
+
+
+def _prompts_one_by_one(ids: list[int], positions: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """The rule, segment by segment, as the docstring of pdctl.colocate.steps states it."""
+    starts = [i for i, p in enumerate(positions) if p == 0]
+    whole, partial = [], []
+    for start, end in zip(starts, [*starts[1:], len(positions)][: len(starts)], strict=True):
+        if end - start == 1 and ids[start] == 0:
+            continue
+        if positions[start:end] == list(range(end - start)):
+            whole.append((start, end))
+        else:
+            partial.append(end - start)
+    return whole, partial
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), max_size=40))
+def test_prompts_are_found_in_one_pass_as_segment_by_segment(rows) -> None:
+    """The vectorised cut (two host syncs per forward) agrees with the rule read one segment at a
+    time, on any mix of prompts, chunks, decode rows and health probes."""
+    from pdctl.colocate.steps import _prompts
+
+    positions, ids = [p for p, _ in rows], [i for _, i in rows]
+    partial: list[int] = []
+    got, host_ids = _prompts(torch.tensor(ids), torch.tensor(positions, dtype=torch.int64), partial.append)
+    assert (got, partial) == _prompts_one_by_one(ids, positions) and host_ids.tolist() == ids

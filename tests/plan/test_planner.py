@@ -297,7 +297,7 @@ def test_data_plane_union_world_ports_env_and_hooks() -> None:
     dp = plan.data_plane
     assert dp is not None and dp.world_size == 16 and dp.trainer_ranks == 8
     assert [(e.id, e.tp, e.first_rank) for e in dp.engines] == [(f"regular-{i}", 2, 8 + 2 * i) for i in range(4)]
-    assert (dp.backend, dp.batch_size, dp.aux_layers, dp.dtype) == ("nccl", 16, (1, 17, 32), "bfloat16")
+    assert (dp.backend, dp.batch_size, dp.aux_layers, dp.dtype) == ("cuda_ipc", 16, (1, 17, 32), "bfloat16")
     assert [dp.pair_of_trainer(i)[0].id for i in range(8)] == [f"regular-{i // 2}" for i in range(8)]
     assert [dp.pair_of_trainer(i)[1] for i in range(8)] == [0, 1] * 4
     trainer = plan.process("trainer.n0")
@@ -318,7 +318,7 @@ def test_data_plane_union_world_ports_env_and_hooks() -> None:
         assert "--disable-radix-cache" in engine.argv and "--skip-server-warmup" in engine.argv
     assert DATA_PLANE_ENV not in plan.process("router").env
     assert plan.to_dict()["data_plane"]["world_size"] == 16
-    # The sim: its own positions module, gloo from the weights default.
+    # The sim: its own positions module, gloo by default.
     sim = plan_of("colocate-draft-sim.yaml")
     assert sim.data_plane is not None and sim.data_plane.backend == "gloo"
     sim_hooks = json.loads(flag(sim.process("regular-0").argv, "--forward-hooks"))

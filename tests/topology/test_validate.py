@@ -286,7 +286,9 @@ def test_data_plane_rules_each_have_a_failing_case() -> None:
     one_error(head + "regular: {tp: 2, dp: 2}\n" + trainer + colo("{}"), "regular.dp", "needs dp 1")
     one_error(head + "regular: {tp: 2, pp: 2}\n" + trainer + colo("{}"), "regular.pp", "needs pp 1")
     sim = head.replace("model: {path: /m}", "model: {path: sim://tiny}\nengine: sim")
-    one_error(sim + "regular: {tp: 4}\n" + trainer + colo("{backend: nccl}"), "data_plane.backend: the sim runs on CPU")
+    sim_ipc = sim + "regular: {tp: 4}\n" + trainer + colo("{backend: cuda_ipc}")
+    one_error(sim_ipc, "data_plane.backend: the sim runs on CPU")
+    one_error(head + "regular: {tp: 4}\n" + trainer + colo("{backend: nccl}"), "data_plane.backend: NCCL refuses")
     # the schema: types and ranges, with the line of the value
     one_error(head + "regular: {tp: 4}\n" + trainer + colo("{batch_size: 0}"), "batch_size: 0 is less than")
     one_error(head + "regular: {tp: 4}\n" + trainer + colo("{dtype: int8}"), "data_plane.dtype: 'int8' is not one of")
