@@ -26,7 +26,15 @@ the engine's encoding and the trainer's decoding.
 
 Goals (the data plane issue): >= 20x the HTTP path's bytes/s, and >= 0.9x the bare send/recv's.
 
-    python benchmarks/data_plane.py   # writes benchmarks/results/data_plane.{json,md}
+With ``--device cuda`` (a GPU machine) both workers hold their tensors on GPU 0, under a fresh
+CUDA MPS daemon with ``--mps``, and the paths are: the ``cuda_ipc`` data plane; the ``gloo`` data
+plane from the same CUDA tensors (staged through host memory); HTTP; and as **bare**, the least
+that moves the bytes between the two processes: the engine copies them into the trainer's
+buffer, opened once by CUDA IPC, waits for the copy and says so in one gloo message (NCCL
+send/recv, the torch.distributed path, refuses two ranks on one GPU).
+
+    python benchmarks/data_plane.py                       # writes benchmarks/results/data_plane.{json,md}
+    python benchmarks/data_plane.py --device cuda --mps   # writes benchmarks/results/data_plane_gpu.{json,md}
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,30 +72,49 @@ def free_port() -> int:
 
 
 # -- the workers ---------------------------------------------------------------------------------------
-def worker(role: str, bare_port: int, http_port: int) -> None:
+def worker(role: str, bare_port: int, http_port: int, device: str) -> None:
     """Read one command per line on stdin, answer one line on stdout when done.
 
-    ``plane B PORT``: join a fresh union world for steps of B sequences; ``dp B``, ``bare B``,
-    ``http B``: one step of that path; ``exit``."""
+    ``plane BACKEND B PORT``: join a fresh union world of that backend for steps of B sequences;
+    ``dp BACKEND B``, ``bare B``, ``http B``: one step of that path; ``exit``."""
     import torch
     import torch.distributed as dist
 
+    from pdctl.colocate import ipc
     from pdctl.colocate.engine import Producer
     from pdctl.colocate.env import DataPlaneSpec, EngineRanks
     from pdctl.colocate.trainer import DataPlane
 
     torch.set_num_threads(1)
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(0)
     rank = 1 if role == "engine" else 0
     store = dist.TCPStore("127.0.0.1", bare_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     bare = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), rank, 2, timedelta(seconds=600))
     most = max(BATCHES) * TOKENS
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(most, HIDDEN, generator=generator) if role == "engine" else None
-    buffer = torch.empty(most, HIDDEN) if role == "trainer" else None
-    ids = torch.randint(0, 32000, (most,), generator=generator)
-    positions = torch.arange(TOKENS).repeat(max(BATCHES))
-    producer: Producer | None = None
-    plane: DataPlane | None = None
+    hidden = torch.randn(most, HIDDEN, generator=generator).to(device) if role == "engine" else None
+    buffer = torch.empty(most, HIDDEN, device=device) if role == "trainer" else None
+    ids = torch.randint(0, 32000, (most,), generator=generator).to(device)
+    positions = torch.arange(TOKENS, device=device).repeat(max(BATCHES))
+    producers: dict[str, Producer] = {}
+    planes: dict[str, DataPlane] = {}
+    flag = torch.zeros(1, dtype=torch.int64)
+    if on_gpu:  # bare: the trainer's buffer opened once in the engine
+        size = torch.zeros(1, dtype=torch.int64)
+        if role == "trainer":
+            assert buffer is not None
+            raw = ipc.share(buffer).encode()
+            size[0] = len(raw)
+            bare.send([size], 1, 0).wait()
+            bare.send([torch.frombuffer(bytearray(raw), dtype=torch.uint8)], 1, 0).wait()
+        else:
+            bare.recv([size], 0, 0).wait()
+            raw_t = torch.empty(int(size), dtype=torch.uint8)
+            bare.recv([raw_t], 0, 0).wait()
+            opened = ipc.open_shared(ipc.Handle.decode(raw_t.numpy().tobytes()))
+            buffer = opened.view(torch.float32).view(most, HIDDEN)
     if role == "engine":
         assert hidden is not None
         _serve_http(hidden, http_port)
@@ -95,41 +124,50 @@ def worker(role: str, bare_port: int, http_port: int) -> None:
         cmd, *args = line.split()
         if cmd == "exit":
             break
-        batch = int(args[0])
-        rows = batch * TOKENS
         if cmd == "plane":
+            backend, batch = args[0], int(args[1])
             spec = DataPlaneSpec(
                 master_address="127.0.0.1",
-                master_port=int(args[1]),
+                master_port=int(args[2]),
                 trainer_ranks=1,
                 engines=(EngineRanks(id="engine", tp=1, first_rank=1),),
-                backend="gloo",
+                backend=backend,
                 batch_size=batch,
                 timeout_secs=600,
             )
             if role == "engine":
-                producer = Producer(spec, "engine", tp_ranks=[0])
+                producers[backend] = Producer(spec, "engine", tp_ranks=[0])
             else:
-                plane = DataPlane(spec, 0)
+                planes[backend] = DataPlane(spec, 0, device=device if backend == "cuda_ipc" else "cpu")
         elif cmd == "dp":
-            if role == "engine":
-                assert producer is not None and hidden is not None
-                producer.add_forward(ids[:rows], positions[:rows], hidden[:rows])
-                assert producer.failure is None, producer.failure
-            else:
-                assert plane is not None
-                step = plane.recv()
-                assert step.hidden.shape == (rows, HIDDEN)
-        elif cmd == "bare":
+            backend, rows = args[0], int(args[1]) * TOKENS
             if role == "engine":
                 assert hidden is not None
-                bare.send([hidden[:rows]], 0, 0).wait()
+                producers[backend].add_forward(ids[:rows], positions[:rows], hidden[:rows])
+                assert producers[backend].failure is None, producers[backend].failure
+            else:
+                step = planes[backend].recv()
+                assert step.hidden.shape == (rows, HIDDEN)
+        elif cmd == "bare":
+            rows = int(args[0]) * TOKENS
+            if role == "engine":
+                assert hidden is not None
+                if on_gpu:
+                    assert buffer is not None
+                    buffer[:rows].copy_(hidden[:rows])
+                    torch.cuda.current_stream().synchronize()
+                    bare.send([flag], 0, 0).wait()
+                else:
+                    bare.send([hidden[:rows]], 0, 0).wait()
             else:
                 assert buffer is not None
-                bare.recv([buffer[:rows]], 1, 0).wait()
+                if on_gpu:
+                    bare.recv([flag], 1, 0).wait()
+                else:
+                    bare.recv([buffer[:rows]], 1, 0).wait()
         elif cmd == "http" and role == "trainer":
-            got = _http_step(http_port, batch)
-            assert got.shape == (rows, HIDDEN)
+            got = _http_step(http_port, int(args[0]), device)
+            assert got.shape == (int(args[0]) * TOKENS, HIDDEN)
         print(f"done {time.perf_counter() - started:.6f}", flush=True)
 
 
@@ -143,7 +181,7 @@ def _serve_http(hidden, port: int) -> None:
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         batch = len(body["text"])
-        rows = hidden[: batch * TOKENS].view(batch, TOKENS, HIDDEN)
+        rows = hidden[: batch * TOKENS].view(batch, TOKENS, HIDDEN).cpu()
         answer = [
             {"text": "", "meta_info": {"id": str(i), "finish_reason": {"type": "length", "length": 1},
                                        "hidden_states": [rows[i].tolist()]}}
@@ -172,7 +210,7 @@ async def _wait_port(port: int) -> None:
             await asyncio.sleep(0.05)
 
 
-def _http_step(port: int, batch: int):
+def _http_step(port: int, batch: int, device: str):
     import http.client
 
     import orjson
@@ -183,21 +221,23 @@ def _http_step(port: int, batch: int):
     conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
     answer = orjson.loads(conn.getresponse().read())
     conn.close()
-    return torch.cat([torch.tensor(a["meta_info"]["hidden_states"][0], dtype=torch.float32) for a in answer])
+    got = torch.cat([torch.tensor(a["meta_info"]["hidden_states"][0], dtype=torch.float32) for a in answer])
+    return got.to(device)
 
 
 # -- the harness ---------------------------------------------------------------------------------------
 class Pair:
-    def __init__(self) -> None:
+    def __init__(self, device: str, env: dict[str, str]) -> None:
         import psutil
 
         bare_port, http_port = free_port(), free_port()
         self.procs = {
             role: subprocess.Popen(
-                [sys.executable, __file__, "--worker", role, str(bare_port), str(http_port)],
+                [sys.executable, __file__, "--worker", role, str(bare_port), str(http_port), device],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
+                env={**os.environ, **env},
             )
             for role in ("trainer", "engine")
         }
@@ -208,12 +248,12 @@ class Pair:
     def cpu(self) -> float:
         return sum(sum(p.cpu_times()[:2]) for p in self.ps.values())
 
-    def step(self, command: str, roles: tuple[str, ...] = ("trainer", "engine")) -> tuple[float, float]:
-        """(seconds, CPU seconds of both workers) of one command; the seconds are the trainer's,
-        from reading the command to having the tensors (what a trainer waits), not the harness's
-        pipe round trips."""
+    def step(self, command: str, roles: tuple[str, ...] = ("trainer", "engine")) -> tuple[float, float, float]:
+        """(seconds, CPU seconds of both workers, the engine's seconds) of one command; the
+        seconds are the trainer's, from reading the command to having the tensors (what a trainer
+        waits), not the harness's pipe round trips; the engine's likewise, to having sent them."""
         cpu0 = self.cpu()
-        seconds = 0.0
+        seconds = engine_seconds = 0.0
         for role in roles:
             proc = self.procs[role]
             assert proc.stdin is not None
@@ -226,7 +266,9 @@ class Pair:
             assert line[:1] == ["done"], f"{role}: {command}: {line!r}"
             if role == "trainer":
                 seconds = float(line[1])
-        return seconds, self.cpu() - cpu0
+            else:
+                engine_seconds = float(line[1])
+        return seconds, self.cpu() - cpu0, engine_seconds
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -237,42 +279,58 @@ class Pair:
             proc.wait(timeout=60)
 
 
-def run() -> dict:
-    pair = Pair()
+def run(device: str, env: dict[str, str]) -> dict:
+    """Every path, round by round; the data plane ("dp") is cuda_ipc on a GPU, gloo on CPU."""
+    pair = Pair(device, env)
+    planes = ["cuda_ipc", "gloo"] if device == "cuda" else ["gloo"]
+    paths = ["bare", *(f"dp {b}" for b in planes), "http"]
     results = []
     try:
         for batch in BATCHES:
-            pair.step(f"plane {batch} {free_port()}")
-            for path in ("bare", "dp", "http"):  # warm-up: connections, pages, allocator
+            for backend in planes:
+                pair.step(f"plane {backend} {batch} {free_port()}")
+            for path in paths:  # warm-up: connections, pages, allocator
                 pair.step(f"{path} {batch}")
-            samples: dict[str, list[tuple[float, float]]] = {"bare": [], "dp": [], "http": []}
+            samples: dict[str, list[tuple[float, float, float]]] = {path: [] for path in paths}
             for r in range(ROUNDS):
-                paths = ["bare", "dp", "http"] if r < HTTP_ROUNDS else ["bare", "dp"]
-                for path in paths[r % len(paths) :] + paths[: r % len(paths)]:  # each path first in turn
+                now = paths if r < HTTP_ROUNDS else paths[:-1]
+                for path in now[r % len(now) :] + now[: r % len(now)]:  # each path first in turn
                     samples[path].append(pair.step(f"{path} {batch}"))
             nbytes = batch * TOKENS * HIDDEN * 4
             row: dict = {"batch": batch, "tokens": TOKENS, "hidden": HIDDEN, "bytes": nbytes}
             for path, got in samples.items():
-                wall = statistics.median(w for w, _ in got)
-                row[path] = {
-                    "seconds": round(wall, 5),
+                wall = statistics.median(w for w, _, _ in got)
+                key = "dp" if path == f"dp {planes[0]}" else path.replace(" ", "_")  # (dp_gloo beside cuda_ipc)
+                row[key] = {
+                    "seconds": round(wall, 6),
                     "gb_per_s": round(nbytes / wall / 1e9, 4),
-                    "cpu_seconds": round(statistics.mean(c for _, c in got), 5),  # (psutil ticks: 10 ms)
+                    "cpu_seconds": round(statistics.mean(c for _, c, _ in got), 5),  # (psutil ticks: 10 ms)
+                    "engine_seconds": round(statistics.median(e for _, _, e in got), 6),
                     "samples": len(got),
                 }
+            main = f"dp {planes[0]}"
             row["dp_vs_http"] = round(row["http"]["seconds"] / row["dp"]["seconds"], 1)
-            # Paired: each round's bare step beside that round's data-plane step (the drift of this
-            # 2-core machine moves both), the median over rounds with its quartiles.
-            paired = sorted(b[0] / d[0] for b, d in zip(samples["bare"], samples["dp"], strict=True))
+            # Paired: each round's bare step beside that round's data-plane step (the drift of the
+            # machine moves both), the median over rounds with its quartiles.
+            paired = sorted(b[0] / d[0] for b, d in zip(samples["bare"], samples[main], strict=True))
             quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
             row["dp_vs_bare"] = round(statistics.median(paired), 3)
             row["dp_vs_bare_quartiles"] = [round(quartiles[0], 3), round(quartiles[2], 3)]
+            if "dp_gloo" in row:
+                row["dp_vs_gloo"] = round(row["dp_gloo"]["seconds"] / row["dp"]["seconds"], 1)
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
         pair.close()
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    if device == "cuda":
+        import torch
+
+        machine["gpu"] = torch.cuda.get_device_name(0)
+        machine["mps"] = bool(env)
     return {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine,
+        "device": device,
         "rounds": ROUNDS,
         "http_rounds": HTTP_ROUNDS,
         "results": results,
@@ -281,42 +339,93 @@ def run() -> dict:
 
 
 def markdown(report: dict) -> str:
+    gpu = report.get("device") == "cuda"
+    if gpu:
+        where = f"one {report['machine']['gpu']}" + (" under CUDA MPS" if report["machine"]["mps"] else " (no MPS)")
+        intro = [
+            "# Data plane on one GPU: cuda_ipc vs gloo vs HTTP return_hidden_states vs bare copy",
+            "",
+            f"One step = B sequences x {TOKENS} tokens x hidden {HIDDEN}, float32, on {where}; engine and trainer",
+            "worker processes. bare = the engine copies the bytes into the trainer's buffer (opened once by CUDA",
+            "IPC), waits for the copy and says so in one gloo message: the least that moves them between the two",
+            "processes (NCCL send/recv refuses two ranks on one GPU). plane = the cuda_ipc data plane: the",
+            "engine cuts the forward into prompts (ids and positions copied to the host), waits for the trainer's",
+            "ready, copies hidden states and ids/lengths/mask into its buffer and sends the header; gloo plane =",
+            "the gloo data plane from the same CUDA tensors (through host memory). engine ms = the engine's own",
+            "time of a step (median), the rest of the plane's is the trainer's wait for messages.",
+        ]
+    else:
+        intro = [
+            "# Data plane vs HTTP return_hidden_states vs bare send/recv",
+            "",
+            f"One step = B sequences x {TOKENS} tokens x hidden {HIDDEN}, float32; engine and trainer worker",
+            f"processes, gloo on loopback, {report['machine']['cpus']} CPUs.",
+        ]
     lines = [
-        "# Data plane vs HTTP return_hidden_states vs bare send/recv",
-        "",
-        f"One step = B sequences x {TOKENS} tokens x hidden {HIDDEN}, float32; engine and trainer worker processes,",
-        f"gloo on loopback, {report['machine']['cpus']} CPUs. Medians over {report['rounds']} rounds "
-        f"({report['http_rounds']} for HTTP), each round one step of every path back to back.",
+        *intro,
+        f"Medians over {report['rounds']} rounds ({report['http_rounds']} for HTTP), each round one step of every "
+        "path back to back.",
         "CPU = user + system seconds of both processes per step (mean). plane / bare: the median of each round's",
         "pair (quartiles in brackets). Goals: >= 20x HTTP, >= 0.9x bare.",
         "",
-        "| B | MB/step | bare GB/s | data plane GB/s | HTTP GB/s | plane / HTTP | plane / bare "
-        "| CPU s: bare | plane | HTTP |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| B | MB/step | bare GB/s | data plane GB/s | "
+        + ("gloo plane GB/s | plane / gloo plane | " if gpu else "")
+        + "HTTP GB/s | plane / HTTP | plane / bare | CPU s: bare | plane | HTTP |"
+        + (" ms: bare | plane | of which engine |" if gpu else ""),
+        "|---|---|---|---|" + ("---|---|" if gpu else "") + "---|" * 6 + ("---|" * 3 if gpu else ""),
     ]
     for r in report["results"]:
+        gloo = f"{r['dp_gloo']['gb_per_s']:.3f} | {r['dp_vs_gloo']}x | " if gpu else ""
+        bare, plane = r["bare"]["seconds"] * 1e3, r["dp"]["seconds"] * 1e3
+        ms = f" {bare:.2f} | {plane:.2f} | {r['dp']['engine_seconds'] * 1e3:.2f} |" if gpu else ""
         lines.append(
             f"| {r['batch']} | {r['bytes'] / 2**20:.0f} | {r['bare']['gb_per_s']:.3f} | {r['dp']['gb_per_s']:.3f} | "
-            f"{r['http']['gb_per_s']:.4f} | {r['dp_vs_http']}x | {r['dp_vs_bare']}x "
+            f"{gloo}{r['http']['gb_per_s']:.4f} | {r['dp_vs_http']}x | {r['dp_vs_bare']}x "
             f"({r['dp_vs_bare_quartiles'][0]}-{r['dp_vs_bare_quartiles'][1]}) | {r['bare']['cpu_seconds']:.3f} | "
-            f"{r['dp']['cpu_seconds']:.3f} | {r['http']['cpu_seconds']:.3f} |"
+            f"{r['dp']['cpu_seconds']:.3f} | {r['http']['cpu_seconds']:.3f} |{ms}"
         )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", nargs=3, metavar=("ROLE", "BARE_PORT", "HTTP_PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--mps", action="store_true", help="cuda: run both workers as clients of a fresh MPS daemon")
+    parser.add_argument("--out", default="", help="name of the results (default data_plane, data_plane_gpu)")
+    parser.add_argument(
+        "--worker", nargs=4, metavar=("ROLE", "BARE_PORT", "HTTP_PORT", "DEVICE"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
-        role, bare_port, http_port = args.worker
-        worker(role, int(bare_port), int(http_port))
+        role, bare_port, http_port, device = args.worker
+        worker(role, int(bare_port), int(http_port), device)
         return
-    report = run()
+    with _mps(args.mps) as env:
+        report = run(args.device, env)
+    name = args.out or ("data_plane_gpu" if args.device == "cuda" else "data_plane")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "data_plane.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "data_plane.md").write_text(markdown(report))
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(report))
     print(markdown(report))
+
+
+@contextmanager
+def _mps(on: bool) -> Iterator[dict[str, str]]:
+    """The environment of a client of a fresh MPS daemon (pdctl.mps), or nothing."""
+    if not on:
+        yield {}
+        return
+    import tempfile
+
+    from pdctl import mps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        req = {"pipe_dir": f"{tmp}/pipe", "log_dir": f"{tmp}/log"}
+        daemon = mps.start(req)
+        try:
+            yield {"CUDA_MPS_PIPE_DIRECTORY": req["pipe_dir"], "CUDA_MPS_LOG_DIRECTORY": req["log_dir"]}
+        finally:
+            mps.stop({**req, **daemon, "grace_secs": 30})
 
 
 if __name__ == "__main__":
