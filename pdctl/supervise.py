@@ -11,7 +11,10 @@ Rules (systemd's ``Restart=on-failure``, with its clean signals):
   not restarted (``kill PID`` of an engine is a stop, ``kill -9`` or an OOM kill is a failure);
 - once the wrapper itself got SIGTERM or SIGINT (``down``), nothing is restarted again;
 - a failed child is restarted after a backoff (BACKOFF_SECS doubling up to BACKOFF_MAX_SECS),
-  at most MAX_RESTARTS times within WINDOW_SECS; the next failure leaves it down (``gave_up``).
+  at most MAX_RESTARTS times within WINDOW_SECS; the next failure leaves it down (``gave_up``);
+- the child does not outlive the wrapper (Linux: the kernel SIGKILLs it when the wrapper dies, a
+  ``kill -9`` or an OOM kill of the wrapper): an orphan would go on serving while ``status`` says
+  it is down and nothing would heal it.
 
 FILE (0600, replaced atomically) says: ``state`` (running, backoff, exited, gave_up), the child's
 ``pid`` and ``create_time``, ``restarts``, ``last_exit`` (``code``: the exit status, negative for a
@@ -21,6 +24,7 @@ as ``up`` and ``status`` read it).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +131,7 @@ class Supervisor:
         if self.stopping:
             return -signal.SIGTERM
         try:
-            self.child = subprocess.Popen(self.command)
+            self.child = subprocess.Popen(self.command, preexec_fn=_die_with(os.getpid()))
         except OSError as exc:  # as a shell does: 127 for a program that cannot be run
             _say(f"cannot run {self.command[0]}: {exc.strerror or exc}")
             return 127
@@ -162,6 +167,24 @@ class Supervisor:
         self.story.pid = self.story.create_time = None
         self.story.write()
         return code if code >= 0 else 128 - code
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """For the child, between fork and exec: be SIGKILLed when ``parent`` dies (and exit at once
+    if it is dead already). None where the kernel has no such thing (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # (it died before the line above: no signal would come)
+            os._exit(1)
+
+    return arm
 
 
 def _describe(code: int) -> str:

@@ -110,3 +110,25 @@ def test_a_stop_during_the_backoff_ends_it_at_once(tmp_path) -> None:
     proc.wait(timeout=30)
     final = _read(story)
     assert final["state"] == "exited" and len(runs.read_text().split()) == final["restarts"] + 1
+
+
+def test_the_child_does_not_outlive_a_killed_wrapper(tmp_path) -> None:
+    """A ``kill -9`` (or an OOM kill) of the wrapper takes its child with it: an orphan engine
+    would go on serving while status says it is down, and nothing would heal it."""
+    import psutil
+
+    proc, story, runs = _supervise(tmp_path, -1)
+    try:
+        child = psutil.Process(_wait(story, lambda s: s["state"] == "running" and s["pid"])["pid"])
+        _pids(runs, 1)
+        proc.kill()
+        proc.wait(timeout=60)
+        gone, alive = psutil.wait_procs([child], timeout=60)  # (a bound; it goes at once)
+        assert gone and not alive, f"child {child.pid} outlived its wrapper"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # (the child, were it left)
+        except ProcessLookupError:
+            pass
