@@ -56,6 +56,8 @@ class StepCutter:
 
         ``final`` and each of ``aux`` are a tensor ``[rows, hidden]`` or SGLang's ``(hidden,
         residual)`` pair of a decoder layer (the residual stream is their sum)."""
+        if capturing():
+            return []  # (see capturing)
         done = []
         prompts, host_ids = _prompts(input_ids, positions, self._warn_partial)
         for start, end in prompts:
@@ -83,6 +85,13 @@ class StepCutter:
                 rows,
                 rows - 1,
             )
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on this thread's stream: SGLang captures its decode
+    graphs at start by running forwards of dummy rows, which reach the hooks; they are not data,
+    and the host copy that cutting a forward takes would break the capture."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _prompts(

@@ -76,9 +76,16 @@ table; SGLang's Llama/Qwen rotary embedding, called as ``rotary_emb(positions, q
 
 def _data_plane_args(top: Topology, engine_id: str, aux_layers: tuple[int, ...]) -> dict[str, object]:
     """The data plane's engine flags: its hooks (``--forward-hooks``), whole-prompt prefills
-    (``--disable-radix-cache``) and no warm-up prompt in the data (``--skip-server-warmup``)."""
+    (``--disable-radix-cache``), no warm-up prompt in the data (``--skip-server-warmup``), and
+    prefills run eagerly (``--disable-prefill-cuda-graph``: SGLang 0.5.23 captures prefills into
+    CUDA graphs by default on CUDA, and a graph's replay runs no forward hooks)."""
     hooks = hook_specs(engine_id, positions_module=POSITIONS_MODULE[top.engine], aux_layers=aux_layers)
-    return {"forward-hooks": compact_json(hooks), "disable-radix-cache": True, "skip-server-warmup": True}
+    return {
+        "forward-hooks": compact_json(hooks),
+        "disable-radix-cache": True,
+        "skip-server-warmup": True,
+        "disable-prefill-cuda-graph": True,
+    }
 
 
 def trainer_argv(

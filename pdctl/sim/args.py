@@ -70,6 +70,7 @@ USED = {
     "forward_hooks",
     "enable_return_hidden_states",
     "disable_radix_cache",  # holds trivially: the sim prefills every prompt whole (no prefix cache)
+    "disable_prefill_cuda_graph",  # holds trivially: the sim captures no CUDA graphs
 }
 
 

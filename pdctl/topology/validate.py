@@ -282,9 +282,13 @@ DATA_PLANE_CONFLICTS = {
     "enable-mixed-chunk": "mixes decode rows into prefill batches, where the data plane cuts sequences",
     "enable-two-batch-overlap": "interleaves two micro-batches' forwards, which the data plane's hooks read as one",
     "speculative-algorithm": "runs a draft model whose forwards would reach the same hooks",
+    "cuda-graph-backend-prefill": "replays prefills from CUDA graphs, which run no forward hooks (the plan sets "
+    "--disable-prefill-cuda-graph)",
+    "cuda-graph-config": "can put prefills in CUDA graphs, which run no forward hooks (the plan sets "
+    "--disable-prefill-cuda-graph; the decode graphs' own flags, --cuda-graph-max-bs-decode and the like, are fine)",
 }
 """SGLang flags that break what the data plane's hooks assume of a forward (one whole batch of
-whole prompts, one model)."""
+whole prompts, one model, run eagerly)."""
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

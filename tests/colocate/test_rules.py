@@ -28,6 +28,8 @@ COLO = "placement: {mode: colocate, train_frac: 0.4, infer_frac: 0.4, mps: false
         "enable-mixed-chunk: true",
         "enable-two-batch-overlap: true",
         "speculative-algorithm: EAGLE",
+        "cuda-graph-backend-prefill: breakable",
+        "cuda-graph-config: '{}'",
     ],
 )
 def test_flags_that_break_the_hooks_assumptions_are_refused(flag) -> None:

@@ -86,6 +86,19 @@ def test_forwards_are_cut_into_whole_prompts_and_steps_of_own_shards() -> None:
     assert cutter.in_step == 1
 
 
+def test_a_forward_under_cuda_graph_capture_is_not_data(monkeypatch) -> None:
+    """SGLang captures its decode CUDA graphs by running forwards of dummy rows: the cutter takes
+    nothing from them (and makes no host copy, which would break the capture)."""
+    from pdctl.colocate import steps
+
+    cutter = steps.StepCutter(batch_size=1, tp=1, tp_ranks=[0])
+    hidden = torch.ones(3, 2)
+    monkeypatch.setattr(steps, "capturing", lambda: True)
+    assert cutter.add(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), hidden, ()) == [] and cutter.in_step == 0
+    monkeypatch.setattr(steps, "capturing", lambda: False)
+    assert len(cutter.add(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), hidden, ())) == 1
+
+
 def test_a_process_plays_its_own_tp_rank_under_sglang_and_every_rank_elsewhere(monkeypatch) -> None:
     import sys
     import types

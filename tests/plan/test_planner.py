@@ -316,6 +316,7 @@ def test_data_plane_union_world_ports_env_and_hooks() -> None:
         assert {h["hook_factory"] for h in hooks} == {"pdctl.colocate.engine:hook_factory"}
         assert {h["config"]["engine"] for h in hooks} == {f"regular-{i}"}
         assert "--disable-radix-cache" in engine.argv and "--skip-server-warmup" in engine.argv
+        assert "--disable-prefill-cuda-graph" in engine.argv  # (a CUDA graph replay runs no hooks)
     assert DATA_PLANE_ENV not in plan.process("router").env
     assert plan.to_dict()["data_plane"]["world_size"] == 16
     # The sim: its own positions module, gloo by default.
