@@ -250,11 +250,16 @@ class Producer:
         ready = IpcReady.decode(raw)
         if ready.step != step:
             raise ValueError(f"trainer rank {trainer} is ready for step {ready.step}, this engine sends step {step}")
+        if ready.handle_len > ipc.MAX_HANDLE_BYTES:
+            raise ValueError(f"trainer rank {trainer} announced a buffer handle of {ready.handle_len} bytes")
         if ready.handle_len > 0:
             encoded = torch.empty(ready.handle_len, dtype=torch.uint8)
             member.group.recv([encoded], trainer, 0).wait()
             self._opened.pop(member.rank, None)  # (drops the last buffer: its trainer may free it)
-            opened = ipc.open_shared(ipc.Handle.decode(encoded.numpy().tobytes()))
+            try:
+                opened = ipc.open_shared(ipc.Handle.decode(encoded.numpy().tobytes()))
+            except (TypeError, RuntimeError) as exc:  # (CUDA refused it)
+                raise ValueError(f"trainer rank {trainer}'s buffer could not be opened: {exc}") from exc
             self._opened[member.rank] = (ready.generation, opened)
         if ready.capacity == 0:
             return None

@@ -110,7 +110,7 @@ class DataPlaneSpec:
                     EngineRanks(id=str(e["id"]), tp=int(e["tp"]), first_rank=int(e["first_rank"]))
                     for e in data["engines"]
                 ),
-                backend=str(data.get("backend", "gloo")),
+                backend=_backend(data.get("backend", "gloo")),
                 batch_size=int(data.get("batch_size", 8)),
                 aux_layers=tuple(int(k) for k in data.get("aux_layers", ())),
                 dtype=data.get("dtype"),
@@ -127,6 +127,15 @@ class DataPlaneSpec:
         if not raw:
             raise ValueError(f"{DATA_PLANE_ENV} is not set: this process was not started by a plan with a data plane")
         return cls.from_json(raw)
+
+
+BACKENDS = ("cuda_ipc", "gloo")
+
+
+def _backend(value: object) -> str:
+    if value not in BACKENDS:
+        raise ValueError(f"backend {value!r}: the data plane moves hidden states by {' or '.join(BACKENDS)}")
+    return str(value)
 
 
 def hook_specs(engine_id: str, *, positions_module: str, aux_layers: tuple[int, ...]) -> list[dict[str, Any]]:

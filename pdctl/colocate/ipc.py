@@ -4,6 +4,9 @@ NCCL refuses a communicator with two ranks on one GPU ("Duplicate GPU detected":
 2.28.9 on an H100), and an engine TP rank and its trainer rank always share one GPU, so the
 same-device path is CUDA IPC: the trainer rank shares its receive buffer once (and again only when
 it grows), the engine rank opens it and writes its shard into it with one device-to-device copy.
+The peer is trusted as a member of the union world (whose rendezvous, like torch.distributed's,
+is not authenticated): a handle is checked for form (``Handle.decode``), not for the sizes of the
+allocation it names, which this process cannot see.
 
 A shared buffer travels as a ``Handle``: JSON of plain fields (no pickle: the bytes come off a
 socket), with the GPU named by UUID, because the trainer and the engine number the GPUs they see
@@ -18,12 +21,18 @@ import base64
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]+_[0-9]+_[0-9]+")
 """The shared-memory name torch gives an IPC reference counter (``at::NewProcessWideShmHandle``):
 the opener increments a counter in that file, so a handle naming any other file is refused."""
+REF_COUNTER_SLOTS = 10000
+"""int64 counters in one such file (torch's CUDA_IPC_REF_COUNTER_FILE_SIZE): a slot past them
+would be a write outside the mapping."""
+MAX_HANDLE_BYTES = 4096
+"""An encoded handle is a few hundred bytes; a longer one is not read (nor allocated for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,28 +65,46 @@ class Handle:
 
     @classmethod
     def decode(cls, raw: bytes) -> Handle:
-        """Raises ValueError when ``raw`` is not an encoded handle."""
+        """Raises ValueError when ``raw`` is not an encoded handle: every field of its type, the
+        reference counter one of torch's own names and inside its file (the opener writes there),
+        the handles of their sizes."""
+        if len(raw) > MAX_HANDLE_BYTES:
+            raise ValueError(f"not a CUDA IPC handle: {len(raw)} bytes")
         try:
             f = json.loads(raw)
+            if not isinstance(f, dict):
+                raise TypeError("not an object")
             event = f["event_handle"]
             handle = cls(
-                gpu_uuid=str(f["gpu_uuid"]),
-                nbytes=int(f["nbytes"]),
-                ipc_handle=base64.b64decode(f["ipc_handle"], validate=True),
-                storage_bytes=int(f["storage_bytes"]),
-                offset_bytes=int(f["offset_bytes"]),
-                ref_counter_handle=base64.b64decode(f["ref_counter_handle"], validate=True),
-                ref_counter_offset=int(f["ref_counter_offset"]),
-                event_handle=base64.b64decode(event, validate=True) if event is not None else None,
-                event_sync_required=bool(f["event_sync_required"]),
+                gpu_uuid=_typed(f, "gpu_uuid", str),
+                nbytes=_typed(f, "nbytes", int),
+                ipc_handle=base64.b64decode(_typed(f, "ipc_handle", str), validate=True),
+                storage_bytes=_typed(f, "storage_bytes", int),
+                offset_bytes=_typed(f, "offset_bytes", int),
+                ref_counter_handle=base64.b64decode(_typed(f, "ref_counter_handle", str), validate=True),
+                ref_counter_offset=_typed(f, "ref_counter_offset", int),
+                event_handle=None if event is None else base64.b64decode(_typed(f, "event_handle", str), validate=True),
+                event_sync_required=_typed(f, "event_sync_required", bool),
             )
-        except (KeyError, TypeError, ValueError) as exc:  # (binascii.Error and JSONDecodeError are ValueErrors)
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:  # (JSONDecodeError is a ValueError)
             raise ValueError(f"not a CUDA IPC handle: {type(exc).__name__}: {exc}") from None
         if not REF_COUNTER_NAME.fullmatch(handle.ref_counter_handle):
             raise ValueError(f"not a CUDA IPC handle: reference counter {handle.ref_counter_handle!r}")
-        if min(handle.nbytes, handle.storage_bytes, handle.offset_bytes, handle.ref_counter_offset) < 0:
+        if not 0 <= handle.ref_counter_offset < REF_COUNTER_SLOTS:
+            raise ValueError(f"not a CUDA IPC handle: reference counter slot {handle.ref_counter_offset}")
+        if min(handle.nbytes, handle.storage_bytes, handle.offset_bytes) < 0:
             raise ValueError("not a CUDA IPC handle: a negative size or offset")
+        if not handle.ipc_handle or (handle.event_handle is None and handle.event_sync_required):
+            raise ValueError("not a CUDA IPC handle: no memory handle, or an event required and none given")
         return handle
+
+
+def _typed(fields: dict, key: str, kind: type) -> Any:
+    """``fields[key]``, which must be a ``kind`` (a bool is no int here, a float no int)."""
+    value = fields[key]
+    if type(value) is not kind:
+        raise TypeError(f"{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
 
 
 def _b64(raw: bytes) -> str:

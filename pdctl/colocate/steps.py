@@ -2,7 +2,8 @@
 belong to which TP rank's shard of which step. No I/O.
 
 A forward's rows are cut where a position is 0; a segment is a prompt only when its positions are
-exactly ``0..n-1`` (a chunk of a longer prompt, or decode rows mixed into a prefill, is not). The
+exactly ``0..n-1`` (decode rows mixed into a prefill are not; a longer prompt's first chunk is
+indistinguishable from a whole prompt, and its later chunks start at no position 0). The
 health probe's one-token ``input_ids [0]`` is not data. ``batch_size`` prompts make a step, in
 the order the engine prefilled them; TP rank ``j`` owns prompts ``j*B/TP .. (j+1)*B/TP`` of it.
 """

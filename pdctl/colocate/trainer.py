@@ -6,8 +6,9 @@ its shard of each step's sequences, packed (``[n_tokens, hidden]`` with the sequ
 into buffers allocated once and grown only when a step is larger than every one before. The
 tensors of a ``Step`` are views of those buffers: the next ``recv`` overwrites them. With
 ``cuda_ipc`` they are on this rank's GPU (the ids, lengths and mask too), written there by the
-engine rank (one device-to-device copy each); ``recv`` waits for this process's GPU work first,
-so that work still queued on the last step's views is done before they are overwritten. With
+engine rank (one device-to-device copy each); ``recv`` waits for this process's GPU work first
+(every stream), so that work still queued on the last step's views is done before they are
+overwritten. With
 ``gloo`` they are in host memory.
 ``trainer_group`` is the trainer ranks' own world (torchrun's), for FSDP or DDP.
 """
@@ -150,11 +151,14 @@ class DataPlane:
         """Ready (naming the buffer), then the header once the engine has written into it; a
         buffer too small for the step is replaced by one that fits and named again."""
         if self._buffer.numel():
-            torch.cuda.current_stream(self.device).synchronize()  # (see the module's docstring)
+            torch.cuda.synchronize(self.device)  # (every stream of this process: see the module's docstring)
         self._send_ipc_ready(step)
         header = self._header_of(step)
         if header.status == TOO_SMALL:
-            self._buffer = torch.empty(IpcLayout.of(header).size, dtype=torch.uint8, device=self.device)
+            # Grown by half again at least: prompts of varying lengths do not cost a new buffer
+            # (and a new IPC open in the engine) at each new longest step.
+            size = max(IpcLayout.of(header).size, self._buffer.numel() * 3 // 2)
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._generation += 1
             self._send_ipc_ready(step)
             header = self._header_of(step)

@@ -126,7 +126,7 @@ class IpcReady:
 @dataclass(frozen=True, slots=True)
 class IpcLayout:
     """Where a step lies in a cuda_ipc buffer (bytes): ``1 + n_aux`` blocks of hidden states
-    back to back from 0, then the meta (``pack_meta``) from ``meta_offset``; each region aligned."""
+    from 0, then the meta (``pack_meta``) from ``meta_offset``; each region starts aligned."""
 
     block_bytes: int
     meta_offset: int
@@ -135,14 +135,14 @@ class IpcLayout:
     @classmethod
     def of(cls, header: Header) -> IpcLayout:
         block = header.n_tokens * header.hidden * header.dtype.itemsize
-        meta_offset = _aligned(block * (1 + header.n_aux))
+        meta_offset = _aligned(block) * (1 + header.n_aux)
         return cls(block, meta_offset, _aligned(meta_offset + header.meta_len * 8))
 
     def views(self, buffer: torch.Tensor, header: Header) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The hidden-state blocks ``[n_tokens, hidden]`` and the meta of a uint8 ``buffer``."""
-        shape = (header.n_tokens, header.hidden)
+        shape, stride = (header.n_tokens, header.hidden), _aligned(self.block_bytes)
         blocks = [
-            buffer[k * self.block_bytes : (k + 1) * self.block_bytes].view(header.dtype).view(shape)
+            buffer[k * stride : k * stride + self.block_bytes].view(header.dtype).view(shape)
             for k in range(1 + header.n_aux)
         ]
         meta = buffer[self.meta_offset : self.meta_offset + header.meta_len * 8].view(torch.int64)

@@ -3,6 +3,9 @@ world's ranks, the hook specs, and the shard that is sent without a copy."""
 
 from __future__ import annotations
 
+import base64
+import json
+
 import pytest
 import torch
 from hypothesis import given
@@ -130,15 +133,48 @@ def test_a_cuda_ipc_handle_travels_as_plain_fields_and_garbage_is_refused() -> N
         event_sync_required=False,
     )
     assert Handle.decode(handle.encode()) == handle
-    for garbage in (
-        b"",
-        b"\x80",
-        b"[]",
-        b'{"gpu_uuid": "x"}',
-        handle.encode().replace(b'"nbytes":1024', b'"nbytes":"x"'),
-    ):
+    fields = json.loads(handle.encode())
+    changed = [
+        ("nbytes", "x"), ("nbytes", -1), ("nbytes", 1e999), ("nbytes", True), ("nbytes", 1024.0),
+        ("event_sync_required", "false"),
+        # the opener increments a counter in the named shared-memory file: only torch's own
+        # names, and only inside the file (a slot past its 10000 would be a write outside)
+        ("ref_counter_handle", base64.b64encode(b"/psm_victim").decode()), ("ref_counter_offset", 10_000),
+        ("ipc_handle", ""), ("event_sync_required", True),  # (an event required, none given)
+    ]  # fmt: skip
+    hostile = [b"[" * 200_000, b" " * 5000, *(json.dumps({**fields, k: v}).encode() for k, v in changed)]
+    for garbage in (b"", b"\x80", b"[]", b'{"gpu_uuid": "x"}', *hostile):
         with pytest.raises(ValueError, match="not a CUDA IPC handle"):
             Handle.decode(garbage)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n_tokens", "hidden", "n_aux"), [(1, 1, 0), (3, 5, 2), (7, 33, 3), (64, 256, 1)])
+def test_a_cuda_ipc_layout_gives_aligned_views_that_do_not_overlap(dtype, n_tokens, hidden, n_aux) -> None:
+    """Both ends take their views of the buffer from IpcLayout: each block and the meta start on
+    a 256-byte boundary, fit in ``size``, and writing one never touches another."""
+    from pdctl.colocate.wire import ALIGN, IpcLayout
+
+    header = Header(0, 2, n_tokens, hidden, n_aux, dtype)
+    layout = IpcLayout.of(header)
+    buffer = torch.zeros(layout.size, dtype=torch.uint8)
+    blocks, meta = layout.views(buffer, header)
+    assert len(blocks) == 1 + n_aux and meta.numel() == header.meta_len and meta.dtype == torch.int64
+    for k, block in enumerate(blocks):
+        assert block.shape == (n_tokens, hidden) and block.dtype == dtype
+        assert (block.data_ptr() - buffer.data_ptr()) % ALIGN == 0
+        block.fill_(k + 1)
+    assert (meta.data_ptr() - buffer.data_ptr()) % ALIGN == 0
+    meta.fill_(-1)
+    assert bool((meta == -1).all())
+    assert all(bool((b == k + 1).all()) for k, b in enumerate(blocks))
+
+
+def test_a_data_plane_spec_names_a_backend_that_exists() -> None:
+    spec = DataPlaneSpec(master_address="h", master_port=1, trainer_ranks=1, engines=(), backend="cuda_ipc")
+    assert DataPlaneSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="backend 'nccl'"):
+        DataPlaneSpec.from_json(spec.to_json().replace("cuda_ipc", "nccl"))
 
 
 def _prompts_one_by_one(ids: list[int], positions: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
