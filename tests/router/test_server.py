@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
@@ -214,6 +215,45 @@ def test_errors_found_by_the_server_share_the_error_shape() -> None:
         huge = b"".join(b"X-Pad-%d: %b\r\n" % (i, b"y" * 1000) for i in range(100))  # 100 KB of headers
         out = await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n" + huge + b"\r\n")
         assert out.startswith(b"HTTP/1.1 431") and b"request_too_large" in out
+
+    run(test)
+
+
+def test_one_endless_header_line_is_refused_before_it_fills_memory() -> None:
+    """The parser holds a header until its line ends, so a head is bounded as it is read: a
+    client that sends one header value without end gets a 431 and the connection closes (it
+    was read without limit until the idle timeout)."""
+
+    async def test(app: App, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = asyncio.ensure_future(reader.read(4096))  # read while writing: the answer comes mid-send
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        with contextlib.suppress(ConnectionError):  # the server closed with our bytes unread (a reset)
+            for _ in range(1000):  # 64 KiB a write until the server answers (64 MB at most)
+                if answer.done():
+                    break
+                writer.write(b"y" * 65536)
+                await asyncio.wait([answer, asyncio.ensure_future(writer.drain())], return_when="FIRST_COMPLETED")
+        assert answer.done(), "64 MB of one header line and no answer"
+        out = answer.result()
+        writer.close()
+        assert out.startswith(b"HTTP/1.1 431") and b"request_too_large" in out
+
+    run(test, keepalive_timeout=600)
+
+
+def test_a_head_under_the_limit_is_served_however_it_is_split() -> None:
+    async def test(app: App, port: int) -> None:
+        pads = b"".join(b"X-Pad-%d: %b\r\n" % (i, b"y" * 500) for i in range(100))  # 50 KB of headers
+        raw = b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + pads + b"\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for i in range(0, len(raw), 997):  # many reads, cut anywhere
+            writer.write(raw[i : i + 997])
+            await writer.drain()
+        out = await reader.read()
+        writer.close()
+        assert out.startswith(b"HTTP/1.1 200")
+        assert json.loads(out.partition(b"\r\n\r\n")[2])["headers"]["x-pad-99"] == "y" * 500
 
     run(test)
 
