@@ -461,6 +461,10 @@ class RouterServer:
             return errors.error_response(502, errors.WORKER_FAILED, f"{workers[0].url}: {exc}")
 
     async def server_info(self, _: Request) -> Reply:
+        """Each worker's ``/server_info`` under its role; a worker that does not answer (its engine
+        restarting) is listed as ``{"url", "error", "internal_states": []}`` rather than left out:
+        SGLang's bench_serving reads ``["decode"][0]`` of a PD router's answer, and failed after
+        its run when the only decode was being restarted."""
         infos = await self._fan_out("GET", Endpoint.SERVER_INFO.value)
         by_role: dict[str, list] = {role.value: [] for role in ENGINE_ROLES}
         internal = []
@@ -469,6 +473,9 @@ class RouterServer:
                 by_role[worker.role].append(body)
                 if worker.role is not Role.PREFILL:
                     internal.extend(body.get("internal_states", []))
+            else:
+                why = f"answered {status}" if status else f"no answer: {body}"
+                by_role[worker.role].append({"url": worker.url, "error": why, "internal_states": []})
         return json_reply(
             {"router": "pdctl", "workers_count": len(self.registry.workers), "internal_states": internal, **by_role}
         )
@@ -574,6 +581,7 @@ class RouterServer:
             if worker.cordoned:
                 log.info("worker %s is no longer cordoned", worker.url)
             worker.cordoned, worker.drained = None, None
+            self.registry.rotation_changed()
             return json_reply({**worker.to_dict(), "drained": worker.load == 0})
         worker.cordoned = str(body.get("reason") or "cordoned")
         worker.drained = asyncio.Event()

@@ -159,6 +159,13 @@ class AdmissionConfig:
         "--max-hold-secs",
         "Longest a weight push may hold new requests (/pdctl/hold) before they flow again.",
     )
+    worker_wait_secs: float = setting(
+        30.0,
+        "--worker-wait-secs",
+        "How long a request waits for a worker to come into rotation when its role has none (an engine "
+        "restarting after a crash, a fleet still starting, a weight update pairing versions) before its 503; "
+        "0: the 503 at once.",
+    )
 
     def __post_init__(self) -> None:
         m = self.max_concurrent_requests
@@ -174,6 +181,7 @@ class AdmissionConfig:
         )
         _check(self.request_timeout_secs > 0, "--request-timeout-secs", self.request_timeout_secs, "> 0")
         _check(self.max_hold_secs > 0, "--max-hold-secs", self.max_hold_secs, "> 0")
+        _check(self.worker_wait_secs >= 0, "--worker-wait-secs", self.worker_wait_secs, ">= 0")
         _check(self.max_n >= 1, "--max-n", self.max_n, ">= 1")
         _check(self.max_sequences >= 1, "--max-sequences-per-request", self.max_sequences, ">= 1")
 

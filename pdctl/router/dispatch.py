@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.roles import Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
@@ -49,6 +51,15 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import batch_size_of, inject_bootstrap
 
 log = logging.getLogger("pdctl.router")
+_NO_WORKER_YET = {errors.NO_PREFILL: Role.PREFILL, errors.NO_DECODE: Role.DECODE, errors.NO_WORKERS: Role.REGULAR}
+"""Selection's 503s that a wait may cure (``admission.worker_wait_secs``), and the role that had none."""
+
+
+class _SelectAgain:
+    """An attempt that sent nothing: a worker may have come into rotation, select again."""
+
+
+_SELECT_AGAIN = _SelectAgain()
 
 
 @dataclass(eq=False, slots=True)
@@ -65,6 +76,8 @@ class _Request:
     with_logprobs: bool = False
     sent: int = 0
     """The refit gate's epoch when the latest attempt was sent."""
+    waits_until: float | None = None
+    """Its deadline for a worker to come into rotation, once it found a role with none."""
     _job: Job | bool | None = field(default=False, repr=False)  # False: not read yet
 
     @property
@@ -177,6 +190,8 @@ class Dispatcher:
             outcome = await self._attempt(request, payload, batch, data, version, continuation)
             if isinstance(outcome, (Reply, _Live)):
                 return outcome
+            if isinstance(outcome, _SelectAgain):
+                continue
             if isinstance(outcome, Stop):
                 raise RouteError(outcome.status, outcome.code, outcome.message)
             over = await self._after(outcome, tries, request.headers)
@@ -191,11 +206,14 @@ class Dispatcher:
         data: bytes | None,
         version: str | None,
         continuation: bool,
-    ) -> Outcome | _Live:
+    ) -> Outcome | _Live | _SelectAgain:
         epoch = self.gate.epoch  # before anything is sent: an interrupt from here on is this attempt's
         headers = request.headers
         if not request.pd:
-            worker = self.select.regular(request.ctx, version)
+            try:
+                worker = self.select.regular(request.ctx, version)
+            except RouteError as exc:
+                return await self._no_worker(request, exc)
             assert data is not None
             if request.stream:
                 one = await self.legs.open_one(worker, request.path, data, headers)
@@ -205,7 +223,10 @@ class Dispatcher:
             else:
                 leg = await self.legs.start(worker, request.path, data, headers)
             return self.legs.verdict(worker, leg, errors.WORKER_FAILED) or leg.reply(headers)
-        prefill, decode = self.select.pair(request.ctx, version)
+        try:
+            prefill, decode = self.select.pair(request.ctx, version)
+        except RouteError as exc:
+            return await self._no_worker(request, exc)
         # a new room per attempt (a retried room could collide with the orphan)
         bootstrapped = inject_bootstrap(
             payload, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
@@ -233,6 +254,30 @@ class Dispatcher:
                 if isinstance(opened, Opened):
                     opened.response.close()
                 await pair.close()
+
+    async def _no_worker(self, request: _Request, exc: RouteError) -> _SelectAgain:
+        """A role has workers but none in rotation: wait for one (``admission.worker_wait_secs``
+        from the first time this request found none), then select again (``_SELECT_AGAIN``);
+        ``exc`` past the wait, or at once when the role has no worker at all (a router started
+        without workers answers as sglang-router does). An engine that crashed and is restarted
+        by its supervisor costs its requests a wait rather than a 503 each. Nothing was sent,
+        so no retry is counted."""
+        wait = self.config.admission.worker_wait_secs
+        role = _NO_WORKER_YET.get(exc.code)
+        if role is None or wait <= 0 or not any(w.role == role for w in self.registry.workers.values()):
+            raise exc  # not for lack of a worker, no wait asked, or none of the role to wait for
+        now = time.monotonic()  # the registry's clock (its waits are on the loop, not the retry policy's clock)
+        if request.waits_until is None:
+            request.waits_until = now + wait
+        left = request.waits_until - now
+        if left <= 0:
+            raise RouteError(exc.status, exc.code, f"{exc} (waited {wait:g} s for one)")
+        self.metrics.waiting_for_workers += 1
+        try:
+            await self.registry.wait_for_rotation(left)
+        finally:
+            self.metrics.waiting_for_workers -= 1
+        return _SELECT_AGAIN
 
     async def _after(self, retry: Retry, tries: Tries, headers: Headers) -> Reply | None:
         """Wait before the next attempt after ``retry``; the answer when the request is over
@@ -395,9 +440,11 @@ class Dispatcher:
             self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
             request.sent = self.gate.epoch
             try:
-                outcome = await self._attempt(
-                    request, body, None, None if request.pd else dumps(body), version, continuation=True
-                )
+                outcome: Outcome | _Live | _SelectAgain = _SELECT_AGAIN
+                while isinstance(outcome, _SelectAgain):
+                    outcome = await self._attempt(
+                        request, body, None, None if request.pd else dumps(body), version, continuation=True
+                    )
             except RouteError:
                 return out + error_event(why), None, None
             if isinstance(outcome, _Live):

@@ -10,6 +10,7 @@ from pdctl.router.reply import Reply, json_reply
 NO_PREFILL = "no_prefill_servers"
 NO_DECODE = "no_decode_servers"
 NO_WORKERS = "no_healthy_workers"
+NONE_CHOSEN = "no_worker_chosen"  # the policy chose none of the workers in rotation (a manual key naming none)
 VERSION_MISMATCH = "no_matching_weight_version"
 PREFILL_FAILED = "prefill_server_error"
 DECODE_FAILED = "decode_server_error"

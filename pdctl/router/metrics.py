@@ -34,6 +34,13 @@ class RouterMetrics:
             self.child(self.retries, reason)
         self.in_flight = Gauge("pdctl_router_in_flight_requests", "Requests in flight", registry=r)
         self.queued = Gauge("pdctl_router_queued_requests", "Requests waiting for a slot", registry=r)
+        self.waiting_for_workers = 0
+        """Requests waiting for a worker to come into rotation (their role had none)."""
+        Gauge(
+            "pdctl_router_requests_waiting_for_workers",
+            "Requests waiting for a worker to come into rotation (their role had none: --worker-wait-secs)",
+            registry=r,
+        ).set_function(lambda: self.waiting_for_workers)
         self.body_bytes = Gauge(
             "pdctl_router_request_body_bytes",
             "Bytes of request bodies the router holds (being read, or waiting for their answer)",

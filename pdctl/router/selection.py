@@ -76,7 +76,7 @@ class Selector:
 
 def _chosen(worker: Worker | None, role: Role) -> Worker:
     if worker is None:  # a policy must choose among the workers it is given
-        raise RouteError(503, errors.NO_WORKERS, f"the {role} policy chose no worker")
+        raise RouteError(503, errors.NONE_CHOSEN, f"the {role} policy chose no worker")
     return worker
 
 

@@ -121,6 +121,28 @@ class WorkerRegistry:
         self._liveness: asyncio.Task | None = None
         self._wake = asyncio.Event()
         """Set when a worker leaves rotation: the health loop then checks at the fast interval."""
+        self._rotation: asyncio.Future[None] | None = None
+        """Made by a request that waits for a worker (``wait_for_rotation``), done when one may have come."""
+
+    # -- rotation ----------------------------------------------------------------------------
+    def rotation_changed(self) -> None:
+        """A worker may have come into rotation (healthy again, added, out of quarantine or a
+        cordon, its circuit closed, its version changed): wake the requests waiting for one."""
+        waiting, self._rotation = self._rotation, None
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+
+    async def wait_for_rotation(self, timeout: float) -> None:
+        """Until ``rotation_changed()``, an open circuit's timeout (a trial request may then go),
+        or ``timeout`` seconds, whichever comes first. The caller selects again."""
+        now = time.monotonic()
+        reopening = [w.cb_open_until - now for w in self.workers.values() if w.cb_open_until > now]
+        if reopening and not self.config.breaker.disabled:
+            timeout = min(timeout, min(reopening))
+        if self._rotation is None:
+            self._rotation = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._rotation), timeout)
 
     # -- membership --------------------------------------------------------------------------
     def add(
@@ -144,6 +166,8 @@ class WorkerRegistry:
         worker.quarantined = self.quarantine.get(url)
         self.workers[url] = worker
         log.info("registered %s worker %s", role, url)
+        if healthy:
+            self.rotation_changed()
         return worker
 
     def keep_workers(self) -> None:
@@ -182,6 +206,7 @@ class WorkerRegistry:
             worker.quarantined = reason
             if reason is None:
                 log.info("worker %s is back in rotation (it holds the pushed weights)", url)
+                self.rotation_changed()
             else:
                 log.warning("worker %s is out of rotation: %s", url, reason)
 
@@ -315,6 +340,7 @@ class WorkerRegistry:
                     worker.weight_version = info.get("weight_version")
                     if not self.updating:
                         self.version_rule(session, worker)
+                    self.rotation_changed()
 
     def lost(self, worker: Worker, why: str) -> None:
         """``worker``'s process is gone: out of rotation now; back after ``success_threshold`` checks."""
@@ -376,6 +402,8 @@ class WorkerRegistry:
                 pass
             if not self.updating and (worker.weight_version != held or not worker.healthy):
                 self.version_rule(session, worker)
+            if worker.weight_version != held:
+                self.rotation_changed()
         self.observe_health(worker, ok)
 
     def observe_health(self, worker: Worker, ok: bool) -> None:
@@ -388,12 +416,14 @@ class WorkerRegistry:
             if not worker.activated:
                 worker.activated = worker.healthy = True
                 log.info("worker %s is up (%s, weight version %s)", worker.url, worker.role, worker.weight_version)
+                self.rotation_changed()
             elif not worker.healthy and (worker.gone or worker.consecutive_successes >= c.health.success_threshold):
                 # A process that went away and answers again is a new one: no flapping to sit out.
                 if worker.gone:
                     worker.restarts += 1
                 worker.healthy, worker.gone = True, False
                 log.info("worker %s is healthy again", worker.url)
+                self.rotation_changed()
             return
         if not worker.activated or time.monotonic() - worker.registered_at < c.health.first_wait_secs:
             return  # still starting, or in the cold-start grace: compiling engines answer late

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from pdctl.refit import RefitMode
-from pdctl.router.config import BreakerConfig, RetryConfig, RouterConfig
+from pdctl.router.config import AdmissionConfig, BreakerConfig, RetryConfig, RouterConfig
 from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
 from pdctl.router.metrics import RouterMetrics
@@ -177,6 +178,48 @@ def test_a_stream_abandoned_before_its_first_chunk_ends_both_legs() -> None:
         assert f.load() == {P1: 0, D1: 0}
 
     run(Engines(), scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_finds_no_decode_in_rotation_waits_for_one(stream: bool) -> None:
+    """The only decode is out of rotation (its engine restarting): the request waits, sends
+    nothing meanwhile, and is served once the decode is back; no retry is counted."""
+
+    async def scenario(f: Fleet) -> None:
+        decode = f.registry.workers[D1]
+        decode.healthy = False
+        request = asyncio.ensure_future(f.generate(stream=stream))
+        while f.dispatcher.metrics.waiting_for_workers == 0:
+            assert not request.done(), request.result()
+            await asyncio.sleep(0)
+        assert f.engines.bodies(P1) == [] and f.engines.bodies(D1) == []
+        decode.healthy = True
+        f.registry.rotation_changed()
+        reply = await request
+        assert reply.status == 200
+        if isinstance(reply, StreamReply):
+            assert (await read(reply))[-1] == "[DONE]"
+        assert f.dispatcher.metrics.waiting_for_workers == 0 and f.clock.sleeps == []
+        assert len(f.engines.bodies(D1)) == 1
+
+    run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600))
+
+
+def test_the_wait_for_a_worker_ends_in_the_503_and_a_role_with_none_is_not_waited_for() -> None:
+    async def scenario(f: Fleet) -> None:
+        f.registry.workers[D1].healthy = False
+        with pytest.raises(RouteError) as caught:
+            await f.generate()
+        assert caught.value.status == 503 and caught.value.code == "no_decode_servers"
+        assert "waited 0.05 s" in str(caught.value)
+        f.registry.remove(D1)  # no decode at all: nothing to wait for, the 503 at once
+        f.dispatcher.config = replace(f.dispatcher.config, admission=AdmissionConfig(worker_wait_secs=600))
+        with pytest.raises(RouteError) as caught:
+            await f.generate()
+        assert caught.value.code == "no_decode_servers" and "waited" not in str(caught.value)
+        assert f.dispatcher.metrics.waiting_for_workers == 0
+
+    run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=0.05))
 
 
 def test_connection_failures_use_the_budget_with_exponential_backoff() -> None:

@@ -125,7 +125,8 @@ def config(prefills: tuple[str, ...], decodes: tuple[str, ...], **groups: Any) -
     workers += [WorkerSpec(url=d, role=Role.DECODE) for d in decodes]
     groups.setdefault("breaker", BreakerConfig(failure_threshold=1, timeout_duration_secs=600))
     groups.setdefault("retry", RetryConfig(initial_backoff_ms=1, max_backoff_ms=20))
-    groups.setdefault("admission", AdmissionConfig(request_timeout_secs=30))
+    # no wait for a worker to come back: nothing brings one back here (tests/router/test_dispatcher.py has the wait)
+    groups.setdefault("admission", AdmissionConfig(request_timeout_secs=30, worker_wait_secs=0))
     return RouterConfig(
         host="127.0.0.1",
         port=0,

@@ -156,6 +156,45 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
         slow.stop()
 
 
+def test_a_request_waits_for_its_only_engine_to_come_back_rather_than_failing(tmp_path) -> None:
+    """The only engine is killed: a request that comes while it is out of rotation waits
+    (--worker-wait-secs, 30 by default) and is answered once the engine listens again, as it
+    does when its supervisor restarts it; before, it got a 503 at once."""
+    import concurrent.futures
+    import os
+    import signal
+    import time
+
+    from tests.helpers import SimProcess
+
+    engine = SimProcess(tmp_path).start()
+    proc = RouterProcess(tmp_path, "--worker-urls", engine.url)
+    proc.start("/readiness")
+    waiting = "pdctl_router_requests_waiting_for_workers 1.0"
+    try:
+        assert engine.proc is not None
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait()
+        while get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
+            time.sleep(0.05)
+        info = get(proc.url + "/server_info")[1]  # the engine is listed, saying it does not answer
+        assert [w["url"] for w in info["regular"]] == [engine.url] and "no answer" in info["regular"][0]["error"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, proc.url + "/generate", greedy("wait for me"))
+            while waiting not in get(proc.url + "/metrics")[1]:
+                assert not answer.done(), answer.result()
+                time.sleep(0.05)
+            again = SimProcess(tmp_path, port=engine.port).start()
+            try:
+                status, out = answer.result()
+                assert status == 200 and out["text"], out
+            finally:
+                again.stop()
+    finally:
+        proc.stop()
+        engine.stop()
+
+
 def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_health_checks(tmp_path) -> None:
     """With health checks 10 minutes apart, only the 1 s liveness probe (a refused TCP connect)
     can take a killed engine out of rotation within this test; once it listens again on its port
@@ -167,7 +206,9 @@ def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_heal
     from tests.helpers import SimProcess
 
     engine = SimProcess(tmp_path).start()
-    proc = RouterProcess(tmp_path, "--worker-urls", engine.url, "--health-check-interval-secs", "600")
+    proc = RouterProcess(
+        tmp_path, "--worker-urls", engine.url, "--health-check-interval-secs", "600", "--worker-wait-secs", "0"
+    )
     proc.start("/readiness")
     try:
         assert engine.proc is not None
