@@ -422,6 +422,13 @@ class WorkerRegistry:
                 if worker.gone:
                     worker.restarts += 1
                 worker.healthy, worker.gone = True, False
+                if worker.cb_open_until > 0:
+                    # Its circuit opened on the failures that took it out (a crashed engine fails
+                    # every request it held at once): back, it is on trial now (half-open), not
+                    # after the breaker's timeout, which kept a restarted only decode out of
+                    # rotation for a minute.
+                    worker.cb_open_until, worker.cb_half_open = 0.0, True
+                    worker.cb_failures = worker.cb_successes = 0
                 log.info("worker %s is healthy again", worker.url)
                 self.rotation_changed()
             return
@@ -431,6 +438,7 @@ class WorkerRegistry:
         worker.consecutive_failures += 1
         if worker.healthy and worker.consecutive_failures >= c.health.failure_threshold:
             worker.healthy = False
+            self._wake.set()  # the health loop checks it at the fast interval from now (not after its slow one)
             log.warning("worker %s is unhealthy (%d failed checks)", worker.url, worker.consecutive_failures)
 
     def mark_failed(self, worker: Worker, error: BaseException | None = None) -> None:

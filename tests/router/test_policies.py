@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -84,6 +85,61 @@ def test_circuit_breaker_opens_and_half_opens() -> None:
     s = slow.add("http://b", "prefill", 8998, healthy=True)
     slow.record(s, False)
     assert slow.routable("prefill") == []  # open circuit: out of rotation until the timeout
+
+
+def test_a_worker_back_from_the_dead_is_on_trial_not_behind_its_open_circuit() -> None:
+    """A crashed engine fails every request it held at once: its circuit opens, and it fails its
+    health checks. Back (its supervisor restarted it), it gets trial requests at once (half-open)
+    rather than after the breaker's timeout; a trial that fails opens the circuit again."""
+    breaker = BreakerConfig(failure_threshold=3, success_threshold=2, timeout_duration_secs=600)
+    reg = WorkerRegistry(RouterConfig(breaker=breaker, health=HealthConfig(failure_threshold=1, success_threshold=2)))
+    w = reg.add("http://d", "decode", healthy=True)
+    for _ in range(3):
+        reg.record(w, False)  # the requests it held when it died
+    reg.observe_health(w, False)
+    assert not w.healthy and w.to_dict()["circuit_open"]
+    reg.observe_health(w, True)
+    reg.observe_health(w, True)  # back
+    assert w.healthy and reg.routable("decode") == [w] and w.cb_half_open
+    reg.record(w, False)
+    assert reg.routable("decode") == []  # the trial failed: open again
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_its_requests_took_out_is_checked_at_the_fast_interval() -> None:
+    """Three failed requests (reset connections, not a refused one) take a worker out; the health
+    loop then checks it at the startup interval, not after its slow one (it slept the 10 s
+    default out first, and a restarted only decode stayed out that long)."""
+    import aiohttp
+    from aiohttp import web
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/health", lambda _: web.Response(text=""))
+        app.router.add_get("/model_info", lambda _: web.json_response({"weight_version": "v0"}))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        health = HealthConfig(interval_secs=3600, startup_interval_secs=0.01, failure_threshold=3, success_threshold=2)
+        reg = WorkerRegistry(RouterConfig(health=health, breaker=BreakerConfig(disabled=True)))
+        w = reg.add(f"http://127.0.0.1:{port}", "decode", healthy=True)
+        w.activated = True
+        async with aiohttp.ClientSession() as session:
+            reg.start(session)
+            try:
+                await asyncio.sleep(0)  # the loop is asleep on its hour-long interval
+                for _ in range(3):
+                    reg.mark_failed(w, ConnectionResetError())
+                assert not w.healthy
+                while not w.healthy:  # within the test's timeout: two checks at the fast interval
+                    await asyncio.sleep(0.01)
+            finally:
+                await reg.stop()
+        await runner.cleanup()
+
+    asyncio.run(main())
 
 
 def test_manual_is_sticky_per_key_and_moves_a_key_only_when_its_worker_leaves() -> None:
