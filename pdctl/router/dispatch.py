@@ -258,14 +258,19 @@ class Dispatcher:
     async def _no_worker(self, request: _Request, exc: RouteError) -> _SelectAgain:
         """A role has workers but none in rotation: wait for one (``admission.worker_wait_secs``
         from the first time this request found none), then select again (``_SELECT_AGAIN``);
-        ``exc`` past the wait, or at once when the role has no worker at all (a router started
-        without workers answers as sglang-router does). An engine that crashed and is restarted
+        ``exc`` past the wait, or at once when the role has no worker that may come back by
+        itself (none at all: a router started without workers answers as sglang-router does;
+        or every one quarantined for its weights). An engine that crashed and is restarted
         by its supervisor costs its requests a wait rather than a 503 each. Nothing was sent,
         so no retry is counted."""
         wait = self.config.admission.worker_wait_secs
         role = _NO_WORKER_YET.get(exc.code)
-        if role is None or wait <= 0 or not any(w.role == role for w in self.registry.workers.values()):
-            raise exc  # not for lack of a worker, no wait asked, or none of the role to wait for
+        may_come_back = any(w.role == role and not w.quarantined for w in self.registry.workers.values())
+        if role is None or wait <= 0 or not may_come_back:
+            # Not for lack of a worker, no wait asked, or none of the role that may come back by
+            # itself: none at all, or all out of rotation for their weights (a push that stopped
+            # half way; a later push brings them back, not a wait).
+            raise exc
         now = time.monotonic()  # the registry's clock (its waits are on the loop, not the retry policy's clock)
         if request.waits_until is None:
             request.waits_until = now + wait

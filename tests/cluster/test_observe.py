@@ -403,13 +403,14 @@ def test_the_routers_fleet_metrics_follow_its_workers() -> None:
     assert first[("pdctl_router_worker_weight_version", tuple(sorted((*key, ("version", "v1")))))] == 1
     assert first[("pdctl_router_retries_total", (("reason", "busy"),))] == 0  # present before any retry
     reg.record(w, False)  # the breaker opens
+    assert scrape()[("pdctl_router_worker_circuit_open", key)] == 1
     reg.lost(w, "test")  # its process went away ...
     reg.observe_health(w, True)  # ... and a new one answers
     w.weight_version = "v2"
     metrics.weight_update_ended("complete", {"transfer": 0.5, "hold": 0.01}, 0.6)
     after = scrape()
     assert after[("pdctl_router_worker_circuit_opens_total", key)] == 1
-    assert after[("pdctl_router_worker_circuit_open", key)] == 1
+    assert after[("pdctl_router_worker_circuit_open", key)] == 0  # back from the dead: on trial (half-open)
     assert after[("pdctl_router_worker_restarts_total", key)] == 1 and after[("pdctl_router_worker_healthy", key)] == 1
     versions = {k[1] for k in after if k[0] == "pdctl_router_worker_weight_version"}
     assert versions == {tuple(sorted((*key, ("version", "v2"))))}, versions  # v1's series is gone

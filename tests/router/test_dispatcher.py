@@ -205,7 +205,7 @@ def test_a_request_that_finds_no_decode_in_rotation_waits_for_one(stream: bool) 
     run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600))
 
 
-def test_the_wait_for_a_worker_ends_in_the_503_and_a_role_with_none_is_not_waited_for() -> None:
+def test_the_wait_for_a_worker_ends_in_the_503_and_a_role_with_none_to_come_back_is_not_waited_for() -> None:
     async def scenario(f: Fleet) -> None:
         f.registry.workers[D1].healthy = False
         with pytest.raises(RouteError) as caught:
@@ -217,6 +217,11 @@ def test_the_wait_for_a_worker_ends_in_the_503_and_a_role_with_none_is_not_waite
         with pytest.raises(RouteError) as caught:
             await f.generate()
         assert caught.value.code == "no_decode_servers" and "waited" not in str(caught.value)
+        f.registry.add(D1, "decode", healthy=True)
+        f.registry.set_quarantine(D1, "weight push t1 stopped half way")  # only a later push brings it back
+        with pytest.raises(RouteError) as caught:
+            await f.generate()
+        assert "stopped half way" in str(caught.value) and "waited" not in str(caught.value)
         assert f.dispatcher.metrics.waiting_for_workers == 0
 
     run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=0.05))
