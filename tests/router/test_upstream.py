@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from pdctl.router.streaming import sse_blocks
 from pdctl.router.upstream import Response, UpstreamPool, UpstreamTimeout
 
 ANSWER = b'{"text": "hi"}'
@@ -23,6 +24,7 @@ class Engine:
         self.connections = 0
         self.requests = 0
         self.hang = False
+        self.stream: list[bytes] | None = None  # answer with these HTTP chunks (an SSE stream) instead
         self.hung = asyncio.Event()  # a request is being held (``hang``)
         self.client_left = asyncio.Event()
         self.writers: list[asyncio.StreamWriter] = []
@@ -54,6 +56,17 @@ class Engine:
                     await reader.read()  # returns at EOF: the client closed the connection
                     self.client_left.set()
                     return
+                if self.stream is not None:
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    )
+                    for part in self.stream:
+                        writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+                        await writer.drain()
+                        await asyncio.sleep(0)  # (the parts mostly come in reads of their own)
+                    writer.write(b"0\r\n\r\n")
+                    await writer.drain()
+                    continue
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
                     % (len(ANSWER), ANSWER)
@@ -144,5 +157,22 @@ def test_cancelling_a_sent_request_closes_its_connection_and_answers_nothing(poo
         sending.cancel()
         await engine.client_left.wait()  # the engine sees the client go away
         assert answers == [], "a cancelled request's callback is never called"
+
+    run(scenario)
+
+
+EVENTS = [b'data: {"text": "%s"}\n\n' % (b"x" * k) for k in range(1, 9)] + [b"data: [DONE]\n\n"]
+
+
+def test_a_streamed_body_is_read_in_blocks_of_whole_events() -> None:
+    """sse_blocks: HTTP chunks that cut events anywhere come out as whole events."""
+
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        body = b"".join(EVENTS)
+        engine.stream = [body[i : i + 7] for i in range(0, len(body), 7)]
+        response = await pool.post(url + "/generate", b"{}", {}, stream=True, timeout=30)
+        blocks = [block async for block in sse_blocks(response)]
+        assert b"".join(blocks) == body and all(block.endswith(b"\n\n") for block in blocks)
+        assert engine.requests == 1
 
     run(scenario)
