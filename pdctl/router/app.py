@@ -473,7 +473,8 @@ class RouterServer:
                 by_role[worker.role].append(body)
                 if worker.role is not Role.PREFILL:
                     internal.extend(body.get("internal_states", []))
-            else:
+        for worker, status, body in infos:  # after those that answered: ["decode"][0] answers if one does
+            if not (status == 200 and isinstance(body, dict)):
                 why = f"answered {status}" if status else f"no answer: {body}"
                 by_role[worker.role].append({"url": worker.url, "error": why, "internal_states": []})
         return json_reply(

@@ -191,6 +191,8 @@ class Dispatcher:
             if isinstance(outcome, (Reply, _Live)):
                 return outcome
             if isinstance(outcome, _SelectAgain):
+                if self.gate.interrupting:  # an update began meanwhile: nothing goes out before its release
+                    await self._held(tries)
                 continue
             if isinstance(outcome, Stop):
                 raise RouteError(outcome.status, outcome.code, outcome.message)
@@ -214,6 +216,7 @@ class Dispatcher:
                 worker = self.select.regular(request.ctx, version)
             except RouteError as exc:
                 return await self._no_worker(request, exc)
+            request.waits_until = None
             assert data is not None
             if request.stream:
                 one = await self.legs.open_one(worker, request.path, data, headers)
@@ -227,6 +230,7 @@ class Dispatcher:
             prefill, decode = self.select.pair(request.ctx, version)
         except RouteError as exc:
             return await self._no_worker(request, exc)
+        request.waits_until = None  # a later continuation that finds none waits afresh
         # a new room per attempt (a retried room could collide with the orphan)
         bootstrapped = inject_bootstrap(
             payload, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
@@ -259,18 +263,14 @@ class Dispatcher:
         """A role has workers but none in rotation: wait for one (``admission.worker_wait_secs``
         from the first time this request found none), then select again (``_SELECT_AGAIN``);
         ``exc`` past the wait, or at once when the role has no worker that may come back by
-        itself (none at all: a router started without workers answers as sglang-router does;
-        or every one quarantined for its weights). An engine that crashed and is restarted
+        itself (``WorkerRegistry.may_return``; none at all: a router started without workers
+        answers as sglang-router does). An engine that crashed and is restarted
         by its supervisor costs its requests a wait rather than a 503 each. Nothing was sent,
         so no retry is counted."""
         wait = self.config.admission.worker_wait_secs
         role = _NO_WORKER_YET.get(exc.code)
-        may_come_back = any(w.role == role and not w.quarantined for w in self.registry.workers.values())
-        if role is None or wait <= 0 or not may_come_back:
-            # Not for lack of a worker, no wait asked, or none of the role that may come back by
-            # itself: none at all, or all out of rotation for their weights (a push that stopped
-            # half way; a later push brings them back, not a wait).
-            raise exc
+        if role is None or wait <= 0 or not self.registry.may_return(role):
+            raise exc  # not for lack of a worker, no wait asked, or none of the role that may come back
         now = time.monotonic()  # the registry's clock (its waits are on the loop, not the retry policy's clock)
         if request.waits_until is None:
             request.waits_until = now + wait
@@ -445,8 +445,12 @@ class Dispatcher:
             self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
             request.sent = self.gate.epoch
             try:
-                outcome: Outcome | _Live | _SelectAgain = _SELECT_AGAIN
+                outcome: Outcome | _Live | _SelectAgain = await self._attempt(
+                    request, body, None, None if request.pd else dumps(body), version, continuation=True
+                )
                 while isinstance(outcome, _SelectAgain):
+                    if self.gate.interrupting:  # an update began meanwhile: nothing goes out before its release
+                        await self._held(tries)
                     outcome = await self._attempt(
                         request, body, None, None if request.pd else dumps(body), version, continuation=True
                     )

@@ -183,6 +183,7 @@ class _Connection(asyncio.Protocol):
         self._body: bytes | bytearray = b""
         self._size = 0  # of the body being read (counted in the server's inflight_body until it is in)
         self._head_bytes = 0  # read while a head was coming (bounded by HEAD_READ_BOUND)
+        self._body_read = 0  # read while a body was coming (framing and trailers included)
         self._refused = False  # the current message is being refused (too large)
         self._in_body = False  # between a request's headers and its end
 
@@ -214,7 +215,9 @@ class _Connection(asyncio.Protocol):
             self._writable.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_body:
+        if self._in_body:
+            self._body_read += len(data)
+        else:
             self._head_bytes += len(data)  # (a message that begins in this read starts again from 0)
         try:
             self.parser.feed_data(data)
@@ -227,6 +230,11 @@ class _Connection(asyncio.Protocol):
             if self._in_body:
                 if self.body_timer is None:  # armed only when a body spans reads
                     self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_too_slow)
+                if self._body_read - 8 * self._size > HEAD_READ_BOUND:
+                    # Far more bytes than the body has: a chunked body's trailer (held by the parser
+                    # until its line ends, like a header) without end. Chunk framing is at most a
+                    # few bytes per body byte (1-byte chunks: 5).
+                    self._refuse(431, f"request trailers are over {HEAD_READ_BOUND} bytes")
             elif self._head_bytes > HEAD_READ_BOUND:
                 # A head still coming: bounded here, since the parser holds a header until its
                 # end (one endless header line would otherwise grow without limit).
@@ -292,6 +300,7 @@ class _Connection(asyncio.Protocol):
         # The idle clock runs until a request's headers are in: a client that trickles
         # headers (slowloris) is closed like an idle one; a body may take its time.
         self._in_body = True
+        self._head_bytes = self._body_read = 0  # (the read that ended the head may hold body bytes)
         raw = self._raw_headers
         if len(self._url) + sum(map(len, raw)) + sum(map(len, raw.values())) > MAX_HEAD_BYTES:
             self._refuse(431, f"request line and headers are over {MAX_HEAD_BYTES} bytes")
@@ -500,9 +509,9 @@ _HEADER_NAMES: dict[bytes, str] = {}
 
 
 def _header_name(name: bytes) -> str:
-    """``name`` lower-cased as str (remembered for the next time, up to 256 names)."""
+    """``name`` lower-cased as str (remembered for the next time: up to 256 names of up to 64 bytes)."""
     lowered = name.decode("latin-1").lower()
-    if len(_HEADER_NAMES) < 256:
+    if len(_HEADER_NAMES) < 256 and len(name) <= 64:  # (clients choose names: a bounded, small cache)
         _HEADER_NAMES[name] = lowered
     return lowered
 

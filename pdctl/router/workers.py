@@ -132,6 +132,18 @@ class WorkerRegistry:
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
 
+    def may_return(self, role: Role) -> bool:
+        """Whether a worker of ``role`` out of rotation may come back by itself, so that a request
+        may wait for it: one restarting (health checks bring it back), cordoned, behind an open
+        circuit, or being loaded with the fleet's weights; not one quarantined for weights that
+        only a later push brings (a push that stopped half way), nor one that left with health
+        checks off (nothing would bring it back)."""
+        checks = not self.config.health.disabled
+        return any(
+            w.role == role and (not w.quarantined or w.url in self._loading) and (w.healthy or checks)
+            for w in self.workers.values()
+        )
+
     async def wait_for_rotation(self, timeout: float) -> None:
         """Until ``rotation_changed()``, an open circuit's timeout (a trial request may then go),
         or ``timeout`` seconds, whichever comes first. The caller selects again."""

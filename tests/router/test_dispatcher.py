@@ -182,18 +182,19 @@ def test_a_stream_abandoned_before_its_first_chunk_ends_both_legs() -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_that_finds_no_decode_in_rotation_waits_for_one(stream: bool) -> None:
-    """The only decode is out of rotation (its engine restarting): the request waits, sends
-    nothing meanwhile, and is served once the decode is back; no retry is counted."""
+    """The only decode is out of rotation (cordoned for a rolling restart; health checks are off
+    in this fleet): the request waits, sends nothing meanwhile, and is served once the decode is
+    back; no retry is counted."""
 
     async def scenario(f: Fleet) -> None:
         decode = f.registry.workers[D1]
-        decode.healthy = False
+        decode.cordoned = "restart"
         request = asyncio.ensure_future(f.generate(stream=stream))
         while f.dispatcher.metrics.waiting_for_workers == 0:
             assert not request.done(), request.result()
             await asyncio.sleep(0)
         assert f.engines.bodies(P1) == [] and f.engines.bodies(D1) == []
-        decode.healthy = True
+        decode.cordoned = None
         f.registry.rotation_changed()
         reply = await request
         assert reply.status == 200
@@ -205,9 +206,31 @@ def test_a_request_that_finds_no_decode_in_rotation_waits_for_one(stream: bool) 
     run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600))
 
 
+def test_a_request_woken_during_an_interrupting_update_waits_for_its_release() -> None:
+    """The decode comes back while an update holds the router in ``interrupt`` mode (its engines
+    paused): the waiting request is not sent before the release."""
+
+    async def scenario(f: Fleet) -> None:
+        decode = f.registry.workers[D1]
+        decode.cordoned = "restart"
+        request = asyncio.ensure_future(f.generate())
+        while f.dispatcher.metrics.waiting_for_workers == 0:
+            await asyncio.sleep(0)
+        f.dispatcher.gate.close(RefitMode.INTERRUPT, None, new_transaction=True)
+        decode.cordoned = None
+        f.registry.rotation_changed()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not request.done() and f.engines.bodies(D1) == []  # held, nothing sent
+        f.dispatcher.gate.open()
+        assert (await request).status == 200 and len(f.engines.bodies(D1)) == 1
+
+    run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600))
+
+
 def test_the_wait_for_a_worker_ends_in_the_503_and_a_role_with_none_to_come_back_is_not_waited_for() -> None:
     async def scenario(f: Fleet) -> None:
-        f.registry.workers[D1].healthy = False
+        f.registry.workers[D1].cordoned = "restart"
         with pytest.raises(RouteError) as caught:
             await f.generate()
         assert caught.value.status == 503 and caught.value.code == "no_decode_servers"

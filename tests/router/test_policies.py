@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from pdctl.roles import Role
 from pdctl.router.config import BreakerConfig, CacheConfig, HealthConfig, RouterConfig
 from pdctl.router.policies import RequestContext, make_policy
 from pdctl.router.workers import Worker, WorkerRegistry
@@ -140,6 +141,19 @@ def test_a_worker_its_requests_took_out_is_checked_at_the_fast_interval() -> Non
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_which_workers_out_of_rotation_may_come_back_by_themselves() -> None:
+    reg = WorkerRegistry(RouterConfig())
+    w = reg.add("http://d", "decode", healthy=False)  # restarting: health checks bring it back
+    assert reg.may_return(Role.DECODE) and not reg.may_return(Role.PREFILL)
+    reg.set_quarantine(w.url, "weight push t1 stopped half way")  # only a later push brings it back
+    assert not reg.may_return(Role.DECODE)
+    reg._loading[w.url] = None  # type: ignore[assignment]  # the fleet's checkpoint is being loaded into it
+    assert reg.may_return(Role.DECODE)
+    off = WorkerRegistry(RouterConfig(health=HealthConfig(disabled=True)))
+    off.add("http://e", "decode", healthy=False)  # left with health checks off: nothing brings it back
+    assert not off.may_return(Role.DECODE)
 
 
 def test_manual_is_sticky_per_key_and_moves_a_key_only_when_its_worker_leaves() -> None:

@@ -242,6 +242,59 @@ def test_one_endless_header_line_is_refused_before_it_fills_memory() -> None:
     run(test, keepalive_timeout=600)
 
 
+def test_an_endless_trailer_is_refused_and_a_large_body_after_a_split_head_is_served() -> None:
+    """A chunked body's trailer is held by the parser like a header line: one without end is a
+    431. A head that came in two reads, followed in one read by a ~250 KB body, is served (its body
+    bytes were once counted as head and refused after the request was dispatched)."""
+
+    async def test(app: App, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = asyncio.ensure_future(reader.read(4096))
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\nX-T: ")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(1000):  # 64 MB at most
+                if answer.done():
+                    break
+                writer.write(b"y" * 65536)
+                await asyncio.wait([answer, asyncio.ensure_future(writer.drain())], return_when="FIRST_COMPLETED")
+        assert answer.done(), "64 MB of one trailer line and no answer"
+        assert answer.result().startswith(b"HTTP/1.1 431")
+        writer.close()
+
+        # In memory, so that the reads are exactly these two (uvloop reads up to 256000 bytes).
+        from pdctl.router.server import _Connection
+
+        class Transport:
+            def __init__(self) -> None:
+                self.out, self.closed = b"", False
+
+            def write(self, data: bytes) -> None:
+                self.out += data
+
+            def close(self) -> None:
+                self.closed = True
+
+            def is_closing(self) -> bool:
+                return self.closed
+
+            def pause_reading(self) -> None:
+                pass
+
+            def resume_reading(self) -> None:
+                pass
+
+        conn, transport = _Connection(HttpServer(app.dispatch, server_error)), Transport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        body = b"z" * 250_000
+        conn.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 8000)
+        conn.data_received(b"\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        assert conn.task is not None
+        await conn.task
+        assert transport.out.startswith(b"HTTP/1.1 200") and not transport.closed, transport.out[:200]
+
+    run(test)
+
+
 def test_a_head_under_the_limit_is_served_however_it_is_split() -> None:
     async def test(app: App, port: int) -> None:
         pads = b"".join(b"X-Pad-%d: %b\r\n" % (i, b"y" * 500) for i in range(100))  # 50 KB of headers
