@@ -156,13 +156,24 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
         slow.stop()
 
 
+def kill_until_out_of_rotation(engine, proc: RouterProcess) -> None:
+    """``kill -9`` the router's only engine and wait until the router has taken it out."""
+    import os
+    import signal
+    import time
+
+    assert engine.proc is not None
+    os.killpg(engine.proc.pid, signal.SIGKILL)
+    engine.proc.wait()
+    while get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
+        time.sleep(0.05)
+
+
 def test_a_request_waits_for_its_only_engine_to_come_back_rather_than_failing(tmp_path) -> None:
     """The only engine is killed: a request that comes while it is out of rotation waits
     (--worker-wait-secs) and is answered once the engine listens again, as it
     does when its supervisor restarts it; before, it got a 503 at once."""
     import concurrent.futures
-    import os
-    import signal
     import time
 
     from tests.helpers import SimProcess
@@ -173,11 +184,7 @@ def test_a_request_waits_for_its_only_engine_to_come_back_rather_than_failing(tm
     proc.start("/readiness")
     waiting = "pdctl_router_requests_waiting_for_workers 1.0"
     try:
-        assert engine.proc is not None
-        os.killpg(engine.proc.pid, signal.SIGKILL)
-        engine.proc.wait()
-        while get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
-            time.sleep(0.05)
+        kill_until_out_of_rotation(engine, proc)
         info = get(proc.url + "/server_info")[1]  # the engine is listed, saying it does not answer
         assert [w["url"] for w in info["regular"]] == [engine.url] and "no answer" in info["regular"][0]["error"]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -200,8 +207,6 @@ def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_heal
     """With health checks 10 minutes apart, only the 1 s liveness probe (a refused TCP connect)
     can take a killed engine out of rotation within this test; once it listens again on its port
     it is checked at the fast startup interval and comes back."""
-    import os
-    import signal
     import time
 
     from tests.helpers import SimProcess
@@ -212,11 +217,7 @@ def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_heal
     )
     proc.start("/readiness")
     try:
-        assert engine.proc is not None
-        os.killpg(engine.proc.pid, signal.SIGKILL)
-        engine.proc.wait()
-        while get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
-            time.sleep(0.05)
+        kill_until_out_of_rotation(engine, proc)
         status, out = post(proc.url + "/generate", greedy("nobody home"))
         assert status == 503 and out["error"]["code"] == "no_healthy_workers", out
         again = SimProcess(tmp_path, port=engine.port).start()
