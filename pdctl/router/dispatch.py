@@ -200,7 +200,7 @@ class Dispatcher:
             if over is not None:
                 return over
 
-    async def _attempt(
+    def _attempt(
         self,
         request: _Request,
         payload: dict[str, Any],
@@ -208,37 +208,47 @@ class Dispatcher:
         data: bytes | None,
         version: str | None,
         continuation: bool,
-    ) -> Outcome | _Live | _SelectAgain:
+    ) -> Awaitable[Outcome | _Live | _SelectAgain]:
+        """One attempt on freshly selected workers, sent now; its outcome, awaited at once. Not a
+        coroutine of its own: it returns the coroutine that runs the attempt (a layer less on
+        every request)."""
         epoch = self.gate.epoch  # before anything is sent: an interrupt from here on is this attempt's
-        headers = request.headers
         if not request.pd:
             try:
                 worker = self.select.regular(request.ctx, version)
             except RouteError as exc:
-                return await self._no_worker(request, exc)
+                return self._no_worker(request, exc)
             request.waits_until = None
             assert data is not None
-            if request.stream:
-                one = await self.legs.open_one(worker, request.path, data, headers)
-                if isinstance(one, Opened):
-                    return _Live(worker, one, epoch)
-                leg = one
-            else:
-                leg = await self.legs.start(worker, request.path, data, headers)
-            return self.legs.verdict(worker, leg, errors.WORKER_FAILED) or leg.reply(headers)
+            return self._regular(request, worker, data, epoch)
         try:
             prefill, decode = self.select.pair(request.ctx, version)
         except RouteError as exc:
-            return await self._no_worker(request, exc)
+            return self._no_worker(request, exc)
         request.waits_until = None  # a later continuation that finds none waits afresh
         # a new room per attempt (a retried room could collide with the orphan)
         bootstrapped = inject_bootstrap(
             payload, host=prefill.bootstrap_host, port=prefill.bootstrap_port, batch_size=batch
         )
-        pair = PairAttempt(self.legs, prefill, decode, request.path, dumps(bootstrapped), headers)
+        pair = PairAttempt(self.legs, prefill, decode, request.path, dumps(bootstrapped), request.headers)
         if not request.stream:
-            async with pair:
-                return await pair.whole(request.with_logprobs)
+            return pair.whole(request.with_logprobs)  # (it closes the pair)
+        return self._open(request, pair, epoch, continuation)
+
+    async def _regular(self, request: _Request, worker: Worker, data: bytes, epoch: int) -> Outcome | _Live:
+        headers = request.headers
+        if request.stream:
+            one = await self.legs.open_one(worker, request.path, data, headers)
+            if isinstance(one, Opened):
+                return _Live(worker, one, epoch)
+            leg = one
+        else:
+            leg = await self.legs.start(worker, request.path, data, headers)
+        return self.legs.verdict(worker, leg, errors.WORKER_FAILED) or leg.reply(headers)
+
+    async def _open(self, request: _Request, pair: PairAttempt, epoch: int, continuation: bool) -> Outcome | _Live:
+        """A PD stream once decode's first block came (the prefill's input logprobs first when
+        asked for), else why not; the pair is closed unless the stream is handed on."""
         handed = False
         opened: Opened | Outcome | None = None
         try:
@@ -252,7 +262,7 @@ class Dispatcher:
                     return got
                 prefix = got
             handed = True
-            return _Live(decode, opened, epoch, pair, prefix)
+            return _Live(pair.decode, opened, epoch, pair, prefix)
         finally:
             if not handed:
                 if isinstance(opened, Opened):

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdctl.router.jsonutil import dumps, loads
-from pdctl.router.upstream import Answered, Posting, Response, Sending, UpstreamTimeout
+from pdctl.router.upstream import Answered, Posting, Response, Sending, UpstreamTimeout, cut_after_last
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class MockReply:
     chunks: AsyncIterator[bytes] | None = None
     """A body sent chunk by chunk (a stream); an UpstreamError from it ends the body early."""
     content_type: str = "application/json"
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    headers: dict[bytes, bytes] = field(default_factory=dict)
 
     def body_parts(self) -> AsyncIterator[bytes]:
         if self.chunks is not None:
@@ -88,7 +88,7 @@ class MockUpstream:
             if stream:  # as the real pool does: the timeout covers the head and the body until disarmed
                 deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
                 reply = await asyncio.wait_for(self.handler(request), timeout)
-                head = [(b"content-type", reply.content_type.encode()), *reply.headers]
+                head = {b"content-type": reply.content_type.encode(), **reply.headers}
                 source = _Chunks(reply, self._closing, deadline)
                 return Response(reply.status, head, content_type=reply.content_type, _source=source)
             return await asyncio.wait_for(self._whole(request), timeout)
@@ -103,7 +103,7 @@ class MockUpstream:
     async def _whole(self, request: UpstreamRequest) -> Response:
         reply = await self.handler(request)
         body = b"".join([part async for part in reply.body_parts()])
-        head = [(b"content-type", reply.content_type.encode()), *reply.headers]
+        head = {b"content-type": reply.content_type.encode(), **reply.headers}
         return Response(reply.status, head, body, reply.content_type)
 
     def close(self) -> None:
@@ -119,8 +119,9 @@ class _Chunks:
         self._closing = closing
         self._deadline = deadline
 
-    async def body_chunks(self) -> AsyncIterator[bytes]:
+    async def body_chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
         parts = self._parts.__aiter__()
+        held = b""
         while True:
             try:
                 if self._deadline is None:
@@ -132,7 +133,12 @@ class _Chunks:
                 break
             except asyncio.TimeoutError:
                 raise UpstreamTimeout("no answer within the request timeout") from None
-            yield part
+            if boundary:
+                part, held = cut_after_last(held + part, boundary)
+            if part:
+                yield part
+        if held:
+            yield held
         self._finished = True
 
     def disarm(self) -> None:

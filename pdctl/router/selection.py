@@ -30,6 +30,8 @@ class Selector:
     def context(self, body: dict[str, Any], routing_key: str | None, *, pd: bool) -> RequestContext:
         """What the policies read of a request (its text only for those that hash or match it)."""
         needs_text = self.pd_needs_text if pd else self.regular_policy.needs_text
+        if not needs_text and routing_key is None:
+            return _NOTHING  # (frozen: one for every request that carries nothing a policy reads)
         return RequestContext(text=text_of(body) if needs_text else None, routing_key=routing_key)
 
     def pair(self, ctx: RequestContext, version: str | None = None) -> tuple[Worker, Worker]:
@@ -53,7 +55,7 @@ class Selector:
                 f"decode {sorted(map(str, versions))})",
             )
         prefill = _chosen(self.prefill_policy.select(pairable, ctx), Role.PREFILL)
-        same = [d for d in decodes if d.weight_version == prefill.weight_version]
+        same = decodes if len(versions) == 1 else [d for d in decodes if d.weight_version == prefill.weight_version]
         decode = _chosen(self.decode_policy.select(same, ctx), Role.DECODE)
         self.metrics.selected(prefill, decode)
         return prefill, decode
@@ -72,6 +74,9 @@ class Selector:
         if held:
             return f" ({len(held)} out of rotation for their weights: {held[0].quarantined})"
         return " (none healthy)"
+
+
+_NOTHING = RequestContext()
 
 
 def _chosen(worker: Worker | None, role: Role) -> Worker:

@@ -171,7 +171,9 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.pending: collections.deque[Request] = collections.deque()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # the connection's: it answers its requests in order
+        self._next: asyncio.Future[None] | None = None
+        """While no request is being answered: what the task waits on for the next one (in ``pending``)."""
         self.idle_timer: asyncio.TimerHandle | None = None
         self._idle_since = 0.0
         self.body_timer: asyncio.TimerHandle | None = None
@@ -192,6 +194,8 @@ class _Connection(asyncio.Protocol):
         # A TCP connection's transport: it reads and writes (uvloop's subclasses no asyncio class).
         self.transport = cast(asyncio.Transport, transport)
         self.server._connections.add(self)
+        self._next = self.loop.create_future()
+        self.task = self.loop.create_task(self._serve(self._next))
         self._arm_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -206,8 +210,9 @@ class _Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
         self.idle_timer = self.body_timer = None
-        if self.task is not None and not self.task.done():
-            self.task.cancel()  # the client went away: its handler (and the engines' work) stops
+        task, self.task = self.task, None  # (a cancelled task's error would hold this connection: a cycle)
+        if task is not None and not task.done():
+            task.cancel()  # the client went away: its handler (and the engines' work) stops
         for request in self.pending:
             self._release(request)
         self.pending.clear()
@@ -311,7 +316,7 @@ class _Connection(asyncio.Protocol):
             url = self._url.partition(b"?")[0].decode("latin-1")
             refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers)
             if refusal is not None:  # answered before any body byte is read: a refused body costs nothing
-                if self.task is None:
+                if self._next is not None:  # no request being answered
                     self._refuse_with(refusal)
                 else:  # earlier pipelined requests are unanswered: the refusal waits its turn
                     self._refused = True
@@ -367,58 +372,62 @@ class _Connection(asyncio.Protocol):
             http10=self.parser.get_http_version() == "1.0",
             held=held,
         )
-        if self.task is None:
-            self.task = self.loop.create_task(self._serve(request))
-            return
-        self.pending.append(request)  # pipelined: answered in order after the current one
-        if len(self.pending) >= MAX_PIPELINED and self.transport is not None:
+        self.pending.append(request)  # answered in order after those before it
+        waiting = self._next
+        if waiting is not None:  # the task waits for it
+            self._next = None
+            waiting.set_result(None)
+        elif len(self.pending) >= MAX_PIPELINED and self.transport is not None:
             self.transport.pause_reading()  # bounded memory: read on once answers catch up
 
     # -- answering -------------------------------------------------------------------------
-    async def _serve(self, request: Request) -> None:
+    async def _serve(self, first: asyncio.Future[None]) -> None:
+        """Answer the connection's requests in order as they come, from ``first`` on: dispatch each
+        and write its answer. One task per connection, not one per request (a task's making and
+        ending, with its registration, was a measurable share of a request's CPU); it ends with
+        the connection, or is cancelled when the client goes away."""
+        waiting: asyncio.Future[None] | None = first
         while True:
-            try:
-                go_on = await self._answer(request)
-            finally:
-                self._release(request)
-            if not go_on or not self.pending:
-                break
-            request = self.pending.popleft()
+            if waiting is not None:
+                await waiting
+            request = self.pending.popleft()  # (until it is taken, connection_lost gives back its body)
             if len(self.pending) == MAX_PIPELINED // 2 and self.transport is not None:
                 self.transport.resume_reading()
-        self.task = None
-        self._arm_idle()
-
-    async def _answer(self, request: Request) -> bool:
-        """Dispatch ``request`` and write its answer; whether the connection serves on."""
-        if request.refusal is not None:  # refused at its head behind earlier pipelined requests
-            self._write(_whole(request.refusal, False, False))
-            self.close()
-            return False
-        try:
-            reply = await self.server.dispatch(request)
-        except asyncio.CancelledError as exc:
-            if self._client_cancelled():
-                raise  # the client went away, or the server stops: the handler's work ends
-            # A cancellation the handler made itself leaked out of it: a bug, but the client must
-            # not wait for ever on an open connection.
-            log.error("handler for %s %s ended by a stray cancellation", request.method, request.path, exc_info=exc)
-            reply = self.server.on_error(500, "internal error: the request was cancelled")
-        except Exception:
-            log.exception("handler for %s %s failed", request.method, request.path)  # a bug: 500, keep serving
-            reply = self.server.on_error(500, "internal error")
-        if isinstance(reply, StreamReply):
-            if not await self._stream(request, reply):
-                self.close()  # half a stream was sent: closing is the only honest end
-                return False
-        else:
-            self._write(_whole(reply, request.keep_alive, request.http10))
-        if self.transport is None:
-            return False
-        if not request.keep_alive:
-            self.close()
-            return False
-        return True
+            try:
+                if request.refusal is not None:  # refused at its head behind earlier pipelined requests
+                    reply: Answer = request.refusal
+                    request.keep_alive = False
+                else:
+                    try:
+                        reply = await self.server.dispatch(request)
+                    except asyncio.CancelledError as exc:
+                        if self._client_cancelled():
+                            raise  # the client went away, or the server stops: the handler's work ends
+                        # A cancellation the handler made itself leaked out of it: a bug, but the client
+                        # must not wait for ever on an open connection.
+                        what = f"handler for {request.method} {request.path}"
+                        log.error("%s ended by a stray cancellation", what, exc_info=exc)
+                        reply = self.server.on_error(500, "internal error: the request was cancelled")
+                    except Exception:  # a bug: 500, keep serving
+                        log.exception("handler for %s %s failed", request.method, request.path)
+                        reply = self.server.on_error(500, "internal error")
+                if isinstance(reply, StreamReply):
+                    ended_whole = await self._stream(request, reply)
+                else:
+                    self._write(_whole(reply, request.keep_alive, request.http10))
+                    ended_whole = True
+            finally:
+                self._release(request)
+            if not ended_whole or not request.keep_alive:
+                self.close()  # half a stream was sent (closing is the only honest end), or the client asked
+                return
+            if self.transport is None:
+                return
+            if self.pending:
+                waiting = None
+            else:
+                waiting = self._next = self.loop.create_future()
+                self._arm_idle()
 
     async def _stream(self, request: Request, reply: StreamReply) -> bool:
         """Write ``reply``'s head, then its body in chunks as they come (waiting while the client
@@ -477,14 +486,14 @@ class _Connection(asyncio.Protocol):
         microseconds on the hot path): when it fires it closes the connection if it has been
         idle that long, waits on if it went idle later, and goes away if a request is being
         served (answering re-arms it)."""
-        if self.transport is not None and self.task is None and not self._in_body:
+        if self.transport is not None and self._next is not None and not self._in_body:
             self._idle_since = self.loop.time()
             if self.idle_timer is None:
                 self.idle_timer = self.loop.call_later(self.server.keepalive_timeout, self._check_idle)
 
     def _check_idle(self) -> None:
         self.idle_timer = None
-        if self.transport is None or self.task is not None or self._in_body:
+        if self.transport is None or self._next is None or self._in_body:
             return
         left = self._idle_since + self.server.keepalive_timeout - self.loop.time()
         if left > 0:

@@ -49,9 +49,9 @@ class Headers(dict[str, str]):
         return cls({"X-Request-ID": request_id}, upstream)
 
 
-def passed_headers(upstream: list[tuple[bytes, bytes]], headers: Headers) -> dict[str, str]:
+def passed_headers(upstream: dict[bytes, bytes], headers: Headers) -> dict[str, str]:
     """A streamed reply's headers: the engine's (hop-by-hop ones dropped) and the request's."""
-    out = {k.decode("latin-1"): v.decode("latin-1") for k, v in upstream if k.lower() not in _HOP_HEADERS}
+    out = {k.decode("latin-1"): v.decode("latin-1") for k, v in upstream.items() if k.lower() not in _HOP_HEADERS}
     out.update(headers)
     return out
 

@@ -42,25 +42,11 @@ async def first_block(blocks: AsyncIterator[bytes]) -> bytes | BaseException:
         return exc
 
 
-async def sse_blocks(upstream: Response) -> AsyncIterator[bytes]:
+def sse_blocks(upstream: Response) -> AsyncIterator[bytes]:
     """A streaming response's body as it arrives, cut after its last whole event (``...\\n\\n``):
     each block is one or more whole events; the rest waits for the next read. A tail with no
     boundary at the end of the body comes last."""
-    tail = b""
-    async for chunk in upstream.chunks():
-        if tail:
-            chunk = tail + chunk
-        cut = chunk.rfind(b"\n\n") + 2
-        if cut == 1:  # no boundary yet
-            tail = chunk
-        elif cut == len(chunk):
-            tail = b""
-            yield chunk
-        else:
-            tail = chunk[cut:]
-            yield chunk[:cut]
-    if tail:
-        yield tail
+    return upstream.chunks(b"\n\n")
 
 
 def events_of(block: bytes) -> list[bytes]:

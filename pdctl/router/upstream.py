@@ -39,8 +39,9 @@ class UpstreamTimeout(UpstreamError):
 class BodySource(Protocol):
     """Where a streamed response's body comes from (a connection, or a test's chunks)."""
 
-    def body_chunks(self) -> AsyncIterator[bytes]:
-        """The body's chunks as they arrive; raises UpstreamError if it ends before complete."""
+    def body_chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive (cut as ``Response.chunks`` says); raises
+        UpstreamError if it ends before complete."""
         ...
 
     def finished(self) -> bool:
@@ -59,15 +60,18 @@ class BodySource(Protocol):
 @dataclass(slots=True)
 class Response:
     status: int
-    headers: list[tuple[bytes, bytes]]
+    headers: dict[bytes, bytes]
+    """As the engine sent them (names not case-folded); a repeated header keeps its last value."""
     body: bytes = b""
     content_type: str = "application/json"
     _source: BodySource | None = field(default=None, repr=False)
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (streamed responses only; read once)."""
+    def chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
+        """The body as it arrives (streamed responses only; read once). With ``boundary``, each
+        chunk ends with it: what comes after the last one waits for the rest (a tail with none
+        comes last, at the end of the body)."""
         assert self._source is not None
-        return self._source.body_chunks()
+        return self._source.body_chunks(boundary)
 
     async def read(self) -> bytes:
         """The rest of a streamed body, whole."""
@@ -183,6 +187,11 @@ class _Conn(asyncio.Protocol):
         # Cached: on Python 3.11 each asyncio.get_running_loop() is a getpid() syscall.
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
+        # httptools calls on_header(name, value) once per header: stored straight into a dict (a
+        # C call, no Python frame per header), as the router's server does. The parser takes the
+        # attribute when it is made, so this dict is cleared per response and copied at its head.
+        self._raw_headers: dict[bytes, bytes] = {}
+        self.on_header: Callable[[bytes, bytes], None] = self._raw_headers.__setitem__
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
@@ -193,7 +202,8 @@ class _Conn(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
-        self.headers: list[tuple[bytes, bytes]] = []
+        self._raw_headers.clear()
+        self.headers: dict[bytes, bytes] = {}
         self.content_type = b""
         self.status = 0
         self.body: list[bytes] = []  # a whole body; a stream's chunks not read yet
@@ -254,12 +264,12 @@ class _Conn(asyncio.Protocol):
         self._cancel_timer()
         self._fail(UpstreamError(f"connection closed: {exc or 'by peer'}"))
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-        if len(name) == 12 and name.lower() == b"content-type":
-            self.content_type = value
-
     def on_headers_complete(self) -> None:
+        raw = self.headers = dict(self._raw_headers)
+        content_type = raw.get(b"Content-Type") or raw.get(b"content-type")
+        if content_type is None:  # another spelling, or none
+            content_type = next((v for k, v in raw.items() if k.lower() == b"content-type"), b"")
+        self.content_type = content_type
         self.status = self.parser.get_status_code()
         if self.head is not None and not self.head.done():
             self.head.set_result(self.status)
@@ -319,17 +329,26 @@ class _Conn(asyncio.Protocol):
             waiter.set_result(None)
 
     # -- use -------------------------------------------------------------------------------
-    async def body_chunks(self) -> AsyncIterator[bytes]:
+    async def body_chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
         """A stream's body: each time, all that has arrived since the last (one chunk however
-        many reads or HTTP chunks it came in, so that the client gets it in one write)."""
+        many reads or HTTP chunks it came in, so that the client gets it in one write), up to
+        its last ``boundary`` if given (cut here rather than by a generator over this one: a
+        layer less on every event of a stream)."""
         body = self.body
+        held = b""  # (with a boundary) what came after the last one
         try:
             while True:
                 if body:
                     chunk = body[0] if len(body) == 1 else b"".join(body)
                     body.clear()
+                    if boundary:
+                        chunk, held = cut_after_last(held + chunk if held else chunk, boundary)
+                        if not chunk:
+                            continue
                     yield chunk
                 elif self.complete:
+                    if held:
+                        yield held
                     break
                 elif self.error is not None:
                     raise self.error  # the connection died mid-body
@@ -352,6 +371,14 @@ class _Conn(asyncio.Protocol):
         self._cancel_timer()
         if self.transport is not None:
             self.transport.close()
+
+
+def cut_after_last(data: bytes, boundary: bytes) -> tuple[bytes, bytes]:
+    """``data`` cut after its last ``boundary``: (what ends with it, what comes after it)."""
+    cut = data.rfind(boundary) + len(boundary)
+    if cut < len(boundary):
+        return b"", data
+    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
 
 
 class UpstreamPool:
@@ -386,19 +413,27 @@ class UpstreamPool:
             conn.close()
 
     def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
-        target = self._targets.get(url)
-        if target is None:
-            parts = urlsplit(url)
-            key = (parts.hostname or "127.0.0.1", parts.port or 80)
-            prefix = f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            target = self._targets[url] = (key, prefix.encode())
+        """``url``'s address and request head up to its Content-Length (remembered: the router
+        posts to a handful of URLs)."""
+        parts = urlsplit(url)
+        key = (parts.hostname or "127.0.0.1", parts.port or 80)
+        prefix = f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        target = self._targets[url] = (key, prefix.encode())
         return target
 
     def _request(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[tuple[str, int], bytes]:
-        """The address and the bytes of a POST of ``body`` to ``url``."""
-        key, prefix = self._target(url)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        return key, prefix + f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+        """The address and the bytes of a POST of ``body`` to ``url``. Header values go out as the
+        bytes they came in as (the server decodes them as latin-1); one that latin-1 cannot hold
+        (a worker's key registered through the API, say) goes out as UTF-8."""
+        key, prefix = self._targets.get(url) or self._target(url)
+        if not headers:
+            return key, b"%bContent-Length: %d\r\n\r\n%b" % (prefix, len(body), body)
+        lines = "\r\n".join(map(": ".join, headers.items()))  # (C calls only)
+        try:
+            extra = lines.encode("latin-1")
+        except UnicodeEncodeError:
+            extra = lines.encode()
+        return key, b"%bContent-Length: %d\r\n%b\r\n\r\n%b" % (prefix, len(body), extra, body)
 
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None

@@ -58,6 +58,12 @@ class Worker:
     drained: asyncio.Event | None = None
     gone: bool = False
     """Its process went away (a refused connection): a new one is back at its first passed check."""
+    guard: LoadGuard = field(init=False, repr=False)
+    """Counts a request in ``load`` while entered (``WorkerRegistry.in_flight``)."""
+
+    def __post_init__(self) -> None:
+        self.guard = LoadGuard(self)
+
     auth: dict[str, str] = field(default_factory=dict, repr=False)
     """Headers for every call the router makes to it: its key, never a client's."""
 
@@ -87,7 +93,9 @@ class Worker:
 class LoadGuard:
     """``with LoadGuard(worker):`` counts one request in ``worker.load`` until the block ends,
     however it ends (smg's WorkerLoadGuard). A class rather than a @contextmanager: it is entered
-    two or three times per request, and a generator-based one costs about twice as much."""
+    two or three times per request, and a generator-based one costs about twice as much. It
+    holds nothing of one request, so each worker has one (``Worker.guard``), entered as often
+    as it has requests: none is made per request."""
 
     __slots__ = ("worker",)
 
@@ -284,7 +292,7 @@ class WorkerRegistry:
     # -- outcomes ----------------------------------------------------------------------------------
     def in_flight(self, worker: Worker) -> LoadGuard:
         """Count a request in ``worker``'s load for the duration: the one place load changes."""
-        return LoadGuard(worker)
+        return worker.guard
 
     def record(self, worker: Worker, ok: bool) -> None:
         """Circuit breaker bookkeeping for an answer that says whether ``worker`` works (a 4xx is

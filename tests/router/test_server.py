@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pdctl.router.errors import server_error
 from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, started
-from pdctl.router.server import HttpServer, Request, Routes
+from pdctl.router.server import HttpServer, Request, Routes, _Connection
 
 PAD = "x" * 4096
 
@@ -97,6 +97,31 @@ class App:
 
     async def delete(self, r: Request) -> Reply:
         return json_reply({"deleted": r.tail})
+
+
+class MemoryTransport:
+    """A connection's transport in memory: what the server writes is kept in ``out``."""
+
+    def __init__(self) -> None:
+        self.out, self.closed = b"", False
+        self.wrote = asyncio.get_running_loop().create_future()  # done at the first write
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+        if not self.wrote.done():
+            self.wrote.set_result(None)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 def run(test: Callable[[App, int], Awaitable[None]], **server_kw) -> None:
@@ -262,35 +287,34 @@ def test_an_endless_trailer_is_refused_and_a_large_body_after_a_split_head_is_se
         writer.close()
 
         # In memory, so that the reads are exactly these two (uvloop reads up to 256000 bytes).
-        from pdctl.router.server import _Connection
-
-        class Transport:
-            def __init__(self) -> None:
-                self.out, self.closed = b"", False
-
-            def write(self, data: bytes) -> None:
-                self.out += data
-
-            def close(self) -> None:
-                self.closed = True
-
-            def is_closing(self) -> bool:
-                return self.closed
-
-            def pause_reading(self) -> None:
-                pass
-
-            def resume_reading(self) -> None:
-                pass
-
-        conn, transport = _Connection(HttpServer(app.dispatch, server_error)), Transport()
+        conn, transport = _Connection(HttpServer(app.dispatch, server_error)), MemoryTransport()
         conn.connection_made(transport)  # type: ignore[arg-type]
         body = b"z" * 250_000
         conn.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 8000)
         conn.data_received(b"\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
-        assert conn.task is not None
-        await conn.task
+        await transport.wrote
         assert transport.out.startswith(b"HTTP/1.1 200") and not transport.closed, transport.out[:200]
+        conn.connection_lost(None)  # (its task waits for a next request: it ends with the connection)
+
+    run(test)
+
+
+def test_a_request_whose_client_left_before_it_was_answered_gives_back_its_body_bytes() -> None:
+    """A request read whole whose connection is lost in the same turn of the loop (before its
+    handler started) no longer counts in the bodies the server holds: were it to, enough such
+    clients would make the server refuse every body (503) for good."""
+
+    async def test(app: App, port: int) -> None:
+        server = HttpServer(app.dispatch, server_error)
+        for _ in range(3):
+            conn, transport = _Connection(server), MemoryTransport()
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            conn.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"b" * 5000)
+            assert server.inflight_body == 5000
+            conn.connection_lost(None)
+            for _ in range(3):
+                await asyncio.sleep(0)  # the connection's task ends (cancelled)
+            assert server.inflight_body == 0 and transport.out == b""
 
     run(test)
 

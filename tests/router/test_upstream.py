@@ -25,6 +25,8 @@ class Engine:
         self.requests = 0
         self.hang = False
         self.stream: list[bytes] | None = None  # answer with these HTTP chunks (an SSE stream) instead
+        self.type_header = b"Content-Type"  # the name its whole answers spell it with
+        self.heads: list[bytes] = []  # every request's head, as received
         self.hung = asyncio.Event()  # a request is being held (``hang``)
         self.client_left = asyncio.Event()
         self.writers: list[asyncio.StreamWriter] = []
@@ -44,6 +46,7 @@ class Engine:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
                 length = next(
                     int(line.split(b":", 1)[1])
                     for line in head.split(b"\r\n")
@@ -68,8 +71,8 @@ class Engine:
                     await writer.drain()
                     continue
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
-                    % (len(ANSWER), ANSWER)
+                    b"HTTP/1.1 200 OK\r\n%b: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%b"
+                    % (self.type_header, len(ANSWER), ANSWER)
                 )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -118,6 +121,29 @@ def test_send_answers_through_callbacks_and_reuses_the_connection() -> None:
             assert isinstance(got, Response), got
             assert (got.status, got.body, got.content_type) == (200, ANSWER, "application/json")
         assert engine.connections == 1, "the first request connects, the next ones reuse its connection"
+
+    run(scenario)
+
+
+def test_header_values_go_out_as_the_bytes_they_came_in_as_and_any_spelling_of_content_type_is_read() -> None:
+    """The router's server decodes header values as latin-1: the pool sends them back as the same
+    bytes (they were UTF-8-encoded once more before). An answer's Content-Type is found whatever
+    the case of its name. A value latin-1 cannot hold goes out as UTF-8."""
+
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        for spelling in (b"Content-Type", b"content-type", b"CONTENT-TYPE"):
+            engine.type_header = spelling
+            got: asyncio.Future[Response | BaseException] = asyncio.get_running_loop().create_future()
+            value = "00-caf\xe9-01"  # a client's bytes 30 30 2d 63 61 66 e9 ..., decoded as latin-1
+            pool.send(url + "/generate", b"{}", {"traceparent": value, "X-Request-ID": "r"}, got.set_result)
+            answer = await got
+            assert isinstance(answer, Response), answer
+            assert answer.content_type == "application/json", spelling
+            assert b"\r\ntraceparent: 00-caf\xe9-01\r\nX-Request-ID: r\r\n" in engine.heads[-1]
+        got = asyncio.get_running_loop().create_future()
+        pool.send(url + "/generate", b"{}", {"Authorization": "Bearer \u043a\u043b\u044e\u0447"}, got.set_result)
+        assert isinstance(await got, Response)
+        assert "\r\nAuthorization: Bearer \u043a\u043b\u044e\u0447\r\n".encode() in engine.heads[-1]
 
     run(scenario)
 
