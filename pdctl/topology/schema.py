@@ -229,8 +229,17 @@ def _to_issue(error: jsonschema.ValidationError, source: SourceMap) -> Issue:
         hint = _schema_of(error).get("description") or f"must match {error.validator_value}"
         return source.issue(path, f"{error.instance!r} is not a safe name", hint=hint)
     if error.validator == "enum":
-        choices = [str(c) for c in _listed(error.validator_value)]
+        choices = [_yaml_word(c) for c in _listed(error.validator_value)]
         match = difflib.get_close_matches(str(error.instance), choices, n=1)
         hint = f"did you mean {match[0]!r}?" if match else ""
         return source.issue(path, f"{error.instance!r} is not one of: {', '.join(choices)}", hint=hint)
     return source.issue(path, error.message)
+
+
+def _yaml_word(value: object) -> str:
+    """An enum choice as the topology's YAML spells it (null, true, false; a string bare)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
