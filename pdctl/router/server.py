@@ -60,7 +60,10 @@ class Request:
     method: str
     path: str  # percent-decoding is left to the handler (only /workers/{key} needs it)
     query: str
-    headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
+    headers: dict[str, str]
+    """Names lower-cased. A repeated header keeps its last value, unless its name came in
+    different cases (X-A, x-a): then one of its values, not always the last (names are folded
+    once the head is in, from a dict that the parser fills by C calls, one key per spelling)."""
     body: bytes
     keep_alive: bool
     http10: bool
