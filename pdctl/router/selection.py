@@ -17,6 +17,8 @@ from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext, policy_class
 from pdctl.router.workers import Worker, WorkerRegistry
 
+PREFILL, DECODE = Role.PREFILL, Role.DECODE  # (an enum member read from its class costs ~0.1 us on 3.11)
+
 
 class Selector:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics):
@@ -36,12 +38,12 @@ class Selector:
 
     def pair(self, ctx: RequestContext, version: str | None = None) -> tuple[Worker, Worker]:
         """A prefill and a decode on the same weight version (``version`` when given)."""
-        prefills = self.registry.routable(Role.PREFILL)
+        prefills = self.registry.routable(PREFILL)
         if version is not None:
             prefills = [p for p in prefills if p.weight_version == version]
         if not prefills:
             raise RouteError(503, errors.NO_PREFILL, "No prefill workers available" + self._why_none(Role.PREFILL))
-        decodes = self.registry.routable(Role.DECODE)
+        decodes = self.registry.routable(DECODE)
         if not decodes:
             raise RouteError(503, errors.NO_DECODE, "No decode workers available" + self._why_none(Role.DECODE))
         versions = {d.weight_version for d in decodes}
@@ -54,9 +56,9 @@ class Selector:
                 f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, "
                 f"decode {sorted(map(str, versions))})",
             )
-        prefill = _chosen(self.prefill_policy.select(pairable, ctx), Role.PREFILL)
+        prefill = _chosen(self.prefill_policy.select(pairable, ctx), PREFILL)
         same = decodes if len(versions) == 1 else [d for d in decodes if d.weight_version == prefill.weight_version]
-        decode = _chosen(self.decode_policy.select(same, ctx), Role.DECODE)
+        decode = _chosen(self.decode_policy.select(same, ctx), DECODE)
         self.metrics.selected(prefill, decode)
         return prefill, decode
 
