@@ -175,6 +175,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.pending: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task | None = None  # the connection's: it answers its requests in order
+        self._cancels = 0  # the task's cancel requests when the current request was dispatched
         self._next: asyncio.Future[None] | None = None
         """While no request is being answered: what the task waits on for the next one (in ``pending``)."""
         self.idle_timer: asyncio.TimerHandle | None = None
@@ -319,19 +320,16 @@ class _Connection(asyncio.Protocol):
             url = self._url.partition(b"?")[0].decode("latin-1")
             refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers)
             if refusal is not None:  # answered before any body byte is read: a refused body costs nothing
-                if self._next is not None:  # no request being answered
-                    self._refuse_with(refusal)
-                else:  # earlier pipelined requests are unanswered: the refusal waits its turn
-                    self._refused = True
-                    self.pending.append(Request("", "", "", {}, b"", False, False, refusal=refusal))
-                    if self.transport is not None:
-                        self.transport.pause_reading()
+                self._refuse_with(refusal)  # (in its turn, behind earlier pipelined requests)
                 raise httptools.HttpParserError("refused")  # stop parsing this connection
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body:
             self._refuse(413, f"request body of {length} bytes is over the {self.server.max_body}-byte limit")
             raise httptools.HttpParserError("body too large")  # stop parsing this connection
-        if self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+        # Not behind an answer being sent (it would land inside it): the client then sends its body
+        # after its own wait.
+        expects = self._headers.get("expect", "").lower() == "100-continue"
+        if expects and self._next is not None and self.transport is not None:
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
@@ -401,6 +399,7 @@ class _Connection(asyncio.Protocol):
                     reply: Answer = request.refusal
                     request.keep_alive = False
                 else:
+                    self._cancels = _cancel_count(self.task)  # (the task serves many requests: counts carry over)
                     try:
                         reply = await self.server.dispatch(request)
                     except asyncio.CancelledError as exc:
@@ -419,6 +418,10 @@ class _Connection(asyncio.Protocol):
                 else:
                     self._write(_whole(reply, request.keep_alive, request.http10))
                     ended_whole = True
+            except Exception:  # a bug past the handler (an answer that cannot be written, a failing
+                # on_close): the connection is closed rather than left with no task to answer it
+                log.exception("the answer to %s %s could not be written", request.method, request.path)
+                ended_whole = False
             finally:
                 self._release(request)
             if not ended_whole or not request.keep_alive:
@@ -475,7 +478,7 @@ class _Connection(asyncio.Protocol):
         """Whether the cancellation being handled came from outside the handler: the client went
         away or the server stops (withdrawn here if it was the handler's own, Python 3.11+)."""
         uncancel = getattr(asyncio.current_task(), "uncancel", None)
-        return self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > 0)
+        return self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > self._cancels)
 
     def _release(self, request: Request) -> None:
         """``request``'s body no longer counts against the bodies the server holds."""
@@ -509,11 +512,26 @@ class _Connection(asyncio.Protocol):
         self._refuse_with(self.server.on_error(status, message))
 
     def _refuse_with(self, reply: Reply) -> None:
+        """Answer ``reply`` and close: now when no request is being answered, else in its turn
+        after the requests before it (their client matches answers to requests by order)."""
+        if self._refused:
+            return  # (refused once: the connection ends with that answer)
         self._refused = True
         self._forget_body()
-        if self.transport is not None and not self.transport.is_closing():
-            self._write(_whole(reply, False, False))
-            self.close()
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._next is None:  # a request is being answered: the refusal waits its turn
+            self.pending.append(Request("", "", "", {}, b"", False, False, refusal=reply))
+            self.transport.pause_reading()
+            return
+        self._write(_whole(reply, False, False))
+        self.close()
+
+
+def _cancel_count(task: asyncio.Task | None) -> int:
+    """``task``'s pending cancel requests (Python 3.11+; 0 before)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
 
 
 _HEADER_NAMES: dict[bytes, str] = {}

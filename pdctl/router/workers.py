@@ -58,14 +58,19 @@ class Worker:
     drained: asyncio.Event | None = None
     gone: bool = False
     """Its process went away (a refused connection): a new one is back at its first passed check."""
-    guard: LoadGuard = field(init=False, repr=False)
-    """Counts a request in ``load`` while entered (``WorkerRegistry.in_flight``)."""
-
-    def __post_init__(self) -> None:
-        self.guard = LoadGuard(self)
-
     auth: dict[str, str] = field(default_factory=dict, repr=False)
     """Headers for every call the router makes to it: its key, never a client's."""
+
+    # ``with worker:`` counts one request in ``load`` until the block ends, however it ends (smg's
+    # WorkerLoadGuard; entered through ``WorkerRegistry.in_flight``). The worker itself rather than
+    # a guard object per request (none is made on the hot path) or per worker (a reference cycle).
+    def __enter__(self) -> None:
+        self.load += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.load -= 1
+        if self.drained is not None and self.load == 0:
+            self.drained.set()
 
     @functools.cached_property
     def bootstrap_host(self) -> str:
@@ -88,28 +93,6 @@ class Worker:
             "cordoned": self.cordoned,
             "connection_mode": "HTTP",
         }
-
-
-class LoadGuard:
-    """``with LoadGuard(worker):`` counts one request in ``worker.load`` until the block ends,
-    however it ends (smg's WorkerLoadGuard). A class rather than a @contextmanager: it is entered
-    two or three times per request, and a generator-based one costs about twice as much. It
-    holds nothing of one request, so each worker has one (``Worker.guard``), entered as often
-    as it has requests: none is made per request."""
-
-    __slots__ = ("worker",)
-
-    def __init__(self, worker: Worker):
-        self.worker = worker
-
-    def __enter__(self) -> None:
-        self.worker.load += 1
-
-    def __exit__(self, *exc: object) -> None:
-        worker = self.worker
-        worker.load -= 1
-        if worker.drained is not None and worker.load == 0:
-            worker.drained.set()
 
 
 class WorkerRegistry:
@@ -290,9 +273,9 @@ class WorkerRegistry:
         return out
 
     # -- outcomes ----------------------------------------------------------------------------------
-    def in_flight(self, worker: Worker) -> LoadGuard:
-        """Count a request in ``worker``'s load for the duration: the one place load changes."""
-        return worker.guard
+    def in_flight(self, worker: Worker) -> Worker:
+        """Count a request in ``worker``'s load for the duration (``with``): the one place load changes."""
+        return worker
 
     def record(self, worker: Worker, ok: bool) -> None:
         """Circuit breaker bookkeeping for an answer that says whether ``worker`` works (a 4xx is

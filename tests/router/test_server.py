@@ -35,6 +35,7 @@ class App:
         self.routes.add("GET", "/self-cancel", self.self_cancel)
         self.routes.add("GET", "/break-stream", self.break_stream)
         self.routes.add_prefix("DELETE", "/items/", self.delete)
+        self.routes.add("GET", "/unwritable", self.unwritable)
 
     async def dispatch(self, request: Request) -> Answer:
         handler = self.routes.find(request)
@@ -97,6 +98,10 @@ class App:
 
     async def delete(self, r: Request) -> Reply:
         return json_reply({"deleted": r.tail})
+
+    async def unwritable(self, r: Request) -> Reply:
+        """A bug's answer: a header value that is not a string cannot be written."""
+        return Reply(200, b"{}", headers={"X-Count": 5})  # type: ignore[dict-item]
 
 
 class MemoryTransport:
@@ -464,3 +469,54 @@ def test_a_request_refused_at_its_head_is_answered_in_its_pipelined_turn() -> No
         assert b'"query":"first"' in out[:second]
 
     run(test, check_head=check_head)
+
+
+def test_an_answer_that_cannot_be_written_closes_the_connection_rather_than_leaving_it_hung() -> None:
+    """Found by a review: an exception past the handler (here an answer with a header value that is
+    not a string) ended the connection's task and left the connection open with nobody to answer
+    the requests behind it: the client waited for ever."""
+
+    async def test(app: App, port: int) -> None:
+        out = await exchange(
+            port, b"GET /unwritable HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n", read_for=30
+        )
+        assert out == b"", out[:300]  # closed: the client sees the connection end, not silence
+
+    run(test)
+
+
+def test_an_error_the_server_finds_in_a_pipelined_request_is_answered_in_its_turn() -> None:
+    """Found by a review: a body over the limit pipelined behind a good request got its 413 at once
+    (the client took it for the first request's answer) and the first request was cancelled."""
+
+    async def test(app: App, port: int) -> None:
+        out = await exchange(
+            port,
+            b"GET /echo?first HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 100,
+            read_for=30,
+        )
+        first, second = out.find(b"HTTP/1.1 200"), out.find(b"HTTP/1.1 413")
+        assert 0 <= first < second, out[:400]
+        assert b'"query":"first"' in out[:second]
+
+    run(test, max_body=10)
+
+
+def test_100_continue_is_not_written_into_the_answer_before_it() -> None:
+    """Found by a review: the interim 100 of a pipelined request that asked for one was written at
+    once, inside (or ahead of) the answer to the request before it."""
+
+    async def test(app: App, port: int) -> None:
+        out = await exchange(
+            port,
+            b"GET /stream?n=3 HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n"
+            b"Connection: close\r\n\r\nhello",
+            read_for=30,
+        )
+        assert b"100 Continue" not in out, out[:400]
+        stream_end, echo = out.find(b"\r\n0\r\n\r\n"), out.find(b'"body":"hello"')
+        assert 0 < stream_end < echo, out[:400]
+
+    run(test)
