@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pdctl.router import errors
+from pdctl.router.cancels import cancel_requests, withdraw_cancel
 from pdctl.router.gate import RefitGate
 from pdctl.router.reply import Reply
 from pdctl.router.retry import Retry, Stop
@@ -338,7 +339,7 @@ class PairAttempt:
         me = asyncio.current_task(legs.loop)  # with the loop given: no get_running_loop() syscall
         assert me is not None
         racing, ended, caught = True, False, False
-        base = _cancel_requests(me)  # requests already counted (a consumed one must not read as outside)
+        base = cancel_requests(me)  # requests already counted (a consumed one must not read as outside)
 
         def on_prefill(task: asyncio.Future[Leg]) -> None:
             nonlocal ended
@@ -352,7 +353,7 @@ class PairAttempt:
             return await work
         except asyncio.CancelledError:
             caught = True
-            if not ended or _withdraw_cancel(me, base):
+            if not ended or withdraw_cancel(me, base):
                 raise  # the client went away (or the server stops)
             return None
         finally:
@@ -361,7 +362,7 @@ class PairAttempt:
             if ended and not caught:
                 # The leg consumed the race's cancel (Python 3.11's wait_for returns a result that
                 # came with the cancel): withdraw it, or a later race would read it as the client's.
-                _withdraw_cancel(me, base)
+                withdraw_cancel(me, base)
 
     async def decode_failed(self, d_leg: Leg) -> Outcome:
         """Decide which leg failed (module docstring): the prefill, when its answer ended the
@@ -399,24 +400,6 @@ class PairAttempt:
 def _sent(worker: Worker, headers: Headers) -> dict[str, str]:
     """The headers sent to ``worker``: the forwarded client headers and the worker's own key."""
     return {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
-
-
-def _cancel_requests(task: asyncio.Task) -> int:
-    """How many cancel requests ``task`` has (Python 3.11+ counts them; 3.10: 0)."""
-    cancelling = getattr(task, "cancelling", None)
-    return cancelling() if cancelling is not None else 0
-
-
-def _withdraw_cancel(task: asyncio.Task, base: int) -> bool:
-    """Withdraw the race's own cancel request (if ``task`` holds more than ``base``), and say
-    whether someone else cancelled it too: the client going away, the server stopping. Python
-    3.10 cannot tell, and the race's reading wins."""
-    uncancel = getattr(task, "uncancel", None)
-    if uncancel is None:
-        return False
-    if _cancel_requests(task) > base:
-        uncancel()
-    return _cancel_requests(task) > base
 
 
 async def cancel(*tasks: asyncio.Future | None) -> None:

@@ -43,6 +43,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from pdctl.router.cancels import cancel_requests, withdraw_cancel
 from pdctl.router.reply import Answer, Reply, StreamReply
 
 log = logging.getLogger("pdctl.router.server")
@@ -190,7 +191,7 @@ class _Connection(asyncio.Protocol):
         self._size = 0  # of the body being read (counted in the server's inflight_body until it is in)
         self._head_bytes = 0  # read while a head was coming (bounded by HEAD_READ_BOUND)
         self._body_read = 0  # read while a body was coming (framing and trailers included)
-        self._refused = False  # the current message is being refused (too large)
+        self._refused = False  # a request was refused: the connection ends with that answer
         self._in_body = False  # between a request's headers and its end
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -233,8 +234,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
-            if not self._refused:
-                self._refuse(400, f"malformed HTTP request: {exc}")
+            self._refuse(400, f"malformed HTTP request: {exc}")  # (nothing when refused already)
         else:
             if self._in_body:
                 if self.body_timer is None:  # armed only when a body spans reads
@@ -399,7 +399,7 @@ class _Connection(asyncio.Protocol):
                     reply: Answer = request.refusal
                     request.keep_alive = False
                 else:
-                    self._cancels = _cancel_count(self.task)  # (the task serves many requests: counts carry over)
+                    self._cancels = cancel_requests(self.task)  # (the task serves many requests: counts carry over)
                     try:
                         reply = await self.server.dispatch(request)
                     except asyncio.CancelledError as exc:
@@ -477,8 +477,7 @@ class _Connection(asyncio.Protocol):
     def _client_cancelled(self) -> bool:
         """Whether the cancellation being handled came from outside the handler: the client went
         away or the server stops (withdrawn here if it was the handler's own, Python 3.11+)."""
-        uncancel = getattr(asyncio.current_task(), "uncancel", None)
-        return self.transport is None or self.server.stopping or (uncancel is not None and uncancel() > self._cancels)
+        return self.transport is None or self.server.stopping or withdraw_cancel(asyncio.current_task(), self._cancels)
 
     def _release(self, request: Request) -> None:
         """``request``'s body no longer counts against the bodies the server holds."""
@@ -526,12 +525,6 @@ class _Connection(asyncio.Protocol):
             return
         self._write(_whole(reply, False, False))
         self.close()
-
-
-def _cancel_count(task: asyncio.Task | None) -> int:
-    """``task``'s pending cancel requests (Python 3.11+; 0 before)."""
-    cancelling = getattr(task, "cancelling", None)
-    return cancelling() if cancelling is not None else 0
 
 
 _HEADER_NAMES: dict[bytes, str] = {}
