@@ -40,7 +40,18 @@ from torch import nn
 from pdctl.colocate import ipc
 from pdctl.colocate.env import DataPlaneSpec, Tap
 from pdctl.colocate.steps import Prefilled, StepCutter
-from pdctl.colocate.wire import IPC_READY_LEN, TOO_SMALL, WRITTEN, Header, IpcLayout, IpcReady, dtype_named, pack_meta
+from pdctl.colocate.wire import (
+    HEADER_TAG,
+    IPC_READY_LEN,
+    READY_TAG,
+    TOO_SMALL,
+    WRITTEN,
+    Header,
+    IpcLayout,
+    IpcReady,
+    dtype_named,
+    pack_meta,
+)
 from pdctl.colocate.world import JOIN_TIMEOUT_SECS, READY_WAIT, UnionRank, join
 
 log = logging.getLogger("pdctl.colocate")
@@ -180,18 +191,23 @@ class Producer:
         if self.spec.backend == "cuda_ipc":
             self._write_shard(member, trainer, step, shard, blocks)
             return
-        group = member.group
-        ready = torch.empty(1, dtype=torch.int64)
-        group.recv([ready], trainer, 0).wait(READY_WAIT)
-        if int(ready) != step:
-            raise ValueError(f"trainer rank {trainer} is ready for step {int(ready)}, this engine sends step {step}")
+        # The header goes out as soon as the step is cut; the trainer posts its receives for the
+        # sizes it names before it says ready, so the hidden states land straight in its buffers
+        # (gloo copies a message that comes before its receive is posted once more).
         tensors = [self._joined_rows(parts) for parts in blocks]
         final = tensors[0]
         header = Header(step, len(shard), final.shape[0], final.shape[1], len(tensors) - 1, final.dtype)
-        group.send([header.encode()], trainer, 0).wait()
-        group.send([pack_meta([s.input_ids for s in shard])], trainer, 0).wait()
-        for tensor in tensors:
-            group.send([tensor], trainer, 0).wait()
+        group = member.group
+        header_sent = group.send([header.encode()], trainer, HEADER_TAG)
+        meta = pack_meta([s.input_ids for s in shard])
+        ready = torch.empty(1, dtype=torch.int64)
+        group.recv([ready], trainer, READY_TAG).wait(READY_WAIT)
+        header_sent.wait()
+        if int(ready) != step:
+            raise ValueError(f"trainer rank {trainer} is ready for step {int(ready)}, this engine sends step {step}")
+        sent = [group.send([message], trainer, tag) for tag, message in enumerate([meta, *tensors], HEADER_TAG + 1)]
+        for work in sent:  # (sent together: one wait for them all, not one hand-off to gloo's thread each)
+            work.wait()
 
     def _write_shard(
         self, member: UnionRank, trainer: int, step: int, shard: list[Prefilled], blocks: list[list[torch.Tensor]]

@@ -23,7 +23,17 @@ import torch.distributed as dist
 
 from pdctl.colocate import ipc
 from pdctl.colocate.env import DataPlaneSpec
-from pdctl.colocate.wire import HEADER_LEN, TOO_SMALL, WRITTEN, Header, IpcLayout, IpcReady, unpack_meta
+from pdctl.colocate.wire import (
+    HEADER_LEN,
+    HEADER_TAG,
+    READY_TAG,
+    TOO_SMALL,
+    WRITTEN,
+    Header,
+    IpcLayout,
+    IpcReady,
+    unpack_meta,
+)
 from pdctl.colocate.world import join
 from pdctl.errors import DataPlaneError
 
@@ -137,14 +147,15 @@ class DataPlane:
 
     def _recv_by_gloo(self, step: int) -> tuple[Header, list[torch.Tensor], torch.Tensor]:
         group = self._member.group
-        self._ready[0] = step
-        group.send([self._ready], self.peer, 0).wait()
         header = self._header_of(step)
-        meta = self._buffer_meta(header.meta_len)
-        group.recv([meta], self.peer, 0).wait()
-        views = self._buffer_hidden(header)
-        for view in views:
-            group.recv([view], self.peer, 0).wait()
+        meta, views = self._buffer_meta(header.meta_len), self._buffer_hidden(header)
+        # Every receive is posted before the ready goes out: the tensors land straight in the
+        # buffers (each has its own tag, so their matching is explicit).
+        received = [group.recv([t], self.peer, tag) for tag, t in enumerate([meta, *views], HEADER_TAG + 1)]
+        self._ready[0] = step
+        group.send([self._ready], self.peer, READY_TAG).wait()
+        for work in received:
+            work.wait()
         return header, views, meta
 
     def _recv_by_ipc(self, step: int) -> tuple[Header, list[torch.Tensor], torch.Tensor]:
@@ -182,7 +193,7 @@ class DataPlane:
             self._shared_generation = self._generation
 
     def _header_of(self, step: int) -> Header:
-        self._member.group.recv([self._header], self.peer, 0).wait()
+        self._member.group.recv([self._header], self.peer, HEADER_TAG).wait()
         header = Header.decode(self._header)
         if header.step != step:
             raise self._error(step, f"sent step {header.step} when step {step} was asked for")
