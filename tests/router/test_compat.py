@@ -157,8 +157,9 @@ def test_payload_over_the_limit_is_413(tmp_path):
 
 
 def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
-    """One slot, a queue of one, a 1 s queue timeout, requests of about 2 s, sent 0.3 s apart.
-    On pdctl the first is served, the queued second times out: 408, and the third finds the queue
+    """One slot, a queue of one, a 1 s queue timeout, requests of about 2 s, sent one after the
+    other (on pdctl each once the one before holds the slot or waits in the queue; to sglang-router
+    0.3 s apart). On pdctl the first is served, the queued second times out: 408, and the third finds the queue
     full: 429 (sglang-router's documented code). sglang-router 0.3.2 itself serves the first and
     answers 408 where it refuses, never 429 (its slots are a token bucket refilled once a second, so
     whether the second or the third is refused depends on the bucket's phase: seen both ways in CI;
@@ -175,9 +176,17 @@ def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
         for name, url in urls.items():
             with cf.ThreadPoolExecutor(3) as pool:
                 futures = []
-                for _ in range(3):
+                # pdctl's gauges say when the first holds the slot and the second waits (no window:
+                # a loaded machine cannot reorder them); sglang-router has none, its 0.3 s apart.
+                gauges = ["pdctl_router_in_flight_requests 1.0", "pdctl_router_queued_requests 1.0", None]
+                for gauge in gauges:
                     futures.append(pool.submit(http, "POST", url + "/generate", body))
-                    time.sleep(0.3)
+                    if name != "pdctl":
+                        time.sleep(0.3)
+                        continue
+                    while gauge is not None and gauge not in str(get(url + "/metrics")[1]):
+                        assert not futures[-1].done(), futures[-1].result()
+                        time.sleep(0.01)
                 statuses = [f.result()[0] for f in futures]
             if name == "pdctl":
                 assert statuses == [200, 408, 429], statuses

@@ -151,13 +151,20 @@ def slow_request(url: str, n: int = 50):
     )
 
 
+def _wait_running(url: str, fut: cf.Future, headers: dict[str, str]) -> None:
+    """Until the engine at ``url`` runs a request (``fut``'s: it must not have ended first)."""
+    while get(url + "/server_info", headers=headers)[1]["internal_states"][0]["num_running_reqs"] < 1:
+        assert not fut.done(), fut.result()
+        time.sleep(0.01)
+
+
 def test_flush_cache_refused_while_busy_and_pause_modes(guarded) -> None:
     auth = {"Authorization": "Bearer s3cret"}
     url = guarded.url
     _, ref = slow_request(url, 30)
     with cf.ThreadPoolExecutor(2) as pool:
         fut = pool.submit(slow_request, url)
-        time.sleep(0.4)
+        _wait_running(url, fut, auth)
         assert post(url + "/flush_cache", headers=auth)[0] == 400
         assert post(url + "/pause_generation", {"mode": "abort"}, headers=auth)[1]["status"] == "ok"
         status, out = fut.result()
@@ -167,9 +174,9 @@ def test_flush_cache_refused_while_busy_and_pause_modes(guarded) -> None:
     for mode in ("retract", "in_place"):
         with cf.ThreadPoolExecutor(2) as pool:
             fut = pool.submit(slow_request, url, 30)
-            time.sleep(0.3)
+            _wait_running(url, fut, auth)
             post(url + "/pause_generation", {"mode": mode}, headers=auth)
-            time.sleep(0.3)
+            time.sleep(0.3)  # (a paused request must not end meanwhile: a bug would show here)
             assert not fut.done()  # paused, not aborted
             post(url + "/continue_generation", headers=auth)
             status, out = fut.result()

@@ -186,7 +186,9 @@ def test_flush_cache_fails_the_update_while_requests_run(tmp_path) -> None:
                     engine.url + "/generate",
                     {"text": "long", "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}},
                 )
-                time.sleep(0.5)
+                while get(engine.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] < 1:
+                    assert not running.done(), running.result()  # (it must run when the update comes)
+                    time.sleep(0.01)
                 post(engine.url + "/pause_generation", {"mode": "in_place"})
                 post(engine.url + "/begin_weight_update", {})
                 new = resolve_model("sim://tiny?seed=77", "auto", None)
