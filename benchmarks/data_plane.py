@@ -9,11 +9,14 @@ hidden 1024 (float32), for B in 8, 16, 32, 64, moved three ways:
   real ``pdctl.colocate.engine.Producer``; the trainer worker takes the step with
   ``DataPlane.recv`` (ready handshake, header, ids/lengths/mask, hidden states).
 - **bare**: one ``torch.distributed`` send/recv of the same bytes in a plain gloo group of the same
-  two processes, into a buffer allocated once (the limit for this transport).
+  two processes, into a buffer allocated once, each side starting when told (which side posts
+  first varies from step to step, and with it the time: see posted).
 - **bare, posted first** (CPU): the same send/recv, the trainer's receive posted before it tells the
-  engine (one small gloo message) to send: gloo copies a message that arrives before its receive
-  is posted once more, so this is the best a bare send/recv gets (shown beside, for honesty: the
-  goal reads against the plain bare).
+  engine (one small gloo message) to send. Gloo sends a message only once its receive is
+  announced: posted first, the send goes at once from the sending thread; posted later, it waits
+  for the notice and goes from gloo's thread after a wake-up. The plane orders its messages so
+  (the header first); this is the bare transfer in the same order, shown beside the plain bare
+  the goal reads against.
 - **HTTP**: what a trainer does today without a data plane: POST a batch to the engine, which
   answers as SGLang does with ``return_hidden_states`` (each sequence's ``meta_info.hidden_states``
   as JSON lists, encoded with orjson as SGLang's ORJSONResponse does), and build the tensor from
@@ -380,8 +383,8 @@ def markdown(report: dict) -> str:
             "",
             f"One step = B sequences x {TOKENS} tokens x hidden {HIDDEN}, float32; engine and trainer worker",
             f"processes, gloo on loopback, {report['machine']['cpus']} CPUs. posted = a bare send/recv whose",
-            "receive is posted before the engine is told to send (gloo copies an early message once more): the",
-            "best a bare send/recv gets, beside the plain bare the goal reads against.",
+            "receive is posted before the engine is told to send (gloo sends a message once its receive is",
+            "announced), in the order the plane uses, beside the plain bare the goal reads against.",
         ]
     lines = [
         *intro,

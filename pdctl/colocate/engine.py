@@ -44,6 +44,7 @@ from pdctl.colocate.wire import (
     HEADER_TAG,
     IPC_READY_LEN,
     READY_TAG,
+    REFUSED,
     TOO_SMALL,
     WRITTEN,
     Header,
@@ -192,8 +193,7 @@ class Producer:
             self._write_shard(member, trainer, step, shard, blocks)
             return
         # The header goes out as soon as the step is cut; the trainer posts its receives for the
-        # sizes it names before it says ready, so the hidden states land straight in its buffers
-        # (gloo copies a message that comes before its receive is posted once more).
+        # sizes it names before it says ready, so the tensors' sends go at once (pdctl.colocate.wire).
         tensors = [self._joined_rows(parts) for parts in blocks]
         final = tensors[0]
         header = Header(step, len(shard), final.shape[0], final.shape[1], len(tensors) - 1, final.dtype)
@@ -203,6 +203,8 @@ class Producer:
         ready = torch.empty(1, dtype=torch.int64)
         group.recv([ready], trainer, READY_TAG).wait(READY_WAIT)
         header_sent.wait()
+        if int(ready) == REFUSED:
+            raise ValueError(f"trainer rank {trainer} refused step {step}'s header (its error says why)")
         if int(ready) != step:
             raise ValueError(f"trainer rank {trainer} is ready for step {int(ready)}, this engine sends step {step}")
         sent = [group.send([message], trainer, tag) for tag, message in enumerate([meta, *tensors], HEADER_TAG + 1)]

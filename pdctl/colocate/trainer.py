@@ -15,6 +15,7 @@ overwritten. With
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from pdctl.colocate.wire import (
     HEADER_LEN,
     HEADER_TAG,
     READY_TAG,
+    REFUSED,
     TOO_SMALL,
     WRITTEN,
     Header,
@@ -117,8 +119,10 @@ class DataPlane:
         return dist.group.WORLD
 
     def recv(self) -> Step:
-        """The next step's shard from this rank's engine rank. Says "ready" for it first, so the
-        engine never runs ahead.
+        """The next step's shard from this rank's engine rank. The engine sends it only once
+        this rank says "ready" for it (with ``gloo``, after the step's header), so it never runs
+        ahead; a header this rank cannot take is answered with a refusal (the engine fails that
+        step and keeps serving).
 
         Raises:
             DataPlaneError: the engine rank sent nothing within ``timeout_secs``, closed the
@@ -147,11 +151,20 @@ class DataPlane:
 
     def _recv_by_gloo(self, step: int) -> tuple[Header, list[torch.Tensor], torch.Tensor]:
         group = self._member.group
-        header = self._header_of(step)
-        meta, views = self._buffer_meta(header.meta_len), self._buffer_hidden(header)
-        # Every receive is posted before the ready goes out: the tensors land straight in the
-        # buffers (each has its own tag, so their matching is explicit).
-        received = [group.recv([t], self.peer, tag) for tag, t in enumerate([meta, *views], HEADER_TAG + 1)]
+        group.recv([self._header], self.peer, HEADER_TAG).wait()
+        try:
+            header = self._checked_header(step)
+            meta, views = self._buffer_meta(header.meta_len), self._buffer_hidden(header)
+            # Every receive is posted before the ready goes out: the engine's sends find them
+            # posted and go at once (each tensor has its own tag: their matching is explicit).
+            received = [group.recv([t], self.peer, tag) for tag, t in enumerate([meta, *views], HEADER_TAG + 1)]
+        except BaseException:
+            # The engine waits for a ready as long as this process lives: tell it the step is
+            # refused, or its forward (and its scheduler) would hang until this process ends.
+            self._ready[0] = REFUSED
+            with contextlib.suppress(RuntimeError):
+                group.send([self._ready], self.peer, READY_TAG).wait()
+            raise
         self._ready[0] = step
         group.send([self._ready], self.peer, READY_TAG).wait()
         for work in received:
@@ -194,6 +207,10 @@ class DataPlane:
 
     def _header_of(self, step: int) -> Header:
         self._member.group.recv([self._header], self.peer, HEADER_TAG).wait()
+        return self._checked_header(step)
+
+    def _checked_header(self, step: int) -> Header:
+        """The header just received, checked against ``step`` and the spec."""
         header = Header.decode(self._header)
         if header.step != step:
             raise self._error(step, f"sent step {header.step} when step {step} was asked for")

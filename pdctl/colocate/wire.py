@@ -4,17 +4,20 @@
 
 1. engine -> trainer: the header, int64 ``[HEADER_LEN]`` (``Header``, ``status`` ``FOLLOWS``),
    as soon as the engine has the step [0];
-2. trainer -> engine: ``READY`` int64 ``[step]``, once the trainer has posted the receives of
-   3 and 4 (the step it takes next: the header's, or the engine fails the step) [0];
+2. trainer -> engine: ``READY`` int64 ``[step]`` once the trainer has posted its receives of 3
+   and 4, or ``[REFUSED]`` when it cannot take the step (a header it does not expect: the engine
+   fails the step and keeps serving, rather than waiting for a ready while the trainer lives) [0];
 3. engine -> trainer: int64 ``[n_tokens + n_seqs + n_tokens]``: input ids, sequence lengths,
    loss mask [1];
 4. engine -> trainer: the final hidden states ``[n_tokens, hidden]`` [2], then each auxiliary
    layer's ``[n_tokens, hidden]``, in ``aux_layers`` order [3, 4, ...].
 
-The header first lets the trainer post its receives of the exact sizes before the bytes come:
-gloo copies a message that arrives before its receive is posted once more (measured on CPU:
-that copy made a bare send/recv of 16 MB take 1.5-1.9x as long as one whose receive was posted
-first).
+The header comes first so that the trainer can post its receives, of the sizes it names, before
+the tensors are sent: gloo sends a message only once the peer has announced the receive for it
+(a send made earlier waits for that notice, and its bytes then go from gloo's own thread after a
+wake-up); one whose receive is already posted goes at once from the sending thread. Measured on
+CPU, a bare send/recv of 16 MB whose receive was posted first took 0.5-0.7x the time of one whose
+receive was posted as the send began.
 
 ``cuda_ipc`` (two small messages; the bytes go through the GPU's memory):
 
@@ -40,6 +43,8 @@ import torch
 
 HEADER_LEN = 8
 READY_TAG = HEADER_TAG = 0
+REFUSED = -1
+"""gloo: the trainer's ready for a step whose header it cannot take."""
 """gloo tags: the ready and the header (opposite directions); the meta and the hidden states
 follow the header's (module docstring). cuda_ipc sends everything with tag 0."""
 IPC_READY_LEN = 4

@@ -2,10 +2,13 @@
 saves what it got (``torch.save``: a list of dicts, one per step) to OUT; a DataPlaneError is
 saved as ``{"error": message, "engine": ..., "rank": ..., "step": ...}`` instead.
 
-``python receiver.py STEPS OUT [RANK]`` (RANK: torchrun's RANK when absent)."""
+``python receiver.py STEPS OUT [RANK] [--linger]`` (RANK: torchrun's RANK when absent; with
+``--linger`` the process, its end of the plane open, stays alive after saving until its stdin
+closes: a trainer that caught the error and goes on)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -15,8 +18,10 @@ from pdctl.errors import DataPlaneError
 
 
 def main() -> None:
-    steps, out = int(sys.argv[1]), sys.argv[2]
-    rank = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    linger = "--linger" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--linger"]
+    steps, out = int(args[0]), args[1]
+    rank = int(args[2]) if len(args) > 2 else None
     got: list[dict] = []
     plane = DataPlane.from_env(rank=rank)
     out = out.replace("{rank}", str(plane.rank))
@@ -37,7 +42,10 @@ def main() -> None:
             )
     except DataPlaneError as exc:
         got.append({"error": str(exc), "engine": exc.engine, "rank": exc.rank, "step": exc.step})
-    torch.save(got, out)
+    torch.save(got, out + ".part")
+    os.replace(out + ".part", out)  # (whole when it appears: a lingering receiver is read alive)
+    if linger:
+        sys.stdin.read()
 
 
 if __name__ == "__main__":

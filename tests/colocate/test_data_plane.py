@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,13 +43,15 @@ def plane(
 class Colocated:
     """One sim engine of TP ``spec``'s and one receiver process per trainer rank."""
 
-    def __init__(self, tmp: Path, spec: DataPlaneSpec, steps: int):
+    def __init__(self, tmp: Path, spec: DataPlaneSpec, steps: int, *, linger: bool = False):
         tmp.mkdir(parents=True, exist_ok=True)
-        self.tmp, self.spec, self.steps = tmp, spec, steps
+        self.tmp, self.spec, self.steps, self.linger = tmp, spec, steps, linger
         env = {DATA_PLANE_ENV: spec.to_json(), "PYTHONPATH": str(REPO)}
         self.receivers = [
             subprocess.Popen(
-                [sys.executable, str(RECEIVER), str(steps), str(tmp / f"rank{r}.pt"), str(r)],
+                [sys.executable, str(RECEIVER), str(steps), str(tmp / f"rank{r}.pt"), str(r)]
+                + (["--linger"] if linger else []),
+                stdin=subprocess.PIPE if linger else None,
                 env={**os.environ, **env},
                 stdout=(tmp / f"rank{r}.log").open("w"),
                 stderr=subprocess.STDOUT,
@@ -70,8 +73,15 @@ class Colocated:
         return self
 
     def received(self, rank: int, timeout: float = 120) -> list[dict]:
-        self.receivers[rank].wait(timeout=timeout)
-        return torch.load(self.tmp / f"rank{rank}.pt")
+        """What trainer rank ``rank`` saved: once it ended (or, lingering, once it saved)."""
+        out = self.tmp / f"rank{rank}.pt"
+        if not self.linger:
+            self.receivers[rank].wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while not out.exists():
+            assert self.receivers[rank].poll() is None and time.monotonic() < deadline, f"rank {rank} saved nothing"
+            time.sleep(0.05)
+        return torch.load(out)
 
     def __exit__(self, *_exc: object) -> None:
         self.engine.stop()
@@ -179,6 +189,21 @@ def test_an_engine_whose_trainer_is_gone_logs_it_once_and_keeps_serving(tmp_path
         log = run.engine.log.read_text()
     assert log.count("data plane of engine regular-0: step 1 to trainer rank 0 failed") == 1, log[-2000:]
     assert "keeps serving" in log
+
+
+def test_a_step_the_trainer_refuses_fails_on_the_engine_which_keeps_serving(tmp_path) -> None:
+    """The trainer rank catches its error (aux_layers [0, 99]: the sim has no layer 99) and lives
+    on: the engine must not wait for a ready for as long as it lives (its forward, and every
+    request, would hang), but fail the step, say so once, and serve."""
+    with Colocated(tmp_path, plane(1, batch_size=1, aux=(0, 99)), steps=1, linger=True) as run:
+        generate(run.engine.url, "where is layer 99")  # (hangs while the engine waits)
+        got = run.received(0)[0]
+        assert "sent 1 auxiliary layer(s)" in got["error"], got
+        assert run.receivers[0].poll() is None  # the trainer lives on
+        answer = generate(run.engine.url, "and serves on")
+        assert answer["meta_info"]["finish_reason"]["type"] == "length"
+        log = run.engine.log.read_text()
+    assert log.count("trainer rank 0 refused step 0") == 1 and "keeps serving" in log, log[-2000:]
 
 
 def test_the_dtype_set_is_what_arrives_and_a_missing_aux_layer_is_named(tmp_path) -> None:
