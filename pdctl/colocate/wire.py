@@ -43,10 +43,10 @@ import torch
 
 HEADER_LEN = 8
 READY_TAG = HEADER_TAG = 0
-REFUSED = -1
-"""gloo: the trainer's ready for a step whose header it cannot take."""
 """gloo tags: the ready and the header (opposite directions); the meta and the hidden states
 follow the header's (module docstring). cuda_ipc sends everything with tag 0."""
+REFUSED = -1
+"""gloo: the trainer's ready for a step whose header it cannot take."""
 IPC_READY_LEN = 4
 FOLLOWS, WRITTEN, TOO_SMALL = 0, 1, 2
 """A header's ``status``: gloo: the step's tensors follow; cuda_ipc: written into the trainer's
