@@ -6,6 +6,6 @@ streams and their continuations) over ``selection`` (which workers), ``legs`` (s
 worker; ``PairAttempt`` owns a PD attempt's two legs), ``retry`` (the one retry policy) and
 ``shaping`` (headers, reading and rewriting answers), ``streaming`` and ``resume`` (a stream's
 blocks, continuing answers), ``workers``, ``policies``, and HTTP: ``server`` (writes the
-``reply`` a handler returns) and ``upstream`` (to engines).
+``reply`` a handler returns), ``upstream`` (to engines) and ``http1`` (bytes both write).
 Nothing is imported here, so that ``pdctl.router.config`` costs the planner nothing more.
 """

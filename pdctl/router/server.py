@@ -44,6 +44,7 @@ from urllib.parse import unquote
 import httptools
 
 from pdctl.router.cancels import cancel_requests, withdraw_cancel
+from pdctl.router.http1 import header_lines
 from pdctl.router.reply import Answer, Reply, StreamReply
 
 log = logging.getLogger("pdctl.router.server")
@@ -551,8 +552,8 @@ def _date_line(now: int) -> bytes:
 def _head(status: int, headers: dict[str, str] | None, keep_alive: bool, http10: bool) -> bytes:
     line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
     parts = [line, _date_header()]
-    if headers:  # (joined by C calls: no Python frame per header)
-        parts.append(("\r\n".join(map(": ".join, headers.items())) + "\r\n").encode("latin-1"))
+    if headers:
+        parts.append(header_lines(headers))
     if not keep_alive:
         parts.append(b"Connection: close\r\n")
     elif http10:

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from pdctl.router.http1 import header_lines
+
 
 class UpstreamError(ConnectionError):
     """The connection failed or closed before a complete response."""
@@ -422,18 +424,11 @@ class UpstreamPool:
         return target
 
     def _request(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[tuple[str, int], bytes]:
-        """The address and the bytes of a POST of ``body`` to ``url``. Header values go out as the
-        bytes they came in as (the server decodes them as latin-1); one that latin-1 cannot hold
-        (a worker's key registered through the API, say) goes out as UTF-8."""
+        """The address and the bytes of a POST of ``body`` to ``url`` with ``headers``."""
         key, prefix = self._targets.get(url) or self._target(url)
         if not headers:
             return key, b"%bContent-Length: %d\r\n\r\n%b" % (prefix, len(body), body)
-        lines = "\r\n".join(map(": ".join, headers.items()))  # (C calls only)
-        try:
-            extra = lines.encode("latin-1")
-        except UnicodeEncodeError:
-            extra = lines.encode()
-        return key, b"%bContent-Length: %d\r\n%b\r\n\r\n%b" % (prefix, len(body), extra, body)
+        return key, b"%bContent-Length: %d\r\n%b\r\n%b" % (prefix, len(body), header_lines(headers), body)
 
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
