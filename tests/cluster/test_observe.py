@@ -345,6 +345,10 @@ def _wait(predicate, what, log: Path, timeout: float = 90) -> None:
 # -- last: an engine killed -------------------------------------------------------------------------
 def test_top_says_a_killed_engine_is_down_within_three_frames(cluster) -> None:
     env = cluster["env"]
+    # The pid first: top's frames would queue in the pipe while a slower command ran between the
+    # first frame and the kill, and frames taken before the kill would be read as after it.
+    status = json.loads(pdctl("status", NAME, "--json", env=env).stdout)
+    pid = next(p["pid"] for p in status["processes"] if p["id"] == "decode-0")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdctl", "top", NAME, "--json", "--interval", "1", "--count", "6"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -354,8 +358,6 @@ def test_top_says_a_killed_engine_is_down_within_three_frames(cluster) -> None:
         first = json.loads(proc.stdout.readline())
         decode = next(e for e in first["engines"] if e["engine"] == "decode-0")
         assert decode["health"] == "serving", decode
-        status = json.loads(pdctl("status", NAME, "--json", env=env).stdout)
-        pid = next(p["pid"] for p in status["processes"] if p["id"] == "decode-0")
         os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(psutil.NoSuchProcess):  # (its supervisor may have reaped it already)
             psutil.Process(pid).wait(timeout=30)
