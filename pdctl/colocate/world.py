@@ -88,11 +88,17 @@ def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeo
         timeout=timedelta(seconds=join_timeout_secs),
         wait_for_workers=False,
     )
-    op_timeout = timedelta(seconds=spec.timeout_secs)
+    # A group's construction waits for every rank under its operations' timeout: an engine that
+    # loads its model for longer than timeout_secs failed the trainer's join. Every rank first
+    # says it is here and waits for all the others under the join's timeout; by then the group's
+    # own rendezvous only connects ranks that are all present.
+    present = dist.PrefixStore(f"{spec.group_name}/present", store)
+    present.set(str(rank), "1")
+    present.wait([str(r) for r in range(spec.world_size)], timedelta(seconds=join_timeout_secs))
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (left out of torch's stubs)
-    options._timeout = op_timeout
+    options._timeout = timedelta(seconds=spec.timeout_secs)
     device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None
     options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
     group_store = dist.PrefixStore(f"{spec.group_name}/meta", store)
-    group = cast(PointToPoint, dist.ProcessGroupGloo(group_store, rank, spec.world_size, options))
-    return UnionRank(rank=rank, group=group, store=store)
+    gloo = dist.ProcessGroupGloo(group_store, rank, spec.world_size, options)
+    return UnionRank(rank=rank, group=cast(PointToPoint, gloo), store=store)

@@ -9,13 +9,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks, hook_specs
+from pdctl.colocate.world import join
 from pdctl.plan.argv import POSITIONS_MODULE
 from pdctl.sim.model import encode, resolve_model
 from tests.helpers import SimProcess, free_port, post
@@ -220,3 +224,29 @@ def test_the_dtype_set_is_what_arrives_and_a_missing_aux_layer_is_named(tmp_path
         got = run.received(0)[0]
     assert got["step"] == 0 and got["engine"] == "regular-0"
     assert "sent 1 auxiliary layer(s) for aux_layers [0, 99]" in got["error"], got
+
+
+def test_a_rank_that_joins_later_than_the_step_timeout_still_joins_and_steps_time_out_after_it() -> None:
+    """An engine loads its model before it joins: the trainer's join waits for it under the join's
+    timeout, not ``timeout_secs`` (it failed after ``timeout_secs``, found with an engine slow to
+    start beside other jobs). Operations then time out after ``timeout_secs``."""
+    spec = plane(1, batch_size=1, timeout=1)
+    joined: list = []
+    trainer = threading.Thread(target=lambda: joined.append(_join_or_error(spec, 0)))
+    trainer.start()
+    # Once rank 0's store answers, its group waits for rank 1: joining 2.5 timeouts later is the case.
+    dist.TCPStore(spec.master_address, spec.master_port, is_master=False, timeout=timedelta(seconds=60))
+    time.sleep(2.5 * spec.timeout_secs)
+    engine = _join_or_error(spec, 1)
+    trainer.join()
+    assert not isinstance(joined[0], BaseException), joined[0]
+    assert not isinstance(engine, BaseException), engine
+    with pytest.raises(RuntimeError, match=r"[Tt]imed out"):  # nothing sent: after timeout_secs
+        joined[0].group.recv([torch.empty(1)], 1, 0).wait()
+
+
+def _join_or_error(spec: DataPlaneSpec, rank: int):
+    try:
+        return join(spec, [rank], join_timeout_secs=60)[0]
+    except BaseException as exc:  # (a thread's: handed to the test)
+        return exc
