@@ -53,7 +53,7 @@ from pdctl.colocate.wire import (
     dtype_named,
     pack_meta,
 )
-from pdctl.colocate.world import JOIN_TIMEOUT_SECS, READY_WAIT, UnionRank, join
+from pdctl.colocate.world import READY_WAIT, UnionRank, join
 
 log = logging.getLogger("pdctl.colocate")
 
@@ -174,7 +174,7 @@ class Producer:
 
     def _send_step(self, shards: dict[int, list[Prefilled]]) -> None:
         step = self.steps_sent
-        if not self._joined.wait(JOIN_TIMEOUT_SECS) or self._join_error is not None:
+        if not self._joined.wait(self.spec.join_timeout_secs) or self._join_error is not None:
             self._fail(step, None, f"could not join the union world: {self._join_error or 'timed out'}")
             return
         for tp_rank, member in zip(self.tp_ranks, self._members, strict=True):

@@ -64,6 +64,7 @@ class DataPlaneSpec:
     aux_layers: tuple[int, ...] = ()
     dtype: str | None = None
     timeout_secs: float = 300.0
+    join_timeout_secs: float = 900.0
     group_name: str = DEFAULT_GROUP_NAME
 
     @property
@@ -115,6 +116,7 @@ class DataPlaneSpec:
                 aux_layers=tuple(int(k) for k in data.get("aux_layers", ())),
                 dtype=data.get("dtype"),
                 timeout_secs=float(data.get("timeout_secs", 300.0)),
+                join_timeout_secs=float(data.get("join_timeout_secs", 900.0)),
                 group_name=str(data.get("group_name", DEFAULT_GROUP_NAME)),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -24,10 +24,6 @@ import torch.distributed as dist
 from pdctl.colocate.env import DataPlaneSpec
 from pdctl.sglang.group import GLOO_IFNAME_ENV, interface_towards
 
-JOIN_TIMEOUT_SECS = 900.0
-"""How long a rank waits for the others to join: engines start after the trainer (colocate),
-and an SGLang engine loads its model first."""
-
 
 class PointToPoint(Protocol):
     """What the data plane uses of a process group backend (torch's stubs leave these out)."""
@@ -52,9 +48,10 @@ class UnionRank:
     store: dist.TCPStore
 
 
-def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JOIN_TIMEOUT_SECS) -> list[UnionRank]:
+def join(spec: DataPlaneSpec, ranks: list[int]) -> list[UnionRank]:
     """Join the union world as each of ``ranks`` (in parallel threads); blocks until every rank
-    of the world has joined. Operations time out after ``spec.timeout_secs`` unless they say
+    of the world has joined, up to ``spec.join_timeout_secs`` (engines start after the trainer
+    and load their model first). Operations time out after ``spec.timeout_secs`` unless they say
     otherwise."""
     results: dict[int, UnionRank] = {}
     errors: list[BaseException] = []
@@ -65,7 +62,7 @@ def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JO
 
     def one(rank: int) -> None:
         try:
-            results[rank] = _join_rank(spec, rank, interface, join_timeout_secs)
+            results[rank] = _join_rank(spec, rank, interface)
         except BaseException as exc:  # re-raised on the caller's thread
             errors.append(exc)
 
@@ -79,13 +76,14 @@ def join(spec: DataPlaneSpec, ranks: list[int], *, join_timeout_secs: float = JO
     return [results[r] for r in ranks]
 
 
-def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeout_secs: float) -> UnionRank:
+def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None) -> UnionRank:
+    join_timeout = timedelta(seconds=spec.join_timeout_secs)
     store = dist.TCPStore(
         spec.master_address,
         spec.master_port,
         spec.world_size,
         is_master=rank == 0,
-        timeout=timedelta(seconds=join_timeout_secs),
+        timeout=join_timeout,
         wait_for_workers=False,
     )
     # A group's construction waits for every rank under its operations' timeout: an engine that
@@ -94,7 +92,7 @@ def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None, join_timeo
     # own rendezvous only connects ranks that are all present.
     present = dist.PrefixStore(f"{spec.group_name}/present", store)
     present.set(str(rank), "1")
-    present.wait([str(r) for r in range(spec.world_size)], timedelta(seconds=join_timeout_secs))
+    present.wait([str(r) for r in range(spec.world_size)], join_timeout)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (left out of torch's stubs)
     options._timeout = timedelta(seconds=spec.timeout_secs)
     device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None

@@ -151,6 +151,7 @@ def _plan_data_plane(
         aux_layers=config.aux_layers,
         dtype=config.dtype,
         timeout_secs=config.timeout_secs,
+        join_timeout_secs=config.join_timeout_secs,
     )
 
 

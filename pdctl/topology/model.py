@@ -264,6 +264,9 @@ class DataPlaneConfig:
     timeout_secs: float = 300.0
     """How long a trainer rank's ``recv`` waits for its engine rank's step once it said ready
     (an engine rank waits for its trainer rank as long as that one lives)."""
+    join_timeout_secs: float = 900.0
+    """How long every rank waits for the whole union world to join (engines join once their model
+    is loaded)."""
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DataPlaneConfig:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def test_a_rank_that_joins_later_than_the_step_timeout_still_joins_and_steps_tim
     """An engine loads its model before it joins: the trainer's join waits for it under the join's
     timeout, not ``timeout_secs`` (it failed after ``timeout_secs``, found with an engine slow to
     start beside other jobs). Operations then time out after ``timeout_secs``."""
-    spec = plane(1, batch_size=1, timeout=1)
+    spec = replace(plane(1, batch_size=1, timeout=1), join_timeout_secs=60)
     joined: list = []
     trainer = threading.Thread(target=lambda: joined.append(_join_or_error(spec, 0)))
     trainer.start()
@@ -247,6 +248,6 @@ def test_a_rank_that_joins_later_than_the_step_timeout_still_joins_and_steps_tim
 
 def _join_or_error(spec: DataPlaneSpec, rank: int):
     try:
-        return join(spec, [rank], join_timeout_secs=60)[0]
+        return join(spec, [rank])[0]
     except BaseException as exc:  # (a thread's: handed to the test)
         return exc

@@ -52,6 +52,22 @@ def test_null_is_no_data_plane_and_the_backend_is_one_that_works_on_its_engines(
         assert make_plan(top).data_plane.backend == planned, written
 
 
+def test_the_join_timeout_is_what_the_file_says_and_reaches_every_rank() -> None:
+    """Engines join once their model is loaded, which can take longer than the default 15 minutes."""
+    from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec
+
+    top, _ = load_topology_text(yaml_text(HEAD + "regular: {tp: 4}\n" + COLO % "{join_timeout_secs: 3600}"))
+    plan = make_plan(top)
+    assert plan.data_plane is not None and plan.data_plane.join_timeout_secs == 3600
+    for process in ("trainer.n0", "regular-0"):
+        assert DataPlaneSpec.from_json(plan.process(process).env[DATA_PLANE_ENV]).join_timeout_secs == 3600
+    default, _ = load_topology_text(yaml_text(HEAD + "regular: {tp: 4}\n" + COLO % "{}"))
+    assert make_plan(default).data_plane.join_timeout_secs == 900
+    placement = COLO % "{join_timeout_secs: 0}"
+    err = one_error(HEAD + "regular: {tp: 4}\n" + placement, "placement.data_plane.join_timeout_secs")
+    assert err.startswith(f"f.yaml:7:{placement.index('join_timeout') + 1}: "), err  # (the key's line and column)
+
+
 def test_apply_refuses_to_change_the_union_world_of_a_running_cluster() -> None:
     """Its settings, or the engines it pairs (here one more replica), would leave the running
     trainer in a world its new engines can never join."""
