@@ -86,17 +86,34 @@ def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None) -> UnionRa
         timeout=join_timeout,
         wait_for_workers=False,
     )
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (left out of torch's stubs)
+    options._timeout = timedelta(seconds=spec.timeout_secs)
+    device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None
+    options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
     # A group's construction waits for every rank under its operations' timeout: an engine that
     # loads its model for longer than timeout_secs failed the trainer's join. Every rank first
     # says it is here and waits for all the others under the join's timeout; by then the group's
     # own rendezvous only connects ranks that are all present.
     present = dist.PrefixStore(f"{spec.group_name}/present", store)
-    present.set(str(rank), "1")
-    present.wait([str(r) for r in range(spec.world_size)], join_timeout)
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (left out of torch's stubs)
-    options._timeout = timedelta(seconds=spec.timeout_secs)
-    device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None
-    options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
+    if present.add(str(rank), 1) > 1:  # the world formed (or was forming) with this rank once
+        raise RuntimeError(f"{who(spec, rank)} already joined this union world: restart the trainer job with it")
+    try:
+        present.wait([str(r) for r in range(spec.world_size)], join_timeout)
+    except dist.DistStoreError:
+        missing = [who(spec, r) for r in range(spec.world_size) if not present.check([str(r)])]
+        raise RuntimeError(
+            f"{', '.join(missing) or 'a rank'} did not join within {spec.join_timeout_secs:g} s (join_timeout_secs)"
+        ) from None
     group_store = dist.PrefixStore(f"{spec.group_name}/meta", store)
     gloo = dist.ProcessGroupGloo(group_store, rank, spec.world_size, options)
     return UnionRank(rank=rank, group=cast(PointToPoint, gloo), store=store)
+
+
+def who(spec: DataPlaneSpec, union_rank: int) -> str:
+    """``union_rank`` by its role: trainer rank r, or engine E's TP rank j."""
+    if union_rank < spec.trainer_ranks:
+        return f"trainer rank {union_rank}"
+    for engine in spec.engines:
+        if union_rank in engine.ranks:
+            return f"engine {engine.id} TP rank {union_rank - engine.first_rank}"
+    return f"union rank {union_rank}"

@@ -242,8 +242,23 @@ def test_a_rank_that_joins_later_than_the_step_timeout_still_joins_and_steps_tim
     trainer.join()
     assert not isinstance(joined[0], BaseException), joined[0]
     assert not isinstance(engine, BaseException), engine
-    with pytest.raises(RuntimeError, match=r"[Tt]imed out"):  # nothing sent: after timeout_secs
+    with pytest.raises(RuntimeError, match=f"Timed out waiting {int(spec.timeout_secs * 1000)}ms"):  # nothing sent
         joined[0].group.recv([torch.empty(1)], 1, 0).wait()
+
+
+def test_a_rank_that_never_joins_is_named_and_one_that_joins_twice_is_refused() -> None:
+    spec = replace(plane(1, batch_size=1), join_timeout_secs=1)
+    with pytest.raises(RuntimeError, match="engine regular-0 TP rank 0 did not join within 1 s"):
+        join(spec, [0])
+    spec = replace(plane(1, batch_size=1), join_timeout_secs=60)
+    joined: list = []
+    trainer = threading.Thread(target=lambda: joined.append(_join_or_error(spec, 0)))
+    trainer.start()
+    first = _join_or_error(spec, 1)
+    trainer.join()
+    assert not isinstance(first, BaseException) and not isinstance(joined[0], BaseException), (first, joined)
+    with pytest.raises(RuntimeError, match="engine regular-0 TP rank 0 already joined this union world"):
+        join(spec, [1])  # (an engine restarted under a running trainer)
 
 
 def _join_or_error(spec: DataPlaneSpec, rank: int):
