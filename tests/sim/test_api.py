@@ -216,9 +216,9 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
         tmp_path, "--max-running-requests", "1", "--max-queued-requests", "2", "--sim-decode-ms-per-step", "20"
     ).start()
     try:
-        # the first runs for 200 steps (4 s or more): the burst arrives while it holds the only slot,
-        # however loaded the machine; the others ask for one token each
-        long = {"text": "q", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # no early EOS
+        # the first holds the only slot until it is aborted (2000 steps, 40 s): the burst arrives while
+        # it runs however loaded the machine; the others ask for one token each
+        long = {"text": "q", "rid": "long", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
         body = {"text": "q", "sampling_params": {"max_new_tokens": 1}}
         with cf.ThreadPoolExecutor(6) as pool:
             first = pool.submit(post, sim.url + "/generate", long)
@@ -227,6 +227,9 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
                 assert not first.done(), first.result()
                 time.sleep(0.01)
             burst = [pool.submit(post, sim.url + "/generate", body) for _ in range(5)]
+            while sum(f.done() for f in burst) < 3:  # the refused: two wait in the queue behind the first
+                time.sleep(0.01)
+            assert post(sim.url + "/abort_request", {"rid": "long"})[0] == 200  # the queued ones run now
             results = [first.result(), *(f.result() for f in burst)]
         statuses = sorted(s for s, _ in results)
         assert statuses.count(200) >= 3 and 503 in statuses and set(statuses) <= {200, 503}, statuses

@@ -295,7 +295,7 @@ def test_under_load_several_updates_in_a_row_fail_no_request(fleet, checkpoint_b
         if meta["finish_reason"]["type"] == "stale":
             assert meta["pdctl_interruptions"] >= 2
         else:
-            assert len(answer["output_ids"]) == 60 and meta["finish_reason"]["type"] == "length"
+            assert len(answer["output_ids"]) == 60 and meta["finish_reason"]["type"] == "length", (streamed, meta)
         interrupted += len(spans) > 1
     assert interrupted > 0
 
