@@ -96,11 +96,11 @@ def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None) -> UnionRa
     # own rendezvous only connects ranks that are all present.
     present = dist.PrefixStore(f"{spec.group_name}/present", store)
     if present.add(str(rank), 1) > 1:  # the world formed (or was forming) with this rank once
-        raise RuntimeError(f"{who(spec, rank)} already joined this union world: restart the trainer job with it")
+        raise RuntimeError(f"{_who(spec, rank)} already joined this union world: restart the trainer job with it")
     try:
         present.wait([str(r) for r in range(spec.world_size)], join_timeout)
     except dist.DistStoreError:
-        missing = [who(spec, r) for r in range(spec.world_size) if not present.check([str(r)])]
+        missing = [_who(spec, r) for r in range(spec.world_size) if not present.check([str(r)])]
         raise RuntimeError(
             f"{', '.join(missing) or 'a rank'} did not join within {spec.join_timeout_secs:g} s (join_timeout_secs)"
         ) from None
@@ -109,7 +109,7 @@ def _join_rank(spec: DataPlaneSpec, rank: int, interface: str | None) -> UnionRa
     return UnionRank(rank=rank, group=cast(PointToPoint, gloo), store=store)
 
 
-def who(spec: DataPlaneSpec, union_rank: int) -> str:
+def _who(spec: DataPlaneSpec, union_rank: int) -> str:
     """``union_rank`` by its role: trainer rank r, or engine E's TP rank j."""
     if union_rank < spec.trainer_ranks:
         return f"trainer rank {union_rank}"
