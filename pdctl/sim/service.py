@@ -63,6 +63,7 @@ class SimService:
         self.started_at = time.time()
         self.weight_session_open = False
         self.prealloc_waiting = 0
+        self.entering = 0  # requests past the queue-size check, not in the engine's queue yet
         self.heartbeats = Heartbeats()  # the prefills this decode has lost (one verdict per prefill)
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
         self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
@@ -117,14 +118,23 @@ class SimService:
             )
             out.append(Running(req, queue))
         limit = self.config.max_queued_requests  # (a null-mode server: no slot is reserved)
-        if limit is not None and self.mode == "null" and self.engine.stats()["num_queue_reqs"] + len(out) > limit:
-            raise SimError("The request queue is full.", status=503)  # SGLang's words and status
+        queued = limit is not None and self.mode == "null"
+        if limit is not None and queued:
+            # Requests let in but not in the engine's queue yet count too: a burst checked before any
+            # of it was queued would all pass.
+            if self.engine.stats()["num_queue_reqs"] + self.entering + len(out) > limit:
+                raise SimError("The request queue is full.", status=503)  # SGLang's words and status
+            self.entering += len(out)
         submitted: list[Request] = []
 
         async def start(running: Running, item: ItemSpec) -> None:
-            await self._resolve_pd(running.request, item)
-            self.engine.submit(running.request)  # no await since its KV came: it runs at once
-            submitted.append(running.request)
+            try:
+                await self._resolve_pd(running.request, item)
+                self.engine.submit(running.request)  # no await since its KV came: it runs at once
+                submitted.append(running.request)
+            finally:
+                if queued:
+                    self.entering -= 1
 
         starts = [asyncio.ensure_future(start(r, item)) for r, item in zip(out, items, strict=True)]
         try:
