@@ -2,24 +2,22 @@
 
     select (pdctl.router.selection) -> legs (pdctl.router.legs: PairAttempt owns a PD
     attempt's two legs) -> retry (pdctl.router.retry: one policy) -> shape (pdctl.router.shaping)
+    -> a stream's relay (pdctl.router.relay)
 
 The dispatcher returns a ``Reply`` or a ``StreamReply`` (pdctl.router.reply) and never touches
-the client's socket: the HTTP server writes what it returns. A stream's body is the engine's
-blocks as they come, and its tail is what the router adds when the engine's stream does not end
-it: the continuation of answers a weight update interrupted (refit ``interrupt``), or of a
-one-answer /generate stream whose engine died mid-stream, on fresh legs under the same retry
-policy as every other attempt, else an SGLang-shaped error event and ``[DONE]`` (never a
-broken transfer encoding). A non-streamed answer a weight update interrupted is continued
-item by item before it is returned (or sent again whole when it cannot be; see
-pdctl.router.resume).
+the client's socket: the HTTP server writes what it returns. A stream's body is a ``Relay``:
+the engine's blocks as they come, then its tail, the continuation of answers a weight update
+interrupted (refit ``interrupt``) or of a one-answer /generate stream whose engine died
+mid-stream (``tail`` here: fresh legs under the same retry policy as every other attempt). A
+non-streamed answer a weight update interrupted is continued item by item before it is returned
+(or sent again whole when it cannot be; see pdctl.router.resume).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,24 +27,17 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps
-from pdctl.router.legs import Legs, Outcome, PairAttempt
+from pdctl.router.legs import Legs, Outcome, PairAttempt, StreamLeg
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext
-from pdctl.router.reply import Answer, Reply, StreamReply, started
-from pdctl.router.resume import GENERATE, Job, Piece, asked_abort, settle
+from pdctl.router.relay import Live, Relay
+from pdctl.router.reply import Answer, Reply, StreamReply
+from pdctl.router.resume import Job, Piece, asked_abort, settle
 from pdctl.router.retry import Retry, RetryPolicy, Stop, Tries
 from pdctl.router.selection import Selector
-from pdctl.router.shaping import (
-    ROUTING_KEY,
-    Headers,
-    interrupted_answer,
-    items,
-    passed_headers,
-    prepend_logprobs,
-    with_input_logprobs,
-)
-from pdctl.router.streaming import DONE, Continued, Interrupted, Opened, Transform, error_event, last_data, shaped
-from pdctl.router.upstream import Upstream, UpstreamError, UpstreamPool
+from pdctl.router.shaping import ROUTING_KEY, Headers, interrupted_answer, items, passed_headers
+from pdctl.router.streaming import DONE, Continued, Interrupted, error_event
+from pdctl.router.upstream import Upstream, UpstreamPool
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import batch_size_of, inject_bootstrap
 
@@ -63,7 +54,7 @@ _SELECT_AGAIN = _SelectAgain()
 
 
 @dataclass(eq=False, slots=True)
-class _Request:
+class ClientRequest:
     """One client request as the dispatcher serves it."""
 
     path: str
@@ -86,29 +77,6 @@ class _Request:
         if self._job is False:
             self._job = Job.of(self.path, self.body)
         return self._job  # type: ignore[return-value]
-
-
-@dataclass(eq=False, slots=True)
-class _Live:
-    """A stream that opened (its first block is in) and has not been sent on yet."""
-
-    worker: Worker
-    opened: Opened
-    epoch: int
-    """The refit gate's epoch when it was sent."""
-    pair: PairAttempt | None = None
-    prefix: list | None = None
-    """The prefill's input logprobs, shown in front of decode's (asked for with ``return_logprob``)."""
-
-    def finished(self) -> None:
-        """The stream ended: the prefill leg may finish on its own (its outcome is recorded)."""
-        if self.pair is not None:
-            self.pair.keep_prefill()
-
-    async def close(self) -> None:
-        self.opened.response.close()
-        if self.pair is not None:
-            await self.pair.close()
 
 
 class Dispatcher:
@@ -149,24 +117,21 @@ class Dispatcher:
         """A request served by a prefill and a decode (``batch``: its batch size, for the rooms)."""
         ctx = self.select.context(body, headers.upstream.get(ROUTING_KEY), pd=True)
         with_logprobs = bool(body.get("return_logprob") or body.get("logprobs"))
-        return self._serve(_Request(path, body, ctx, headers, True, batch, bool(body.get("stream")), with_logprobs))
+        stream = bool(body.get("stream"))
+        return self._serve(ClientRequest(path, body, ctx, headers, True, batch, stream, with_logprobs))
 
     def regular_request(self, path: str, body: dict[str, Any], headers: Headers) -> Awaitable[Answer]:
         """A request served by one regular engine."""
         ctx = self.select.context(body, headers.upstream.get(ROUTING_KEY), pd=False)
-        return self._serve(_Request(path, body, ctx, headers, False, stream=bool(body.get("stream"))))
+        return self._serve(ClientRequest(path, body, ctx, headers, False, stream=bool(body.get("stream"))))
 
-    async def _serve(self, request: _Request) -> Answer:
+    async def _serve(self, request: ClientRequest) -> Answer:
         tries = self.retry.start()
         answer = await self._attempts(request, request.body, request.batch, tries)
-        if isinstance(answer, _Live):
-            live = answer
-            try:
-                body = await started(self._relay(request, live, tries))
-            except BaseException:
-                await live.close()
-                raise
-            response = live.opened.response
+        if isinstance(answer, Live):
+            response = answer.leg.response
+            assert response is not None
+            body = Relay(self, request, answer, tries)
             return StreamReply(200, passed_headers(response.headers, request.headers), body, response.content_type)
         if not request.stream and self.gate.interrupted_since(request.sent):
             return await self._continue_whole(request, answer, tries)
@@ -174,21 +139,21 @@ class Dispatcher:
 
     async def _attempts(
         self,
-        request: _Request,
+        request: ClientRequest,
         payload: dict[str, Any],
         batch: int | None,
         tries: Tries,
         *,
         version: str | None = None,
         continuation: bool = False,
-    ) -> Reply | _Live:
+    ) -> Reply | Live:
         """Attempts on freshly selected workers until one answers (a Reply, or an open stream),
         under the retry policy; RouteError when the request is over without an answer."""
         data = None if request.pd else dumps(payload)
         while True:
             request.sent = self.gate.epoch
             outcome = await self._attempt(request, payload, batch, data, version, continuation)
-            if isinstance(outcome, (Reply, _Live)):
+            if isinstance(outcome, (Reply, Live)):
                 return outcome
             if isinstance(outcome, _SelectAgain):
                 if self.gate.interrupting:  # an update began meanwhile: nothing goes out before its release
@@ -202,13 +167,13 @@ class Dispatcher:
 
     def _attempt(
         self,
-        request: _Request,
+        request: ClientRequest,
         payload: dict[str, Any],
         batch: int | None,
         data: bytes | None,
         version: str | None,
         continuation: bool,
-    ) -> Awaitable[Outcome | _Live | _SelectAgain]:
+    ) -> Awaitable[Outcome | Live | _SelectAgain]:
         """One attempt on freshly selected workers, sent now; its outcome, awaited at once. Not a
         coroutine of its own: it returns the coroutine that runs the attempt (a layer less on
         every request)."""
@@ -235,25 +200,25 @@ class Dispatcher:
             return pair.whole(request.with_logprobs)  # (it closes the pair)
         return self._open(request, pair, epoch, continuation)
 
-    async def _regular(self, request: _Request, worker: Worker, data: bytes, epoch: int) -> Outcome | _Live:
+    async def _regular(self, request: ClientRequest, worker: Worker, data: bytes, epoch: int) -> Outcome | Live:
         headers = request.headers
         if request.stream:
             one = await self.legs.open_one(worker, request.path, data, headers)
-            if isinstance(one, Opened):
-                return _Live(worker, one, epoch)
+            if isinstance(one, StreamLeg):
+                return Live(worker, one, epoch)
             leg = one
         else:
             leg = await self.legs.start(worker, request.path, data, headers)
         return self.legs.verdict(worker, leg, errors.WORKER_FAILED) or leg.reply(headers)
 
-    async def _open(self, request: _Request, pair: PairAttempt, epoch: int, continuation: bool) -> Outcome | _Live:
+    async def _open(self, request: ClientRequest, pair: PairAttempt, epoch: int, continuation: bool) -> Outcome | Live:
         """A PD stream once decode's first block came (the prefill's input logprobs first when
         asked for), else why not; the pair is closed unless the stream is handed on."""
         handed = False
-        opened: Opened | Outcome | None = None
+        opened: StreamLeg | Outcome | None = None
         try:
-            opened = await pair.open(epoch)
-            if not isinstance(opened, Opened):
+            opened = await pair.open()
+            if not isinstance(opened, StreamLeg):
                 return opened
             prefix = None
             if request.with_logprobs and not continuation:
@@ -262,14 +227,14 @@ class Dispatcher:
                     return got
                 prefix = got
             handed = True
-            return _Live(pair.decode, opened, epoch, pair, prefix)
+            return Live(pair.decode, opened, epoch, pair, prefix)
         finally:
             if not handed:
-                if isinstance(opened, Opened):
-                    opened.response.close()
-                await pair.close()
+                if isinstance(opened, StreamLeg):
+                    opened.cancel()
+                pair.close()
 
-    async def _no_worker(self, request: _Request, exc: RouteError) -> _SelectAgain:
+    async def _no_worker(self, request: ClientRequest, exc: RouteError) -> _SelectAgain:
         """A role has workers but none in rotation: wait for one (``admission.worker_wait_secs``
         from the first time this request found none), then select again (``_SELECT_AGAIN``);
         ``exc`` past the wait, or at once when the role has no worker that may come back by
@@ -318,104 +283,10 @@ class Dispatcher:
         await self.wait_open()
         tries.paused(self.retry.clock() - held)
 
-    # -- streams ----------------------------------------------------------------------------------
-    async def _relay(self, request: _Request, live: _Live, tries: Tries) -> AsyncGenerator[bytes, None]:
-        """The client's stream: ``live``'s blocks as they come, then its tail (``_tail``)."""
-        transform: Transform | None = (
-            functools.partial(prepend_logprobs, prefix=live.prefix) if live.prefix is not None else None
-        )
-        shown: Continued | None = None  # how the current continuation's events show in the client's stream
-        current: _Live | None = live
-        primed = False
-        try:
-            while current is not None:
-                worker = current.worker
-                rule = self._interrupt_rule(current.epoch, request) if request.path == GENERATE else None
-                block = current.opened.first
-                rest = current.opened.rest
-                last: bytes | None = None  # the last block with data, as the engine sent it
-                error: BaseException | None = None
-                with self.registry.in_flight(worker):  # the head's leg has ended; the body still loads it
-                    if not primed:
-                        primed = True
-                        yield b""  # started: from here on, closing this stream runs its finally
-                    while True:
-                        if b"data: {" in block:
-                            last = block
-                        if rule is not None and rule.reads(block):
-                            block = rule.passed(block, transform)
-                        elif transform is not None:
-                            block = shaped(block, transform)
-                        if block:
-                            yield block
-                        if rule is not None and rule.over:
-                            break
-                        try:
-                            block = await rest.__anext__()
-                        except StopAsyncIteration:
-                            break
-                        except (UpstreamError, OSError) as exc:
-                            error = exc
-                            break
-                current.finished()
-                await current.close()  # not held open through an update or a continuation
-                current = None
-                if last is not None:
-                    tries.progressed()
-                if rule is not None and rule.caught and (error is None or rule.over):
-                    self.registry.record(worker, True)
-                    if shown is not None:
-                        pending = shown.caught(rule)
-                    else:
-                        pending = {
-                            k: with_input_logprobs(Piece().advanced(d), live.prefix) for k, d in rule.caught.items()
-                        }
-                    job = request.job
-                    assert job is not None  # the rule catches answers of /generate jobs only
-                    why = "the stream could not be continued after a weight update"
-                    tail, current, shown = await self._tail(request, job, pending, tries, why, interrupted=True)
-                elif error is None:
-                    self.registry.record(worker, True)
-                    return
-                else:
-                    self.registry.record(worker, False)
-                    self.registry.mark_failed(worker)
-                    why = f"{worker.role} {worker.url} failed mid-stream: {error}"
-                    data = last_data(last)
-                    job = request.job if rule is not None else None  # parsed only now: rarely needed
-                    if job is None or not job.single or data is None:
-                        yield error_event(why)
-                        return
-                    if shown is None:
-                        done = with_input_logprobs(Piece().advanced(data), live.prefix)
-                    else:
-                        done = shown.pieces[shown.order[0]].advanced(data)
-                    delay = tries.next(Retry(why, errors.DECODE_FAILED))
-                    if delay is None:
-                        yield error_event(why)
-                        return
-                    await self.retry.sleep(delay)
-                    tail, current, shown = await self._tail(request, job, {0: done}, tries, why, version=done.version)
-                    if current is not None:
-                        log.warning(
-                            "stream %s: %s; continuing on %s after %d tokens",
-                            done.meta.get("id"),
-                            why,
-                            current.worker.url,
-                            done.tokens,
-                        )
-                if tail:
-                    yield tail
-                if current is not None:
-                    assert shown is not None
-                    transform = shown.rewrite
-        finally:
-            if current is not None:
-                await current.close()
-
-    async def _tail(
+    # -- streams' tails (pdctl.router.relay) ---------------------------------------------------------
+    async def tail(
         self,
-        request: _Request,
+        request: ClientRequest,
         job: Job,
         pending: dict[int, Piece],
         tries: Tries,
@@ -423,7 +294,7 @@ class Dispatcher:
         *,
         interrupted: bool = False,
         version: str | None = None,
-    ) -> tuple[bytes, _Live | None, Continued | None]:
+    ) -> tuple[bytes, Live | None, Continued | None]:
         """Continue a stream's ``pending`` answers (each, by its index, with what the client has
         of it) on fresh legs: the bytes to send first, and the continuation's stream with how its
         events show (None when the client's stream ends with those bytes).
@@ -455,7 +326,7 @@ class Dispatcher:
             self.metrics.retried(errors.INTERRUPTED if interrupted else "stream_resumed")
             request.sent = self.gate.epoch
             try:
-                outcome: Outcome | _Live | _SelectAgain = await self._attempt(
+                outcome: Outcome | Live | _SelectAgain = await self._attempt(
                     request, body, None, None if request.pd else dumps(body), version, continuation=True
                 )
                 while isinstance(outcome, _SelectAgain):
@@ -466,7 +337,7 @@ class Dispatcher:
                     )
             except RouteError:
                 return out + error_event(why), None, None
-            if isinstance(outcome, _Live):
+            if isinstance(outcome, Live):
                 return out, outcome, shown
             if isinstance(outcome, Stop):
                 return out + error_event(f"{why}; then {outcome.message}"), None, None
@@ -482,14 +353,14 @@ class Dispatcher:
                 return out + error_event(why), None, None
             await self.retry.sleep(delay)
 
-    def _interrupt_rule(self, epoch: int, request: _Request) -> Interrupted:
+    def interrupt_rule(self, epoch: int, request: ClientRequest) -> Interrupted:
         """The rule that catches a stream's answers that a weight update begun after ``epoch``
         interrupted, when the request can be continued (a /generate job)."""
         gate = self.gate
         return Interrupted(lambda: gate.interrupted_since(epoch) and request.job is not None)
 
     # -- whole answers a weight update interrupted ----------------------------------------------------
-    async def _continue_whole(self, request: _Request, first: Reply, tries: Tries) -> Reply:
+    async def _continue_whole(self, request: ClientRequest, first: Reply, tries: Tries) -> Reply:
         """A non-streamed answer whose items a weight update interrupted (an asked-for abort,
         pdctl.refit ``interrupt``): each such item is continued on the new weights once the
         update is released, for its remaining tokens, until it finishes, its budget is spent or
@@ -537,7 +408,7 @@ class Dispatcher:
                 final[k] = Piece().view(item)
         return Reply(200, dumps(final[0] if job.single else final), first.content_type, first.headers)
 
-    async def _redo_whole(self, request: _Request, reply: Reply, tries: Tries) -> Reply:
+    async def _redo_whole(self, request: ClientRequest, reply: Reply, tries: Tries) -> Reply:
         """Send the request again, once the update is released, for as long as updates interrupt it."""
         while reply.status == 200 and interrupted_answer(reply.body) and self.gate.interrupted_since(request.sent):
             self.metrics.retried(errors.INTERRUPTED)

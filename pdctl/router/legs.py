@@ -2,9 +2,8 @@
 the one owner of both legs of a PD attempt.
 
 The rules (sglang-protocol.md 2.3, style.md R9):
-- each leg counts in its worker's load through one guard (``WorkerRegistry.in_flight``), from
-  its start to its end, whatever ends it; legs the router runs as tasks are owned here and
-  cancelled on close, and a client that goes away cancels both legs (the engines abort them);
+- each leg counts in its worker's load (``Worker.took``/``gave_back``) from its start to its
+  end, whatever ends it; a client that goes away cancels both legs (the engines abort them);
 - a prefill that ends the request (an abort in a 200, a 4xx, a 5xx or no answer) cancels its
   decode leg at once, which would otherwise wait for KV until its own timeout; the client gets
   the prefill's answer (an abort or a 4xx is the client's business) or a retry (a failure);
@@ -20,30 +19,31 @@ The rules (sglang-protocol.md 2.3, style.md R9):
 - a failure of a leg that a weight update interrupted (refit ``interrupt``: the engines abort
   what they run) is no fault of the worker: a busy ``Retry`` once the update is released;
 - prefill's ``input_token_logprobs`` are put in front of decode's only when asked for.
+
+Legs are driven by the upstream connections' callbacks (``Upstream.send`` and ``stream``): a
+leg's answer is taken in by the object that owns the leg (``PairAttempt``, ``StreamLeg``), which
+wakes the request's task once, when there is something to decide. No task, future or done
+callback is made per leg: they were most of the router's CPU per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from pdctl.router import errors
-from pdctl.router.cancels import cancel_requests, withdraw_cancel
 from pdctl.router.gate import RefitGate
 from pdctl.router.reply import Reply
 from pdctl.router.retry import Retry, Stop
 from pdctl.router.shaping import Headers, aborted, first_input_logprobs, merged_logprobs, names_bootstrap, server_abort
-from pdctl.router.streaming import DONE, Opened, first_block, sse_blocks
-from pdctl.router.upstream import Response, Upstream, UpstreamError, UpstreamTimeout
+from pdctl.router.streaming import DONE
+from pdctl.router.upstream import Response, Sending, Streaming, Upstream, UpstreamError, UpstreamTimeout
 from pdctl.router.workers import Worker, WorkerRegistry
 
 PREFILL_GRACE_SECS = 5.0  # how long a prefill leg may run on after the reply went out without it
 VERDICT_GRACE_SECS = 2.0  # how long a failed decode waits for its prefill's answer to learn who failed
 BACKPRESSURE = (429, 503)
-T = TypeVar("T")
 Outcome = Reply | Retry | Stop
 
 
@@ -59,6 +59,13 @@ class Leg:
     """The refit gate's epoch when the leg was sent (an interrupt began since if it differs);
     None for a leg made up by the router, which no interrupt can explain."""
 
+    @staticmethod
+    def of(got: Response | BaseException, epoch: int) -> Leg:
+        """The leg an upstream answer (or the exception that ended it) makes."""
+        if isinstance(got, Response):
+            return Leg(got.status, got.body, got.content_type, None, epoch)
+        return Leg(error=got, epoch=epoch)
+
     @property
     def server_failed(self) -> bool:
         return self.error is not None or self.status >= 500
@@ -73,7 +80,8 @@ class Leg:
 
 
 class Legs:
-    """Sends legs to workers through ``upstream`` and judges their answers; owns the legs in flight."""
+    """Sends legs to workers through ``upstream`` and judges their answers; owns the prefill legs
+    that outlive their reply (``PairAttempt.keep_prefill``) and the whole legs of regular engines."""
 
     def __init__(self, upstream: Upstream, registry: WorkerRegistry, gate: RefitGate, timeout_secs: float):
         self.upstream = upstream
@@ -81,9 +89,9 @@ class Legs:
         self.gate = gate
         self.timeout = timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._legs: set[asyncio.Future[Leg]] = set()  # every whole leg in flight; cancelled by close()
+        self._legs: set[asyncio.Future[Leg]] = set()  # regular engines' whole legs in flight
         self.grace_secs = PREFILL_GRACE_SECS
-        self._graced: dict[asyncio.Future[Leg], float] = {}  # prefill legs the reply went out without
+        self._graced: dict[PairAttempt, float] = {}  # attempts whose prefill the reply went out without
         self._grace_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -99,102 +107,76 @@ class Legs:
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
-        await cancel(*self._legs)
+        for pair in list(self._graced):
+            pair.cancel_prefill()
+        self._graced.clear()
+        pending = [leg for leg in self._legs if not leg.done()]
+        for leg in pending:
+            leg.cancel()
+        if pending:
+            await asyncio.sleep(0)  # a cancelled future's callbacks run in the loop's next turn
         self.upstream.close()
 
+    def send(self, worker: Worker, path: str, data: bytes, headers: Headers, answered: Callable) -> Sending:
+        """Start a whole leg to ``worker``, counted in its load; ``answered(Response | exception)``
+        must give the load back (``Worker.gave_back``), and so must whoever cancels it."""
+        worker.took()
+        return self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
+
     def start(self, worker: Worker, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
-        """``worker``'s whole answer, as a future that its connection completes (no task and no
-        coroutine per leg: they were a large share of the router's CPU per request), counted in
-        ``worker``'s load until it is done. Cancelling it closes the connection: the engine
-        aborts the request. ``close()`` cancels every leg still running."""
+        """``worker``'s whole answer, as a future that its connection completes, counted in
+        ``worker``'s load until it is done (a regular engine's leg). Cancelling it closes the
+        connection: the engine aborts the request. ``close()`` cancels every leg still running."""
         epoch = self.gate.epoch
         leg: asyncio.Future[Leg] = self.loop.create_future()
 
         def answered(got: Response | BaseException) -> None:
             if leg.done():
                 return
-            if isinstance(got, Response):
-                leg.set_result(Leg(got.status, got.body, got.content_type, epoch=epoch))
-            elif isinstance(got, (UpstreamError, OSError)):
-                leg.set_result(Leg(error=got, epoch=epoch))
+            if isinstance(got, (UpstreamError, OSError)) or not isinstance(got, BaseException):
+                leg.set_result(Leg.of(got, epoch))
             else:
                 leg.set_exception(got)  # a bug: it reaches whoever awaits the leg
 
-        sending = self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
-        guard = self.registry.in_flight(worker)
-        guard.__enter__()
+        sending = self.send(worker, path, data, headers, answered)
         legs = self._legs
         legs.add(leg)
 
         def ended(done: asyncio.Future[Leg]) -> None:
             legs.discard(done)
-            guard.__exit__(None, None, None)
+            worker.gave_back()
             if done.cancelled():
                 sending.cancel()
 
         leg.add_done_callback(ended)
         return leg
 
-    async def open_stream(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | Leg:
-        """The status and headers of a streamed response, or a Leg carrying why there are none."""
-        epoch = self.gate.epoch
-        to = _sent(worker, headers)
-        try:  # the timeout bounds the head and the first event (``opened`` disarms it then)
-            return await self.upstream.post(worker.url + path, data, to, stream=True, timeout=self.timeout)
-        except (UpstreamError, OSError) as exc:
-            return Leg(error=exc, epoch=epoch)
-
-    async def opened(self, head: Response, epoch: int) -> Opened | Leg:
-        """A stream once its first block came; a Leg when it gives none: an error status with
-        its body, a failure, or a first event that is a server-side abort (with its status:
-        nothing was sent on yet, so it is retried)."""
+    async def open_one(self, worker: Worker, path: str, data: bytes, headers: Headers) -> StreamLeg | Leg:
+        """A regular engine's stream once its first block came, else a Leg saying why not."""
+        opened: asyncio.Future[StreamLeg | Leg] = self.loop.create_future()
+        leg = StreamLeg(self, worker, path, data, headers, opened.set_result)
         try:
-            if head.status >= 400:
-                return Leg(head.status, await head.read(), head.content_type, epoch=epoch)
-            blocks = sse_blocks(head)
-            first = await first_block(blocks)
+            return await opened
         except BaseException:
-            head.close()
+            leg.cancel()
             raise
-        if isinstance(first, BaseException):
-            head.close()
-            return Leg(error=first, epoch=epoch)
-        head.disarm()  # the rest of a stream may take longer than the request timeout
-        status = server_abort(first)
-        if status is not None:
-            head.close()
-            return Leg(status, first + DONE, "text/event-stream", epoch=epoch)
-        return Opened(head, first, blocks)
-
-    async def open_first(self, worker: Worker, path: str, data: bytes, headers: Headers, epoch: int) -> Opened | Leg:
-        """A stream once its head and first block came, else a Leg saying why not (not counted
-        in the worker's load: the caller counts it). ``epoch``: the refit gate's when sent."""
-        head = await self.open_stream(worker, path, data, headers)
-        return head if isinstance(head, Leg) else await self.opened(head, epoch)
-
-    async def open_one(
-        self, worker: Worker, path: str, data: bytes, headers: Headers, epoch: int | None = None
-    ) -> Opened | Leg:
-        """``open_first``, counted in ``worker``'s load until the stream opened or did not
-        (``epoch``: the refit gate's when the attempt was sent; now unless given)."""
-        with self.registry.in_flight(worker):
-            return await self.open_first(worker, path, data, headers, self.gate.epoch if epoch is None else epoch)
 
     def verdict(self, worker: Worker, leg: Leg, code: str) -> Retry | Stop | None:
         """What ``worker``'s answer means for the request (module docstring): None when it
-        answered (a 2xx to 4xx but 429: the answer goes to the client; ok for the breaker)."""
-        if (
-            (leg.error is not None or leg.status >= 500)
-            and not isinstance(leg.error, UpstreamTimeout)
-            and self.interrupted(leg)
-        ):
+        answered (a 2xx to 4xx but 429: the answer goes to the client; ok for the breaker).
+        An exception that is no connection's failure is a bug: raised."""
+        error = leg.error
+        if error is not None and not isinstance(error, (UpstreamError, OSError)):
+            raise error
+        failed = error is not None or leg.status >= 500
+        if failed and not isinstance(error, UpstreamTimeout) and self.interrupted(leg):
             return Retry(f"{worker.role} {worker.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
-        if leg.error is not None:
+        if error is not None:
             self.registry.record(worker, False)
-            if isinstance(leg.error, UpstreamTimeout):
-                return Stop(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {leg.error}")
-            self.registry.mark_failed(worker, leg.error)
-            return Retry(f"{worker.role} {worker.url} failed: {type(leg.error).__name__}: {leg.error}", code)
+            if isinstance(error, UpstreamTimeout):
+                return Stop(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {error}")
+            self.registry.mark_failed(worker, error)
+            return Retry(f"{worker.role} {worker.url} failed: {type(error).__name__}: {error}", code)
         if leg.status in BACKPRESSURE:
             return Retry(f"{worker.role} {worker.url} is busy ({leg.status}): {leg.body[:200]!r}", code, busy=True)
         self.registry.record(worker, leg.status < 500)
@@ -207,174 +189,270 @@ class Legs:
         """Whether a weight update began after ``leg`` was sent."""
         return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
 
-    def finish_unawaited(self, prefill: Worker, leg: asyncio.Future[Leg]) -> None:
-        """The reply does not need prefill's answer: record its outcome when it comes, without
-        holding the reply, and cancel it if it takes longer than ``grace_secs``."""
-
-        def record(done: asyncio.Future[Leg]) -> None:
-            self._graced.pop(done, None)
-            if not done.cancelled() and done.result().status not in BACKPRESSURE:
-                self.registry.record(prefill, not done.result().server_failed)
-
-        if leg.done():  # the common case: prefill answered first
-            record(leg)
-            return
-        # One timer for all the legs in their grace, not one each (a timer armed and cancelled
-        # per request cost microseconds): they end in the order they began it.
-        self._graced[leg] = self.loop.time() + self.grace_secs
-        leg.add_done_callback(record)
+    # -- prefills the reply went out without -------------------------------------------------------
+    def grace(self, pair: PairAttempt) -> None:
+        """``pair``'s prefill may run on for ``grace_secs``; then it is cancelled. One timer for
+        all the prefills in their grace, not one each (a timer armed and cancelled per request
+        cost microseconds): they end in the order they began it."""
+        self._graced[pair] = self.loop.time() + self.grace_secs
         if self._grace_timer is None:
             self._grace_timer = self.loop.call_later(self.grace_secs, self._end_grace)
 
+    def ungrace(self, pair: PairAttempt) -> None:
+        self._graced.pop(pair, None)
+
     def _end_grace(self) -> None:
-        """Cancel the legs whose grace is over; wait on for the next one's."""
+        """Cancel the prefills whose grace is over; wait on for the next one's."""
         now = self.loop.time()
         over = []
-        for leg, deadline in self._graced.items():
+        for pair, deadline in self._graced.items():
             if deadline > now:
                 self._grace_timer = self.loop.call_at(deadline, self._end_grace)
                 break
-            over.append(leg)
+            over.append(pair)
         else:
             self._grace_timer = None
-        for leg in over:
-            leg.cancel()  # its done callback forgets it
-            self._graced.pop(leg, None)
+        for pair in over:
+            del self._graced[pair]
+            pair.cancel_prefill()
+
+
+# What an attempt's task waits for (PairAttempt._awaits).
+_NOTHING, _DECODE, _PREFILL = 0, 1, 2
 
 
 class PairAttempt:
-    """Both legs of one PD attempt, from start to finish. The prefill is a leg future (``Legs``
-    owns it); the decode is awaited in the caller's task, raced against it (``race``). Closing
-    the attempt cancels the prefill unless ``keep_prefill`` handed it over (the reply does not
-    need it: its outcome is recorded when it comes).
+    """Both legs of one PD attempt, from start to finish. The prefill is sent when the attempt is
+    made; ``whole`` or ``open`` sends the decode and waits (in the caller's task, woken once) for
+    what decides the attempt: the decode's answer, or the prefill ending the request first (then
+    the decode is cancelled at once: its KV will never come). Both legs' answers come in through
+    the connections' callbacks (``_prefill_answered``, ``_decode_answered``, ``_decode_opened``).
+
+    Closing the attempt (``close``: ``whole`` does it itself, a stream's holder once the stream
+    ends) cancels what still runs, the prefill too unless ``keep_prefill`` handed it over (the
+    reply does not need it: its outcome is recorded when it comes, within ``Legs.grace_secs``).
 
         outcome = await PairAttempt(legs, prefill, decode, path, wire, headers).whole(with_logprobs)
-
-    ``whole`` closes the attempt itself; a stream's (``open``) is closed by whoever holds the
-    stream, once it ends (``close``, or ``async with``).
     """
 
-    __slots__ = ("_kept", "decode", "headers", "legs", "path", "prefill", "prefill_leg", "wire")
+    __slots__ = (
+        "_awaits",
+        "_d_send",
+        "_d_stream",
+        "_kept",
+        "_p_send",
+        "_wake",
+        "d_got",
+        "decode",
+        "epoch",
+        "headers",
+        "legs",
+        "opened",
+        "p_got",
+        "path",
+        "prefill",
+        "wire",
+    )
 
     def __init__(self, legs: Legs, prefill: Worker, decode: Worker, path: str, wire: bytes, headers: Headers):
         self.legs, self.prefill, self.decode = legs, prefill, decode
         self.path, self.wire, self.headers = path, wire, headers
-        self.prefill_leg = legs.start(prefill, path, wire, headers)
+        self.epoch = legs.gate.epoch
+        self.p_got: Response | BaseException | None = None  # the prefill's answer, once in
+        self.d_got: Response | BaseException | Leg | None = None  # the decode's, or why its stream did not open
+        self.opened: StreamLeg | None = None  # the decode's stream, once its first block came
+        self._d_send: Sending | None = None
+        self._d_stream: StreamLeg | None = None
         self._kept = False
+        self._wake: asyncio.Future[None] | None = None
+        self._awaits = _NOTHING
+        self._p_send: Sending | None = legs.send(prefill, path, wire, headers, self._prefill_answered)
 
-    async def __aenter__(self) -> PairAttempt:
-        return self
+    # -- the legs' answers (connection callbacks) ----------------------------------------------------
+    def _prefill_answered(self, got: Response | BaseException) -> None:
+        self._p_send = None
+        self.prefill.gave_back()
+        self.p_got = got
+        if self._kept:
+            self.legs.ungrace(self)
+            self._record_kept(got)
+            return
+        awaits = self._awaits
+        if awaits is _PREFILL:
+            self._wake_up()
+        elif awaits is _DECODE and _ends_request(got):
+            self._cancel_decode()  # its KV will never come
+            self._wake_up()
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def _decode_answered(self, got: Response | BaseException) -> None:
+        self._d_send = None
+        self.decode.gave_back()
+        self.d_got = got
+        if self._awaits is _DECODE:
+            self._wake_up()
 
-    async def close(self) -> None:
-        if not self._kept and not self.prefill_leg.done():
-            await cancel(self.prefill_leg)
+    def _decode_opened(self, got: StreamLeg | Leg) -> None:
+        if isinstance(got, StreamLeg):
+            self.opened = got
+        else:
+            self._d_stream = None  # (its load is back: the StreamLeg gave it)
+            self.d_got = got
+        if self._awaits is _DECODE:
+            self._wake_up()
 
-    def keep_prefill(self) -> None:
-        if not self._kept:
-            self._kept = True
-            self.legs.finish_unawaited(self.prefill, self.prefill_leg)
+    # The answers as Legs, made when a verdict needs them (the common case reads the Response).
+    @property
+    def p_leg(self) -> Leg | None:
+        got = self.p_got
+        return None if got is None else Leg.of(got, self.epoch)
+
+    @property
+    def d_leg(self) -> Leg | None:
+        got = self.d_got
+        return got if got is None or isinstance(got, Leg) else Leg.of(got, self.epoch)
+
+    def _wake_up(self) -> None:
+        """What the task waits for came: the attempt is decided (a later answer changes nothing)."""
+        self._awaits = _NOTHING
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def _until(self, what: int) -> asyncio.Future[None]:
+        """What the attempt's task awaits until the leg ``what`` names answers (the decode's wait
+        ends early when the prefill ends the request). Not a coroutine: a layer less per request."""
+        self._awaits = what
+        wake = self._wake = self.legs.loop.create_future()
+        return wake
 
     # -- the two shapes of an attempt ------------------------------------------------------------
     async def whole(self, with_logprobs: bool) -> Outcome:
         """Both answers, buffered: the client's Reply, or why not. This is the attempt's whole
-        life: the pair is closed when it returns, however it ends (no ``async with`` around it:
-        its two coroutines were a measurable share of a request's CPU)."""
+        life: the pair is closed when it returns, however it ends."""
         legs = self.legs
         try:
-            d_leg = await self.race(legs.start(self.decode, self.path, self.wire, self.headers))
-            if d_leg is None:
-                return self.prefill_ended(self.prefill_leg.result())
+            if self.p_got is None or not _ends_request(self.p_got):
+                self._d_send = legs.send(self.decode, self.path, self.wire, self.headers, self._decode_answered)
+                await self._until(_DECODE)
+            got = self.d_got
+            if type(got) is Response and got.status < 400 and not with_logprobs:  # the common case
+                legs.registry.record(self.decode, True)
+                self.keep_prefill()
+                return Reply(got.status, got.body, got.content_type, self.headers)
+            d_leg = self.d_leg
+            if d_leg is None:  # the prefill ended the request first
+                assert self.p_leg is not None
+                return self.prefill_ended(self.p_leg)
             if d_leg.server_failed or d_leg.status in BACKPRESSURE:
                 return await self.decode_failed(d_leg)
             legs.registry.record(self.decode, True)
             if d_leg.status >= 400 or not with_logprobs:
                 self.keep_prefill()
                 return d_leg.reply(self.headers)
-            p_leg = await self.prefill_leg
+            p_leg = await self.prefill_answer()
             if p_leg.ends_request:
                 return self.prefill_ended(p_leg)
             return Reply(d_leg.status, merged_logprobs(p_leg.body, d_leg.body), d_leg.content_type, self.headers)
         finally:
-            if not self._kept and not self.prefill_leg.done():
-                await cancel(self.prefill_leg)
+            self.close()
 
-    async def open(self, epoch: int) -> Opened | Outcome:
-        """Decode's stream once its first block came, else why not (a Reply for an answer that
-        is not a stream: an error status or the prefill's 4xx or abort).
+    async def open(self) -> StreamLeg | Outcome:
+        """Decode's stream once its first block came (handed over: its holder closes it), else
+        why not (a Reply for an answer that is not a stream: an error status or the prefill's 4xx
+        or abort).
 
         SGLang sends a stream's head before the request even reaches the scheduler, so the
         head proves nothing: the first event does (it comes once the KV did). Until then the
         prefill can still end the request, and nothing has reached the client, so a failure
-        is still retried on another pair. ``epoch``: the refit gate's when the attempt was sent."""
+        is still retried on another pair."""
         legs = self.legs
-        opened = await self.race(legs.open_one(self.decode, self.path, self.wire, self.headers, epoch))
-        if opened is None:  # (its stream, if it had one, was closed as the race cancelled it)
-            return self.prefill_ended(self.prefill_leg.result())
-        if isinstance(opened, Opened):
+        if self.p_got is None or not _ends_request(self.p_got):
+            self._d_stream = StreamLeg(legs, self.decode, self.path, self.wire, self.headers, self._decode_opened)
+            await self._until(_DECODE)
+        opened = self.opened
+        if opened is not None:
+            self._d_stream = None  # handed over
             return opened
-        if opened.server_failed or opened.status in BACKPRESSURE:
-            return await self.decode_failed(opened)
+        d_leg = self.d_leg
+        if d_leg is None:  # the prefill ended the request first (the stream was cancelled)
+            assert self.p_leg is not None
+            return self.prefill_ended(self.p_leg)
+        if d_leg.server_failed or d_leg.status in BACKPRESSURE:
+            return await self.decode_failed(d_leg)
         legs.registry.record(self.decode, True)
-        return opened.reply(self.headers)
+        return d_leg.reply(self.headers)
 
     async def input_logprobs(self) -> list | Outcome:
         """The prefill's input logprobs (a stream that asked for them shows them first), or the
         outcome when the prefill ended the request."""
-        p_leg = await self.prefill_leg
+        p_leg = await self.prefill_answer()
         return self.prefill_ended(p_leg) if p_leg.ends_request else first_input_logprobs(p_leg.body)
 
-    # -- the race and its verdicts ---------------------------------------------------------------
-    async def race(self, work: Awaitable[T]) -> T | None:
-        """Await the decode leg ``work`` (a leg future, or a coroutine that counts its own load)
-        in this task, against the prefill: its result, or None when the prefill ended the
-        request first (then ``work`` is cancelled: its KV will never come).
+    async def prefill_answer(self) -> Leg:
+        """The prefill's answer, waited for."""
+        if self.p_got is None:
+            assert self._p_send is not None, "the prefill leg was cancelled"
+            await self._until(_PREFILL)
+        p_leg = self.p_leg
+        assert p_leg is not None
+        return p_leg
 
-        The decode leg runs inline rather than as a second task, which cost CPU on every
-        request (benchmarks/results/router_overhead_vs_cb21479.md). The prefill's done-callback
-        cancels this task only while the race is on."""
-        legs = self.legs
-        me = asyncio.current_task(legs.loop)  # with the loop given: no get_running_loop() syscall
-        assert me is not None
-        racing, ended, caught = True, False, False
-        base = cancel_requests(me)  # requests already counted (a consumed one must not read as outside)
+    # -- the end of an attempt -------------------------------------------------------------------
+    def keep_prefill(self) -> None:
+        """The reply does not need the prefill's answer: its outcome is recorded when it comes
+        (without holding the reply), and it is cancelled if it takes longer than the grace."""
+        if self._kept:
+            return
+        self._kept = True
+        if self.p_got is not None:  # the common case: prefill answered first
+            self._record_kept(self.p_got)
+        elif self._p_send is not None:
+            self.legs.grace(self)
 
-        def on_prefill(task: asyncio.Future[Leg]) -> None:
-            nonlocal ended
-            if racing and not task.cancelled() and task.result().ends_request:
-                ended = True
-                me.cancel()
+    def _record_kept(self, got: Response | BaseException) -> None:
+        if not isinstance(got, Response):
+            self.legs.registry.record(self.prefill, False)
+        elif got.status not in BACKPRESSURE:
+            self.legs.registry.record(self.prefill, got.status < 500)
 
-        prefill_leg = self.prefill_leg
-        prefill_leg.add_done_callback(on_prefill)
-        try:
-            return await work
-        except asyncio.CancelledError:
-            caught = True
-            if not ended or withdraw_cancel(me, base):
-                raise  # the client went away (or the server stops)
-            return None
-        finally:
-            racing = False
-            prefill_leg.remove_done_callback(on_prefill)
-            if ended and not caught:
-                # The leg consumed the race's cancel (Python 3.11's wait_for returns a result that
-                # came with the cancel): withdraw it, or a later race would read it as the client's.
-                withdraw_cancel(me, base)
+    def close(self) -> None:
+        """Cancel the legs that still run: the decode's, and the prefill's unless kept."""
+        self._cancel_decode()
+        if not self._kept:
+            self.cancel_prefill()
 
+    def cancel_prefill(self) -> None:
+        sending, self._p_send = self._p_send, None
+        if sending is not None:
+            sending.cancel()  # the engine sees the client go away
+            self.prefill.gave_back()
+
+    def _cancel_decode(self) -> None:
+        sending, self._d_send = self._d_send, None
+        if sending is not None:
+            sending.cancel()
+            self.decode.gave_back()
+        stream, self._d_stream = self._d_stream, None
+        if stream is not None:
+            stream.cancel()
+
+    # -- verdicts --------------------------------------------------------------------------------
     async def decode_failed(self, d_leg: Leg) -> Outcome:
         """Decide which leg failed (module docstring): the prefill, when its answer ended the
         request or the decode's error names its bootstrap server (SGLang 0.5.23's "Lost
         connection with prefill instance (bootstrap_addr: HOST:PORT)"), else the decode.
         Blaming the decode for a dead prefill opened the circuit of a healthy decode, the
         fleet's only one in a bench_serving run."""
-        prefill_leg, prefill = self.prefill_leg, self.prefill
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(prefill_leg), VERDICT_GRACE_SECS)
-        if prefill_leg.done() and not prefill_leg.cancelled() and prefill_leg.result().ends_request:
-            return self.prefill_ended(prefill_leg.result())
+        prefill = self.prefill
+        if self.p_got is None and self._p_send is not None:
+            timer = self.legs.loop.call_later(VERDICT_GRACE_SECS, self._wake_up)
+            try:
+                await self._until(_PREFILL)
+            finally:
+                timer.cancel()
+        p_leg = self.p_leg
+        if p_leg is not None and p_leg.ends_request:
+            return self.prefill_ended(p_leg)
         legs = self.legs
         if (
             d_leg.error is None
@@ -397,19 +475,177 @@ class PairAttempt:
         return legs.verdict(self.prefill, p_leg, errors.PREFILL_FAILED) or p_leg.reply(self.headers)
 
 
+class StreamLeg:
+    """One worker's streamed answer (the ``StreamSink`` of ``Upstream.stream``), cut into *blocks*
+    of whole SSE events: what arrived, up to its last event boundary (the rest waits for the next
+    read), so that the client never gets half an event and no event is parsed on the common path.
+
+    It is *opening* until its first block came: then ``on_open`` is called, once, with the leg
+    itself (``first`` holds that block), or with a Leg saying why there is no stream (an error
+    status with its body, a failure, a stream that ended with no event, or a first event that is
+    a server-side abort, with its status: nothing was sent on yet, so it is retried). From then
+    on the blocks go to the reader that ``attach`` names as they come (``reader.block(block,
+    end)``, ``reader.broke(error)``). Counted in the worker's load from its start to its end."""
+
+    __slots__ = (
+        "_body",
+        "_end",
+        "_error",
+        "_held",
+        "_on_open",
+        "_pending",
+        "_reader",
+        "epoch",
+        "first",
+        "over",
+        "response",
+        "streaming",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        legs: Legs,
+        worker: Worker,
+        path: str,
+        data: bytes,
+        headers: Headers,
+        on_open: Callable[[StreamLeg | Leg], None],
+    ):
+        self.worker = worker
+        self.epoch = legs.gate.epoch
+        self._on_open: Callable[[StreamLeg | Leg], None] | None = on_open
+        self.response: Response | None = None
+        self.first = b""
+        self.over = False  # its answer ended (whole or not) or it was cancelled: its load is back
+        self._held = b""  # what came after the last event boundary
+        self._body: list[bytes] | None = None  # an error status's body, read whole
+        self._pending: list[bytes] = []  # blocks that came after the first, before a reader
+        self._end = False  # ... and the stream's end came with them
+        self._error: BaseException | None = None  # ... or the failure that ended it
+        self._reader: StreamReader | None = None
+        worker.took()
+        to = _sent(worker, headers)
+        self.streaming: Streaming = legs.upstream.stream(worker.url + path, data, to, self, timeout=legs.timeout)
+
+    # -- StreamSink --------------------------------------------------------------------------------
+    def head(self, response: Response) -> None:
+        self.response = response
+        if response.status >= 400:
+            self._body = []  # not a stream: an error's body, read whole
+
+    def data(self, chunk: bytes, end: bool) -> None:
+        if end:
+            self._ended()
+        if self._body is not None:
+            self._body.append(chunk)
+            if end:
+                r = self.response
+                assert r is not None
+                self._opened(Leg(r.status, b"".join(self._body), r.content_type, None, self.epoch))
+            return
+        held = self._held + chunk if self._held else chunk
+        cut = held.rfind(b"\n\n") + 2
+        if end or cut == len(held):  # (at the end a tail with no boundary goes too)
+            block, self._held = held, b""
+        elif cut < 2:
+            self._held = held
+            return
+        else:
+            block, self._held = held[:cut], held[cut:]
+        reader = self._reader
+        if reader is not None:
+            reader.block(block, end)
+        elif self._on_open is None:  # opened: kept for the reader
+            self._pending.append(block)
+            self._end = end
+        elif block:
+            self._first(block, end)
+        else:
+            self._opened(Leg(error=UpstreamError("the stream ended before its first event"), epoch=self.epoch))
+
+    def failed(self, error: BaseException) -> None:
+        self._ended()
+        if self._on_open is not None:
+            self._opened(Leg(error=error, epoch=self.epoch))
+        elif self._reader is not None:
+            self._reader.broke(error)
+        else:
+            self._error = error
+
+    # -- opening -----------------------------------------------------------------------------------
+    def _first(self, block: bytes, end: bool) -> None:
+        self.streaming.disarm()  # the rest of a stream may take longer than the request timeout
+        status = server_abort(block)
+        if status is not None:
+            self._stop()
+            self._opened(Leg(status, block + DONE, "text/event-stream", None, self.epoch))
+            return
+        self.first = block
+        self._end = end
+        self._opened(self)
+
+    def _opened(self, got: StreamLeg | Leg) -> None:
+        on_open, self._on_open = self._on_open, None
+        if on_open is not None:
+            on_open(got)
+
+    # -- reading ------------------------------------------------------------------------------------
+    def attach(self, reader: StreamReader) -> None:
+        """From now on ``reader`` gets the blocks as they come; those already in go to it now (the
+        first one and any after it, joined into one block)."""
+        self._reader = reader
+        pending = self._pending
+        block = self.first + b"".join(pending) if pending else self.first
+        self.first = b""
+        pending.clear()
+        if block or self._end:
+            reader.block(block, self._end)
+        if self._error is not None:
+            reader.broke(self._error)
+
+    def pause(self) -> None:
+        if not self.over:
+            self.streaming.pause()
+
+    def resume(self) -> None:
+        if not self.over:
+            self.streaming.resume()
+
+    def cancel(self) -> None:
+        """Stop reading (the engine sees the reader go away); nothing more goes to the reader."""
+        self._on_open = None
+        self._reader = None
+        self._stop()
+
+    def _stop(self) -> None:
+        if not self.over:
+            self.streaming.cancel()
+            self._ended()
+
+    def _ended(self) -> None:
+        if not self.over:
+            self.over = True
+            self.worker.gave_back()
+
+
+class StreamReader:
+    """Who ``StreamLeg.attach`` hands a stream's blocks to, as they come (pdctl.router.relay)."""
+
+    def block(self, block: bytes, end: bool) -> None:
+        """``block``: whole events (empty only with ``end``); ``end``: the engine's stream ended with it."""
+        raise NotImplementedError
+
+    def broke(self, error: BaseException) -> None:
+        """The engine's stream ended before it was complete."""
+        raise NotImplementedError
+
+
+def _ends_request(got: Response | BaseException) -> bool:
+    """``Leg.ends_request`` of a prefill's answer."""
+    return not isinstance(got, Response) or got.status >= 400 or aborted(got.body)
+
+
 def _sent(worker: Worker, headers: Headers) -> dict[str, str]:
     """The headers sent to ``worker``: the forwarded client headers and the worker's own key."""
     return {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
-
-
-async def cancel(*tasks: asyncio.Future | None) -> None:
-    """Cancel ``tasks`` (tasks or futures) and wait for them to end, their done callbacks
-    included (a leg's closes its connection and gives back its worker's load)."""
-    pending = [t for t in tasks if t is not None and not t.done()]
-    for task in pending:
-        task.cancel()
-    for task in pending:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    if pending:
-        await asyncio.sleep(0)  # a cancelled future's callbacks run in the loop's next turn

@@ -10,7 +10,8 @@ router would send to an engine goes to an async handler instead.
 
 What a handler can do, and what the router sees:
 - return a ``MockReply``: an answer (``json`` or ``body``), or for a stream ``chunks``, an async
-  iterator of body chunks; an UpstreamError raised by the iterator is a connection dying mid-body;
+  iterator of body chunks, each read by the router as a read of its own; an UpstreamError raised
+  by the iterator is a connection dying mid-body;
 - raise UpstreamError: no answer (a refused or reset connection);
 - wait: a slow engine; past the request's timeout the router gets UpstreamTimeout;
 - see ``asyncio.CancelledError``: the router gave up on the request (an engine would abort it).
@@ -26,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdctl.router.jsonutil import dumps, loads
-from pdctl.router.upstream import Answered, Posting, Response, Sending, UpstreamTimeout, cut_after_last
+from pdctl.router.upstream import Answered, Posting, Response, Sending, Streaming, StreamSink, UpstreamTimeout
 
 
 @dataclass(frozen=True)
@@ -77,20 +78,11 @@ class MockUpstream:
         self.handler = handler
         self.requests: list[UpstreamRequest] = []
         self.closed = False
-        self._closing: set[asyncio.Task] = set()  # streams the router stopped reading, being closed
 
-    async def post(
-        self, url: str, body: bytes, headers: dict[str, str], *, stream: bool = False, timeout: float | None = None
-    ) -> Response:
-        request = UpstreamRequest(url, body, dict(headers), stream)
+    async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
+        request = UpstreamRequest(url, body, dict(headers), False)
         self.requests.append(request)
         try:
-            if stream:  # as the real pool does: the timeout covers the head and the body until disarmed
-                deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-                reply = await asyncio.wait_for(self.handler(request), timeout)
-                head = {b"content-type": reply.content_type.encode(), **reply.headers}
-                source = _Chunks(reply, self._closing, deadline)
-                return Response(reply.status, head, content_type=reply.content_type, _source=source)
             return await asyncio.wait_for(self._whole(request), timeout)
         except asyncio.TimeoutError:
             raise UpstreamTimeout("no answer within the request timeout") from None
@@ -99,6 +91,13 @@ class MockUpstream:
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
     ) -> Sending:
         return Posting(self.post(url, body, headers, timeout=timeout), answered)
+
+    def stream(
+        self, url: str, body: bytes, headers: dict[str, str], sink: StreamSink, *, timeout: float | None = None
+    ) -> Streaming:
+        request = UpstreamRequest(url, body, dict(headers), True)
+        self.requests.append(request)
+        return _Stream(self.handler(request), sink, timeout)
 
     async def _whole(self, request: UpstreamRequest) -> Response:
         reply = await self.handler(request)
@@ -110,50 +109,72 @@ class MockUpstream:
         self.closed = True
 
 
-class _Chunks:
-    """A streamed reply's body, read once."""
+class _Stream:
+    """A streamed answer fed to its sink by a task, as the real pool's connection does: the head,
+    then each of the reply's chunks as a read of its own, then the end (or the failure). The
+    timeout covers the head and the body until disarmed; cancelling it closes the handler's
+    chunks (the engine sees the reader go away)."""
 
-    def __init__(self, reply: MockReply, closing: set[asyncio.Task], deadline: float | None):
-        self._parts = reply.body_parts()
-        self._finished = False
-        self._closing = closing
-        self._deadline = deadline
+    def __init__(self, reply: Awaitable[MockReply], sink: StreamSink, timeout: float | None):
+        loop = asyncio.get_running_loop()
+        self.sink: StreamSink | None = sink
+        self.deadline = None if timeout is None else loop.time() + timeout
+        self.reading = asyncio.Event()
+        self.reading.set()
+        self.task = asyncio.ensure_future(self._run(reply))
 
-    async def body_chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
-        parts = self._parts.__aiter__()
-        held = b""
-        while True:
+    def _left(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - asyncio.get_running_loop().time(), 0)
+
+    async def _run(self, answer: Awaitable[MockReply]) -> None:
+        try:
+            reply = await asyncio.wait_for(answer, self._left())
+            head = {b"content-type": reply.content_type.encode(), **reply.headers}
+            if self.sink is None:
+                return
+            self.sink.head(Response(reply.status, head, content_type=reply.content_type))
+            parts = reply.body_parts().__aiter__()
             try:
-                if self._deadline is None:
-                    part = await parts.__anext__()
-                else:
-                    remaining = self._deadline - asyncio.get_running_loop().time()
-                    part = await asyncio.wait_for(parts.__anext__(), max(remaining, 0))
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise UpstreamTimeout("no answer within the request timeout") from None
-            if boundary:
-                part, held = cut_after_last(held + part, boundary)
-            if part:
-                yield part
-        if held:
-            yield held
-        self._finished = True
+                while self.sink is not None:
+                    await self.reading.wait()
+                    try:
+                        part = await asyncio.wait_for(parts.__anext__(), self._left())
+                    except StopAsyncIteration:
+                        break
+                    if part and self.sink is not None:
+                        self.sink.data(part, False)
+            except asyncio.CancelledError:
+                close = getattr(parts, "aclose", None)
+                if close is not None:
+                    await close()  # (one waiting at a yield sees GeneratorExit)
+                raise
+            if self.sink is not None:
+                sink, self.sink = self.sink, None
+                sink.data(b"", True)
+        except asyncio.TimeoutError:
+            self._failed(UpstreamTimeout("no answer within the request timeout"))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # an UpstreamError: the connection died; anything else: a bug
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.failed(exc)
+
+    def cancel(self) -> None:
+        self.sink = None
+        self.task.cancel()  # (the handler, or its chunks' generator, sees CancelledError)
+
+    def pause(self) -> None:
+        self.reading.clear()
+
+    def resume(self) -> None:
+        self.reading.set()
 
     def disarm(self) -> None:
-        self._deadline = None
-
-    def finished(self) -> bool:
-        return self._finished
-
-    def close(self) -> None:
-        """The reader went away: the sender's generator is closed (it sees GeneratorExit)."""
-        close = getattr(self._parts, "aclose", None)
-        if close is not None:
-            task = asyncio.ensure_future(close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        self.deadline = None
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

@@ -16,7 +16,8 @@ server does what the router needs and nothing more:
 - a body is buffered in one growing buffer, so its memory is the payload's size (plus the
   buffer's slack) whatever the framing (1-byte chunks included);
 - whole responses with Content-Length, or streamed ones with chunked encoding that wait
-  for the client to drain (flow control);
+  for the client to drain (flow control); a streamed body that is a ``Pipe`` writes into the
+  connection itself (an ``Outlet``), and is told when the client stops and resumes reading;
 - a client that goes away cancels its handler (the router's contract: both legs of a PD
   request are cancelled, and the engines abort them);
 - idle keep-alive connections, and clients that trickle headers (slowloris), closed after
@@ -33,6 +34,7 @@ import asyncio
 import collections
 import functools
 import http
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -45,7 +47,7 @@ import httptools
 
 from pdctl.router.cancels import cancel_requests, withdraw_cancel
 from pdctl.router.http1 import header_lines
-from pdctl.router.reply import Answer, Reply, StreamReply
+from pdctl.router.reply import Answer, Flow, Reply, StreamReply
 
 log = logging.getLogger("pdctl.router.server")
 
@@ -184,6 +186,7 @@ class _Connection(asyncio.Protocol):
         self._idle_since = 0.0
         self.body_timer: asyncio.TimerHandle | None = None
         self._writable: asyncio.Future | None = None  # set while the client is not reading
+        self._outlet: _Outlet | None = None  # a piped stream's, while it is written
         self._corked: list[bytes] | None = None  # a stream's writes, gathered until the loop's next turn
         self._corked_bytes = 0
         self._url = b""
@@ -257,10 +260,14 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
             self._writable = self.loop.create_future()
+        if self._outlet is not None:
+            self._outlet.pause()
 
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+        if self._outlet is not None:
+            self._outlet.resume()
 
     def close(self) -> None:
         if self.transport is not None:
@@ -315,8 +322,11 @@ class _Connection(asyncio.Protocol):
         if len(self._url) + sum(map(len, raw)) + sum(map(len, raw.values())) > MAX_HEAD_BYTES:
             self._refuse(431, f"request line and headers are over {MAX_HEAD_BYTES} bytes")
             raise httptools.HttpParserError("head too large")  # stop parsing this connection
-        names = _HEADER_NAMES
-        self._headers = {(names.get(k) or _header_name(k)): v.decode("latin-1") for k, v in raw.items()}
+        # Names lower-cased and values decoded by C calls (no Python frame per header).
+        names: list[str | None] = list(map(_HEADER_NAMES.get, raw))
+        if None in names:  # a spelling not seen yet
+            names = [name or _header_name(k) for name, k in zip(names, raw, strict=True)]
+        self._headers = dict(zip(cast(list[str], names), map(str, raw.values(), _LATIN1), strict=True))
         if self.server.check_head is not None:
             url = self._url.partition(b"?")[0].decode("latin-1")
             refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers)
@@ -444,11 +454,18 @@ class _Connection(asyncio.Protocol):
         try:
             if self.transport is None:
                 return False
-            head = _head(reply.status, reply.headers, request.keep_alive, request.http10)
-            self._send(
-                b"%bContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r\n"
-                % (head, reply.content_type.encode("latin-1"))
+            head = b"%bContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r\n" % (
+                _head(reply.status, reply.headers, request.keep_alive, request.http10),
+                reply.content_type.encode("latin-1"),
             )
+            pipe = getattr(body, "pipe", None)  # (a reply.Pipe)
+            if pipe is not None:
+                outlet = self._outlet = _Outlet(self, head)
+                await pipe(outlet)
+                if not outlet.ended:  # (a pipe ends its body itself: this one did not)
+                    outlet.write(b"", True)
+                return self.transport is not None
+            self._send(head)
             async for chunk in body:
                 if self.transport is None:
                     return False
@@ -469,6 +486,7 @@ class _Connection(asyncio.Protocol):
             log.warning("stream for %s %s broke: %s: %s", request.method, request.path, type(exc).__name__, exc)
             return False
         finally:
+            self._outlet = None
             try:
                 await body.aclose()
             finally:
@@ -528,6 +546,46 @@ class _Connection(asyncio.Protocol):
         self.close()
 
 
+class _Outlet:
+    """A piped stream's way into its client connection (``reply.Outlet``): each write goes out at
+    once, chunk-framed, the head in front of the first; the end's framing goes with the last."""
+
+    __slots__ = ("conn", "ended", "flow", "head", "paused")
+
+    def __init__(self, conn: _Connection, head: bytes):
+        self.conn = conn
+        self.head = head
+        self.ended = False
+        self.flow: Flow | None = None
+        self.paused = conn._writable is not None and not conn._writable.done()
+
+    def write(self, chunk: bytes, end: bool = False) -> None:
+        if self.ended:
+            return
+        data = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b""
+        if end:
+            self.ended = True
+            data += b"0\r\n\r\n"
+        if self.head:
+            data, self.head = self.head + data, b""
+        conn = self.conn
+        if conn._corked is not None:  # (behind what an earlier answer gathered: answers keep their order)
+            conn._corked.append(data)
+        elif conn.transport is not None:
+            conn.transport.write(data)
+
+    def pause(self) -> None:
+        self.paused = True
+        if self.flow is not None:
+            self.flow.pause()
+
+    def resume(self) -> None:
+        self.paused = False
+        if self.flow is not None:
+            self.flow.resume()
+
+
+_LATIN1 = itertools.repeat("latin-1")  # str(value, "latin-1") for every header value
 _HEADER_NAMES: dict[bytes, str] = {}
 """Header names as sent -> lower-cased str, learnt as they come (clients send a handful)."""
 

@@ -1,8 +1,8 @@
 """An engine's SSE stream as the client gets it, and the pieces a continued stream needs.
 
-A stream is forwarded in *blocks* (``sse_blocks``): what arrived, cut at the last event
-boundary, so that the client never gets half an event and the router parses none of them on
-the common path. After a weight update (refit ``interrupt``) the ``Interrupted`` rule reads
+A stream is forwarded in *blocks* (cut by ``pdctl.router.legs.StreamLeg``): what arrived, up to
+the last event boundary, so that the client never gets half an event and the router parses none
+of them on the common path. After a weight update (refit ``interrupt``) the ``Interrupted`` rule reads
 the blocks that name an abort event by event and catches those that end an answer in an
 asked-for abort, so that the dispatcher can continue those answers on the new weights
 (``Continued`` shows a continuation's events as part of the client's stream).
@@ -10,43 +10,16 @@ asked-for abort, so that the dispatcher can continue those answers on the new we
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.router.jsonutil import dumps, sse_data, sse_event
 from pdctl.router.resume import Job, Piece, asked_abort
-from pdctl.router.upstream import Response, UpstreamError
 
 DONE = b"data: [DONE]\n\n"
 Transform = Callable[[bytes], bytes]
 """What the client sees of one event."""
-
-
-@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs a call per field)
-class Opened:
-    """An engine stream whose first block has come (and not yet been sent on)."""
-
-    response: Response
-    first: bytes
-    rest: AsyncIterator[bytes]
-
-
-async def first_block(blocks: AsyncIterator[bytes]) -> bytes | BaseException:
-    """The first block of a stream, or why there is none (the upstream's timeout bounds it)."""
-    try:
-        return await blocks.__anext__()
-    except StopAsyncIteration:
-        return UpstreamError("the stream ended before its first event")
-    except (UpstreamError, OSError) as exc:
-        return exc
-
-
-def sse_blocks(upstream: Response) -> AsyncIterator[bytes]:
-    """A streaming response's body as it arrives, cut after its last whole event (``...\\n\\n``):
-    each block is one or more whole events; the rest waits for the next read. A tail with no
-    boundary at the end of the body comes last."""
-    return upstream.chunks(b"\n\n")
 
 
 def events_of(block: bytes) -> list[bytes]:

@@ -7,9 +7,11 @@ stream; pooled connections per host; a connection that was reused and died befor
 answer is retried once on a fresh one. Cancelling a request closes its connection, so the
 engine sees the client go away and aborts the request.
 
-Two ways in: ``post``, a coroutine (streams, and a request that must connect first), and
-``send``, which starts a whole request on a pooled connection and has the connection's parser
-callbacks answer it (no task or coroutine per request: the router's legs use it).
+Three ways in: ``send``, which starts a whole request on a pooled connection and has the
+connection's parser callbacks answer it; ``stream``, which does the same for a streamed answer
+and hands its head and body to a ``StreamSink`` as they are read (no task, coroutine or future
+per request or per read: the router's legs use both); and ``post``, a coroutine (a request that
+must connect first runs as one).
 
 ``Upstream`` is the interface the dispatcher uses; ``UpstreamPool`` is the real one and
 ``pdctl.router.mock_upstream.MockUpstream`` an in-memory one for tests.
@@ -20,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
@@ -38,24 +40,22 @@ class UpstreamTimeout(UpstreamError):
     """No complete answer within the request timeout."""
 
 
-class BodySource(Protocol):
-    """Where a streamed response's body comes from (a connection, or a test's chunks)."""
+class StreamSink(Protocol):
+    """Who reads a streamed answer (``Upstream.stream``): called as it is read, never after the
+    stream was cancelled; ``data`` with ``end`` or ``failed`` comes last, once."""
 
-    def body_chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
-        """The body's chunks as they arrive (cut as ``Response.chunks`` says); raises
-        UpstreamError if it ends before complete."""
+    def head(self, response: Response) -> None:
+        """The status and headers (``response.body`` is empty)."""
         ...
 
-    def finished(self) -> bool:
-        """True once the whole body was read."""
+    def data(self, chunk: bytes, end: bool) -> None:
+        """Body bytes as they came in one read (all of its HTTP chunks joined; empty only with
+        ``end``); ``end``: the body is complete after them."""
         ...
 
-    def close(self) -> None:
-        """Stop reading: the sender sees the reader go away."""
-        ...
-
-    def disarm(self) -> None:
-        """The request timeout no longer applies to the rest of the body."""
+    def failed(self, error: BaseException) -> None:
+        """The answer ended before it was complete: UpstreamError (UpstreamTimeout past the
+        request timeout, unless disarmed), or an exception that is a bug."""
         ...
 
 
@@ -66,42 +66,15 @@ class Response:
     """As the engine sent them (names not case-folded); a repeated header keeps its last value."""
     body: bytes = b""
     content_type: str = "application/json"
-    _source: BodySource | None = field(default=None, repr=False)
-
-    def chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
-        """The body as it arrives (streamed responses only; read once). With ``boundary``, each
-        chunk ends with it: what comes after the last one waits for the rest (a tail with none
-        comes last, at the end of the body)."""
-        assert self._source is not None
-        return self._source.body_chunks(boundary)
-
-    async def read(self) -> bytes:
-        """The rest of a streamed body, whole."""
-        return b"".join([c async for c in self.chunks()])
-
-    def close(self) -> None:
-        """Drop the connection unless the response was read to the end (then it is pooled)."""
-        if self._source is not None and not self._source.finished():
-            self._source.close()
-
-    def disarm(self) -> None:
-        """A stream's first event came: the request timeout no longer bounds the rest of it."""
-        if self._source is not None:
-            self._source.disarm()
 
 
 class Upstream(Protocol):
-    """How the router talks to engines: POST a JSON body, get the answer (or its head)."""
+    """How the router talks to engines: POST a JSON body, get the answer whole or as it comes."""
 
-    async def post(
-        self, url: str, body: bytes, headers: dict[str, str], *, stream: bool = False, timeout: float | None = None
-    ) -> Response:
-        """The whole response, or (``stream``) status and headers with ``chunks()`` to read.
-
-        Raises UpstreamError when the connection fails, UpstreamTimeout when ``timeout`` passes:
-        for the whole answer, or a stream's until ``Response.disarm()`` (then a stream's body
-        raises it from ``chunks()``).
-        Cancelling it closes the connection (the engine sees the client go away)."""
+    async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
+        """The whole response. Raises UpstreamError when the connection fails, UpstreamTimeout
+        when ``timeout`` passes. Cancelling it closes the connection (the engine sees the client
+        go away)."""
         ...
 
     def send(
@@ -111,6 +84,15 @@ class Upstream(Protocol):
         or with the exception that ended it (UpstreamError, UpstreamTimeout past ``timeout``), and
         never after ``Sending.cancel()``, which closes the connection (the engine sees the client
         go away). No task or coroutine is made for it where a pooled connection is ready."""
+        ...
+
+    def stream(
+        self, url: str, body: bytes, headers: dict[str, str], sink: StreamSink, *, timeout: float | None = None
+    ) -> Streaming:
+        """Start a POST whose answer is read as it comes: ``sink`` gets its head, then its body
+        read by read (``StreamSink``). ``timeout`` bounds the answer until ``Streaming.disarm()``.
+        ``Streaming.cancel()`` closes the connection; ``pause()``/``resume()`` stop and restart
+        reading it (flow control: the engine is held back by TCP, nothing piles up here)."""
         ...
 
     def close(self) -> None:
@@ -126,6 +108,24 @@ class Sending(Protocol):
 
     def cancel(self) -> None:
         """Stop it: its connection is closed and ``answered`` is not called."""
+        ...
+
+
+class Streaming(Protocol):
+    """A request started by ``Upstream.stream``."""
+
+    def cancel(self) -> None:
+        """Stop it: its connection is closed and its sink is not called again."""
+        ...
+
+    def pause(self) -> None:
+        """Stop reading the answer until ``resume()``."""
+        ...
+
+    def resume(self) -> None: ...
+
+    def disarm(self) -> None:
+        """The request timeout no longer bounds the rest of the answer."""
         ...
 
 
@@ -183,6 +183,74 @@ class _Sent:
             self.retry.cancel()
 
 
+class _Streamed:
+    """A request started by ``UpstreamPool.stream``: on a pooled connection at once, else once a
+    connection is made (a task); its connection hands the answer to ``sink`` as it reads it."""
+
+    __slots__ = ("conn", "data", "key", "paused", "pool", "sink", "task", "timeout")
+
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int], data: bytes, sink: StreamSink, timeout: float | None):
+        self.pool, self.key, self.data, self.timeout = pool, key, data, timeout
+        self.sink: StreamSink | None = sink  # None once cancelled
+        self.conn: _Conn | None = None
+        self.task: asyncio.Task | None = None
+        self.paused = False
+
+    def go(self, conn: _Conn) -> None:
+        """Send on ``conn``: from here on it calls the sink."""
+        self.conn = conn
+        conn.streamed = self
+        conn.arm(self.timeout)
+        if self.paused and conn.transport is not None:
+            conn.transport.pause_reading()
+        assert conn.transport is not None
+        conn.transport.write(self.data)
+
+    def connect(self) -> None:
+        """Send on a new connection, once it is made."""
+        self.task = asyncio.ensure_future(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            conn = await self.pool._connect(self.key)
+        except OSError as exc:
+            self.failed(UpstreamError(f"cannot connect to {self.key[0]}:{self.key[1]}: {exc}"))
+            return
+        if self.sink is None:  # cancelled meanwhile
+            conn.close()
+            return
+        self.go(conn)
+
+    def failed(self, error: BaseException) -> None:
+        sink, self.sink = self.sink, None
+        self.conn = None
+        if sink is not None:
+            sink.failed(error)
+
+    def cancel(self) -> None:
+        self.sink = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.streamed = None
+            conn.close()  # the engine sees the client go away
+        if self.task is not None:
+            self.task.cancel()
+
+    def pause(self) -> None:
+        self.paused = True
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.pause_reading()
+
+    def resume(self) -> None:
+        self.paused = False
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.resume_reading()
+
+    def disarm(self) -> None:
+        if self.conn is not None:
+            self.conn.disarm()
+
+
 class _Conn(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]):
         self.pool, self.key = pool, key
@@ -201,6 +269,7 @@ class _Conn(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self.sent: _Sent | None = None  # a request started by send(), answered through callbacks
+        self.streamed: _Streamed | None = None  # a request started by stream(): its sink is fed
         self._reset()
 
     def _reset(self) -> None:
@@ -208,14 +277,12 @@ class _Conn(asyncio.Protocol):
         self.headers: dict[bytes, bytes] = {}
         self.content_type = b""
         self.status = 0
-        self.body: list[bytes] = []  # a whole body; a stream's chunks not read yet
+        self.body: list[bytes] = []  # a whole body; a stream's body not handed on yet
         self.got_bytes = False
         self.timed_out = False  # (a timeout is not a dead kept-alive connection: not tried again)
         self.complete = False  # the response was read whole
         self.keep_alive = False  # ... and the server keeps the connection open
         self.error: Exception | None = None  # what ended the response before it was complete
-        self.waiter: asyncio.Future | None = None  # a stream's reader, waiting for more
-        self.head: asyncio.Future[int] | None = None  # made for streams: their reader waits for the head
         self.done: asyncio.Future[None] | None = None  # made by post(): it waits for the end
 
     def arm(self, timeout: float | None) -> None:
@@ -259,6 +326,23 @@ class _Conn(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"bad HTTP response: {exc}"))
+            return
+        streamed = self.streamed
+        if streamed is not None and (self.body or self.complete):
+            # A stream's body goes on once per read, all of its HTTP chunks together (one write
+            # to the client, however many events the read held).
+            body = self.body
+            chunk = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            end = self.complete
+            if end:
+                self.streamed = None
+                self.pool.release(self)
+            sink = streamed.sink
+            if sink is not None:
+                if end:
+                    streamed.sink = streamed.conn = None
+                sink.data(chunk, end)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -273,13 +357,12 @@ class _Conn(asyncio.Protocol):
             content_type = next((v for k, v in raw.items() if k.lower() == b"content-type"), b"")
         self.content_type = content_type
         self.status = self.parser.get_status_code()
-        if self.head is not None and not self.head.done():
-            self.head.set_result(self.status)
+        streamed = self.streamed
+        if streamed is not None and streamed.sink is not None:
+            streamed.sink.head(Response(self.status, raw, content_type=_media_type(content_type)))
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
-        if self.waiter is not None:
-            self._wake()
 
     def on_message_complete(self) -> None:
         self.deadline = None
@@ -287,8 +370,6 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = self.parser.should_keep_alive()
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
-        if self.waiter is not None:
-            self._wake()
         sent = self.sent
         if sent is not None:
             self.sent = None
@@ -299,12 +380,10 @@ class _Conn(asyncio.Protocol):
     def _fail(self, exc: Exception) -> None:
         if not self.complete and self.error is None:
             self.error = exc
-        for fut in (self.head, self.done):
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
-                fut.exception()  # mark retrieved; the caller may be gone
-        if self.waiter is not None:
-            self._wake()
+        done = self.done
+        if done is not None and not done.done():
+            done.set_exception(exc)
+            done.exception()  # mark retrieved; the caller may be gone
         sent = self.sent
         if sent is not None:
             self.sent = None
@@ -314,6 +393,15 @@ class _Conn(asyncio.Protocol):
                 sent.retry = Posting(self.pool.on_fresh(sent.key, sent.data, sent.timeout), sent.finish)
             else:
                 sent.finish(exc)
+        streamed = self.streamed
+        if streamed is not None:
+            self.streamed = None
+            self.close()
+            if self.died_idle and streamed.sink is not None:  # one try on a fresh connection
+                streamed.conn = None
+                streamed.connect()
+            else:
+                streamed.failed(exc)
 
     @property
     def died_idle(self) -> bool:
@@ -324,44 +412,6 @@ class _Conn(asyncio.Protocol):
     def whole(self) -> Response:
         """The response read whole (status, headers, body)."""
         return Response(self.status, self.headers, b"".join(self.body), _media_type(self.content_type))
-
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- use -------------------------------------------------------------------------------
-    async def body_chunks(self, boundary: bytes = b"") -> AsyncIterator[bytes]:
-        """A stream's body: each time, all that has arrived since the last (one chunk however
-        many reads or HTTP chunks it came in, so that the client gets it in one write), up to
-        its last ``boundary`` if given (cut here rather than by a generator over this one: a
-        layer less on every event of a stream)."""
-        body = self.body
-        held = b""  # (with a boundary) what came after the last one
-        try:
-            while True:
-                if body:
-                    chunk = body[0] if len(body) == 1 else b"".join(body)
-                    body.clear()
-                    if boundary:
-                        chunk, held = cut_after_last(held + chunk if held else chunk, boundary)
-                        if not chunk:
-                            continue
-                    yield chunk
-                elif self.complete:
-                    if held:
-                        yield held
-                    break
-                elif self.error is not None:
-                    raise self.error  # the connection died mid-body
-                else:
-                    self.waiter = self.loop.create_future()
-                    await self.waiter
-        finally:
-            self.pool.release(self)
-
-    def finished(self) -> bool:
-        return self.complete or self.error is not None
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:
@@ -375,14 +425,6 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
-def cut_after_last(data: bytes, boundary: bytes) -> tuple[bytes, bytes]:
-    """``data`` cut after its last ``boundary``: (what ends with it, what comes after it)."""
-    cut = data.rfind(boundary) + len(boundary)
-    if cut < len(boundary):
-        return b"", data
-    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
-
-
 class UpstreamPool:
     """The real Upstream: pooled HTTP/1.1 keep-alive connections per host."""
 
@@ -390,6 +432,9 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = collections.defaultdict(collections.deque)
         self.max_idle = max_idle_per_host
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (address, request-line prefix)
+        # The header lines of the last headers sent: a PD request's two legs send the same dict.
+        self._lines_of: dict[str, str] | None = None
+        self._lines = b""
 
     def _idle_conn(self, key: tuple[str, int]) -> _Conn | None:
         """A pooled connection, ready for a new request (synchronous: no coroutine on the hot path)."""
@@ -428,7 +473,9 @@ class UpstreamPool:
         key, prefix = self._targets.get(url) or self._target(url)
         if not headers:
             return key, b"%bContent-Length: %d\r\n\r\n%b" % (prefix, len(body), body)
-        return key, b"%bContent-Length: %d\r\n%b\r\n%b" % (prefix, len(body), header_lines(headers), body)
+        if headers is not self._lines_of:
+            self._lines, self._lines_of = header_lines(headers), headers
+        return key, b"%bContent-Length: %d\r\n%b\r\n%b" % (prefix, len(body), self._lines, body)
 
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
@@ -437,28 +484,37 @@ class UpstreamPool:
         key, data = self._request(url, body, headers)
         conn = self._idle_conn(key)
         if conn is None:  # connecting is a coroutine: the request runs as one, in a task
-            return Posting(self._post(key, data, False, timeout), answered)
+            return Posting(self._post(key, data, timeout), answered)
         sent = conn.sent = _Sent(answered, conn, key, data, timeout)
         conn.arm(timeout)
         assert conn.transport is not None
         conn.transport.write(data)
         return sent
 
+    def stream(
+        self, url: str, body: bytes, headers: dict[str, str], sink: StreamSink, *, timeout: float | None = None
+    ) -> Streaming:
+        """See ``Upstream.stream``: the connection's callbacks feed ``sink``."""
+        key, data = self._request(url, body, headers)
+        streamed = _Streamed(self, key, data, sink, timeout)
+        conn = self._idle_conn(key)
+        if conn is None:
+            streamed.connect()
+        else:
+            streamed.go(conn)
+        return streamed
+
     def on_fresh(self, key: tuple[str, int], data: bytes, timeout: float | None) -> Coroutine[Any, Any, Response]:
         """A whole POST of ``data`` on a new connection (the retry of one whose kept-alive
         connection had died)."""
-        return self._post(key, data, False, timeout, pooled=False)
+        return self._post(key, data, timeout, pooled=False)
 
-    async def post(
-        self, url: str, body: bytes, headers: dict[str, str], *, stream: bool = False, timeout: float | None = None
-    ) -> Response:
+    async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
         """See ``Upstream.post``."""
         key, data = self._request(url, body, headers)
-        return await self._post(key, data, stream, timeout)
+        return await self._post(key, data, timeout)
 
-    async def _post(
-        self, key: tuple[str, int], data: bytes, stream: bool, timeout: float | None, *, pooled: bool = True
-    ) -> Response:
+    async def _post(self, key: tuple[str, int], data: bytes, timeout: float | None, *, pooled: bool = True) -> Response:
         """``data`` sent to ``key`` on a pooled connection (``pooled``), tried once more on a fresh
         one when a kept-alive connection had died before any answer, else on a fresh one."""
         for attempt in range(2):
@@ -473,11 +529,6 @@ class UpstreamPool:
                 assert conn.transport is not None
                 if conn.error is not None:  # it died before this request began (it would wait for ever)
                     raise conn.error
-                if stream:
-                    head = conn.head = conn.loop.create_future()
-                    conn.transport.write(data)
-                    status = await head
-                    return Response(status, conn.headers, content_type=_media_type(conn.content_type), _source=conn)
                 done = conn.done = conn.loop.create_future()
                 conn.transport.write(data)
                 await done  # one wake-up per request: the head is complete when the message is
@@ -499,6 +550,14 @@ class UpstreamPool:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+def cut_after_last(data: bytes, boundary: bytes) -> tuple[bytes, bytes]:
+    """``data`` cut after its last ``boundary``: (what ends with it, what comes after it)."""
+    cut = data.rfind(boundary) + len(boundary)
+    if cut < len(boundary):
+        return b"", data
+    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
 
 
 @functools.lru_cache(maxsize=64)  # engines send a handful of values: parsed once each

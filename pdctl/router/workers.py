@@ -61,13 +61,15 @@ class Worker:
     auth: dict[str, str] = field(default_factory=dict, repr=False)
     """Headers for every call the router makes to it: its key, never a client's."""
 
-    # ``with worker:`` counts one request in ``load`` until the block ends, however it ends (smg's
-    # WorkerLoadGuard; entered through ``WorkerRegistry.in_flight``). The worker itself rather than
-    # a guard object per request (none is made on the hot path) or per worker (a reference cycle).
-    def __enter__(self) -> None:
+    # A request counts in ``load`` from ``took()`` to ``gave_back()``, once each, however it ends
+    # (smg's WorkerLoadGuard): the legs (pdctl.router.legs) call them where a leg starts and where
+    # its answer is in or it is cancelled. No guard object is made per request on the hot path.
+    def took(self) -> None:
+        """A request to this worker began."""
         self.load += 1
 
-    def __exit__(self, *exc: object) -> None:
+    def gave_back(self) -> None:
+        """A request to this worker ended (answered, failed or cancelled)."""
         self.load -= 1
         if self.drained is not None and self.load == 0:
             self.drained.set()
@@ -273,10 +275,6 @@ class WorkerRegistry:
         return out
 
     # -- outcomes ----------------------------------------------------------------------------------
-    def in_flight(self, worker: Worker) -> Worker:
-        """Count a request in ``worker``'s load for the duration (``with``): the one place load changes."""
-        return worker
-
     def record(self, worker: Worker, ok: bool) -> None:
         """Circuit breaker bookkeeping for an answer that says whether ``worker`` works (a 4xx is
         the client's fault and counts as ok; backpressure, 429/503 from a live worker, is not
@@ -285,6 +283,9 @@ class WorkerRegistry:
         One state, read the same way by selection, ``/workers`` and the log: open while
         ``cb_open_until`` is ahead; then half-open, when only trial requests' outcomes count
         (answers to requests sent before the circuit opened neither close nor extend it)."""
+        if ok and not worker.cb_half_open and not worker.cb_open_until:  # (closed, never opened: no clock needed)
+            worker.cb_failures = 0
+            return
         if self.config.breaker.disabled:
             return
         now = time.monotonic()

@@ -1,8 +1,7 @@
-"""The PD race (a decode leg run against its prefill, ``PairAttempt.race``) under Python 3.11's
-cancellation counting, in-process: a leg that consumes the race's cancel (as 3.11's ``wait_for``
-does when its inner call completes with the cancel) must not make a later race read its own
-cancel as the client's. It did: the CancelledError escaped the handler and the client waited for
-ever (seen under load in the suite: a bench request and a healing test's request hung)."""
+"""The PD race, in-process: a ``PairAttempt``'s decode leg against its prefill. Both legs answer
+through callbacks; the attempt's task is woken once, by what decides it, and is never cancelled
+by the attempt itself (Python 3.11's cancel counting once made a race's own cancel read as the
+client's: the CancelledError escaped the handler and the client waited for ever)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Legs, PairAttempt
 from pdctl.router.mock_upstream import MockReply, MockUpstream, UpstreamRequest
 from pdctl.router.reply import Reply
+from pdctl.router.retry import Retry
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import UpstreamError
 from pdctl.router.workers import WorkerRegistry
@@ -21,19 +21,14 @@ from pdctl.router.workers import WorkerRegistry
 PREFILL, DECODE = "http://127.0.0.2:1", "http://127.0.0.3:1"
 
 
-async def _prefill_dies(request: UpstreamRequest) -> MockReply:
-    await asyncio.sleep(0)
-    raise UpstreamError("prefill went away (test)")  # a failure: it ends the request
-
-
 async def _prefill_runs(request: UpstreamRequest) -> MockReply:
     await asyncio.Event().wait()  # a prefill still running
     raise AssertionError("unreachable")
 
 
-def _pair(registry: WorkerRegistry, legs: Legs) -> PairAttempt:
+def _pair(registry: WorkerRegistry, legs: Legs, body: bytes = b"{}") -> PairAttempt:
     prefill, decode = registry.workers[PREFILL], registry.workers[DECODE]
-    return PairAttempt(legs, prefill, decode, "/generate", b"{}", Headers({}, {}))
+    return PairAttempt(legs, prefill, decode, "/generate", body, Headers({}, {}))
 
 
 def _fleet(handler) -> tuple[WorkerRegistry, Legs]:
@@ -44,66 +39,71 @@ def _fleet(handler) -> tuple[WorkerRegistry, Legs]:
     return registry, Legs(MockUpstream(handler), registry, RefitGate(), 30)
 
 
-def test_a_consumed_race_cancel_does_not_leak_into_the_next_race() -> None:
-    async def scenario() -> tuple[object, object, int]:
-        registry, legs = _fleet(_prefill_dies)
+def test_a_prefill_that_ends_the_request_cancels_its_decode_without_cancelling_the_task() -> None:
+    """The decode waits for KV that will never come: it is cancelled at once, the attempt is a
+    retry, both loads are back, and the task holds no cancel request (twice in a row)."""
 
-        async def consuming_leg() -> str:
+    async def scenario() -> tuple[list[object], list[str], dict[str, int], int]:
+        abandoned: list[str] = []
+
+        async def engines(request: UpstreamRequest) -> MockReply:
+            if request.base == PREFILL:
+                await asyncio.sleep(0)
+                raise UpstreamError("prefill went away (test)")  # a failure: it ends the request
             try:
-                await asyncio.sleep(30)
+                await asyncio.Event().wait()  # a decode waiting for its KV
             except asyncio.CancelledError:
-                return "consumed"  # the leg swallowed the race's cancel and returned
-            return "not cancelled"
+                abandoned.append(request.base)
+                raise
+            raise AssertionError("unreachable")
 
-        async with _pair(registry, legs) as first_pair:
-            first = await first_pair.race(consuming_leg())
-        async with _pair(registry, legs) as second_pair:
-            second = await second_pair.race(asyncio.sleep(30))
+        registry, legs = _fleet(engines)
+        outcomes = [await _pair(registry, legs).whole(with_logprobs=False) for _ in range(2)]
+        for _ in range(3):
+            await asyncio.sleep(0)  # the cancelled decodes' handlers see it
         task = asyncio.current_task()
         assert task is not None
-        left = task.cancelling()
+        loads = {url: w.load for url, w in registry.workers.items()}
         await legs.close()
-        return first, second, left
+        return outcomes, abandoned, loads, task.cancelling()
 
-    first, second, left = asyncio.run(scenario())
-    assert first == "consumed" and second is None, (first, second)
-    assert left == 0, "no cancel request of the races is left on the task"
+    outcomes, abandoned, loads, cancelling = asyncio.run(scenario())
+    assert all(isinstance(o, Retry) for o in outcomes), outcomes
+    assert abandoned == [DECODE, DECODE]
+    assert loads == {PREFILL: 0, DECODE: 0}
+    assert cancelling == 0, "no cancel request is left on the task"
 
 
 def test_a_client_that_leaves_during_a_race_still_ends_the_request() -> None:
-    async def scenario() -> tuple[bool, int]:
+    async def scenario() -> tuple[bool, dict[str, int]]:
         registry, legs = _fleet(_prefill_runs)
         pair = _pair(registry, legs)
-
-        async def handler() -> object:
-            async with pair:
-                return await pair.race(asyncio.sleep(30))
-
-        task = asyncio.ensure_future(handler())
-        while not legs.upstream.requests:  # type: ignore[attr-defined]  # the prefill leg is sent
+        task = asyncio.ensure_future(pair.whole(with_logprobs=False))
+        while len(legs.upstream.requests) < 2:  # type: ignore[attr-defined]  # both legs are sent
             await asyncio.sleep(0)
         task.cancel()  # the client went away
         try:
             await task
         except asyncio.CancelledError:
-            return True, registry.workers[PREFILL].load
+            return True, {url: w.load for url, w in registry.workers.items()}
         finally:
             await legs.close()
-        return False, -1
+        return False, {}
 
-    reached, prefill_load = asyncio.run(scenario())
+    reached, loads = asyncio.run(scenario())
     assert reached, "the client's cancel reaches the handler"
-    assert prefill_load == 0, "the prefill leg was cancelled with the attempt"
+    assert loads == {PREFILL: 0, DECODE: 0}, "both legs were cancelled with the attempt"
 
 
 def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a_late_one_recorded() -> None:
     """``keep_prefill`` hands a running prefill over: one that answers within its grace is
     recorded (its circuit counts it), one that does not is cancelled (the engine aborts it);
-    legs end in the order they began their grace, under one timer."""
+    prefills end in the order they began their grace, under one timer."""
 
     async def scenario() -> tuple[list[str], int, int]:
         answer_now = asyncio.Event()
         seen: list[str] = []
+        both_over = asyncio.Event()
 
         async def engines(request: UpstreamRequest) -> MockReply:
             room = request.json().get("room")
@@ -116,20 +116,20 @@ def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a
                 return MockReply(status=500, json={"error": "prefill failed late"})
             except asyncio.CancelledError:
                 seen.append(f"{room} cancelled")
+                both_over.set()
                 raise
 
         registry, legs = _fleet(engines)
-        prefill, decode = registry.workers[PREFILL], registry.workers[DECODE]
+        prefill = registry.workers[PREFILL]
         legs.grace_secs = 0.2
-        slow = PairAttempt(legs, prefill, decode, "/generate", b'{"room": "slow"}', Headers({}, {}))
-        late = PairAttempt(legs, prefill, decode, "/generate", b'{"room": "late"}', Headers({}, {}))
-        for pair in (slow, late):
-            reply = await pair.whole(with_logprobs=False)
+        for room in ("slow", "late"):
+            reply = await _pair(registry, legs, b'{"room": "%s"}' % room.encode()).whole(with_logprobs=False)
             assert isinstance(reply, Reply) and reply.status == 200  # the decode's answer, kept
         failures_before = prefill.cb_failures
         answer_now.set()  # the second prefill answers within its grace (a 500: a failure to record)
-        await asyncio.wait_for(asyncio.shield(late.prefill_leg), 5)
-        await asyncio.wait_for(asyncio.gather(slow.prefill_leg, return_exceptions=True), 5)  # ends at its grace
+        await asyncio.wait_for(both_over.wait(), 5)  # the first one's grace ends
+        while prefill.load:  # (its cancel gives the load back at once; the late answer may still come)
+            await asyncio.sleep(0.01)
         recorded = prefill.cb_failures - failures_before
         await legs.close()
         return seen, recorded, prefill.load
@@ -141,15 +141,12 @@ def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a
 
 
 def test_closing_an_attempt_gives_back_its_prefill_leg_at_once() -> None:
-    """``close()`` returns once the cancelled prefill leg has given back its worker's load
-    (its done callbacks run in the loop's next turn: close waits for them)."""
-
     async def scenario() -> int:
         registry, legs = _fleet(_prefill_runs)
         pair = _pair(registry, legs)
         while not legs.upstream.requests:  # type: ignore[attr-defined]  # the prefill leg is sent
             await asyncio.sleep(0)
-        await pair.close()
+        pair.close()
         load = registry.workers[PREFILL].load
         await legs.close()
         return load

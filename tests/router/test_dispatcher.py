@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -150,18 +150,43 @@ def test_a_plain_request_is_a_reply_with_decodes_answer_and_both_legs_end() -> N
     run(Engines(), scenario)
 
 
+def held_after(events: int, go: asyncio.Event) -> Callable[[Engines, Any, dict], Awaitable[MockReply]]:
+    """A decode whose stream holds after ``events`` events until ``go`` (an engine still generating)."""
+
+    async def held(engines: Engines, request: Any, body: dict) -> MockReply:
+        stream = decode_stream(engines, request.base, body)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                for i in range(events):
+                    yield await stream.__anext__()
+                await go.wait()
+                async for chunk in stream:
+                    yield chunk
+            except asyncio.CancelledError:
+                await stream.aclose()
+                raise
+
+        return MockReply(chunks=chunks(), content_type="text/event-stream")
+
+    return held
+
+
 def test_a_stream_is_a_stream_reply_whose_body_is_the_decodes_events() -> None:
+    go = asyncio.Event()
+
     async def scenario(f: Fleet) -> None:
         reply = await f.generate(stream=True)
         assert isinstance(reply, StreamReply) and reply.status == 200
         assert reply.content_type == "text/event-stream" and reply.headers == {"X-Request-ID": "r1"}
-        assert f.load()[D1] == 1  # the decode counts until the body ends
+        assert f.load()[D1] == 1  # the decode counts until its stream ends
+        go.set()
         events = await read(reply)
         assert events[-1] == "[DONE]" and events[-2]["text"] == continuation(PROMPT, 8)
         assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == list(range(1, 9))
         assert f.load() == {P1: 0, D1: 0} and f.clock.sleeps == []
 
-    run(Engines(), scenario)
+    run(Engines(D1=held_after(1, go)), scenario)
 
 
 def test_a_stream_abandoned_before_its_first_chunk_ends_both_legs() -> None:
@@ -177,7 +202,7 @@ def test_a_stream_abandoned_before_its_first_chunk_ends_both_legs() -> None:
         assert D1 in f.engines.abandoned
         assert f.load() == {P1: 0, D1: 0}
 
-    run(Engines(), scenario)
+    run(Engines(D1=held_after(1, asyncio.Event())), scenario)
 
 
 @pytest.mark.parametrize("stream", [False, True])

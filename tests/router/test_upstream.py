@@ -2,7 +2,8 @@
 request started with ``send`` is answered through its connection's callbacks, reuses pooled
 connections, is tried once more on a fresh connection when a kept-alive one had died, times
 out without a second try, and closes its connection when cancelled (the engine sees the client
-go away)."""
+go away). A request started with ``stream`` feeds its sink read by read, the same way; a
+``StreamLeg`` cuts what it is fed into whole SSE events."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import asyncio
 
 import pytest
 
-from pdctl.router.streaming import sse_blocks
+from pdctl.roles import Role
+from pdctl.router.config import RouterConfig
+from pdctl.router.gate import RefitGate
+from pdctl.router.legs import Leg, Legs, StreamLeg, StreamReader
+from pdctl.router.shaping import Headers
 from pdctl.router.upstream import Response, UpstreamPool, UpstreamTimeout
+from pdctl.router.workers import WorkerRegistry
 
 ANSWER = b'{"text": "hi"}'
 
@@ -26,8 +32,10 @@ class Engine:
         self.hang = False
         self.stream: list[bytes] | None = None  # answer with these HTTP chunks (an SSE stream) instead
         self.type_header = b"Content-Type"  # the name its whole answers spell it with
+        self.status = b"200 OK"  # of its whole answers
         self.heads: list[bytes] = []  # every request's head, as received
         self.hung = asyncio.Event()  # a request is being held (``hang``)
+        self.streamed = asyncio.Event()  # a whole stream was written
         self.client_left = asyncio.Event()
         self.writers: list[asyncio.StreamWriter] = []
         self.handlers: set[asyncio.Task] = set()
@@ -69,10 +77,11 @@ class Engine:
                         await asyncio.sleep(0)  # (the parts mostly come in reads of their own)
                     writer.write(b"0\r\n\r\n")
                     await writer.drain()
+                    self.streamed.set()
                     continue
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\n%b: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%b"
-                    % (self.type_header, len(ANSWER), ANSWER)
+                    b"HTTP/1.1 %b\r\n%b: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%b"
+                    % (self.status, self.type_header, len(ANSWER), ANSWER)
                 )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -190,15 +199,134 @@ def test_cancelling_a_sent_request_closes_its_connection_and_answers_nothing(poo
 EVENTS = [b'data: {"text": "%s"}\n\n' % (b"x" * k) for k in range(1, 9)] + [b"data: [DONE]\n\n"]
 
 
-def test_a_streamed_body_is_read_in_blocks_of_whole_events() -> None:
-    """sse_blocks: HTTP chunks that cut events anywhere come out as whole events."""
+class Sink:
+    """A StreamSink that keeps what it is fed; ``done`` once the answer ended."""
+
+    def __init__(self) -> None:
+        self.heads: list[Response] = []
+        self.chunks: list[bytes] = []
+        self.failure: BaseException | None = None
+        self.done = asyncio.get_running_loop().create_future()
+
+    def head(self, response: Response) -> None:
+        self.heads.append(response)
+
+    def data(self, chunk: bytes, end: bool) -> None:
+        self.chunks.append(chunk)
+        if end:
+            self.done.set_result(None)
+
+    def failed(self, error: BaseException) -> None:
+        self.failure = error
+        self.done.set_result(None)
+
+
+def test_a_stream_feeds_its_sink_read_by_read_and_pools_its_connection() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        body = b"".join(EVENTS)
+        engine.stream = [body[i : i + 7] for i in range(0, len(body), 7)]
+        for _ in range(2):
+            sink = Sink()
+            pool.stream(url + "/generate", b"{}", {}, sink, timeout=30)
+            await sink.done
+            assert [h.status for h in sink.heads] == [200] and sink.heads[0].content_type == "text/event-stream"
+            assert sink.failure is None and b"".join(sink.chunks) == body
+        assert engine.connections == 1, "a stream read to its end leaves its connection pooled"
+
+    run(scenario)
+
+
+def test_a_stream_on_a_kept_alive_connection_that_died_is_tried_once_more_on_a_fresh_one() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        assert isinstance(await send(pool, url), Response)
+        engine.drop_idle_connections()
+        engine.stream = list(EVENTS)
+        sink = Sink()
+        pool.stream(url + "/generate", b"{}", {}, sink, timeout=30)
+        await sink.done
+        assert sink.failure is None and b"".join(sink.chunks) == b"".join(EVENTS)
+        assert engine.connections == 2
+
+    run(scenario)
+
+
+def test_a_cancelled_stream_closes_its_connection_and_feeds_nothing_more() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        engine.hang = True
+        sink = Sink()
+        streaming = pool.stream(url + "/generate", b"{}", {}, sink, timeout=30)
+        await engine.hung.wait()
+        streaming.cancel()
+        await engine.client_left.wait()
+        assert (sink.heads, sink.chunks, sink.failure, sink.done.done()) == ([], [], None, False)
+
+    run(scenario)
+
+
+def test_a_paused_stream_is_not_read_until_it_is_resumed() -> None:
+    """Flow control: a paused stream's connection is not read (the engine is held back by TCP);
+    nothing piles up in the router while its client does not read."""
+
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        engine.stream = list(EVENTS)
+        sink = Sink()
+        streaming = pool.stream(url + "/generate", b"{}", {}, sink, timeout=30)
+        streaming.pause()
+        await engine.streamed.wait()  # the whole stream is on its way
+        witness = Sink()  # a second stream, sent after it and read: the loop has read its sockets since
+        pool.stream(url + "/generate", b"{}", {}, witness, timeout=30)
+        await witness.done
+        assert sink.chunks == [] and sink.heads == [], "nothing read while paused"
+        streaming.resume()
+        await sink.done
+        assert b"".join(sink.chunks) == b"".join(EVENTS)
+
+    run(scenario)
+
+
+class Reader(StreamReader):
+    def __init__(self) -> None:
+        self.blocks: list[bytes] = []
+        self.ended = asyncio.get_running_loop().create_future()
+
+    def block(self, block: bytes, end: bool) -> None:
+        self.blocks.append(block)
+        if end:
+            self.ended.set_result(None)
+
+    def broke(self, error: BaseException) -> None:
+        self.ended.set_exception(error)
+
+
+def test_a_stream_leg_cuts_what_it_reads_into_whole_events() -> None:
+    """HTTP chunks that cut events anywhere come out as blocks of whole events; the worker's
+    load counts the leg until its end."""
 
     async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
         body = b"".join(EVENTS)
         engine.stream = [body[i : i + 7] for i in range(0, len(body), 7)]
-        response = await pool.post(url + "/generate", b"{}", {}, stream=True, timeout=30)
-        blocks = [block async for block in sse_blocks(response)]
-        assert b"".join(blocks) == body and all(block.endswith(b"\n\n") for block in blocks)
-        assert engine.requests == 1
+        registry = WorkerRegistry(RouterConfig())
+        worker = registry.add(url, Role.DECODE)
+        legs = Legs(pool, registry, RefitGate(), 30)
+        opened = await legs.open_one(worker, "/generate", b"{}", Headers({}, {}))
+        assert isinstance(opened, StreamLeg), opened
+        reader = Reader()
+        opened.attach(reader)
+        await reader.ended
+        assert b"".join(reader.blocks) == body and all(block.endswith(b"\n\n") for block in reader.blocks if block)
+        assert worker.load == 0 and engine.requests == 1
+
+    run(scenario)
+
+
+def test_a_stream_leg_with_an_error_status_is_a_leg_with_its_body() -> None:
+    async def scenario(engine: Engine, url: str, pool: UpstreamPool) -> None:
+        registry = WorkerRegistry(RouterConfig())
+        worker = registry.add(url, Role.DECODE)
+        legs = Legs(pool, registry, RefitGate(), 30)
+        engine.status = b"503 Service Unavailable"
+        got = await legs.open_one(worker, "/generate", b"{}", Headers({}, {}))
+        assert isinstance(got, Leg) and (got.status, got.body) == (503, ANSWER), got
+        assert worker.load == 0
 
     run(scenario)
