@@ -131,7 +131,7 @@ async def measure(stream: bool, requests: int) -> float:
     app = RouterServer(config, upstream=Pool())
     for worker in app.registry.workers.values():
         worker.healthy = worker.activated = True  # as after a health round that reached them
-    http = HttpServer(app.handle, errors.server_error, check_head=app.keys.check)
+    http = HttpServer(app.handle, errors.server_error, check_head=app.keys.head_check)  # as RouterServer.start
 
     request = client_request(STREAM_BODY if stream else BODY)
     end = b"0\r\n\r\n" if stream else None

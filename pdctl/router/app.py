@@ -93,7 +93,7 @@ class RouterServer:
                 errors.server_error,
                 max_body=admission.max_payload_size,
                 max_inflight_body=admission.max_inflight_body_bytes,
-                check_head=self.keys.check,  # keys are checked before any body byte is read
+                check_head=self.keys.head_check,  # keys are checked before any body byte is read
             )
             self.metrics.body_bytes.set_function(lambda: main.inflight_body)
             self.port = await self._listen(main, self.config.port)
@@ -187,7 +187,7 @@ class RouterServer:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, f"invalid JSON body: {exc}", headers)
             admission = self.config.admission
-            problem = body_problem(route, body, max_n=admission.max_n, max_sequences=admission.max_sequences)
+            problem = body_problem(route, body, admission.max_n, admission.max_sequences)
             if problem is not None:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, problem, headers)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -131,6 +131,12 @@ class Keys:
     def open(self) -> bool:
         """No key at all: every route is open (the router should listen on loopback only)."""
         return self._client is None and not self._control
+
+    @property
+    def head_check(self) -> Callable[[str, str, dict[str, str]], Reply | None] | None:
+        """What the server calls on every request's head: ``check``, or None when it could
+        neither refuse nor log anything (no key and no audit: a call per request saved)."""
+        return None if self.open and not self.audit else self.check
 
     def check(self, method: str, path: str, headers: dict[str, str]) -> Reply | None:
         """None when the request may go on, else the refusal to send."""

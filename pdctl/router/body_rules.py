@@ -23,8 +23,15 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def body_problem(route: str, body: dict[str, Any], *, max_n: int, max_sequences: int) -> str | None:
+def body_problem(route: str, body: dict[str, Any], max_n: int, max_sequences: int) -> str | None:
     """Why ``body`` (a JSON object for ``route``) is refused with a 400, or None."""
+    if route == GENERATE and min(max_n, max_sequences) >= 1 and _plain_generate(body):
+        return None
+    return full_problem(route, body, max_n, max_sequences)
+
+
+def full_problem(route: str, body: dict[str, Any], max_n: int, max_sequences: int) -> str | None:
+    """``body_problem`` read in full (what the common case's glance must agree with)."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         return f"stream must be true or false, got {type(stream).__name__} {stream!r:.40}"
@@ -60,6 +67,24 @@ def body_problem(route: str, body: dict[str, Any], *, max_n: int, max_sequences:
             "per request (--max-sequences-per-request)"
         )
     return None
+
+
+def _plain_generate(body: dict[str, Any]) -> bool:
+    """A /generate body that passes every rule at a glance, the common case: one prompt (text, not
+    a list), ``stream`` absent or a bool, one ``sampling_params`` object whose ``max_new_tokens``
+    is absent or an int >= 0 and with no ``n`` (one sample). Anything else is read in full."""
+    if "input_ids" in body or type(body.get("text")) is list:
+        return False
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        return False
+    params = body.get("sampling_params")
+    if params is None:
+        return True
+    if type(params) is not dict or "n" in params:
+        return False
+    tokens = params.get("max_new_tokens")
+    return tokens is None or (type(tokens) is int and tokens >= 0)  # (type() is int: a bool is not)
 
 
 def _check_int(where: dict[str, Any], key: str, name: str, minimum: int | None) -> str | None:

@@ -133,7 +133,7 @@ class Dispatcher:
             assert response is not None
             body = Relay(self, request, answer, tries)
             return StreamReply(200, passed_headers(response.headers, request.headers), body, response.content_type)
-        if not request.stream and self.gate.interrupted_since(request.sent):
+        if not request.stream and self.gate.epoch != request.sent:  # (gate.interrupted_since, inline)
             return await self._continue_whole(request, answer, tries)
         return answer
 

@@ -18,6 +18,8 @@ class RefitGate:
     def __init__(self) -> None:
         self._open = asyncio.Event()
         self._open.set()
+        self.is_open = True
+        """Whether requests may go on: read on every request (a plain attribute: no call)."""
         self.epoch = 0
         """How many interrupt holds have begun; a request notes it when it is sent."""
         self.max_staleness: int | None = None
@@ -25,13 +27,10 @@ class RefitGate:
         self.mode: RefitMode | None = None
         """The holding transaction's refit mode while the gate is closed."""
 
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
     def close(self, mode: RefitMode, max_staleness: int | None, *, new_transaction: bool) -> None:
         """Hold new requests; an interrupting transaction's first hold starts a new epoch."""
         self._open.clear()
+        self.is_open = False
         self.mode = mode
         if mode is RefitMode.INTERRUPT:
             self.max_staleness = max_staleness
@@ -40,6 +39,7 @@ class RefitGate:
 
     def open(self) -> None:
         self._open.set()
+        self.is_open = True
         self.mode = None
 
     @property
@@ -47,14 +47,14 @@ class RefitGate:
         """Whether an ``interrupt`` transaction holds the gate now: its engines abort what they
         are sent, so that nothing (first attempt, retry or continuation) may go out until the
         release. (A ``drain`` hold lets retries and continuations go on: it waits for them.)"""
-        return self.mode is RefitMode.INTERRUPT and not self._open.is_set()
+        return self.mode is RefitMode.INTERRUPT and not self.is_open
 
     def interrupted_since(self, epoch: int) -> bool:
         return self.epoch != epoch
 
     async def wait_open(self, timeout_secs: float) -> bool:
         """Wait until the gate opens; False when it stayed closed ``timeout_secs``."""
-        if self._open.is_set():
+        if self.is_open:
             return True
         try:
             await asyncio.wait_for(self._open.wait(), timeout_secs)

@@ -78,8 +78,8 @@ class RouterMetrics:
 
     def selected(self, prefill: Worker, decode: Worker) -> None:
         picks = self.hot.picks
-        picks[prefill.url, "prefill"] += 1
-        picks[decode.url, "decode"] += 1
+        picks[prefill] += 1
+        picks[decode] += 1
 
     def answered(self, route: str, status: int, seconds: float) -> None:
         """A request ended with ``status`` after ``seconds``."""
@@ -168,7 +168,8 @@ class HotCounters(Collector):
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.latency: dict[str, list[float]] = {}
         """Per route: a count per bucket (``le`` each of LATENCY_BUCKETS, then +Inf), then the sum."""
-        self.picks: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.picks: collections.Counter[Worker] = collections.Counter()
+        """Per worker object (a counter per pick, no key to build); labelled by URL and role at scrape."""
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("pdctl_router_requests", "Requests", labels=["route", "status"])
@@ -184,6 +185,9 @@ class HotCounters(Collector):
             latency.add_metric([route], cumulative, sum_value=counts[-1])
         yield latency
         picks = CounterMetricFamily("pdctl_router_worker_selection", "Worker picks", labels=["worker", "worker_type"])
-        for (url, role), n in sorted(self.picks.items()):
+        by_labels: collections.Counter[tuple[str, str]] = collections.Counter()
+        for worker, n in list(self.picks.items()):  # (a worker removed and added again is one series)
+            by_labels[worker.url, str(worker.role)] += n
+        for (url, role), n in sorted(by_labels.items()):
             picks.add_metric([url, role], n)
         yield picks

@@ -598,32 +598,41 @@ def _header_name(name: bytes) -> str:
     return lowered
 
 
-def _date_header() -> bytes:
-    return _date_line(int(time.time()))
-
-
 @functools.lru_cache(maxsize=1)  # formatted once a second, not once per answer
 def _date_line(now: int) -> bytes:
     return f"Date: {formatdate(now, usegmt=True)}\r\n".encode()
 
 
-def _head(status: int, headers: dict[str, str] | None, keep_alive: bool, http10: bool) -> bytes:
-    line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
-    parts = [line, _date_header()]
-    if headers:
-        parts.append(header_lines(headers))
+def _connection_line(keep_alive: bool, http10: bool) -> bytes:
     if not keep_alive:
-        parts.append(b"Connection: close\r\n")
-    elif http10:
-        parts.append(b"Connection: keep-alive\r\n")
-    return b"".join(parts)
+        return b"Connection: close\r\n"
+    return b"Connection: keep-alive\r\n" if http10 else b""
+
+
+def _head(status: int, headers: dict[str, str] | None, keep_alive: bool, http10: bool) -> bytes:
+    """The status line and the headers every answer carries (the caller adds its framing)."""
+    return b"%b%b%b%b" % (
+        _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode(),
+        _date_line(int(time.time())),
+        header_lines(headers) if headers else b"",
+        _connection_line(keep_alive, http10),
+    )
 
 
 def _whole(reply: Reply, keep_alive: bool, http10: bool) -> bytes:
-    head = _head(reply.status, reply.headers, keep_alive, http10)
-    return b"%bContent-Type: %b\r\nContent-Length: %d\r\n\r\n%b" % (
-        head,
-        reply.content_type.encode("latin-1"),
-        len(reply.body),
-        reply.body,
+    """A whole answer's bytes: one format, no intermediate head (an answer per request)."""
+    headers, body = reply.headers, reply.body
+    return b"%b%b%b%bContent-Type: %b\r\nContent-Length: %d\r\n\r\n%b" % (
+        _STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} Unknown\r\n".encode(),
+        _date_line(int(time.time())),
+        header_lines(headers) if headers else b"",
+        b"" if keep_alive and not http10 else _connection_line(keep_alive, http10),
+        _media(reply.content_type),
+        len(body),
+        body,
     )
+
+
+@functools.lru_cache(maxsize=64)  # handlers answer with a handful of media types
+def _media(content_type: str) -> bytes:
+    return content_type.encode("latin-1")

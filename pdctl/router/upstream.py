@@ -552,14 +552,6 @@ class UpstreamPool:
         self._idle.clear()
 
 
-def cut_after_last(data: bytes, boundary: bytes) -> tuple[bytes, bytes]:
-    """``data`` cut after its last ``boundary``: (what ends with it, what comes after it)."""
-    cut = data.rfind(boundary) + len(boundary)
-    if cut < len(boundary):
-        return b"", data
-    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
-
-
 @functools.lru_cache(maxsize=64)  # engines send a handful of values: parsed once each
 def _media_type(content_type: bytes) -> str:
     """A Content-Type header's media type (its parameters dropped)."""

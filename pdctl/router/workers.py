@@ -101,6 +101,7 @@ class WorkerRegistry:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.workers: dict[str, Worker] = {}
+        self._of_role: dict[Role, list[Worker]] = {}  # the same workers, by role (selection reads them)
         self._task: asyncio.Task | None = None
         self.on_change: list = []
         self.quarantine: dict[str, str] = {}
@@ -170,6 +171,7 @@ class WorkerRegistry:
             worker.auth = {"Authorization": f"Bearer {api_key}"}
         worker.quarantined = self.quarantine.get(url)
         self.workers[url] = worker
+        self._of_role.setdefault(role, []).append(worker)
         log.info("registered %s worker %s", role, url)
         if healthy:
             self.rotation_changed()
@@ -193,6 +195,7 @@ class WorkerRegistry:
         worker = self.find(key)
         if worker is not None:
             del self.workers[worker.url]
+            self._of_role[worker.role].remove(worker)
             log.info("removed %s worker %s", worker.role, worker.url)
         return worker
 
@@ -264,13 +267,18 @@ class WorkerRegistry:
             self.set_quarantine(worker.url, None)
 
     def routable(self, role: Role) -> list[Worker]:
-        now = time.monotonic()
+        """The workers of ``role`` in rotation: healthy, not quarantined or cordoned, circuit not open."""
         out = []
-        for w in self.workers.values():
-            if w.role != role or not w.healthy or w.quarantined or w.cordoned:
+        now = 0.0  # read once, and only when a circuit has opened
+        breaker = not self.config.breaker.disabled
+        for w in self._of_role.get(role, ()):
+            if not w.healthy or w.quarantined or w.cordoned:
                 continue
-            if not self.config.breaker.disabled and w.cb_open_until > now:
-                continue
+            if breaker and w.cb_open_until:
+                if not now:
+                    now = time.monotonic()
+                if w.cb_open_until > now:
+                    continue
             out.append(w)
         return out
 
