@@ -4,12 +4,18 @@ Targets (closed loop, concurrency 64, /generate, plain and streamed with 8 SSE e
 decode backend directly; pdctl router in PD mode; sglang-router 0.3.2 (Rust) and smg 1.13.0
 (its successor; SMG_PYTHON names its interpreter, default the real-clients venv) in PD mode
 with round_robin; sglang-router's Python MiniLB (--mini-lb, plain only).
-Each target runs ROUNDS times, interleaved, and the median is kept.
-With two or more CPUs the router under test is pinned to the last CPU and the load generator
-and backends to the others, so that they do not take turns on the router's core (unpinned,
+All the routers of a mode run at once; one load generator (loadgen.py --cycle) takes them in
+turn, ROUNDS cycles of one slice each: WARM seconds not counted, then DURATION seconds counted.
+This machine's speed drifts by up to 1.8x over minutes (its neighbours'): slices seconds apart
+see the same machine, where the old way (a router started, loaded 8 s, stopped, the next one)
+compared routers across minutes and swung by +-20% from round to round. A router idle between
+its slices uses next to no CPU (its health checks).
+With two or more CPUs the routers are pinned to the last CPU and the load generator and
+backends to the others, so that they do not take turns on the routers' core (unpinned,
 the CPU-per-request figures of every router swung by +-40% from run to run here).
 Reported: req/s, p50/p99 latency, and the router's CPU microseconds per request (psutil,
-user+system over the router's process tree during the measured window).
+user+system over the router's process tree during each slice's counted seconds), medians over
+slices; ratios are the median of the per-cycle ratios.
 
     python benchmarks/router_overhead.py   # writes benchmarks/results/router_overhead.{json,md}
     python benchmarks/router_overhead.py --baseline REF   # adds pdctl's router as of git REF
@@ -36,9 +42,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
-DURATION = float(os.environ.get("ROUTER_BENCH_DURATION", 8.0))
+DURATION = float(os.environ.get("ROUTER_BENCH_DURATION", 1.5))  # counted seconds per slice
+WARM = 0.5  # seconds per slice before counting (connections made, the loop steady)
 CONCURRENCY = 64
-ROUNDS = int(os.environ.get("ROUTER_BENCH_ROUNDS", 5))
+ROUNDS = int(os.environ.get("ROUTER_BENCH_ROUNDS", 20))  # cycles over the targets
 STREAM_TOKENS = 8  # streamed requests: 8 SSE events of one token each, then [DONE]
 SMG_PYTHON = os.environ.get("SMG_PYTHON", "/tmp/pdctl-real-clients/smg/bin/python")
 
@@ -116,14 +123,40 @@ def _pin_to_others() -> None:
     os.sched_setaffinity(0, OTHER_CPUS)
 
 
-def measure(name: str, url: str, router: subprocess.Popen | None, stream: bool) -> dict:
+def cycle(targets: list[tuple[str, str, int]], stream: bool) -> list[dict]:
+    """loadgen.py --cycle over ``targets`` (name, URL, router pid or 0): one row per slice."""
+    specs = [f"{name}={url}@{pid}" for name, url, pid in targets]
+    argv = [PY, str(ROOT / "loadgen.py"), "--cycle", *specs, "--cycles", str(ROUNDS), "--concurrency", str(CONCURRENCY)]
+    argv += ["--warm", str(WARM), "--duration", str(DURATION), *(["--stream"] if stream else [])]
+    for _, url, _ in targets:  # warm-up: every router's caches, pools and the loadgen's own start
+        subprocess.run(
+            [
+                PY,
+                str(ROOT / "loadgen.py"),
+                url,
+                *(["--stream"] if stream else []),
+                "--concurrency",
+                "8",
+                "--duration",
+                "1",
+            ],
+            capture_output=True,
+            check=True,
+            preexec_fn=_pin_to_others,
+        )
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, preexec_fn=_pin_to_others)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def measure(name: str, url: str, router: subprocess.Popen | None, stream: bool, duration: float = 8.0) -> dict:
+    """One router loaded alone for ``duration`` seconds (router_floor.py's way; this file cycles)."""
     loadgen = [PY, str(ROOT / "loadgen.py"), url, *(["--stream"] if stream else [])]
     subprocess.run(
         [*loadgen, "--concurrency", "8", "--duration", "1"], capture_output=True, check=True, preexec_fn=_pin_to_others
     )  # warm-up
     before = cpu_secs(router) if router else 0.0
     out = subprocess.run(
-        [*loadgen, "--concurrency", str(CONCURRENCY), "--duration", str(DURATION)],
+        [*loadgen, "--concurrency", str(CONCURRENCY), "--duration", str(duration)],
         capture_output=True,
         text=True,
         check=True,
@@ -208,29 +241,33 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
         targets[old_name] = pdctl_router
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
-        for _ in range(ROUNDS):
-            for mode in modes:
-                stream = mode == "streamed"
+        for mode in modes:
+            stream = mode == "streamed"
+            started: list[tuple[str, str, subprocess.Popen | None]] = []
+            try:
                 for name, make in targets.items():
                     if stream and name == MINI:
                         continue  # MiniLB is 4x slower than every other router: measured for plain requests only
-                    rs = runs.setdefault((mode, name), [])
                     if make is None:
-                        rs.append(measure(name, decode + "/generate", None, stream))
+                        started.append((name, decode + "/generate", None))
                         continue
                     port = free_port()
                     proc = start(make(port), ROUTER_CPUS, baseline_dir if name == old_name else None)
-                    try:
-                        wait(f"http://127.0.0.1:{port}/health")
-                        time.sleep(1.0)  # the Rust routers mark workers healthy after their first check
-                        rs.append(measure(name, f"http://127.0.0.1:{port}/generate", proc, stream))
-                    finally:
-                        stop(proc)
+                    started.append((name, f"http://127.0.0.1:{port}/generate", proc))
+                    wait(f"http://127.0.0.1:{port}/health")
+                time.sleep(1.0)  # the Rust routers mark workers healthy after their first check
+                for row in cycle([(n, u, p.pid if p else 0) for n, u, p in started], stream):
+                    row.update(mode=mode, router_cpu_us_per_req=None)
+                    if dict((n, p) for n, _, p in started)[row["target"]] is not None and row["requests"]:
+                        row["router_cpu_us_per_req"] = row["cpu_secs"] / row["requests"] * 1e6
+                    runs.setdefault((mode, row["target"]), []).append(row)
+            finally:
+                stop(*(p for _, _, p in started if p is not None))
     finally:
         stop(*backends)
     rows = []
     for rs in runs.values():
-        best = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]  # the median run by req/s
+        best = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]  # the median slice by req/s
         cpu = [r["router_cpu_us_per_req"] for r in rs if r["router_cpu_us_per_req"] is not None]
         rows.append({**best, "router_cpu_us_per_req": statistics.median(cpu) if cpu else None, "all_runs": rs})
     by = {(r["mode"], r["target"]): r for r in rows}
@@ -243,7 +280,7 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
             x["router_cpu_us_per_req"] / y["router_cpu_us_per_req"]
             for x, y in zip(a["all_runs"], b["all_runs"], strict=True)
         ]
-        return a["router_cpu_us_per_req"] / b["router_cpu_us_per_req"], rounds
+        return statistics.median(rounds), rounds
 
     goals = {("plain", SMG): 0.5, ("streamed", SMG): 0.6}
     ratios: dict[str, object] = {}
@@ -260,7 +297,7 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
             summary.append(
                 f"{mode}: pdctl CPU per request / {label}'s: {ratio:.2f}x"
                 + (f" (goal <= {goal}x)" if goal else "")
-                + f"; per round {', '.join(f'{r:.2f}x' for r in rounds)}"
+                + f"; quartiles {' - '.join(f'{q:.2f}x' for q in statistics.quantiles(rounds, n=4)[::2])}"
             )
     if ("plain", MINI) in by:
         ratios["plain_pdctl_rps_vs_minilb"] = by[("plain", PDCTL)]["rps"] / by[("plain", MINI)]["rps"]
@@ -270,7 +307,8 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
         "machine": platform.machine(),
         "cpus": psutil.cpu_count(),
         "python": platform.python_version(),
-        "duration_s": DURATION,
+        "slice_counted_s": DURATION,
+        "slice_warm_s": WARM,
         "concurrency": CONCURRENCY,
         "rounds": ROUNDS,
         "stream_tokens": STREAM_TOKENS,
@@ -294,7 +332,9 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     lines += [
         "",
         *summary,
-        f"\nMedian of {ROUNDS} interleaved rounds, {DURATION:g} s each, closed loop at concurrency {CONCURRENCY}, "
+        f"\nAll routers up at once, {ROUNDS} cycles of a slice each ({WARM:g} s warm-up, {DURATION:g} s counted), "
+        f"closed loop at concurrency {CONCURRENCY}; CPU per request is the median over slices, a ratio the "
+        f"median of the per-cycle ratios, "
         f"at {meta['head']}; streamed: {STREAM_TOKENS} SSE events and [DONE], one write each; the router runs on "
         f"CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
     ]
