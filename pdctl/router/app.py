@@ -163,7 +163,8 @@ class RouterServer:
 
     def handle(self, request: Request) -> Awaitable[Answer]:
         """Every request that passed the key check (``Keys.check``, on its headers): its route."""
-        return _route(self.routes, request)
+        handler = self.routes.exact.get((request.method, request.path))  # (the common case, found at once)
+        return handler(request) if handler is not None else _route(self.routes, request)
 
     # -- traffic ------------------------------------------------------------------------------------------
     async def generate(self, request: Request) -> Answer:

@@ -126,7 +126,7 @@ class Dispatcher:
         return self._serve(ClientRequest(path, body, ctx, headers, False, stream=bool(body.get("stream"))))
 
     async def _serve(self, request: ClientRequest) -> Answer:
-        tries = self.retry.start()
+        tries = Tries(self.retry)  # (RetryPolicy.start, a call less)
         answer = await self._attempts(request, request.body, request.batch, tries)
         if isinstance(answer, Live):
             response = answer.leg.response

@@ -121,7 +121,8 @@ class Legs:
         """Start a whole leg to ``worker``, counted in its load; ``answered(Response | exception)``
         must give the load back (``Worker.gave_back``), and so must whoever cancels it."""
         worker.took()
-        return self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
+        to = {**headers.upstream, **worker.auth} if worker.auth else headers.upstream  # (_sent, inline)
+        return self.upstream.send(worker.url + path, data, to, answered, timeout=self.timeout)
 
     def start(self, worker: Worker, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
         """``worker``'s whole answer, as a future that its connection completes, counted in
@@ -417,8 +418,9 @@ class PairAttempt:
 
     def close(self) -> None:
         """Cancel the legs that still run: the decode's, and the prefill's unless kept."""
-        self._cancel_decode()
-        if not self._kept:
+        if self._d_send is not None or self._d_stream is not None:
+            self._cancel_decode()
+        if not self._kept and self._p_send is not None:
             self.cancel_prefill()
 
     def cancel_prefill(self) -> None:

@@ -30,7 +30,7 @@ from pdctl.router.legs import Legs, PairAttempt, StreamLeg, StreamReader
 from pdctl.router.reply import Flow, Outlet
 from pdctl.router.resume import GENERATE, Job, Piece
 from pdctl.router.retry import Retry, RetryPolicy, Tries
-from pdctl.router.shaping import prepend_logprobs, with_input_logprobs
+from pdctl.router.shaping import ABORT, prepend_logprobs, with_input_logprobs
 from pdctl.router.streaming import Continued, Interrupted, Transform, error_event, last_data, shaped
 from pdctl.router.workers import Worker, WorkerRegistry
 
@@ -112,10 +112,10 @@ class Relay(StreamReader):
 
     # -- the current stream's blocks (the engine connection's callbacks) ----------------------------
     def block(self, block: bytes, end: bool) -> None:
-        if b"data: {" in block:
+        if block.find(b"data: {") >= 0:  # (find, not in: see shaping.ABORT)
             self.last = block
         rule = self.rule
-        if rule is not None and (rule.caught or b'"abort"' in block) and rule.reads(block):
+        if rule is not None and (rule.caught or block.find(ABORT) >= 0) and rule.reads(block):
             block = rule.passed(block, self.transform)
             if rule.over:  # a one-answer stream caught: nothing after it goes on
                 assert self.current is not None

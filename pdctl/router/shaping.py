@@ -18,6 +18,11 @@ FORWARDED = frozenset({"x-correlation-id", "traceparent", "tracestate", ROUTING_
 the rest (cookies, custom headers) stay at the router. Never the client's Authorization: a
 worker gets its own key (``Worker.auth``), so no worker learns a client's credentials."""
 
+ABORT = b'"abort"'
+"""Found with ``bytes.find`` on the request path, not ``in``: CPython 3.11's ``needle in bytes``
+first tries the needle as an integer, raising and clearing a TypeError each time (twice the
+cost of ``find``)."""
+
 _HOP_HEADERS = {
     b"content-length",
     b"content-type",  # a StreamReply carries it apart
@@ -73,7 +78,7 @@ def abort_of(body: bytes) -> dict[str, Any] | None:
     """The finish_reason of an engine's 200 whose (first) item finished with an abort (SGLang's
     shape: ``{"type": "abort", "message", "status_code"}``), whole or streamed (a prefill asked to
     stream answers in events), else None."""
-    if b'"abort"' not in body:
+    if body.find(ABORT) < 0:
         return None
     try:
         if body.startswith(b"data: "):
@@ -105,7 +110,7 @@ def server_abort(block: bytes) -> int | None:
     reason = abort_of(event)
     if reason is not None:
         code = reason.get("status_code")
-    elif b'"error"' in event and event.startswith(b"data: {"):
+    elif event.find(b'"error"') >= 0 and event.startswith(b"data: {"):
         data = sse_data(event)
         error = data.get("error") if data is not None else None
         code = error.get("code") if isinstance(error, dict) else None

@@ -371,11 +371,14 @@ class _Conn(asyncio.Protocol):
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
         sent = self.sent
-        if sent is not None:
+        if sent is not None:  # (whole, release and finish, inline: this runs for every leg)
             self.sent = None
-            response = self.whole()
+            response = Response(self.status, self.headers, b"".join(self.body), _media_type(self.content_type))
             self.pool.release(self)
-            sent.finish(response)
+            sent.conn = None
+            answered, sent.answered = sent.answered, None
+            if answered is not None:
+                answered(response)
 
     def _fail(self, exc: Exception) -> None:
         if not self.complete and self.error is None:
