@@ -50,9 +50,9 @@ def client_request(body: bytes) -> bytes:
     )
 
 
-def engine_answers() -> tuple[bytes, list[bytes]]:
+def engine_answers(tokens: int | None = None) -> tuple[bytes, list[bytes]]:
     """What an aiohttp engine sends: a whole answer, and a stream's reads (head + first event,
-    one per event after it, the last with [DONE] and the end)."""
+    one per event after it, the last with [DONE] and the end) of ``tokens`` events (STREAM_TOKENS)."""
     import orjson
 
     from pdctl.sim.null import _item, _stream_events
@@ -60,7 +60,7 @@ def engine_answers() -> tuple[bytes, list[bytes]]:
     head = b"HTTP/1.1 200 OK\r\nDate: Wed, 25 Nov 2026 01:00:00 GMT\r\nServer: Python/3.11 aiohttp/3.13.2\r\n"
     body = orjson.dumps(_item())
     whole = head + b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
-    chunks = [b"%x\r\n%b\r\n" % (len(e), e) for e in _stream_events(STREAM_TOKENS)]
+    chunks = [b"%x\r\n%b\r\n" % (len(e), e) for e in _stream_events(STREAM_TOKENS if tokens is None else tokens)]
     stream = [head + b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks[0]]
     stream += chunks[1:-1]
     stream.append(chunks[-1] + b"0\r\n\r\n")
@@ -105,19 +105,20 @@ async def measure(stream: bool, requests: int) -> float:
 
     loop = asyncio.get_running_loop()
     whole, streamed = engine_answers()
+    _, prefilled = engine_answers(1)  # a PD prefill streams its one token (pdctl.sim.null)
 
     def engine(conn: _Conn, data: bytes) -> None:  # answers once the whole request is written
         if b'"stream":true' in data:
-            loop.call_soon(stream_from, conn, 0)
+            loop.call_soon(stream_from, conn, prefilled if conn.key[1] == 1 else streamed, 0)
         else:
             loop.call_soon(conn.data_received, whole)
 
-    def stream_from(conn: _Conn, i: int) -> None:
+    def stream_from(conn: _Conn, reads: list[bytes], i: int) -> None:
         # One read per event, each in a later turn of the loop than the one before (as an engine's
         # events come over a socket): the router forwards each before the next is in.
-        conn.data_received(streamed[i])
-        if i + 1 < len(streamed):
-            loop.call_soon(stream_from, conn, i + 1)
+        conn.data_received(reads[i])
+        if i + 1 < len(reads):
+            loop.call_soon(stream_from, conn, reads, i + 1)
 
     class Pool(UpstreamPool):
         async def _connect(self, key: tuple[str, int]) -> _Conn:
