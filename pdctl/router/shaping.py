@@ -47,19 +47,29 @@ class Headers(dict[str, str]):
     @classmethod
     def of(cls, request_id: str, client: dict[str, str]) -> Headers:
         """``client``: the request's headers, names in lower case. Values with CR or LF are dropped."""
-        if FORWARDED.isdisjoint(client) and "\nx-request-id-" not in "\n" + "\n".join(client):
-            upstream = {"X-Request-ID": request_id}  # the common case, found by C calls alone
+        if _KEPT_BACK.issuperset(client):
+            upstream = {"X-Request-ID": request_id}  # the common case, found by one C call
         else:
-            upstream = {
-                name: value
-                for name, value in client.items()
-                if (name in FORWARDED or name.startswith("x-request-id-")) and "\r" not in value and "\n" not in value
-            }
+            upstream = {}
+            for name, value in client.items():
+                if _forwarded(name):
+                    if "\r" not in value and "\n" not in value:
+                        upstream[name] = value
+                elif len(_KEPT_BACK) < 256 and len(name) <= 64:  # (clients choose names: a bounded cache)
+                    _KEPT_BACK.add(name)
             upstream["X-Request-ID"] = request_id
         headers = cls.__new__(cls)  # (not through __init__: a Python call less per request)
         headers["X-Request-ID"] = request_id
         headers.upstream = upstream
         return headers
+
+
+_KEPT_BACK: set[str] = set()
+"""Client header names seen that stay at the router (all but FORWARDED and ``x-request-id-*``)."""
+
+
+def _forwarded(name: str) -> bool:
+    return name in FORWARDED or name.startswith("x-request-id-")
 
 
 def passed_headers(upstream: dict[bytes, bytes], headers: Headers) -> dict[str, str]:
