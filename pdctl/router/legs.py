@@ -44,6 +44,9 @@ from pdctl.router.workers import Worker, WorkerRegistry
 PREFILL_GRACE_SECS = 5.0  # how long a prefill leg may run on after the reply went out without it
 VERDICT_GRACE_SECS = 2.0  # how long a failed decode waits for its prefill's answer to learn who failed
 BACKPRESSURE = (429, 503)
+UNREAD_LIMIT = 1 << 20
+"""Bytes a stream may read ahead of its reader before it has one (the prefill's input logprobs are
+waited for first, say): beyond them the engine's stream is held back until ``attach``."""
 Outcome = Reply | Retry | Stop
 
 
@@ -497,6 +500,7 @@ class StreamLeg:
         "_on_open",
         "_pending",
         "_reader",
+        "_unread",
         "epoch",
         "first",
         "over",
@@ -523,6 +527,7 @@ class StreamLeg:
         self._held = b""  # what came after the last event boundary
         self._body: list[bytes] | None = None  # an error status's body, read whole
         self._pending: list[bytes] = []  # blocks that came after the first, before a reader
+        self._unread = 0  # their bytes (the stream is paused past UNREAD_LIMIT until attached)
         self._end = False  # ... and the stream's end came with them
         self._error: BaseException | None = None  # ... or the failure that ended it
         self._reader: StreamReader | None = None
@@ -561,6 +566,9 @@ class StreamLeg:
         elif self._on_open is None:  # opened: kept for the reader
             self._pending.append(block)
             self._end = end
+            self._unread += len(block)
+            if self._unread > UNREAD_LIMIT and not end:
+                self.streaming.pause()  # (resumed when a reader attaches)
         elif block:
             self._first(block, end)
         else:
@@ -601,6 +609,9 @@ class StreamLeg:
         block = self.first + b"".join(pending) if pending else self.first
         self.first = b""
         pending.clear()
+        if self._unread > UNREAD_LIMIT:
+            self.resume()  # (the reader pauses it again if its client does not read)
+        self._unread = 0
         if block or self._end:
             reader.block(block, self._end)
         if self._error is not None:

@@ -77,6 +77,8 @@ class MockUpstream:
     def __init__(self, handler: Handler):
         self.handler = handler
         self.requests: list[UpstreamRequest] = []
+        self.streams: list[_Stream] = []
+        """Every streamed answer, in order (a test reads whether the router holds one back)."""
         self.closed = False
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
@@ -97,7 +99,9 @@ class MockUpstream:
     ) -> Streaming:
         request = UpstreamRequest(url, body, dict(headers), True)
         self.requests.append(request)
-        return _Stream(self.handler(request), sink, timeout)
+        stream = _Stream(self.handler(request), sink, timeout)
+        self.streams.append(stream)
+        return stream
 
     async def _whole(self, request: UpstreamRequest) -> Response:
         reply = await self.handler(request)

@@ -158,7 +158,7 @@ def held_after(events: int, go: asyncio.Event) -> Callable[[Engines, Any, dict],
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
-                for i in range(events):
+                for _ in range(events):
                     yield await stream.__anext__()
                 await go.wait()
                 async for chunk in stream:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -84,6 +85,11 @@ class Engines:
 
     def bodies(self, base: str) -> list[dict]:
         return [r.json() for r in self.mock.requests if r.base == base]
+
+    def mock_streams(self) -> list:
+        """The streamed answers the mock is feeding now (mock_upstream._Stream: ``reading`` is
+        cleared while the router holds the stream back)."""
+        return [s for s in self.mock.streams if not s.task.done()]
 
 
 async def prefill_ok(engines: Engines, request: UpstreamRequest, body: dict) -> MockReply:
@@ -487,3 +493,51 @@ def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error():
         return dict(requests)
 
     assert run(Engines(P1=stuck), scenario) == {("/generate", 499): 1}
+
+
+def test_a_client_that_stops_reading_holds_back_the_engine_and_then_gets_the_whole_stream() -> None:
+    """Flow control reaches the engine: while a client does not read, the router stops reading the
+    decode's stream (the engine is held back) instead of piling it up; once the client reads on,
+    the whole stream arrives, in order."""
+    events = 400  # 40 MB: far more than the sockets' buffers hold
+    produced: list[int] = []
+    event = b'data: {"text": "' + b"x" * 100_000 + b'", "meta_info": {"finish_reason": null}}\n\n'
+
+    async def big(engines, request, body):
+        async def chunks() -> AsyncIterator[bytes]:
+            await engines.room(body)
+            for i in range(events):
+                produced.append(i)
+                yield event
+            yield b"data: [DONE]\n\n"
+
+        return MockReply(chunks=chunks(), content_type="text/event-stream")
+
+    async def scenario(r: Run):
+        host, port = r.server.url.split("//")[1].split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, (host, int(port)))
+        body = json.dumps({"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 8}}).encode()
+        head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        await loop.sock_sendall(sock, head % len(body) + body)
+        while len(produced) < events:  # until the router holds the engine's stream back (or it all went)
+            stream = r.engines.mock_streams()
+            if stream and not stream[0].reading.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert len(produced) < events, "the engine was held back before its stream ended"
+        parts, tail = [], b""
+        while not tail.endswith(b"0\r\n\r\n"):
+            chunk = await loop.sock_recv(sock, 1 << 20)
+            assert chunk, "the connection closed before the stream ended"
+            parts.append(chunk)
+            tail = (tail + chunk)[-16:]
+        sock.close()
+        data = b"".join(parts)
+        assert data.count(b"data: {") == events and data.rstrip().endswith(b"0"), "every event, then the end"
+        assert b"data: [DONE]" in data
+
+    run(Engines(D1=big), scenario)
