@@ -7,7 +7,8 @@ line); output is one JSON object on stdout. Imports stay light (no torch) so it 
 Commands:
     preflight   python/pdctl/sglang importable, GPUs visible, which planned ports are busy (and by whom)
     spawn       start processes, each in its own session under pdctl.supervise (restarts by policy),
-                stdout+stderr to its log file
+                stdout+stderr to its log file; an engine's secret flags (its key) go in a 0600
+                SGLang --config file beside the log, never on its command line
     wait-ready  poll local health URLs until 200, failing fast when a process dies
     status      which recorded processes are alive; HTTP probes of local URLs
     stop        SIGTERM whole process groups (and tagged escapees), wait, SIGKILL, verify
@@ -124,6 +125,16 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
+def _write_config(path: Path, flags: dict[str, Any]) -> Path:
+    """``flags`` as an SGLang ``--config`` file at ``path``, mode 0600 from its first byte (JSON
+    is YAML). Replaced whole on each start: a file left by an earlier run is not trusted."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "w") as out:
+        json.dump(flags, out)
+    return path
+
+
 def spawn(req: dict[str, Any]) -> SpawnReply:
     """Start each process in a new session; return pid, pgid and create_time per id."""
     started: dict[str, Started] = {}
@@ -138,6 +149,8 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
             if key in env:
                 env[key] = expand(env[key])
         argv = list(proc["argv"])
+        if proc.get("config"):  # the engine's key: in a file its owner alone reads, not in argv for all to see
+            argv += ["--config", str(_write_config(log_path.parent / f"{proc['id']}.config.yaml", proc["config"]))]
         if proc.get("exit_file"):  # supervised: restarted by its policy, its story kept (pdctl.supervise)
             exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)

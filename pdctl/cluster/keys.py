@@ -3,9 +3,12 @@
 
 They live on the control machine in ``$PDCTL_HOME/NAME/keys.json`` (0600, beside the state
 file, never printed or logged) and reach the processes at launch: the router and the trainer in
-their environment, the engines on their command line (SGLang 0.5.23 reads its key from nowhere
-else, so ``ps`` on an engine's node shows it: the README's security model says so). The client
-key (``router.api_key_env``) is the user's and stays in their environment.
+their environment, the engines in an SGLang ``--config`` file that the node's agent writes 0600
+beside the engine's log (not on their command line, which any user of the node can read). The
+client key (``router.api_key_env``) is the user's and stays in their environment.
+
+Keys are hex: SGLang turns a config file's ``api-key: K`` into ``--api-key K``, which its
+argparse refuses when K begins with '-' (a urlsafe token does, one time in 64).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class ClusterKeys:
 
     @classmethod
     def generate(cls) -> ClusterKeys:
-        return cls(engine=secrets.token_urlsafe(32), control=secrets.token_urlsafe(32))
+        return cls(engine=secrets.token_hex(32), control=secrets.token_hex(32))
 
     def env(self) -> dict[str, str]:
         """What the router and the trainer get in their environment."""

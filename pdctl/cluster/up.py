@@ -209,7 +209,9 @@ def launch(
 ) -> None:
     """Start ``specs`` on their nodes (each under its supervisor) and record them in ``state``;
     the router and the trainer get ``secrets`` (the router's client key) and the cluster's keys
-    in their environment, engines the engine key (``--api-key``: SGLang's only way in)."""
+    in their environment, engines the engine key (SGLang's ``--api-key``, in a ``--config`` file
+    that the node's agent writes 0600: not in the command line, which every user of the node can
+    read)."""
     keys = load_keys(store, state.name)
     if keys is not None:
         secrets = {**secrets, **keys.env()}
@@ -223,18 +225,20 @@ def launch(
             env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
             if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router
                 env.update(secrets)
-            argv = list(spec.argv)
-            if keys is not None and spec.role.is_engine:  # not in the plan: `pdctl plan` never shows it
-                argv.append(f"--api-key={keys.engine}")  # one word: a key may begin with '-'
             entry = {
                 "id": spec.id,
-                "argv": argv,
+                "argv": list(spec.argv),
                 "env": env,
                 "cwd": spec.cwd,
                 "log_path": spec.log_path,
                 "exit_file": _exit_file(spec),
                 "restart": spec.restart,
             }
+            if keys is not None and spec.role.is_engine:  # not in the plan: `pdctl plan` never shows it
+                if keys.engine.startswith("-"):  # an older pdctl's key: SGLang's config file cannot carry it
+                    entry["argv"] = [*spec.argv, f"--api-key={keys.engine}"]
+                else:
+                    entry["config"] = {"api-key": keys.engine}
             payload.append(entry)
             events(spec.id, "starting")
         return agent_api.spawn(ex, payload)

@@ -96,6 +96,7 @@ OWNED_FLAGS: Mapping[str, str] = {
     "--disaggregation-bootstrap-port": "ports.base (pdctl allocates ports)",
     "--disaggregation-transfer-backend": "<group>.transfer_backend",
     "--disaggregation-ib-device": "<group>.ib_device",
+    "--config": "the flags themselves in <group>.args (pdctl passes each engine its key in a --config file)",
 }
 
 # Flags SGLang removed; 0.5.23's parser rejects them.

@@ -8,11 +8,13 @@ import os
 import shlex
 import sys
 
+import yaml
+
 from pdctl.errors import PdctlError
 from pdctl.httputil import write_port_file
 from pdctl.nodeproc import redact
 from pdctl.signals import stop_event
-from pdctl.sim.args import build_parser, ignored_flags, sim_options
+from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_options
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
 from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
@@ -25,6 +27,10 @@ def config_from_argv(argv: list[str]) -> SimConfig:
     """The engine's settings from SGLang's flags (and the sim's own); exits 2 on bad flags, as
     SGLang does. Changes nothing in the process: main() applies the process settings."""
     parser = build_parser()
+    try:
+        argv = merge_config_file(argv, parser)
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config: {exc}")
     args = parser.parse_args(argv)  # exits 2 on unknown flags, like SGLang
     sim = sim_options(args)
     for flag, value in (

@@ -8,9 +8,13 @@ argparse does. Flags that only mean something on a GPU are accepted and listed i
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import yaml
 
 from pdctl.sglang import server_flags
 from pdctl.sim.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -60,6 +64,7 @@ USED = {
     "weight_version",
     "enable_metrics",
     "api_key",
+    "config",  # merged into the command line before parsing, as SGLang does
     "log_level",
     "skip_server_warmup",
     "context_length",
@@ -166,3 +171,51 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
         args.sim_max_sequences_per_request,
         args.sim_max_request_tokens,
     )
+
+
+def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with the flags of its ``--config FILE.yaml`` put in front, as SGLang 0.5.23's
+    ``prepare_server_args`` does (``ConfigArgumentMerger``): the file's flags come first, so the
+    command line wins; a key ``k`` becomes ``--k`` as written (so ``context_length`` is an
+    unknown flag, in SGLang 0.5.23 too); ``true`` sets a bare flag (``false`` leaves it out), a
+    list gives a flag its values, a mapping goes as JSON.
+    ``pdctl up`` hands an engine its key this way, in a file only its owner reads, so that the
+    key is not in the process's command line for every user of the node to see. Raises
+    ValueError where SGLang does (two ``--config``, no file, not .yaml, not a mapping)."""
+    where = [i for i, arg in enumerate(argv) if arg == "--config"]
+    if not where:
+        return argv
+    if len(where) > 1:
+        raise ValueError("Multiple config files specified! Only one allowed.")
+    at = where[0]
+    if at == len(argv) - 1:
+        raise ValueError("No config file specified after --config flag!")
+    path = Path(argv[at + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"Config file must be YAML format, got: {path.suffix}")
+    if not path.exists():
+        raise ValueError(f"Config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError("Config file must contain a dictionary at root level")
+    bare = {
+        key
+        for action in parser._actions
+        if isinstance(action, argparse._StoreTrueAction)
+        for key in {action.dest} | {o[2:].replace("-", "_") for o in action.option_strings if o.startswith("--")}
+    }
+    front: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            if str(key).replace("-", "_") not in bare:
+                front += [f"--{key}", str(value).lower()]
+            elif value:
+                front.append(f"--{key}")
+        elif isinstance(value, list):
+            if value:
+                front += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            front += [f"--{key}", json.dumps(value)]
+        else:
+            front += [f"--{key}", str(value)]
+    return front + argv[:at] + argv[at + 2 :]

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import yaml
 
-from tests.helpers import free_port_base, post
+from tests.helpers import engine_auth, free_port_base, get, post
 
 
 def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -51,6 +52,7 @@ def test_local_cli_round_trip(tmp_path) -> None:
         assert code == 200 and out["meta_info"]["completion_tokens"] == 4
         st = pdctl("status", "--json", env=env)
         assert st.returncode == 0 and json.loads(st.stdout)["ok"] is True
+        check_engine_keys_stay_off_command_lines(json.loads(st.stdout), tmp_path / "home", "loc", tmp_path / "runs")
         narrow = pdctl("status", env={**env, "COLUMNS": "80"})  # fits 80 columns (a table, or one block per
         lines = narrow.stdout.splitlines()  # process when the table would not fit), ids whole, plan order
         assert narrow.returncode == 0 and all(len(line) <= 80 for line in lines), narrow.stdout
@@ -77,6 +79,28 @@ def test_local_cli_round_trip(tmp_path) -> None:
     assert purge.returncode == 0 and not (tmp_path / "runs" / "loc").exists()
     gone = pdctl("down", "loc", env=env)  # purged: no such cluster any more, which is not a success
     assert gone.returncode == 1 and "no cluster 'loc'" in gone.stderr and "nothing was stopped" in gone.stderr
+
+
+def check_engine_keys_stay_off_command_lines(status: dict, home: Path, name: str, workdir: Path) -> None:
+    """Each engine holds the cluster's engine key (it refuses a request without it) while no
+    command line on the machine shows the key (any user of a node can read them), and the
+    --config file that carries it is its owner's alone."""
+    auth = engine_auth(name, home)
+    key = auth["Authorization"].removeprefix("Bearer ")
+    lines = []
+    for proc in psutil.process_iter(["cmdline"]):
+        lines.append(" ".join(proc.info["cmdline"] or []))
+    assert not [line for line in lines if key in line], "the engine key shows in a command line"
+    engines = [p for p in status["processes"] if p["role"] in ("prefill", "decode")]
+    assert len(engines) == 2, status
+    for engine in engines:
+        body = {"text": "k", "sampling_params": {"max_new_tokens": 1}, "bootstrap_room": 1}
+        code, _ = post(engine["url"] + "/generate", body)
+        assert code == 401, (engine["id"], code)
+        code, _ = get(engine["url"] + "/server_info", headers=auth)
+        assert code == 200, engine["id"]
+        (config,) = workdir.rglob(f"{engine['id']}.config.yaml")
+        assert config.stat().st_mode & 0o777 == 0o600, oct(config.stat().st_mode)
 
 
 def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:

@@ -77,3 +77,45 @@ def test_committed_flag_table_matches_the_parser(parser) -> None:
     table = server_flags()
     committed = {s for f in table.flags for s in (f.name, *f.aliases)}
     assert committed == full_names(parser) - {"-h", "--help"}
+
+
+def test_the_sims_config_file_merges_as_sglangs(parser, tmp_path) -> None:
+    """``pdctl up`` hands an engine its key in a ``--config`` file; the sim reads the file as
+    SGLang's ConfigArgumentMerger does: the same argv out of the same file and command line."""
+    merger_module = pytest.importorskip("sglang.srt.utils.server_args_config_parser")
+    from pdctl.sim.args import build_parser, merge_config_file
+
+    config = tmp_path / "engine.config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "api-key": "k3y",
+                "enable-metrics": True,  # a bare flag: set
+                "skip-server-warmup": False,  # a bare flag: left out
+                "context-length": 512,
+                "forward-hooks": [{"name": "h", "target_modules": ["m"], "hook_factory": "a:b"}],
+            }
+        )
+    )
+    argv = ["--model-path", "m", "--config", str(config), "--port", "30001", "--context-length", "256"]
+    ours = merge_config_file(argv, build_parser())
+    assert ours == merger_module.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    ns = build_parser().parse_args(ours)
+    assert (ns.api_key, ns.enable_metrics, bool(ns.skip_server_warmup)) == ("k3y", True, False)
+    assert ns.context_length == 256, "the command line wins over the file"
+
+
+def test_a_key_that_begins_with_a_dash_cannot_go_in_sglangs_config_file(parser, tmp_path) -> None:
+    """Why pdctl's keys are hex (pdctl/cluster/keys.py): SGLang makes ``--api-key -k`` of it."""
+    merger_module = pytest.importorskip("sglang.srt.utils.server_args_config_parser")
+    from pdctl.cluster.keys import ClusterKeys
+
+    config = tmp_path / "engine.config.yaml"
+    config.write_text(yaml.safe_dump({"api-key": "-k"}))
+    argv = merger_module.ConfigArgumentMerger(parser).merge_config_with_args(
+        ["--model-path", "m", "--config", str(config)]
+    )
+    with pytest.raises(argparse.ArgumentError, match="expected one argument"):
+        parser.parse_args(argv)
+    keys = [ClusterKeys.generate() for _ in range(200)]
+    assert not [k for k in keys if k.engine.startswith("-") or k.control.startswith("-")]

@@ -372,3 +372,24 @@ def test_a_decode_batch_that_fails_half_way_gives_back_every_reserved_slot(trio)
     assert status == 500 and "Lost connection with prefill instance" in out["error"]["message"]
     info = get(decode.url + "/server_info")[1]["internal_states"][0]
     assert info["num_reserved_decode_slots"] == 0, info
+
+
+@pytest.mark.parametrize(
+    "content, name, needle",
+    [
+        ("api-key: k\n", "keys.json", "must be YAML format"),
+        ("- a\n- b\n", "keys.yaml", "dictionary at root level"),
+        ("api-key: [unclosed\n", "keys.yaml", "--config"),
+        ("no-such-flag: 1\n", "keys.yaml", "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_bad_config_file_exits_2_naming_it(tmp_path, capsys, content, name, needle) -> None:
+    from pdctl.sim.__main__ import config_from_argv
+
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        config_from_argv(["--model-path", "sim://tiny", "--config", str(path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err

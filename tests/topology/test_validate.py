@@ -105,6 +105,7 @@ def test_prefill_and_decode_come_in_pairs() -> None:
         ("{tensor-parallel-size: 2}", "--tp-size is set by pdctl"),
         ("{base-gpu-id: 1}", "--base-gpu-id is set by pdctl"),
         ("{nccl-port: 1}", "--nccl-port is set by pdctl"),
+        ("{config: keys.yaml}", "--config is set by pdctl"),
         ("{dist-init-addr: 'a:1'}", "--dist-init-addr is set by pdctl"),
         ("{nnodes: 2}", "--nnodes is set by pdctl"),
         ("{node-rank: 1}", "--node-rank is set by pdctl"),
