@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -125,6 +126,20 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
+def _check_private(directory: Path) -> None:
+    """Refuse to put a secret in ``directory`` unless only this user (or root) could have put or
+    swapped anything on its path: every directory from it up to / is owned by this user or
+    root, and none is writable by others unless sticky (as /tmp is). Else another user of the
+    node who can rename a directory above it could read the key, or hand the engine flags."""
+    me = os.getuid()
+    for part in [directory.resolve(), *directory.resolve().parents]:
+        st = os.stat(part)
+        if st.st_uid not in (me, 0):
+            raise AgentFailure(f"{part} belongs to uid {st.st_uid}: an engine's key is not written under it")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise AgentFailure(f"{part} is writable by every user: an engine's key is not written under it")
+
+
 def _write_config(path: Path, flags: dict[str, Any]) -> Path:
     """``flags`` as an SGLang ``--config`` file at ``path``, mode 0600 from its first byte (JSON
     is YAML). Replaced whole on each start: a file left by an earlier run is not trusted."""
@@ -138,6 +153,13 @@ def _write_config(path: Path, flags: dict[str, Any]) -> Path:
 def spawn(req: dict[str, Any]) -> SpawnReply:
     """Start each process in a new session; return pid, pgid and create_time per id."""
     started: dict[str, Started] = {}
+    configured: list[str] = []
+    for proc in req["processes"]:  # checked before anything starts: a refusal leaves nothing behind
+        if proc.get("config"):
+            log_dir = Path(expand(proc["log_path"])).parent
+            log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            log_dir.chmod(0o700)
+            _check_private(log_dir)
     for proc in req["processes"]:
         cwd = expand(proc["cwd"])
         log_path = Path(expand(proc["log_path"]))
@@ -151,6 +173,7 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
         argv = list(proc["argv"])
         if proc.get("config"):  # the engine's key: in a file its owner alone reads, not in argv for all to see
             argv += ["--config", str(_write_config(log_path.parent / f"{proc['id']}.config.yaml", proc["config"]))]
+            configured.append(proc["id"])
         if proc.get("exit_file"):  # supervised: restarted by its policy, its story kept (pdctl.supervise)
             exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
@@ -176,7 +199,7 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
             "pgid": child.pid,
             "create_time": psutil.Process(child.pid).create_time(),
         }
-    return {"started": started}
+    return {"started": started, "configured": configured}
 
 
 def wait_ready(req: dict[str, Any]) -> WaitReadyReply:

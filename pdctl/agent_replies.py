@@ -34,8 +34,14 @@ class Started(TypedDict):
     create_time: float
 
 
-class SpawnReply(TypedDict):
+class _SpawnBase(TypedDict):
     started: dict[str, Started]
+
+
+class SpawnReply(_SpawnBase, total=False):
+    # the processes whose secret flags went into a --config file (an agent older than that
+    # leaves this out: the control machine then refuses the launch)
+    configured: list[str]
 
 
 class _WaitReadyBase(TypedDict):

@@ -218,6 +218,9 @@ def launch(
     by_node: dict[str, list[LaunchSpec]] = defaultdict(list)
     for spec in specs:
         by_node[spec.node].append(spec)
+    # The engines whose key goes in a --config file (an older pdctl's key that begins with '-'
+    # cannot: SGLang would read it as a flag; that one goes on the command line as before).
+    key_files = {s.id for s in specs if keys is not None and s.role.is_engine and not keys.engine.startswith("-")}
 
     def spawn(ex: Executor) -> SpawnReply:
         payload = []
@@ -234,11 +237,11 @@ def launch(
                 "exit_file": _exit_file(spec),
                 "restart": spec.restart,
             }
-            if keys is not None and spec.role.is_engine:  # not in the plan: `pdctl plan` never shows it
-                if keys.engine.startswith("-"):  # an older pdctl's key: SGLang's config file cannot carry it
-                    entry["argv"] = [*spec.argv, f"--api-key={keys.engine}"]
-                else:
-                    entry["config"] = {"api-key": keys.engine}
+            if spec.id in key_files:  # not in the plan: `pdctl plan` never shows it
+                assert keys is not None
+                entry["config"] = {"api-key": keys.engine}
+            elif keys is not None and spec.role.is_engine:
+                entry["argv"] = [*spec.argv, f"--api-key={keys.engine}"]  # one word: the key begins with '-'
             payload.append(entry)
             events(spec.id, "starting")
         return agent_api.spawn(ex, payload)
@@ -249,7 +252,14 @@ def launch(
         if isinstance(res, RemoteError):
             errors.append(str(res))
             continue
+        configured = res.get("configured", [])
         for spec in by_node[node]:
+            if spec.id in key_files and spec.id not in configured:
+                # an older pdctl on the node: it ignored the key file and started the engine open
+                errors.append(
+                    f"node {node}: its pdctl did not write {spec.id}'s key file (older than this one?): "
+                    "the engine would serve without a key; install this pdctl version on the node"
+                )
             info = res["started"][spec.id]
             state.processes[spec.id] = ProcessRecord(
                 id=spec.id,

@@ -97,6 +97,8 @@ OWNED_FLAGS: Mapping[str, str] = {
     "--disaggregation-transfer-backend": "<group>.transfer_backend",
     "--disaggregation-ib-device": "<group>.ib_device",
     "--config": "the flags themselves in <group>.args (pdctl passes each engine its key in a --config file)",
+    "--api-key": "router.api_key_env for clients (each cluster's engines get a key `pdctl up` makes)",
+    "--admin-api-key": "router.api_key_env for clients (each cluster's engines get a key `pdctl up` makes)",
 }
 
 # Flags SGLang removed; 0.5.23's parser rejects them.

@@ -195,7 +195,8 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
         raise ValueError(f"Config file must be YAML format, got: {path.suffix}")
     if not path.exists():
         raise ValueError(f"Config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    with path.open() as stream:  # (a stream: a YAML error then quotes no line of the file, which holds a key)
+        data = yaml.safe_load(stream) or {}
     if not isinstance(data, dict):
         raise ValueError("Config file must contain a dictionary at root level")
     bare = {

@@ -52,6 +52,7 @@ class FakeNode:
     never_ready: set[str] = field(default_factory=set)
     failing: dict[str, str] = field(default_factory=dict)  # agent command -> its error
     unreachable: bool = False
+    old_agent: bool = False  # a pdctl from before key files: it starts engines without them
     interrupt_on: str | None = None  # an agent command during which the user presses Ctrl-C
     processes: dict[str, FakeProcess] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
@@ -87,7 +88,9 @@ class FakeNode:
                 proc.alive, proc.exit_code = False, self.dies_at_start[spec["id"]]
             self.processes[proc.id] = proc
             started[proc.id] = {"pid": proc.pid, "pgid": proc.pid, "create_time": 1.0}
-        return {"started": started}
+        if self.old_agent:
+            return {"started": started}
+        return {"started": started, "configured": [spec["id"] for spec in req["processes"] if spec.get("config")]}
 
     def wait_ready(self, req: dict[str, Any]) -> WaitReadyReply:
         for target in [*req["watch"], *req["targets"]]:

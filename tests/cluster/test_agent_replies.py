@@ -49,3 +49,29 @@ def test_each_reply_has_the_declared_keys(tmp_path) -> None:
     assert stopped["left"] == []
     time.sleep(0.1)
     conforms(agent_api.rm(ex, [str(tmp_path / "nothing")]), r.RmReply)
+
+
+def test_a_key_file_is_written_only_where_no_other_user_could_swap_the_path(tmp_path) -> None:
+    """The agent writes an engine's --config (its key) 0600 and says so in ``configured``; under a
+    directory every user may write (no sticky bit) it starts nothing and says why."""
+    import os
+    import stat
+
+    import pytest
+
+    from pdctl.errors import RemoteError
+
+    ex = LocalExecutor(Node(name="me", host="127.0.0.1", gpus=0, python=sys.executable))
+    private = tmp_path / "private"
+    proc = {"id": "e", "argv": [sys.executable, "-c", "import sys; print(sys.argv)"], "env": {},
+            "cwd": str(private), "log_path": str(private / "logs" / "e.log"), "config": {"api-key": "k3y"}}  # fmt: skip
+    spawned = agent_api.spawn(ex, [proc])
+    assert spawned["configured"] == ["e"]
+    key_file = private / "logs" / "e.config.yaml"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and "k3y" in key_file.read_text()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # writable by all, not sticky: another user could rename logs/ under it
+    with pytest.raises(RemoteError, match="writable by every user: an engine's key is not written under it"):
+        agent_api.spawn(ex, [{**proc, "cwd": str(shared), "log_path": str(shared / "run" / "logs" / "e.log")}])
+    assert not list(shared.rglob("*.config.yaml")) and not list(shared.rglob("*.log"))

@@ -88,6 +88,18 @@ def test_a_launch_that_fails_on_one_node_stops_what_started_on_the_others(planne
     assert state.status == Phase.DOWN and not state.processes
 
 
+def test_an_older_pdctl_on_a_node_that_ignores_the_key_file_fails_up_and_everything_stops(planned, store):
+    """Its engines would serve without a key: up refuses them, and what started anywhere stops."""
+    cluster = FakeCluster("h0", "h1")
+    cluster["h1"].old_agent = True
+    message = failed_up(planned, store, cluster)
+    assert "node h1: its pdctl did not write decode-0's key file" in message, message
+    assert "prefill-0" not in message  # h0's agent wrote its key file
+    assert cluster.alive() == {} and store.load("fake2").status == Phase.DOWN
+    sent = cluster["h0"].processes["prefill-0"]
+    assert not [a for a in sent.argv if "api-key" in a], "the key is not on the command line"
+
+
 def test_an_engine_that_dies_while_starting_is_named_with_its_log_and_everything_stops(planned, store):
     cluster = FakeCluster("h0", "h1")
     cluster["h1"].dies_at_start["decode-0"] = 1

@@ -106,6 +106,8 @@ def test_prefill_and_decode_come_in_pairs() -> None:
         ("{base-gpu-id: 1}", "--base-gpu-id is set by pdctl"),
         ("{nccl-port: 1}", "--nccl-port is set by pdctl"),
         ("{config: keys.yaml}", "--config is set by pdctl"),
+        ("{api-key: k}", "--api-key is set by pdctl"),
+        ("{admin-api-key: k}", "--admin-api-key is set by pdctl"),
         ("{dist-init-addr: 'a:1'}", "--dist-init-addr is set by pdctl"),
         ("{nnodes: 2}", "--nnodes is set by pdctl"),
         ("{node-rank: 1}", "--node-rank is set by pdctl"),
