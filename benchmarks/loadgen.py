@@ -27,6 +27,29 @@ STREAM_BODY = json.dumps(
 ).encode()
 
 
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> bool:
+    """One POST read whole: whether it succeeded."""
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+            data = await resp.read()
+            return resp.status == 200 and b'"error"' not in data  # a stream may end in an error event
+    except (aiohttp.ClientError, OSError):
+        return False
+
+
+def _summary(latencies: list[float], errors: int, seconds: float) -> dict:
+    latencies.sort()
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 100 else [0.0] * 99
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": seconds,
+        "rps": len(latencies) / seconds,
+        "p50_ms": q[49] * 1000,
+        "p99_ms": q[98] * 1000,
+    }
+
+
 async def run(url: str, concurrency: int, duration: float, max_requests: int, body: bytes = BODY) -> dict:
     latencies: list[float] = []
     errors = 0
@@ -38,13 +61,7 @@ async def run(url: str, concurrency: int, duration: float, max_requests: int, bo
             nonlocal errors
             while time.monotonic() < deadline and len(latencies) + errors < max_requests:
                 start = time.perf_counter()
-                try:
-                    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
-                        data = await resp.read()
-                        ok = resp.status == 200 and b'"error"' not in data  # a stream may end in an error event
-                except (aiohttp.ClientError, OSError):
-                    ok = False
-                if ok:
+                if await _one(session, url, body):
                     latencies.append(time.perf_counter() - start)
                 else:
                     errors += 1
@@ -52,27 +69,22 @@ async def run(url: str, concurrency: int, duration: float, max_requests: int, bo
         started = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - started
-    latencies.sort()
-    q = statistics.quantiles(latencies, n=100) if len(latencies) > 100 else [0.0] * 99
-    return {
-        "requests": len(latencies),
-        "errors": errors,
-        "seconds": elapsed,
-        "rps": len(latencies) / elapsed,
-        "p50_ms": q[49] * 1000,
-        "p99_ms": q[98] * 1000,
-    }
+    return _summary(latencies, errors, elapsed)
 
 
-def _cpu_secs(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its children."""
+def tree_cpu_secs(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (0 for pid 0, or one gone)."""
     import psutil
 
     if not pid:
         return 0.0
-    root = psutil.Process(pid)
+    try:
+        root = psutil.Process(pid)
+        children = root.children(recursive=True)
+    except psutil.Error:
+        return 0.0
     total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in [root, *children]:
         try:
             t = proc.cpu_times()
         except psutil.Error:
@@ -96,12 +108,7 @@ async def slice_of(url: str, pid: int, concurrency: int, warm: float, duration: 
             nonlocal errors
             while time.monotonic() < stop:
                 start = time.perf_counter()
-                try:
-                    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
-                        data = await resp.read()
-                        ok = resp.status == 200 and b'"error"' not in data
-                except (aiohttp.ClientError, OSError):
-                    ok = False
+                ok = await _one(session, url, body)
                 if counting:
                     if ok:
                         done.append(time.monotonic())
@@ -111,30 +118,19 @@ async def slice_of(url: str, pid: int, concurrency: int, warm: float, duration: 
 
         async def clock() -> tuple[float, float]:
             await asyncio.sleep(warm)
-            before = _cpu_secs(pid)
+            before = tree_cpu_secs(pid)
             counting.append(time.monotonic())
             await asyncio.sleep(duration)
             end = time.monotonic()
-            used = _cpu_secs(pid) - before
+            used = tree_cpu_secs(pid) - before
             counting.append(end)
             return used, end
 
         workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
         used, end = await clock()
         await asyncio.gather(*workers)
-    began = counting[0]
-    n = sum(1 for t in done if t <= end)
-    latencies.sort()
-    q = statistics.quantiles(latencies, n=100) if len(latencies) > 100 else [0.0] * 99
-    return {
-        "requests": n,
-        "errors": errors,
-        "seconds": end - began,
-        "rps": n / (end - began),
-        "p50_ms": q[49] * 1000,
-        "p99_ms": q[98] * 1000,
-        "cpu_secs": used,
-    }
+    n, seconds = sum(1 for t in done if t <= end), end - counting[0]  # (what ended in the counted window)
+    return {**_summary(latencies, errors, seconds), "requests": n, "rps": n / seconds, "cpu_secs": used}
 
 
 async def cycle(

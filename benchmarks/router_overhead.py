@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from loadgen import tree_cpu_secs
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -107,20 +108,14 @@ def remove_checkout(path: Path) -> None:
     subprocess.run(["git", "-C", str(ROOT.parent), "worktree", "remove", "--force", str(path)], check=False)
 
 
-def cpu_secs(proc: subprocess.Popen) -> float:
-    try:
-        root = psutil.Process(proc.pid)
-        total = 0.0
-        for p in [root, *root.children(recursive=True)]:
-            t = p.cpu_times()
-            total += t.user + t.system
-        return total
-    except psutil.Error:
-        return 0.0
-
-
 def _pin_to_others() -> None:
     os.sched_setaffinity(0, OTHER_CPUS)
+
+
+def _warm_up(url: str, stream: bool) -> None:
+    """A second of light load on ``url``: a router's caches and pools, and the loadgen's own start."""
+    argv = [PY, str(ROOT / "loadgen.py"), url, *(["--stream"] if stream else []), "--concurrency", "8"]
+    subprocess.run([*argv, "--duration", "1"], capture_output=True, check=True, preexec_fn=_pin_to_others)
 
 
 def cycle(targets: list[tuple[str, str, int]], stream: bool) -> list[dict]:
@@ -128,22 +123,8 @@ def cycle(targets: list[tuple[str, str, int]], stream: bool) -> list[dict]:
     specs = [f"{name}={url}@{pid}" for name, url, pid in targets]
     argv = [PY, str(ROOT / "loadgen.py"), "--cycle", *specs, "--cycles", str(ROUNDS), "--concurrency", str(CONCURRENCY)]
     argv += ["--warm", str(WARM), "--duration", str(DURATION), *(["--stream"] if stream else [])]
-    for _, url, _ in targets:  # warm-up: every router's caches, pools and the loadgen's own start
-        subprocess.run(
-            [
-                PY,
-                str(ROOT / "loadgen.py"),
-                url,
-                *(["--stream"] if stream else []),
-                "--concurrency",
-                "8",
-                "--duration",
-                "1",
-            ],
-            capture_output=True,
-            check=True,
-            preexec_fn=_pin_to_others,
-        )
+    for _, url, _ in targets:
+        _warm_up(url, stream)
     out = subprocess.run(argv, capture_output=True, text=True, check=True, preexec_fn=_pin_to_others)
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
@@ -151,10 +132,8 @@ def cycle(targets: list[tuple[str, str, int]], stream: bool) -> list[dict]:
 def measure(name: str, url: str, router: subprocess.Popen | None, stream: bool, duration: float = 8.0) -> dict:
     """One router loaded alone for ``duration`` seconds (router_floor.py's way; this file cycles)."""
     loadgen = [PY, str(ROOT / "loadgen.py"), url, *(["--stream"] if stream else [])]
-    subprocess.run(
-        [*loadgen, "--concurrency", "8", "--duration", "1"], capture_output=True, check=True, preexec_fn=_pin_to_others
-    )  # warm-up
-    before = cpu_secs(router) if router else 0.0
+    _warm_up(url, stream)
+    before = tree_cpu_secs(router.pid) if router else 0.0
     out = subprocess.run(
         [*loadgen, "--concurrency", str(CONCURRENCY), "--duration", str(duration)],
         capture_output=True,
@@ -162,7 +141,7 @@ def measure(name: str, url: str, router: subprocess.Popen | None, stream: bool, 
         check=True,
         preexec_fn=_pin_to_others,
     )
-    used = (cpu_secs(router) - before) if router else 0.0
+    used = (tree_cpu_secs(router.pid) - before) if router else 0.0
     row = json.loads(out.stdout)
     row.update(
         target=name,
@@ -256,9 +235,10 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
                     started.append((name, f"http://127.0.0.1:{port}/generate", proc))
                     wait(f"http://127.0.0.1:{port}/health")
                 time.sleep(1.0)  # the Rust routers mark workers healthy after their first check
+                routed = {n for n, _, p in started if p is not None}
                 for row in cycle([(n, u, p.pid if p else 0) for n, u, p in started], stream):
                     row.update(mode=mode, router_cpu_us_per_req=None)
-                    if dict((n, p) for n, _, p in started)[row["target"]] is not None and row["requests"]:
+                    if row["target"] in routed and row["requests"]:
                         row["router_cpu_us_per_req"] = row["cpu_secs"] / row["requests"] * 1e6
                     runs.setdefault((mode, row["target"]), []).append(row)
             finally:
