@@ -154,17 +154,15 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
     """Start each process in a new session; return pid, pgid and create_time per id."""
     started: dict[str, Started] = {}
     configured: list[str] = []
-    for proc in req["processes"]:  # checked before anything starts: a refusal leaves nothing behind
+    for proc in req["processes"]:  # before anything starts: a refused key file leaves nothing behind
+        log_dir = Path(expand(proc["log_path"])).parent
+        log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log_dir.chmod(0o700)  # logs hold prompts and errors (and key files): their owner's only
         if proc.get("config"):
-            log_dir = Path(expand(proc["log_path"])).parent
-            log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            log_dir.chmod(0o700)
             _check_private(log_dir)
     for proc in req["processes"]:
         cwd = expand(proc["cwd"])
         log_path = Path(expand(proc["log_path"]))
-        log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        log_path.parent.chmod(0o700)  # logs hold prompts and errors: their owner's only
         Path(cwd).mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {**os.environ, **proc["env"]}
         for key in PATH_VALUED_ENV:  # the planner writes the run directory as the node spells it (~/...)

@@ -54,11 +54,9 @@ def _stream_events(n: int) -> list[bytes]:
 
 
 def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: int = 0) -> web.Application:
-    streamed = _stream_events(stream_tokens) if stream_tokens else None
-    if streamed is not None and role == "prefill":
-        # A PD prefill runs the prompt and returns one token, streamed or not (SGLang's; the sim's
-        # PREFILL mode too): its stream is that token's event and [DONE], not the decode's tokens.
-        streamed = _stream_events(1)
+    # A PD prefill runs the prompt and returns one token, streamed or not (SGLang's; the sim's
+    # PREFILL mode too): its stream is that token's event and [DONE], not the decode's tokens.
+    streamed = _stream_events(1 if role == "prefill" else stream_tokens) if stream_tokens else None
     log = open(record, "a") if record else None  # noqa: SIM115 - lives as long as the app
 
     async def generate(request: web.Request) -> web.StreamResponse:
