@@ -177,7 +177,6 @@ class Dispatcher:
         """One attempt on freshly selected workers, sent now; its outcome, awaited at once. Not a
         coroutine of its own: it returns the coroutine that runs the attempt (a layer less on
         every request)."""
-        epoch = self.gate.epoch  # before anything is sent: an interrupt from here on is this attempt's
         if not request.pd:
             try:
                 worker = self.select.regular(request.ctx, version)
@@ -185,7 +184,7 @@ class Dispatcher:
                 return self._no_worker(request, exc)
             request.waits_until = None
             assert data is not None
-            return self._regular(request, worker, data, epoch)
+            return self._regular(request, worker, data)
         try:
             prefill, decode = self.select.pair(request.ctx, version)
         except RouteError as exc:
@@ -198,20 +197,20 @@ class Dispatcher:
         pair = PairAttempt(self.legs, prefill, decode, request.path, dumps(bootstrapped), request.headers)
         if not request.stream:
             return pair.whole(request.with_logprobs)  # (it closes the pair)
-        return self._open(request, pair, epoch, continuation)
+        return self._open(request, pair, continuation)
 
-    async def _regular(self, request: ClientRequest, worker: Worker, data: bytes, epoch: int) -> Outcome | Live:
+    async def _regular(self, request: ClientRequest, worker: Worker, data: bytes) -> Outcome | Live:
         headers = request.headers
         if request.stream:
             one = await self.legs.open_one(worker, request.path, data, headers)
             if isinstance(one, StreamLeg):
-                return Live(worker, one, epoch)
+                return Live(one)
             leg = one
         else:
             leg = await self.legs.start(worker, request.path, data, headers)
         return self.legs.verdict(worker, leg, errors.WORKER_FAILED) or leg.reply(headers)
 
-    async def _open(self, request: ClientRequest, pair: PairAttempt, epoch: int, continuation: bool) -> Outcome | Live:
+    async def _open(self, request: ClientRequest, pair: PairAttempt, continuation: bool) -> Outcome | Live:
         """A PD stream once decode's first block came (the prefill's input logprobs first when
         asked for), else why not; the pair is closed unless the stream is handed on."""
         handed = False
@@ -227,7 +226,7 @@ class Dispatcher:
                     return got
                 prefix = got
             handed = True
-            return Live(pair.decode, opened, epoch, pair, prefix)
+            return Live(opened, pair, prefix)
         finally:
             if not handed:
                 if isinstance(opened, StreamLeg):

@@ -75,7 +75,8 @@ class Leg:
 
     @property
     def ends_request(self) -> bool:
-        """A prefill answer after which no KV will come: a failure, a 4xx, or an abort."""
+        """A prefill answer after which no KV will come: a failure, a 4xx, or an abort (the rule
+        ``_ends_request`` applies to a prefill's Response before any Leg is made of it)."""
         return self.server_failed or self.status >= 400 or aborted(self.body)
 
     def reply(self, headers: Headers) -> Reply:
@@ -135,12 +136,8 @@ class Legs:
         leg: asyncio.Future[Leg] = self.loop.create_future()
 
         def answered(got: Response | BaseException) -> None:
-            if leg.done():
-                return
-            if isinstance(got, (UpstreamError, OSError)) or not isinstance(got, BaseException):
-                leg.set_result(Leg.of(got, epoch))
-            else:
-                leg.set_exception(got)  # a bug: it reaches whoever awaits the leg
+            if not leg.done():
+                leg.set_result(Leg.of(got, epoch))  # (an exception that is a bug: ``verdict`` raises it)
 
         sending = self.send(worker, path, data, headers, answered)
         legs = self._legs
@@ -655,7 +652,7 @@ class StreamReader:
 
 
 def _ends_request(got: Response | BaseException) -> bool:
-    """``Leg.ends_request`` of a prefill's answer."""
+    """``Leg.ends_request`` of a prefill's answer, with no Leg made (the hot path's test)."""
     return not isinstance(got, Response) or got.status >= 400 or aborted(got.body)
 
 

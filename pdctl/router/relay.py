@@ -21,30 +21,29 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from pdctl.router import errors
-from pdctl.router.legs import Legs, PairAttempt, StreamLeg, StreamReader
+from pdctl.router.legs import PairAttempt, StreamLeg, StreamReader
 from pdctl.router.reply import Flow, Outlet
-from pdctl.router.resume import GENERATE, Job, Piece
-from pdctl.router.retry import Retry, RetryPolicy, Tries
+from pdctl.router.resume import GENERATE, Piece
+from pdctl.router.retry import Retry, Tries
 from pdctl.router.shaping import ABORT, prepend_logprobs, with_input_logprobs
 from pdctl.router.streaming import Continued, Interrupted, Transform, error_event, last_data, shaped
-from pdctl.router.workers import Worker, WorkerRegistry
+
+if TYPE_CHECKING:  # (dispatch makes relays: a runtime import would be a circle)
+    from pdctl.router.dispatch import ClientRequest, Dispatcher
 
 log = logging.getLogger("pdctl.router")
 
 
 @dataclass(eq=False, slots=True)
 class Live:
-    """A stream that opened (its first block is in) and has not been sent on yet."""
+    """A stream that opened (its first block is in) and has not been sent on yet (its worker,
+    and the refit gate's epoch when it was sent, are its leg's)."""
 
-    worker: Worker
     leg: StreamLeg
-    epoch: int
-    """The refit gate's epoch when it was sent."""
     pair: PairAttempt | None = None
     prefix: list | None = None
     """The prefill's input logprobs, shown in front of decode's (asked for with ``return_logprob``)."""
@@ -60,42 +59,10 @@ class Live:
             self.pair.close()
 
 
-class Relayed(Protocol):
-    """The request a relay streams the answer of (pdctl.router.dispatch's)."""
-
-    path: str
-
-    @property
-    def job(self) -> Job | None: ...
-
-
-class Continuer(Protocol):
-    """What a relay needs of the dispatcher that made it: its workers, its retry policy, and the
-    continuation of a stream on fresh legs (``Dispatcher.tail``)."""
-
-    registry: WorkerRegistry
-    retry: RetryPolicy
-    legs: Legs
-
-    def interrupt_rule(self, epoch: int, request: Any) -> Interrupted: ...
-
-    def tail(
-        self,
-        request: Any,
-        job: Job,
-        pending: dict[int, Piece],
-        tries: Tries,
-        why: str,
-        *,
-        interrupted: bool = False,
-        version: str | None = None,
-    ) -> Awaitable[tuple[bytes, Live | None, Continued | None]]: ...
-
-
 class Relay(StreamReader):
     """The client's stream over ``live`` and whatever continues it (module docstring)."""
 
-    def __init__(self, dispatcher: Continuer, request: Relayed, live: Live, tries: Tries):
+    def __init__(self, dispatcher: Dispatcher, request: ClientRequest, live: Live, tries: Tries):
         self.dispatcher = dispatcher
         self.request = request
         self.tries = tries
@@ -159,8 +126,8 @@ class Relay(StreamReader):
         try:
             while self.current is not None:
                 current = self.current
-                worker = current.worker
-                self.rule = d.interrupt_rule(current.epoch, request) if request.path == GENERATE else None
+                worker = current.leg.worker
+                self.rule = d.interrupt_rule(current.leg.epoch, request) if request.path == GENERATE else None
                 self.last = None
                 ended = self._ended = d.legs.loop.create_future()
                 current.leg.attach(self)
@@ -213,7 +180,7 @@ class Relay(StreamReader):
                             "stream %s: %s; continuing on %s after %d tokens",
                             done.meta.get("id"),
                             why,
-                            self.current.worker.url,
+                            self.current.leg.worker.url,
                             done.tokens,
                         )
                 outlet.write(tail, self.current is None)  # a tail with no continuation ends the stream
