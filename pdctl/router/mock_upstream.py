@@ -81,7 +81,7 @@ class MockUpstream:
         """Every streamed answer, in order (a test reads whether the router holds one back)."""
         self.closed = False
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], timeout: float | None) -> Response:
         request = UpstreamRequest(url, body, dict(headers), False)
         self.requests.append(request)
         try:
@@ -92,7 +92,7 @@ class MockUpstream:
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
     ) -> Sending:
-        return Posting(self.post(url, body, headers, timeout=timeout), answered)
+        return Posting(self._post(url, body, headers, timeout), answered)
 
     def stream(
         self, url: str, body: bytes, headers: dict[str, str], sink: StreamSink, *, timeout: float | None = None

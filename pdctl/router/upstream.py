@@ -7,11 +7,10 @@ stream; pooled connections per host; a connection that was reused and died befor
 answer is retried once on a fresh one. Cancelling a request closes its connection, so the
 engine sees the client go away and aborts the request.
 
-Three ways in: ``send``, which starts a whole request on a pooled connection and has the
-connection's parser callbacks answer it; ``stream``, which does the same for a streamed answer
-and hands its head and body to a ``StreamSink`` as they are read (no task, coroutine or future
-per request or per read: the router's legs use both); and ``post``, a coroutine (a request that
-must connect first runs as one).
+Two ways in: ``send``, which starts a whole request on a pooled connection and has the
+connection's parser callbacks answer it; and ``stream``, which does the same for a streamed
+answer and hands its head and body to a ``StreamSink`` as they are read (no task, coroutine or
+future per request or per read). A request that must connect first runs as a task.
 
 ``Upstream`` is the interface the dispatcher uses; ``UpstreamPool`` is the real one and
 ``pdctl.router.mock_upstream.MockUpstream`` an in-memory one for tests.
@@ -71,12 +70,6 @@ class Response:
 class Upstream(Protocol):
     """How the router talks to engines: POST a JSON body, get the answer whole or as it comes."""
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
-        """The whole response. Raises UpstreamError when the connection fails, UpstreamTimeout
-        when ``timeout`` passes. Cancelling it closes the connection (the engine sees the client
-        go away)."""
-        ...
-
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
     ) -> Sending:
@@ -130,7 +123,7 @@ class Streaming(Protocol):
 
 
 class Posting:
-    """``Upstream.send`` over a ``post`` coroutine run as a task: for a request that must connect
+    """``Upstream.send`` over a coroutine, run as a task, that posts: for a request that must connect
     first, and for upstreams with no callback path of their own (MockUpstream)."""
 
     __slots__ = ("answered", "task")
@@ -283,7 +276,7 @@ class _Conn(asyncio.Protocol):
         self.complete = False  # the response was read whole
         self.keep_alive = False  # ... and the server keeps the connection open
         self.error: Exception | None = None  # what ended the response before it was complete
-        self.done: asyncio.Future[None] | None = None  # made by post(): it waits for the end
+        self.done: asyncio.Future[None] | None = None  # made by _post(): it waits for the end
 
     def arm(self, timeout: float | None) -> None:
         """Fail this request with UpstreamTimeout after ``timeout`` seconds.
@@ -511,11 +504,6 @@ class UpstreamPool:
         """A whole POST of ``data`` on a new connection (the retry of one whose kept-alive
         connection had died)."""
         return self._post(key, data, timeout, pooled=False)
-
-    async def post(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float | None = None) -> Response:
-        """See ``Upstream.post``."""
-        key, data = self._request(url, body, headers)
-        return await self._post(key, data, timeout)
 
     async def _post(self, key: tuple[str, int], data: bytes, timeout: float | None, *, pooled: bool = True) -> Response:
         """``data`` sent to ``key`` on a pooled connection (``pooled``), tried once more on a fresh
