@@ -21,19 +21,18 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pdctl.router import errors
-from pdctl.router.legs import PairAttempt, StreamLeg, StreamReader
+from pdctl.router.legs import Legs, PairAttempt, StreamLeg, StreamReader
 from pdctl.router.reply import Flow, Outlet
-from pdctl.router.resume import GENERATE, Piece
-from pdctl.router.retry import Retry, Tries
+from pdctl.router.resume import GENERATE, Job, Piece
+from pdctl.router.retry import Retry, RetryPolicy, Tries
 from pdctl.router.shaping import ABORT, prepend_logprobs, with_input_logprobs
 from pdctl.router.streaming import Continued, Interrupted, Transform, error_event, last_data, shaped
-
-if TYPE_CHECKING:  # (dispatch makes relays: a runtime import would be a circle)
-    from pdctl.router.dispatch import ClientRequest, Dispatcher
+from pdctl.router.workers import WorkerRegistry
 
 log = logging.getLogger("pdctl.router")
 
@@ -59,10 +58,44 @@ class Live:
             self.pair.close()
 
 
+class Relayed(Protocol):
+    """The request a relay streams the answer of (pdctl.router.dispatch's). This and Continuer
+    restate what the relay uses of dispatch, which makes relays: importing it, even under
+    TYPE_CHECKING, would be an import circle (tests/test_structure.py)."""
+
+    path: str
+
+    @property
+    def job(self) -> Job | None: ...
+
+
+class Continuer(Protocol):
+    """What a relay needs of the dispatcher that made it: its workers, its retry policy, and the
+    continuation of a stream on fresh legs (``Dispatcher.tail``)."""
+
+    registry: WorkerRegistry
+    retry: RetryPolicy
+    legs: Legs
+
+    def interrupt_rule(self, epoch: int, request: Any) -> Interrupted: ...
+
+    def tail(
+        self,
+        request: Any,
+        job: Job,
+        pending: dict[int, Piece],
+        tries: Tries,
+        why: str,
+        *,
+        interrupted: bool = False,
+        version: str | None = None,
+    ) -> Awaitable[tuple[bytes, Live | None, Continued | None]]: ...
+
+
 class Relay(StreamReader):
     """The client's stream over ``live`` and whatever continues it (module docstring)."""
 
-    def __init__(self, dispatcher: Dispatcher, request: ClientRequest, live: Live, tries: Tries):
+    def __init__(self, dispatcher: Continuer, request: Relayed, live: Live, tries: Tries):
         self.dispatcher = dispatcher
         self.request = request
         self.tries = tries
