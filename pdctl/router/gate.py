@@ -53,11 +53,18 @@ class RefitGate:
         return self.epoch != epoch
 
     async def wait_open(self, timeout_secs: float) -> bool:
-        """Wait until the gate opens; False when it stayed closed ``timeout_secs``."""
+        """Wait until the gate is open when the waiter runs; False when it stayed closed
+        ``timeout_secs``. A release wakes every waiter, but the next transaction's hold may close
+        the gate again before a woken waiter runs (updates back to back): that waiter waits on,
+        else it would send into engines paused to abort, at the new epoch, and its abort would
+        reach the client as if the client had asked for it."""
         if self.is_open:
             return True
-        try:
-            await asyncio.wait_for(self._open.wait(), timeout_secs)
-        except asyncio.TimeoutError:
-            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_secs
+        while not self.is_open:
+            try:
+                await asyncio.wait_for(self._open.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return False
         return True

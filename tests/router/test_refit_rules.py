@@ -104,3 +104,28 @@ def test_a_request_stopped_before_its_first_token_is_continued_even_at_max_stale
     status, answer = run(Engines(D1=aborted_in_queue), scenario)
     assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length", answer
     assert len(calls) == 2 and answer["meta_info"]["pdctl_interruptions"] == 1
+
+
+def test_a_waiter_woken_by_a_release_waits_on_when_the_next_hold_closed_the_gate_first() -> None:
+    """Updates back to back: a release wakes the held requests, and the next update's hold can
+    close the gate before they run. They must wait for that update too (its engines abort what
+    they are sent, at the new epoch: the client would get the abort as its own)."""
+    from pdctl.refit import RefitMode
+
+    async def main() -> None:
+        g = gate.RefitGate()
+        g.close(RefitMode.INTERRUPT, 1, new_transaction=True)
+        waiter = asyncio.ensure_future(g.wait_open(60))
+        while not g._open._waiters:  # type: ignore[attr-defined]  # until it waits on the event itself
+            await asyncio.sleep(0)
+        g.open()
+        g.close(RefitMode.INTERRUPT, 1, new_transaction=True)  # the next update, before the waiter ran
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not waiter.done(), "a woken waiter went on while the next update held the gate"
+        g.open()
+        assert await waiter is True
+        g.close(RefitMode.INTERRUPT, 1, new_transaction=True)
+        assert await g.wait_open(0.01) is False  # (still bounded by its timeout)
+
+    asyncio.run(main())
