@@ -290,7 +290,9 @@ def status(req: dict[str, Any]) -> StatusReply:
             if p is not None and child and story.get("create_time"):
                 entry["child_pid"] = child
                 p = same_process(child, story["create_time"]) or p
-        if p is None and proc.get("exit_file"):
+        if proc.get("exit_file") and (p is None or not entry["alive"]):
+            # (also while its supervisor is still finishing: it wrote the final code before it exits, and
+            # `up` read such a trainer, done with 0, as one that died with no code)
             entry["exit_code"] = story.get("exit_code") if story else None  # None: SIGKILL of the group
         if p is not None and entry["alive"]:
             started = _safe(p.create_time)

@@ -75,3 +75,21 @@ def test_a_key_file_is_written_only_where_no_other_user_could_swap_the_path(tmp_
     with pytest.raises(RemoteError, match="writable by every user: an engine's key is not written under it"):
         agent_api.spawn(ex, [{**proc, "cwd": str(shared), "log_path": str(shared / "run" / "logs" / "e.log")}])
     assert not list(shared.rglob("*.config.yaml")) and not list(shared.rglob("*.log"))
+
+
+def test_a_supervisor_still_finishing_reports_the_code_it_wrote(tmp_path) -> None:
+    """Between writing its final exit code and exiting, a supervisor is alive: status says the
+    process is done, with that code (up once read a trainer done with 0 as dead with none)."""
+    import json
+    import os
+
+    import psutil
+
+    from pdctl import agent
+
+    exit_file = tmp_path / "trainer.log.exit"
+    story = {"state": "exited", "restart": "never", "pid": None, "create_time": None, "restarts": 0}
+    exit_file.write_text(json.dumps({**story, "last_exit": None, "reason": None, "exit_code": 0}))
+    me = {"id": "t", "pid": os.getpid(), "create_time": psutil.Process().create_time(), "exit_file": str(exit_file)}
+    entry = agent.status({"processes": [me]})["processes"]["t"]
+    assert entry["alive"] is False and entry.get("exit_code") == 0, entry
