@@ -40,6 +40,11 @@ from pathlib import Path
 import psutil
 from loadgen import tree_cpu_secs
 
+from pdctl.router.compiled import INTERPRETED_ENV, mode
+
+REQUEST_PATH = mode()
+"""How ``pdctl router`` runs here: "compiled" where ``python -m pdctl.router.build`` built these sources."""
+
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
@@ -168,15 +173,23 @@ def main() -> None:
             remove_checkout(baseline_dir)
 
 
-PDCTL, RUST, SMG, MINI = (
+PDCTL, INTERPRETED, RUST, SMG, MINI = (
     "pdctl router (PD)",
+    "pdctl router, interpreted (PD)",
     "sglang-router 0.3.2 (PD, Rust)",
     "smg 1.13.0 (PD, Rust)",
     "MiniLB (sglang-router --mini-lb)",
 )
 
 
-SHORT = {"direct to decode": "direct", PDCTL: "pdctl", RUST: "sglang-router", SMG: "smg", MINI: "minilb"}
+SHORT = {
+    "direct to decode": "direct",
+    PDCTL: "pdctl",
+    INTERPRETED: "interpreted",
+    RUST: "sglang-router",
+    SMG: "smg",
+    MINI: "minilb",
+}
 
 
 def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only: set[str] | None = None) -> None:
@@ -206,6 +219,8 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     targets: dict[str, Callable[[int], list[str]] | None] = {
         "direct to decode": None,
         PDCTL: pdctl_router,
+        # the same sources run by the interpreter (pdctl.router.compiled): what compiling them saves
+        INTERPRETED: lambda port: ["env", f"{INTERPRETED_ENV}=1", *pdctl_router(port)],
         RUST: lambda port: rust_router(PY, "sglang_router.launch_router", port),
     }
     if Path(SMG_PYTHON).exists():
@@ -266,12 +281,13 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     ratios: dict[str, object] = {}
     summary: list[str] = []
     for mode in modes:
-        for other, label in ((SMG, "smg 1.13.0"), (RUST, "sglang-router 0.3.2"), (old_name, f"pdctl at {baseline}")):
+        others = ((SMG, "smg 1.13.0"), (RUST, "sglang-router 0.3.2"), (INTERPRETED, "pdctl interpreted"))
+        for other, label in (*others, (old_name, f"pdctl at {baseline}")):
             got = cpu_ratio(mode, other)
             if got is None:
                 continue
             ratio, rounds = got
-            key = f"{mode}_pdctl_cpu_per_req_vs_{label.split()[0]}"
+            key = f"{mode}_pdctl_cpu_per_req_vs_{SHORT.get(other, 'baseline')}"
             ratios[key], ratios[key + "_per_round"] = ratio, rounds
             goal = goals.get((mode, other))
             summary.append(
@@ -293,6 +309,7 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
         "rounds": ROUNDS,
         "stream_tokens": STREAM_TOKENS,
         "baseline": baseline,
+        "request_path": REQUEST_PATH,
         "head": subprocess.run(
             ["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
@@ -315,7 +332,8 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
         f"\nAll routers up at once, {ROUNDS} cycles of a slice each ({WARM:g} s warm-up, {DURATION:g} s counted), "
         f"closed loop at concurrency {CONCURRENCY}; CPU per request is the median over slices, a ratio the "
         f"median of the per-cycle ratios, "
-        f"at {meta['head']}; streamed: {STREAM_TOKENS} SSE events and [DONE], one write each; the router runs on "
+        f"at {meta['head']}, pdctl's request path {REQUEST_PATH}; streamed: {STREAM_TOKENS} SSE events and [DONE], "
+        "one write each; the router runs on "
         f"CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
     ]
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")

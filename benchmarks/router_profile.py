@@ -8,6 +8,14 @@ router_overhead.py (null backends, closed loop at concurrency 64, plain or strea
 Reported: the functions with the most samples on the stack (inclusive) and at its top (self),
 as shares of the router's busy samples (idle samples are not taken). Sampling shows shares,
 not absolute costs: read it beside router_overhead's CPU per request.
+
+    python benchmarks/router_profile.py --native [--interpreted]
+        # writes benchmarks/results/router_profile_native_{plain,streamed}_{compiled,interpreted}.md
+
+``--native`` samples with Linux perf instead (``perf record -e cpu-clock``, kernel included, needs
+kernel.perf_event_paranoid <= 1) and splits the router's CPU by what runs: the interpreter, the
+compiled request path (pdctl.router.compiled), the kernel, uvloop, httptools, the C library.
+``--interpreted`` runs the router's sources interpreted even where a build matches them.
 """
 
 from __future__ import annotations
@@ -22,7 +30,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from router_overhead import OTHER_CPUS, PY, RESULTS, ROOT, ROUTER_CPUS, STREAM_TOKENS, free_port, start, wait
+from router_overhead import (
+    OTHER_CPUS,
+    PY,
+    REQUEST_PATH,
+    RESULTS,
+    ROOT,
+    ROUTER_CPUS,
+    STREAM_TOKENS,
+    free_port,
+    start,
+    wait,
+)
+
+from pdctl.router.compiled import INTERPRETED_ENV
 
 TOP = 30
 
@@ -31,9 +52,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stream", action="store_true", help="streamed /generate requests")
     parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--native", action="store_true", help="perf, by shared object (kernel included)")
+    parser.add_argument("--interpreted", action="store_true", help="the router's sources, interpreted")
     args = parser.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists():
+    if args.native:
+        spy = shutil.which("perf") or sys.exit("perf not found (Debian: linux-perf)")
+    elif not Path(spy).exists():
         sys.exit("py-spy not found: pip install py-spy")
     prefill_port, boot_port, decode_port, router_port = free_port(), free_port(), free_port(), free_port()
     null = [PY, "-m", "pdctl.sim.null", "--stream-tokens", str(STREAM_TOKENS)]
@@ -47,8 +72,9 @@ def main() -> None:
         wait(decode + "/health")
         pd_args = ["--prefill", prefill, str(boot_port), "--decode", decode, "--policy", "round_robin"]
         pd_args += ["--log-level", "error"]
+        interpreted = ["env", f"{INTERPRETED_ENV}=1"] if args.interpreted else []
         router = start(
-            [PY, "-m", "pdctl", "router", "--port", str(router_port), "--pd-disaggregation", *pd_args],
+            [*interpreted, PY, "-m", "pdctl", "router", "--port", str(router_port), "--pd-disaggregation", *pd_args],
             ROUTER_CPUS,
         )
         procs.append(router)
@@ -58,12 +84,13 @@ def main() -> None:
         subprocess.run([*loadgen, "--duration", "2"], capture_output=True, check=True)  # warm-up
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "profile.txt"
-            spy_args = ["--duration", str(int(args.duration)), "--output", str(raw), "--nonblocking"]
-            spy_proc = subprocess.Popen(
-                [spy, "record", "--pid", str(router.pid), "--rate", "1000", "--format", "raw", *spy_args],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            if args.native:
+                record = [spy, "record", "-e", "cpu-clock", "-F", "2000", "-p", str(router.pid), "-o", str(raw)]
+                record += ["--", "sleep", str(args.duration)]
+            else:
+                spy_args = ["--duration", str(int(args.duration)), "--output", str(raw), "--nonblocking"]
+                record = [spy, "record", "--pid", str(router.pid), "--rate", "1000", "--format", "raw", *spy_args]
+            spy_proc = subprocess.Popen(record, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             out = subprocess.run(
                 [*loadgen, "--duration", str(args.duration)],
                 capture_output=True,
@@ -72,7 +99,11 @@ def main() -> None:
                 preexec_fn=lambda: __import__("os").sched_setaffinity(0, OTHER_CPUS),
             )
             spy_proc.wait(timeout=args.duration + 60)
-            stacks = raw.read_text().splitlines()
+            if args.native:
+                report = [spy, "report", "-i", str(raw), "--stdio", "--no-children", "--sort", "dso", "-g", "none"]
+                stacks = subprocess.run(report, capture_output=True, text=True, check=True).stdout.splitlines()
+            else:
+                stacks = raw.read_text().splitlines()
             if os.environ.get("PROFILE_RAW"):  # the raw stacks, for a closer look by line
                 shutil.copy(raw, os.environ["PROFILE_RAW"])
     finally:
@@ -80,10 +111,49 @@ def main() -> None:
             p.terminate()
             p.wait(timeout=30)
     mode = "streamed" if args.stream else "plain"
-    report = summarize(stacks, mode, json.loads(out.stdout))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"router_profile_{mode}.md").write_text(report)
+    if args.native:
+        path = "interpreted" if args.interpreted else REQUEST_PATH
+        report = summarize_native(stacks, mode, path, json.loads(out.stdout))
+        (RESULTS / f"router_profile_native_{mode}_{path}.md").write_text(report)
+    else:
+        report = summarize(stacks, mode, json.loads(out.stdout))
+        (RESULTS / f"router_profile_{mode}.md").write_text(report)
     print(report)
+
+
+_PARTS = (  # what runs, and how its shared object shows in perf's report (file names, no paths)
+    ("the kernel (sockets, scheduling)", "[kernel"),
+    ("the Python interpreter (libpython)", "libpython"),
+    ("the compiled request path (pdctl.router.compiled)", "__mypyc"),
+    ("uvloop (event loop, transports)", "loop.cpython"),
+    ("httptools (HTTP parsing)", "parser.cpython"),
+    ("asyncio's C futures and tasks", "_asyncio"),
+    ("orjson", "orjson"),
+    ("the C library (malloc, memcpy)", "libc.so"),
+)
+
+
+def summarize_native(report: list[str], mode: str, path: str, load: dict) -> str:
+    """perf's ``--sort dso`` lines (``  61.80%  libpython3.11.so.1.0``) as shares by part."""
+    shares: dict[str, float] = {}
+    for line in report:
+        share, _, dso = line.strip().partition("%")
+        if not dso or line.lstrip().startswith("#"):
+            continue
+        part = next((name for name, marker in _PARTS if marker in dso), "other")
+        shares[part] = shares.get(part, 0.0) + float(share)
+    lines = [
+        f"# pdctl router, native profile: {mode} PD /generate, concurrency 64, request path {path}",
+        "",
+        f"{load['requests']} requests in {load['seconds']:.1f} s ({load['rps']:.0f} req/s) while sampled "
+        "(perf record -e cpu-clock at 2 kHz on the router's process: kernel time included, idle not sampled).",
+        "",
+        "| share of the router's CPU | what runs |",
+        "|---|---|",
+        *(f"| {share:.1f}% | {part} |" for part, share in sorted(shares.items(), key=lambda kv: -kv[1])),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def summarize(stacks: list[str], mode: str, load: dict) -> str:

@@ -13,11 +13,14 @@ async def start_site(app: web.Application, host: str, port: int, **runner_kwargs
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
-    bound = port
     server = getattr(site, "_server", None)
-    if server is not None and server.sockets:
-        bound = int(server.sockets[0].getsockname()[1])
-    return runner, bound
+    return runner, bound_port(server) if server is not None and server.sockets else port
+
+
+def bound_port(server: Any) -> int:
+    """The port an asyncio server listens on (its first socket's). ``server`` is untyped on purpose:
+    uvloop's ``sockets`` is a list where asyncio's is a tuple, and compiled code checks the type."""
+    return int(server.sockets[0].getsockname()[1])
 
 
 def write_port_file(path: str | None, **ports: int | None) -> None:

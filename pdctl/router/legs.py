@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdctl.router import errors
 from pdctl.router.gate import RefitGate
@@ -639,16 +640,14 @@ class StreamLeg:
             self.worker.gave_back()
 
 
-class StreamReader:
+class StreamReader(Protocol):
     """Who ``StreamLeg.attach`` hands a stream's blocks to, as they come (pdctl.router.relay)."""
 
     def block(self, block: bytes, end: bool) -> None:
         """``block``: whole events (empty only with ``end``); ``end``: the engine's stream ended with it."""
-        raise NotImplementedError
 
     def broke(self, error: BaseException) -> None:
         """The engine's stream ended before it was complete."""
-        raise NotImplementedError
 
 
 def _ends_request(got: Response | BaseException) -> bool:

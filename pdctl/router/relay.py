@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdctl.router import errors
-from pdctl.router.legs import Legs, PairAttempt, StreamLeg, StreamReader
+from pdctl.router.legs import Legs, PairAttempt, StreamLeg
 from pdctl.router.reply import Flow, Outlet
 from pdctl.router.resume import GENERATE, Job, Piece
 from pdctl.router.retry import Retry, RetryPolicy, Tries
@@ -92,7 +92,7 @@ class Continuer(Protocol):
     ) -> Awaitable[tuple[bytes, Live | None, Continued | None]]: ...
 
 
-class Relay(StreamReader):
+class Relay:
     """The client's stream over ``live`` and whatever continues it (module docstring)."""
 
     def __init__(self, dispatcher: Continuer, request: Relayed, live: Live, tries: Tries):
@@ -149,6 +149,21 @@ class Relay(StreamReader):
             self.current.leg.resume()
 
     # -- the stream's life --------------------------------------------------------------------------
+    def _follow(self, current: Live) -> asyncio.Future[BaseException | None]:
+        """Take ``current``'s blocks from now on (``block``), with its own rule and no last block
+        yet; the future its end sets. (Its own method: a state the callbacks change is not set and
+        read back in one function, where compiled code would trust the value it set.)"""
+        self.rule = (
+            self.dispatcher.interrupt_rule(current.leg.epoch, self.request) if self.request.path == GENERATE else None
+        )
+        self.last = None
+        ended = self._ended = self.dispatcher.legs.loop.create_future()
+        current.leg.attach(self)
+        assert self.outlet is not None
+        if self.outlet.paused:
+            current.leg.pause()
+        return ended
+
     async def pipe(self, outlet: Outlet) -> None:
         """Write the whole stream into ``outlet``, its end included (reply.Pipe)."""
         d = self.dispatcher
@@ -160,13 +175,7 @@ class Relay(StreamReader):
             while self.current is not None:
                 current = self.current
                 worker = current.leg.worker
-                self.rule = d.interrupt_rule(current.leg.epoch, request) if request.path == GENERATE else None
-                self.last = None
-                ended = self._ended = d.legs.loop.create_future()
-                current.leg.attach(self)
-                if outlet.paused:
-                    current.leg.pause()
-                error = await ended
+                error = await self._follow(current)
                 self._ended = None
                 current.finished()
                 current.close()  # not held open through an update or a continuation

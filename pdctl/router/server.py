@@ -44,6 +44,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from pdctl.httputil import bound_port
 from pdctl.router.cancels import cancel_requests, withdraw_cancel
 from pdctl.router.http1 import header_lines
 from pdctl.router.reply import Answer, Flow, Reply, StreamReply
@@ -148,8 +149,12 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=1024, reuse_address=True)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+
+        def connection() -> asyncio.Protocol:
+            return cast(asyncio.Protocol, _Connection(self))
+
+        self._server = await loop.create_server(connection, host, port, backlog=1024, reuse_address=True)
+        self.port = bound_port(self._server)
         return self.port
 
     async def stop(self) -> None:
@@ -163,7 +168,10 @@ class HttpServer:
         self._server = None
 
 
-class _Connection(asyncio.Protocol):
+class _Connection:
+    """One client connection: an asyncio protocol (by its methods; no base class, so that it
+    compiles to a native class, pdctl.router.compiled)."""
+
     def __init__(self, server: HttpServer):
         self.server = server
         # Cached: on Python 3.11 each asyncio.get_running_loop() is a getpid() syscall.
@@ -255,6 +263,9 @@ class _Connection(asyncio.Protocol):
     def _body_too_slow(self) -> None:
         self.body_timer = None
         self._refuse(408, f"request body not received within {self.server.body_timeout:g} s of its headers")
+
+    def eof_received(self) -> None:
+        pass  # (the transport closes; connection_lost follows)
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
 from pdctl.router.resume import Piece, asked_abort
 
@@ -35,6 +37,7 @@ _HOP_HEADERS = {
 }
 
 
+@mypyc_attr(native_class=False)  # (a dict: a Python class where compiled, pdctl.router.compiled)
 class Headers(dict[str, str]):
     """The reply's headers (the dict itself) and ``upstream``, the headers sent to workers."""
 

@@ -27,14 +27,17 @@ from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 from pdctl.router.http1 import header_lines
 
 
+@mypyc_attr(native_class=False)  # (an exception: a Python class where compiled, pdctl.router.compiled)
 class UpstreamError(ConnectionError):
     """The connection failed or closed before a complete response."""
 
 
+@mypyc_attr(native_class=False)
 class UpstreamTimeout(UpstreamError):
     """No complete answer within the request timeout."""
 
@@ -244,7 +247,10 @@ class _Streamed:
             self.conn.disarm()
 
 
-class _Conn(asyncio.Protocol):
+class _Conn:
+    """One pooled connection to an engine: an asyncio protocol (by its methods; no base class, so
+    that it compiles to a native class, pdctl.router.compiled)."""
+
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]):
         self.pool, self.key = pool, key
         # Cached: on Python 3.11 each asyncio.get_running_loop() is a getpid() syscall.
@@ -337,6 +343,15 @@ class _Conn(asyncio.Protocol):
                     streamed.sink = streamed.conn = None
                 sink.data(chunk, end)
 
+    def eof_received(self) -> None:
+        pass  # (the transport closes; connection_lost follows)
+
+    def pause_writing(self) -> None:
+        pass  # a request is written whole, once: nothing to hold back
+
+    def resume_writing(self) -> None:
+        pass
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.parser = None  # type: ignore[assignment]  # it holds bound methods of self: a cycle (never used again)
@@ -421,6 +436,7 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (benchmarks/router_inproc.py connects in memory)
 class UpstreamPool:
     """The real Upstream: pooled HTTP/1.1 keep-alive connections per host."""
 
@@ -445,7 +461,8 @@ class UpstreamPool:
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Conn(self, key), key[0], key[1])
+        conn = _Conn(self, key)
+        await loop.create_connection(lambda: cast(asyncio.Protocol, conn), key[0], key[1])
         return conn
 
     def release(self, conn: _Conn) -> None:

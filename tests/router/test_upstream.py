@@ -14,7 +14,7 @@ import pytest
 from pdctl.roles import Role
 from pdctl.router.config import RouterConfig
 from pdctl.router.gate import RefitGate
-from pdctl.router.legs import Leg, Legs, StreamLeg, StreamReader
+from pdctl.router.legs import Leg, Legs, StreamLeg
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import Response, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import WorkerRegistry
@@ -284,7 +284,7 @@ def test_a_paused_stream_is_not_read_until_it_is_resumed() -> None:
     run(scenario)
 
 
-class Reader(StreamReader):
+class Reader:  # a legs.StreamReader
     def __init__(self) -> None:
         self.blocks: list[bytes] = []
         self.ended = asyncio.get_running_loop().create_future()
