@@ -173,6 +173,11 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     )
 
 
+def _keys(action: argparse.Action) -> set[str]:
+    """The config-file keys that name ``action``: its dest and each long spelling."""
+    return {action.dest} | {o[2:].replace("-", "_") for o in action.option_strings if o.startswith("--")}
+
+
 def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``argv`` with the flags of its ``--config FILE.yaml`` put in front, as SGLang 0.5.23's
     ``prepare_server_args`` does (``ConfigArgumentMerger``): the file's flags come first, so the
@@ -181,7 +186,8 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
     list gives a flag its values, a mapping goes as JSON.
     ``pdctl up`` hands an engine its key this way, in a file only its owner reads, so that the
     key is not in the process's command line for every user of the node to see. Raises
-    ValueError where SGLang does (two ``--config``, no file, not .yaml, not a mapping)."""
+    ValueError where SGLang does (two ``--config``, no file, not .yaml, not a mapping, a key of a
+    flag that takes no single value and is not store_true)."""
     where = [i for i, arg in enumerate(argv) if arg == "--config"]
     if not where:
         return argv
@@ -199,14 +205,29 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
         data = yaml.safe_load(stream) or {}
     if not isinstance(data, dict):
         raise ValueError("Config file must contain a dictionary at root level")
-    bare = {
-        key
+    bare = {key for action in parser._actions if isinstance(action, argparse._StoreTrueAction) for key in _keys(action)}
+    # SGLang takes store_true flags and flags of one value from a file; a key of another kind
+    # (--x/--no-x flags, say) is refused, unless a supported flag reads the same key.
+    supported = [
+        a
+        for a in parser._actions
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreAction)) or a.nargs is None
+    ]
+    supported_keys = {key for action in supported for key in _keys(action)}
+    refused = {
+        key: action
         for action in parser._actions
-        if isinstance(action, argparse._StoreTrueAction)
-        for key in {action.dest} | {o[2:].replace("-", "_") for o in action.option_strings if o.startswith("--")}
+        if action.option_strings
+        and action not in supported
+        and not {"--config", "--help", "-h"} & set(action.option_strings)
+        for key in _keys(action)
+        if key not in supported_keys
     }
     front: list[str] = []
     for key, value in data.items():
+        norm = str(key).replace("-", "_")
+        if norm in refused:
+            raise ValueError(f"Unsupported config option '{norm}' with action '{type(refused[norm]).__name__}'")
         if isinstance(value, bool):
             if str(key).replace("-", "_") not in bare:
                 front += [f"--{key}", str(value).lower()]

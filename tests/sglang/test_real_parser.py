@@ -105,6 +105,25 @@ def test_the_sims_config_file_merges_as_sglangs(parser, tmp_path) -> None:
     assert ns.context_length == 256, "the command line wins over the file"
 
 
+def test_the_sim_refuses_the_config_keys_sglang_refuses(parser, tmp_path) -> None:
+    """A --x/--no-x flag cannot be set from SGLang's config file: the sim refuses it as SGLang
+    does, with the same message; a flag that takes one value, next to it, still can be."""
+    merger_module = pytest.importorskip("sglang.srt.utils.server_args_config_parser")
+    from pdctl.sim.args import build_parser, merge_config_file
+
+    refused = [a for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)]
+    assert refused, "SGLang 0.5.23 has --x/--no-x flags"
+    flag = refused[0].option_strings[0][2:]
+    config = tmp_path / "engine.config.yaml"
+    config.write_text(yaml.safe_dump({"api-key": "k3y", flag: True}))
+    argv = ["--model-path", "m", "--config", str(config)]
+    with pytest.raises(ValueError, match="Unsupported config option") as theirs:
+        merger_module.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    with pytest.raises(ValueError, match="Unsupported config option") as ours:
+        merge_config_file(argv, build_parser())
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_a_key_that_begins_with_a_dash_cannot_go_in_sglangs_config_file(parser, tmp_path) -> None:
     """Why pdctl's keys are hex (pdctl/cluster/keys.py): SGLang makes ``--api-key -k`` of it."""
     merger_module = pytest.importorskip("sglang.srt.utils.server_args_config_parser")
