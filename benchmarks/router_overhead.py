@@ -40,10 +40,15 @@ from pathlib import Path
 import psutil
 from loadgen import tree_cpu_secs
 
-from pdctl.router.compiled import INTERPRETED_ENV, mode
+from pdctl.router.compiled import INTERPRETED_ENV
 
-REQUEST_PATH = mode()
-"""How ``pdctl router`` runs here: "compiled" where ``python -m pdctl.router.build`` built these sources."""
+REQUEST_PATH = subprocess.run(
+    [os.environ.get("PDCTL_ROUTER_PYTHON", sys.executable), "-c", "import pdctl.router.compiled as c; print(c.mode())"],
+    capture_output=True,
+    text=True,
+    check=True,
+).stdout.strip()
+"""How the ``pdctl router`` measured runs: "compiled" where ``python -m pdctl.router.build`` built its sources."""
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -230,9 +235,9 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     targets[MINI] = lambda port: rust_router(PY, "sglang_router.launch_router", port, mini=True)
     if only is not None:
         targets = {name: make for name, make in targets.items() if SHORT[name] in only}
-    old_name = f"pdctl router at {baseline} (PD)"
-    if baseline_dir:  # the old tree's code, this environment's packages
-        targets[old_name] = pdctl_router
+    old_name = f"pdctl router at {baseline} (PD, interpreted)"
+    if baseline_dir:  # the old tree's code, this environment's packages; no build of its sources
+        targets[old_name] = lambda port: ["env", f"{INTERPRETED_ENV}=1", *pdctl_router(port)]
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         for mode in modes:

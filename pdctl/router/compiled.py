@@ -14,7 +14,14 @@ cache of it.
   only when its key matches the sources as they are now: an edited file is never shadowed by a
   stale build. Without a matching build (none made, no C compiler, a file changed since) the
   router runs the sources, interpreted: the same behaviour, at the interpreter's speed.
-- ``PDCTL_ROUTER_INTERPRETED=1`` runs the sources even where a build matches.
+- ``PDCTL_ROUTER_INTERPRETED=1`` (any value) runs the sources even where a build matches.
+- A build is loaded only from directories of this user or root that no one else may write.
+
+One source, two ways to run it, with the same behaviour but for what compiled code does not
+allow: setting attributes a class does not declare, subclassing a compiled class in Python (but
+``UpstreamPool``), and patching a compiled module's classes or functions, which its own compiled
+callers do not look up (tests/router/test_refit_rules.py sets state on instances instead). A
+``functools.cached_property`` computes each time (``Worker.bootstrap_host`` is a field instead).
 
 ``mode()`` says which runs (``pdctl router`` logs it when it starts).
 """
@@ -53,11 +60,13 @@ PACKAGE = Path(__file__).resolve().parent.parent  # pdctl/
 BUILDS = Path(sys.prefix) / "pdctl-compiled"
 
 
-def source_key() -> str:
-    """A hash of every pdctl source file, their paths included (about 6 ms)."""
+def source_key(package: Path | None = None) -> str:
+    """A hash of every source file of the pdctl ``package`` (this one unless given), their paths
+    included (about 6 ms)."""
+    package = package or PACKAGE
     digest = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:20]
 
 
@@ -71,10 +80,21 @@ def prefer_build(package_path: list[str]) -> None:
     if os.environ.get(INTERPRETED_ENV) or not BUILDS.is_dir():
         return
     built = build_dir(source_key())
-    if not (built / "pdctl" / "router").is_dir():
+    if not (built / "pdctl" / "router").is_dir() or not trusted(built):
         return
     package_path.insert(0, str(built / "pdctl" / "router"))
     sys.path.append(str(built))  # the compiled modules' shared library is a top-level module
+
+
+def trusted(built: Path) -> bool:
+    """Whether ``built`` and the directories above it up to ``sys.prefix`` belong to this user or
+    root and no one else may write them (code is loaded from there, as from site-packages)."""
+    me = os.getuid()
+    for place in (built, built / "pdctl", built / "pdctl" / "router", BUILDS):
+        info = place.stat()
+        if info.st_uid not in (me, 0) or info.st_mode & 0o022:
+            return False
+    return True
 
 
 def mode() -> str:

@@ -60,6 +60,13 @@ class Worker:
     """Its process went away (a refused connection): a new one is back at its first passed check."""
     auth: dict[str, str] = field(default_factory=dict, repr=False)
     """Headers for every call the router makes to it: its key, never a client's."""
+    bootstrap_host: str = field(init=False, repr=False)
+    """The prefill's host as the decode reaches it: the URL's host, IPv6 in brackets (a field, not
+    a cached property: compiled, one would be computed on every read, pdctl.router.compiled)."""
+
+    def __post_init__(self) -> None:
+        host = urlsplit(self.url).hostname or ""
+        self.bootstrap_host = f"[{host}]" if ":" in host else host
 
     # A request counts in ``load`` from ``took()`` to ``gave_back()``, once each, however it ends
     # (smg's WorkerLoadGuard): the legs (pdctl.router.legs) call them where a leg starts and where
@@ -73,12 +80,6 @@ class Worker:
         self.load -= 1
         if self.drained is not None and self.load == 0:
             self.drained.set()
-
-    @functools.cached_property
-    def bootstrap_host(self) -> str:
-        """The prefill's host as the decode reaches it: the URL's host, IPv6 in brackets."""
-        host = urlsplit(self.url).hostname or ""
-        return f"[{host}]" if ":" in host else host
 
     def to_dict(self) -> dict:
         return {

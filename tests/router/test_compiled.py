@@ -63,3 +63,11 @@ def test_without_any_build_nothing_changes(sources: Path) -> None:
     path = ["/src/pdctl/router"]
     compiled.prefer_build(path)
     assert path == ["/src/pdctl/router"]
+
+
+def test_a_build_others_may_write_is_never_used(sources: Path) -> None:
+    router = built(compiled.source_key())
+    router.parent.parent.chmod(0o777)  # the build's directory: anyone could plant code in it
+    path = ["/src/pdctl/router"]
+    compiled.prefer_build(path)
+    assert path == ["/src/pdctl/router"]
