@@ -461,9 +461,9 @@ class UpstreamPool:
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
-        conn = _Conn(self, key)
-        await loop.create_connection(lambda: cast(asyncio.Protocol, conn), key[0], key[1])
-        return conn
+        # (made by the loop once connected: a refused connect leaves no _Conn, whose parser holds it in a cycle)
+        _, conn = await loop.create_connection(lambda: cast(asyncio.Protocol, _Conn(self, key)), key[0], key[1])
+        return cast(_Conn, conn)
 
     def release(self, conn: _Conn) -> None:
         keep = conn.complete and conn.keep_alive and not conn.closed
