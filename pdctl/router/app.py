@@ -21,7 +21,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 import yarl
 
-from pdctl.refit import MAX_SECS, Hold, HoldAnswer, RefitMode, Release
+from pdctl.refit import MAX_SECS, Hold, Release
 from pdctl.roles import ENGINE_ROLES, Role
 from pdctl.router import errors
 from pdctl.router.auth import Keys
@@ -29,10 +29,10 @@ from pdctl.router.body_rules import COMPLETIONS, GENERATE, body_problem
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
-from pdctl.router.fleet_weights import FleetWeights
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
+from pdctl.router.refit import Conflict, WeightUpdates
 from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_reply
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
@@ -66,11 +66,7 @@ class RouterServer:
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._waiting = 0
         self._active = 0  # requests past the hold gate
-        self._txn: str | None = None  # the weight push holding the router, if it said which
-        self._txn_engines: list[str] = []
-        self._lease: asyncio.TimerHandle | None = None
-        self._last_push: dict[str, Any] | None = None  # the latest weight transaction, for `pdctl weights status`
-        self._held_at = 0.0  # when the gate last closed
+        self.updates = WeightUpdates(self.registry, self.metrics, self.gate)
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
@@ -255,7 +251,7 @@ class RouterServer:
             self.metrics.queued.set(self._waiting)
         return slots.release
 
-    # -- hold / release (weight updates) ----------------------------------------------------------------
+    # -- hold / release (weight updates: pdctl.router.refit) ----------------------------------------------
     async def hold(self, request: Request) -> Reply:
         """Stop admitting requests; in ``drain`` mode also wait for in-flight ones to finish
         (they are not failed), in ``interrupt`` mode answer at once (the transaction then
@@ -273,77 +269,14 @@ class RouterServer:
             hold = Hold.from_json(raw)
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, f"bad hold: {exc}")
-        txn = hold.txn
-        new_transaction = txn is None or self._txn != txn
-        if txn is not None:
-            if self._txn is not None and self._txn != txn:
-                return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
-            ended = self._last_push is not None and self._last_push.get("txn") == txn and "ended_at" in self._last_push
-            if ended:  # a lease renewal that crossed the release: it must not hold the router again
-                return errors.error_response(409, errors.BAD_REQUEST, f"weight push {txn} has ended")
-            self._txn = txn
-            self._txn_engines = list(hold.engines)
-            self.registry.updating = True
-            if self._last_push is None or self._last_push.get("txn") != txn:
-                self._last_push = {
-                    "txn": txn,
-                    "version": hold.version,
-                    "source": hold.source,
-                    "state": "pushing",
-                    "refit": hold.refit.value,
-                    "group": hold.group,
-                    "started_at": time.time(),
-                }
-            if self._lease is not None:  # no lease runs while the trainer waits in this call: it cannot renew
-                self._lease.cancel()
-                self._lease = None
-        if self.gate.is_open:
-            self._held_at = time.monotonic()
-            log.info(
-                "held for a weight update%s (%s); %d request(s) in flight",
-                f" ({txn})" if txn else "",
-                hold.refit.value,
-                self._active,
-            )
-        self.gate.close(hold.refit, hold.max_staleness, new_transaction=new_transaction)
         try:
-            if hold.refit is RefitMode.DRAIN:
-                try:
-                    await asyncio.wait_for(self._idle.wait(), max(hold.timeout_secs, 0.001))
-                except asyncio.TimeoutError:
-                    return json_reply(HoldAnswer(True, False, self._active, hold.refit).to_json(), 504)
-        finally:  # the lease starts when the answer goes out (a drain longer than the lease is no dead trainer)
-            if self._txn == txn and not self.gate.is_open:  # (a bare hold's txn and self._txn are both None)
-                if self._lease is not None:
-                    self._lease.cancel()
-                self._lease = asyncio.get_running_loop().call_later(
-                    hold.lease_secs, self._lease_expired, txn, hold.lease_secs
-                )
-        return json_reply(HoldAnswer(True, True, self._active, hold.refit).to_json())
+            answer, ready = await self.updates.hold(hold, idle=self._idle, in_flight=self._in_flight)
+        except Conflict as exc:
+            return errors.error_response(409, errors.BAD_REQUEST, str(exc))
+        return json_reply(answer.to_json(), 200 if ready else 504)
 
-    def _lease_expired(self, txn: str | None, lease: float) -> None:
-        if self._txn != txn:
-            return
-        if txn is None:  # a bare hold nobody renewed: requests flow again
-            log.warning("a hold without a transaction was not renewed within %.0fs: admitting requests again", lease)
-            self._lease = None
-            self.gate.open()
-            return
-        log.error(
-            "weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
-            "rotation until a later push reaches them; admitting requests again",
-            txn,
-            lease,
-            len(self._txn_engines),
-        )
-        for url in self._txn_engines:
-            self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
-        if self._last_push is not None and self._last_push.get("txn") == txn:
-            self._last_push.update(state="abandoned (lease expired)", ended_at=time.time())
-        self.metrics.weight_update_ended("abandoned", {}, self._held_secs())
-        self._txn, self._txn_engines, self._lease = None, [], None
-        self.registry.updating = False
-        self.gate.open()
+    def _in_flight(self) -> int:
+        return self._active
 
     async def release(self, request: Request) -> Reply:
         """Re-read every worker's health and weight version, then admit requests again.
@@ -351,7 +284,6 @@ class RouterServer:
         ``complete`` lists engines that hold the pushed version (back into rotation);
         ``failed`` maps engines that do not to why (out of rotation until a later push).
         """
-        assert self.session is not None
         raw, problem = _json_object(request)
         try:
             if problem is not None:
@@ -359,39 +291,11 @@ class RouterServer:
             release = Release.from_json(raw)
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, f"bad release: {exc}")
-        txn = release.txn
-        if txn is not None and self._txn is not None and txn != self._txn:
-            return errors.error_response(409, errors.BAD_REQUEST, f"weight push {self._txn} holds the router")
-        for url in release.complete:
-            self.registry.set_quarantine(url, None)
-        for url, reason in release.failed.items():
-            self.registry.set_quarantine(url, reason)
-        if self._lease is not None:
-            self._lease.cancel()
-        if self._last_push is not None and txn is not None and self._last_push.get("txn") == txn:
-            outcome = "failed" if release.failed or not release.complete else "complete"
-            self._last_push.update(
-                state=outcome,
-                complete=list(release.complete),
-                failed=dict(release.failed),
-                phases=dict(release.phases),
-                ended_at=time.time(),
-            )
-            self.metrics.weight_update_ended(outcome, dict(release.phases), self._held_secs())
-        push = self._last_push
-        if release.complete and push is not None and push.get("txn") == txn and push.get("version") is not None:
-            self.registry.set_fleet(FleetWeights(str(push["version"]), push.get("source")))
-        self._txn, self._txn_engines, self._lease = None, [], None
-        self.registry.updating = False
         try:
-            await self.registry.check_all(self.session)
-        finally:  # whatever the checks met, requests flow again
-            self.gate.open()
+            await self.updates.release(release, self.session)
+        except Conflict as exc:
+            return errors.error_response(409, errors.BAD_REQUEST, str(exc))
         return json_reply({"held": False, "workers": [w.to_dict() for w in self.registry.workers.values()]})
-
-    def _held_secs(self) -> float | None:
-        """How long the current hold has kept the gate closed (None: it is open)."""
-        return None if self.gate.is_open else time.monotonic() - self._held_at
 
     async def weights_state(self, _: Request) -> Reply:
         """The latest weight transaction (group, version, outcome) and each worker's version."""
@@ -399,10 +303,11 @@ class RouterServer:
             {k: w.to_dict()[k] for k in ("url", "worker_type", "is_healthy", "weight_version", "quarantined")}
             for w in self.registry.workers.values()
         ]
+        last = self.updates.last
         return json_reply(
             {
-                "held": self._txn is not None,
-                "last_push": self._last_push,
+                "held": self.updates.holder is not None,
+                "last_push": None if last is None else last.to_json(),
                 "workers": workers,
                 "quarantine": dict(self.registry.quarantine),
             }
