@@ -29,6 +29,8 @@ from pdctl.router.body_rules import COMPLETIONS, GENERATE, body_problem
 from pdctl.router.config import RouterConfig
 from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
+from pdctl.router.facade import SGLangFacade
+from pdctl.router.fanout import WorkerAnswer, call_all
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
@@ -37,7 +39,7 @@ from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_repl
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import Upstream
-from pdctl.router.workers import Worker, WorkerRegistry
+from pdctl.router.workers import WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
@@ -54,7 +56,7 @@ class RouterServer:
         for w in config.workers if kept is None else kept:
             key = config.worker_key if kept is None else w.api_key
             self.registry.add(w.url, w.role, w.bootstrap_port, healthy=config.health.disabled, api_key=key)
-        self.keys = Keys(config.api_key, config.control_keys, audit=config.audit)
+        self.keys = Keys(config.api_key, config.control_keys, audit=config.audit, open_from=config.control_open_from)
         self.metrics = RouterMetrics()
         self.gate = RefitGate()  # closed while a weight update holds the router
         self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream, self.gate)
@@ -66,9 +68,10 @@ class RouterServer:
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._waiting = 0
         self._active = 0  # requests past the hold gate
-        self.updates = WeightUpdates(self.registry, self.metrics, self.gate)
         self._idle = asyncio.Event()
         self._idle.set()
+        self.updates = WeightUpdates(self.registry, self.metrics, self.gate)
+        self.facade = SGLangFacade(config, self.registry, self.updates, self._client, self._idle, self._in_flight)
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count()
@@ -110,6 +113,7 @@ class RouterServer:
             raise OSError(f"cannot listen on {self.config.host}:{port}: {exc.strerror or exc}") from exc
 
     async def stop(self) -> None:
+        await self.facade.stop()
         await self.registry.stop()
         for server in reversed(self._servers):
             await server.stop()
@@ -144,7 +148,7 @@ class RouterServer:
         r.add_prefix("GET", Endpoint.MODELS.value + "/", self.proxy_get)  # /v1/models/{id}
         for path in (Endpoint.SERVER_INFO, Endpoint.GET_SERVER_INFO):
             r.add("GET", path.value, self.server_info)
-        r.add("POST", Endpoint.FLUSH_CACHE.value, self.flush_cache)
+        self.facade.add_routes(r)  # SGLang's control routes, for the whole fleet
         r.add("GET", "/workers", self.list_workers)
         r.add("POST", "/workers", self.add_worker)
         r.add_prefix("DELETE", "/workers/", self.delete_worker)
@@ -278,6 +282,9 @@ class RouterServer:
     def _in_flight(self) -> int:
         return self._active
 
+    def _client(self) -> aiohttp.ClientSession | None:
+        return self.session
+
     async def release(self, request: Request) -> Reply:
         """Re-read every worker's health and weight version, then admit requests again.
 
@@ -374,45 +381,22 @@ class RouterServer:
         infos = await self._fan_out("GET", Endpoint.SERVER_INFO.value)
         by_role: dict[str, list] = {role.value: [] for role in ENGINE_ROLES}
         internal = []
-        for worker, status, body in infos:
-            if status == 200 and isinstance(body, dict):
-                by_role[worker.role].append(body)
-                if worker.role is not Role.PREFILL:
-                    internal.extend(body.get("internal_states", []))
-        for worker, status, body in infos:  # after those that answered: ["decode"][0] answers if one does
-            if not (status == 200 and isinstance(body, dict)):
-                why = f"answered {status}" if status else f"no answer: {body}"
-                by_role[worker.role].append({"url": worker.url, "error": why, "internal_states": []})
+        for a in infos:
+            if a.status == 200 and isinstance(a.body, dict):
+                by_role[a.worker.role].append(a.body)
+                if a.worker.role is not Role.PREFILL:
+                    internal.extend(a.body.get("internal_states", []))
+        for a in infos:  # after those that answered: ["decode"][0] answers if one does
+            if not (a.status == 200 and isinstance(a.body, dict)):
+                why = f"answered {a.status}" if a.status else f"no answer: {a.body}"
+                by_role[a.worker.role].append({"url": a.worker.url, "error": why, "internal_states": []})
         return json_reply(
             {"router": "pdctl", "workers_count": len(self.registry.workers), "internal_states": internal, **by_role}
         )
 
-    async def flush_cache(self, _: Request) -> Reply:
-        results = await self._fan_out("POST", Endpoint.FLUSH_CACHE.value)
-        failed = [w.url for w, status, _ in results if status != 200]
-        if failed:
-            return json_reply({"status": "failed", "message": f"flush failed on {', '.join(failed)}"}, status=500)
-        return json_reply(
-            {"status": "success", "message": f"Successfully flushed cache on all {len(results)} HTTP workers"}
-        )
-
-    async def _fan_out(self, method: str, path: str) -> list[tuple[Any, int, Any]]:
-        session = self.session
-        assert session is not None
-
-        async def one(worker: Worker) -> tuple[Any, int, Any]:
-            try:
-                timeout = aiohttp.ClientTimeout(total=30)
-                async with session.request(method, worker.url + path, timeout=timeout, headers=worker.auth) as r:
-                    raw = await r.read()
-                    try:
-                        return worker, r.status, loads(raw)
-                    except ValueError:
-                        return worker, r.status, raw.decode(errors="replace")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return worker, 0, str(exc)
-
-        return list(await asyncio.gather(*(one(w) for w in self.registry.workers.values())))
+    async def _fan_out(self, method: str, path: str) -> list[WorkerAnswer]:
+        assert self.session is not None
+        return await call_all(self.session, self.registry.workers.values(), method, path)
 
     # -- /workers ------------------------------------------------------------------------------------------
     async def list_workers(self, _: Request) -> Reply:
@@ -434,6 +418,19 @@ class RouterServer:
         if (role == Role.REGULAR.value) == pd and role in {r.value for r in ENGINE_ROLES}:
             wanted = "prefill or decode (a PD router)" if pd else "regular (a router without --pd-disaggregation)"
             return errors.error_response(400, errors.BAD_REQUEST, f"worker_type must be {wanted}, not {role}")
+        known = self.registry.find(url)
+        if known is not None:  # registered already (slime registers the engines it was given): no duplicate
+            if known.role != role or (body.get("bootstrap_port") or known.bootstrap_port) != known.bootstrap_port:
+                message = (
+                    f"worker {known.url} is registered already as {known.role}"
+                    f"{f' (bootstrap port {known.bootstrap_port})' if known.bootstrap_port else ''}; "
+                    "DELETE it first to register it otherwise"
+                )
+                return errors.error_response(409, errors.BAD_REQUEST, message)
+            return json_reply(
+                {"status": "accepted", "worker_id": known.id, "url": known.url, "message": "already registered"},
+                status=202,
+            )
         key = body.get("api_key")
         if key is None and self.config.worker_key:
             log.warning("worker %s added without api_key: the router sends it no key", url)

@@ -13,6 +13,14 @@ pdctl differs on purpose in two places: ``/health_generate`` (it runs a generati
 client key, and a control-plane key is not a client key (it does not reach the data plane: a
 leaked admin key does not also read other users' prompts' answers, and vice versa).
 
+SGLang's control routes (pause, continue, weight updates and groups, flush, abort, memory: SGLang's
+admin level), which the router answers for the whole fleet (pdctl.router.facade), are control
+routes: writes need an admin key, ``GET /get_weight_version`` a reader's. RL frameworks send no
+header at all: ``--control-plane-open-from CIDR`` (a topology's ``router.control_open_from``)
+admits calls without one to those routes and to ``GET``/``POST /workers`` from those networks only
+(a call that sends a key is still checked). Every call to them is audited, allowed or not.
+The scheme of ``Authorization: Bearer KEY`` is matched in any case (RFC 7235), the key exactly.
+
 Every decision is made from the request line and headers alone (``HttpServer.check_head``), so
 a refused request's body is never read.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +38,8 @@ from enum import Enum
 from pdctl.errors import RouterConfigError
 from pdctl.router import errors
 from pdctl.router.reply import Reply
+from pdctl.sglang import Endpoint
+from pdctl.sglang.control import CONTROL_ROUTES
 
 log = logging.getLogger("pdctl.router")
 audit_log = logging.getLogger("pdctl.router.audit")
@@ -51,18 +62,23 @@ class Door(str, Enum):
     CONTROL_WRITE = "control-write"
 
 
-CONTROL_READ_ROUTES = frozenset({("GET", "/workers"), ("GET", "/pdctl/weights")})
+SGLANG_CONTROL = frozenset((method, endpoint.value) for method, endpoint in CONTROL_ROUTES)
+"""SGLang's control routes (pdctl.router.facade): always audited."""
+OPENABLE = SGLANG_CONTROL | {("GET", "/workers"), ("POST", "/workers")}
+"""What ``--control-plane-open-from`` admits without a key: what RL frameworks call."""
+CONTROL_READ_ROUTES = frozenset(
+    {("GET", "/workers"), ("GET", "/pdctl/weights"), ("GET", Endpoint.GET_WEIGHT_VERSION.value)}
+)
 CONTROL_READ_PREFIXES = (("GET", "/workers/"),)
 CONTROL_WRITE_ROUTES = frozenset(
     {
         ("POST", "/workers"),
-        ("POST", "/flush_cache"),
         ("POST", "/pdctl/hold"),
         ("POST", "/pdctl/release"),
         ("POST", "/pdctl/refresh"),
         ("POST", "/pdctl/cordon"),
     }
-)
+) | (SGLANG_CONTROL - {("GET", Endpoint.GET_WEIGHT_VERSION.value)})
 CONTROL_WRITE_PREFIXES = (("DELETE", "/workers/"), ("PUT", "/workers/"), ("PATCH", "/workers/"))
 
 
@@ -119,13 +135,32 @@ def parse_control_keys(entries: Iterable[str]) -> tuple[ControlKey, ...]:
     return keys
 
 
+def parse_networks(entries: Iterable[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``--control-plane-open-from`` entries (``10.0.0.0/24``, ``127.0.0.1``); RouterConfigError naming a bad one."""
+    out = []
+    for entry in entries:
+        try:
+            out.append(ipaddress.ip_network(entry.strip(), strict=False))
+        except ValueError as exc:
+            raise RouterConfigError(f"--control-plane-open-from {entry!r}: {exc}") from None
+    return tuple(out)
+
+
 class Keys:
     """Checks a request's ``Authorization`` header against the door its route needs."""
 
-    def __init__(self, client_key: str | None, control: tuple[ControlKey, ...] = (), *, audit: bool = False):
-        self._client = _bearer(client_key) if client_key else None
-        self._control = [(_bearer(k.key), k) for k in control]
+    def __init__(
+        self,
+        client_key: str | None,
+        control: tuple[ControlKey, ...] = (),
+        *,
+        audit: bool = False,
+        open_from: Iterable[str] = (),
+    ):
+        self._client = client_key.encode("latin-1") if client_key else None
+        self._control = [(k.key.encode("latin-1"), k) for k in control]
         self.audit = audit
+        self._open_from = parse_networks(open_from)
 
     @property
     def open(self) -> bool:
@@ -133,41 +168,57 @@ class Keys:
         return self._client is None and not self._control
 
     @property
-    def head_check(self) -> Callable[[str, str, dict[str, str]], Reply | None] | None:
+    def head_check(self) -> Callable[[str, str, dict[str, str], str], Reply | None] | None:
         """What the server calls on every request's head: ``check``, or None when it could
-        neither refuse nor log anything (no key and no audit: a call per request saved)."""
+        neither refuse nor log anything (no key and no audit: a call per request saved; the
+        facade still audits its own calls, pdctl.router.facade)."""
         return None if self.open and not self.audit else self.check
 
-    def check(self, method: str, path: str, headers: dict[str, str]) -> Reply | None:
+    def check(self, method: str, path: str, headers: dict[str, str], peer: str = "") -> Reply | None:
         """None when the request may go on, else the refusal to send."""
         door = door_of(method, path)
         if door is Door.OPEN:
             return None
-        given = headers.get("authorization", "").encode("latin-1")
+        header = headers.get("authorization")
+        given = _token(header)
         if door is Door.DATA:
-            if self._client is None or hmac.compare_digest(given, self._client):
+            if self._client is None or (given is not None and hmac.compare_digest(given, self._client)):
                 return None
             return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key")
-        refusal, who = self._control_check(door, given)
-        if self.audit:
+        if header is None and self._open_to(method, path, peer):
+            refusal, who = None, f"network:{peer}"
+        else:
+            refusal, who = self._control_check(door, given)
+        if self.audit or (method, path) in SGLANG_CONTROL:
             audit_log.info(
-                "control_plane_audit principal=%s method=%s path=%s outcome=%s",
+                "control_plane_audit principal=%s peer=%s method=%s path=%s outcome=%s",
                 who,
+                peer or "-",
                 method,
                 path,
                 "denied" if refusal else "allowed",
             )
         return refusal
 
-    def _control_check(self, door: Door, given: bytes) -> tuple[Reply | None, str]:
+    def _open_to(self, method: str, path: str, peer: str) -> bool:
+        if not self._open_from or (method, path) not in OPENABLE or not peer:
+            return False
+        try:
+            address = ipaddress.ip_address(peer.split("%", 1)[0])
+        except ValueError:
+            return False
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:10.0.0.1 on a dual-stack socket
+        return any(address in net or (mapped is not None and mapped in net) for net in self._open_from)
+
+    def _control_check(self, door: Door, given: bytes | None) -> tuple[Reply | None, str]:
         if not self._control:  # sglang-router's fallback: the client key guards the control plane too
-            if self._client is None or hmac.compare_digest(given, self._client):
+            if self._client is None or (given is not None and hmac.compare_digest(given, self._client)):
                 return None, "api-key" if self._client else "anonymous"
             return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong API key"), "unauthenticated"
         match = None
-        for bearer, key in self._control:  # every entry compared: the time does not say which matched
-            if hmac.compare_digest(given, bearer):
-                match = key
+        for key, entry in self._control:  # every entry compared: the time does not say which matched
+            if hmac.compare_digest(given or b"\0", key):
+                match = entry
         if match is None:
             return errors.error_response(401, errors.UNAUTHORIZED, "missing or wrong control-plane key"), (
                 "unauthenticated"
@@ -179,5 +230,11 @@ class Keys:
         return None, match.id
 
 
-def _bearer(key: str) -> bytes:
-    return f"Bearer {key}".encode("latin-1")
+def _token(header: str | None) -> bytes | None:
+    """The key of ``Authorization: Bearer KEY`` (the scheme in any case, RFC 7235), or None."""
+    if header is None:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip(" ").encode("latin-1", "replace")

@@ -16,10 +16,11 @@ from typing import Any
 
 from pdctl.errors import RouterConfigError
 from pdctl.httputil import write_port_file
+from pdctl.refit import RefitMode
 from pdctl.roles import Role
 from pdctl.router import compiled
 from pdctl.router.app import RouterServer
-from pdctl.router.auth import parse_control_keys
+from pdctl.router.auth import parse_control_keys, parse_networks
 from pdctl.router.config import SETTINGS, Flag, RouterConfig, WorkerSpec, grouped
 from pdctl.router.policies import REGISTRY
 from pdctl.signals import stop_event
@@ -75,6 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Read {Flag.CONTROL_KEYS} entries (one per line) from this environment variable.",
     )
     p.add_argument(Flag.AUDIT, action="store_true", help="Log every control-plane call (who, what, outcome).")
+    p.add_argument(
+        Flag.OPEN_FROM,
+        nargs="+",
+        default=[],
+        metavar="CIDR",
+        help="Admit calls that send no key to SGLang's control routes (pause, continue, weight updates and "
+        "groups, flush, abort, memory) and GET/POST /workers from these networks: RL frameworks (AReaL, slime, "
+        "skyrl-train) send no header. Every such call is audited.",
+    )
+    p.add_argument(
+        Flag.REFIT,
+        choices=[m.value for m in RefitMode],
+        default=RefitMode.DRAIN.value,
+        help="A framework's weight update through SGLang's control routes: drain (an update sent with no pause "
+        "waits for requests in flight; a framework's abort pause passes SGLang's abort on) or interrupt "
+        "(requests a framework's abort pause stops are continued on the new weights once it continues).",
+    )
+    p.add_argument(
+        Flag.MAX_STALENESS,
+        type=int,
+        metavar="N",
+        help="With --refit interrupt: how many weight updates one request may be continued across.",
+    )
     p.add_argument(
         Flag.ENGINE_KEY_ENV,
         metavar="VAR",
@@ -148,6 +172,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         values.setdefault(s.group, {})[s.name] = getattr(args, s.dest)
     try:
         control_keys = parse_control_keys(entries)
+        parse_networks(args.control_plane_open_from)
         return RouterConfig(
             host=args.host,
             port=args.port,
@@ -161,6 +186,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             control_keys=control_keys,
             engine_api_key=engine_key,
             audit=args.control_plane_audit_enabled,
+            control_open_from=tuple(args.control_plane_open_from),
+            refit=RefitMode(args.refit),
+            max_staleness=args.max_staleness,
             state_file=args.state_file,
             port_file=args.port_file,
             **grouped(values),

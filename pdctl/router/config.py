@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pdctl.errors import RouterConfigError
+from pdctl.refit import RefitMode
 from pdctl.roles import Role
 
 
@@ -235,6 +236,15 @@ class RouterConfig:
     sglang-router does). A client's own Authorization is never sent on."""
     audit: bool = False
     """Log every control-plane call (who, what, allowed or denied) at INFO to pdctl.router.audit."""
+    control_open_from: tuple[str, ...] = ()
+    """Networks (CIDR) whose calls to SGLang's control routes and ``/workers`` need no key (RL
+    frameworks send none); audited. Empty: every control call needs its key."""
+    refit: RefitMode = RefitMode.DRAIN
+    """A framework's weight update through SGLang's control routes (pdctl.router.facade): how one
+    sent with no pause first treats requests in flight, and whether its ``abort`` pause lets the
+    router continue what it stopped (``interrupt``) or pass SGLang's abort on (``drain``)."""
+    max_staleness: int | None = None
+    """``interrupt``: how many updates one request may be continued across (pdctl.refit)."""
     state_file: str | None = None
     """What the router keeps across its restarts (pdctl.router.state_file)."""
     port_file: str | None = None
@@ -255,6 +265,8 @@ class RouterConfig:
         _check(0 <= self.port <= 65535, Flag.PORT, self.port, "a port number, 0 to 65535 (0: any free port)")
         if self.prometheus_port is not None:
             _check(0 <= self.prometheus_port <= 65535, Flag.PROMETHEUS_PORT, self.prometheus_port, "0 to 65535")
+        if self.max_staleness is not None:
+            _check(self.max_staleness >= 0, Flag.MAX_STALENESS, self.max_staleness, ">= 0")
         for w in self.workers:
             if w.bootstrap_port is not None:
                 _check(1 <= w.bootstrap_port <= 65535, f"{Flag.PREFILL} {w.url}", w.bootstrap_port, "1 to 65535")
@@ -279,6 +291,9 @@ class Flag:
     CONTROL_KEYS = "--control-plane-api-keys"
     CONTROL_KEYS_ENV = "--control-plane-api-keys-env"
     AUDIT = "--control-plane-audit-enabled"
+    OPEN_FROM = "--control-plane-open-from"
+    REFIT = "--refit"
+    MAX_STALENESS = "--max-staleness"
     ENGINE_KEY_ENV = "--engine-api-key-env"
     PROMETHEUS_PORT = "--prometheus-port"
     LOG_LEVEL = "--log-level"

@@ -79,8 +79,9 @@ class Request:
 
 
 Handler = Callable[[Request], Awaitable[Answer]]
-HeadCheck = Callable[[str, str, dict[str, str]], "Reply | None"]
-"""``(method, path, headers)`` -> a Reply that refuses the request, or None to read on."""
+HeadCheck = Callable[[str, str, dict[str, str], str], "Reply | None"]
+"""``(method, path, headers, peer)`` -> a Reply that refuses the request, or None to read on
+(``peer``: the client's address, as the socket says)."""
 
 
 @dataclass
@@ -184,6 +185,8 @@ class _Connection:
         self.on_header: Callable[[bytes, bytes], None] = self._raw_headers.__setitem__
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        """The client's address (for the keys' network rules)."""
         self.pending: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task | None = None  # the connection's: it answers its requests in order
         self._cancels = 0  # the task's cancel requests when the current request was dispatched
@@ -209,6 +212,8 @@ class _Connection:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A TCP connection's transport: it reads and writes (uvloop's subclasses no asyncio class).
         self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self.server._connections.add(self)
         self._next = self.loop.create_future()
         self.task = self.loop.create_task(self._serve(self._next))
@@ -336,7 +341,7 @@ class _Connection:
         self._headers = {(names.get(k) or _header_name(k)): v.decode("latin-1") for k, v in raw.items()}
         if self.server.check_head is not None:
             url = self._url.partition(b"?")[0].decode("latin-1")
-            refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers)
+            refusal = self.server.check_head(self.parser.get_method().decode("ascii"), url, self._headers, self.peer)
             if refusal is not None:  # answered before any body byte is read: a refused body costs nothing
                 self._refuse_with(refusal)  # (in its turn, behind earlier pipelined requests)
                 raise httptools.HttpParserError("refused")  # stop parsing this connection

@@ -51,10 +51,26 @@ class Endpoint(Choice):
     UPDATE_WEIGHT_VERSION = "/update_weight_version"
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     WEIGHTS_CHECKER = "/weights_checker"
+    GET_WEIGHT_VERSION = "/get_weight_version"  # gone since 0.5.18 (404); pdctl's router answers it
+    RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
+    RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
     METRICS = "/metrics"
 
     def __str__(self) -> str:
         return self.value
+
+
+def resolve_server_args(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` (flag values) as SGLang 0.5.23's ``/server_info`` reports them: resolved
+    (``arg_groups/serving_hook.py``), so that clients that compare them (slime's external-engine
+    mode asserts a PD prefill's ``load_balance_method``) read what a real engine says."""
+    out = dict(args)
+    mode = out.get("disaggregation_mode") or "null"
+    if out.get("load_balance_method") == "auto":  # handle_load_balance_method
+        out["load_balance_method"] = "follow_bootstrap_room" if mode == "prefill" else "round_robin"
+    if "grammar_backend" in out and out["grammar_backend"] is None:  # handle_grammar_backend
+        out["grammar_backend"] = "xgrammar"
+    return out
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

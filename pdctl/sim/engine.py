@@ -59,6 +59,10 @@ def _top(logps: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist(), strict=True))
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's GPU memory types (``GPU_MEMORY_ALL_TYPES``): what an empty ``tags`` releases."""
+
+
 def abort_reason(message: str, status: int | None = None) -> dict[str, Any]:
     """SGLang 0.5.23's ``FINISH_ABORT(...).to_json()``. ``status`` is None for an abort that was
     asked for (/abort_request, a pause in abort mode): the request just ends. With an HTTP status
@@ -196,6 +200,8 @@ class Engine:
         self._commands: deque[tuple[Callable[[], None], threading.Event]] = deque()
         self._paused = False
         self._updating = False
+        self._released: set[str] = set()
+        """Memory tags released (``/release_memory_occupation``): nothing is scheduled until they are resumed."""
         self._stopping = False
         self._ids = itertools.count()
         self._step_lock = threading.Lock()  # held by the scheduler while it runs the model
@@ -327,6 +333,30 @@ class Engine:
 
         self._command(act)
 
+    def release_memory(self, tags: list[str] | None) -> None:
+        """``/release_memory_occupation``: only when idle (queued requests count only when not
+        paused), as SGLang asserts; until ``resume_memory`` has given back every tag, nothing is
+        scheduled (the sim keeps its weights and KV: SGLang's memory saver would drop them)."""
+        failure: list[str] = []
+
+        def act() -> None:
+            running = any(not r.finished for r in self._running)
+            queued = not self._paused and any(not r.finished for r in (*self._waiting, *self._held))
+            if running or queued:
+                failure.append("release_memory_occupation should be called only when server is idle.")
+                return
+            self._released.update(tags or MEMORY_TAGS)
+
+        self._command(act)
+        if failure:
+            raise SimError(failure[0])
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        def act() -> None:
+            self._released.difference_update(tags or MEMORY_TAGS)
+
+        self._command(act)
+
     def _command(self, act: Callable[[], None]) -> None:
         done = threading.Event()
         with self._cond:
@@ -415,7 +445,7 @@ class Engine:
                 self._reap()
                 self._admitting = []  # the last round's are in _running now
                 admit: list[Request] = []
-                while self._waiting and not self._paused and not self._updating:
+                while self._waiting and not self._paused and not self._updating and not self._released:
                     req = self._waiting[0]
                     if req.finished:
                         self._waiting.popleft()
@@ -432,7 +462,7 @@ class Engine:
                     req.slot = len(self._running) + len(admit)
                     admit.append(req)
                 self._admitting = list(admit)
-                step = bool(self._running) and not self._paused and not self._updating
+                step = bool(self._running) and not self._paused and not self._updating and not self._released
             with self._step_lock:
                 for req in admit:
                     self._start(req)
@@ -442,7 +472,7 @@ class Engine:
     def _has_work(self) -> bool:
         if self._commands:
             return True
-        if self._paused or self._updating:
+        if self._paused or self._updating or self._released:
             return any(r.finished for r in self._running)
         head = self._waiting[0] if self._waiting else None
         can_admit = head is not None and (head.reserved or self._used() < self.capacity or head.finished)

@@ -316,7 +316,7 @@ async def run_peer(
                 log.info("node 0 asked to shut down")
                 return 0
             try:
-                _, value = await asyncio.to_thread(run_command, member, None, command)
+                value = await asyncio.to_thread(run_command, member, {}, command)
                 reply = {"ok": True, "value": value}
             except Exception as exc:  # the error goes back to node 0, which reports it
                 reply = {"ok": False, "error": f"node rank {layout.node_rank}: {type(exc).__name__}: {exc}"}

@@ -11,6 +11,8 @@ from aiohttp import web
 
 from pdctl.errors import SimError
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body
+from pdctl.sglang.protocol import resolve_server_args
+from pdctl.sglang.control import memory_tags
 from pdctl.sim.body import ContractError, ValidationError, read_json, read_object
 from pdctl.sim.engine import Mode, first_failure
 from pdctl.sim.requests import GenerateBody, Limits, failed_output, generate_output, parse_generate
@@ -35,6 +37,8 @@ def add_routes(app: web.Application, service: SimService) -> None:
     r.add_post(Endpoint.PAUSE_GENERATION.value, routes.pause_generation)
     r.add_post(Endpoint.CONTINUE_GENERATION.value, routes.continue_generation)
     r.add_post(Endpoint.ABORT_REQUEST.value, routes.abort_request)
+    r.add_route("*", Endpoint.RELEASE_MEMORY_OCCUPATION.value, routes.release_memory)
+    r.add_route("*", Endpoint.RESUME_MEMORY_OCCUPATION.value, routes.resume_memory)
     r.add_get(Endpoint.METRICS.value, routes.metrics)
 
 
@@ -126,7 +130,7 @@ class NativeRoutes:
 
     async def server_info(self, _: web.Request) -> web.Response:
         s, c = self.s, self.s.config
-        info = dict(c.server_args)
+        info = resolve_server_args({**dict(c.server_args), "disaggregation_mode": s.mode})
         info.update(
             {
                 "model_path": c.model_path,
@@ -182,6 +186,23 @@ class NativeRoutes:
         body = await read_object(request, default={})
         self.s.engine.abort(None if body.get("abort_all") else str(body.get("rid")), "Abort requested")
         return web.Response(status=200)
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        """200 with ``null`` as SGLang answers (its handler returns nothing); its error body otherwise."""
+        try:
+            tags = memory_tags(await read_json(request, default={}))
+            await asyncio.to_thread(self.s.engine.release_memory, tags)
+        except (SimError, ValueError) as exc:
+            return web.json_response(generate_error_body(str(exc)), status=400)
+        return web.Response(body=b"null", content_type="application/json")
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        try:
+            tags = memory_tags(await read_json(request, default={}))
+            await asyncio.to_thread(self.s.engine.resume_memory, tags)
+        except (SimError, ValueError) as exc:
+            return web.json_response(generate_error_body(str(exc)), status=400)
+        return web.Response(body=b"null", content_type="application/json")
 
     async def metrics(self, _: web.Request) -> web.Response:
         if not self.s.config.enable_metrics:

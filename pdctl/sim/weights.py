@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from pdctl.errors import SimError
+from pdctl.sglang import DEFAULT_GROUP_NAME
+from pdctl.sglang.control import NO_GROUP_TO_DESTROY, missing_group
 from pdctl.sglang.group import destroy_group, init_custom_process_group
 
 log = logging.getLogger("pdctl.sim.weights")
@@ -239,11 +241,15 @@ def init_command(spec: GroupSpec, rank: int, timeout_secs: float) -> dict[str, A
 
 
 def recv_command(
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], load_format: str | None, digest_mode: str
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    load_format: str | None,
+    digest_mode: str,
+    group_name: str = DEFAULT_GROUP_NAME,
 ) -> dict[str, Any]:
     """A receive command in the update body's own JSON shape (parsed back by ``tensor_specs``)."""
     return {
         "op": "recv",
+        "group_name": group_name,
         "digest": digest_mode,
         "names": [name for name, _, _ in specs],
         "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
@@ -280,9 +286,11 @@ class HelperProcess:
 
 
 class WeightGroupMember:
-    """This engine's ranks in the weight group, in TP-rank order: this process, then
+    """This engine's ranks in the weight groups it joined, in TP-rank order: this process, then
     ``local_ranks - 1`` helper processes, then the ``peers`` (other nodes of a multi-node
-    engine, each taking its node's share of the TP ranks)."""
+    engine, each taking its node's share of the TP ranks). Groups are named, several at once,
+    as SGLang keeps them (``model_runner_components/weight_updater.py``: a dict by group name;
+    joining a name again replaces that group)."""
 
     def __init__(self, local_ranks: int, peers: Sequence[Peer] = (), digest_mode: str = "full"):
         Digest(digest_mode)  # refuses an unknown mode before any process starts
@@ -290,33 +298,35 @@ class WeightGroupMember:
         ctx = mp.get_context("spawn")
         self._peers: list[Peer] = [HelperProcess(ctx) for _ in range(local_ranks - 1)] + list(peers)
         self.tp_size = local_ranks + sum(p.ranks for p in peers)
-        self.group: dist.ProcessGroup | None = None
-        self.spec: GroupSpec | None = None
+        self.groups: dict[str, tuple[dist.ProcessGroup, GroupSpec]] = {}
 
     def init(self, spec: GroupSpec, timeout_secs: float = 300.0) -> None:
-        """Join as ranks rank_offset .. rank_offset + tp_size - 1 (blocks until all ranks join)."""
-        if self.spec is not None:
-            raise SimError(f"weight update group {self.spec.group_name!r} already exists; destroy it first")
+        """Join ``spec.group_name`` as ranks rank_offset .. rank_offset + tp_size - 1 (blocks until
+        all ranks join); a group of that name already joined is left first."""
         if spec.rank_offset < 1 or spec.rank_offset + self.tp_size > spec.world_size:
             raise SimError(
                 f"ranks {spec.rank_offset}..{spec.rank_offset + self.tp_size - 1} "
                 f"do not fit world_size {spec.world_size}"
             )
+        if spec.group_name in self.groups:
+            self.destroy(spec.group_name)
         rank = spec.rank_offset + 1
         for peer in self._peers:  # every other rank joins concurrently with this one (or none can)
             peer.send(init_command(spec, rank, timeout_secs))
             rank += peer.ranks
-        group = init_custom_process_group(
-            backend=spec.backend,
-            master_address=spec.master_address,
-            master_port=spec.master_port,
-            world_size=spec.world_size,
-            rank=spec.rank_offset,
-            group_name=spec.group_name,
-            timeout_secs=timeout_secs,
-        )
-        self._collect("init")
-        self.group, self.spec = group, spec
+        try:
+            group = init_custom_process_group(
+                backend=spec.backend,
+                master_address=spec.master_address,
+                master_port=spec.master_port,
+                world_size=spec.world_size,
+                rank=spec.rank_offset,
+                group_name=spec.group_name,
+                timeout_secs=timeout_secs,
+            )
+        finally:
+            self._collect("init")
+        self.groups[spec.group_name] = (group, spec)
 
     def receive(
         self,
@@ -324,43 +334,47 @@ class WeightGroupMember:
         load_format: str | None,
         destination: Mapping[str, torch.Tensor] | None = None,
         digest_mode: str | None = None,
+        group_name: str = DEFAULT_GROUP_NAME,
     ) -> Received:
-        """This engine's ranks receive one update; this process's tensors land in ``destination``
-        where they fit (see ``receive``). Fails if any rank's digest differs from this one's.
-        ``digest_mode``: node 0's, for a node of a multi-node engine; else this engine's own."""
-        if self.group is None:
-            raise SimError("no weight update group; call /init_weights_update_group first")
+        """This engine's ranks receive one update over ``group_name``; this process's tensors
+        land in ``destination`` where they fit (see ``receive``). Fails if any rank's digest
+        differs from this one's. ``digest_mode``: node 0's, for a node of a multi-node engine;
+        else this engine's own."""
+        if group_name not in self.groups:
+            raise SimError(missing_group(group_name, list(self.groups)))
+        group, spec = self.groups[group_name]
         mode = digest_mode or self.digest_mode
-        command = recv_command(specs, load_format, mode)
+        command = recv_command(specs, load_format, mode, group_name)
         started = time.perf_counter()
         for peer in self._peers:
             peer.send(command)
-        received = receive(self.group, specs, load_format, destination, mode)
+        received = receive(group, specs, load_format, destination, mode)
         done = time.perf_counter()
         sums = self._collect("recv")
         mine = received.digest
         if any(s != mine for s in sums):
             raise SimError("TP ranks received different tensors")
-        first = self.spec.rank_offset if self.spec else 0
         log.info(
-            "weight update: %d tensors, digest %s, on ranks %d..%d (received and digested in %.3fs, peers %.3fs)",
+            "weight update over %s: %d tensors, digest %s, on ranks %d..%d (received and digested in %.3fs, "
+            "peers %.3fs)",
+            group_name,
             len(received.tensors),
             mine,
-            first,
-            first + self.tp_size - 1,
+            spec.rank_offset,
+            spec.rank_offset + self.tp_size - 1,
             done - started,
             time.perf_counter() - done,
         )
         return received
 
-    def destroy(self) -> None:
-        if self.group is None:
-            raise SimError("no weight update group to destroy")
+    def destroy(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        if group_name not in self.groups:
+            raise SimError(NO_GROUP_TO_DESTROY)
+        group, _ = self.groups.pop(group_name)
         for peer in self._peers:
-            peer.send({"op": "destroy"})
-        destroy_group(self.group)
+            peer.send({"op": "destroy", "group_name": group_name})
+        destroy_group(group)
         self._collect("destroy")
-        self.group = self.spec = None
 
     def close(self) -> None:
         for peer in self._peers:
@@ -377,18 +391,21 @@ class WeightGroupMember:
         return results
 
 
-def run_command(member: WeightGroupMember | None, group: Any, command: dict[str, Any]) -> tuple[Any, Any]:
-    """Carry out one peer command; returns (the new group, the reply value).
+def run_command(member: WeightGroupMember | None, groups: dict[str, Any], command: dict[str, Any]) -> Any:
+    """Carry out one peer command; returns the reply value.
 
     With ``member`` (a node of a multi-node engine) the command drives that node's own
-    ranks; without it, the bare ``group`` of a single helper rank."""
+    ranks; without it, the bare ``groups`` (by name) of a single helper rank."""
     op = command["op"]
+    name = str(command.get("group_name") or command.get("spec", {}).get("group_name") or DEFAULT_GROUP_NAME)
     if op == "init":
         spec = GroupSpec(**command["spec"])
         if member is not None:
             member.init(replace(spec, rank_offset=int(command["rank"])), float(command["timeout"]))
-            return None, None
-        new = init_custom_process_group(
+            return None
+        if name in groups:
+            destroy_group(groups.pop(name))
+        groups[name] = init_custom_process_group(
             backend=spec.backend,
             master_address=spec.master_address,
             master_port=spec.master_port,
@@ -397,25 +414,27 @@ def run_command(member: WeightGroupMember | None, group: Any, command: dict[str,
             group_name=spec.group_name,
             timeout_secs=float(command["timeout"]),
         )
-        return new, None
+        return None
     if op == "recv":
         specs = tensor_specs(command)
         mode = command.get("digest", "full")
         if member is not None:  # a node of a multi-node engine follows node 0's digest mode
-            return group, member.receive(specs, command["load_format"], digest_mode=mode).digest
-        return group, receive(group, specs, command["load_format"], digest_mode=mode).digest
+            return member.receive(specs, command["load_format"], digest_mode=mode, group_name=name).digest
+        if name not in groups:
+            raise SimError(missing_group(name, list(groups)))
+        return receive(groups[name], specs, command["load_format"], digest_mode=mode).digest
     if op == "destroy":
         if member is not None:
-            member.destroy()
-        else:
-            destroy_group(group)
-        return None, None
+            member.destroy(name)
+        elif name in groups:
+            destroy_group(groups.pop(name))
+        return None
     raise SimError(f"unknown command {op!r}")
 
 
 def _helper_main(conn: Connection) -> None:  # pragma: no cover - runs in a child process
     torch.set_num_threads(1)
-    group = None
+    groups: dict[str, Any] = {}
     while True:
         try:
             command = conn.recv()
@@ -424,7 +443,7 @@ def _helper_main(conn: Connection) -> None:  # pragma: no cover - runs in a chil
         if command["op"] == "exit":
             return
         try:
-            group, value = run_command(None, group, command)
+            value = run_command(None, groups, command)
             conn.send((True, value))
         except Exception as exc:  # report to the parent, keep serving
             conn.send((False, f"{type(exc).__name__}: {exc}"))

@@ -16,7 +16,16 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from pdctl.errors import SimError
-from pdctl.sglang import Endpoint
+from pdctl.sglang import DEFAULT_GROUP_NAME, Endpoint
+from pdctl.sglang.control import (
+    GROUP_DESTROYED,
+    GROUP_INITIALIZED,
+    NO_GROUP_TO_DESTROY,
+    OUTSIDE_SESSION,
+    UPDATED_ONLINE,
+    group_name,
+    missing_group,
+)
 from pdctl.sim.body import read_json
 from pdctl.sim.service import SimService
 from pdctl.sim.weights import GroupSpec, tensor_specs
@@ -72,14 +81,20 @@ class WeightRoutes:
             await asyncio.to_thread(self.s.members.init, spec)
         except (SimError, RuntimeError, ValueError) as exc:
             return _fail(f"Failed to initialize custom process group: {exc}")
-        return _ok("Succeeded to initialize custom process group.")
+        return _ok(GROUP_INITIALIZED)
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         try:
-            await asyncio.to_thread(self.s.members.destroy)
-        except (SimError, RuntimeError) as exc:
+            name = group_name(await read_json(request, default={}))
+        except (SimError, ValueError) as exc:
             return _fail(str(exc))
-        return _ok("Succeeded to destroy custom process group.")
+        if name not in self.s.members.groups:
+            return _fail(NO_GROUP_TO_DESTROY)
+        try:
+            await asyncio.to_thread(self.s.members.destroy, name)
+        except (SimError, RuntimeError) as exc:
+            return _fail(f"Failed to destroy custom process group: {exc}.")
+        return _ok(GROUP_DESTROYED)
 
     async def begin(self, request: web.Request) -> web.Response:
         if self.s.weight_session_open:
@@ -100,14 +115,16 @@ class WeightRoutes:
         except SimError as exc:
             return _fail(str(exc))
         if not self.s.weight_session_open:
-            return _fail(
-                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-            )
+            return _fail(OUTSIDE_SESSION)
         engine, members, model = self.s.engine, self.s.members, self.s.model
+        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
+        if name not in members.groups:
+            return _fail(missing_group(name, list(members.groups)))
 
         def run() -> str | None:
             with engine.exclusive():
-                tensors = members.receive(specs, body.get("load_format"), dict(model.named_parameters())).tensors
+                params = dict(model.named_parameters())
+                tensors = members.receive(specs, body.get("load_format"), params, group_name=name).tensors
                 model.load_weights(tensors)
                 if body.get("weight_version") is not None:
                     engine.set_weight_version(str(body["weight_version"]))
@@ -118,10 +135,10 @@ class WeightRoutes:
         try:
             problem = await asyncio.to_thread(run)
         except (SimError, RuntimeError) as exc:
-            return _fail(f"Failed to update parameter online: {exc}")
+            return _fail(f"Failed to receive weights: {exc}")
         if problem:
             return _fail(problem)
-        return _ok("Succeeded to update parameter online.")
+        return _ok(UPDATED_ONLINE)
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         engine, model = self.s.engine, self.s.model

@@ -468,7 +468,7 @@ def test_a_request_refused_at_its_head_is_answered_in_its_pipelined_turn() -> No
     """Found by a probe: a refused request pipelined behind a good one got its refusal written at
     once, ahead of the good one's answer, which the client then read as its own."""
 
-    def check_head(method: str, path: str, headers: dict[str, str]) -> Reply | None:
+    def check_head(method: str, path: str, headers: dict[str, str], peer: str) -> Reply | None:
         return server_error(401, "refused") if path == "/refused" else None
 
     async def test(app: App, port: int) -> None:

@@ -6,6 +6,6 @@ Two kinds of caller drive it, through thin adapters: a ``pdctl.weights`` transac
 SGLang's own control routes (pdctl.router.facade).
 """
 
-from pdctl.router.refit.updates import Conflict, PushRecord, PushState, WeightUpdates
+from pdctl.router.refit.updates import Conflict, Driver, PushRecord, PushState, WeightUpdates
 
-__all__ = ["Conflict", "PushRecord", "PushState", "WeightUpdates"]
+__all__ = ["Conflict", "Driver", "PushRecord", "PushState", "WeightUpdates"]

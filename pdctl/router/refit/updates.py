@@ -136,9 +136,12 @@ class WeightUpdates:
         in_flight: Callable[[], int],
         record: bool = True,
         driver: Driver = Driver.PDCTL,
+        wait: bool = True,
     ) -> tuple[HoldAnswer, bool]:
         """Close the gate for ``hold``; in ``drain`` mode wait (``hold.timeout_secs``) until
-        ``idle`` (nothing in flight). The answer, and whether it came in time. A hold with a
+        ``idle`` (nothing in flight), unless not ``wait`` (a framework's pause: the engines' own
+        pause mode decides what happens to what is in flight). The answer, and whether it came in
+        time. A hold with a
         txn (a new one, or its driver renewing it) starts or renews the lease; ``record``
         starts its push record. Raises Conflict when another transaction holds the router or
         this one has ended."""
@@ -175,7 +178,7 @@ class WeightUpdates:
         self.gate.close(hold.refit, hold.max_staleness, new_transaction=new_transaction)
         ready = True
         try:
-            if hold.refit is RefitMode.DRAIN:
+            if hold.refit is RefitMode.DRAIN and wait:
                 try:
                     await asyncio.wait_for(idle.wait(), max(hold.timeout_secs, 0.001))
                 except asyncio.TimeoutError:
