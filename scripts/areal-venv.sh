@@ -11,7 +11,8 @@
 # pip sees .venv's packages as installed and resolves against them. AReaL pins torch<2.11; .venv's
 # torch 2.13 imports and runs what these modules use.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+cd "$(dirname "$self")/.."
 root=$(pwd)
 VENV=.venv-areal
 
@@ -21,7 +22,7 @@ base_sp=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["pu
 # A second run costs about a second: nothing is installed again unless this script, the repo's path or
 # .venv's set of installed distributions (e.g. another torch) changed: the stamp holds their hash.
 stamp=$VENV/.pdctl-areal-venv
-want=$( { cat "$0"; echo "$root"; ls "$base_sp" | grep -E '\.(dist|egg)-info$' || true; } | sha256sum | cut -d' ' -f1)
+want=$( { cat "$self"; echo "$root"; ls "$base_sp" | grep -E '\.(dist|egg)-info$' || true; } | sha256sum | cut -d' ' -f1)
 if [ -x $VENV/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "areal-venv: $root/$VENV/bin/python (AReaL $($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("areal"))'), cached)"
   exit 0
@@ -49,7 +50,7 @@ pip_install \
 
 # Nothing installed here may bring a torch of its own (torchdata only needs some torch >= 2): the one
 # .venv-areal imports must be .venv's.
-if ls "$sp" | grep -qE '^(torch|nvidia_|triton)[-_].*dist-info$'; then
+if ls "$sp" | grep -qE '^((torch|triton)-[0-9].*\.dist-info|nvidia_.*)$'; then
   echo "areal-venv: a torch/nvidia/triton distribution got into $VENV; remove it ($sp)" >&2
   exit 1
 fi

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from pdctl.colocate.env import hook_specs
+from pdctl.refit import RefitMode
 from pdctl.roles import Role
 from pdctl.router.config import Flag, flag_of
 from pdctl.sglang import render_extra_args
@@ -152,6 +153,13 @@ def router_argv(
                 argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     if r.api_key_env:
         argv += [Flag.API_KEY_ENV, r.api_key_env]
+    if r.control_open_from:
+        argv += [Flag.OPEN_FROM, *r.control_open_from]
+    weights = top.weights
+    if weights is not None and weights.refit is not RefitMode.DRAIN:  # a framework's updates through the facade
+        argv += [Flag.REFIT, weights.refit.value]
+        if weights.max_staleness is not None:
+            argv += [Flag.MAX_STALENESS, str(weights.max_staleness)]
     # The cluster's engine and control-plane keys: `up` puts them in the router's environment.
     argv += [Flag.ENGINE_KEY_ENV, ENGINE_KEY_ENV, Flag.CONTROL_KEYS_ENV, CONTROL_KEYS_ENV]
     argv += [Flag.STATE_FILE, "router-state.json"]  # in its run directory, its cwd

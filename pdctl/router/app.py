@@ -314,6 +314,8 @@ class RouterServer:
         return json_reply(
             {
                 "held": self.updates.holder is not None,
+                "holder": self.updates.holder,
+                "holder_driver": self.updates.holder_driver,
                 "last_push": None if last is None else last.to_json(),
                 "workers": workers,
                 "quarantine": dict(self.registry.quarantine),

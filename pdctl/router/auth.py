@@ -191,12 +191,12 @@ class Keys:
             refusal, who = self._control_check(door, given)
         if self.audit or (method, path) in SGLANG_CONTROL:
             audit_log.info(
-                "control_plane_audit principal=%s peer=%s method=%s path=%s outcome=%s",
+                "control_plane_audit principal=%s method=%s path=%s outcome=%s peer=%s",
                 who,
-                peer or "-",
                 method,
                 path,
                 "denied" if refusal else "allowed",
+                peer or "-",
             )
         return refusal
 

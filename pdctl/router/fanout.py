@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -71,6 +72,28 @@ async def call(
                 return WorkerAnswer(worker, r.status, raw.decode(errors="replace"))
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         return WorkerAnswer(worker, 0, str(exc) or type(exc).__name__)
+
+
+async def unreachable(workers: Iterable[Worker], timeout_secs: float = 5.0) -> dict[str, str]:
+    """The workers whose port takes no connection now (URL -> why): a TCP connect to each, at
+    once, closed straight away. A dead engine refuses here, before a call that others would act
+    on is sent to anyone."""
+
+    async def one(worker: Worker) -> str | None:
+        parts = urlsplit(worker.url)
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                timeout_secs,
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            return f"no connection ({exc or type(exc).__name__})"
+        writer.close()
+        return None
+
+    workers = list(workers)
+    results = await asyncio.gather(*(one(w) for w in workers))
+    return {w.url: why for w, why in zip(workers, results, strict=True) if why is not None}
 
 
 async def call_all(

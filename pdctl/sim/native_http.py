@@ -11,8 +11,8 @@ from aiohttp import web
 
 from pdctl.errors import SimError
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body
-from pdctl.sglang.protocol import resolve_server_args
 from pdctl.sglang.control import memory_tags
+from pdctl.sglang.protocol import resolve_server_args
 from pdctl.sim.body import ContractError, ValidationError, read_json, read_object
 from pdctl.sim.engine import Mode, first_failure
 from pdctl.sim.requests import GenerateBody, Limits, failed_output, generate_output, parse_generate

@@ -167,6 +167,9 @@ class RouterSpec:
     allow_unauthenticated: bool = False
     """Serve inference without a client key on an address other machines reach (validate refuses
     a non-loopback router without ``api_key_env`` unless this is true)."""
+    control_open_from: tuple[str, ...] = ()
+    """Networks (CIDR) whose calls to SGLang's control routes and ``/workers`` need no key (RL
+    frameworks send none): ``pdctl router --control-plane-open-from``."""
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
     """The router's own settings as the file gives them: group (``retry``, ``breaker``,
     ``admission``, ``health``, ``cache``) -> setting -> value; what is not given keeps the router's
@@ -185,6 +188,8 @@ class RouterSpec:
                 settings.setdefault(group, {}).setdefault(name, r.pop(key))
         if "restart" in r:
             r["restart"] = RestartPolicy(r["restart"])
+        if "control_open_from" in r:
+            r["control_open_from"] = tuple(r["control_open_from"])
         return cls(**r, settings=MappingProxyType({g: MappingProxyType(v) for g, v in settings.items()}))
 
 

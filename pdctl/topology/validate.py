@@ -294,9 +294,35 @@ whole prompts, one model, run eagerly)."""
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def _control_open_from(top: Topology) -> list[Issue]:
+    """``router.control_open_from``: each entry a network; a warning that says what it opens."""
+    import ipaddress
+
+    out: list[Issue] = []
+    nets = []
+    for i, entry in enumerate(top.router.control_open_from):
+        try:
+            nets.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError as exc:
+            out.append(Issue(f"router.control_open_from.{i}", f"{entry!r} is not a network: {exc}"))
+    if nets and not out:
+        wide = [str(n) for n in nets if n.num_addresses > 256]
+        out.append(
+            Issue(
+                "router.control_open_from",
+                f"calls without a key from {', '.join(map(str, nets))} may pause the fleet, change its weights and "
+                "register workers (SGLang's control routes, for RL frameworks that send no key)"
+                + (f"; {', '.join(wide)} spans more than 256 addresses" if wide else ""),
+                severity="warning",
+                hint="list only the trainer's addresses; every such call is audited in the router's log",
+            )
+        )
+    return out
+
+
 def _router(top: Topology) -> list[Issue]:
     r = top.router
-    out: list[Issue] = []
+    out: list[Issue] = [*_control_open_from(top)]
     if r.node and r.node not in {n.name for n in top.nodes}:
         return out  # reported by _node_refs
     if r.host not in LOOPBACK_HOSTS and not r.host.startswith("127.") and not r.api_key_env:

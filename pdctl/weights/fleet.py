@@ -130,6 +130,8 @@ class Fleet:
         self.refit = refit_mode(refit)
         self.max_staleness = max_staleness
         self.follow_router = follow_router and self.router_url is not None
+        self.holding: str | None = None
+        """The txn of this fleet's own transaction while it holds the router."""
         # The engines get the engine key (else the router's key, for engines that share it); the
         # router gets its own key (the control-plane key of a pdctl cluster).
         router_keys = {self.router_url: api_key} if self.router_url and api_key else {}
@@ -199,6 +201,23 @@ class Fleet:
         return live, infos
 
     # -- the router's side ------------------------------------------------------------------------------
+    def refuse_if_held(self) -> None:
+        """WeightSyncError (phase ``connect``) when an RL framework's update through SGLang's
+        control routes holds the router: the engines' open update sessions are that update's, in
+        use, not a dead trainer's to clear. (Another pdctl transaction is refused at its hold.)
+        Nothing to check without a router, or with one too old to say."""
+        if not self.router_url:
+            return
+        answer = self.client.get(f"{self.router_url}/pdctl/weights", timeout_secs=10)
+        holder = answer.get("holder") if isinstance(answer, dict) and answer.get("held") else None
+        framework = isinstance(answer, dict) and answer.get("holder_driver") == "framework"
+        if holder and framework and holder != self.holding:
+            raise WeightSyncError(
+                f"weight push {answer['holder']} holds the router at {self.router_url}; "
+                "not touching its engines' update sessions",
+                phase=Phase.CONNECT,
+            )
+
     def pause_body(self, refit: RefitMode) -> dict[str, Any]:
         """The /pause_generation body for a transaction in ``refit`` mode."""
         return pause_generation_body(PauseMode.ABORT if refit is RefitMode.INTERRUPT else self.pause_mode)
@@ -378,6 +397,7 @@ class _Lease:
             raise WeightSyncError(
                 f"the router at {self.fleet.router_url} did not {what} for the push: {result}", phase=Phase.HOLD
             )
+        self.fleet.holding = self.txn
         self._thread = threading.Thread(
             target=self._renew, args=(hold.renewal(),), name="pdctl-weights-lease", daemon=True
         )
@@ -391,6 +411,7 @@ class _Lease:
 
     def stop(self) -> None:
         self._stop.set()
+        self.fleet.holding = None
 
     def release(self, complete: list[str], failed: dict[str, str], phases: Mapping[str, float]) -> None:
         self._stop.set()

@@ -74,6 +74,7 @@ class BroadcastGroup:
         """(Re)build the group over ``live``; WeightSyncError (phase ``connect``) naming an engine
         that does not join, or rank 0's own failure."""
         self.drop()
+        self.fleet.refuse_if_held()  # another transaction's open sessions on the engines are not ours to close
         # This trainer's old group, or whatever an earlier trainer left open: a session (it died mid-push), its group.
         self.fleet.fanout_quiet(live, Endpoint.END_WEIGHT_UPDATE, {})
         for stale in {self.group_name, self.name}:

@@ -35,7 +35,12 @@ def test_workers_can_join_and_leave_at_runtime(fleet, tmp_path) -> None:
         )
         assert status == 202 and added["status"] == "accepted"
         assert post(proc.url + "/workers", {"url": d1.url, "worker_type": "decode"})[0] == 202
-        assert post(proc.url + "/workers", {"url": d1.url, "worker_type": "decode"})[0] == 400  # duplicate
+        # Registered again (slime registers the engines it is given): a success, no duplicate; as
+        # another role: refused, naming the role it has.
+        status, again = post(proc.url + "/workers", {"url": d1.url, "worker_type": "decode"})
+        assert status == 202 and again["message"] == "already registered", again
+        status, other = post(proc.url + "/workers", {"url": d1.url, "worker_type": "prefill", "bootstrap_port": 1})
+        assert status == 409 and "registered already as decode" in other["error"]["message"], other
         assert post(proc.url + "/workers", {"url": "ftp://x", "worker_type": "decode"})[0] == 400
         listed = get(proc.url + "/workers")[1]
         assert listed["stats"] == {"prefill_count": 1, "decode_count": 1, "regular_count": 0}

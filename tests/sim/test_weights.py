@@ -154,8 +154,10 @@ def test_group_errors_are_clear(engines) -> None:
         ),
     )
     assert status == 400 and "do not fit world_size 4" in out["message"]
-    status, out = post(engines[0].url + "/destroy_weights_update_group", {})
-    assert status == 400 and "no weight update group" in out["message"]
+    status, out = post(engines[0].url + "/destroy_weights_update_group", {})  # SGLang's answer, to the letter
+    assert (status, out) == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+    status, out = post(engines[0].url + "/destroy_weights_update_group")  # an empty body: the default group
+    assert status == 400 and out["message"] == "The group to be destroyed does not exist."
 
 
 def test_update_from_disk_and_version(engines, tmp_path) -> None:

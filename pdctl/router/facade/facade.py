@@ -31,7 +31,7 @@ from pdctl.refit import DEFAULT_HOLD_TIMEOUT_SECS, Hold, RefitMode, Release
 from pdctl.router.config import RouterConfig
 from pdctl.router.facade.groups import FleetGroup, LayoutError, label, layout, weight_order
 from pdctl.router.facade.txn import FrameworkTxn, Moved
-from pdctl.router.fanout import WorkerAnswer, call_all
+from pdctl.router.fanout import WorkerAnswer, call_all, unreachable
 from pdctl.router.fleet_weights import FleetWeights
 from pdctl.router.jsonutil import loads
 from pdctl.router.refit import Conflict, Driver, WeightUpdates
@@ -123,6 +123,10 @@ class SGLangFacade:
         assert session is not None, "the router has started"
         return session
 
+    def _label(self, url: str) -> str:
+        worker = self.registry.workers.get(url)
+        return label(worker) if worker is not None else url
+
     def _engines(self) -> list[Worker]:
         return weight_order(self.registry.workers.values())
 
@@ -199,7 +203,14 @@ class SGLangFacade:
         every update, verify them, continue every engine, release the router."""
         failed = dict(txn.failed)
         complete: list[str] = []
-        if txn.moved is Moved.DISTRIBUTED:
+        if txn.moved is Moved.DISTRIBUTED and txn.broke is not None:
+            # The framework's update stopped part way: whoever took part of it holds a mix of
+            # versions; engines it never reached keep their weights and version.
+            for url in txn.took:
+                failed.setdefault(url, f"holds part of an update that did not finish ({txn.broke})")
+            if txn.begun:
+                await self._all((m.worker for m in txn.begun.values()), Endpoint.END_WEIGHT_UPDATE, {})
+        elif txn.moved is Moved.DISTRIBUTED:
             members = txn.members()
             started = time.monotonic()
             for a in await self._all((m.worker for m in txn.begun.values()), Endpoint.END_WEIGHT_UPDATE, {}):
@@ -475,10 +486,7 @@ class SGLangFacade:
             if txn.implicit:
                 await self._finish(txn)
         if problems:
-            named = "; ".join(
-                f"{label(self.registry.workers[u]) if u in self.registry.workers else u}: {why}"
-                for u, why in problems.items()
-            )
+            named = "; ".join(f"{self._label(u)}: {why}" for u, why in problems.items())
             return _fail(
                 400, f"Failed to update model weights on {len(problems)} engine(s): {named}", num_paused_requests=0
             )
@@ -590,18 +598,33 @@ class SGLangFacade:
                 txn.groups[update.group_name] = group
                 await self._begin_sessions(txn, group)
             started = time.monotonic()
+            workers = [m.worker for m in group.members]
+            # A dead engine is found before anything is sent: the others never enter a broadcast
+            # that cannot complete (its ranks are gone), so they stay whole and serve on.
+            dead = await unreachable(workers)
+            if dead:
+                for url, why in dead.items():
+                    txn.failed.setdefault(url, why)
+                named = "; ".join(f"{self._label(url)}: {why}" for url, why in dead.items())
+                self.broken[update.group_name] = f"{named} left it"
+                txn.broke = txn.broke or f"an update over {update.group_name} could not reach {named}"
+                self._renew(txn)
+                return _fail(400, f"Failed to update parameter online: {named}; nothing was sent to the other engines")
             timeout = self.config.admission.request_timeout_secs
             body = update.to_body(flush_cache=False, weight_version=None)
-            answers = await self._all(
-                (m.worker for m in group.members), Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, secs=timeout
-            )
+            answers = await self._all(workers, Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, secs=timeout)
             txn.timed("transfer", time.monotonic() - started)
             txn.names.extend(update.names)
             if update.weight_version is not None:
                 txn.version = update.weight_version
             failed = {a.worker.url: a for a in answers if not a.ok}
+            for a in answers:  # a failed answer may still have left part of this bucket behind
+                txn.took[a.worker.url] = txn.took.get(a.worker.url, 0) + 1
             for url, a in failed.items():
                 txn.failed.setdefault(url, f"update_weights_from_distributed {a.why()}")
+            if failed:
+                first = next(iter(failed.values()))
+                txn.broke = txn.broke or f"{label(first.worker)} failed an update ({first.why()})"
             gone = [a for a in failed.values() if not a.reached]
             if gone:  # its ranks left the group: no later broadcast over it can complete
                 self.broken[update.group_name] = f"{label(gone[0].worker)} did not answer an update ({gone[0].why()})"

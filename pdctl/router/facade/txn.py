@@ -39,6 +39,8 @@ class FrameworkTxn:
     """The groups whose updates it forwarded (a framework with one group per pipeline stage uses several)."""
     begun: dict[str, Member] = field(default_factory=dict)
     """Engines in an SGLang weight-update session (0.5.21+), by URL: ended before the version is set."""
+    took: dict[str, int] = field(default_factory=dict)
+    """URL -> update calls each engine answered with success (weights moved on it)."""
     names: list[str] = field(default_factory=list)
     """Tensors updated from distributed, in order (verified at the end)."""
     failed: dict[str, str] = field(default_factory=dict)
@@ -51,6 +53,9 @@ class FrameworkTxn:
     source: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     calls: int = 0
+    broke: str | None = None
+    """Why the framework's update could not be whole anywhere (a call failed, so it stops): every
+    engine that took part of it is out of rotation at the end."""
     started: float = field(default_factory=time.monotonic)
 
     @property

@@ -101,6 +101,7 @@ class _Holder:
     txn: str | None
     engines: tuple[str, ...] = ()
     lease: asyncio.TimerHandle | None = None
+    driver: Driver = Driver.PDCTL
 
 
 Lapsed = Callable[[str | None, bool], None]
@@ -122,6 +123,10 @@ class WeightUpdates:
     def holder(self) -> str | None:
         """The txn of the transaction that holds the router, if one does and said which."""
         return self._holder.txn if self._holder is not None else None
+
+    @property
+    def holder_driver(self) -> Driver | None:
+        return self._holder.driver if self._holder is not None and self._holder.txn is not None else None
 
     def held_secs(self) -> float | None:
         """How long the current hold has kept the gate closed (None: it is open)."""
@@ -157,7 +162,7 @@ class WeightUpdates:
             if holder is None or holder.txn != txn:
                 if holder is not None and holder.lease is not None:  # a bare hold becomes this transaction
                     holder.lease.cancel()
-                holder = self._holder = _Holder(txn)
+                holder = self._holder = _Holder(txn, driver=driver)
             holder.engines = tuple(hold.engines) or holder.engines
             self.registry.updating = True
             if record and (last is None or last.txn != txn):
