@@ -23,6 +23,7 @@ from rich.text import Text
 from pdctl.cli.tables import print_table, stdout_console
 from pdctl.cluster import ClusterState, ClusterStatus, NodeSet, StateStore
 from pdctl.cluster import status as cluster_status
+from pdctl.cluster.endpoints import endpoints as cluster_endpoints
 from pdctl.cluster.inspect import load_state
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.sampling import Sampler
@@ -247,4 +248,39 @@ def metrics(name: str | None, config: bool, show_targets: bool, interval_secs: f
         click.echo(scrape_config(name, path, interval_secs=interval_secs), nl=False)
 
 
-COMMANDS = [top, metrics]
+@click.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Engines, rank offsets and settings as JSON.")
+def endpoints(name: str | None, as_json: bool) -> None:
+    """What an RL framework needs to drive cluster NAME: each engine's URL, role, TP, bootstrap
+    port and rank offset, and settings to paste for AReaL, slime and skyrl-train.
+
+    AReaL and skyrl-train take the router as one SGLang engine of tp = every engine's ranks: it
+    answers SGLang's control routes for the whole fleet (pause, continue, weight groups and
+    updates), with each engine's own rank offset, as one transaction. slime keeps its own list of
+    engines and registers them with the router. See docs/frameworks.md.
+    """
+    store = StateStore()
+    found = cluster_endpoints(load_state(store, store.resolve_name(name)))
+    if as_json:
+        click.echo(json.dumps(found.to_dict(), indent=2))
+        return
+    console = stdout_console()
+    table = Table(title=f"{found.cluster}: router {found.router_url}", box=box.SIMPLE_HEAD)
+    for column in ("engine", "role", "url", "tp", "bootstrap", "ranks"):
+        table.add_column(column)
+    for e in found.engines:
+        ranks = f"{e.rank_offset}" if e.tp == 1 else f"{e.rank_offset}-{e.rank_offset + e.tp - 1}"
+        table.add_row(e.id, e.role, e.url, str(e.tp), str(e.bootstrap_port or "-"), ranks)
+    print_table(console, table)
+    console.print(f"weight group: world size {found.ranks + 1} (trainer rank 0 + {found.ranks} engine ranks)\n")
+    for framework, settings in found.settings().items():
+        console.print(f"[bold]{framework}[/bold]", highlight=False)
+        for key, value in settings.items():
+            if key == "note":
+                console.print(f"  # {value}", highlight=False, soft_wrap=True)
+            else:
+                console.print(f"  {key}={value}" if not key.startswith("--") else f"  {key} {value}", highlight=False)
+
+
+COMMANDS = [top, metrics, endpoints]

@@ -75,6 +75,74 @@ def test_each_key_opens_its_own_door_only(fleet) -> None:
     assert ADMIN not in audit and READER not in audit and CLIENT not in audit, "keys are never logged"
 
 
+def test_sglang_control_routes_are_the_control_planes(fleet) -> None:
+    """SGLang's control routes, answered for the fleet (pdctl.router.facade), are admin routes:
+    what pauses the fleet or changes its weights needs the admin key; reading the version, a
+    reader's; the client key opens none of them. Each call is audited."""
+    url = fleet.url
+    for headers in ({}, bearer(CLIENT), bearer("wrong")):
+        assert post(url + "/pause_generation", {}, headers=headers)[0] == 401, headers
+        assert post(url + "/update_weights_from_distributed", {}, headers=headers)[0] == 401, headers
+        assert get(url + "/flush_cache", headers=headers)[0] == 401, headers
+    assert post(url + "/pause_generation", {}, headers=bearer(READER))[0] == 403
+    assert post(url + "/init_weights_update_group", {}, headers=bearer(READER))[0] == 403
+    assert get(url + "/get_weight_version", headers=bearer(READER))[0] not in (401, 403)
+    assert post(url + "/pause_generation", {}, headers=bearer(ADMIN))[0] == 200
+    assert post(url + "/continue_generation", {}, headers=bearer(ADMIN))[0] == 200
+    audit = fleet.log.read_text()
+    assert "principal=unauthenticated method=POST path=/pause_generation outcome=denied" in audit
+    assert "principal=a1 method=POST path=/pause_generation outcome=allowed" in audit
+    assert "sglang_control method=POST path=/continue_generation status=200" in audit
+
+
+def test_the_bearer_scheme_is_matched_in_any_case(fleet) -> None:
+    """RFC 7235: the scheme is case-insensitive (found by a probe: ``bearer KEY`` was refused)."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert post(fleet.url + "/generate", body, headers={"Authorization": f"{scheme} {CLIENT}"})[0] == 200
+    assert post(fleet.url + "/generate", body, headers={"Authorization": f"Basic {CLIENT}"})[0] == 401
+    assert post(fleet.url + "/generate", body, headers={"Authorization": f"bearer {CLIENT.upper()}"})[0] == 401
+
+
+@pytest.mark.parametrize("network", ["127.0.0.1/32", "10.9.0.0/16"])
+def test_control_open_from_admits_keyless_framework_calls_from_its_networks_only(tmp_path, network) -> None:
+    """RL frameworks send no key: ``--control-plane-open-from`` admits their calls (SGLang's control
+    routes, GET/POST /workers) from the networks it names, audited; a call that sends a key is
+    checked as ever; pdctl's own control routes and the data plane are not opened."""
+    prefill, decode = NullEngine(tmp_path, "prefill").start(), NullEngine(tmp_path, "decode").start()
+    router = RouterProcess(
+        tmp_path,
+        "--pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        str(prefill.bootstrap_port),
+        "--decode",
+        decode.url,
+        *KEYS,
+        "--control-plane-open-from",
+        network,
+    ).start("/readiness")
+    try:
+        url = router.url
+        opened = network.startswith("127.")
+        assert post(url + "/pause_generation", {})[0] == (200 if opened else 401)
+        assert post(url + "/continue_generation", {})[0] == (200 if opened else 401)
+        assert get(url + "/workers")[0] == (200 if opened else 401)
+        registered = post(url + "/workers", {"url": decode.url, "worker_type": "decode"})
+        assert registered[0] == (202 if opened else 401), registered
+        assert post(url + "/pause_generation", {}, headers=bearer("wrong"))[0] == 401  # a key sent is checked
+        assert post(url + "/pdctl/hold", {})[0] == 401
+        assert post(url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})[0] == 401
+        if opened:
+            assert "principal=network:127.0.0.1 method=POST path=/pause_generation outcome=allowed" in (
+                router.log.read_text()
+            )
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
+
+
 def _vm_hwm_mb(pid: int) -> float:
     """The process's peak resident memory so far (MB)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
