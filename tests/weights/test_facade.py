@@ -189,6 +189,9 @@ def test_a_second_update_while_one_runs_is_refused_and_nothing_stays_held(fleet,
     try:
         status, out = post(router.url + "/pause_generation", {})
         assert status == 409 and "a-push holds the router" in out["error"]["message"], out
+        # Nor may a framework continue the engines that push paused.
+        status, out = post(router.url + "/continue_generation", {})
+        assert status == 409 and "a-push holds the router" in out["error"]["message"], out
     finally:
         assert post(router.url + "/pdctl/release", {"txn": "a-push"})[0] == 200
     # A framework's distributed update runs: a load from disk in the same transaction is refused.

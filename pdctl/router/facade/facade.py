@@ -135,6 +135,14 @@ class SGLangFacade:
     ) -> list[WorkerAnswer]:
         return await call_all(self.session, list(workers), "POST", endpoint.value, body, secs)
 
+    def _foreign(self) -> str | None:
+        """Why a call that acts on the paused engines is refused: another transaction (a
+        ``pdctl.weights`` push, ``pdctl weights load``) holds the router and its engines."""
+        holder = self.updates.holder
+        if holder is not None and (self.txn is None or self.txn.txn != holder):
+            return f"weight push {holder} holds the router"
+        return None
+
     def _renew(self, txn: FrameworkTxn) -> None:
         txn.calls += 1
         self.updates.renew(txn.txn, self.config.admission.max_hold_secs)
@@ -329,6 +337,9 @@ class SGLangFacade:
     async def continue_generation(self, request: Request) -> Reply:
         async with self._lock:
             txn = self.txn
+            foreign = self._foreign()
+            if foreign is not None:
+                return _error(409, foreign)
             if txn is None:
                 await self._all(self._engines(), Endpoint.CONTINUE_GENERATION, {})
             else:
@@ -374,6 +385,9 @@ class SGLangFacade:
             tags = sg.memory_tags(_body(request))
         except ValueError as exc:
             return _error(400, str(exc))
+        foreign = self._foreign()
+        if foreign is not None:
+            return _error(409, foreign)
         if self.txn is not None:
             self._renew(self.txn)
         answers = await self._all(self._engines(), endpoint, {"tags": tags})
@@ -419,6 +433,9 @@ class SGLangFacade:
         async with self._lock:
             await self._end_implicit()
             txn = self.txn
+            foreign = self._foreign()
+            if foreign is not None:
+                return _fail(409, foreign)
             self.registry.updating = True  # engines' versions change under the liveness probes meanwhile
             try:
                 answers = await self._all(
