@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-areal: AReaL 1.0.4's own client code (RemoteSGLangEngine, its WeightUpdateMeta, name_resolve)
 # importable on CPU, for the tests that drive pdctl's engines with AReaL itself. Idempotent.
-#   scripts/areal-venv.sh        needs .venv (scripts/setup.sh), prints the interpreter's path last
+#   scripts/areal-venv.sh        needs .venv (scripts/setup.sh); prints the interpreter's path once it made it
 #
 # AReaL is installed with --no-deps (its metadata pulls in CUDA torch, sglang, wandb, litellm, ...), then
 # only what the import of areal.engine.sglang_remote, areal.api.{cli_args,io_struct},
@@ -24,8 +24,7 @@ base_sp=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["pu
 stamp=$VENV/.pdctl-areal-venv
 want=$( { cat "$self"; echo "$root"; ls "$base_sp" | grep -E '\.(dist|egg)-info$' || true; } | sha256sum | cut -d' ' -f1)
 if [ -x $VENV/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-  echo "areal-venv: $root/$VENV/bin/python (AReaL $($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("areal"))'), cached)"
-  exit 0
+  exit 0 # made already: quiet (scripts/setup.sh says one line when it has nothing to do)
 fi
 
 rm -f "$stamp"
