@@ -96,6 +96,9 @@ class Hold:
     source: str | None = None
     """A load from disk: the checkpoint path (read on each engine's node), which the router loads
     into an engine that comes back later (pdctl.router.fleet_weights); None for a push."""
+    moved: bool = False
+    """Weights have begun to move (a renewal says so once the transfer starts): a transaction
+    whose lease runs out before then just ends, its engines continued and left in rotation."""
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -111,6 +114,8 @@ class Hold:
             body["txn"] = self.txn
         if self.group is not None:
             body["group"] = dict(self.group)
+        if self.moved:
+            body["moved"] = True
         return body
 
     @classmethod
@@ -132,10 +137,12 @@ class Hold:
             max_staleness=parse_staleness(body.get("max_staleness")),
             group=group,
             source=_text(body, "source"),
+            moved=_flag(body, "moved"),
         )
 
-    def renewal(self) -> Hold:
-        """The same hold as a lease renewal: answered at once (no drain wait)."""
+    def renewal(self, moved: bool = False) -> Hold:
+        """The same hold as a lease renewal: answered at once (no drain wait); ``moved`` once
+        weights have begun to move."""
         return Hold(
             txn=self.txn,
             version=self.version,
@@ -146,7 +153,15 @@ class Hold:
             max_staleness=self.max_staleness,
             group=self.group,
             source=self.source,
+            moved=moved or self.moved,
         )
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false")
+    return value
 
 
 @dataclass(frozen=True)
@@ -187,11 +202,16 @@ class Release:
     phases: Mapping[str, float] = field(default_factory=dict)
     """Seconds per phase of the transaction before its release (``pdctl.weights.phase``), for the
     router's refit metrics; optional (older trainers send none)."""
+    moved: bool = True
+    """False: the transaction ended before any weights moved (interrupted early): nothing leaves
+    rotation, and the push record says it was cancelled."""
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"complete": list(self.complete), "failed": dict(self.failed)}
         if self.txn is not None:
             body["txn"] = self.txn
+        if not self.moved:
+            body["moved"] = False
         if self.phases:
             body["phases"] = dict(self.phases)
         return body
@@ -206,7 +226,11 @@ class Release:
             isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in phases.values()
         ):
             raise ValueError("phases must map phase names to seconds (numbers >= 0)")
+        moved = body.get("moved", True)
+        if not isinstance(moved, bool):
+            raise ValueError("moved must be true or false")
         return cls(
+            moved=moved,
             txn=_text(body, "txn"),
             complete=_urls(body.get("complete") or [], "complete"),
             failed={u.rstrip("/"): why for u, why in failed.items()},

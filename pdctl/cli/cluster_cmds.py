@@ -19,6 +19,7 @@ from pdctl.cluster import down as cluster_down
 from pdctl.cluster import logs as cluster_logs
 from pdctl.cluster import status as cluster_status
 from pdctl.cluster import up as cluster_up
+from pdctl.cluster.inspect import EngineStatus, rotation_of
 from pdctl.cluster.restart import restart as cluster_restart
 from pdctl.cluster.state import Phase
 from pdctl.errors import LifecycleError
@@ -177,10 +178,15 @@ def _print_status(result: ClusterStatus) -> None:
         elif p.restarts and p.last_exit:
             out.print(f"{p.id}: restarted {p.restarts} time(s); last exit {_exit_text(p.last_exit)}")
     if result.engines:
-        engines = ", ".join(
-            f"{e.id} [green]up[/]" if e.up else f"{e.id} [red]DOWN[/] ({e.problem})" for e in result.engines
-        )
-        out.print(f"engines: {engines}")
+
+        def engine(e: EngineStatus) -> str:
+            if not e.up:
+                return f"{e.id} [red]DOWN[/] ({e.problem})"
+            if e.rotation:
+                return f"{e.id} [yellow]OUT OF ROTATION[/] ({e.rotation})"
+            return f"{e.id} [green]up[/]"
+
+        out.print(f"engines: {', '.join(engine(e) for e in result.engines)}")
     for d in result.mps:
         if d.running is None:
             state = f"[red]unknown[/] ({d.error})"
@@ -192,8 +198,7 @@ def _print_status(result: ClusterStatus) -> None:
         out.print(f"mps {d.node}: {state} (pid {d.pid}, {owner})")
     if result.router_workers is not None:
         workers = ", ".join(
-            f"{w['worker_type']} {w['url']} ({'healthy' if w['is_healthy'] else 'UNHEALTHY'}, "
-            f"v={w.get('weight_version')})"
+            f"{w['worker_type']} {w['url']} ({rotation_of(w) or 'in rotation'}, v={w.get('weight_version')})"
             for w in result.router_workers
         )
         out.print(f"router workers: {workers or 'none'}")

@@ -64,6 +64,9 @@ class EngineStatus:
     up: bool
     problem: str | None = None
     """What is wrong, e.g. ``decode-0.h2 is not running``."""
+    rotation: str | None = None
+    """Why the router does not route to it although it runs (cordoned, quarantined, failing the
+    router's checks, its circuit open, not registered); None: in rotation, or no router to ask."""
 
 
 @dataclass
@@ -79,7 +82,13 @@ class ClusterStatus:
 
     @property
     def ok(self) -> bool:
-        return self.status == Phase.UP and all(p.ok for p in self.processes)
+        """Up as declared: every process alive and healthy (the router's readiness says it can
+        serve each role), and every engine of the plan up and in the router's rotation."""
+        return (
+            self.status == Phase.UP
+            and all(p.ok for p in self.processes)
+            and all(e.up and e.rotation is None for e in self.engines)
+        )
 
     @property
     def completed(self) -> bool:
@@ -142,11 +151,28 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
         out.append(ps)
     order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
     out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
-    engines, daemons = _engines(state, out), daemon_status(state, nodes)
+    engines, daemons = _engines(state, out, router_workers), daemon_status(state, nodes)
     return ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
 
 
-def _engines(state: ClusterState, processes: list[ProcessStatus]) -> list[EngineStatus]:
+def rotation_of(worker: dict[str, Any] | None) -> str | None:
+    """Why the router does not route to a worker it lists (None: it does)."""
+    if worker is None:
+        return "not registered with the router"
+    if worker.get("cordoned"):
+        return f"cordoned ({worker['cordoned']})"
+    if worker.get("quarantined"):
+        return f"quarantined ({worker['quarantined']})"
+    if not worker.get("is_healthy"):
+        return "failing the router's health checks"
+    if worker.get("circuit_open"):
+        return "its circuit breaker is open"
+    return None
+
+
+def _engines(
+    state: ClusterState, processes: list[ProcessStatus], router_workers: list[dict[str, Any]] | None
+) -> list[EngineStatus]:
     by_id = {p.id: p for p in processes}
     out = []
     for engine in state.plan.get("engines", []):
@@ -162,7 +188,11 @@ def _engines(state: ClusterState, processes: list[ProcessStatus]) -> list[Engine
                 problem = f"{pid} fails its health check"
             if problem:
                 break
-        out.append(EngineStatus(engine["id"], engine["role"], ids, problem is None, problem))
+        rotation = None
+        if router_workers is not None and engine.get("url") and problem is None:
+            listed = {w.get("url"): w for w in router_workers if isinstance(w, dict)}
+            rotation = rotation_of(listed.get(engine["url"]))
+        out.append(EngineStatus(engine["id"], engine["role"], ids, problem is None, problem, rotation))
     return out
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdctl.cluster.inspect import load_state
+from pdctl.cluster.inspect import load_state, rotation_of
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError
@@ -110,6 +110,7 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
                 result.last_push = answer.get("last_push")
         used = ((result.last_push or {}).get("group") or {}).get("ranks") or {}
         quarantine = router.get("quarantine") or {}
+        workers = {w.get("url"): w for w in router.get("workers") or [] if isinstance(w, dict)}
         futures = {e.id: fleet.client.submit("GET", e.url + Endpoint.MODEL_INFO.value) for e in fleet.engines}
         roles = {e["id"]: e.get("role", "?") for e in state.plan.get("engines", [])}
         for engine in fleet.engines:
@@ -125,7 +126,10 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
             if engine.url in used:
                 first_rank, last_rank = used[engine.url]
                 row.group_ranks = (int(first_rank), int(last_rank))
-            row.out_of_rotation = quarantine.get(engine.url)
+            if quarantine.get(engine.url):
+                row.out_of_rotation = quarantine[engine.url]
+            elif workers:  # the router listed its workers: it says whether it routes to this one
+                row.out_of_rotation = rotation_of(workers.get(engine.url))
             result.engines.append(row)
         return result
     finally:

@@ -34,7 +34,7 @@ from pdctl.router.fanout import WorkerAnswer, call_all
 from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
-from pdctl.router.refit import Conflict, WeightUpdates
+from pdctl.router.refit import Conflict, Driver, WeightUpdates
 from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_reply
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
@@ -72,6 +72,8 @@ class RouterServer:
         self._idle.set()
         self.updates = WeightUpdates(self.registry, self.metrics, self.gate)
         self.facade = SGLangFacade(config, self.registry, self.updates, self._client, self._idle, self._in_flight)
+        self.updates.on_lapse.append(self._lapsed)
+        self._tasks: set[asyncio.Task] = set()
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count()
@@ -113,6 +115,8 @@ class RouterServer:
             raise OSError(f"cannot listen on {self.config.host}:{port}: {exc.strerror or exc}") from exc
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         await self.facade.stop()
         await self.registry.stop()
         for server in reversed(self._servers):
@@ -285,6 +289,16 @@ class RouterServer:
     def _client(self) -> aiohttp.ClientSession | None:
         return self.session
 
+    def _lapsed(self, txn: str | None, moved: bool, engines: tuple[str, ...], driver: Driver) -> None:
+        """A pdctl transaction's lease ran out (its trainer or ``pdctl weights load`` is gone): the
+        engines it paused are continued, so that none stays paused (the facade continues its own)."""
+        if driver is not Driver.PDCTL or not engines or self.session is None:
+            return
+        workers = [self.registry.workers[url] for url in engines if url in self.registry.workers]
+        task = asyncio.ensure_future(call_all(self.session, workers, "POST", Endpoint.CONTINUE_GENERATION.value, {}))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def release(self, request: Request) -> Reply:
         """Re-read every worker's health and weight version, then admit requests again.
 
@@ -306,10 +320,8 @@ class RouterServer:
 
     async def weights_state(self, _: Request) -> Reply:
         """The latest weight transaction (group, version, outcome) and each worker's version."""
-        workers = [
-            {k: w.to_dict()[k] for k in ("url", "worker_type", "is_healthy", "weight_version", "quarantined")}
-            for w in self.registry.workers.values()
-        ]
+        keys = ("url", "worker_type", "is_healthy", "weight_version", "quarantined", "cordoned", "circuit_open")
+        workers = [{k: w.to_dict()[k] for k in keys} for w in self.registry.workers.values()]
         last = self.updates.last
         return json_reply(
             {
@@ -331,31 +343,43 @@ class RouterServer:
     async def health(self, _: Request) -> Reply:
         return text_reply("OK")
 
-    def _ready(self) -> tuple[bool, int]:
-        """Ready once every registered worker has answered once and each role has a healthy one."""
+    def _ready(self) -> tuple[bool, int, str]:
+        """Whether the router can serve a request now: every registered worker has answered once,
+        and each role has a worker in rotation (healthy, not cordoned, not quarantined, its
+        circuit not open), for PD a prefill and a decode on one weight version. Also how many
+        workers are in rotation, and what is missing when it cannot."""
         workers = list(self.registry.workers.values())
-        healthy = [w for w in workers if w.healthy]
-        if not all(w.activated for w in workers):
-            return False, len(healthy)
+        routable = {role: self.registry.routable(role) for role in ENGINE_ROLES}
+        count = sum(len(ws) for ws in routable.values())
+        starting = [w.url for w in workers if not w.activated]
+        if starting:
+            return False, count, f"not answered yet: {', '.join(starting)}"
+        roles = (Role.PREFILL, Role.DECODE) if self.config.pd_disaggregation else (Role.REGULAR,)
+        missing = [role.value for role in roles if not routable[role]]
+        if missing:
+            return False, count, f"no {' or '.join(missing)} worker in rotation"
         if self.config.pd_disaggregation:
-            roles = {w.role for w in healthy}
-            return {Role.PREFILL, Role.DECODE} <= roles, len(healthy)
-        return bool(healthy), len(healthy)
+            prefills = {w.weight_version for w in routable[Role.PREFILL]}
+            if not prefills & {w.weight_version for w in routable[Role.DECODE]}:
+                return False, count, "no prefill and decode in rotation hold one weight version"
+        return True, count, ""
 
     async def readiness(self, _: Request) -> Reply:
-        ready, healthy = self._ready()
-        body = {
+        ready, in_rotation, why = self._ready()
+        body: dict[str, Any] = {
             "status": "ready" if ready else "not_ready",
-            "healthy_workers": healthy,
+            "healthy_workers": in_rotation,
             "total_workers": len(self.registry.workers),
         }
+        if why:
+            body["reason"] = why
         return json_reply(body, 200 if ready else 503)
 
     async def health_generate(self, _: Request) -> Reply:
-        ready, _healthy = self._ready()
+        ready, _count, why = self._ready()
         if ready:
             return text_reply("At least one router has healthy workers")
-        return errors.error_response(503, errors.NO_WORKERS, "no healthy workers for every role")
+        return errors.error_response(503, errors.NO_WORKERS, f"the router cannot serve: {why}")
 
     async def proxy_get(self, request: Request) -> Reply:
         assert self.session is not None
@@ -370,7 +394,10 @@ class RouterServer:
             path = Endpoint.MODELS.value + "/" + quote(request.tail, safe="/")
         url = yarl.URL(workers[0].url + path, encoded=True)  # sent as built: no dot-segment resolving
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=10), headers=workers[0].auth) as r:
+            # the worker's own key; to one the router holds none for, the client's (a standalone router's engines)
+            given = request.headers.get("authorization")
+            auth = workers[0].auth or ({"Authorization": given} if given else {})
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=10), headers=auth) as r:
                 return Reply(r.status, await r.read(), r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return errors.error_response(502, errors.WORKER_FAILED, f"{workers[0].url}: {exc}")

@@ -126,8 +126,7 @@ class Legs:
         """Start a whole leg to ``worker``, counted in its load; ``answered(Response | exception)``
         must give the load back (``Worker.gave_back``), and so must whoever cancels it."""
         worker.took()
-        to = {**headers.upstream, **worker.auth} if worker.auth else headers.upstream  # (_sent, inline)
-        return self.upstream.send(worker.url + path, data, to, answered, timeout=self.timeout)
+        return self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
 
     def start(self, worker: Worker, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
         """``worker``'s whole answer, as a future that its connection completes, counted in
@@ -181,7 +180,7 @@ class Legs:
             return Retry(f"{worker.role} {worker.url} failed: {type(error).__name__}: {error}", code)
         if leg.status in BACKPRESSURE:
             return Retry(f"{worker.role} {worker.url} is busy ({leg.status}): {leg.body[:200]!r}", code, busy=True)
-        self.registry.record(worker, leg.status < 500)
+        self.registry.record(worker, leg.status < 500, answered=True)
         if leg.status >= 500:
             answer = Reply(leg.status, leg.body, leg.content_type)
             return Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code, answer=answer)
@@ -415,7 +414,7 @@ class PairAttempt:
         if not isinstance(got, Response):
             self.legs.registry.record(self.prefill, False)
         elif got.status not in BACKPRESSURE:
-            self.legs.registry.record(self.prefill, got.status < 500)
+            self.legs.registry.record(self.prefill, got.status < 500, answered=True)
 
     def close(self) -> None:
         """Cancel the legs that still run: the decode's, and the prefill's unless kept."""
@@ -656,5 +655,7 @@ def _ends_request(got: Response | BaseException) -> bool:
 
 
 def _sent(worker: Worker, headers: Headers) -> dict[str, str]:
-    """The headers sent to ``worker``: the forwarded client headers and the worker's own key."""
-    return {**headers.upstream, **worker.auth} if worker.auth else headers.upstream
+    """The headers sent to ``worker``: the forwarded client headers and the worker's own key; to a
+    worker the router holds no key for, the client's own ``Authorization`` (a standalone router in
+    front of engines started with the clients' key, as sglang-router and smg pass it on)."""
+    return {**headers.upstream, **worker.auth} if worker.auth else headers.keyless

@@ -17,8 +17,10 @@ from pdctl.router.resume import Piece, asked_abort
 ROUTING_KEY = "x-smg-routing-key"
 FORWARDED = frozenset({"x-correlation-id", "traceparent", "tracestate", ROUTING_KEY})
 """Client headers sent on to workers (with X-Request-ID and ``x-request-id-*``), as smg does;
-the rest (cookies, custom headers) stay at the router. Never the client's Authorization: a
-worker gets its own key (``Worker.auth``), so no worker learns a client's credentials."""
+the rest (cookies, custom headers) stay at the router. The client's Authorization only reaches a
+worker the router holds no key for (``Headers.keyless``: engines started with the clients' own
+key behind a standalone router, as sglang-router and smg run); a worker with its own key
+(``Worker.auth``) never learns a client's credentials."""
 
 ABORT = b'"abort"'
 """Found with ``bytes.find`` on the request path, not ``in``: CPython 3.11's ``needle in bytes``
@@ -39,13 +41,16 @@ _HOP_HEADERS = {
 
 @mypyc_attr(native_class=False)  # (a dict: a Python class where compiled, pdctl.router.compiled)
 class Headers(dict[str, str]):
-    """The reply's headers (the dict itself) and ``upstream``, the headers sent to workers."""
+    """The reply's headers (the dict itself), ``upstream``, the headers sent to workers, and
+    ``keyless``, those sent to a worker the router holds no key for (``upstream`` and the
+    client's Authorization, if it sent one)."""
 
-    __slots__ = ("upstream",)
+    __slots__ = ("keyless", "upstream")
 
     def __init__(self, reply: dict[str, str], upstream: dict[str, str]):
         super().__init__(reply)
         self.upstream = upstream
+        self.keyless = upstream
 
     @classmethod
     def of(cls, request_id: str, client: dict[str, str]) -> Headers:
@@ -64,6 +69,10 @@ class Headers(dict[str, str]):
         headers = cls.__new__(cls)  # (not through __init__: a Python call less per request)
         headers["X-Request-ID"] = request_id
         headers.upstream = upstream
+        auth = client.get("authorization")
+        headers.keyless = (
+            upstream if auth is None or "\n" in auth or "\r" in auth else {**upstream, "Authorization": auth}
+        )
         return headers
 
 

@@ -48,6 +48,9 @@ class Worker:
     cb_half_open: bool = False
     cb_window_start: float = 0.0
     cb_opens: int = 0
+    cb_by_answers: bool = False
+    """Its circuit opened on answers (5xx from a live worker), not on failed connections: a request
+    does not wait for it (that is what the breaker is for), where it waits for a worker restarting."""
     restarts: int = 0
     """Times its process went away (``gone``) and a new one passed a health check."""
     quarantined: str | None = None
@@ -134,10 +137,20 @@ class WorkerRegistry:
         only a later push brings (a push that stopped half way), nor one that left with health
         checks off (nothing would bring it back)."""
         checks = not self.config.health.disabled
+        now = time.monotonic()
         return any(
-            w.role == role and (not w.quarantined or w.url in self._loading) and (w.healthy or checks)
+            w.role == role
+            and (not w.quarantined or w.url in self._loading or self._reloadable(w))
+            and (w.healthy or checks)
+            and not (w.cb_by_answers and w.cb_open_until > now and w.healthy and not w.cordoned)
             for w in self.workers.values()
         )
+
+    def _reloadable(self, worker: Worker) -> bool:
+        """Out of rotation on stale weights that the router loads into it itself once it answers
+        (the fleet's version came from disk)."""
+        fleet = self.fleet
+        return bool(fleet and fleet.source and worker.quarantined and worker.quarantined.startswith(STALE))
 
     async def wait_for_rotation(self, timeout: float) -> None:
         """Until ``rotation_changed()``, an open circuit's timeout (a trial request may then go),
@@ -284,10 +297,11 @@ class WorkerRegistry:
         return out
 
     # -- outcomes ----------------------------------------------------------------------------------
-    def record(self, worker: Worker, ok: bool) -> None:
+    def record(self, worker: Worker, ok: bool, answered: bool = False) -> None:
         """Circuit breaker bookkeeping for an answer that says whether ``worker`` works (a 4xx is
         the client's fault and counts as ok; backpressure, 429/503 from a live worker, is not
-        recorded at all).
+        recorded at all). ``answered``: the failure is the worker's own answer (a 5xx), not a
+        failed connection.
 
         One state, read the same way by selection, ``/workers`` and the log: open while
         ``cb_open_until`` is ahead; then half-open, when only trial requests' outcomes count
@@ -316,6 +330,7 @@ class WorkerRegistry:
         if worker.cb_half_open or worker.cb_failures >= self.config.breaker.failure_threshold:
             worker.cb_open_until = now + self.config.breaker.timeout_duration_secs
             worker.cb_opens += 1
+            worker.cb_by_answers = answered
             worker.cb_half_open = True  # after the timeout, trial requests decide
             worker.cb_failures = 0
             log.warning("circuit opened for %s for %.0fs", worker.url, self.config.breaker.timeout_duration_secs)
@@ -397,8 +412,11 @@ class WorkerRegistry:
     async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_secs)
         ok = False
+        # While a weight update holds the fleet its engines are paused, and SGLang's /health (a
+        # one-token generation) cannot pass: an engine that answers /model_info is alive then.
+        probe = Endpoint.MODEL_INFO if self.updating else Endpoint.HEALTH
         try:
-            async with session.get(worker.url + Endpoint.HEALTH.value, timeout=timeout, headers=worker.auth) as resp:
+            async with session.get(worker.url + probe.value, timeout=timeout, headers=worker.auth) as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False

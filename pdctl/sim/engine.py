@@ -201,6 +201,8 @@ class Engine:
         self._paused = False
         self._updating = False
         self._released: set[str] = set()
+        self._watchers: list[Callable[[], None]] = []
+        """Told after each round of the scheduler (SGLang's health check passes on any output)."""
         """Memory tags released (``/release_memory_occupation``): nothing is scheduled until they are resumed."""
         self._stopping = False
         self._ids = itertools.count()
@@ -332,6 +334,26 @@ class Engine:
             self._paused = False
 
         self._command(act)
+
+    def watch_progress(self, told: Callable[[], None]) -> Callable[[], None]:
+        """Call ``told`` (on the scheduler's thread) after each round that admitted or stepped
+        requests, until the returned function is called."""
+        with self._cond:
+            self._watchers.append(told)
+
+        def unwatch() -> None:
+            with self._cond, contextlib.suppress(ValueError):
+                self._watchers.remove(told)
+
+        return unwatch
+
+    def _progressed(self) -> None:
+        if not self._watchers:  # (the common case: no health check waiting, no lock taken)
+            return
+        with self._cond:
+            watchers = list(self._watchers)
+        for told in watchers:
+            told()
 
     def release_memory(self, tags: list[str] | None) -> None:
         """``/release_memory_occupation``: only when idle (queued requests count only when not
@@ -468,6 +490,7 @@ class Engine:
                     self._start(req)
                 if step:
                     self._step()
+            self._progressed()
 
     def _has_work(self) -> bool:
         if self._commands:
@@ -496,6 +519,11 @@ class Engine:
             self._capacity_freed()
 
     def _start(self, req: Request) -> None:
+        if req.finished:  # aborted while it was being admitted (its client left): no prefill for it
+            with self._cond:
+                self._running.append(req)
+                self._admitting.remove(req)
+            return
         try:
             if req.mode is Mode.DECODE and req.kv is not None and req.retractions == 0:
                 assert req.slot is not None  # given by the caller before _start

@@ -262,6 +262,30 @@ class SimService:
             None,
             0 if pd else None,
         )
-        batch = await self.submit([item])
-        with self.aborting_unfinished(batch, "health check timed out"):
-            await asyncio.wait_for(self.finished(batch[0]), timeout_secs)
+        loop = asyncio.get_running_loop()
+        progressed = asyncio.Event()
+
+        def told() -> None:  # on the scheduler's thread
+            loop.call_soon_threadsafe(progressed.set)
+
+        unwatch = self.engine.watch_progress(told)
+        try:
+            batch = await self.submit([item])
+            with self.aborting_unfinished(batch, "health check timed out"):
+                # SGLang's health check passes on any output the scheduler gives after it began
+                # (``last_receive_tstamp``): a scheduler busy with a large batch is healthy.
+                own = asyncio.ensure_future(self.finished(batch[0]))
+                other = asyncio.ensure_future(progressed.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {own, other}, timeout=timeout_secs, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    own.cancel()
+                    other.cancel()
+                if not done:
+                    raise asyncio.TimeoutError
+                if own in done:
+                    own.result()
+        finally:
+            unwatch()

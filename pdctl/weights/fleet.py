@@ -132,6 +132,8 @@ class Fleet:
         self.follow_router = follow_router and self.router_url is not None
         self.holding: str | None = None
         """The txn of this fleet's own transaction while it holds the router."""
+        self.lease: _Lease | None = None
+        """Its lease meanwhile."""
         # The engines get the engine key (else the router's key, for engines that share it); the
         # router gets its own key (the control-plane key of a pdctl cluster).
         router_keys = {self.router_url: api_key} if self.router_url and api_key else {}
@@ -241,7 +243,11 @@ class Fleet:
             return
         lease = _Lease(self)
         with report.phase(Phase.HOLD):  # a hold that fails touched nothing
-            lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit, source)
+            try:
+                lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit, source)
+            except BaseException:  # Ctrl-C while the router drains: it lets requests in again at once
+                lease.abort({})
+                raise
         try:
             yield
             with report.phase(Phase.RELEASE):
@@ -251,6 +257,11 @@ class Fleet:
             raise
         finally:
             lease.stop()
+
+    def mark_moved(self) -> None:
+        """Weights begin to move in the transaction that holds the router (if one does)."""
+        if self.lease is not None:
+            self.lease.mark_moved()
 
     def raise_if_failed(self, report: PushReport, what: str) -> None:
         if not report.failed and not report.refused:
@@ -325,6 +336,7 @@ class Fleet:
                 with report.phase(Phase.PAUSE):
                     self.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, self.pause_body(mode))
                 with report.phase(Phase.TRANSFER):
+                    self.mark_moved()
                     body = update_weights_from_disk_body(model_path)
                     futures = {
                         m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, body)
@@ -353,6 +365,15 @@ class Fleet:
                 with report.phase(Phase.CONTINUE):
                     self.fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
         self.raise_if_failed(report, f"loading {model_path}")
+        if report.skipped:
+            raise WeightSyncError(
+                f"loading {model_path}: {', '.join(report.skipped)} did not answer (restarting?); "
+                f"{', '.join(report.engines)} hold {version}; the router loads {model_path} into the others "
+                "once they answer again, and keeps them out of rotation until then",
+                engine=report.skipped[0],
+                phase=Phase.PROBE,
+                report=report,
+            )
         return report
 
 
@@ -365,6 +386,10 @@ class _Lease:
         self.txn = f"{os.getpid()}-{time.monotonic_ns()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._renewal: Hold | None = None
+        self.moved = False
+        """Weights have begun to move: until then a lost lease or an interruption leaves every
+        engine in rotation (nothing of theirs changed)."""
 
     def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         return self.fleet.client.post(f"{self.fleet.router_url}{path}", body, timeout_secs=timeout)
@@ -398,20 +423,31 @@ class _Lease:
                 f"the router at {self.fleet.router_url} did not {what} for the push: {result}", phase=Phase.HOLD
             )
         self.fleet.holding = self.txn
-        self._thread = threading.Thread(
-            target=self._renew, args=(hold.renewal(),), name="pdctl-weights-lease", daemon=True
-        )
+        self.fleet.lease = self
+        self._renewal = hold.renewal()
+        self._thread = threading.Thread(target=self._renew, name="pdctl-weights-lease", daemon=True)
         self._thread.start()
 
-    def _renew(self, hold: Hold) -> None:
+    def mark_moved(self) -> None:
+        """Weights begin to move: the router hears it at once (a renewal that says so)."""
+        if self.moved or self._renewal is None:
+            return
+        self.moved = True
+        result = self._call(HOLD_PATH, self._renewal.renewal(moved=True).to_json(), 10)
+        if isinstance(result, CallFailure):
+            log.warning("weights: could not tell the router that weights move: %s", result)
+
+    def _renew(self) -> None:
         while not self._stop.wait(self.fleet.lease_secs / 3):
-            result = self._call(HOLD_PATH, hold.to_json(), 10)
+            assert self._renewal is not None
+            result = self._call(HOLD_PATH, self._renewal.renewal(moved=self.moved).to_json(), 10)
             if isinstance(result, CallFailure):
                 log.warning("weights: could not renew the router's hold: %s", result)
 
     def stop(self) -> None:
         self._stop.set()
         self.fleet.holding = None
+        self.fleet.lease = None
 
     def release(self, complete: list[str], failed: dict[str, str], phases: Mapping[str, float]) -> None:
         self._stop.set()
@@ -420,9 +456,12 @@ class _Lease:
             raise WeightSyncError(f"the router did not resume after the push: {result}", phase=Phase.RELEASE)
 
     def abort(self, failed: dict[str, str]) -> None:
+        """The transaction stopped (an error, Ctrl-C): engines not known whole leave rotation, or
+        none does when no weights had moved yet."""
         self._stop.set()
+        release = Release(self.txn, (), failed) if self.moved else Release(self.txn, moved=False)
         with contextlib.suppress(Exception):
-            self._call(RELEASE_PATH, Release(self.txn, (), failed).to_json(), 30)
+            self._call(RELEASE_PATH, release.to_json(), 30)
 
 
 def refit_mode(value: RefitMode | str) -> RefitMode:

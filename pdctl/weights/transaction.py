@@ -110,6 +110,7 @@ class Transaction:
         report.bytes = report.tensors = report.buckets = 0
         checksum_secs = 0.0
         with report.phase(Phase.TRANSFER):
+            self.fleet.mark_moved()
             answering: InFlight | None = None
             for bucket in buckets(source(), self.bucket_bytes):
                 # Flatten this bucket while the engines still load the previous one: the staging

@@ -541,3 +541,45 @@ def test_a_client_that_stops_reading_holds_back_the_engine_and_then_gets_the_who
         assert b"data: [DONE]" in data
 
     run(Engines(D1=big), scenario)
+
+
+def test_a_breaker_opened_by_5xx_answers_is_a_503_at_once_not_a_wait():
+    """Drop-in with sglang-router 0.3.2 (found by a probe): a worker whose circuit opened on its
+    own 5xx answers is out until the breaker's timeout, and a request then gets a 503 at once;
+    the wait for a worker (--worker-wait-secs) is for one restarting or unreachable, which would
+    come back by itself (here the wait is 600 s: a request that waited would time the test out)."""
+
+    async def broken(engines, request, body):
+        await engines.room(body)
+        return await answers(500, "decode broke")
+
+    async def scenario(r: Run):
+        status, answer = await r.generate()
+        assert status == 500, answer  # its own 500, once retries are spent
+        assert r.circuit_open(D1)
+        status, answer = await r.generate()
+        assert status == 503 and answer["error"]["code"] == "no_decode_servers", answer
+
+    run(
+        Engines(D1=broken),
+        scenario,
+        retry=RetryConfig(max_retries=0),
+        admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600),
+    )
+
+
+def test_a_keyless_worker_gets_the_clients_authorization_and_a_keyed_one_its_own_key():
+    """A standalone router that holds no key for its workers (engines started with the clients'
+    own --api-key, as people run sglang-router) passes the client's Authorization on, as
+    sglang-router and smg do; a worker the router holds a key for gets that key, never the client's."""
+
+    async def scenario(r: Run):
+        r.server.registry.workers[D1].auth = {"Authorization": "Bearer engine-key"}  # as POST /workers with api_key
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        async with r.client.post(r.server.url + "/generate", json=body, headers={"Authorization": "bearer K"}) as resp:
+            assert resp.status == 200
+        sent = {req.base: dict(req.headers) for req in r.engines.mock.requests}
+        assert sent[P1].get("Authorization") == "bearer K", sent[P1]
+        assert sent[D1].get("Authorization") == "Bearer engine-key", sent[D1]
+
+    run(Engines(), scenario)

@@ -291,7 +291,7 @@ class SGLangFacade:
                         )
         return failed
 
-    def _lapsed(self, txn_id: str | None, moved: bool) -> None:
+    def _lapsed(self, txn_id: str | None, moved: bool, engines: tuple[str, ...], driver: Driver) -> None:
         """A framework's transaction was not renewed for ``--max-hold-secs``: the router already let
         requests in again (and took the engines out of rotation when weights had moved); its
         engines are continued here so that none stays paused."""
@@ -479,6 +479,7 @@ class SGLangFacade:
             self._renew(txn)
             version = disk.weight_version or txn.version or new_version()
             txn.version, txn.source, txn.moved = version, disk.model_path, Moved.DISK
+            self.updates.moving(txn.txn)
             self.updates.start_record(txn.txn, version, disk.model_path, self.config.refit, None, Driver.FRAMEWORK)
             self.registry.updating = True
             started = time.monotonic()
@@ -658,6 +659,7 @@ class SGLangFacade:
         (nothing runs on them until the transaction ends, so no prefix computed on the old weights
         survives it)."""
         txn.moved = Moved.DISTRIBUTED
+        self.updates.moving(txn.txn)
         group_json = None
         self.updates.start_record(txn.txn, None, None, self.config.refit, group_json, Driver.FRAMEWORK)
         self.registry.updating = True

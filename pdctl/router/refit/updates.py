@@ -41,6 +41,7 @@ class PushState(Choice):
     COMPLETE = "complete"
     FAILED = "failed"
     ABANDONED = "abandoned (lease expired)"
+    CANCELLED = "cancelled (no weights moved)"
 
 
 class Driver(Choice):
@@ -102,10 +103,13 @@ class _Holder:
     engines: tuple[str, ...] = ()
     lease: asyncio.TimerHandle | None = None
     driver: Driver = Driver.PDCTL
+    moved: bool = False
+    """Weights have begun to move (its driver said so): only then may its engines be half updated."""
 
 
-Lapsed = Callable[[str | None, bool], None]
-"""Told when a transaction's lease ran out: its txn, and whether weights had begun to move."""
+Lapsed = Callable[[str | None, bool, tuple[str, ...], Driver], None]
+"""Told when a transaction's lease ran out: its txn, whether weights had begun to move, its
+engines (paused by it: someone must continue them) and its driver."""
 
 
 class WeightUpdates:
@@ -164,6 +168,7 @@ class WeightUpdates:
                     holder.lease.cancel()
                 holder = self._holder = _Holder(txn, driver=driver)
             holder.engines = tuple(hold.engines) or holder.engines
+            holder.moved = holder.moved or hold.moved
             self.registry.updating = True
             if record and (last is None or last.txn != txn):
                 self.start_record(txn, hold.version, hold.source, hold.refit, hold.group, driver)
@@ -188,6 +193,13 @@ class WeightUpdates:
                     await asyncio.wait_for(idle.wait(), max(hold.timeout_secs, 0.001))
                 except asyncio.TimeoutError:
                     ready = False
+        except asyncio.CancelledError:
+            # Its driver went away before it was answered (Ctrl-C during the drain): it will
+            # never renew nor release, and nothing moved: requests flow again at once.
+            holder = self._holder
+            if new_transaction and holder is not None and holder.txn == txn:
+                self._end_unanswered(holder)
+            raise
         finally:  # the lease starts when the answer goes out (a drain longer than the lease is no dead driver)
             holder = self._holder
             if holder is not None and holder.txn == txn and not self.gate.is_open:
@@ -203,6 +215,22 @@ class WeightUpdates:
         if holder.lease is not None:
             holder.lease.cancel()
         holder.lease = asyncio.get_running_loop().call_later(lease_secs, self._lapse, holder, lease_secs)
+
+    def _end_unanswered(self, holder: _Holder) -> None:
+        log.warning(
+            "weight update %s went away before its hold was answered: admitting requests again", holder.txn or "(bare)"
+        )
+        last = self.last
+        if holder.txn is not None and last is not None and last.txn == holder.txn and not last.ended:
+            last.state, last.ended_at = PushState.CANCELLED, time.time()
+        self._holder = None
+        self.registry.updating = False
+        self.gate.open()
+
+    def moving(self, txn: str) -> None:
+        """Weights begin to move under ``txn`` (the facade's own transactions say it here)."""
+        if self._holder is not None and self._holder.txn == txn:
+            self._holder.moved = True
 
     def start_record(
         self,
@@ -223,16 +251,22 @@ class WeightUpdates:
             return
         txn = holder.txn
         last = self.last
-        moved = txn is not None and last is not None and last.txn == txn and not last.ended
+        ours = txn is not None and last is not None and last.txn == txn and not last.ended
+        moved = holder.moved
         self._holder = None
         if txn is None:
             log.warning("a hold without a transaction was not renewed within %.0fs: admitting requests again", lease)
         elif not moved:
             log.warning(
-                "weight update %s was not renewed within %.0fs and moved no weights: admitting requests again",
+                "weight update %s was not renewed within %.0fs and moved no weights: its engines are continued "
+                "and stay in rotation; admitting requests again",
                 txn,
                 lease,
             )
+            if ours:
+                assert last is not None
+                last.state, last.ended_at = PushState.CANCELLED, time.time()
+                self.metrics.weight_update_ended("cancelled", {}, self.held_secs())
         else:
             log.error(
                 "weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
@@ -243,14 +277,15 @@ class WeightUpdates:
             )
             for url in holder.engines:
                 self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
-            assert last is not None
-            last.state, last.ended_at = PushState.ABANDONED, time.time()
+            if ours:
+                assert last is not None
+                last.state, last.ended_at = PushState.ABANDONED, time.time()
             self.metrics.weight_update_ended("abandoned", {}, self.held_secs())
         self.registry.updating = False
         self.gate.open()
         for told in list(self.on_lapse):
             try:
-                told(txn, moved)
+                told(txn, moved, holder.engines, holder.driver)
             except Exception:  # one listener's bug must not keep the others from hearing
                 log.exception("a lapse listener failed")
 
@@ -271,15 +306,30 @@ class WeightUpdates:
             holder.lease.cancel()
         last = self.last
         if last is not None and txn is not None and last.txn == txn:
-            outcome = PushState.FAILED if release.failed or not release.complete else PushState.COMPLETE
+            if not release.moved:
+                outcome = PushState.CANCELLED
+            elif release.failed or not release.complete:
+                outcome = PushState.FAILED
+            else:
+                outcome = PushState.COMPLETE
             last.state, last.ended_at = outcome, time.time()
             last.complete, last.failed = tuple(release.complete), dict(release.failed)
             last.phases = dict(release.phases)
-            self.metrics.weight_update_ended(outcome.value, dict(release.phases), self.held_secs())
-            if release.complete and last.version is not None:
+            self.metrics.weight_update_ended(outcome.name.lower(), dict(release.phases), self.held_secs())
+            if release.complete and release.moved and last.version is not None:
                 self.registry.set_fleet(FleetWeights(str(last.version), last.source))
         self._holder = None
         self.registry.updating = False
+        fleet = self.registry.fleet
+        if fleet is not None and fleet.source and last is not None and last.txn == txn and release.moved:
+            # A load from disk that some engines missed (not answering: restarting, say): the
+            # router loads the checkpoint into each itself, now or when it answers again.
+            for url in release.failed:
+                worker = self.registry.workers.get(url)
+                if worker is not None and worker.weight_version != fleet.version:
+                    self.registry.set_quarantine(url, fleet.stale_reason(worker.weight_version))
+                    if session is not None and worker.healthy:
+                        self.registry.version_rule(session, worker)
         try:
             if session is not None:
                 await self.registry.check_all(session)
