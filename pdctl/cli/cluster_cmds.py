@@ -187,6 +187,8 @@ def _print_status(result: ClusterStatus) -> None:
             return f"{e.id} [green]up[/]"
 
         out.print(f"engines: {', '.join(engine(e) for e in result.engines)}")
+    if result.step:
+        out.print(f"[yellow]{result.step}[/]" if result.step.startswith("in progress") else f"[red]{result.step}[/]")
     for d in result.mps:
         if d.running is None:
             state = f"[red]unknown[/] ({d.error})"

@@ -62,7 +62,7 @@ def load(path: str, name: str | None, version: str | None, refit: str | None) ->
     store = StateStore()
     cluster = store.resolve_name(name)
     version = version or os.path.basename(path.rstrip("/")) or path
-    report = load_weights(cluster, path, version, refit=refit, store=store)
+    report = load_weights(cluster, path, version, refit=refit, store=store, progress=lambda m: click.echo(m, err=True))
     click.echo(
         f"loaded {path} as version {report.version} into {len(report.engines)} engine(s) in {report.seconds:.2f}s "
         f"(load {report.phases.get('transfer', 0.0):.2f}s, refit {report.refit})"

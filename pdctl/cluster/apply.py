@@ -18,16 +18,19 @@ group does not yet learn the new engine set.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdctl.cluster.down import down, stop_records
+from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, interrupts_deferred
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.restart import RouterControl, relaunch, replace_engine, wait_routable
+from pdctl.cluster.restart import RouterControl, drop_unit, recover, relaunch, replace_engine, wait_routable
 from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
 from pdctl.cluster.up import launch, up, wait_ready
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.plan import LaunchSpec, Plan, make_plan
+from pdctl.plan.model import EngineSpec
 from pdctl.remote import agent_api
 from pdctl.roles import Role
 from pdctl.router.config import Flag
@@ -41,7 +44,7 @@ WORKER_FLAGS = {Flag.PREFILL: 2, Flag.DECODE: 1}
 
 @dataclass(frozen=True)
 class Change:
-    kind: str  # add | replace | remove
+    kind: ChangeKind
     unit: str  # an engine id, or "router"
     processes: tuple[str, ...]
     why: str
@@ -56,16 +59,16 @@ class ApplyPlan:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "changes": [asdict(c) for c in self.changes], "refused": self.refused,
-                "notes": self.notes}  # fmt: skip
+        changes = [{**asdict(c), "kind": c.kind.value} for c in self.changes]
+        return {"name": self.name, "changes": changes, "refused": self.refused, "notes": self.notes}
 
     def text(self) -> str:
         if not self.changes and not self.refused:
             return f"cluster {self.name!r} already matches the file; nothing to do"
         lines = [f"cluster {self.name!r}:"]
-        signs = {"add": "+", "replace": "~", "remove": "-"}
+        signs = {ChangeKind.ADD: "+", ChangeKind.REPLACE: "~", ChangeKind.REMOVE: "-"}
         for c in self.changes:
-            lines.append(f"  {signs[c.kind]} {c.kind} {c.unit} ({', '.join(c.processes)}): {c.why}")
+            lines.append(f"  {signs[c.kind]} {c.kind.value} {c.unit} ({', '.join(c.processes)}): {c.why}")
         for r in self.refused:
             lines.append(f"  ! refused {r}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -85,15 +88,15 @@ def diff(state: ClusterState, top: Topology, plan: Plan) -> ApplyPlan:
         if unit.startswith("trainer"):
             continue
         if unit not in old:
-            out.changes.append(Change("add", unit, tuple(procs), "new in the file"))
+            out.changes.append(Change(ChangeKind.ADD, unit, tuple(procs), "new in the file"))
             continue
         why = _difference(old[unit], procs, router=unit == "router")
         if why:
-            out.changes.append(Change("replace", unit, tuple(procs), why))
+            out.changes.append(Change(ChangeKind.REPLACE, unit, tuple(procs), why))
     for unit, procs in old.items():
         if unit not in new and not unit.startswith("trainer"):
-            out.changes.append(Change("remove", unit, tuple(procs), "no longer in the file"))
-    order = {"add": 0, "replace": 1, "remove": 2}
+            out.changes.append(Change(ChangeKind.REMOVE, unit, tuple(procs), "no longer in the file"))
+    order = {ChangeKind.ADD: 0, ChangeKind.REPLACE: 1, ChangeKind.REMOVE: 2}
     out.changes.sort(key=lambda c: (order[c.kind], c.unit == "router"))
     if any(u.startswith("trainer") for u in new) and any(c.unit != "router" for c in out.changes):
         out.notes.append("the trainer keeps running as it is: its weight group does not include added engines yet")
@@ -207,38 +210,102 @@ def _apply(
     state.nodes = [node_to_dict(n) for n in top.nodes]  # nodes may be added
     state.run_dirs.update({n.name: state.run_dirs.get(n.name) or _run_dir(plan, n.name) for n in top.nodes})
     router = RouterControl(state, store)
+    journal = Journal(state, store, "apply")
+    recover(state, store, nodes, router, events, ready_timeout)
     specs = {s.id: s for s in plan.processes}
     engines = {e.id: e for e in plan.engines}
     old_engines = {e["id"]: e for e in state.plan.get("engines", [])}
     for change in changes.changes:
         unit_specs = [specs[p] for p in change.processes if p in specs]
-        if change.kind == "add":
-            _preflight(nodes, unit_specs)
-            events(change.unit, "starting")
-            launch(unit_specs, state, store, nodes, {}, events)
-            entry = next(s for s in unit_specs if s.entrypoint)
-            wait_ready([entry], state, nodes, ready_timeout, events, watch=[s for s in unit_specs if not s.entrypoint])
-            engine = engines[change.unit]
-            router.add(engine.url, engine.role, engine.bootstrap_port)
-            wait_routable(router, change.unit, engine.url, ready_timeout, events)
-        elif change.kind == "replace" and change.unit == "router":
+        if change.kind is ChangeKind.ADD:
+            _add(state, store, nodes, router, journal, change, unit_specs, engines[change.unit], events, ready_timeout)
+        elif change.kind is ChangeKind.REPLACE and change.unit == "router":
             events("router", "replacing (its clients see a short outage)")
             relaunch(state, store, nodes, unit_specs, events, ready_timeout, router_secrets=True)
             wait_ready(unit_specs, state, nodes, 60.0, events, path="/readiness")
-        elif change.kind == "replace":
-            replace_engine(state, store, nodes, router, change.unit, unit_specs, events, ready_timeout)
-        else:  # remove
-            url = old_engines[change.unit]["url"]
-            events(change.unit, "out of rotation; waiting for its requests to finish")
-            router.cordon(url, True)
-            router.remove(url)
-            stop_records(state, nodes, [state.processes[p] for p in change.processes if p in state.processes],
-                         events=events)  # fmt: skip
+        elif change.kind is ChangeKind.REPLACE:
+            replace_engine(state, store, nodes, router, change.unit, unit_specs, events, ready_timeout, journal)
+        else:
+            _remove(state, store, nodes, router, journal, change, old_engines[change.unit]["url"], events)
         state.plan = _merged_plan(state, plan, change)
-        store.save(state)
+        if state.journal is not None:  # an add: done once the plan names it
+            journal.end()
+        else:
+            store.save(state)
     state.plan = plan.to_dict() | {"processes": _running_specs(state, plan)}
     state.declared = declared_of(top)
     store.save(state)
+
+
+def _add(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    router: RouterControl,
+    journal: Journal,
+    change: Change,
+    specs: list[LaunchSpec],
+    engine: EngineSpec,
+    events: Events,
+    ready_timeout: float,
+) -> None:
+    """Start a new engine and register it with the router; one that does not join (it fails, the
+    router refuses it, Ctrl-C) is stopped and unregistered again: nothing runs that the plan lacks."""
+    _preflight(nodes, specs)
+    journal.begin(change.unit, ChangeKind.ADD, engine.url, change.processes)
+    try:
+        events(change.unit, "starting")
+        launch(specs, state, store, nodes, {}, events)
+        journal.phase(StepPhase.STARTED)
+        entry = next(s for s in specs if s.entrypoint)
+        wait_ready([entry], state, nodes, ready_timeout, events, watch=[s for s in specs if not s.entrypoint])
+        router.add(engine.url or "", engine.role, engine.bootstrap_port)
+        wait_routable(router, change.unit, engine.url or "", ready_timeout, events)
+    except BaseException:
+        with interrupts_deferred():
+            events(change.unit, "did not join: stopping it again")
+            started = [state.processes[p] for p in change.processes if p in state.processes]
+            try:
+                stop_records(state, nodes, started, events=events)
+                if engine.url:
+                    router.remove(engine.url)
+            except LifecycleError as exc:  # left in the journal: the next apply or down stops it
+                events(change.unit, f"could not stop it: {exc}")
+                store.save(state)
+                raise
+            journal.end()
+        raise
+    # the journal ends once the plan names it (_apply): a crash between the two leaves it to recover
+
+
+def _remove(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    router: RouterControl,
+    journal: Journal,
+    change: Change,
+    url: str,
+    events: Events,
+) -> None:
+    """Drain an engine (stopped here, it is taken back), then stop it and unregister it whole."""
+    journal.begin(change.unit, ChangeKind.REMOVE, url, change.processes)
+    events(change.unit, "out of rotation; waiting for its requests to finish")
+    try:
+        router.cordon(url, True)
+    except BaseException:
+        with interrupts_deferred():
+            with contextlib.suppress(LifecycleError):
+                router.cordon(url, False)
+            journal.end()
+        raise
+    journal.phase(StepPhase.CORDONED)
+    with interrupts_deferred():  # from here the removal goes through: a half-removed engine serves nobody
+        stop_records(state, nodes, [state.processes[p] for p in change.processes if p in state.processes],
+                     events=events)  # fmt: skip
+        router.remove(url)
+        drop_unit(state, change.unit)
+        journal.end()
 
 
 def _merged_plan(state: ClusterState, plan: Plan, change: Change) -> dict[str, Any]:
@@ -246,12 +313,12 @@ def _merged_plan(state: ClusterState, plan: Plan, change: Change) -> dict[str, A
     merged = dict(state.plan)
     new_procs = {p.id: p.to_dict() for p in plan.processes}
     procs = [p for p in merged.get("processes", []) if p["id"] not in change.processes]
-    if change.kind != "remove":
+    if change.kind is not ChangeKind.REMOVE:
         procs += [new_procs[p] for p in change.processes if p in new_procs]
     merged["processes"] = procs
     new_engines = {e.id: e.to_dict() for e in plan.engines}
     engines = [e for e in merged.get("engines", []) if e["id"] != change.unit]
-    if change.kind != "remove" and change.unit in new_engines:
+    if change.kind is not ChangeKind.REMOVE and change.unit in new_engines:
         engines.append(new_engines[change.unit])
     merged["engines"] = engines
     return merged

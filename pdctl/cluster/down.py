@@ -58,6 +58,7 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
         finally:
             store.save(state)  # what was stopped is forgotten even when a node failed
         state.status = Phase.DOWN
+        state.journal = None  # a day-2 step left half done has nothing left to finish
         store.save(state)
         summary = f"cluster {name!r} is down ({count} processes stopped)"
     if purge:

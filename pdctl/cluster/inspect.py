@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.cluster.journal import entry_of
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.mps import MpsStatus, daemon_status
 from pdctl.cluster.nodes import NodeSet
@@ -79,15 +80,20 @@ class ClusterStatus:
     engines: list[EngineStatus] = field(default_factory=list)
     mps: list[MpsStatus] = field(default_factory=list)
     """Each node's CUDA MPS control daemon (colocated clusters)."""
+    step: str | None = None
+    """A day-2 command's step on one engine that did not finish (pdctl.cluster.journal), or one in
+    progress now (``in progress:``)."""
 
     @property
     def ok(self) -> bool:
         """Up as declared: every process alive and healthy (the router's readiness says it can
-        serve each role), and every engine of the plan up and in the router's rotation."""
+        serve each role), every engine of the plan up and in the router's rotation, and no day-2
+        step left half done."""
         return (
             self.status == Phase.UP
             and all(p.ok for p in self.processes)
             and all(e.up and e.rotation is None for e in self.engines)
+            and self.step is None
         )
 
     @property
@@ -152,7 +158,28 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
     out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
     engines, daemons = _engines(state, out, router_workers), daemon_status(state, nodes)
-    return ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
+    result = ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
+    result.step = _step(state)
+    return result
+
+
+def _step(state: ClusterState) -> str | None:
+    entry = entry_of(state)
+    if entry is None:
+        return None
+    if _running_pdctl(entry.pid):
+        return f"in progress: `pdctl {entry.command}` (pid {entry.pid}) is to {entry.kind.value} {entry.unit}"
+    return f"{entry.describe()}; run `pdctl {entry.command}` again to finish it, or `pdctl down`"
+
+
+def _running_pdctl(pid: int) -> bool:
+    """Whether ``pid`` is a pdctl command still running on this machine (a journal's writer)."""
+    import psutil
+
+    try:
+        return pid > 0 and "pdctl" in " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
 
 
 def rotation_of(worker: dict[str, Any] | None) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 from pdctl.cluster.down import stop_records
+from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
@@ -95,13 +96,15 @@ def _restart(
     ready_timeout: float,
 ) -> list[str]:
     router = RouterControl(state, store)
+    journal = Journal(state, store, "restart")
+    recover(state, store, nodes, router, events, ready_timeout)
     done = []
     for unit, specs in units:
         if unit == "router":
             relaunch(state, store, nodes, specs, events, ready_timeout, router_secrets=True)
             wait_ready(specs, state, nodes, 60.0, events, path="/readiness")
         else:
-            replace_engine(state, store, nodes, router, unit, specs, events, ready_timeout)
+            replace_engine(state, store, nodes, router, unit, specs, events, ready_timeout, journal)
         done.append(unit)
     return done
 
@@ -121,6 +124,12 @@ def relaunch(
     store.save(state)
     secrets = secret_env(state.plan.get("router", {}).get("api_key_env")) if router_secrets else {}
     launch(specs, state, store, nodes, secrets, events)
+    _wait_started(state, nodes, specs, events, ready_timeout)
+
+
+def _wait_started(
+    state: ClusterState, nodes: NodeSet, specs: list[LaunchSpec], events: Events, ready_timeout: float
+) -> None:
     entrypoints = [s for s in specs if s.entrypoint and s.role is not Role.ROUTER]
     others = [s for s in specs if not s.entrypoint]
     if entrypoints:
@@ -136,20 +145,100 @@ def replace_engine(
     specs: list[LaunchSpec],
     events: Events,
     ready_timeout: float,
+    journal: Journal,
 ) -> None:
     """Engine ``engine_id`` out of rotation (its requests finish), its running processes stopped,
     ``specs`` (its processes as planned now) started, and back in rotation once the router
-    routes to it again."""
+    routes to it again; each phase in the journal. Stopped before its processes were (Ctrl-C, an
+    error), it is taken back into rotation; stopped after, it is left in the journal for
+    ``status`` to report and the next ``restart`` or ``apply`` to finish."""
     url = next(s for s in specs if s.entrypoint).url or ""
-    events(engine_id, "out of rotation; waiting for its requests to finish")
-    drained = router.cordon(url, True)
-    if not drained.get("drained", False):
-        events(engine_id, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
-    running = [rec for rec in state.processes.values() if rec.engine_id == engine_id]
-    stop_records(state, nodes, running, events=events)
-    relaunch(state, store, nodes, specs, events, ready_timeout)
-    router.cordon(url, False)
-    wait_routable(router, engine_id, url, ready_timeout, events)
+    journal.begin(engine_id, ChangeKind.REPLACE, url, tuple(s.id for s in specs))
+    try:
+        events(engine_id, "out of rotation; waiting for its requests to finish")
+        drained = router.cordon(url, True)
+        journal.phase(StepPhase.CORDONED)
+        if not drained.get("drained", False):
+            events(engine_id, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
+        running = [rec for rec in state.processes.values() if rec.engine_id == engine_id]
+        stop_records(state, nodes, running, events=events)
+        journal.phase(StepPhase.STOPPED)
+        launch(specs, state, store, nodes, {}, events)
+        journal.phase(StepPhase.STARTED)
+        _wait_started(state, nodes, specs, events, ready_timeout)
+        router.cordon(url, False)
+        wait_routable(router, engine_id, url, ready_timeout, events)
+        journal.end()
+    except BaseException:
+        with interrupts_deferred():
+            _unwind_replace(journal, router, url, events)
+        raise
+
+
+def _unwind_replace(journal: Journal, router: RouterControl, url: str, events: Events) -> None:
+    """A replace that stopped: take the engine back into rotation while its processes run (the
+    router's health checks and version rule still decide); leave the journal when they do not."""
+    entry = entry_of(journal.state)
+    if entry is None:
+        return
+    # What runs decides, not the phase written last: a launch that Ctrl-C reached finished first.
+    running = all(p in journal.state.processes for p in entry.processes)
+    if entry.phase is StepPhase.STOPPED and not running:
+        events(entry.unit, "left stopped: the next `pdctl restart` or `apply` starts it again")
+        return
+    try:
+        router.cordon(url, False)
+    except LifecycleError as exc:
+        events(entry.unit, f"still cordoned: {exc}")
+        return
+    journal.end()
+
+
+def recover(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    router: RouterControl,
+    events: Events,
+    ready_timeout: float,
+) -> None:
+    """Finish, or undo, the step an interrupted ``restart`` or ``apply`` left in the journal, before
+    anything else: a replaced engine is started again (if it was stopped) and taken back into
+    rotation; an added one that never joined is stopped and unregistered; a removal is finished."""
+    entry = entry_of(state)
+    if entry is None:
+        return
+    journal = Journal(state, store, entry.command)
+    events(entry.unit, f"finishing what was left: {entry.describe()}")
+    specs = [LaunchSpec.from_dict(raw) for raw in state.plan.get("processes", []) if raw["id"] in entry.processes]
+    mine = [rec for rec in state.processes.values() if rec.id in entry.processes or rec.engine_id == entry.unit]
+    if entry.kind is ChangeKind.REPLACE:
+        stopped = [s for s in specs if s.id not in state.processes]
+        if stopped:
+            launch(stopped, state, store, nodes, {}, events)
+            _wait_started(state, nodes, specs, events, ready_timeout)
+        if entry.url:
+            router.cordon(entry.url, False)
+            wait_routable(router, entry.unit, entry.url, ready_timeout, events)
+    else:  # an add that never finished, or a removal: the engine goes
+        planned = any(e.get("id") == entry.unit for e in state.plan.get("engines", []))
+        if entry.kind is ChangeKind.ADD and planned:
+            journal.end()  # it had joined: nothing to undo
+            return
+        stop_records(state, nodes, mine, events=events)
+        if entry.url:
+            router.remove(entry.url)
+        if entry.kind is ChangeKind.REMOVE:
+            drop_unit(state, entry.unit)
+    journal.end()
+
+
+def drop_unit(state: ClusterState, unit: str) -> None:
+    """The state's plan without engine ``unit`` and its processes."""
+    plan = dict(state.plan)
+    plan["processes"] = [p for p in plan.get("processes", []) if (p.get("engine_id") or p["id"]) != unit]
+    plan["engines"] = [e for e in plan.get("engines", []) if e.get("id") != unit]
+    state.plan = plan
 
 
 class RouterControl:

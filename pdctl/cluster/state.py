@@ -78,6 +78,9 @@ class ClusterState:
     source: str = ""
     declared: dict[str, Any] = field(default_factory=dict)
     """What cannot change on a running cluster (``declared_of``), for ``pdctl apply``."""
+    journal: dict[str, Any] | None = None
+    """The day-2 step in progress (pdctl.cluster.journal): which command, on which engine, how
+    far; left behind by a step that was interrupted and could not be undone at once."""
     mps: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per node, the CUDA MPS control daemon of a colocated cluster: pid, create_time,
     pipe_dir, log_dir, and ``started`` (false: it was already running; ``down`` leaves it)."""
@@ -113,6 +116,7 @@ def declared_of(top: Topology) -> dict[str, Any]:
         "trainer.command": list(top.trainer.command) if top.trainer else None,
         "placement.mode": "colocate" if top.placement.colocate else "separate",
         "placement.data_plane": _data_plane_declared(top),
+        "router mode": "pd" if top.is_pd else "regular",  # the router's --pd-disaggregation, fixed at its start
     }
 
 

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from pdctl.agent import RUN_ID_ENV
 from pdctl.agent_replies import SpawnReply, WaitReadyReply
 from pdctl.cluster.down import stop_processes
+from pdctl.cluster.journal import interrupts_deferred
 from pdctl.cluster.keys import ClusterKeys, load_keys, save_keys
 from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
@@ -246,38 +247,41 @@ def launch(
             events(spec.id, "starting")
         return agent_api.spawn(ex, payload)
 
-    results = nodes.each(list(by_node), spawn)
-    errors = []
-    for node, res in results.items():
-        if isinstance(res, RemoteError):
-            errors.append(str(res))
-            continue
-        configured = res.get("configured", [])
-        for spec in by_node[node]:
-            if spec.id in key_files and spec.id not in configured:
-                # an older pdctl on the node: it ignored the key file and started the engine open
-                errors.append(
-                    f"node {node}: its pdctl did not write {spec.id}'s key file (older than this one?): "
-                    "the engine would serve without a key; install this pdctl version on the node"
+    # Spawned and recorded whole: a Ctrl-C meanwhile waits until the state names every process
+    # that started (else it would run with nothing to stop it but a search of the nodes).
+    with interrupts_deferred():
+        results = nodes.each(list(by_node), spawn)
+        errors = []
+        for node, res in results.items():
+            if isinstance(res, RemoteError):
+                errors.append(str(res))
+                continue
+            configured = res.get("configured", [])
+            for spec in by_node[node]:
+                if spec.id in key_files and spec.id not in configured:
+                    # an older pdctl on the node: it ignored the key file and started the engine open
+                    errors.append(
+                        f"node {node}: its pdctl did not write {spec.id}'s key file (older than this one?): "
+                        "the engine would serve without a key; install this pdctl version on the node"
+                    )
+                info = res["started"][spec.id]
+                state.processes[spec.id] = ProcessRecord(
+                    id=spec.id,
+                    role=spec.role,
+                    node=spec.node,
+                    pid=info["pid"],
+                    pgid=info["pgid"],
+                    create_time=info["create_time"],
+                    log_path=spec.log_path,
+                    ports=dict(spec.ports),
+                    url=spec.url,
+                    health_path=spec.health_path,
+                    engine_id=spec.engine_id,
+                    node_rank=spec.node_rank,
+                    exit_file=_exit_file(spec),
                 )
-            info = res["started"][spec.id]
-            state.processes[spec.id] = ProcessRecord(
-                id=spec.id,
-                role=spec.role,
-                node=spec.node,
-                pid=info["pid"],
-                pgid=info["pgid"],
-                create_time=info["create_time"],
-                log_path=spec.log_path,
-                ports=dict(spec.ports),
-                url=spec.url,
-                health_path=spec.health_path,
-                engine_id=spec.engine_id,
-                node_rank=spec.node_rank,
-                exit_file=_exit_file(spec),
-            )
-            events(spec.id, f"started pid {info['pid']} on {node}")
-    store.save(state)
+                events(spec.id, f"started pid {info['pid']} on {node}")
+        store.save(state)
     if errors:
         raise LifecycleError("launch failed: " + "; ".join(errors))
 

@@ -10,6 +10,7 @@ trainer rebuilds it without the failed engine, so the two can differ).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -137,7 +138,13 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
 
 
 def load_weights(
-    name: str, model_path: str, version: str, *, refit: str | None = None, store: StateStore | None = None
+    name: str,
+    model_path: str,
+    version: str,
+    *,
+    refit: str | None = None,
+    store: StateStore | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> PushReport:
     """``/update_weights_from_disk`` of ``model_path`` (a path on each engine's node) on every
     engine, as one transaction (``Fleet.load_from_disk``), in ``refit`` mode (default: the
@@ -146,6 +153,7 @@ def load_weights(
     store = store or StateStore()
     state = _load(store, name)
     fleet = fleet_of(state, timeout_secs=600, store=store)
+    fleet.progress = progress
     try:
         return fleet.load_from_disk(model_path, version, refit)
     finally:

@@ -587,8 +587,9 @@ class Engine:
         batch = self._running  # only this thread changes it (under _cond); slots are 0..n-1
         if self.decode_ms_per_step:
             time.sleep(self.decode_ms_per_step / 1000)
-        ids = torch.tensor([r.output_ids[-1] for r in batch])
-        positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in batch])
+        # (a request aborted before its prefill ran has no token: its row is computed and dropped)
+        ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in batch])
+        positions = torch.tensor([len(r.input_ids) + max(len(r.output_ids), 1) - 1 for r in batch])
         logits = self.model.decode_step(ids, positions, self.pool)
         greedy = torch.argmax(logits, dim=-1).tolist()
         # log_softmax over [B, V] costs as much as a layer; only pay it when someone asked.

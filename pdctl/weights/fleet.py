@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +134,8 @@ class Fleet:
         """The txn of this fleet's own transaction while it holds the router."""
         self.lease: _Lease | None = None
         """Its lease meanwhile."""
+        self.progress: Callable[[str], None] | None = None
+        """Told what a transaction is doing, step by step (``pdctl weights load`` prints it)."""
         # The engines get the engine key (else the router's key, for engines that share it); the
         # router gets its own key (the control-plane key of a pdctl cluster).
         router_keys = {self.router_url: api_key} if self.router_url and api_key else {}
@@ -141,6 +143,10 @@ class Fleet:
 
     def close(self) -> None:
         self.client.close()
+
+    def tell(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what)
 
     def wait_ready(self, timeout_secs: float) -> None:
         """Wait until every engine answers ``/health`` and the router ``/readiness`` with 200,
@@ -336,6 +342,7 @@ class Fleet:
                 with report.phase(Phase.PAUSE):
                     self.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, self.pause_body(mode))
                 with report.phase(Phase.TRANSFER):
+                    self.tell(f"loading {model_path} on {len(members)} engine(s)")
                     self.mark_moved()
                     body = update_weights_from_disk_body(model_path)
                     futures = {
@@ -413,6 +420,10 @@ class _Lease:
             max_staleness=self.fleet.max_staleness,
             group=group,
         )
+        if refit is RefitMode.DRAIN:
+            self.fleet.tell(f"holding the router at {self.fleet.router_url}: draining the requests in flight")
+        else:
+            self.fleet.tell(f"holding the router at {self.fleet.router_url}")
         result = self._call(HOLD_PATH, hold.to_json(), self.fleet.hold_timeout_secs + 10)
         answer = None if isinstance(result, CallFailure) else HoldAnswer.from_json(result)
         if answer is None or not answer.ready:

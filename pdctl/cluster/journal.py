@@ -1,0 +1,137 @@
+"""A day-2 command's journal: the one engine step in progress, in the state file, so that an
+interrupted ``restart`` or ``apply`` strands nothing that ``status``, the next run and ``down``
+cannot see.
+
+Each step of ``restart`` and ``apply`` on one engine (add, replace, remove) writes its phase into
+``state.journal`` before it acts, and clears it when the step is done. A step that stops (Ctrl-C,
+an error) undoes what it can undo at once and safely (an engine it added is stopped and
+unregistered; a cordon it set on an engine still running is lifted) and otherwise leaves its
+entry: ``status`` then says which command left which engine in which phase and exits 1, the next
+``restart`` or ``apply`` finishes it first (``recover``), and ``down`` stops everything the state
+records. Ctrl-C is held back while processes are spawned and recorded (``interrupts_deferred``),
+so that no process runs that the state file does not name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from types import FrameType
+from typing import Any
+
+from pdctl.choices import Choice
+from pdctl.cluster.state import ClusterState, StateStore
+
+log = logging.getLogger("pdctl.cluster")
+
+
+class ChangeKind(Choice):
+    """What a step does to one engine (or the router)."""
+
+    ADD = "add"
+    REPLACE = "replace"
+    REMOVE = "remove"
+
+
+class StepPhase(Choice):
+    """How far a step got."""
+
+    BEGUN = "begun"
+    CORDONED = "cordoned"
+    """Out of the router's rotation; its processes still run."""
+    STOPPED = "stopped"
+    """Its old processes are stopped; the new ones are not started yet."""
+    STARTED = "started"
+    """Its new processes run (recorded in the state); not back in rotation yet."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    command: str  # restart | apply
+    unit: str
+    kind: ChangeKind
+    phase: StepPhase
+    url: str | None
+    processes: tuple[str, ...]
+    pid: int
+    at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "kind": self.kind.value, "phase": self.phase.value, "processes": list(self.processes)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Entry:
+        return cls(
+            command=str(raw["command"]),
+            unit=str(raw["unit"]),
+            kind=ChangeKind(raw["kind"]),
+            phase=StepPhase(raw["phase"]),
+            url=raw.get("url"),
+            processes=tuple(raw.get("processes") or ()),
+            pid=int(raw.get("pid") or 0),
+            at=float(raw.get("at") or 0.0),
+        )
+
+    def describe(self) -> str:
+        """What it left, for ``status`` and errors."""
+        what = {
+            StepPhase.BEGUN: "before it changed anything",
+            StepPhase.CORDONED: "out of the router's rotation (its processes still run)",
+            StepPhase.STOPPED: "stopped (its new processes were not started)",
+            StepPhase.STARTED: "started again but not yet back in the router's rotation",
+        }[self.phase]
+        return f"`pdctl {self.command}` stopped while it was to {self.kind.value} {self.unit}: {what}"
+
+
+def entry_of(state: ClusterState) -> Entry | None:
+    return Entry.from_json(state.journal) if state.journal else None
+
+
+class Journal:
+    """Writes one command's steps into ``state.journal`` (saved at once)."""
+
+    def __init__(self, state: ClusterState, store: StateStore, command: str):
+        self.state, self.store, self.command = state, store, command
+
+    def begin(self, unit: str, kind: ChangeKind, url: str | None, processes: tuple[str, ...]) -> None:
+        entry = Entry(self.command, unit, kind, StepPhase.BEGUN, url, processes, os.getpid(), time.time())
+        self.state.journal = entry.to_json()
+        self.store.save(self.state)
+
+    def phase(self, phase: StepPhase) -> None:
+        assert self.state.journal is not None, "a step has begun"
+        self.state.journal = {**self.state.journal, "phase": phase.value, "at": time.time()}
+        self.store.save(self.state)
+
+    def end(self) -> None:
+        self.state.journal = None
+        self.store.save(self.state)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) until the block is done, then raise KeyboardInterrupt: for what
+    must happen whole (spawn a process and record it; undo a step). Only on the main thread (the
+    only one Python delivers signals to); elsewhere the block simply runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        caught.append(signum)
+        log.warning("interrupted: finishing the step in progress first (it records what it started)")
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

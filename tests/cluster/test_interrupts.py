@@ -1,0 +1,201 @@
+"""Ctrl-C at every phase of the day-2 commands on a local sim cluster, then what a user does next:
+`pdctl status` (it must tell the truth), the same command again (it finishes or undoes), and
+`pdctl down` (nothing left). The phases are the commands' own progress lines; SIGINT goes to the
+command when its line appears (day 2 under fire: an interrupted command strands nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdctl.sim.model import resolve_model, save_checkpoint
+from tests.cluster.test_heal import _run_processes
+from tests.cluster.test_local_cli import local_topology, pdctl
+from tests.helpers import control_auth, free_port_base, get, post
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def interrupted(*args: str, at: str, env: dict, timeout: float = 180) -> tuple[int, str]:
+    """Run ``pdctl ARGS``; send it SIGINT once a progress line containing ``at`` appears (its exit
+    code and output). Fails when the command ends before that line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdctl", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen: list[str] = []
+    sent = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if at in line and not sent.is_set():
+                proc.send_signal(signal.SIGINT)
+                sent.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join()
+    output = "".join(seen)
+    assert sent.is_set(), f"pdctl {' '.join(args)} never printed {at!r}:\n{output}"
+    return code, output
+
+
+def status(env: dict) -> tuple[int, dict]:
+    st = pdctl("status", "--json", env=env)
+    return st.returncode, json.loads(st.stdout)
+
+
+def truth(env: dict, name: str) -> bool:
+    """What is really so, asked of the processes themselves: every planned engine answers and
+    the router routes to it."""
+    _, st = status(env)
+    router = next(p for p in st["processes"] if p["role"] == "router")["url"]
+    workers = {
+        w["url"]: w
+        for w in get(router + "/workers", timeout=10, headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+    }
+    for engine in st["engines"]:
+        url = next(p["url"] for p in st["processes"] if p["id"] in engine["processes"] and p["url"])
+        w = workers.get(url)
+        try:
+            healthy = get(url + "/health", timeout=10)[0] == 200
+        except OSError:
+            healthy = False
+        if not (healthy and w and w["is_healthy"] and not w["cordoned"] and not w["quarantined"]):
+            return False
+    return True
+
+
+def settle(env: dict, name: str, deadline_secs: float = 90) -> tuple[int, dict]:
+    """Status once what the last command left has settled (a started engine passing its checks):
+    its claim must match the truth. Returns the final status."""
+    deadline = time.monotonic() + deadline_secs
+    while True:
+        code, st = status(env)
+        real = truth(env, name)  # after status: while things settle they only get better, so a status
+        # that says ok must find the truth ok right after it
+        if (code == 0) == real and (real or time.monotonic() > deadline):
+            return code, st
+        assert not (code == 0 and not real), f"status says ok while an engine does not serve: {st}"
+        if time.monotonic() > deadline:
+            return code, st
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[tuple[dict, str, str]]:
+    tmp = tmp_path_factory.mktemp("interrupts")
+    topo = local_topology(
+        tmp,
+        "intr",
+        free_port_base(),
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp / "runs")}],
+        decode={"replicas": 2},
+        router={"policy": "round_robin", "admission": {"worker_wait_secs": 30}},
+    )
+    env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        yield env, "intr", topo
+    finally:
+        state = json.loads((tmp / "home" / "intr" / "state.json").read_text())
+        down = pdctl("down", "intr", env=env)
+        assert down.returncode == 0, down.stderr
+        assert _run_processes(state["run_id"]) == [], "down left processes of the cluster running"
+
+
+@pytest.mark.parametrize("phase", ["out of rotation", "stopping", "starting", "started pid"])
+def test_ctrl_c_during_a_restart(cluster, phase) -> None:
+    env, name, _ = cluster
+    code, out = interrupted("restart", name, "decode-0", at=phase, env=env)
+    assert code == 130 and "Traceback" not in out, out
+    code, st = settle(env, name)
+    if code != 0:  # what it left is named, with what to do
+        assert st["step"] and "decode-0" in st["step"] and "again" in st["step"], st
+    again = pdctl("restart", name, "decode-0", env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    code, st = settle(env, name)
+    assert code == 0 and st["step"] is None, st
+
+
+@pytest.mark.parametrize("phase", ["decode-2: starting", "decode-2: started pid"])
+def test_ctrl_c_during_an_apply_that_adds_an_engine(cluster, tmp_path, phase) -> None:
+    env, name, topo = cluster
+    body = yaml.safe_load(Path(topo).read_text())
+    body["decode"] = {"replicas": 3}
+    bigger = tmp_path / "bigger.yaml"
+    bigger.write_text(yaml.safe_dump(body))
+    code, out = interrupted("apply", str(bigger), at=phase, env=env)
+    assert code == 130 and "Traceback" not in out, out
+    # The engine that did not join is stopped and unregistered: the cluster is as it was.
+    code, st = settle(env, name)
+    assert (
+        code == 0 and st["step"] is None and {e["id"] for e in st["engines"]} == {"prefill-0", "decode-0", "decode-1"}
+    )
+    again = pdctl("apply", str(bigger), env=env, timeout=300)
+    assert again.returncode == 0, again.stderr + again.stdout
+    code, st = settle(env, name)
+    assert code == 0 and "decode-2" in {e["id"] for e in st["engines"]}, st
+    back = pdctl("apply", topo, env=env, timeout=300)  # and back to two decodes
+    assert back.returncode == 0, back.stderr + back.stdout
+    assert settle(env, name)[0] == 0
+
+
+def test_an_apply_from_pd_to_regular_is_refused_before_anything_starts(cluster, tmp_path) -> None:
+    env, name, topo = cluster
+    body = yaml.safe_load(Path(topo).read_text())
+    body.pop("prefill")
+    body.pop("decode")
+    body["regular"] = {"replicas": 1}
+    regular = tmp_path / "regular.yaml"
+    regular.write_text(yaml.safe_dump(body))
+    out = pdctl("apply", str(regular), env=env)
+    assert out.returncode == 1 and "router mode: 'pd' -> 'regular'" in out.stderr + out.stdout, out.stderr
+    assert settle(env, name)[0] == 0
+
+
+def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) -> None:
+    """A long request in flight: the load's hold drains for it; Ctrl-C then lets requests in at
+    once, leaves every engine in rotation (no weights moved), and the next load succeeds."""
+    env, name, _ = cluster
+    save_checkpoint(resolve_model("sim://tiny?seed=5", "auto", None), tmp_path / "ckpt")
+    code, st = status(env)
+    router = next(p for p in st["processes"] if p["role"] == "router")["url"]
+    long = {"text": "a long one", "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(post(router + "/generate", long, timeout=300)))
+    client.start()
+    while not any(
+        w["load"] for w in get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+    ):
+        time.sleep(0.05)
+    code, out = interrupted("weights", "load", str(tmp_path / "ckpt"), name, at="draining the requests", env=env)
+    assert code == 130 and "Traceback" not in out, out
+    started = time.monotonic()
+    status_code, answer = post(router + "/generate", {"text": "right away", "sampling_params": {"max_new_tokens": 4}})
+    assert status_code == 200, answer
+    assert time.monotonic() - started < 20, "the router held requests after the load went away"
+    client.join()
+    assert answers[0][0] == 200
+    weights = json.loads(pdctl("weights", "status", name, "--json", env=env).stdout)
+    assert not any(e["out_of_rotation"] for e in weights["engines"]), weights
+    ok = pdctl("weights", "load", str(tmp_path / "ckpt"), name, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert settle(env, name)[0] == 0
