@@ -152,11 +152,15 @@ def replace_engine(
     routes to it again; each phase in the journal. Stopped before its processes were (Ctrl-C, an
     error), it is taken back into rotation; stopped after, it is left in the journal for
     ``status`` to report and the next ``restart`` or ``apply`` to finish."""
-    url = next(s for s in specs if s.entrypoint).url or ""
-    journal.begin(engine_id, ChangeKind.REPLACE, url, tuple(s.id for s in specs))
+    entry = next(s for s in specs if s.entrypoint)
+    url = entry.url or ""
+    # Its address as the router knows it: moved to a node with another address (apply), the old
+    # worker goes and the new one is registered.
+    old_url = next((e.get("url") for e in state.plan.get("engines", []) if e.get("id") == engine_id), None) or url
+    journal.begin(engine_id, ChangeKind.REPLACE, old_url, tuple(s.id for s in specs))
     try:
         events(engine_id, "out of rotation; waiting for its requests to finish")
-        drained = router.cordon(url, True)
+        drained = router.cordon(old_url, True)
         journal.phase(StepPhase.CORDONED)
         if not drained.get("drained", False):
             events(engine_id, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
@@ -166,16 +170,26 @@ def replace_engine(
         launch(specs, state, store, nodes, {}, events)
         journal.phase(StepPhase.STARTED)
         _wait_started(state, nodes, specs, events, ready_timeout)
-        router.cordon(url, False)
+        _back_in_rotation(router, old_url, entry)
         wait_routable(router, engine_id, url, ready_timeout, events)
         journal.end()
     except BaseException:
         with interrupts_deferred():
-            _unwind_replace(journal, router, url, events)
+            _unwind_replace(journal, router, entry, events)
         raise
 
 
-def _unwind_replace(journal: Journal, router: RouterControl, url: str, events: Events) -> None:
+def _back_in_rotation(router: RouterControl, old_url: str, entry: LaunchSpec) -> None:
+    """Lift the cordon; an engine whose address changed is registered anew instead."""
+    url = entry.url or ""
+    if old_url == url:
+        router.cordon(url, False)
+        return
+    router.remove(old_url)
+    router.add(url, entry.role, entry.ports.get("bootstrap"))
+
+
+def _unwind_replace(journal: Journal, router: RouterControl, entry_spec: LaunchSpec, events: Events) -> None:
     """A replace that stopped: take the engine back into rotation while its processes run (the
     router's health checks and version rule still decide); leave the journal when they do not."""
     entry = entry_of(journal.state)
@@ -187,9 +201,12 @@ def _unwind_replace(journal: Journal, router: RouterControl, url: str, events: E
         events(entry.unit, "left stopped: the next `pdctl restart` or `apply` starts it again")
         return
     try:
-        router.cordon(url, False)
+        if entry.phase in (StepPhase.STOPPED, StepPhase.STARTED) and running:
+            _back_in_rotation(router, entry.url or "", entry_spec)
+        else:
+            router.cordon(entry.url or "", False)
     except LifecycleError as exc:
-        events(entry.unit, f"still cordoned: {exc}")
+        events(entry.unit, f"still out of rotation: {exc}")
         return
     journal.end()
 

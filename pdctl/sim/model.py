@@ -262,7 +262,11 @@ def resolve_model(model_path: str, load_format: str, context_length: int | None)
     config = _serving(SimModelConfig(**json.loads((path / "config.json").read_text())), context_length)
     model = TinyLM(config)
     if load_format != "dummy":
-        model.load_weights(list(load_file(str(path / "model.safetensors")).items()))
+        try:
+            tensors = load_file(str(path / "model.safetensors"))
+        except Exception as exc:  # missing, unreadable or corrupt (safetensors' own error is no OSError)
+            raise SimError(f"{path / 'model.safetensors'}: cannot load it: {type(exc).__name__}: {exc}") from exc
+        model.load_weights(list(tensors.items()))
     return model
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from pdctl.sim.service import SimService
 from pdctl.sim.weights import GroupSpec, tensor_specs
 from pdctl.weights.buckets import tensor_checksum
 
+log = logging.getLogger("pdctl.sim")
 NOT_FLUSHED = "Weights were updated, but the cache was not flushed because requests are still running or queued"
 
 
@@ -157,8 +159,10 @@ class WeightRoutes:
 
         try:
             await asyncio.to_thread(run)
-        except (SimError, OSError, RuntimeError) as exc:
-            return _fail(f"Failed to load weights from {path}: {exc}", num_paused_requests=0)
+        except Exception as exc:  # a missing, unreadable or corrupt checkpoint (safetensors' own error
+            # is no OSError): SGLang's answer, the old weights kept, one log line, no traceback
+            log.warning("update_weights_from_disk %s: %s: %s", path, type(exc).__name__, exc)
+            return _fail(f"Failed to load weights from {path}: {type(exc).__name__}: {exc}", num_paused_requests=0)
         return _ok(f"Succeeded to update model weights from {path}.", num_paused_requests=0)
 
     async def update_version(self, request: web.Request) -> web.Response:

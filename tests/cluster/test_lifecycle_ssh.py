@@ -23,7 +23,7 @@ from tests.helpers import engine_auth, post
 pytestmark = pytest.mark.netns
 
 
-def topology(hosts, *, name="t", base=24000, decode_args=None, nodes=None, router_node="h0"):
+def topology(hosts, *, name="t", base=24000, decode_args=None, nodes=None, router_node="h0", decode_node="h1"):
     data = {
         "name": name,
         "model": {"path": "sim://tiny"},
@@ -31,7 +31,7 @@ def topology(hosts, *, name="t", base=24000, decode_args=None, nodes=None, route
         "nodes": nodes or [hosts.node(0), hosts.node(1)],
         "ports": {"base": base},
         "prefill": {"replicas": 1, "tp": 1, "nodes": ["h0"]},
-        "decode": {"replicas": 1, "tp": 1, "nodes": ["h1"], "args": decode_args or {}},
+        "decode": {"replicas": 1, "tp": 1, "nodes": [decode_node], "args": decode_args or {}},
         "router": {"host": "0.0.0.0", "node": router_node, "allow_unauthenticated": True},
     }
     return load_topology_text(yaml.safe_dump(data))[0]
@@ -317,3 +317,26 @@ def test_weight_push_across_hosts(clean_hosts, pdctl_home) -> None:
             assert code == 200 and out["checksums"] == expected, p.id
     finally:
         down("wx")
+
+
+def test_apply_moves_an_engine_to_a_host_with_another_address(clean_hosts, pdctl_home) -> None:
+    """Found by a probe: an apply that moved the decode to another node cordoned its new URL, which
+    the router did not know (404), and stopped. The old worker goes, the new one is registered."""
+    from pdctl.cluster.apply import apply
+
+    top = topology(clean_hosts, name="mv")
+    state = up(top, make_plan(top), ready_timeout_secs=120)
+    try:
+        old = next(e["url"] for e in state.plan["engines"] if e["id"] == "decode-0")
+        moved = topology(clean_hosts, name="mv", decode_node="h0")
+        changes = apply(moved, ready_timeout_secs=120)
+        assert [(c.kind, c.unit) for c in changes.changes] == [("replace", "decode-0")], changes.text()
+        st = status("mv")
+        assert st.ok, st
+        urls = {w["url"] for w in st.router_workers}
+        new = next(e["url"] for e in StateStore().load("mv").plan["engines"] if e["id"] == "decode-0")
+        assert new != old and new in urls and old not in urls, (old, new, urls)
+        code, out = post(state.router_url + "/generate", {"text": "moved", "sampling_params": {"max_new_tokens": 4}})
+        assert code == 200, out
+    finally:
+        down("mv")

@@ -271,3 +271,17 @@ def test_a_model_serves_fewer_positions_than_its_table(tmp_path) -> None:
         assert status == 400 and "exceeds the model's maximum context length of 64" in str(out), out  # as SGLang
         status, out = post(engine.url + "/generate", {"input_ids": [65] * 65, "sampling_params": {"max_new_tokens": 1}})
         assert status == 400, out
+
+
+def test_a_corrupt_checkpoint_is_refused_with_sglangs_answer_and_no_traceback(engines, tmp_path) -> None:
+    """Found by a probe: a corrupt model.safetensors gave a traceback in the engine's log and the
+    client a bare 500. Refused as SGLang refuses a load it cannot do: 400 ``{"success": false}``,
+    the old weights kept."""
+    e = engines[0]
+    before = post(e.url + "/weights_checker", {"action": "checksum"})[1]["checksum"]
+    save_checkpoint(resolve_model("sim://tiny?seed=3", "auto", None), tmp_path / "bad")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not a safetensors file")
+    status, out = post(e.url + "/update_weights_from_disk", {"model_path": str(tmp_path / "bad")})
+    assert status == 400 and out["success"] is False and "SafetensorError" in out["message"], out
+    assert post(e.url + "/weights_checker", {"action": "checksum"})[1]["checksum"] == before
+    assert "Traceback" not in e.log.read_text()
