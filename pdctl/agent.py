@@ -176,7 +176,11 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
             exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
             restart = proc.get("restart") or "never"
-            argv = [sys.executable, "-m", "pdctl.supervise", exit_file, "--restart", restart, "--", *argv]
+            watch: list[str] = []
+            liveness = proc.get("liveness")
+            if isinstance(liveness, dict) and liveness.get("url") and liveness.get("timeout_secs"):
+                watch = ["--liveness", str(liveness["url"]), str(float(liveness["timeout_secs"]))]
+            argv = [sys.executable, "-m", "pdctl.supervise", exit_file, "--restart", restart, *watch, "--", *argv]
         if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
             log_path.replace(log_path.with_name(log_path.name + ".1"))
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

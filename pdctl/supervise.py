@@ -14,7 +14,11 @@ Rules (systemd's ``Restart=on-failure``, with its clean signals):
   at most MAX_RESTARTS times within WINDOW_SECS; the next failure leaves it down (``gave_up``);
 - the child does not outlive the wrapper (Linux: the kernel SIGKILLs it when the wrapper dies, a
   ``kill -9`` or an OOM kill of the wrapper): an orphan would go on serving while ``status`` says
-  it is down and nothing would heal it.
+  it is down and nothing would heal it;
+- with ``--liveness URL SECS`` (Kubernetes' liveness probe): once the child has answered ``URL``
+  (any status: an engine's open ``/ready``), a child that answers nothing there for SECS (a hung
+  process: ``kill -STOP``, a wedged GPU) is SIGKILLed with its descendants, and its restart policy
+  applies (``last_exit`` says why).
 
 FILE (0600, replaced atomically) says: ``state`` (running, backoff, exited, gave_up), the child's
 ``pid`` and ``create_time``, ``restarts``, ``last_exit`` (``code``: the exit status, negative for a
@@ -24,13 +28,17 @@ as ``up`` and ``status`` read it).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,12 +99,34 @@ class Story:
         os.replace(tmp, self.path)
 
 
+@dataclass(frozen=True)
+class Liveness:
+    url: str
+    timeout_secs: float
+
+    @property
+    def period_secs(self) -> float:
+        return min(1.0, self.timeout_secs / 5)
+
+    def answers(self) -> bool:
+        """Whether ``url`` answers at all (any HTTP status) within a period."""
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.period_secs):
+                return True
+        except urllib.error.HTTPError:
+            return True  # an answer all the same (503 while starting)
+        except (OSError, ValueError):
+            return False
+
+
 class Supervisor:
-    def __init__(self, story: Story, command: list[str]):
+    def __init__(self, story: Story, command: list[str], liveness: Liveness | None = None):
         self.story = story
         self.command = command
+        self.liveness = liveness
         self.child: subprocess.Popen | None = None
         self.stopping = False
+        self.killed_for: str | None = None
 
     def run(self) -> int:
         for sig in STOP_SIGNALS:
@@ -105,6 +135,8 @@ class Supervisor:
             code = self._run_once()
             story = self.story
             story.last_exit = {"code": code, "at": time.time()}
+            if self.killed_for is not None:
+                story.last_exit["why"], self.killed_for = self.killed_for, None
             if self.stopping or story.restart == RestartPolicy.NEVER or not failed(code):
                 return self._done("exited", code)
             now = time.monotonic()
@@ -143,7 +175,24 @@ class Supervisor:
         except psutil.Error:
             story.create_time = None
         story.write()
+        if self.liveness is not None:
+            threading.Thread(target=self._watch, args=(self.child, self.liveness), daemon=True).start()
         return self.child.wait()
+
+    def _watch(self, child: subprocess.Popen, liveness: Liveness) -> None:
+        """Kill ``child`` once it has answered and then stays silent for the timeout."""
+        last: float | None = None
+        while child.poll() is None and not self.stopping:
+            started = time.monotonic()
+            if liveness.answers():
+                last = time.monotonic()
+            elif last is not None and time.monotonic() - last >= liveness.timeout_secs:
+                why = f"answered nothing on {liveness.url} for {time.monotonic() - last:.0f}s (liveness)"
+                _say(f"{why}: killing it")
+                self.killed_for = why
+                _kill_tree(child.pid)
+                return
+            time.sleep(max(0.0, liveness.period_secs - (time.monotonic() - started)))
 
     def _stop(self, signum: int, _frame: Any) -> None:
         self.stopping = True
@@ -187,6 +236,17 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     return arm
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (a stopped process dies of SIGKILL too)."""
+    try:
+        parent = psutil.Process(pid)
+        for proc in [*parent.children(recursive=True), parent]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    except psutil.Error:
+        pass
+
+
 def _describe(code: int) -> str:
     return f"code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
 
@@ -198,12 +258,21 @@ def _say(message: str) -> None:
 
 def main(argv: list[str]) -> int:
     restart = "never"
+    liveness = None
+    usage = "usage: python -m pdctl.supervise FILE [--restart on-failure|never] [--liveness URL SECS] -- ARGV..."
     if len(argv) >= 2 and argv[1] == "--restart":
         restart, argv = argv[2], [argv[0], *argv[3:]]
+    if len(argv) >= 4 and argv[1] == "--liveness":
+        try:
+            liveness = Liveness(argv[2], float(argv[3]))
+        except ValueError:
+            print(usage, file=sys.stderr)
+            return 2
+        argv = [argv[0], *argv[4:]]
     if len(argv) < 3 or argv[1] != "--" or restart not in {p.value for p in RestartPolicy}:
-        print("usage: python -m pdctl.supervise FILE [--restart on-failure|never] -- ARGV...", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
-    return Supervisor(Story(expand(argv[0]), restart), argv[2:]).run()
+    return Supervisor(Story(expand(argv[0]), restart), argv[2:], liveness).run()
 
 
 if __name__ == "__main__":

@@ -210,7 +210,8 @@ def _exit_text(last_exit: dict) -> str:
     code = last_exit.get("code")
     how = f"signal {-code}" if isinstance(code, int) and code < 0 else f"code {code}"
     at = last_exit.get("at")
-    return how + (f" at {time.strftime('%H:%M:%S', time.localtime(at))}" if isinstance(at, (int, float)) else "")
+    text = how + (f" at {time.strftime('%H:%M:%S', time.localtime(at))}" if isinstance(at, (int, float)) else "")
+    return text + (f" (killed: it {last_exit['why']})" if last_exit.get("why") else "")
 
 
 @click.command()

@@ -238,6 +238,8 @@ def launch(
                 "exit_file": _exit_file(spec),
                 "restart": spec.restart,
             }
+            if spec.liveness_secs and spec.url:  # probed on SGLang's open /ready (no key needed)
+                entry["liveness"] = {"url": spec.url + "/ready", "timeout_secs": spec.liveness_secs}
             if spec.id in key_files:  # not in the plan: `pdctl plan` never shows it
                 assert keys is not None
                 entry["config"] = {"api-key": keys.engine}

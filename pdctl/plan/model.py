@@ -49,6 +49,8 @@ class LaunchSpec:
     health_path: str | None = None
     restart: str = "never"
     """on-failure: its node's supervisor restarts it when it fails (pdctl.supervise)."""
+    liveness_secs: float | None = None
+    """Its supervisor kills it when its HTTP port has answered nothing this long (once it first did)."""
 
     @property
     def url(self) -> str | None:
@@ -81,6 +83,7 @@ class LaunchSpec:
             "entrypoint": self.entrypoint,
             "health_path": self.health_path,
             "restart": self.restart,
+            "liveness_secs": self.liveness_secs,
             "url": self.url,
         }
 
@@ -104,6 +107,7 @@ class LaunchSpec:
             entrypoint=raw.get("entrypoint", False),
             health_path=raw.get("health_path"),
             restart=raw.get("restart", "never"),
+            liveness_secs=raw.get("liveness_secs"),
         )
 
 

@@ -238,6 +238,7 @@ def _plan_engine(
             entrypoint=rank == 0,
             health_path="/health" if rank == 0 else None,
             restart=group.restart,
+            liveness_secs=group.liveness_timeout_secs if rank == 0 else None,
         )
         if rank == 0:
             url = spec.url or ""

@@ -39,7 +39,7 @@ from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_repl
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import Upstream
-from pdctl.router.workers import WorkerRegistry
+from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint, batch_size_of
 
 log = logging.getLogger("pdctl.router")
@@ -73,6 +73,7 @@ class RouterServer:
         self.updates = WeightUpdates(self.registry, self.metrics, self.gate)
         self.facade = SGLangFacade(config, self.registry, self.updates, self._client, self._idle, self._in_flight)
         self.updates.on_lapse.append(self._lapsed)
+        self.registry.on_hung.append(self._hung)
         self._tasks: set[asyncio.Task] = set()
         self.metrics.in_flight.set_function(lambda: self._active)  # read at scrape time, not per request
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
@@ -288,6 +289,11 @@ class RouterServer:
 
     def _client(self) -> aiohttp.ClientSession | None:
         return self.session
+
+    def _hung(self, worker: Worker, why: str) -> None:
+        """What a hung worker runs is failed over as a dead one's: retried on another pair, a
+        stream continued on another decode."""
+        self.dispatcher.legs.upstream.fail_host(worker.url, f"{worker.role} {worker.url}: {why}")
 
     def _lapsed(self, txn: str | None, moved: bool, engines: tuple[str, ...], driver: Driver) -> None:
         """A pdctl transaction's lease ran out (its trainer or ``pdctl weights load`` is gone): the

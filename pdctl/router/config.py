@@ -67,8 +67,17 @@ class HealthConfig:
         "version meets the version rule at once (0: no probes).",
     )
 
+    liveness_timeout_secs: float = setting(
+        5.0,
+        "--liveness-timeout-secs",
+        "A worker in rotation that answers none of the probes for this long (it takes connections and "
+        "answers nothing: a hung process, kill -STOP) leaves rotation, and the requests it runs are failed "
+        "over to other workers as a dead one's are (0: never).",
+    )
+
     def __post_init__(self) -> None:
         _check(self.interval_secs > 0, "--health-check-interval-secs", self.interval_secs, "> 0")
+        _check(self.liveness_timeout_secs >= 0, "--liveness-timeout-secs", self.liveness_timeout_secs, ">= 0")
         _check(self.liveness_interval_secs >= 0, "--liveness-interval-secs", self.liveness_interval_secs, ">= 0")
         _check(self.startup_interval_secs > 0, "--worker-startup-check-interval", self.startup_interval_secs, "> 0")
         _check(self.timeout_secs > 0, "--health-check-timeout-secs", self.timeout_secs, "> 0")

@@ -27,7 +27,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdctl.router.jsonutil import dumps, loads
-from pdctl.router.upstream import Answered, Posting, Response, Sending, Streaming, StreamSink, UpstreamTimeout
+from pdctl.router.upstream import (
+    Answered,
+    Posting,
+    Response,
+    Sending,
+    Streaming,
+    StreamSink,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 
 @dataclass(frozen=True)
@@ -80,14 +89,28 @@ class MockUpstream:
         self.streams: list[_Stream] = []
         """Every streamed answer, in order (a test reads whether the router holds one back)."""
         self.closed = False
+        self._hung: dict[str, list[asyncio.Future[str]]] = {}
+        """Per server (``scheme://host:port``), a future for each whole request in flight that
+        ``fail_host`` sets to end it."""
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str], timeout: float | None) -> Response:
         request = UpstreamRequest(url, body, dict(headers), False)
         self.requests.append(request)
+        hung: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        waiting = self._hung.setdefault(request.base, [])
+        waiting.append(hung)
+        whole = asyncio.ensure_future(self._whole(request))
         try:
-            return await asyncio.wait_for(self._whole(request), timeout)
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout("no answer within the request timeout") from None
+            either: set[asyncio.Future[Any]] = {whole, hung}
+            done, _ = await asyncio.wait(either, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if whole in done:
+                return whole.result()
+            if hung in done:
+                raise UpstreamError(hung.result())
+            raise UpstreamTimeout("no answer within the request timeout")
+        finally:
+            whole.cancel()
+            waiting.remove(hung)
 
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
@@ -100,8 +123,19 @@ class MockUpstream:
         request = UpstreamRequest(url, body, dict(headers), True)
         self.requests.append(request)
         stream = _Stream(self.handler(request), sink, timeout)
+        stream.base = request.base
         self.streams.append(stream)
         return stream
+
+    def fail_host(self, url: str, reason: str) -> None:
+        """See ``Upstream.fail_host``."""
+        base = UpstreamRequest(url, b"", {}, False).base
+        for hung in self._hung.get(base, []):
+            if not hung.done():
+                hung.set_result(reason)
+        for stream in self.streams:
+            if stream.base == base and stream.sink is not None:
+                stream.fail(UpstreamError(reason))
 
     async def _whole(self, request: UpstreamRequest) -> Response:
         reply = await self.handler(request)
@@ -122,6 +156,7 @@ class _Stream:
     def __init__(self, reply: Awaitable[MockReply], sink: StreamSink, timeout: float | None):
         loop = asyncio.get_running_loop()
         self.sink: StreamSink | None = sink
+        self.base = ""
         self.deadline = None if timeout is None else loop.time() + timeout
         self.reading = asyncio.Event()
         self.reading.set()
@@ -170,6 +205,11 @@ class _Stream:
     def cancel(self) -> None:
         self.sink = None
         self.task.cancel()  # (the handler, or its chunks' generator, sees CancelledError)
+
+    def fail(self, exc: BaseException) -> None:
+        """Its connection broke: the sink hears it, the handler sees the reader go away."""
+        self._failed(exc)
+        self.task.cancel()
 
     def pause(self) -> None:
         self.reading.clear()

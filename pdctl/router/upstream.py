@@ -91,6 +91,12 @@ class Upstream(Protocol):
         reading it (flow control: the engine is held back by TCP, nothing piles up here)."""
         ...
 
+    def fail_host(self, url: str, reason: str) -> None:
+        """End every request in flight to ``url``'s server with UpstreamError(``reason``), not
+        tried again on a fresh connection: its server is hung (it takes connections and answers
+        nothing), so that the router fails them over as it does a dead engine's."""
+        ...
+
     def close(self) -> None:
         """Close every connection."""
         ...
@@ -264,6 +270,7 @@ class _Conn:
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.given_up = False  # its server was declared hung: a failure is not tried again
         self.deadline: float | None = None  # of the request in flight, on the loop's clock
         self.timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -318,6 +325,7 @@ class _Conn:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A TCP connection's transport: it reads and writes (uvloop's subclasses no asyncio class).
         self.transport = cast(asyncio.Transport, transport)
+        self.pool._live[self.key].add(self)  # (once per connection, not per request)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -354,6 +362,7 @@ class _Conn:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.pool._live[self.key].discard(self)
         self.parser = None  # type: ignore[assignment]  # it holds bound methods of self: a cycle (never used again)
         self._cancel_timer()
         self._fail(UpstreamError(f"connection closed: {exc or 'by peer'}"))
@@ -418,7 +427,7 @@ class _Conn:
     def died_idle(self) -> bool:
         """A kept-alive connection the server had closed: it failed before any answer byte, and
         not by the request timeout (such a request is tried once more on a fresh connection)."""
-        return self.reused and not self.got_bytes and not self.timed_out
+        return self.reused and not self.got_bytes and not self.timed_out and not self.given_up
 
     def whole(self) -> Response:
         """The response read whole (status, headers, body)."""
@@ -442,6 +451,8 @@ class UpstreamPool:
 
     def __init__(self, *, max_idle_per_host: int = 256):
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = collections.defaultdict(collections.deque)
+        self._live: dict[tuple[str, int], set[_Conn]] = collections.defaultdict(set)
+        """Every open connection, by server (``fail_host`` reaches the busy ones)."""
         self.max_idle = max_idle_per_host
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (address, request-line prefix)
         # The header lines of the last headers sent: a PD request's two legs send the same dict.
@@ -552,6 +563,17 @@ class UpstreamPool:
             self.release(conn)
             return response
         raise AssertionError("unreachable")
+
+    def fail_host(self, url: str, reason: str) -> None:
+        """See ``Upstream.fail_host``."""
+        parts = urlsplit(url)
+        key = (parts.hostname or "127.0.0.1", parts.port or 80)
+        for conn in list(self._live.get(key, ())):
+            waiting = conn.done is not None and not conn.done.done()
+            if conn.sent is not None or conn.streamed is not None or waiting:
+                conn.given_up = True
+                conn._fail(UpstreamError(reason))
+                conn.close()
 
     def close(self) -> None:
         for idle in self._idle.values():

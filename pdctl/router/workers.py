@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
@@ -53,6 +54,8 @@ class Worker:
     does not wait for it (that is what the breaker is for), where it waits for a worker restarting."""
     restarts: int = 0
     """Times its process went away (``gone``) and a new one passed a health check."""
+    last_answer: float = field(default_factory=time.monotonic)
+    """When it last answered a probe or a health check (monotonic): a hung process stops answering."""
     quarantined: str | None = None
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
     cordoned: str | None = None
@@ -121,6 +124,8 @@ class WorkerRegistry:
         """Set when a worker leaves rotation: the health loop then checks at the fast interval."""
         self._rotation: asyncio.Future[None] | None = None
         """Made by a request that waits for a worker (``wait_for_rotation``), done when one may have come."""
+        self.on_hung: list[Callable[[Worker, str], None]] = []
+        """Told when a worker in rotation stopped answering (the router fails over what it runs)."""
 
     # -- rotation ----------------------------------------------------------------------------
     def rotation_changed(self) -> None:
@@ -361,7 +366,14 @@ class WorkerRegistry:
             await asyncio.sleep(interval)
             live = [w for w in self.workers.values() if w.healthy]
             results = await asyncio.gather(*(_model_info(session, w, interval) for w in live))
+            now = time.monotonic()
+            hung_after = self.config.health.liveness_timeout_secs
             for worker, info in zip(live, results, strict=True):
+                if info is _SILENT:
+                    if hung_after and worker.healthy and now - worker.last_answer >= hung_after:
+                        self.hung(worker, now - worker.last_answer)
+                    continue
+                worker.last_answer = now
                 if info is _REFUSED and worker.healthy:
                     self.lost(worker, "its port refuses connections")
                 elif isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
@@ -369,6 +381,14 @@ class WorkerRegistry:
                     if not self.updating:
                         self.version_rule(session, worker)
                     self.rotation_changed()
+
+    def hung(self, worker: Worker, silent_secs: float) -> None:
+        """``worker`` takes connections and answers nothing: out of rotation now, and what it runs
+        failed over (``on_hung``); back after a passed check (its supervisor may restart it)."""
+        why = f"it has answered nothing for {silent_secs:.0f}s (hung?)"
+        self.lost(worker, why)
+        for told in list(self.on_hung):
+            told(worker, why)
 
     def lost(self, worker: Worker, why: str) -> None:
         """``worker``'s process is gone: out of rotation now; back after ``success_threshold`` checks."""
@@ -442,6 +462,7 @@ class WorkerRegistry:
         if c.health.disabled:
             return  # always in rotation: nothing would bring it back
         if ok:
+            worker.last_answer = time.monotonic()
             worker.consecutive_failures = 0
             worker.consecutive_successes += 1
             if not worker.activated:
@@ -485,6 +506,7 @@ class WorkerRegistry:
 
 
 _REFUSED = object()
+_SILENT = object()
 
 
 def _key_of(worker: Worker) -> str | None:
@@ -493,17 +515,23 @@ def _key_of(worker: Worker) -> str | None:
 
 
 async def _model_info(session: aiohttp.ClientSession, worker: Worker, timeout: float) -> object:
-    """A worker's ``/model_info`` (a dict), ``_REFUSED`` when nothing listens on its port, or
-    None when it did not answer in time (or not with JSON)."""
+    """A worker's ``/model_info`` (a dict), ``_REFUSED`` when nothing listens on its port,
+    ``_SILENT`` when no answer came in time (or the connection broke before one), or None when it
+    answered but not with JSON."""
     try:
         async with session.get(
             worker.url + Endpoint.MODEL_INFO.value, timeout=aiohttp.ClientTimeout(total=timeout), headers=worker.auth
         ) as resp:
-            info = await resp.json(content_type=None) if resp.status == 200 else None
+            try:
+                info = await resp.json(content_type=None) if resp.status == 200 else None
+            except ValueError:
+                return None
     except aiohttp.ClientConnectorError as exc:
-        return _REFUSED if isinstance(exc.os_error, ConnectionRefusedError) else None
+        return _REFUSED if isinstance(exc.os_error, ConnectionRefusedError) else _SILENT
     except asyncio.CancelledError:
         raise
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+        return _SILENT
     except Exception:  # (a URL that cannot even be requested is no answer either)
-        return None
+        return _SILENT
     return info if isinstance(info, dict) else None

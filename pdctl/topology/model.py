@@ -118,6 +118,9 @@ class ServerGroup:
     """Where the group is written (``decode``, ``prefill[1]``, ``allocation``), for messages."""
     restart: RestartPolicy = RestartPolicy.ON_FAILURE
     """Restart policy of its processes on their nodes (pdctl.supervise): on-failure or never."""
+    liveness_timeout_secs: float | None = 30.0
+    """Its supervisor kills (then restarts by policy) an engine silent this long on its HTTP port
+    once it first answered; None: never (pdctl.supervise)."""
 
     @property
     def gpus_per_engine(self) -> int:
@@ -149,6 +152,7 @@ class ServerGroup:
             args=_frozen_map(raw.get("args")),
             env=_env(raw.get("env")),
             restart=RestartPolicy(raw.get("restart", "on-failure")),
+            liveness_timeout_secs=raw.get("liveness_timeout_secs", 30.0),
         )
 
 

@@ -289,3 +289,50 @@ def test_the_sixth_crash_within_ten_minutes_leaves_the_engine_down_and_status_sa
         assert "left down" in table.stdout and "failed 6 times within 10 minutes" in table.stdout, table.stdout
     finally:
         assert pdctl("down", "loop", env=env).returncode == 0
+
+
+def test_a_hung_engine_leaves_rotation_its_requests_go_on_elsewhere_and_its_supervisor_restarts_it(
+    tmp_path,
+) -> None:
+    """`kill -STOP` of a decode under load (a hung process: it takes connections and answers
+    nothing). The router takes it out once it has answered nothing for its liveness timeout and
+    fails over what it ran, as a dead decode's (0 failed requests); its node's supervisor, whose
+    liveness probe (the topology's liveness_timeout_secs) finds it silent, kills and restarts it;
+    status shows why."""
+    node = {"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp_path / "runs")}
+    topo = local_topology(
+        tmp_path,
+        "hung",
+        free_port_base(),
+        decode={"replicas": 2, "args": PACED, "liveness_timeout_secs": 4},
+        router={"health": {"liveness_timeout_secs": 2}},
+        nodes=[node],
+    )
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    state = json.loads((tmp_path / "home" / "hung" / "state.json").read_text())
+    try:
+        status = _status(env)
+        router = _router(env, "hung")
+        url = status["decode-0"]["url"]
+        old = status["decode-0"]
+        with Clients(router) as clients:
+            while not any(a[1] == 200 for a in clients.answers):
+                time.sleep(0.05)
+            os.kill(old["pid"], signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            while _workers(router)[url]["is_healthy"]:  # out of rotation, the router's own doing
+                time.sleep(0.1)
+            back = _wait_back(env, "decode-0", old["pid"], 1)  # killed and restarted by its supervisor
+            assert back["last_exit"]["code"] == -signal.SIGKILL and "liveness" in back["last_exit"]["why"], back
+            _wait_in_rotation(router, url)
+            while not [a for a in clients.answers if a[0] > time.monotonic() - 0.5 and a[1] == 200]:
+                time.sleep(0.05)
+        assert not clients.failed(), clients.failed()[:3]
+        assert any(a[0] > stopped_at for a in clients.answers)
+        shown = pdctl("status", "hung", env=env)
+        assert "liveness" in shown.stdout, shown.stdout
+    finally:
+        pdctl("down", "hung", env=env)
+    assert _run_processes(state["run_id"]) == []
