@@ -199,3 +199,56 @@ def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) ->
     ok = pdctl("weights", "load", str(tmp_path / "ckpt"), name, env=env)
     assert ok.returncode == 0, ok.stderr
     assert settle(env, name)[0] == 0
+
+
+def test_a_load_while_the_only_prefill_restarts_fails_no_request(cluster, tmp_path) -> None:
+    """Found by a probe: a `weights load` while the only prefill restarted (kill -9, its supervisor
+    bringing it back) went on without it, exited 0, and the router kept it out for good (a
+    "missed weight push"), every request a 503. Now the load says which engine it missed (exit 1),
+    the router loads the checkpoint into it once it answers, and requests wait for it meanwhile."""
+    env, name, _ = cluster
+    save_checkpoint(resolve_model("sim://tiny?seed=9", "auto", None), tmp_path / "ckpt9")
+    _, st = status(env)
+    router = next(p for p in st["processes"] if p["role"] == "router")["url"]
+    prefill = next(p for p in st["processes"] if p["id"] == "prefill-0")
+    stop = threading.Event()
+    answers: list = []
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(
+                    post(
+                        router + "/generate", {"text": "load me", "sampling_params": {"max_new_tokens": 8}}, timeout=120
+                    )
+                )
+            except OSError as exc:
+                answers.append((0, str(exc)))
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        os.kill(prefill["pid"], signal.SIGKILL)
+        load = pdctl("weights", "load", str(tmp_path / "ckpt9"), name, "--version", "v9", env=env)
+        assert load.returncode in (0, 1), load.stderr
+        if load.returncode == 1:  # it missed the prefill: it says so, and who finishes the job
+            assert "prefill-0" in load.stderr and "once they answer again" in load.stderr, load.stderr
+        deadline = time.monotonic() + 120
+        while True:  # the router loads the checkpoint into the prefill once it is back
+            workers = get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+            if all(w["weight_version"] == "v9" and not w["quarantined"] and w["is_healthy"] for w in workers):
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.2)
+        done = len(answers)
+        while len(answers) < done + 4:  # served on the new version after it
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for c in clients:
+            c.join()
+    failed = [a for a in answers if a[0] != 200]
+    assert not failed, failed[:3]
+    assert answers[-1][1]["meta_info"]["weight_version"] == "v9"
+    assert settle(env, name)[0] == 0
