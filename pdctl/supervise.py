@@ -46,6 +46,7 @@ from typing import Any
 
 import psutil
 
+from pdctl.choices import Choice
 from pdctl.nodeproc import expand
 from pdctl.roles import RestartPolicy
 
@@ -64,13 +65,24 @@ def failed(code: int) -> bool:
     return code > 0 or signal.Signals(-code) not in CLEAN_SIGNALS
 
 
+class SupervisedState(Choice):
+    """Where a supervised process stands (FILE's ``state``; ``pdctl status`` reads it)."""
+
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    """It failed; restarted after a backoff."""
+    EXITED = "exited"
+    GAVE_UP = "gave_up"
+    """It failed too often: left down (``reason`` says why)."""
+
+
 @dataclass
 class Story:
     """What FILE says about the supervised process."""
 
     path: str
     restart: str
-    state: str = "running"
+    state: SupervisedState = SupervisedState.RUNNING
     pid: int | None = None
     create_time: float | None = None
     restarts: int = 0
@@ -82,7 +94,7 @@ class Story:
 
     def write(self) -> None:
         body = {
-            "state": self.state,
+            "state": self.state.value,
             "restart": self.restart,
             "pid": self.pid,
             "create_time": self.create_time,
@@ -138,7 +150,7 @@ class Supervisor:
             if self.killed_for is not None:
                 story.last_exit["why"], self.killed_for = self.killed_for, None
             if self.stopping or story.restart == RestartPolicy.NEVER or not failed(code):
-                return self._done("exited", code)
+                return self._done(SupervisedState.EXITED, code)
             now = time.monotonic()
             while story.recent and now - story.recent[0] > WINDOW_SECS:
                 story.recent.popleft()
@@ -148,13 +160,13 @@ class Supervisor:
                     f"(last exit {_describe(code)}); left down"
                 )
                 _say(f"{story.reason}")
-                return self._done("gave_up", code)
+                return self._done(SupervisedState.GAVE_UP, code)
             delay = min(BACKOFF_SECS * 2 ** len(story.recent), BACKOFF_MAX_SECS)
-            story.state, story.pid, story.create_time = "backoff", None, None
+            story.state, story.pid, story.create_time = SupervisedState.BACKOFF, None, None
             story.write()
             _say(f"exited ({_describe(code)}); restart {story.restarts + 1} in {delay:g}s")
             if self._wait_stop(delay):
-                return self._done("exited", code)
+                return self._done(SupervisedState.EXITED, code)
             story.recent.append(time.monotonic())
             story.restarts += 1
 
@@ -169,7 +181,7 @@ class Supervisor:
             return 127
         if self.stopping:  # a stop signal came while it started: its handler may have missed it
             self.child.terminate()
-        story.state, story.pid = "running", self.child.pid
+        story.state, story.pid = SupervisedState.RUNNING, self.child.pid
         try:
             story.create_time = psutil.Process(self.child.pid).create_time()
         except psutil.Error:
@@ -211,7 +223,7 @@ class Supervisor:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
-    def _done(self, state: str, code: int) -> int:
+    def _done(self, state: SupervisedState, code: int) -> int:
         self.story.state, self.story.exit_code = state, code
         self.story.pid = self.story.create_time = None
         self.story.write()

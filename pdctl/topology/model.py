@@ -222,6 +222,11 @@ class TrainerConfig:
     """How long ``up`` watches it after its start: an exit with an error in that time fails ``up``."""
 
 
+DEFAULT_BUCKET_MB = 1024
+"""The one home of ``weights.bucket_mb``'s default: the schema (pdctl.topology.schema) and
+``pdctl.weights`` read it from here."""
+
+
 class WeightBackend(Choice):
     """The flat weight group's torch.distributed backend: ``nccl`` on GPUs, ``gloo`` on CPU."""
 
@@ -239,7 +244,7 @@ class PlacementMode(Choice):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightsConfig:
     backend: WeightBackend = WeightBackend.NCCL
-    bucket_mb: int = 1024  # pdctl.weights.env.DEFAULT_BUCKET_MB (a test holds the two together)
+    bucket_mb: int = DEFAULT_BUCKET_MB
     group_name: str = "weight_update_group"
     refit: RefitMode = RefitMode.DRAIN
     """How a weight update treats requests in flight (pdctl.refit)."""

@@ -33,9 +33,11 @@ def topology_schema() -> dict[str, Any]:
     setting groups (``retry``, ``breaker``, ``admission``, ``health``, ``cache``) added from the
     router's own settings table (pdctl.router.config.SETTINGS): one definition, one set of defaults."""
     from pdctl.router.config import SETTINGS
+    from pdctl.topology.model import DEFAULT_BUCKET_MB
 
     text = resources.files("pdctl").joinpath("schemas/topology.schema.json").read_text()
     schema = json.loads(text)
+    schema["properties"]["weights"]["properties"]["bucket_mb"]["default"] = DEFAULT_BUCKET_MB
     router = schema["properties"]["router"]["properties"]
     kinds = {int: "integer", float: "number", bool: "boolean"}
     for setting in SETTINGS:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdctl.refit import RefitMode, parse_staleness
 from pdctl.sglang import DEFAULT_GROUP_NAME
+from pdctl.topology.model import DEFAULT_BUCKET_MB
 
 WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
 ROUTER_URL_ENV = "PDCTL_ROUTER_URL"
@@ -29,7 +30,6 @@ CONTROL_KEYS_ENV = "PDCTL_CONTROL_KEYS"
 READY_TIMEOUT_ENV = "PDCTL_READY_TIMEOUT_SECS"
 """Set by ``pdctl up`` when the trainer starts before the engines (colocate): ``connect`` waits
 that long for every engine, and the router, to be ready."""
-DEFAULT_BUCKET_MB = 1024
 """Bytes per update call, in MiB: the topology's default and ``WeightSync``'s."""
 
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pdctl.plan import make_plan
@@ -39,9 +37,15 @@ def test_the_planned_group_reads_back_with_the_topologys_refit() -> None:
 
 
 def test_bucket_mb_has_one_default() -> None:
-    schema = json.loads((REPO / "pdctl" / "schemas" / "topology.schema.json").read_text())
-    assert schema["properties"]["weights"]["properties"]["bucket_mb"]["default"] == DEFAULT_BUCKET_MB
-    assert WeightsConfig().bucket_mb == DEFAULT_BUCKET_MB
+    """Written once (pdctl.topology.model): the schema `pdctl schema` prints and the trainer read it."""
+    from pdctl.topology.schema import topology_schema
+
+    assert topology_schema()["properties"]["weights"]["properties"]["bucket_mb"]["default"] == DEFAULT_BUCKET_MB
+    assert (
+        WeightsConfig().bucket_mb
+        == DEFAULT_BUCKET_MB
+        == WeightGroupEnv.from_json('{"master_address": "h", "master_port": 1, "engines": []}').bucket_mb
+    )
 
 
 @pytest.mark.parametrize("bad", ['"sometimes"', "-1", "1.5"])
