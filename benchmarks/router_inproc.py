@@ -12,10 +12,6 @@ them), so it is a part of the real figure, not a substitute for it.
 
     python benchmarks/router_inproc.py [--stream] [--requests 40000] [--rounds 5]
     python benchmarks/router_inproc.py --baseline REF   # this tree against git REF, interleaved
-    python benchmarks/router_inproc.py --compiled       # this tree's compiled request path
-
-The router runs interpreted (PDCTL_ROUTER_INTERPRETED) unless --compiled: an A/B of the Python,
-whichever tree has a build.
 
 Prints the median over rounds of CPU microseconds per request (process time over the measured
 requests, at concurrency 64) and, with --baseline, the ratio this tree / REF.
@@ -185,13 +181,10 @@ def worker(stream: bool, requests: int) -> None:
     print(json.dumps({"cpu_us": uvloop.run(measure(stream, requests))}))
 
 
-def one(tree: Path, stream: bool, requests: int, compiled: bool = False) -> float:
-    """CPU us per request of ``tree``'s router, interpreted unless ``compiled`` (a tree with a
-    build of its sources, pdctl.router.compiled): an A/B of Python against Python."""
+def one(tree: Path, stream: bool, requests: int) -> float:
+    """CPU us per request of ``tree``'s router."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests)]
     env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
-    if not compiled:
-        env["PDCTL_ROUTER_INTERPRETED"] = "1"
     out = subprocess.run(
         [*argv, *(["--stream"] if stream else [])], capture_output=True, text=True, check=True, cwd=tree, env=env
     )
@@ -204,11 +197,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=40000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", metavar="REF", help="also run the router as of this git ref, interleaved")
-    p.add_argument("--compiled", action="store_true", help="this tree's build (no --baseline): not interpreted")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.compiled and args.baseline:
-        p.error("--compiled measures this tree alone: a baseline has no build of its sources")
     if args.worker:
         worker(args.stream, args.requests)
         return
@@ -220,8 +210,8 @@ def main() -> None:
         got: dict[str, list[float]] = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name, tree in trees.items():
-                got[name].append(one(tree, args.stream, args.requests, args.compiled))
-        mode = ("streamed" if args.stream else "plain") + (", compiled" if args.compiled else ", interpreted")
+                got[name].append(one(tree, args.stream, args.requests))
+        mode = "streamed" if args.stream else "plain"
         for name, values in got.items():
             rounds = ", ".join(f"{v:.1f}" for v in values)
             print(f"{mode} {name}: {statistics.median(values):.1f} us/request (rounds {rounds})")

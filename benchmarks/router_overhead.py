@@ -40,16 +40,6 @@ from pathlib import Path
 import psutil
 from loadgen import tree_cpu_secs
 
-from pdctl.router.compiled import INTERPRETED_ENV
-
-REQUEST_PATH = subprocess.run(
-    [os.environ.get("PDCTL_ROUTER_PYTHON", sys.executable), "-c", "import pdctl.router.compiled as c; print(c.mode())"],
-    capture_output=True,
-    text=True,
-    check=True,
-).stdout.strip()
-"""How the ``pdctl router`` measured runs: "compiled" where ``python -m pdctl.router.build`` built its sources."""
-
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
@@ -178,9 +168,8 @@ def main() -> None:
             remove_checkout(baseline_dir)
 
 
-PDCTL, INTERPRETED, RUST, SMG, MINI = (
+PDCTL, RUST, SMG, MINI = (
     "pdctl router (PD)",
-    "pdctl router, interpreted (PD)",
     "sglang-router 0.3.2 (PD, Rust)",
     "smg 1.13.0 (PD, Rust)",
     "MiniLB (sglang-router --mini-lb)",
@@ -190,7 +179,6 @@ PDCTL, INTERPRETED, RUST, SMG, MINI = (
 SHORT = {
     "direct to decode": "direct",
     PDCTL: "pdctl",
-    INTERPRETED: "interpreted",
     RUST: "sglang-router",
     SMG: "smg",
     MINI: "minilb",
@@ -224,8 +212,6 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     targets: dict[str, Callable[[int], list[str]] | None] = {
         "direct to decode": None,
         PDCTL: pdctl_router,
-        # the same sources run by the interpreter (pdctl.router.compiled): what compiling them saves
-        INTERPRETED: lambda port: ["env", f"{INTERPRETED_ENV}=1", *pdctl_router(port)],
         RUST: lambda port: rust_router(PY, "sglang_router.launch_router", port),
     }
     if Path(SMG_PYTHON).exists():
@@ -235,9 +221,9 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     targets[MINI] = lambda port: rust_router(PY, "sglang_router.launch_router", port, mini=True)
     if only is not None:
         targets = {name: make for name, make in targets.items() if SHORT[name] in only}
-    old_name = f"pdctl router at {baseline} (PD, interpreted)"
+    old_name = f"pdctl router at {baseline} (PD)"
     if baseline_dir:  # the old tree's code, this environment's packages; no build of its sources
-        targets[old_name] = lambda port: ["env", f"{INTERPRETED_ENV}=1", *pdctl_router(port)]
+        targets[old_name] = pdctl_router
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         for mode in modes:
@@ -286,7 +272,7 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
     ratios: dict[str, object] = {}
     summary: list[str] = []
     for mode in modes:
-        others = ((SMG, "smg 1.13.0"), (RUST, "sglang-router 0.3.2"), (INTERPRETED, "pdctl interpreted"))
+        others = ((SMG, "smg 1.13.0"), (RUST, "sglang-router 0.3.2"))
         for other, label in (*others, (old_name, f"pdctl at {baseline}")):
             got = cpu_ratio(mode, other)
             if got is None:
@@ -314,7 +300,6 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
         "rounds": ROUNDS,
         "stream_tokens": STREAM_TOKENS,
         "baseline": baseline,
-        "request_path": REQUEST_PATH,
         "head": subprocess.run(
             ["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
@@ -337,7 +322,7 @@ def run(baseline: str | None, baseline_dir: Path | None, modes: list[str], only:
         f"\nAll routers up at once, {ROUNDS} cycles of a slice each ({WARM:g} s warm-up, {DURATION:g} s counted), "
         f"closed loop at concurrency {CONCURRENCY}; CPU per request is the median over slices, a ratio the "
         f"median of the per-cycle ratios, "
-        f"at {meta['head']}, pdctl's request path {REQUEST_PATH}; streamed: {STREAM_TOKENS} SSE events and [DONE], "
+        f"at {meta['head']}, streamed: {STREAM_TOKENS} SSE events and [DONE], "
         "one write each; the router runs on "
         f"CPU {sorted(ROUTER_CPUS)}, load generator and backends on {sorted(OTHER_CPUS)}.",
     ]

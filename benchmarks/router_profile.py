@@ -9,13 +9,12 @@ Reported: the functions with the most samples on the stack (inclusive) and at it
 as shares of the router's busy samples (idle samples are not taken). Sampling shows shares,
 not absolute costs: read it beside router_overhead's CPU per request.
 
-    python benchmarks/router_profile.py --native [--interpreted]
-        # writes benchmarks/results/router_profile_native_{plain,streamed}_{compiled,interpreted}.md
+    python benchmarks/router_profile.py --native
+        # writes benchmarks/results/router_profile_native_{plain,streamed}.md
 
 ``--native`` samples with Linux perf instead (``perf record -e cpu-clock``, kernel included, needs
 kernel.perf_event_paranoid <= 1) and splits the router's CPU by what runs: the interpreter, the
-compiled request path (pdctl.router.compiled), the kernel, uvloop, httptools, the C library.
-``--interpreted`` runs the router's sources interpreted even where a build matches them.
+kernel, uvloop, httptools, the C library.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from pathlib import Path
 from router_overhead import (
     OTHER_CPUS,
     PY,
-    REQUEST_PATH,
     RESULTS,
     ROOT,
     ROUTER_CPUS,
@@ -43,8 +41,6 @@ from router_overhead import (
     wait,
 )
 
-from pdctl.router.compiled import INTERPRETED_ENV
-
 TOP = 30
 
 
@@ -53,7 +49,6 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="streamed /generate requests")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--native", action="store_true", help="perf, by shared object (kernel included)")
-    parser.add_argument("--interpreted", action="store_true", help="the router's sources, interpreted")
     args = parser.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if args.native:
@@ -72,9 +67,8 @@ def main() -> None:
         wait(decode + "/health")
         pd_args = ["--prefill", prefill, str(boot_port), "--decode", decode, "--policy", "round_robin"]
         pd_args += ["--log-level", "error"]
-        interpreted = ["env", f"{INTERPRETED_ENV}=1"] if args.interpreted else []
         router = start(
-            [*interpreted, PY, "-m", "pdctl", "router", "--port", str(router_port), "--pd-disaggregation", *pd_args],
+            [PY, "-m", "pdctl", "router", "--port", str(router_port), "--pd-disaggregation", *pd_args],
             ROUTER_CPUS,
         )
         procs.append(router)
@@ -113,9 +107,8 @@ def main() -> None:
     mode = "streamed" if args.stream else "plain"
     RESULTS.mkdir(exist_ok=True)
     if args.native:
-        path = "interpreted" if args.interpreted else REQUEST_PATH
-        report = summarize_native(stacks, mode, path, json.loads(out.stdout))
-        (RESULTS / f"router_profile_native_{mode}_{path}.md").write_text(report)
+        report = summarize_native(stacks, mode, json.loads(out.stdout))
+        (RESULTS / f"router_profile_native_{mode}.md").write_text(report)
     else:
         report = summarize(stacks, mode, json.loads(out.stdout))
         (RESULTS / f"router_profile_{mode}.md").write_text(report)
@@ -125,7 +118,6 @@ def main() -> None:
 _PARTS = (  # what runs, and how its shared object shows in perf's report (file names, no paths)
     ("the kernel (sockets, scheduling)", "[kernel"),
     ("the Python interpreter (libpython)", "libpython"),
-    ("the compiled request path (pdctl.router.compiled)", "__mypyc"),
     ("uvloop (event loop, transports)", "loop.cpython"),
     ("httptools (HTTP parsing)", "parser.cpython"),
     ("asyncio's C futures and tasks", "_asyncio"),
@@ -134,7 +126,7 @@ _PARTS = (  # what runs, and how its shared object shows in perf's report (file 
 )
 
 
-def summarize_native(report: list[str], mode: str, path: str, load: dict) -> str:
+def summarize_native(report: list[str], mode: str, load: dict) -> str:
     """perf's ``--sort dso`` lines (``  61.80%  libpython3.11.so.1.0``) as shares by part."""
     shares: dict[str, float] = {}
     for line in report:
@@ -144,7 +136,7 @@ def summarize_native(report: list[str], mode: str, path: str, load: dict) -> str
         part = next((name for name, marker in _PARTS if marker in dso), "other")
         shares[part] = shares.get(part, 0.0) + float(share)
     lines = [
-        f"# pdctl router, native profile: {mode} PD /generate, concurrency 64, request path {path}",
+        f"# pdctl router, native profile: {mode} PD /generate, concurrency 64",
         "",
         f"{load['requests']} requests in {load['seconds']:.1f} s ({load['rps']:.0f} req/s) while sampled "
         "(perf record -e cpu-clock at 2 kHz on the router's process: kernel time included, idle not sampled).",

@@ -19,7 +19,7 @@ async def start_site(app: web.Application, host: str, port: int, **runner_kwargs
 
 def bound_port(server: Any) -> int:
     """The port an asyncio server listens on (its first socket's). ``server`` is untyped on purpose:
-    uvloop's ``sockets`` is a list where asyncio's is a tuple, and compiled code checks the type."""
+    uvloop's ``sockets`` is a list where asyncio's is a tuple."""
     return int(server.sockets[0].getsockname()[1])
 
 

@@ -56,7 +56,4 @@ echo "$want" > "$stamp"
 # AReaL 1.0.4's own client in a venv of its own (torch from .venv), for the test that drives a fleet
 # with it (tests/frameworks); never one of pdctl's dependencies.
 bash scripts/areal-venv.sh
-# The router's request path compiled for these sources (pdctl.router.compiled): at once when built
-# already; a first build takes about two minutes. Without it the router runs interpreted.
-.venv/bin/python -m pdctl.router.build || echo "setup: the router runs interpreted" >&2
 echo "setup: .venv ready"

@@ -7,10 +7,5 @@ worker; ``PairAttempt`` owns a PD attempt's two legs), ``retry`` (the one retry 
 ``shaping`` (headers, reading and rewriting answers), ``streaming`` and ``resume`` (a stream's
 blocks, continuing answers), ``workers``, ``policies``, and HTTP: ``server`` (writes the
 ``reply`` a handler returns), ``upstream`` (to engines) and ``http1`` (bytes both write).
-The request path runs compiled where a build of these very sources exists (``compiled``);
-nothing else is imported here, so that ``pdctl.router.config`` costs the planner nothing more.
+Nothing is imported here, so that ``pdctl.router.config`` costs the planner nothing more.
 """
-
-from pdctl.router.compiled import prefer_build
-
-prefer_build(__path__)

@@ -31,10 +31,10 @@ from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
 from pdctl.router.facade import SGLangFacade
 from pdctl.router.fanout import WorkerAnswer, call_all
-from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.refit import Conflict, Driver, WeightUpdates
+from pdctl.router.refit.gate import RefitGate
 from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_reply
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers

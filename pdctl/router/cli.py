@@ -18,7 +18,6 @@ from pdctl.errors import RouterConfigError
 from pdctl.httputil import write_port_file
 from pdctl.refit import RefitMode
 from pdctl.roles import Role
-from pdctl.router import compiled
 from pdctl.router.app import RouterServer
 from pdctl.router.auth import parse_control_keys, parse_networks
 from pdctl.router.config import SETTINGS, Flag, RouterConfig, WorkerSpec, grouped
@@ -204,7 +203,7 @@ async def serve(config: RouterConfig) -> None:
     _tune_gc()
     roles = ", ".join(f"{w.role} {w.url}" for w in server.registry.workers.values()) or "no workers yet"
     mode = "PD" if config.pd_disaggregation else "regular"
-    log.info("pdctl router on %s (%s, request path %s); %s", server.url, mode, compiled.mode(), roles)
+    log.info("pdctl router on %s (%s); %s", server.url, mode, roles)
     write_port_file(config.port_file, port=server.port, prometheus_port=server.prometheus_port)
     try:
         await stop.wait()

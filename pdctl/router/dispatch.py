@@ -10,7 +10,7 @@ the engine's blocks as they come, then its tail, the continuation of answers a w
 interrupted (refit ``interrupt``) or of a one-answer /generate stream whose engine died
 mid-stream (``tail`` here: fresh legs under the same retry policy as every other attempt). A
 non-streamed answer a weight update interrupted is continued item by item before it is returned
-(or sent again whole when it cannot be; see pdctl.router.resume).
+(or sent again whole when it cannot be; see pdctl.router.refit.resume).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from pdctl.roles import Role
 from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
-from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps
 from pdctl.router.legs import Legs, Outcome, PairAttempt, StreamLeg
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.policies import RequestContext
+from pdctl.router.refit.gate import RefitGate
+from pdctl.router.refit.resume import Job, Piece, asked_abort, settle
 from pdctl.router.relay import Live, Relay
 from pdctl.router.reply import Answer, Reply, StreamReply
-from pdctl.router.resume import Job, Piece, asked_abort, settle
 from pdctl.router.retry import Retry, RetryPolicy, Stop, Tries
 from pdctl.router.selection import Selector
 from pdctl.router.shaping import ROUTING_KEY, Headers, interrupted_answer, items, passed_headers

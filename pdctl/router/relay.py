@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 from pdctl.router import errors
 from pdctl.router.legs import Legs, PairAttempt, StreamLeg
+from pdctl.router.refit.resume import GENERATE, Job, Piece
 from pdctl.router.reply import Flow, Outlet
-from pdctl.router.resume import GENERATE, Job, Piece
 from pdctl.router.retry import Retry, RetryPolicy, Tries
 from pdctl.router.shaping import ABORT, prepend_logprobs, with_input_logprobs
 from pdctl.router.streaming import Continued, Interrupted, Transform, error_event, last_data, shaped
@@ -151,8 +151,7 @@ class Relay:
     # -- the stream's life --------------------------------------------------------------------------
     def _follow(self, current: Live) -> asyncio.Future[BaseException | None]:
         """Take ``current``'s blocks from now on (``block``), with its own rule and no last block
-        yet; the future its end sets. (Its own method: a state the callbacks change is not set and
-        read back in one function, where compiled code would trust the value it set.)"""
+        yet; the future its end sets."""
         self.rule = (
             self.dispatcher.interrupt_rule(current.leg.epoch, self.request) if self.request.path == GENERATE else None
         )

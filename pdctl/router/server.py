@@ -171,7 +171,7 @@ class HttpServer:
 
 class _Connection:
     """One client connection: an asyncio protocol (by its methods; no base class, so that it
-    compiles to a native class, pdctl.router.compiled)."""
+    stays a plain object)."""
 
     def __init__(self, server: HttpServer):
         self.server = server

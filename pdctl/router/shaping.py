@@ -9,10 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from mypy_extensions import mypyc_attr
-
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
-from pdctl.router.resume import Piece, asked_abort
+from pdctl.router.refit.resume import Piece, asked_abort
 
 ROUTING_KEY = "x-smg-routing-key"
 FORWARDED = frozenset({"x-correlation-id", "traceparent", "tracestate", ROUTING_KEY})
@@ -39,7 +37,6 @@ _HOP_HEADERS = {
 }
 
 
-@mypyc_attr(native_class=False)  # (a dict: a Python class where compiled, pdctl.router.compiled)
 class Headers(dict[str, str]):
     """The reply's headers (the dict itself), ``upstream``, the headers sent to workers, and
     ``keyless``, those sent to a worker the router holds no key for (``upstream`` and the

@@ -27,17 +27,14 @@ from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
-from mypy_extensions import mypyc_attr
 
 from pdctl.router.http1 import header_lines
 
 
-@mypyc_attr(native_class=False)  # (an exception: a Python class where compiled, pdctl.router.compiled)
 class UpstreamError(ConnectionError):
     """The connection failed or closed before a complete response."""
 
 
-@mypyc_attr(native_class=False)
 class UpstreamTimeout(UpstreamError):
     """No complete answer within the request timeout."""
 
@@ -255,7 +252,7 @@ class _Streamed:
 
 class _Conn:
     """One pooled connection to an engine: an asyncio protocol (by its methods; no base class, so
-    that it compiles to a native class, pdctl.router.compiled)."""
+    that each instance is a plain object)."""
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]):
         self.pool, self.key = pool, key
@@ -445,7 +442,6 @@ class _Conn:
             self.transport.close()
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # (benchmarks/router_inproc.py connects in memory)
 class UpstreamPool:
     """The real Upstream: pooled HTTP/1.1 keep-alive connections per host."""
 

@@ -68,7 +68,7 @@ class Worker:
     """Headers for every call the router makes to it: its key, never a client's."""
     bootstrap_host: str = field(init=False, repr=False)
     """The prefill's host as the decode reaches it: the URL's host, IPv6 in brackets (a field, not
-    a cached property: compiled, one would be computed on every read, pdctl.router.compiled)."""
+    a cached property: it is read on every PD request)."""
 
     def __post_init__(self) -> None:
         host = urlsplit(self.url).hostname or ""

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 import tests.router.test_failure_rules as rules
-from pdctl.router import gate
+from pdctl.router.refit import gate
 from pdctl.router.app import RouterServer
 from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
 
@@ -17,8 +17,7 @@ from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
 @pytest.fixture
 def after_an_interrupt(monkeypatch):
     """Every router the rules make starts as after an earlier interrupt transaction (epoch 1,
-    released). Set on each router's gate, not by patching RefitGate: compiled code
-    (pdctl.router.compiled) makes its gates without looking the class's methods up."""
+    released), set on each router's own gate."""
     made: list[RouterServer] = []
 
     def at_epoch_1(*args, **kwargs) -> RouterServer:
