@@ -128,9 +128,9 @@ def error_classes() -> dict[str, str]:
     changed = True
     while changed:
         changed = False
-        for cls, base in bases.items():
-            if cls not in out and (base == "PdctlError" or base in out):
-                out[cls] = base
+        for cls, parent in bases.items():
+            if cls not in out and (parent == "PdctlError" or parent in out):
+                out[cls] = parent
                 changed = True
     return out
 
@@ -180,3 +180,87 @@ def test_the_request_path_never_reaches_the_http_server() -> None:
     for module in ("pdctl.router.dispatch", "pdctl.router.legs", "pdctl.router.retry", "pdctl.router.shaping"):
         assert "pdctl.router.server" not in reachable(graph, module), module
     assert "pdctl.router.server" in reachable(graph, "pdctl.router.app")  # the check can see an import
+
+
+def _members(cls: ast.ClassDef) -> tuple[set[str], set[str]]:
+    """A class's declared names, and those of them that are data (fields, class attributes,
+    properties, ``__slots__`` entries and attributes ``__init__`` sets), dunders aside."""
+    names: set[str] = set()
+    data: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+            if any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list):
+                data.add(node.name)
+            if node.name == "__init__":
+                for sub in ast.walk(node):
+                    if not (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)):
+                        continue
+                    if isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                        data.add(sub.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            data.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if not isinstance(target, ast.Name):
+                    continue
+                if target.id == "__slots__" and isinstance(node.value, ast.Tuple):
+                    data |= {
+                        e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                    }
+                else:
+                    data.add(target.id)
+    names |= data
+    return {n for n in names if not n.startswith("__")}, {n for n in data if not n.startswith("__")}
+
+
+def restated_classes() -> list[str]:
+    """Protocols that restate one class of a module that imports them (issue 51): a Protocol with
+    data (not a port of callbacks that a lower layer calls, such as ``StreamSink``) that exactly
+    one class in pdctl has all the names of, that class's module reaching the Protocol's. Such a
+    Protocol is an import the design wanted and dodged: the two modules are one circle."""
+    graph = import_graph()
+    protocols: list[tuple[str, ast.ClassDef]] = []
+    classes: list[tuple[str, ast.ClassDef]] = []
+    for name, (path, _) in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                is_protocol = any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)
+                (protocols if is_protocol else classes).append((name, node))
+    found = []
+    for module, protocol in protocols:
+        wanted, data = _members(protocol)
+        if not data:
+            continue
+        having = [(m, c.name) for m, c in classes if wanted <= _members(c)[0]]
+        if len(having) == 1 and module in reachable(graph, having[0][0]):
+            found.append(f"{module}.{protocol.name} restates {having[0][0]}.{having[0][1]}")
+    return found
+
+
+def test_the_restated_class_finder_finds_one(tmp_path: Path) -> None:
+    """The check sees the trick it forbids: relay.py's Protocols before issue 51 restated the
+    dispatcher (which imports the relay) and the request it made."""
+    global PACKAGE
+    package = tmp_path / "pdctl"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "relay.py").write_text(
+        "from typing import Protocol\n"
+        "class Continuer(Protocol):\n    registry: object\n    def tail(self, request): ...\n"
+        "class Reader(Protocol):\n    def block(self, block): ...\n"
+    )
+    (package / "dispatch.py").write_text(
+        "from pdctl.relay import Continuer\n"
+        "class Dispatcher:\n    def __init__(self):\n        self.registry = None\n"
+        "    def tail(self, request): ...\n    def block(self, block): ...\n"
+    )
+    saved, PACKAGE = PACKAGE, package
+    try:
+        assert restated_classes() == ["pdctl.relay.Continuer restates pdctl.dispatch.Dispatcher"]
+    finally:
+        PACKAGE = saved
+
+
+def test_no_protocol_restates_a_class_to_dodge_an_import() -> None:
+    assert restated_classes() == []

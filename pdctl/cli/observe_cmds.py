@@ -241,9 +241,10 @@ def metrics(name: str | None, config: bool, show_targets: bool, interval_secs: f
     store = StateStore()
     name = store.resolve_name(name)
     state = load_state(store, name)
-    path = write_targets(store.dir(name), state)  # current, whatever wrote the state last
+    processes = state.scrape_targets()
+    path = write_targets(store.dir(name), name, processes)  # current, whatever wrote the state last
     if show_targets:
-        click.echo(json.dumps(targets(state), indent=2))
+        click.echo(json.dumps(targets(name, processes), indent=2))
     else:
         click.echo(scrape_config(name, path, interval_secs=interval_secs), nl=False)
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -28,48 +29,46 @@ from pdctl.roles import Role
 TARGETS_FILE = "prometheus-targets.json"
 
 
-class _Process(Protocol):  # what a target needs of a pdctl.cluster.state.ProcessRecord
-    id: str
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One running process as Prometheus may scrape it (the cluster's state makes them:
+    ``ClusterState.scrape_targets``)."""
+
+    process: str
     role: Role
     node: str
     url: str | None
-    ports: dict[str, int]
+    """Its HTTP entrypoint; None for a process with nothing to scrape (a trainer, a follower node)."""
+    metrics_port: int | None = None
+    """The router's ``--prometheus-port`` (a router is scraped there, not on its main port)."""
 
 
-class _Cluster(Protocol):  # ... and of a ClusterState (which saves through write_targets: no import back)
-    name: str
-    plan: dict[str, Any]
-
-    @property
-    def processes(self) -> Mapping[str, _Process]: ...
-
-
-def targets(state: _Cluster) -> list[dict[str, Any]]:
-    """The file_sd entries for ``state``'s running processes, one per scrape target, plan order."""
-    order = {p["id"]: i for i, p in enumerate(state.plan.get("processes", []))}
+def targets(cluster: str, processes: Sequence[Target]) -> list[dict[str, Any]]:
+    """The file_sd entries for ``cluster``'s ``processes``, one per scrape target, in their order."""
     out = []
-    for rec in sorted(state.processes.values(), key=lambda r: order.get(r.id, len(order))):
-        if rec.url is None:
+    for target in processes:
+        if target.url is None:
             continue  # a trainer, or a multi-node engine's follower node: nothing to scrape
-        address = urlsplit(rec.url).netloc
-        if rec.role == Role.ROUTER:
-            port = rec.ports.get("metrics")
-            if port is None:
+        address = urlsplit(target.url).netloc
+        if target.role == Role.ROUTER:
+            if target.metrics_port is None:
                 continue
-            host = urlsplit(rec.url).hostname or "127.0.0.1"
+            host = urlsplit(target.url).hostname or "127.0.0.1"
+            port = target.metrics_port
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        labels = {"cluster": state.name, "role": str(rec.role), "process": rec.id, "node": rec.node}
+        labels = {"cluster": cluster, "role": str(target.role), "process": target.process, "node": target.node}
         out.append({"targets": [address], "labels": labels})
     return out
 
 
-def write_targets(directory: Path, state: _Cluster) -> Path:
-    """Atomically (re)write ``directory/TARGETS_FILE`` for ``state`` (0600, like the state)."""
+def write_targets(directory: Path, cluster: str, processes: Sequence[Target]) -> Path:
+    """Atomically (re)write ``directory/TARGETS_FILE`` for ``cluster``'s ``processes`` (0600,
+    like the state)."""
     path = directory / TARGETS_FILE
     tmp = directory / f".{TARGETS_FILE}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump(targets(state), out, indent=2)
+        json.dump(targets(cluster, processes), out, indent=2)
         out.write("\n")
     os.replace(tmp, path)
     return path

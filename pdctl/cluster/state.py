@@ -19,7 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from pdctl.cluster.scrape import write_targets
+from pdctl.cluster.scrape import Target, write_targets
 from pdctl.errors import LifecycleError
 from pdctl.roles import Role
 from pdctl.topology.model import Node, SSHConfig, Topology
@@ -92,6 +92,12 @@ class ClusterState:
             ssh = SSHConfig(**raw.pop("ssh", {}))
             out[raw["name"]] = Node(ssh=ssh, **raw)
         return out
+
+    def scrape_targets(self) -> list[Target]:
+        """Its running processes as Prometheus may scrape them, in plan order."""
+        order = {p["id"]: i for i, p in enumerate(self.plan.get("processes", []))}
+        records = sorted(self.processes.values(), key=lambda r: order.get(r.id, len(order)))
+        return [Target(r.id, r.role, r.node, r.url, r.ports.get("metrics")) for r in records]
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -176,7 +182,7 @@ class StateStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path(state.name))
-        write_targets(directory, state)  # Prometheus' file_sd list follows every change of the state
+        write_targets(directory, state.name, state.scrape_targets())  # Prometheus' file_sd list follows every change
 
     def names(self) -> list[str]:
         if not self.root.is_dir():

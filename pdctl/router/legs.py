@@ -2,8 +2,9 @@
 the one owner of both legs of a PD attempt.
 
 The rules (sglang-protocol.md 2.3, style.md R9):
-- each leg counts in its worker's load (``Worker.took``/``gave_back``) from its start to its
-  end, whatever ends it; a client that goes away cancels both legs (the engines abort them);
+- each leg holds a ``Claim`` on its worker: it counts in the worker's load from its start to its
+  end, whatever ends it, and its outcome reaches the circuit breaker at most once; a client that
+  goes away cancels both legs (the engines abort them);
 - a prefill that ends the request (an abort in a 200, a 4xx, a 5xx or no answer) cancels its
   decode leg at once, which would otherwise wait for KV until its own timeout; the client gets
   the prefill's answer (an abort or a 4xx is the client's business) or a retry (a failure);
@@ -84,6 +85,36 @@ class Leg:
         return Reply(self.status, self.body, self.content_type, headers)
 
 
+class Claim:
+    """One leg's account with its worker, each side settled exactly once however the leg ends
+    (smg's WorkerLoadGuard, with the circuit breaker's outcome beside the load): the leg counts
+    in the worker's load from the claim's making to its first ``release``, and its outcome
+    reaches the breaker at its first ``judge`` (never, for backpressure, a cancelled leg or an
+    attempt a weight update interrupted). Later calls change nothing, so every way a leg can end
+    releases it without knowing whether another way came first."""
+
+    __slots__ = ("held", "judged", "registry", "worker")
+
+    def __init__(self, worker: Worker, registry: WorkerRegistry):
+        self.worker = worker
+        self.registry = registry
+        self.held = True
+        self.judged = False
+        worker.took()
+
+    def release(self) -> None:
+        """The leg ended (answered, failed or cancelled): its load is given back."""
+        if self.held:
+            self.held = False
+            self.worker.gave_back()
+
+    def judge(self, ok: bool, answered: bool = False) -> None:
+        """The leg's outcome for the breaker (``WorkerRegistry.record``)."""
+        if not self.judged:
+            self.judged = True
+            self.registry.record(self.worker, ok, answered)
+
+
 class Legs:
     """Sends legs to workers through ``upstream`` and judges their answers; owns the prefill legs
     that outlive their reply (``PairAttempt.keep_prefill``) and the whole legs of regular engines."""
@@ -122,15 +153,19 @@ class Legs:
             await asyncio.sleep(0)  # a cancelled future's callbacks run in the loop's next turn
         self.upstream.close()
 
-    def send(self, worker: Worker, path: str, data: bytes, headers: Headers, answered: Callable) -> Sending:
-        """Start a whole leg to ``worker``, counted in its load; ``answered(Response | exception)``
-        must give the load back (``Worker.gave_back``), and so must whoever cancels it."""
-        worker.took()
+    def claim(self, worker: Worker) -> Claim:
+        """A new leg's claim on ``worker`` (counted in its load from now)."""
+        return Claim(worker, self.registry)
+
+    def send(self, claim: Claim, path: str, data: bytes, headers: Headers, answered: Callable) -> Sending:
+        """Start a whole leg to ``claim``'s worker; ``answered(Response | exception)`` must
+        release the claim, and so must whoever cancels it."""
+        worker = claim.worker
         return self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
 
-    def start(self, worker: Worker, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
-        """``worker``'s whole answer, as a future that its connection completes, counted in
-        ``worker``'s load until it is done (a regular engine's leg). Cancelling it closes the
+    def start(self, claim: Claim, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
+        """``claim``'s worker's whole answer, as a future that its connection completes; the claim
+        is released when it is done (a regular engine's leg). Cancelling it closes the
         connection: the engine aborts the request. ``close()`` cancels every leg still running."""
         epoch = self.gate.epoch
         leg: asyncio.Future[Leg] = self.loop.create_future()
@@ -139,33 +174,34 @@ class Legs:
             if not leg.done():
                 leg.set_result(Leg.of(got, epoch))  # (an exception that is a bug: ``verdict`` raises it)
 
-        sending = self.send(worker, path, data, headers, answered)
+        sending = self.send(claim, path, data, headers, answered)
         legs = self._legs
         legs.add(leg)
 
         def ended(done: asyncio.Future[Leg]) -> None:
             legs.discard(done)
-            worker.gave_back()
+            claim.release()
             if done.cancelled():
                 sending.cancel()
 
         leg.add_done_callback(ended)
         return leg
 
-    async def open_one(self, worker: Worker, path: str, data: bytes, headers: Headers) -> StreamLeg | Leg:
+    async def open_one(self, claim: Claim, path: str, data: bytes, headers: Headers) -> StreamLeg | Leg:
         """A regular engine's stream once its first block came, else a Leg saying why not."""
         opened: asyncio.Future[StreamLeg | Leg] = self.loop.create_future()
-        leg = StreamLeg(self, worker, path, data, headers, opened.set_result)
+        leg = StreamLeg(self, claim, path, data, headers, opened.set_result)
         try:
             return await opened
         except BaseException:
             leg.cancel()
             raise
 
-    def verdict(self, worker: Worker, leg: Leg, code: str) -> Retry | Stop | None:
-        """What ``worker``'s answer means for the request (module docstring): None when it
-        answered (a 2xx to 4xx but 429: the answer goes to the client; ok for the breaker).
-        An exception that is no connection's failure is a bug: raised."""
+    def verdict(self, claim: Claim, leg: Leg, code: str) -> Retry | Stop | None:
+        """What the answer of ``claim``'s worker means for the request (module docstring), judged
+        on the claim: None when it answered (a 2xx to 4xx but 429: the answer goes to the client;
+        ok for the breaker). An exception that is no connection's failure is a bug: raised."""
+        worker = claim.worker
         error = leg.error
         if error is not None and not isinstance(error, (UpstreamError, OSError)):
             raise error
@@ -173,14 +209,14 @@ class Legs:
         if failed and not isinstance(error, UpstreamTimeout) and self.interrupted(leg):
             return Retry(f"{worker.role} {worker.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
         if error is not None:
-            self.registry.record(worker, False)
+            claim.judge(False)
             if isinstance(error, UpstreamTimeout):
                 return Stop(504, errors.TIMEOUT, f"{worker.role} {worker.url}: {error}")
             self.registry.mark_failed(worker, error)
             return Retry(f"{worker.role} {worker.url} failed: {type(error).__name__}: {error}", code)
         if leg.status in BACKPRESSURE:
             return Retry(f"{worker.role} {worker.url} is busy ({leg.status}): {leg.body[:200]!r}", code, busy=True)
-        self.registry.record(worker, leg.status < 500, answered=True)
+        claim.judge(leg.status < 500, answered=True)
         if leg.status >= 500:
             answer = Reply(leg.status, leg.body, leg.content_type)
             return Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code, answer=answer)
@@ -238,9 +274,11 @@ class PairAttempt:
 
     __slots__ = (
         "_awaits",
+        "_d",
         "_d_send",
         "_d_stream",
         "_kept",
+        "_p",
         "_p_send",
         "_wake",
         "d_got",
@@ -267,12 +305,14 @@ class PairAttempt:
         self._kept = False
         self._wake: asyncio.Future[None] | None = None
         self._awaits = _NOTHING
-        self._p_send: Sending | None = legs.send(prefill, path, wire, headers, self._prefill_answered)
+        self._p = legs.claim(prefill)  # released when its answer is in, or by close (kept: within its grace)
+        self._d = legs.claim(decode)  # released when its answer is in, its stream ends, or by close
+        self._p_send: Sending | None = legs.send(self._p, path, wire, headers, self._prefill_answered)
 
     # -- the legs' answers (connection callbacks) ----------------------------------------------------
     def _prefill_answered(self, got: Response | BaseException) -> None:
         self._p_send = None
-        self.prefill.gave_back()
+        self._p.release()
         self.p_got = got
         if self._kept:
             self.legs.ungrace(self)
@@ -287,7 +327,7 @@ class PairAttempt:
 
     def _decode_answered(self, got: Response | BaseException) -> None:
         self._d_send = None
-        self.decode.gave_back()
+        self._d.release()
         self.d_got = got
         if self._awaits is _DECODE:
             self._wake_up()
@@ -296,7 +336,7 @@ class PairAttempt:
         if isinstance(got, StreamLeg):
             self.opened = got
         else:
-            self._d_stream = None  # (its load is back: the StreamLeg gave it)
+            self._d_stream = None  # (its claim is released: the StreamLeg ended)
             self.d_got = got
         if self._awaits is _DECODE:
             self._wake_up()
@@ -333,11 +373,11 @@ class PairAttempt:
         legs = self.legs
         try:
             if self.p_got is None or not _ends_request(self.p_got):
-                self._d_send = legs.send(self.decode, self.path, self.wire, self.headers, self._decode_answered)
+                self._d_send = legs.send(self._d, self.path, self.wire, self.headers, self._decode_answered)
                 await self._until(_DECODE)
             got = self.d_got
             if type(got) is Response and got.status < 400 and not with_logprobs:  # the common case
-                legs.registry.record(self.decode, True)
+                self._d.judge(True)
                 self.keep_prefill()
                 return Reply(got.status, got.body, got.content_type, self.headers)
             d_leg = self.d_leg
@@ -346,7 +386,7 @@ class PairAttempt:
                 return self.prefill_ended(self.p_leg)
             if d_leg.server_failed or d_leg.status in BACKPRESSURE:
                 return await self.decode_failed(d_leg)
-            legs.registry.record(self.decode, True)
+            self._d.judge(True)
             if d_leg.status >= 400 or not with_logprobs:
                 self.keep_prefill()
                 return d_leg.reply(self.headers)
@@ -368,7 +408,7 @@ class PairAttempt:
         is still retried on another pair."""
         legs = self.legs
         if self.p_got is None or not _ends_request(self.p_got):
-            self._d_stream = StreamLeg(legs, self.decode, self.path, self.wire, self.headers, self._decode_opened)
+            self._d_stream = StreamLeg(legs, self._d, self.path, self.wire, self.headers, self._decode_opened)
             await self._until(_DECODE)
         opened = self.opened
         if opened is not None:
@@ -380,7 +420,7 @@ class PairAttempt:
             return self.prefill_ended(self.p_leg)
         if d_leg.server_failed or d_leg.status in BACKPRESSURE:
             return await self.decode_failed(d_leg)
-        legs.registry.record(self.decode, True)
+        self._d.judge(True)
         return d_leg.reply(self.headers)
 
     async def input_logprobs(self) -> list | Outcome:
@@ -412,28 +452,30 @@ class PairAttempt:
 
     def _record_kept(self, got: Response | BaseException) -> None:
         if not isinstance(got, Response):
-            self.legs.registry.record(self.prefill, False)
+            self._p.judge(False)
         elif got.status not in BACKPRESSURE:
-            self.legs.registry.record(self.prefill, got.status < 500, answered=True)
+            self._p.judge(got.status < 500, answered=True)
 
     def close(self) -> None:
-        """Cancel the legs that still run: the decode's, and the prefill's unless kept."""
+        """Cancel the legs that still run: the decode's, and the prefill's unless kept; release
+        their claims (a decode stream handed on is closed only once it ended)."""
         if self._d_send is not None or self._d_stream is not None:
             self._cancel_decode()
-        if not self._kept and self._p_send is not None:
+        self._d.release()
+        if not self._kept:
             self.cancel_prefill()
 
     def cancel_prefill(self) -> None:
         sending, self._p_send = self._p_send, None
         if sending is not None:
             sending.cancel()  # the engine sees the client go away
-            self.prefill.gave_back()
+        self._p.release()
 
     def _cancel_decode(self) -> None:
         sending, self._d_send = self._d_send, None
         if sending is not None:
             sending.cancel()
-            self.decode.gave_back()
+        self._d.release()
         stream, self._d_stream = self._d_stream, None
         if stream is not None:
             stream.cancel()
@@ -462,9 +504,9 @@ class PairAttempt:
             and names_bootstrap(d_leg.body, prefill.bootstrap_host, prefill.bootstrap_port)
         ):
             lost = UpstreamError(f"decode {self.decode.url} lost it: {d_leg.body[:300]!r}")
-            verdict = legs.verdict(prefill, Leg(error=lost, epoch=d_leg.epoch), errors.PREFILL_FAILED)
+            verdict = legs.verdict(self._p, Leg(error=lost, epoch=d_leg.epoch), errors.PREFILL_FAILED)
         else:
-            verdict = legs.verdict(self.decode, d_leg, errors.DECODE_FAILED)
+            verdict = legs.verdict(self._d, d_leg, errors.DECODE_FAILED)
         return verdict or d_leg.reply(self.headers)
 
     def prefill_ended(self, p_leg: Leg) -> Outcome:
@@ -474,7 +516,7 @@ class PairAttempt:
         legs = self.legs
         if legs.interrupted(p_leg) and aborted(p_leg.body):
             return Retry(f"prefill {self.prefill.url}: interrupted by a weight update", errors.INTERRUPTED, busy=True)
-        return legs.verdict(self.prefill, p_leg, errors.PREFILL_FAILED) or p_leg.reply(self.headers)
+        return legs.verdict(self._p, p_leg, errors.PREFILL_FAILED) or p_leg.reply(self.headers)
 
 
 class StreamLeg:
@@ -487,7 +529,7 @@ class StreamLeg:
     status with its body, a failure, a stream that ended with no event, or a first event that is
     a server-side abort, with its status: nothing was sent on yet, so it is retried). From then
     on the blocks go to the reader that ``attach`` names as they come (``reader.block(block,
-    end)``, ``reader.broke(error)``). Counted in the worker's load from its start to its end."""
+    end)``, ``reader.broke(error)``). Its ``claim`` is released when it ends or is cancelled."""
 
     __slots__ = (
         "_body",
@@ -498,6 +540,7 @@ class StreamLeg:
         "_pending",
         "_reader",
         "_unread",
+        "claim",
         "epoch",
         "first",
         "over",
@@ -509,18 +552,19 @@ class StreamLeg:
     def __init__(
         self,
         legs: Legs,
-        worker: Worker,
+        claim: Claim,
         path: str,
         data: bytes,
         headers: Headers,
         on_open: Callable[[StreamLeg | Leg], None],
     ):
-        self.worker = worker
+        self.claim = claim
+        self.worker = worker = claim.worker
         self.epoch = legs.gate.epoch
         self._on_open: Callable[[StreamLeg | Leg], None] | None = on_open
         self.response: Response | None = None
         self.first = b""
-        self.over = False  # its answer ended (whole or not) or it was cancelled: its load is back
+        self.over = False  # its answer ended (whole or not) or it was cancelled: its claim is released
         self._held = b""  # what came after the last event boundary
         self._body: list[bytes] | None = None  # an error status's body, read whole
         self._pending: list[bytes] = []  # blocks that came after the first, before a reader
@@ -528,7 +572,6 @@ class StreamLeg:
         self._end = False  # ... and the stream's end came with them
         self._error: BaseException | None = None  # ... or the failure that ended it
         self._reader: StreamReader | None = None
-        worker.took()
         to = _sent(worker, headers)
         self.streaming: Streaming = legs.upstream.stream(worker.url + path, data, to, self, timeout=legs.timeout)
 
@@ -636,7 +679,29 @@ class StreamLeg:
     def _ended(self) -> None:
         if not self.over:
             self.over = True
-            self.worker.gave_back()
+            self.claim.release()
+
+
+@dataclass(eq=False, slots=True)
+class Live:
+    """A stream that opened (its first block is in) and has not been sent on yet (its worker,
+    and the refit gate's epoch when it was sent, are its leg's): a PD attempt's decode stream
+    with its ``pair``, or a regular engine's stream."""
+
+    leg: StreamLeg
+    pair: PairAttempt | None = None
+    prefix: list | None = None
+    """The prefill's input logprobs, shown in front of decode's (asked for with ``return_logprob``)."""
+
+    def finished(self) -> None:
+        """The stream ended: the prefill leg may finish on its own (its outcome is recorded)."""
+        if self.pair is not None:
+            self.pair.keep_prefill()
+
+    def close(self) -> None:
+        self.leg.cancel()
+        if self.pair is not None:
+            self.pair.close()
 
 
 class StreamReader(Protocol):

@@ -21,82 +21,24 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
-from pdctl.router import errors
-from pdctl.router.legs import Legs, PairAttempt, StreamLeg
-from pdctl.router.refit.resume import GENERATE, Job, Piece
+from pdctl.router.legs import Live
+from pdctl.router.refit.continuation import Continuation
+from pdctl.router.refit.resume import GENERATE, Piece
 from pdctl.router.reply import Flow, Outlet
-from pdctl.router.retry import Retry, RetryPolicy, Tries
+from pdctl.router.request import ClientRequest
+from pdctl.router.retry import Tries
 from pdctl.router.shaping import ABORT, prepend_logprobs, with_input_logprobs
 from pdctl.router.streaming import Continued, Interrupted, Transform, error_event, last_data, shaped
-from pdctl.router.workers import WorkerRegistry
 
 log = logging.getLogger("pdctl.router")
-
-
-@dataclass(eq=False, slots=True)
-class Live:
-    """A stream that opened (its first block is in) and has not been sent on yet (its worker,
-    and the refit gate's epoch when it was sent, are its leg's)."""
-
-    leg: StreamLeg
-    pair: PairAttempt | None = None
-    prefix: list | None = None
-    """The prefill's input logprobs, shown in front of decode's (asked for with ``return_logprob``)."""
-
-    def finished(self) -> None:
-        """The stream ended: the prefill leg may finish on its own (its outcome is recorded)."""
-        if self.pair is not None:
-            self.pair.keep_prefill()
-
-    def close(self) -> None:
-        self.leg.cancel()
-        if self.pair is not None:
-            self.pair.close()
-
-
-class Relayed(Protocol):
-    """The request a relay streams the answer of (pdctl.router.dispatch's). This and Continuer
-    restate what the relay uses of dispatch, which makes relays: importing it, even under
-    TYPE_CHECKING, would be an import circle (tests/test_structure.py)."""
-
-    path: str
-
-    @property
-    def job(self) -> Job | None: ...
-
-
-class Continuer(Protocol):
-    """What a relay needs of the dispatcher that made it: its workers, its retry policy, and the
-    continuation of a stream on fresh legs (``Dispatcher.tail``)."""
-
-    registry: WorkerRegistry
-    retry: RetryPolicy
-    legs: Legs
-
-    def interrupt_rule(self, epoch: int, request: Any) -> Interrupted: ...
-
-    def tail(
-        self,
-        request: Any,
-        job: Job,
-        pending: dict[int, Piece],
-        tries: Tries,
-        why: str,
-        *,
-        interrupted: bool = False,
-        version: str | None = None,
-    ) -> Awaitable[tuple[bytes, Live | None, Continued | None]]: ...
 
 
 class Relay:
     """The client's stream over ``live`` and whatever continues it (module docstring)."""
 
-    def __init__(self, dispatcher: Continuer, request: Relayed, live: Live, tries: Tries):
-        self.dispatcher = dispatcher
+    def __init__(self, continuation: Continuation, request: ClientRequest, live: Live, tries: Tries):
+        self.continuation = continuation
         self.request = request
         self.tries = tries
         self.prefix = live.prefix
@@ -152,11 +94,9 @@ class Relay:
     def _follow(self, current: Live) -> asyncio.Future[BaseException | None]:
         """Take ``current``'s blocks from now on (``block``), with its own rule and no last block
         yet; the future its end sets."""
-        self.rule = (
-            self.dispatcher.interrupt_rule(current.leg.epoch, self.request) if self.request.path == GENERATE else None
-        )
+        self.rule = self.continuation.rule(current.leg.epoch, self.request) if self.request.path == GENERATE else None
         self.last = None
-        ended = self._ended = self.dispatcher.legs.loop.create_future()
+        ended = self._ended = self.continuation.attempts.legs.loop.create_future()
         current.leg.attach(self)
         assert self.outlet is not None
         if self.outlet.paused:
@@ -165,7 +105,8 @@ class Relay:
 
     async def pipe(self, outlet: Outlet) -> None:
         """Write the whole stream into ``outlet``, its end included (reply.Pipe)."""
-        d = self.dispatcher
+        c = self.continuation
+        registry = c.attempts.registry
         request, tries = self.request, self.tries
         self.outlet = outlet
         outlet.flow = self
@@ -173,7 +114,7 @@ class Relay:
         try:
             while self.current is not None:
                 current = self.current
-                worker = current.leg.worker
+                claim = current.leg.claim
                 error = await self._follow(current)
                 self._ended = None
                 current.finished()
@@ -183,7 +124,7 @@ class Relay:
                 if last is not None:
                     tries.progressed()
                 if rule is not None and rule.caught and (error is None or rule.over):
-                    d.registry.record(worker, True)
+                    claim.judge(True)
                     if shown is not None:
                         pending = shown.caught(rule)
                     else:
@@ -193,13 +134,14 @@ class Relay:
                     job = request.job
                     assert job is not None  # the rule catches answers of /generate jobs only
                     why = "the stream could not be continued after a weight update"
-                    tail, self.current, shown = await d.tail(request, job, pending, tries, why, interrupted=True)
+                    tail, self.current, shown = await c.stream(request, job, pending, tries, why, interrupted=True)
                 elif error is None:
-                    d.registry.record(worker, True)
+                    claim.judge(True)
                     return
                 else:
-                    d.registry.record(worker, False)
-                    d.registry.mark_failed(worker)
+                    claim.judge(False)
+                    worker = claim.worker
+                    registry.mark_failed(worker)
                     why = f"{worker.role} {worker.url} failed mid-stream: {error}"
                     data = last_data(last)
                     job = request.job if rule is not None else None  # parsed only now: rarely needed
@@ -210,12 +152,9 @@ class Relay:
                         done = with_input_logprobs(Piece().advanced(data), self.prefix)
                     else:
                         done = shown.pieces[shown.order[0]].advanced(data)
-                    delay = tries.next(Retry(why, errors.DECODE_FAILED))
-                    if delay is None:
-                        outlet.write(error_event(why), True)
-                        return
-                    await d.retry.sleep(delay)
-                    tail, self.current, shown = await d.tail(request, job, {0: done}, tries, why, version=done.version)
+                    tail, self.current, shown = await c.stream(
+                        request, job, {0: done}, tries, why, version=done.version
+                    )
                     if self.current is not None:
                         log.warning(
                             "stream %s: %s; continuing on %s after %d tokens",

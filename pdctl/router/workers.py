@@ -74,9 +74,8 @@ class Worker:
         host = urlsplit(self.url).hostname or ""
         self.bootstrap_host = f"[{host}]" if ":" in host else host
 
-    # A request counts in ``load`` from ``took()`` to ``gave_back()``, once each, however it ends
-    # (smg's WorkerLoadGuard): the legs (pdctl.router.legs) call them where a leg starts and where
-    # its answer is in or it is cancelled. No guard object is made per request on the hot path.
+    # A request counts in ``load`` from ``took()`` to ``gave_back()``, once each, however it ends:
+    # each leg's ``Claim`` (pdctl.router.legs) calls them, once each.
     def took(self) -> None:
         """A request to this worker began."""
         self.load += 1

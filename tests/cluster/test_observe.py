@@ -95,10 +95,10 @@ def test_scrape_targets_and_config(tmp_path) -> None:
     from pdctl.cluster.scrape import scrape_config, targets, write_targets
 
     state = _state()
-    listed = targets(state)
+    listed = targets(state.name, state.scrape_targets())
     assert [t["targets"] for t in listed] == [["10.0.0.2:3000"], ["10.0.0.2:3001"], ["127.0.0.1:3005"]]
     assert listed[2]["labels"] == {"cluster": "c", "role": "router", "process": "router", "node": "me"}
-    path = write_targets(tmp_path, state)
+    path = write_targets(tmp_path, state.name, state.scrape_targets())
     assert json.loads(path.read_text()) == listed and path.stat().st_mode & 0o777 == 0o600
     store = StateStore(tmp_path / "home")  # every save of the state rewrites the list: down empties it
     store.save(state)

@@ -163,7 +163,7 @@ def test_a_leg_whose_request_task_is_cancelled_from_outside_still_ends() -> None
 
     async def scenario() -> object:
         registry, legs = _fleet(cancelled_engine)
-        leg = legs.start(registry.workers[DECODE], "/generate", b"{}", Headers({}, {}))
+        leg = legs.start(legs.claim(registry.workers[DECODE]), "/generate", b"{}", Headers({}, {}))
         got = await asyncio.wait_for(leg, 5)
         await legs.close()
         return got.error

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 import tests.router.test_failure_rules as rules
-from pdctl.router.refit import gate
 from pdctl.router.app import RouterServer
+from pdctl.router.refit import gate
 from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
 
 

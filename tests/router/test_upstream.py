@@ -308,7 +308,7 @@ def test_a_stream_leg_cuts_what_it_reads_into_whole_events() -> None:
         registry = WorkerRegistry(RouterConfig())
         worker = registry.add(url, Role.DECODE)
         legs = Legs(pool, registry, RefitGate(), 30)
-        opened = await legs.open_one(worker, "/generate", b"{}", Headers({}, {}))
+        opened = await legs.open_one(legs.claim(worker), "/generate", b"{}", Headers({}, {}))
         assert isinstance(opened, StreamLeg), opened
         reader = Reader()
         opened.attach(reader)
@@ -325,7 +325,7 @@ def test_a_stream_leg_with_an_error_status_is_a_leg_with_its_body() -> None:
         worker = registry.add(url, Role.DECODE)
         legs = Legs(pool, registry, RefitGate(), 30)
         engine.status = b"503 Service Unavailable"
-        got = await legs.open_one(worker, "/generate", b"{}", Headers({}, {}))
+        got = await legs.open_one(legs.claim(worker), "/generate", b"{}", Headers({}, {}))
         assert isinstance(got, Leg) and (got.status, got.body) == (503, ANSWER), got
         assert worker.load == 0
 
