@@ -28,3 +28,16 @@ def sse_data(event: bytes) -> dict | None:
 
 def sse_event(value: Any) -> bytes:
     return b"data: " + dumps(value) + b"\n\n"
+
+
+def json_object(raw: bytes) -> tuple[dict[str, Any], str | None]:
+    """A control route's body as a JSON object (an empty body is ``{}``), or why it is not one."""
+    if not raw.strip():
+        return {}, None
+    try:
+        body = loads(raw)
+    except ValueError as exc:
+        return {}, f"invalid JSON body: {exc}"
+    if not isinstance(body, dict):
+        return {}, "the body must be a JSON object"
+    return body, None

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdctl.router import errors
+from pdctl.router.breaker import CircuitBreaker
 from pdctl.router.refit.gate import RefitGate
 from pdctl.router.reply import Reply
 from pdctl.router.retry import Retry, Stop
@@ -93,11 +94,11 @@ class Claim:
     attempt a weight update interrupted). Later calls change nothing, so every way a leg can end
     releases it without knowing whether another way came first."""
 
-    __slots__ = ("held", "judged", "registry", "worker")
+    __slots__ = ("breaker", "held", "judged", "worker")
 
-    def __init__(self, worker: Worker, registry: WorkerRegistry):
+    def __init__(self, worker: Worker, breaker: CircuitBreaker):
         self.worker = worker
-        self.registry = registry
+        self.breaker = breaker
         self.held = True
         self.judged = False
         worker.took()
@@ -109,10 +110,10 @@ class Claim:
             self.worker.gave_back()
 
     def judge(self, ok: bool, answered: bool = False) -> None:
-        """The leg's outcome for the breaker (``WorkerRegistry.record``)."""
+        """The leg's outcome for the breaker (``CircuitBreaker.record``)."""
         if not self.judged:
             self.judged = True
-            self.registry.record(self.worker, ok, answered)
+            self.breaker.record(self.worker, ok, answered)
 
 
 class Legs:
@@ -122,6 +123,7 @@ class Legs:
     def __init__(self, upstream: Upstream, registry: WorkerRegistry, gate: RefitGate, timeout_secs: float):
         self.upstream = upstream
         self.registry = registry
+        self.breaker = CircuitBreaker(registry.config.breaker)
         self.gate = gate
         self.timeout = timeout_secs
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -155,7 +157,7 @@ class Legs:
 
     def claim(self, worker: Worker) -> Claim:
         """A new leg's claim on ``worker`` (counted in its load from now)."""
-        return Claim(worker, self.registry)
+        return Claim(worker, self.breaker)
 
     def send(self, claim: Claim, path: str, data: bytes, headers: Headers, answered: Callable) -> Sending:
         """Start a whole leg to ``claim``'s worker; ``answered(Response | exception)`` must

@@ -1,15 +1,16 @@
-"""Workers, their health, load, circuit breaker and weight version; the registry owns them.
+"""Workers and their registry: membership (and its persistence across a router restart), what
+puts a worker in or out of rotation (health, quarantine, cordon, its circuit), and the waits
+for one to come back.
 
-A worker is routable when it is healthy, its circuit is not open, and (for PD) it is on
-the weight version being paired. The health loop runs in app startup and is cancelled in
-cleanup; it logs only when a worker's state changes.
+A worker is routable when it is healthy, its circuit is not open (pdctl.router.breaker), it is
+neither quarantined nor cordoned, and (for PD) on the weight version being paired. Health is
+watched by pdctl.router.health; the fleet's weight version is enforced by pdctl.router.versions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -17,13 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-import aiohttp
-
 from pdctl.roles import Role, engine_role
 from pdctl.router.config import RouterConfig, WorkerSpec
 from pdctl.router.fleet_weights import STALE, FleetWeights
 from pdctl.router.state_file import RouterState
-from pdctl.sglang import Endpoint
 
 log = logging.getLogger("pdctl.router")
 
@@ -108,7 +106,6 @@ class WorkerRegistry:
         self.config = config
         self.workers: dict[str, Worker] = {}
         self._of_role: dict[Role, list[Worker]] = {}  # the same workers, by role (selection reads them)
-        self._task: asyncio.Task | None = None
         self.on_change: list = []
         self.quarantine: dict[str, str] = {}
         """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
@@ -117,10 +114,12 @@ class WorkerRegistry:
         """The fleet's weight version (pdctl.router.fleet_weights); None until an update completes."""
         self.updating = False
         """A weight update runs: engines' versions change under it, the version rule waits."""
-        self._loading: dict[str, asyncio.Task] = {}
-        self._liveness: asyncio.Task | None = None
-        self._wake = asyncio.Event()
-        """Set when a worker leaves rotation: the health loop then checks at the fast interval."""
+        self.loading: dict[str, asyncio.Task] = {}
+        """Workers being loaded with the fleet's weights (pdctl.router.versions)."""
+        self.wake = asyncio.Event()
+        """Set when a worker leaves rotation: the health loop (pdctl.router.health) then checks at
+        the fast interval."""
+
         self._rotation: asyncio.Future[None] | None = None
         """Made by a request that waits for a worker (``wait_for_rotation``), done when one may have come."""
         self.on_hung: list[Callable[[Worker, str], None]] = []
@@ -144,7 +143,7 @@ class WorkerRegistry:
         now = time.monotonic()
         return any(
             w.role == role
-            and (not w.quarantined or w.url in self._loading or self._reloadable(w))
+            and (not w.quarantined or w.url in self.loading or self._reloadable(w))
             and (w.healthy or checks)
             and not (w.cb_by_answers and w.cb_open_until > now and w.healthy and not w.cordoned)
             for w in self.workers.values()
@@ -242,48 +241,6 @@ class WorkerRegistry:
             self.fleet = self.kept.fleet = fleet
             self.kept.write(self.config.state_file, self.config.worker_key)
 
-    def version_rule(self, session: aiohttp.ClientSession, worker: Worker) -> None:
-        """Keep ``worker`` (come back, or its version changed outside an update) out of rotation
-        unless it holds the fleet's version; load that version into it when it came from disk."""
-        fleet = self.fleet
-        stale = worker.quarantined is not None and worker.quarantined.startswith(STALE)
-        if fleet is None or worker.weight_version == fleet.version:
-            if stale:
-                self.set_quarantine(worker.url, None)
-            return
-        if worker.quarantined is None or stale:
-            self.set_quarantine(worker.url, fleet.stale_reason(worker.weight_version))
-        if fleet.source and worker.url not in self._loading:
-            task = asyncio.create_task(self._load(session, worker, fleet), name=f"pdctl-router-load {worker.url}")
-            self._loading[worker.url] = task
-            task.add_done_callback(functools.partial(self._loaded, worker.url))
-
-    def _loaded(self, url: str, _task: asyncio.Task) -> None:
-        self._loading.pop(url, None)
-
-    async def _load(self, session: aiohttp.ClientSession, worker: Worker, fleet: FleetWeights) -> None:
-        """``/update_weights_from_disk`` of the fleet's checkpoint into a stale worker (out of
-        rotation meanwhile); back in rotation once it holds the version."""
-        log.info("worker %s holds %r: loading %s (%s)", worker.url, worker.weight_version, fleet.source, fleet.version)
-        body = {"model_path": fleet.source, "weight_version": fleet.version}
-        timeout = aiohttp.ClientTimeout(total=self.config.admission.request_timeout_secs)
-        try:
-            async with session.post(
-                worker.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, json=body, timeout=timeout, headers=worker.auth
-            ) as r:
-                answer = await r.json(content_type=None) if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            answer = None
-            log.warning("worker %s: loading %s failed: %s", worker.url, fleet.source, exc)
-        if not (isinstance(answer, dict) and answer.get("success")):
-            log.warning(
-                "worker %s did not load %s: %s (tried again at its next check)", worker.url, fleet.source, answer
-            )
-            return
-        if self.fleet == fleet and not self.updating:
-            worker.weight_version = fleet.version
-            self.set_quarantine(worker.url, None)
-
     def routable(self, role: Role) -> list[Worker]:
         """The workers of ``role`` in rotation: healthy, not quarantined or cordoned, circuit not open."""
         out = []
@@ -300,87 +257,7 @@ class WorkerRegistry:
             out.append(w)
         return out
 
-    # -- outcomes ----------------------------------------------------------------------------------
-    def record(self, worker: Worker, ok: bool, answered: bool = False) -> None:
-        """Circuit breaker bookkeeping for an answer that says whether ``worker`` works (a 4xx is
-        the client's fault and counts as ok; backpressure, 429/503 from a live worker, is not
-        recorded at all). ``answered``: the failure is the worker's own answer (a 5xx), not a
-        failed connection.
-
-        One state, read the same way by selection, ``/workers`` and the log: open while
-        ``cb_open_until`` is ahead; then half-open, when only trial requests' outcomes count
-        (answers to requests sent before the circuit opened neither close nor extend it)."""
-        if ok and not worker.cb_half_open and not worker.cb_open_until:  # (closed, never opened: no clock needed)
-            worker.cb_failures = 0
-            return
-        if self.config.breaker.disabled:
-            return
-        now = time.monotonic()
-        if worker.cb_open_until > now:
-            return  # open: late answers of requests sent before it opened change nothing
-        if ok:
-            worker.cb_failures = 0
-            if worker.cb_half_open:
-                worker.cb_successes += 1
-                if worker.cb_successes >= self.config.breaker.success_threshold:
-                    worker.cb_half_open = False
-                    worker.cb_open_until = 0.0
-                    log.info("circuit closed for %s", worker.url)
-            return
-        worker.cb_successes = 0
-        if now - worker.cb_window_start > self.config.breaker.window_duration_secs:
-            worker.cb_failures, worker.cb_window_start = 0, now  # older failures are forgotten
-        worker.cb_failures += 1
-        if worker.cb_half_open or worker.cb_failures >= self.config.breaker.failure_threshold:
-            worker.cb_open_until = now + self.config.breaker.timeout_duration_secs
-            worker.cb_opens += 1
-            worker.cb_by_answers = answered
-            worker.cb_half_open = True  # after the timeout, trial requests decide
-            worker.cb_failures = 0
-            log.warning("circuit opened for %s for %.0fs", worker.url, self.config.breaker.timeout_duration_secs)
-
-    # -- health -----------------------------------------------------------------------------------
-    def start(self, session: aiohttp.ClientSession) -> None:
-        if not self.config.health.disabled:
-            self._task = asyncio.create_task(self._health_loop(session), name="pdctl-router-health")
-            if self.config.health.liveness_interval_secs > 0:
-                self._liveness = asyncio.create_task(self._liveness_loop(session), name="pdctl-router-liveness")
-
-    async def stop(self) -> None:
-        for task in (self._task, self._liveness, *self._loading.values()):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-    async def _liveness_loop(self, session: aiohttp.ClientSession) -> None:
-        """Each worker in rotation, every ``liveness_interval_secs``: its ``/model_info`` (no
-        generation, unlike ``/health``). A refused connection means its process is gone (a crash,
-        a restart): it leaves rotation at once rather than after ``failure_threshold`` health
-        checks. A changed weight version outside an update means a new process (one that
-        restarted between two probes): the version rule applies at once. A slow or silent
-        worker is left to the health checks' thresholds."""
-        interval = self.config.health.liveness_interval_secs
-        while True:
-            await asyncio.sleep(interval)
-            live = [w for w in self.workers.values() if w.healthy]
-            results = await asyncio.gather(*(_model_info(session, w, interval) for w in live))
-            now = time.monotonic()
-            hung_after = self.config.health.liveness_timeout_secs
-            for worker, info in zip(live, results, strict=True):
-                if info is _SILENT:
-                    if hung_after and worker.healthy and now - worker.last_answer >= hung_after:
-                        self.hung(worker, now - worker.last_answer)
-                    continue
-                worker.last_answer = now
-                if info is _REFUSED and worker.healthy:
-                    self.lost(worker, "its port refuses connections")
-                elif isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
-                    worker.weight_version = info.get("weight_version")
-                    if not self.updating:
-                        self.version_rule(session, worker)
-                    self.rotation_changed()
-
+    # -- what health checks and requests learn of a worker (pdctl.router.health, pdctl.router.legs) --
     def hung(self, worker: Worker, silent_secs: float) -> None:
         """``worker`` takes connections and answers nothing: out of rotation now, and what it runs
         failed over (``on_hung``); back after a passed check (its supervisor may restart it)."""
@@ -394,67 +271,8 @@ class WorkerRegistry:
         worker.healthy, worker.gone = False, True
         worker.consecutive_successes = 0
         worker.consecutive_failures = max(worker.consecutive_failures, self.config.health.failure_threshold)
-        self._wake.set()
+        self.wake.set()
         log.warning("worker %s is out of rotation: %s", worker.url, why)
-
-    async def _health_loop(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            # Poll fast while some worker has never answered (engines still starting) or is out of
-            # rotation (a restarted engine is back as soon as it answers); a worker lost in the
-            # meantime wakes the loop.
-            waiting = any(not w.activated or not w.healthy for w in self.workers.values())
-            c = self.config
-            interval = (
-                min(c.health.startup_interval_secs, c.health.interval_secs) if waiting else c.health.interval_secs
-            )
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
-            await self.check_all(session)
-
-    async def check_all(self, session: aiohttp.ClientSession) -> None:
-        workers = list(self.workers.values())
-        if workers:
-            await asyncio.gather(*(self.check(session, w) for w in workers))
-
-    async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
-        """One health check of ``worker``. Whatever goes wrong stays inside this worker's check
-        (a failed check): one bad worker must not stop the health loop or a release."""
-        try:
-            await self._check(session, worker)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("health check of %s failed: %s: %s", worker.url, type(exc).__name__, exc)
-            self.observe_health(worker, False)
-
-    async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_secs)
-        ok = False
-        # While a weight update holds the fleet its engines are paused, and SGLang's /health (a
-        # one-token generation) cannot pass: an engine that answers /model_info is alive then.
-        probe = Endpoint.MODEL_INFO if self.updating else Endpoint.HEALTH
-        try:
-            async with session.get(worker.url + probe.value, timeout=timeout, headers=worker.auth) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            ok = False
-        if ok:  # the version is extra: a worker without a JSON /model_info is still healthy
-            held = worker.weight_version
-            try:
-                async with session.get(
-                    worker.url + Endpoint.MODEL_INFO.value, timeout=timeout, headers=worker.auth
-                ) as resp:
-                    info = await resp.json(content_type=None) if resp.status == 200 else None
-                if isinstance(info, dict):
-                    worker.weight_version = info.get("weight_version")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-                pass
-            if not self.updating and (worker.weight_version != held or not worker.healthy):
-                self.version_rule(session, worker)
-            if worker.weight_version != held:
-                self.rotation_changed()
-        self.observe_health(worker, ok)
 
     def observe_health(self, worker: Worker, ok: bool) -> None:
         c = self.config
@@ -489,7 +307,7 @@ class WorkerRegistry:
         worker.consecutive_failures += 1
         if worker.healthy and worker.consecutive_failures >= c.health.failure_threshold:
             worker.healthy = False
-            self._wake.set()  # the health loop checks it at the fast interval from now (not after its slow one)
+            self.wake.set()  # the health loop checks it at the fast interval from now (not after its slow one)
             log.warning("worker %s is unhealthy (%d failed checks)", worker.url, worker.consecutive_failures)
 
     def mark_failed(self, worker: Worker, error: BaseException | None = None) -> None:
@@ -504,33 +322,6 @@ class WorkerRegistry:
         self.observe_health(worker, False)
 
 
-_REFUSED = object()
-_SILENT = object()
-
-
 def _key_of(worker: Worker) -> str | None:
     value = worker.auth.get("Authorization", "")
     return value[len("Bearer ") :] if value else None
-
-
-async def _model_info(session: aiohttp.ClientSession, worker: Worker, timeout: float) -> object:
-    """A worker's ``/model_info`` (a dict), ``_REFUSED`` when nothing listens on its port,
-    ``_SILENT`` when no answer came in time (or the connection broke before one), or None when it
-    answered but not with JSON."""
-    try:
-        async with session.get(
-            worker.url + Endpoint.MODEL_INFO.value, timeout=aiohttp.ClientTimeout(total=timeout), headers=worker.auth
-        ) as resp:
-            try:
-                info = await resp.json(content_type=None) if resp.status == 200 else None
-            except ValueError:
-                return None
-    except aiohttp.ClientConnectorError as exc:
-        return _REFUSED if isinstance(exc.os_error, ConnectionRefusedError) else _SILENT
-    except asyncio.CancelledError:
-        raise
-    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
-        return _SILENT
-    except Exception:  # (a URL that cannot even be requested is no answer either)
-        return _SILENT
-    return info if isinstance(info, dict) else None

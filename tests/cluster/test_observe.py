@@ -380,6 +380,7 @@ def test_the_routers_fleet_metrics_follow_its_workers() -> None:
     version it holds now (no stale version series), and refit phases once an update ends."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from pdctl.router.breaker import CircuitBreaker
     from pdctl.router.config import BreakerConfig, HealthConfig, RouterConfig
     from pdctl.router.metrics import RouterMetrics
     from pdctl.router.workers import WorkerRegistry
@@ -404,7 +405,7 @@ def test_the_routers_fleet_metrics_follow_its_workers() -> None:
     assert first[("pdctl_router_worker_restarts_total", key)] == 0
     assert first[("pdctl_router_worker_weight_version", tuple(sorted((*key, ("version", "v1")))))] == 1
     assert first[("pdctl_router_retries_total", (("reason", "busy"),))] == 0  # present before any retry
-    reg.record(w, False)  # the breaker opens
+    CircuitBreaker(config.breaker).record(w, False)  # the breaker opens
     assert scrape()[("pdctl_router_worker_circuit_open", key)] == 1
     reg.lost(w, "test")  # its process went away ...
     reg.observe_health(w, True)  # ... and a new one answers

@@ -92,14 +92,14 @@ def test_every_leg_settles_its_load_once_and_its_outcome_at_most_once(
         registry.add(PREFILL, Role.PREFILL, 8998)
         registry.add(DECODE, Role.DECODE)
         heard = {PREFILL: 0, DECODE: 0}
-        record = registry.record
+        legs = Legs(MockUpstream(engines), registry, RefitGate(), 30)
+        record = legs.breaker.record
 
         def counted(worker, ok, answered=False):  # type: ignore[no-untyped-def]
             heard[worker.url] += 1
             record(worker, ok, answered)
 
-        registry.record = counted  # type: ignore[method-assign]
-        legs = Legs(MockUpstream(engines), registry, RefitGate(), 30)
+        legs.breaker.record = counted  # type: ignore[method-assign]
         workers = registry.workers
 
         async def attempt() -> None:  # (made in the request's task, as the attempt loop makes it)

@@ -8,8 +8,11 @@ from collections import Counter
 import pytest
 
 from pdctl.roles import Role
+from pdctl.router.breaker import CircuitBreaker
 from pdctl.router.config import BreakerConfig, CacheConfig, HealthConfig, RouterConfig
+from pdctl.router.health import HealthChecks
 from pdctl.router.policies import RequestContext, make_policy
+from pdctl.router.versions import VersionRule
 from pdctl.router.workers import Worker, WorkerRegistry
 
 
@@ -76,15 +79,17 @@ def test_health_thresholds_and_first_wait() -> None:
 def test_circuit_breaker_opens_and_half_opens() -> None:
     breaker = BreakerConfig(failure_threshold=2, success_threshold=1, timeout_duration_secs=0)
     reg = WorkerRegistry(RouterConfig(breaker=breaker))
+    cb = CircuitBreaker(breaker)
     w = reg.add("http://a", "prefill", 8998, healthy=True)
-    reg.record(w, False)
-    reg.record(w, False)
+    cb.record(w, False)
+    cb.record(w, False)
     assert w.cb_half_open
-    reg.record(w, True)
+    cb.record(w, True)
     assert not w.cb_half_open
-    slow = WorkerRegistry(RouterConfig(breaker=BreakerConfig(failure_threshold=1, timeout_duration_secs=60)))
+    slow_config = BreakerConfig(failure_threshold=1, timeout_duration_secs=60)
+    slow = WorkerRegistry(RouterConfig(breaker=slow_config))
     s = slow.add("http://b", "prefill", 8998, healthy=True)
-    slow.record(s, False)
+    CircuitBreaker(slow_config).record(s, False)
     assert slow.routable("prefill") == []  # open circuit: out of rotation until the timeout
 
 
@@ -94,15 +99,16 @@ def test_a_worker_back_from_the_dead_is_on_trial_not_behind_its_open_circuit() -
     rather than after the breaker's timeout; a trial that fails opens the circuit again."""
     breaker = BreakerConfig(failure_threshold=3, success_threshold=2, timeout_duration_secs=600)
     reg = WorkerRegistry(RouterConfig(breaker=breaker, health=HealthConfig(failure_threshold=1, success_threshold=2)))
+    cb = CircuitBreaker(breaker)
     w = reg.add("http://d", "decode", healthy=True)
     for _ in range(3):
-        reg.record(w, False)  # the requests it held when it died
+        cb.record(w, False)  # the requests it held when it died
     reg.observe_health(w, False)
     assert not w.healthy and w.to_dict()["circuit_open"]
     reg.observe_health(w, True)
     reg.observe_health(w, True)  # back
     assert w.healthy and reg.routable("decode") == [w] and w.cb_half_open
-    reg.record(w, False)
+    cb.record(w, False)
     assert reg.routable("decode") == []  # the trial failed: open again
 
 
@@ -124,11 +130,13 @@ def test_a_worker_its_requests_took_out_is_checked_at_the_fast_interval() -> Non
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         health = HealthConfig(interval_secs=3600, startup_interval_secs=0.01, failure_threshold=3, success_threshold=2)
-        reg = WorkerRegistry(RouterConfig(health=health, breaker=BreakerConfig(disabled=True)))
+        config = RouterConfig(health=health, breaker=BreakerConfig(disabled=True))
+        reg = WorkerRegistry(config)
+        checks = HealthChecks(config, reg, VersionRule(config, reg))
         w = reg.add(f"http://127.0.0.1:{port}", "decode", healthy=True)
         w.activated = True
         async with aiohttp.ClientSession() as session:
-            reg.start(session)
+            checks.start(session)
             try:
                 await asyncio.sleep(0)  # the loop is asleep on its hour-long interval
                 for _ in range(3):
@@ -137,7 +145,7 @@ def test_a_worker_its_requests_took_out_is_checked_at_the_fast_interval() -> Non
                 while not w.healthy:  # within the test's timeout: two checks at the fast interval
                     await asyncio.sleep(0.01)
             finally:
-                await reg.stop()
+                await checks.stop()
         await runner.cleanup()
 
     asyncio.run(main())
@@ -149,7 +157,7 @@ def test_which_workers_out_of_rotation_may_come_back_by_themselves() -> None:
     assert reg.may_return(Role.DECODE) and not reg.may_return(Role.PREFILL)
     reg.set_quarantine(w.url, "weight push t1 stopped half way")  # only a later push brings it back
     assert not reg.may_return(Role.DECODE)
-    reg._loading[w.url] = None  # type: ignore[assignment]  # the fleet's checkpoint is being loaded into it
+    reg.loading[w.url] = None  # type: ignore[assignment]  # the fleet's checkpoint is being loaded into it
     assert reg.may_return(Role.DECODE)
     off = WorkerRegistry(RouterConfig(health=HealthConfig(disabled=True)))
     off.add("http://e", "decode", healthy=False)  # left with health checks off: nothing brings it back
@@ -195,15 +203,16 @@ def test_prefix_hash_groups_by_prefix_and_passes_an_overloaded_worker() -> None:
 
 
 def test_breaker_forgets_failures_older_than_its_window() -> None:
-    reg = WorkerRegistry(RouterConfig(breaker=BreakerConfig(failure_threshold=3, window_duration_secs=120)))
+    breaker = BreakerConfig(failure_threshold=3, window_duration_secs=120)
+    reg, cb = WorkerRegistry(RouterConfig(breaker=breaker)), CircuitBreaker(breaker)
     w = reg.add("http://w0", "decode", None, healthy=True)
-    reg.record(w, False)
-    reg.record(w, False)
+    cb.record(w, False)
+    cb.record(w, False)
     w.cb_window_start -= 121  # those two are now older than the window
-    reg.record(w, False)
+    cb.record(w, False)
     assert not w.to_dict()["circuit_open"]
-    reg.record(w, False)
-    reg.record(w, False)
+    cb.record(w, False)
+    cb.record(w, False)
     assert w.to_dict()["circuit_open"]
 
 

@@ -283,15 +283,19 @@ def test_one_workers_failing_check_stays_in_its_check() -> None:
     import aiohttp
 
     from pdctl.router.config import RouterConfig
+    from pdctl.router.health import HealthChecks
+    from pdctl.router.versions import VersionRule
     from pdctl.router.workers import WorkerRegistry
 
     async def run() -> list[bool]:
-        registry = WorkerRegistry(RouterConfig())
+        config = RouterConfig()
+        registry = WorkerRegistry(config)
+        health = HealthChecks(config, registry, VersionRule(config, registry))
         bad = registry.add("http://" + "a" * 64 + ":9", "decode")  # bypasses POST /workers' checks
         bad.activated = bad.healthy = True
         async with aiohttp.ClientSession() as session:
             for _ in range(3):
-                await registry.check_all(session)  # raised UnicodeError before
+                await health.check_all(session)  # raised UnicodeError before
         return [bad.healthy]
 
     assert asyncio.run(run()) == [False], "the bad worker failed its checks and left rotation"

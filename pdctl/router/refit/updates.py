@@ -23,6 +23,7 @@ import aiohttp
 from pdctl.choices import Choice
 from pdctl.refit import Hold, HoldAnswer, RefitMode, Release
 from pdctl.router.fleet_weights import FleetWeights
+from pdctl.router.health import HealthChecks
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.refit.gate import RefitGate
 from pdctl.router.workers import WorkerRegistry
@@ -113,8 +114,11 @@ engines (paused by it: someone must continue them) and its driver."""
 
 
 class WeightUpdates:
-    def __init__(self, registry: WorkerRegistry, metrics: RouterMetrics, gate: RefitGate):
+    def __init__(self, registry: WorkerRegistry, health: HealthChecks, metrics: RouterMetrics, gate: RefitGate):
+        """``health``: the router's health checks (a release re-reads every worker's health and
+        version; a worker off the fleet's version meets the version rule)."""
         self.registry = registry
+        self.health = health
         self.metrics = metrics
         self.gate = gate
         self.last: PushRecord | None = None
@@ -329,9 +333,9 @@ class WeightUpdates:
                 if worker is not None and worker.weight_version != fleet.version:
                     self.registry.set_quarantine(url, fleet.stale_reason(worker.weight_version))
                     if session is not None and worker.healthy:
-                        self.registry.version_rule(session, worker)
+                        self.health.versions.apply(session, worker)
         try:
             if session is not None:
-                await self.registry.check_all(session)
+                await self.health.check_all(session)
         finally:  # whatever the checks met, requests flow again
             self.gate.open()

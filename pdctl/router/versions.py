@@ -1,0 +1,74 @@
+"""The fleet's weight version as the rule for (re)joining rotation: a worker that comes back, or
+whose version changed outside an update, stays out (quarantined as stale) unless it holds the
+version the last update left the fleet on; when that version came from a checkpoint on disk,
+the router loads it into the worker itself, which then comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+
+import aiohttp
+
+from pdctl.router.config import RouterConfig
+from pdctl.router.fleet_weights import STALE, FleetWeights
+from pdctl.router.workers import Worker, WorkerRegistry
+from pdctl.sglang import Endpoint
+
+log = logging.getLogger("pdctl.router")
+
+
+class VersionRule:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry):
+        self.config = config
+        self.registry = registry
+
+    def apply(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        """Keep ``worker`` (come back, or its version changed outside an update) out of rotation
+        unless it holds the fleet's version; load that version into it when it came from disk."""
+        fleet = self.registry.fleet
+        stale = worker.quarantined is not None and worker.quarantined.startswith(STALE)
+        if fleet is None or worker.weight_version == fleet.version:
+            if stale:
+                self.registry.set_quarantine(worker.url, None)
+            return
+        if worker.quarantined is None or stale:
+            self.registry.set_quarantine(worker.url, fleet.stale_reason(worker.weight_version))
+        if fleet.source and worker.url not in self.registry.loading:
+            task = asyncio.create_task(self._load(session, worker, fleet), name=f"pdctl-router-load {worker.url}")
+            self.registry.loading[worker.url] = task
+            task.add_done_callback(functools.partial(self._loaded, worker.url))
+
+    def _loaded(self, url: str, _task: asyncio.Task) -> None:
+        self.registry.loading.pop(url, None)
+
+    async def _load(self, session: aiohttp.ClientSession, worker: Worker, fleet: FleetWeights) -> None:
+        """``/update_weights_from_disk`` of the fleet's checkpoint into a stale worker (out of
+        rotation meanwhile); back in rotation once it holds the version."""
+        log.info("worker %s holds %r: loading %s (%s)", worker.url, worker.weight_version, fleet.source, fleet.version)
+        body = {"model_path": fleet.source, "weight_version": fleet.version}
+        timeout = aiohttp.ClientTimeout(total=self.config.admission.request_timeout_secs)
+        try:
+            async with session.post(
+                worker.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, json=body, timeout=timeout, headers=worker.auth
+            ) as r:
+                answer = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            answer = None
+            log.warning("worker %s: loading %s failed: %s", worker.url, fleet.source, exc)
+        if not (isinstance(answer, dict) and answer.get("success")):
+            log.warning(
+                "worker %s did not load %s: %s (tried again at its next check)", worker.url, fleet.source, answer
+            )
+            return
+        if self.registry.fleet == fleet and not self.registry.updating:
+            worker.weight_version = fleet.version
+            self.registry.set_quarantine(worker.url, None)
+
+    async def stop(self) -> None:
+        for task in list(self.registry.loading.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
