@@ -68,12 +68,12 @@ class RouterServer:
         self.keys = Keys(config.api_key, config.control_keys, audit=config.audit, open_from=config.control_open_from)
         self.metrics = RouterMetrics()
         self.gate = RefitGate()  # closed while a weight update holds the router
-        self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream, self.gate)
+        self.admission = admission = Admission(config.admission, self.metrics)
+        self.dispatcher = Dispatcher(config, self.registry, self.metrics, upstream, self.gate, admission=admission)
         self.session: aiohttp.ClientSession | None = None
         self._servers: list[HttpServer] = []
         self.port = config.port
         self.prometheus_port = config.prometheus_port
-        self.admission = admission = Admission(config.admission, self.metrics)
         self.health_checks = HealthChecks(config, self.registry, VersionRule(config, self.registry))
         self.updates = WeightUpdates(self.registry, self.health_checks, self.metrics, self.gate)
         self.facade = SGLangFacade(

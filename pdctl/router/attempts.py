@@ -21,6 +21,7 @@ from typing import Any
 
 from pdctl.roles import Role
 from pdctl.router import errors
+from pdctl.router.admission import Admission
 from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
 from pdctl.router.jsonutil import dumps
@@ -67,8 +68,10 @@ class Attempts:
         legs: Legs,
         gate: RefitGate,
         retry: RetryPolicy,
+        admission: Admission,
     ):
         self.config = config
+        self.admission = admission
         self.registry = registry
         self.metrics = metrics
         self.select = select
@@ -108,8 +111,8 @@ class Attempts:
                     return outcome
                 outcome = Retry(f"the continuation was answered {outcome.status}", errors.CONTINUATION_FAILED)
             elif isinstance(outcome, _SelectAgain):
-                if self.gate.interrupting:  # an update began meanwhile: nothing goes out before its release
-                    await self.held(tries)
+                if not self.gate.is_open:  # an update began meanwhile: nothing goes out before its release
+                    await self.held_out_of_flight(tries, request)
                 continue
             elif isinstance(outcome, Stop):
                 raise RouteError(outcome.status, outcome.code, outcome.message)
@@ -203,6 +206,8 @@ class Attempts:
         role = _NO_WORKER_YET.get(exc.code)
         if role is None or wait <= 0 or not self.registry.may_return(role):
             raise exc  # not for lack of a worker, no wait asked, or none of the role that may come back
+        if not self.gate.is_open:  # an update holds the fleet: the worker may be out until its release
+            return _SELECT_AGAIN
         now = time.monotonic()  # the registry's clock (its waits are on the loop, not the retry policy's clock)
         if request.waits_until is None:
             request.waits_until = now + wait
@@ -237,6 +242,19 @@ class Attempts:
         """Wait while a weight update holds the router (at most ``admission.max_hold_secs``)."""
         if not await self.gate.wait_open(self.config.admission.max_hold_secs):
             raise RouteError(503, errors.HELD_TIMEOUT, "router held for a weight update too long")
+
+    async def held_out_of_flight(self, tries: Tries, request: ClientRequest) -> None:
+        """A request that found no worker while an update holds the fleet waits for the release
+        as a new request would, out of the count of requests in flight: a drain waits for that
+        count, and the worker it lacks may be kept out until the release (an engine restarted
+        mid-update, on its boot weights), which would wait for the drain. Its wait for a worker
+        starts afresh after the release."""
+        self.admission.leave()
+        try:
+            await self.held(tries)
+        finally:
+            self.admission.enter()
+        request.waits_until = None
 
     async def held(self, tries: Tries) -> None:
         """Wait for the release of the weight update that holds the router (not counted against

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
+from pdctl.router.admission import Admission
 from pdctl.router.attempts import Attempts, Interrupt
 from pdctl.router.config import RouterConfig
 from pdctl.router.legs import Legs, Live
@@ -42,10 +43,13 @@ class Dispatcher:
         upstream: Upstream | None = None,
         gate: RefitGate | None = None,
         retry: RetryPolicy | None = None,
+        *,
+        admission: Admission | None = None,
     ):
         """``upstream``: how engines are reached (the real connection pool unless given);
         ``gate``: the weight-update gate (the app's, so that its holds reach retries and
-        continuations); ``retry``: the retry policy (``config.retry``'s unless given)."""
+        continuations); ``retry``: the retry policy (``config.retry``'s unless given);
+        ``admission``: the count of requests in flight that a drain waits for (the app's)."""
         self.config = config
         self.gate = gate if gate is not None else RefitGate()
         self.registry = registry
@@ -54,7 +58,8 @@ class Dispatcher:
         timeout = config.admission.request_timeout_secs
         self.legs = Legs(upstream if upstream is not None else UpstreamPool(), registry, self.gate, timeout)
         self.retry = retry if retry is not None else RetryPolicy(config.retry, timeout)
-        self.attempts = Attempts(config, registry, metrics, self.select, self.legs, self.gate, self.retry)
+        admission = admission if admission is not None else Admission(config.admission, metrics)
+        self.attempts = Attempts(config, registry, metrics, self.select, self.legs, self.gate, self.retry, admission)
         self.continuation = Continuation(self.attempts)
 
     async def close(self) -> None:

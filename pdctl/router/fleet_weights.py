@@ -24,6 +24,9 @@ class FleetWeights:
     source: str | None = None
     """The checkpoint path of a load from disk; None for a trainer's push."""
 
-    def stale_reason(self, held: str | None) -> str:
-        then = f"loading {self.source}" if self.source else "until the next weight push reaches it"
+    def stale_reason(self, held: str | None, *, updating: bool = False) -> str:
+        if updating:
+            then = "until the weight update under way ends"
+        else:
+            then = f"loading {self.source}" if self.source else "until the next weight push reaches it"
         return f"{STALE}: it holds {held!r}, the fleet is at {self.version!r}; {then}"

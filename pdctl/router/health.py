@@ -126,8 +126,8 @@ class HealthChecks:
                     worker.weight_version = info.get("weight_version")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                 pass
-            if not self.registry.updating and (worker.weight_version != held or not worker.healthy):
-                self.versions.apply(session, worker)
+            if worker.weight_version != held or not worker.healthy or self.versions.owed(worker):
+                self.versions.apply(session, worker, came_back=not worker.healthy)
             if worker.weight_version != held:
                 self.registry.rotation_changed()
         self.registry.observe_health(worker, ok)

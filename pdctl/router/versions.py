@@ -25,10 +25,21 @@ class VersionRule:
         self.config = config
         self.registry = registry
 
-    def apply(self, session: aiohttp.ClientSession, worker: Worker) -> None:
-        """Keep ``worker`` (come back, or its version changed outside an update) out of rotation
-        unless it holds the fleet's version; load that version into it when it came from disk."""
+    def apply(self, session: aiohttp.ClientSession, worker: Worker, *, came_back: bool = False) -> None:
+        """Keep ``worker`` (``came_back``: restarted, or its version changed outside an update)
+        out of rotation unless it holds the fleet's version; load that version into it when it
+        came from disk.
+
+        While an update holds the fleet, versions move by the update's own hand: only a worker
+        that comes back then (its boot weights) is kept out, and nothing is loaded into it; the
+        release decides (complete: in; missed: loaded, or out until the next push). A drain lets
+        retries through the closed gate, and one must not pair a restarted prefill's boot weights
+        with a decode on the fleet's."""
         fleet = self.registry.fleet
+        if self.registry.updating:
+            if came_back and fleet is not None and worker.weight_version != fleet.version and not worker.quarantined:
+                self.registry.set_quarantine(worker.url, fleet.stale_reason(worker.weight_version, updating=True))
+            return
         stale = worker.quarantined is not None and worker.quarantined.startswith(STALE)
         if fleet is None or worker.weight_version == fleet.version:
             if stale:
@@ -40,6 +51,16 @@ class VersionRule:
             task = asyncio.create_task(self._load(session, worker, fleet), name=f"pdctl-router-load {worker.url}")
             self.registry.loading[worker.url] = task
             task.add_done_callback(functools.partial(self._loaded, worker.url))
+
+    def owed(self, worker: Worker) -> bool:
+        """Out of rotation on stale weights that the router loads, with no load under way (the
+        last one failed, or an update kept it out): its next check tries again."""
+        return (
+            worker.url not in self.registry.loading
+            and worker.quarantined is not None
+            and worker.quarantined.startswith(STALE)
+            and not self.registry.updating
+        )
 
     def _loaded(self, url: str, _task: asyncio.Task) -> None:
         self.registry.loading.pop(url, None)

@@ -190,6 +190,9 @@ class WeightUpdates:
                 in_flight(),
             )
         self.gate.close(hold.refit, hold.max_staleness, new_transaction=new_transaction)
+        # Requests waiting for a worker wake and wait at the gate instead, out of the count a
+        # drain waits for (the worker they lack may be kept out until this hold's release).
+        self.registry.rotation_changed()
         ready = True
         try:
             if hold.refit is RefitMode.DRAIN and wait:
