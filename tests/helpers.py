@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -14,9 +15,11 @@ import time
 import types
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -32,6 +35,67 @@ def triton_stub() -> Iterator[None]:
     finally:
         if added:
             sys.modules.pop("triton", None)
+
+
+def eventually(
+    predicate: Callable[[], T],
+    timeout: float = 60.0,
+    *,
+    interval: float = 0.05,
+    what: str | Callable[[], str] | None = None,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Wait until ``predicate()`` returns something truthy and return it; AssertionError naming
+    ``what`` (and the last value seen) once ``timeout`` seconds pass. A bound, not a measure: tests
+    wait on events (a state change, a file, an answer) and the timeout only keeps a regression from
+    hanging.
+
+    The predicate is asked every ``interval`` seconds and once more at the deadline. What it raises
+    propagates (an assertion inside it fails the wait at once), except the exceptions in ``ignore``,
+    which count as "not yet" (``ignore=(OSError,)``: a server not listening yet). ``what``: a short
+    text, or a function giving it (called once, when the time is up, for what is known only then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except ignore as exc:
+            last: object = exc  # "not yet": shown as the last value seen
+        else:
+            if value:
+                return value
+            last = value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(interval, left))
+    if callable(what):
+        try:
+            what = what()
+        except Exception as exc:  # the wait's own failure is the news, not its description's
+            what = f"(its description failed: {exc!r})"
+    seen = repr(last)
+    if len(seen) > 500:
+        seen = seen[:500] + "..."
+    raise AssertionError(f"{what or 'the condition'}: not within {timeout:g} s (last seen: {seen})")
+
+
+async def eventually_async(
+    predicate: Callable[[], T],
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.0,
+    what: str | None = None,
+) -> T:
+    """``eventually`` inside an event loop: yields to the loop (``interval`` seconds, 0: one turn)
+    between asks, so that the tasks that make ``predicate`` true run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what or 'the condition'}: not within {timeout:g} s (last seen: {value!r})")
+        await asyncio.sleep(interval)
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""The shape of the code: no import circles among pdctl's modules.
+"""The shape of the code: no import circles among pdctl's modules; no unbounded wait in its tests.
 
 Every import counts: at module level, inside functions and under ``if TYPE_CHECKING`` (a
 circle hidden from the interpreter is still two modules that cannot be read, tested or
@@ -283,3 +283,35 @@ def test_the_architecture_doc_names_every_router_module_and_no_other() -> None:
     existing = modules | packages | {p.name for p in nested} | {str(p.relative_to(router)) for p in nested}
     stale = sorted(n for n in named if n.endswith(".py") and n not in existing and not n.startswith("pdctl/"))
     assert not stale, f"docs/architecture.md names router modules that do not exist: {stale}"
+
+
+def unbounded_polls(source: str) -> list[int]:
+    """The lines of ``while`` loops that sleep between polls (a sleep in the loop's own body)
+    with no bound of their own in sight (a deadline, a clock, a count): waits that a regression
+    would turn into a hang until the suite's timeout. ``tests.helpers.eventually`` (and
+    ``eventually_async``) is the bounded way."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.While):
+            loop = ast.get_source_segment(source, node) or ""
+            polls = any(
+                "sleep(" in (ast.get_source_segment(source, s) or "") for s in node.body if isinstance(s, ast.Expr)
+            )
+            if polls and not any(b in loop for b in ("deadline", "monotonic", "range(", "timeout")):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_poll_finder_finds_an_unbounded_one() -> None:
+    assert unbounded_polls("while not done():\n    time.sleep(0.1)\n") == [1]
+    assert unbounded_polls("while not done():\n    assert time.monotonic() < deadline\n    time.sleep(0.1)\n") == []
+
+
+def test_every_wait_in_the_tests_is_bounded() -> None:
+    tests = Path(__file__).resolve().parent
+    found = {
+        f"{path.relative_to(tests.parent)}:{line}"
+        for path in tests.rglob("*.py")
+        for line in unbounded_polls(path.read_text())
+    }
+    assert not found, f"poll loops with no bound (use tests.helpers.eventually): {sorted(found)}"

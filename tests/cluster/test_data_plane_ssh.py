@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from pdctl.cluster import down, logs, status, up
 from pdctl.plan import make_plan
 from pdctl.sim.model import encode
 from pdctl.topology import load_topology_text
-from tests.helpers import engine_auth, post
+from tests.helpers import engine_auth, eventually, post
 
 pytestmark = pytest.mark.netns
 
@@ -103,8 +102,8 @@ def test_data_plane_over_ssh_bit_for_bit_then_an_engine_dies_mid_step(clean_host
 
 
 def _wait_trainer_exit():
-    while True:
+    def exited():
         trainer = next(p for p in status("dpssh").processes if p.role == "trainer")
-        if trainer.exit_code is not None:
-            return trainer
-        time.sleep(0.5)
+        return trainer if trainer.exit_code is not None else None
+
+    return eventually(exited, 180, interval=0.5, what="the trainer's exit")

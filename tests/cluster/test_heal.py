@@ -9,13 +9,14 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
 
 from pdctl.sim.model import resolve_model, save_checkpoint
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, engine_auth, free_port_base, get, post
+from tests.helpers import control_auth, engine_auth, eventually, free_port_base, get, post
 
 
 def _status(env: dict) -> dict[str, dict]:
@@ -39,22 +40,22 @@ def _workers(router: str) -> dict[str, dict]:
 
 def _wait_back(env: dict, proc: str, old_pid: int, restarts: int) -> dict:
     """Wait until ``proc`` runs again under a new pid, healthy, with its restart counted."""
-    while True:
+
+    def back() -> dict | None:
         p = _status(env)[proc]
-        if p["pid"] != old_pid and p["alive"] and p["healthy"] and p["restarts"] == restarts:
-            return p
-        time.sleep(0.2)
+        return p if p["pid"] != old_pid and p["alive"] and p["healthy"] and p["restarts"] == restarts else None
+
+    return eventually(back, 120, interval=0.2, what=f"{proc} back (restart {restarts})")
 
 
 def _wait_in_rotation(router: str, url: str, version: str | None = None) -> dict:
-    while True:
-        try:
-            w = _workers(router).get(url)
-        except OSError:
-            w = None
-        if w and w["is_healthy"] and not w["quarantined"] and version in (None, w["weight_version"]):
-            return w
-        time.sleep(0.1)
+    """Wait until the router has ``url`` in rotation (on ``version``, when given)."""
+
+    def in_rotation() -> dict | None:
+        w = _workers(router).get(url)
+        return w if w and w["is_healthy"] and not w["quarantined"] and version in (None, w["weight_version"]) else None
+
+    return eventually(in_rotation, 120, interval=0.1, ignore=(OSError,), what=f"{url} in rotation")
 
 
 PACED = {"sim-decode-ms-per-step": 10}
@@ -92,6 +93,10 @@ class Clients:
 
     def failed(self, since: float = 0.0) -> list:
         return [a for a in self.answers if a[0] >= since and a[1] != 200]
+
+    def answered_lately(self) -> list:
+        """The answers (200) to requests sent in the last half second."""
+        return [a for a in self.answers if a[0] > time.monotonic() - 0.5 and a[1] == 200]
 
 
 def _run_processes(run_id: str) -> list[int]:
@@ -132,8 +137,11 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
             old = status["decode-0"]
             story = tmp_path / "runs" / "heal" / "logs" / "decode-0.log.exit"
             os.kill(old["pid"], signal.SIGKILL)
-            while json.loads(story.read_text()).get("pid") in (old["pid"], None):
-                time.sleep(0.05)
+            eventually(
+                lambda: json.loads(story.read_text()).get("pid") not in (old["pid"], None),
+                60,
+                what="decode-0's supervisor starting it again",
+            )
             _wait_in_rotation(router, urls["decode-0"])
             back = _wait_back(env, "decode-0", old["pid"], 1)
             assert back["ports"] == old["ports"] and back["last_exit"]["code"] == -signal.SIGKILL
@@ -152,8 +160,7 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
             _wait_back(env, "decode-1", old["pid"], 1)
             _wait_in_rotation(router, urls["decode-1"], "B")
             # a request or two through the healed pair before the clients stop
-            while not [a for a in clients.answers if a[0] > time.monotonic() - 0.5 and a[1] == 200]:
-                time.sleep(0.05)
+            eventually(clients.answered_lately, 60, what="an answer through the healed pair")
         assert not clients.failed(), clients.failed()[:3]
         after = [a for a in clients.answers if a[0] > loaded_at]
         assert after and all(a[2] == "B" for a in after), {a[2] for a in after}
@@ -271,16 +278,19 @@ def test_the_sixth_crash_within_ten_minutes_leaves_the_engine_down_and_status_sa
     assert pdctl("up", topo, env=env).returncode == 0
     story = tmp_path / "runs" / "loop" / "logs" / "decode-0.log.exit"
     try:
-        for _ in range(6):  # kill -9 each new process as soon as its supervisor started it
+
+        def started() -> dict | None:
             current = json.loads(story.read_text())
-            while current["state"] == "backoff" or not current.get("pid"):
-                time.sleep(0.02)
-                current = json.loads(story.read_text())
+            return current if current["state"] != "backoff" and current.get("pid") else None
+
+        def replaced(pid: int) -> bool:
+            return json.loads(story.read_text()).get("pid") != pid
+
+        for _ in range(6):  # kill -9 each new process as soon as its supervisor started it
+            current = eventually(started, 60, interval=0.02, what="decode-0 started again")
             os.kill(current["pid"], signal.SIGKILL)
-            while json.loads(story.read_text()).get("pid") == current["pid"]:
-                time.sleep(0.02)
-        while json.loads(story.read_text())["state"] != "gave_up":
-            time.sleep(0.05)
+            eventually(partial(replaced, current["pid"]), 60, interval=0.02, what="the killed process replaced")
+        eventually(lambda: json.loads(story.read_text())["state"] == "gave_up", 60, what="its supervisor giving up")
         st = pdctl("status", "--json", env=env)
         decode = next(p for p in json.loads(st.stdout)["processes"] if p["id"] == "decode-0")
         assert st.returncode == 1 and decode["alive"] is False and decode["supervisor"] == "gave_up"
@@ -318,17 +328,15 @@ def test_a_hung_engine_leaves_rotation_its_requests_go_on_elsewhere_and_its_supe
         url = status["decode-0"]["url"]
         old = status["decode-0"]
         with Clients(router) as clients:
-            while not any(a[1] == 200 for a in clients.answers):
-                time.sleep(0.05)
+            eventually(lambda: any(a[1] == 200 for a in clients.answers), 60, what="a first answer")
             os.kill(old["pid"], signal.SIGSTOP)
             stopped_at = time.monotonic()
-            while _workers(router)[url]["is_healthy"]:  # out of rotation, the router's own doing
-                time.sleep(0.1)
+            # out of rotation, the router's own doing
+            eventually(lambda: not _workers(router)[url]["is_healthy"], 30, interval=0.1, what="the hung decode out")
             back = _wait_back(env, "decode-0", old["pid"], 1)  # killed and restarted by its supervisor
             assert back["last_exit"]["code"] == -signal.SIGKILL and "liveness" in back["last_exit"]["why"], back
             _wait_in_rotation(router, url)
-            while not [a for a in clients.answers if a[0] > time.monotonic() - 0.5 and a[1] == 200]:
-                time.sleep(0.05)
+            eventually(clients.answered_lately, 60, what="an answer through the healed decode")
         assert not clients.failed(), clients.failed()[:3]
         assert any(a[0] > stopped_at for a in clients.answers)
         shown = pdctl("status", "hung", env=env)

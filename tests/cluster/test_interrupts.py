@@ -21,7 +21,7 @@ import yaml
 from pdctl.sim.model import resolve_model, save_checkpoint
 from tests.cluster.test_heal import _run_processes
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, free_port_base, get, post
+from tests.helpers import control_auth, eventually, free_port_base, get, post
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -182,10 +182,13 @@ def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) ->
     answers: list = []
     client = threading.Thread(target=lambda: answers.append(post(router + "/generate", long, timeout=300)))
     client.start()
-    while not any(
-        w["load"] for w in get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
-    ):
-        time.sleep(0.05)
+    eventually(
+        lambda: any(
+            w["load"] for w in get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+        ),
+        60,
+        what="the long request on an engine",
+    )
     code, out = interrupted("weights", "load", str(tmp_path / "ckpt"), name, at="draining the requests", env=env)
     assert code == 130 and "Traceback" not in out, out
     started = time.monotonic()
@@ -234,16 +237,19 @@ def test_a_load_while_the_only_prefill_restarts_fails_no_request(cluster, tmp_pa
         assert load.returncode in (0, 1), load.stderr
         if load.returncode == 1:  # it missed the prefill: it says so, and who finishes the job
             assert "prefill-0" in load.stderr and "once they answer again" in load.stderr, load.stderr
-        deadline = time.monotonic() + 120
-        while True:  # the router loads the checkpoint into the prefill once it is back
-            workers = get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
-            if all(w["weight_version"] == "v9" and not w["quarantined"] and w["is_healthy"] for w in workers):
-                break
-            assert time.monotonic() < deadline, workers
-            time.sleep(0.2)
+
+        def workers() -> list[dict]:
+            return get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+
+        eventually(  # the router loads the checkpoint into the prefill once it is back
+            lambda: all(w["weight_version"] == "v9" and not w["quarantined"] and w["is_healthy"] for w in workers()),
+            120,
+            interval=0.2,
+            what=lambda: f"every engine in rotation on v9: {workers()}",
+        )
         done = len(answers)
-        while len(answers) < done + 4:  # served on the new version after it
-            time.sleep(0.05)
+        # served on the new version after it
+        eventually(lambda: len(answers) >= done + 4, 60, what="four answers after the load")
     finally:
         stop.set()
         for c in clients:

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from pdctl.cluster import StateStore, down, logs, status, up
 from pdctl.errors import LifecycleError, PdctlError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
-from tests.helpers import engine_auth, post
+from tests.helpers import engine_auth, eventually, post
 
 pytestmark = pytest.mark.netns
 
@@ -59,14 +58,14 @@ def test_up_status_requests_down(clean_hosts, pdctl_home) -> None:
     # with no pdctl command running meanwhile; status counts the restart
     before = next(p for p in st.processes if p.id == "decode-0")
     os.kill(before.pid, signal.SIGKILL)
-    while True:
+
+    def back():
         after = next(p for p in status("t").processes if p.id == "decode-0")
-        if after.pid != before.pid and after.alive and after.healthy:
-            break
-        time.sleep(0.2)
+        return after if after.pid != before.pid and after.alive and after.healthy else None
+
+    after = eventually(back, 120, interval=0.2, what="decode-0 restarted and healthy")
     assert after.restarts == 1 and after.last_exit["code"] == -signal.SIGKILL and after.ports == before.ports
-    while not (st := status("t")).ok:  # and the router takes it back
-        time.sleep(0.2)
+    eventually(lambda: status("t").ok, 30, interval=0.2, what="status ok")  # and the router takes it back
     code, out = post(state.router_url + "/generate", {"text": "back", "sampling_params": {"max_new_tokens": 4}})
     assert code == 200, out
     # the state file, the cluster's keys, the logs and their directory are private
@@ -90,13 +89,14 @@ def test_busy_port_refuses_before_launching(clean_hosts, pdctl_home) -> None:
     )
     try:
         host_ip = clean_hosts.hosts[1].ip
-        while True:  # until the blocker listens (an event, not a fixed second)
+
+        def listens() -> bool:
             assert blocker.poll() is None, "the port blocker exited"
-            try:
-                socket.create_connection((host_ip, port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+            socket.create_connection((host_ip, port), timeout=1).close()
+            return True
+
+        # until the blocker listens (an event, not a fixed second)
+        eventually(listens, 60, ignore=(OSError,), what="the port blocker listening")
         with pytest.raises(LifecycleError) as info:
             up(top, plan, ready_timeout_secs=60)
         message = str(info.value)
@@ -144,11 +144,9 @@ def test_up_killed_halfway_then_down_cleans_up(clean_hosts, pdctl_home, tmp_path
         stderr=subprocess.DEVNULL,
     )
     state_path = pdctl_home / "t" / "state.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if state_path.exists() and json.loads(state_path.read_text())["processes"]:
-            break
-        time.sleep(0.05)
+    eventually(
+        lambda: state_path.exists() and json.loads(state_path.read_text())["processes"], 60, what="a process launched"
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     state = json.loads(state_path.read_text())
@@ -224,11 +222,12 @@ def test_trainer_starts_last_with_the_plan_env_and_stops_last(clean_hosts, pdctl
     top, _ = load_topology_text(yaml.safe_dump(data))
     state = up(top, make_plan(top), ready_timeout_secs=120)
     assert state.processes["trainer.h1"].role == "trainer"
-    deadline = time.monotonic() + 60
-    text = ""
-    while "RANK 0" not in text and time.monotonic() < deadline:
-        time.sleep(0.5)
+
+    def ranked() -> str:
         text = "".join(logs("t", "trainer.h1"))
+        return text if "RANK 0" in text else ""
+
+    text = eventually(ranked, 60, interval=0.5, what="the trainer printing its rank")
     assert "RANK 0" in text and state.router_url in text and '"world_size":3' in text
     order = []
     assert "down" in down("t", events=lambda p, m: order.append(p) if m == "stopped" else None)
@@ -299,15 +298,16 @@ def test_weight_push_across_hosts(clean_hosts, pdctl_home) -> None:
     top, _ = load_topology_text(yaml.safe_dump(data))
     up(top, make_plan(top), ready_timeout_secs=120)
     try:
-        deadline = time.monotonic() + 90
-        trainer = None
-        while time.monotonic() < deadline:
+
+        def exited():
             trainer = next(p for p in status("wx").processes if p.role == "trainer")
-            if trainer.exit_code is not None:
-                break
-            time.sleep(0.5)
+            return trainer if trainer.exit_code is not None else None
+
+        trainer = eventually(
+            exited, 90, interval=0.5, what=lambda: f"the trainer's exit:\n{''.join(logs('wx', 'trainer.h1'))[-2000:]}"
+        )
         text = "".join(logs("wx", "trainer.h1"))
-        assert trainer is not None and trainer.exit_code == 0, text[-2000:]
+        assert trainer.exit_code == 0, text[-2000:]
         assert "PUSHED ['prefill-0', 'decode-0']" in text
         expected = weights_checksum(TinyLM(replace(PRESETS["tiny"], seed=41)))
         engines = [p for p in status("wx").processes if p.role in ("prefill", "decode")]

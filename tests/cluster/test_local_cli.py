@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from tests.helpers import engine_auth, free_port_base, get, post
+from tests.helpers import engine_auth, eventually, free_port_base, get, post
 
 
 def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -105,7 +105,6 @@ def check_engine_keys_stay_off_command_lines(status: dict, home: Path, name: str
 
 def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
     import signal
-    import time
 
     # the decode's warm-up prompt takes 60 s: up is still waiting when Ctrl-C comes
     slow = {"args": {"sim-prefill-ms-per-token": 60000}}
@@ -126,15 +125,18 @@ def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
     def started() -> dict:
         return json.loads(state_path.read_text())["processes"] if state_path.exists() else {}
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(started()) < 3:  # prefill, decode and router launched
-        time.sleep(0.1)
+    # prefill, decode and router launched
+    eventually(lambda: len(started()) >= 3, 60, interval=0.1, what="three processes launched")
     pids = [p["pid"] for p in started().values()]
     assert len(pids) == 3, pids
     proc.send_signal(signal.SIGINT)
     # an impatient second Ctrl-C while up stops what it started: ignored, the cleanup finishes
-    while proc.poll() is None and json.loads(state_path.read_text())["status"] != "failed":
-        time.sleep(0.01)
+    eventually(
+        lambda: proc.poll() is not None or json.loads(state_path.read_text())["status"] == "failed",
+        60,
+        interval=0.01,
+        what="up stopping what it started",
+    )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "interrupted; everything that started was stopped" in err, err
@@ -238,15 +240,13 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
     up = pdctl("up", topo, env=env)
     assert up.returncode == 0, up.stderr
     try:
-        import time
 
-        deadline = time.monotonic() + 30
-        while True:
+        def ended() -> dict | None:
             procs = json.loads(pdctl("status", "done", "--json", env=env).stdout)["processes"]
             trainer = next(p for p in procs if p["role"] == "trainer")
-            if not trainer["alive"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+            return None if trainer["alive"] else trainer
+
+        trainer = eventually(ended, 30, interval=0.5, what="the trainer's exit")
         assert trainer["alive"] is False and trainer["exit_code"] == 0, trainer
         table = pdctl("status", "done", env=env)
         assert "exited 0" in table.stdout and "trainer completed" in table.stdout

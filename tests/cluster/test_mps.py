@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -21,7 +20,7 @@ from pdctl.cluster.state import StateStore
 from pdctl.errors import LifecycleError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
-from tests.helpers import free_port_base
+from tests.helpers import eventually, free_port_base
 
 FAKE_MPS = Path(__file__).resolve().parents[1] / "fake_mps"
 PATH = f"{FAKE_MPS}:{os.environ['PATH']}"
@@ -37,10 +36,7 @@ def environ(pid: int) -> dict[str, str]:
     """The process's environment once its exec has finished. Popen returns when the exec closed
     its close-on-exec pipe, which the kernel does before it sets the new image's environment
     bounds, so /proc/PID/environ can read empty for a moment right after spawn."""
-    deadline = time.monotonic() + 10
-    while not (env := psutil.Process(pid).environ()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return env
+    return eventually(lambda: psutil.Process(pid).environ(), 10, interval=0.01, what=f"pid {pid}'s environment")
 
 
 # -- the node side: pdctl.mps as the agent runs it ----------------------------------------------------

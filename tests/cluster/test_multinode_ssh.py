@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +15,7 @@ from pdctl.cluster import down, logs, status, up
 from pdctl.errors import LifecycleError
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
-from tests.helpers import SimProcess, control_auth, engine_auth, get, post
+from tests.helpers import SimProcess, control_auth, engine_auth, eventually, get, post
 
 pytestmark = pytest.mark.netns
 
@@ -93,12 +92,14 @@ def test_tp4_decode_over_two_hosts(clean_hosts, pdctl_home, tmp_path) -> None:
 
         # the push reaches all 4 decode ranks, 2 on each host
         flag.touch()
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            trainer_st = next(p for p in status("mn").processes if p.role == "trainer")
-            if trainer_st.exit_code is not None:
-                break
-            time.sleep(0.5)
+
+        def exited():
+            trainer = next(p for p in status("mn").processes if p.role == "trainer")
+            return trainer if trainer.exit_code is not None else None
+
+        trainer_st = eventually(
+            exited, 90, interval=0.5, what=lambda: f"the trainer's exit:\n{''.join(logs('mn', 'trainer.h0'))[-2000:]}"
+        )
         text = "".join(logs("mn", "trainer.h0"))
         assert trainer_st.exit_code == 0, text[-2000:]
         assert "PUSHED ['prefill-0', 'decode-0']" in text
@@ -116,22 +117,30 @@ def test_tp4_decode_over_two_hosts(clean_hosts, pdctl_home, tmp_path) -> None:
         # the engine is up once both processes run and node 0 is healthy
         peer = next(p for p in status("mn").processes if p.id == "decode-0.h2")
         os.kill(peer.pid, signal.SIGKILL)  # the rank itself (shared pid namespace), not its supervisor
-        worker = decode_worker(state.router_url)
-        while worker is not None and worker["is_healthy"]:
-            time.sleep(0.2)
+
+        def out_of_rotation() -> bool:
             worker = decode_worker(state.router_url)
+            return worker is None or not worker["is_healthy"]
+
+        eventually(out_of_rotation, 60, interval=0.2, what="the decode out of rotation")
         assert "TP peer node rank 1 went away" in "".join(logs("mn", "decode-0.h1", lines=200))
-        st = status("mn")
-        while not all(e.up for e in st.engines):  # (the trainer has exited: the cluster's status is not ok)
-            time.sleep(0.5)
+
+        def all_up():  # (the trainer has exited: the cluster's status is not ok)
             st = status("mn")
+            return st if all(e.up for e in st.engines) else None
+
+        st = eventually(all_up, 120, interval=0.5, what="every engine up again")
         back = {p.id: p for p in st.processes}
         assert back["decode-0.h2"].pid != peer.pid and back["decode-0.h2"].restarts >= 1
         assert back["decode-0.h1"].restarts >= 1, "node 0 went down with its peer and came back"
         # healthy again, but on its initial weights while the fleet is at the push's version: the
         # router keeps it out until a push reaches it (this trainer has exited: none will)
-        while not ((worker := decode_worker(state.router_url)) and worker["is_healthy"] and worker["quarantined"]):
-            time.sleep(0.2)
+
+        def kept_out() -> dict | None:
+            worker = decode_worker(state.router_url)
+            return worker if worker and worker["is_healthy"] and worker["quarantined"] else None
+
+        worker = eventually(kept_out, 60, interval=0.2, what="the decode back, healthy, quarantined")
         assert "next weight push" in worker["quarantined"] and worker["weight_version"] == "default", worker
     finally:
         single.stop()

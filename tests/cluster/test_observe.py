@@ -34,7 +34,7 @@ from pdctl.refit import Release
 from pdctl.roles import Role
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import free_port_base, get, post
+from tests.helpers import eventually, free_port_base, get, post
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "pdctl-fleet.json"
@@ -153,8 +153,7 @@ class Load:
     def __enter__(self) -> Load:
         for t in self.threads:
             t.start()
-        while not self.answers:  # the first answers are in: the engines' counters move
-            time.sleep(0.05)
+        eventually(lambda: self.answers, 60, what="a first answer through the router")  # the engines' counters move
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -249,14 +248,12 @@ def _prometheus_bins() -> tuple[str, str]:
 def _listening_port(proc: subprocess.Popen, log: Path) -> int:
     """The port a server started on port 0 listens on, as the kernel says (not its log)."""
     ps = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def ports() -> list[int]:
         assert proc.poll() is None, log.read_text()[-3000:]
-        ports = [c.laddr.port for c in ps.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
-        if ports:
-            return ports[0]
-        time.sleep(0.05)
-    raise TimeoutError(f"prometheus did not listen:\n{log.read_text()[-3000:]}")
+        return [c.laddr.port for c in ps.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+
+    return eventually(ports, 60, what=lambda: f"prometheus listening:\n{log.read_text()[-3000:]}")[0]
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -335,11 +332,11 @@ def test_a_real_prometheus_scrapes_the_fleet_and_answers_every_dashboard_query(c
 
 def _wait(predicate, what, log: Path, timeout: float = 90) -> None:
     """Until ``predicate()``; ``what`` (text, or a function giving it) names it when it never is."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        said = what() if callable(what) else what
-        assert time.monotonic() < deadline, f"Prometheus never showed {said}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
+
+    def said() -> str:
+        return f"Prometheus showing {what() if callable(what) else what}:\n{log.read_text()[-3000:]}"
+
+    eventually(predicate, timeout, interval=0.2, what=said)
 
 
 # -- last: an engine killed -------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from pdctl.supervise import MAX_RESTARTS, failed
+from tests.helpers import eventually
 
 CHILD = """
 import os, sys, time
@@ -36,25 +36,31 @@ def _supervise(tmp: Path, code: int, restart: str = "on-failure") -> tuple[subpr
 
 
 def _read(story: Path) -> dict:
-    while True:
-        try:
-            return json.loads(story.read_text())
-        except (OSError, ValueError):
-            time.sleep(0.02)
+    """The story, once there is one to read (a 1-tuple: truthy whatever the story holds)."""
+    (read,) = eventually(
+        lambda: (json.loads(story.read_text()),), 60, interval=0.02, ignore=(OSError, ValueError), what="the story"
+    )
+    return read
 
 
 def _pids(runs: Path, count: int) -> list[str]:
     """The pids of the child's runs, once it has started ``count`` times."""
-    while len(pids := (runs.read_text().split() if runs.exists() else [])) < count:
-        time.sleep(0.02)
-    return pids
+
+    def started() -> list[str]:
+        pids = runs.read_text().split() if runs.exists() else []
+        return pids if len(pids) >= count else []
+
+    return eventually(started, 60, interval=0.02, what=f"{count} runs of the child")
 
 
 def _wait(story: Path, check) -> dict:
     """Wait until the story satisfies ``check`` (the wrapper writes it at every change)."""
-    while not check(current := _read(story)):
-        time.sleep(0.02)
-    return current
+
+    def met() -> dict | None:
+        current = _read(story)
+        return current if check(current) else None
+
+    return eventually(met, 60, interval=0.02, what="the story's change")
 
 
 def test_exit_statuses_that_count_as_failures() -> None:

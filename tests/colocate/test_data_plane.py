@@ -23,7 +23,7 @@ from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks, hook_
 from pdctl.colocate.world import join
 from pdctl.plan.argv import POSITIONS_MODULE
 from pdctl.sim.model import encode, resolve_model
-from tests.helpers import SimProcess, free_port, post
+from tests.helpers import SimProcess, eventually, free_port, post
 
 RECEIVER = Path(__file__).with_name("receiver.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -82,10 +82,14 @@ class Colocated:
         out = self.tmp / f"rank{rank}.pt"
         if not self.linger:
             self.receivers[rank].wait(timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while not out.exists():
-            assert self.receivers[rank].poll() is None and time.monotonic() < deadline, f"rank {rank} saved nothing"
-            time.sleep(0.05)
+
+        def saved() -> bool:
+            if out.exists():
+                return True
+            assert self.receivers[rank].poll() is None, f"rank {rank} saved nothing"
+            return False
+
+        eventually(saved, timeout, what=f"rank {rank} saving what it received")
         return torch.load(out)
 
     def __exit__(self, *_exc: object) -> None:

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import RouterProcess, free_port, get, http, post, wait_http
+from tests.helpers import RouterProcess, eventually, free_port, get, http, post, wait_http
 
 CLIENT_HEADERS = {
     "Authorization": "Bearer worker-key",  # the routers' own key, which both send the worker
@@ -82,12 +84,13 @@ def routers(tmp: Path, workers: list[str], *extra: str) -> Iterator[dict[str, st
                 start_new_session=True,
             )
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError):
-                    if get(url + ready, timeout=2)[0] == 200:
-                        break
-                time.sleep(0.3)
+            eventually(
+                lambda: get(url + ready, timeout=2)[0] == 200,
+                60,
+                interval=0.3,
+                ignore=(OSError,),
+                what=lambda: f"sglang-router ready:\n{log.read_text()[-2000:]}",
+            )
             out["sglang-router"] = url
         yield out
     finally:
@@ -156,6 +159,18 @@ def test_payload_over_the_limit_is_413(tmp_path):
             assert post(url + "/generate", {"text": "y" * 10})[0] == 200, name
 
 
+def _wait_gauge(url: str, gauge: str, sent: Future) -> None:
+    """Until pdctl's /metrics at ``url`` shows ``gauge`` (the request ``sent`` must not end first)."""
+
+    def shown() -> bool:
+        if gauge in str(get(url + "/metrics")[1]):
+            return True
+        assert not sent.done(), sent.result()
+        return False
+
+    eventually(shown, 60, interval=0.01, what=f"{gauge!r} in {url}/metrics")
+
+
 def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
     """One slot, a queue of one, a 1 s queue timeout, requests of about 2 s, sent one after the
     other (on pdctl each once the one before holds the slot or waits in the queue; to sglang-router
@@ -184,9 +199,8 @@ def test_admission_queue_timeout_is_408_and_a_full_queue_429(tmp_path):
                     if name != "pdctl":
                         time.sleep(0.3)
                         continue
-                    while gauge is not None and gauge not in str(get(url + "/metrics")[1]):
-                        assert not futures[-1].done(), futures[-1].result()
-                        time.sleep(0.01)
+                    if gauge is not None:
+                        _wait_gauge(url, gauge, futures[-1])
                 statuses = [f.result()[0] for f in futures]
             if name == "pdctl":
                 assert statuses == [200, 408, 429], statuses
@@ -208,6 +222,17 @@ def slow_sim(tmp: Path) -> Iterator[str]:
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 
+def _listed_healthy(url: str, worker: str, name: str) -> bool:
+    """GET ``url`` (/workers/{id}): it shows ``worker``; whether healthy yet."""
+    status, one = get(url)
+    assert status == 200 and one["url"] == worker, (name, one)
+    return one["is_healthy"]
+
+
+def _gone(url: str) -> bool:
+    return get(url)[0] == 404
+
+
 def test_worker_api_add_get_delete_on_a_router_started_without_workers(tmp_path):
     """POST /workers answers 202 with a worker_id; GET /workers/{id} shows it (health included)
     until it is healthy; the router serves once it is; DELETE /workers/{id} answers 202 and
@@ -218,21 +243,18 @@ def test_worker_api_add_get_delete_on_a_router_started_without_workers(tmp_path)
             assert post(url + "/generate", {"text": "a"})[0] == 503, name
             status, added = post(url + "/workers", {"url": worker})
             assert status == 202 and added["worker_id"], (name, added)
-            deadline = time.monotonic() + 30
-            while True:
-                status, one = get(url + f"/workers/{added['worker_id']}")
-                assert status == 200 and one["url"] == worker, (name, one)
-                if one["is_healthy"] or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            assert one["is_healthy"], name
+            eventually(
+                partial(_listed_healthy, url + f"/workers/{added['worker_id']}", worker, name),
+                30,
+                interval=0.2,
+                what=f"{name} calling the worker healthy",
+            )
             assert post(url + "/generate", {"text": "a"})[0] == 200, name
             status, removed = http("DELETE", url + f"/workers/{added['worker_id']}")
             assert status == 202 and removed["worker_id"] == added["worker_id"], (name, removed)
-            deadline = time.monotonic() + 10  # sglang-router removes in the background
-            while get(url + f"/workers/{added['worker_id']}")[0] != 404 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert get(url + f"/workers/{added['worker_id']}")[0] == 404, name
+            eventually(  # sglang-router removes in the background
+                partial(_gone, url + f"/workers/{added['worker_id']}"), 10, interval=0.2, what=f"{name} removing it"
+            )
             assert post(url + "/generate", {"text": "a"})[0] == 503, name
         # pdctl also finds a worker by its URL
         status, added = post(urls["pdctl"] + "/workers", {"url": worker})
@@ -287,9 +309,7 @@ def test_routine_events_log_at_info_and_trouble_at_warning(tmp_path):
         router = RouterProcess(tmp_path, "--worker-urls", worker, *flags, port=free_port()).start("/readiness")
         assert post(router.url + "/generate", {"text": "a"})[0] == 200
     try:  # the worker is gone now: the next check fails it
-        deadline = time.monotonic() + 20
-        while "unhealthy" not in router.log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        eventually(lambda: "unhealthy" in router.log.read_text(), 20, interval=0.2, what="the router logging it")
         text = router.log.read_text()
         assert "is unhealthy" in text and "is up" not in text, text
     finally:

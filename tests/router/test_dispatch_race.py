@@ -17,6 +17,7 @@ from pdctl.router.retry import Retry
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import UpstreamError
 from pdctl.router.workers import WorkerRegistry
+from tests.helpers import eventually_async
 
 PREFILL, DECODE = "http://127.0.0.2:1", "http://127.0.0.3:1"
 
@@ -79,8 +80,7 @@ def test_a_client_that_leaves_during_a_race_still_ends_the_request() -> None:
         registry, legs = _fleet(_prefill_runs)
         pair = _pair(registry, legs)
         task = asyncio.ensure_future(pair.whole(with_logprobs=False))
-        while len(legs.upstream.requests) < 2:  # type: ignore[attr-defined]  # both legs are sent
-            await asyncio.sleep(0)
+        await eventually_async(lambda: len(legs.upstream.requests) >= 2, what="both legs sent")  # type: ignore[attr-defined]
         task.cancel()  # the client went away
         try:
             await task
@@ -128,8 +128,8 @@ def test_a_prefill_the_reply_went_out_without_is_cancelled_after_its_grace_and_a
         failures_before = prefill.cb_failures
         answer_now.set()  # the second prefill answers within its grace (a 500: a failure to record)
         await asyncio.wait_for(both_over.wait(), 5)  # the first one's grace ends
-        while prefill.load:  # (its cancel gives the load back at once; the late answer may still come)
-            await asyncio.sleep(0.01)
+        # (its cancel gives the load back at once; the late answer may still come)
+        await eventually_async(lambda: not prefill.load, interval=0.01, what="the prefill's load given back")
         recorded = prefill.cb_failures - failures_before
         await legs.close()
         return seen, recorded, prefill.load
@@ -144,8 +144,7 @@ def test_closing_an_attempt_gives_back_its_prefill_leg_at_once() -> None:
     async def scenario() -> int:
         registry, legs = _fleet(_prefill_runs)
         pair = _pair(registry, legs)
-        while not legs.upstream.requests:  # type: ignore[attr-defined]  # the prefill leg is sent
-            await asyncio.sleep(0)
+        await eventually_async(lambda: legs.upstream.requests, what="the prefill leg sent")  # type: ignore[attr-defined]
         pair.close()
         load = registry.workers[PREFILL].load
         await legs.close()

@@ -27,6 +27,7 @@ from pdctl.router.retry import Retry, RetryPolicy
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import UpstreamError
 from pdctl.router.workers import WorkerRegistry
+from tests.helpers import eventually_async
 from tests.router.test_failure_rules import (
     D1,
     D2,
@@ -215,9 +216,7 @@ def test_a_request_that_finds_no_decode_in_rotation_waits_for_one(stream: bool) 
         decode = f.registry.workers[D1]
         decode.cordoned = "restart"
         request = asyncio.ensure_future(f.generate(stream=stream))
-        while f.dispatcher.metrics.waiting_for_workers == 0:
-            assert not request.done(), request.result()
-            await asyncio.sleep(0)
+        await eventually_async(lambda: _waiting(f, request), what="the request waiting for a worker")
         assert f.engines.bodies(P1) == [] and f.engines.bodies(D1) == []
         decode.cordoned = None
         f.registry.rotation_changed()
@@ -239,8 +238,7 @@ def test_a_request_woken_during_an_interrupting_update_waits_for_its_release() -
         decode = f.registry.workers[D1]
         decode.cordoned = "restart"
         request = asyncio.ensure_future(f.generate())
-        while f.dispatcher.metrics.waiting_for_workers == 0:
-            await asyncio.sleep(0)
+        await eventually_async(lambda: f.dispatcher.metrics.waiting_for_workers, what="a request waiting for a worker")
         f.dispatcher.gate.close(RefitMode.INTERRUPT, None, new_transaction=True)
         decode.cordoned = None
         f.registry.rotation_changed()
@@ -416,8 +414,8 @@ def test_an_interrupted_stream_continues_after_the_release_under_the_retry_polic
         gate = f.dispatcher.gate
         gate.close(RefitMode.INTERRUPT, None, new_transaction=True)
         aborted.set()
-        while f.load()[D1]:  # the interrupted stream is read to its end (its abort caught)
-            await asyncio.sleep(0)
+        # the interrupted stream is read to its end (its abort caught)
+        await eventually_async(lambda: not f.load()[D1], what="the interrupted stream read to its end")
         for _ in range(20):
             await asyncio.sleep(0)
         assert len(attempts) == 1 and not reading.done(), "nothing is sent while the update holds the router"
@@ -466,3 +464,9 @@ def test_a_retry_waits_out_an_interrupting_update_but_not_a_drain(mode: RefitMod
         assert json.loads(reply.body)["text"] == continuation(PROMPT, 8)
 
     run(Engines(D1=busy_then_held), scenario)
+
+
+def _waiting(f, request) -> bool:
+    """Whether ``request`` waits for a worker (it must not have ended meanwhile)."""
+    assert not request.done(), request.result()
+    return f.dispatcher.metrics.waiting_for_workers > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -523,7 +524,9 @@ def test_a_client_that_stops_reading_holds_back_the_engine_and_then_gets_the_who
         body = json.dumps({"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 8}}).encode()
         head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
         await loop.sock_sendall(sock, head % len(body) + body)
+        deadline = time.monotonic() + 60
         while len(produced) < events:  # until the router holds the engine's stream back (or it all went)
+            assert time.monotonic() < deadline, "the engine's stream neither held back nor all sent in 60 s"
             stream = r.engines.mock_streams()
             if stream and not stream[0].reading.is_set():
                 break

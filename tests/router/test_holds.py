@@ -10,6 +10,7 @@ import contextlib
 
 from pdctl.refit import Hold, Release
 from pdctl.router.mock_upstream import MockReply
+from tests.helpers import eventually_async
 from tests.router.test_failure_rules import D1, P1, Engines, Run, continuation, output, run
 
 
@@ -64,17 +65,17 @@ def test_a_hold_whose_driver_left_before_its_answer_lets_requests_in_at_once():
 
     async def scenario(r: Run):
         long = asyncio.ensure_future(r.generate())
-        while not any(w.load for w in r.server.registry.workers.values()):
-            await asyncio.sleep(0.01)
+        await eventually_async(
+            lambda: any(w.load for w in r.server.registry.workers.values()), interval=0.01, what="a request in flight"
+        )
         hold = Hold(txn="loader", engines=(P1, D1), lease_secs=30, timeout_secs=60)
         draining = asyncio.ensure_future(control(r, "/pdctl/hold", hold.to_json()))
-        while r.server.gate.is_open:
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: not r.server.gate.is_open, interval=0.01, what="the hold closing the gate")
         draining.cancel()  # its client goes away
         with contextlib.suppress(asyncio.CancelledError):
             await draining
-        while not r.server.gate.is_open:  # opened by the router at once: within the test's timeout, not 30 s
-            await asyncio.sleep(0.01)
+        # opened by the router at once, not after the 30 s lease
+        await eventually_async(lambda: r.server.gate.is_open, 20, interval=0.01, what="the gate open again")
         assert r.server.updates.holder is None
         assert r.server.updates.last is not None and r.server.updates.last.state.value.startswith("cancelled")
         assert not any(w.quarantined for w in r.server.registry.workers.values())
@@ -89,8 +90,7 @@ def test_a_lease_that_runs_out_before_weights_moved_quarantines_nothing_and_afte
         urls = (P1, D1)
         # No weights moved: the transaction just ends.
         assert (await control(r, "/pdctl/hold", Hold(txn="t1", engines=urls, lease_secs=0.2).to_json()))[0] == 200
-        while r.server.updates.holder is not None:
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r.server.updates.holder is None, interval=0.02, what="the lease running out")
         assert r.server.gate.is_open
         assert not any(w.quarantined for w in r.server.registry.workers.values())
         assert r.server.updates.last is not None and r.server.updates.last.state.value == "cancelled (no weights moved)"
@@ -98,8 +98,7 @@ def test_a_lease_that_runs_out_before_weights_moved_quarantines_nothing_and_afte
         hold = Hold(txn="t2", engines=urls, lease_secs=0.2)
         assert (await control(r, "/pdctl/hold", hold.to_json()))[0] == 200
         assert (await control(r, "/pdctl/hold", hold.renewal(moved=True).to_json()))[0] == 200
-        while r.server.updates.holder is not None:
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r.server.updates.holder is None, interval=0.02, what="the lease running out")
         assert all(w.quarantined for w in r.server.registry.workers.values())
         assert r.server.updates.last.state.value == "abandoned (lease expired)"
         # An interrupted transaction's own release that says nothing moved leaves rotation alone.

@@ -15,7 +15,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.helpers import RouterProcess, SimProcess, get, pd_router_args, post, sims
+from tests.helpers import RouterProcess, SimProcess, eventually, get, pd_router_args, post, sims
 
 SLOTS = 4
 PROMPTS = [f"overload {i} " * 3 for i in range(80)]
@@ -51,25 +51,14 @@ def fleet(tmp_path):
 
 def assert_idle(procs, wait_secs: float = 10.0) -> None:
     """No request running, queued or holding a reserved decode slot on any live engine."""
-    deadline = time.monotonic() + wait_secs
-    for p in procs:
-        if p.proc is None or p.proc.poll() is not None:
-            continue
-        while True:
-            state = get(p.url + "/server_info")[1]["internal_states"][0]
-            busy = sum(
-                state[k]
-                for k in (
-                    "num_running_reqs",
-                    "num_queue_reqs",
-                    "num_reserved_decode_slots",
-                    "num_decode_prealloc_queue_reqs",
-                )
-            )
-            if busy == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert busy == 0, (p.url, state)
+    live = [p for p in procs if p.proc is not None and p.proc.poll() is None]
+    counts = ("num_running_reqs", "num_queue_reqs", "num_reserved_decode_slots", "num_decode_prealloc_queue_reqs")
+
+    def busy() -> list[tuple[str, dict]]:
+        states = [(p.url, get(p.url + "/server_info")[1]["internal_states"][0]) for p in live]
+        return [(url, state) for url, state in states if sum(state[k] for k in counts)]
+
+    eventually(lambda: not busy(), wait_secs, interval=0.2, what=lambda: f"every engine idle: {busy()}")
 
 
 async def one(session: aiohttp.ClientSession, url: str, prompt: str, stream: bool, tokens: int) -> dict:
@@ -117,8 +106,10 @@ def test_decode_killed_during_a_burst_loses_nothing(fleet):
 
     async def run() -> list[dict]:
         task = asyncio.create_task(burst(router.url, 10 * 2 * SLOTS, tokens=48))
+        deadline = time.monotonic() + 60
         while not await asyncio.to_thread(_running, victim):  # mid-burst: the victim has requests
             assert not task.done(), "the burst ended before the decode ran any of it"
+            assert time.monotonic() < deadline, "the decode ran none of the burst within 60 s"
             await asyncio.sleep(0.05)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         return await task
@@ -137,9 +128,7 @@ def test_decode_killed_during_a_burst_loses_nothing(fleet):
     # Restarted on the same port, it comes back into rotation.
     SimProcess.__init__(victim, victim.log.parent, *victim.args, name="sim3b", port=victim.port)
     victim.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not get(router.url + "/workers")[1]["workers"][3]["is_healthy"]:
-        time.sleep(0.3)
+    eventually(lambda: get(router.url + "/workers")[1]["workers"][3]["is_healthy"], 30, interval=0.3, what="sim3 back")
     assert {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}[victim.url]["is_healthy"]
     assert f"worker {victim.url} is healthy again" in router.log.read_text()
     after = asyncio.run(burst(router.url, 16))

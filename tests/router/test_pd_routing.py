@@ -6,7 +6,7 @@ import concurrent.futures as cf
 import time
 import urllib.request
 
-from tests.helpers import RouterProcess, get, pd_router_args, post, sse
+from tests.helpers import RouterProcess, eventually, get, pd_router_args, post, sse
 
 
 def greedy(text, n=16, **extra):
@@ -81,9 +81,9 @@ def test_worker_load_returns_to_zero_after_mixed_traffic(router) -> None:
     with cf.ThreadPoolExecutor(16) as pool:
         statuses = list(pool.map(one, range(48)))
     assert statuses.count(400) == 12 and statuses.count(200) == 36
-    deadline = time.monotonic() + 10  # a prefill leg may end just after its reply went out
-    while any(w["load"] for w in get(router.url + "/workers")[1]["workers"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(  # a prefill leg may end just after its reply went out
+        lambda: not any(w["load"] for w in get(router.url + "/workers")[1]["workers"]), 10, what="every load back at 0"
+    )
     assert [w["load"] for w in get(router.url + "/workers")[1]["workers"]] == [0, 0, 0]
 
 

@@ -11,6 +11,7 @@ import pytest
 import tests.router.test_failure_rules as rules
 from pdctl.router.app import RouterServer
 from pdctl.router.refit import gate
+from tests.helpers import eventually_async
 from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
 
 
@@ -48,8 +49,7 @@ def test_the_failure_rules_hold_after_an_interrupt(after_an_interrupt, rule) -> 
 
 
 async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0)
+    await eventually_async(condition)
 
 
 def test_a_retry_during_a_drain_goes_on_and_the_drain_completes() -> None:
@@ -122,8 +122,8 @@ def test_a_waiter_woken_by_a_release_waits_on_when_the_next_hold_closed_the_gate
         g = gate.RefitGate()
         g.close(RefitMode.INTERRUPT, 1, new_transaction=True)
         waiter = asyncio.ensure_future(g.wait_open(60))
-        while not g._open._waiters:  # type: ignore[attr-defined]  # until it waits on the event itself
-            await asyncio.sleep(0)
+        # until it waits on the event itself
+        await eventually_async(lambda: g._open._waiters, what="the waiter on the gate's event")  # type: ignore[attr-defined]
         g.open()
         g.close(RefitMode.INTERRUPT, 1, new_transaction=True)  # the next update, before the waiter ran
         for _ in range(3):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.helpers import RouterProcess, get, http, pd_router_args, post
+from tests.helpers import RouterProcess, eventually, get, http, pd_router_args, post
 
 
 def greedy(text, n=6):
@@ -136,7 +136,6 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
     (found under bench_serving load: a 30 s lease expired during a longer drain and took every
     engine out of rotation before anything was pushed). The lease starts when the hold answers."""
     import concurrent.futures as cf
-    import time
 
     from tests.helpers import SimProcess
 
@@ -145,9 +144,7 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
     try:
         with cf.ThreadPoolExecutor(2) as pool:
             running = pool.submit(post, proc.url + "/generate", greedy("long", 40))  # about 2 s of decode steps
-            while "pdctl_router_in_flight_requests 1.0" not in str(get(proc.url + "/metrics")[1]):
-                assert not running.done(), running.result()
-                time.sleep(0.02)
+            wait_metric(proc, "pdctl_router_in_flight_requests 1.0", running, interval=0.02)
             status, held = post(
                 proc.url + "/pdctl/hold", {"txn": "t1", "engines": [slow.url], "lease_secs": 0.5, "timeout_secs": 60}
             )
@@ -161,17 +158,31 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
         slow.stop()
 
 
+def wait_metric(proc: RouterProcess, line: str, sent, interval: float = 0.05) -> None:
+    """Until the router's /metrics shows ``line`` (the request ``sent`` must not have ended first)."""
+
+    def shown() -> bool:
+        if line in str(get(proc.url + "/metrics")[1]):
+            return True
+        assert not sent.done(), sent.result()
+        return False
+
+    eventually(shown, 60, interval=interval, what=f"{line!r} in the router's /metrics")
+
+
 def kill_until_out_of_rotation(engine, proc: RouterProcess) -> None:
     """``kill -9`` the router's only engine and wait until the router has taken it out."""
     import os
     import signal
-    import time
 
     assert engine.proc is not None
     os.killpg(engine.proc.pid, signal.SIGKILL)
     engine.proc.wait()
-    while get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
-        time.sleep(0.05)
+    eventually(
+        lambda: not get(proc.url + "/workers")[1]["workers"][0]["is_healthy"],
+        30,
+        what="the killed engine out of rotation",
+    )
 
 
 def test_a_request_waits_for_its_only_engine_to_come_back_rather_than_failing(tmp_path) -> None:
@@ -179,7 +190,6 @@ def test_a_request_waits_for_its_only_engine_to_come_back_rather_than_failing(tm
     (--worker-wait-secs) and is answered once the engine listens again, as it
     does when its supervisor restarts it; before, it got a 503 at once."""
     import concurrent.futures
-    import time
 
     from tests.helpers import SimProcess
 
@@ -194,9 +204,7 @@ def test_a_request_waits_for_its_only_engine_to_come_back_rather_than_failing(tm
         assert [w["url"] for w in info["regular"]] == [engine.url] and "no answer" in info["regular"][0]["error"]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(post, proc.url + "/generate", greedy("wait for me"))
-            while waiting not in get(proc.url + "/metrics")[1]:
-                assert not answer.done(), answer.result()
-                time.sleep(0.05)
+            wait_metric(proc, waiting, answer)
             again = SimProcess(tmp_path, port=engine.port).start()
             try:
                 status, out = answer.result()
@@ -212,8 +220,6 @@ def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_heal
     """With health checks 10 minutes apart, only the 1 s liveness probe (a refused TCP connect)
     can take a killed engine out of rotation within this test; once it listens again on its port
     it is checked at the fast startup interval and comes back."""
-    import time
-
     from tests.helpers import SimProcess
 
     engine = SimProcess(tmp_path).start()
@@ -227,8 +233,11 @@ def test_a_worker_whose_process_is_gone_leaves_rotation_without_waiting_for_heal
         assert status == 503 and out["error"]["code"] == "no_healthy_workers", out
         again = SimProcess(tmp_path, port=engine.port).start()
         try:
-            while not get(proc.url + "/workers")[1]["workers"][0]["is_healthy"]:
-                time.sleep(0.05)
+            eventually(
+                lambda: get(proc.url + "/workers")[1]["workers"][0]["is_healthy"],
+                30,
+                what="the engine back in rotation",
+            )
             assert post(proc.url + "/generate", greedy("back"))[0] == 200
         finally:
             again.stop()

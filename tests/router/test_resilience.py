@@ -7,7 +7,6 @@ import http.client
 import json
 import os
 import signal
-import time
 import urllib.request
 
 import pytest
@@ -16,6 +15,7 @@ from tests.helpers import (
     NullEngine,
     RouterProcess,
     SimProcess,
+    eventually,
     free_port,
     get,
     pd_router_args,
@@ -75,17 +75,13 @@ def test_kill_9_a_decode_under_load_fails_no_request(tmp_path) -> None:
             failures = [r for r in results if r[0] != 200]
             assert not failures, failures[:3]
             assert len(results) == 500
-            deadline = time.monotonic() + 10
-            while healthy(router, d2.url) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert not healthy(router, d2.url), "the dead decode is still in rotation"
+            eventually(lambda: not healthy(router, d2.url), 10, interval=0.2, what="the dead decode out of rotation")
             d2.proc.wait()
             revived = SimProcess(tmp_path, "--disaggregation-mode", "decode", port=d2.port).start()
             try:
-                deadline = time.monotonic() + 15
-                while not healthy(router, d2.url) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                assert healthy(router, d2.url), "the restarted decode did not come back"
+                eventually(
+                    lambda: healthy(router, d2.url), 15, interval=0.2, what="the restarted decode back in rotation"
+                )
                 statuses = [post(router.url + "/generate", greedy(f"back {i}", 2))[0] for i in range(6)]
                 assert statuses == [200] * 6
                 served = get(revived.url + "/server_info")[1]
@@ -142,13 +138,12 @@ def test_client_disconnect_cancels_both_legs(tmp_path) -> None:
             conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
             body = json.dumps({"text": "x" * 40, "stream": True, "sampling_params": {"max_new_tokens": 400}})
             conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
-            while running(prefill) != 1:  # the prompt reached the prefill (8 s of prefill at 200 ms/token)
-                time.sleep(0.05)
+            # the prompt reached the prefill (8 s of prefill at 200 ms/token)
+            eventually(lambda: running(prefill) == 1, 60, what="the prompt on the prefill")
             conn.close()
-            deadline = time.monotonic() + 5
-            while (running(prefill) or running(decode)) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert running(prefill) == 0 and running(decode) == 0
+            eventually(
+                lambda: running(prefill) == 0 and running(decode) == 0, 5, interval=0.1, what="both legs cancelled"
+            )
             # 2) disconnect mid-stream on decode (400 tokens at 50 ms would take 20 s)
             conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
             body = json.dumps({"text": "y", "stream": True, "sampling_params": {"max_new_tokens": 400}})
@@ -158,10 +153,7 @@ def test_client_disconnect_cancels_both_legs(tmp_path) -> None:
             resp.fp.readline()
             assert running(decode) == 1
             conn.close()
-            deadline = time.monotonic() + 5
-            while running(decode) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert running(decode) == 0
+            eventually(lambda: running(decode) == 0, 5, interval=0.1, what="the decode leg cancelled")
         finally:
             router.stop()
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import NullEngine, RouterProcess, get, http, post
+from tests.helpers import NullEngine, RouterProcess, eventually, get, http, post
 
 CLIENT, ADMIN, READER = "client-key", "admin-key", "reader-key"
 KEYS = ["--api-key", CLIENT, "--control-plane-api-keys", f"a1:ops:admin:{ADMIN}", f"u1:dash:user:{READER}"]
@@ -346,8 +345,8 @@ def test_bodies_waiting_at_a_held_router_count_against_its_body_limit(tmp_path) 
                 )
             )
 
-        while held_bytes() < 18_000_000:  # the three bodies are in, waiting at the held router
-            time.sleep(0.05)
+        # the three bodies are in, waiting at the held router
+        eventually(lambda: held_bytes() >= 18_000_000, 60, what="the three bodies held")
         raw = json.dumps(body).encode()
         head = (
             f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CLIENT}\r\n"
@@ -359,8 +358,7 @@ def test_bodies_waiting_at_a_held_router_count_against_its_body_limit(tmp_path) 
         for t in held:
             t.join()
         assert len(answers) == 3 and 503 not in answers, answers  # answered (the null engine refuses 6 MB: 413)
-        while held_bytes() != 0:  # every body is let go once answered
-            time.sleep(0.05)
+        eventually(lambda: held_bytes() == 0, 30, what="every body let go once answered")
     finally:
         router.stop()
         prefill.stop()

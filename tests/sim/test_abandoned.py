@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
-from tests.helpers import SimProcess, get, post
+from tests.helpers import SimProcess, eventually, get, post
 
 
 def running(sim: SimProcess) -> int:
@@ -27,8 +26,7 @@ def test_a_batch_whose_client_left_is_aborted_and_health_answers(tmp_path) -> No
         )
         with socket.create_connection(("127.0.0.1", sim.port)) as client:
             client.sendall(head.encode() + body)
-            while running(sim) == 0:  # the batch is in the engine
-                time.sleep(0.05)
+            eventually(lambda: running(sim), 120, what="the batch in the engine")
         # The client is gone: /health answers (it did not wait for the batch), the next request is
         # served, and nothing of the batch is left in the engine.
         assert get(sim.url + "/health", timeout=60)[0] == 200

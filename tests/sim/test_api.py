@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import RouterProcess, SimProcess, free_port, get, http, post, sse
+from tests.helpers import RouterProcess, SimProcess, eventually, free_port, get, http, post, sse
 
 
 def test_info_routes(trio) -> None:
@@ -153,9 +153,14 @@ def slow_request(url: str, n: int = 50):
 
 def _wait_running(url: str, fut: cf.Future, headers: dict[str, str]) -> None:
     """Until the engine at ``url`` runs a request (``fut``'s: it must not have ended first)."""
-    while get(url + "/server_info", headers=headers)[1]["internal_states"][0]["num_running_reqs"] < 1:
+
+    def runs() -> bool:
+        if get(url + "/server_info", headers=headers)[1]["internal_states"][0]["num_running_reqs"] >= 1:
+            return True
         assert not fut.done(), fut.result()
-        time.sleep(0.01)
+        return False
+
+    eventually(runs, 60, interval=0.01, what=f"a request running on {url}")
 
 
 def test_flush_cache_refused_while_busy_and_pause_modes(guarded) -> None:
@@ -222,13 +227,10 @@ def test_max_queued_requests_answers_503_beyond_the_queue(tmp_path) -> None:
         body = {"text": "q", "sampling_params": {"max_new_tokens": 1}}
         with cf.ThreadPoolExecutor(6) as pool:
             first = pool.submit(post, sim.url + "/generate", long)
-            # it must be running, not waiting, before the others come
-            while get(sim.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] < 1:
-                assert not first.done(), first.result()
-                time.sleep(0.01)
+            _wait_running(sim.url, first, {})  # it must be running, not waiting, before the others come
             burst = [pool.submit(post, sim.url + "/generate", body) for _ in range(5)]
-            while sum(f.done() for f in burst) < 3:  # the refused: two wait in the queue behind the first
-                time.sleep(0.01)
+            # the refused: two wait in the queue behind the first
+            eventually(lambda: sum(f.done() for f in burst) >= 3, 60, interval=0.01, what="three of the burst answered")
             assert post(sim.url + "/abort_request", {"rid": "long"})[0] == 200  # the queued ones run now
             results = [first.result(), *(f.result() for f in burst)]
         statuses = sorted(s for s, _ in results)
@@ -302,10 +304,12 @@ def _abort_when_running(server, url: str, body: dict) -> list:
     """Stream ``body`` to ``url``, /abort_request everything once it runs; the stream's events."""
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(sse, url, body, 60, AUTH)
-        deadline = time.monotonic() + 10
-        while get(server.url + "/server_info", headers=AUTH)[1]["internal_states"][0]["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.02)
+        eventually(
+            lambda: get(server.url + "/server_info", headers=AUTH)[1]["internal_states"][0]["num_running_reqs"] >= 1,
+            10,
+            interval=0.02,
+            what="the request started",
+        )
         post(server.url + "/abort_request", {"abort_all": True}, headers=AUTH)
         return fut.result()
 

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import PRESETS, TinyLM
 from pdctl.weights import WeightSync
-from tests.helpers import SimProcess, free_port, get, post
+from tests.helpers import SimProcess, eventually, free_port, get, post
 
 PROMPTS = ["the quick brown fox", "hello world", "a b c d e f"]
 
@@ -95,9 +94,14 @@ def test_a_dead_peer_fails_node0_and_node0_ending_ends_the_peer(tmp_path) -> Non
             list(pool.map(SimProcess.start, [node0, node1]))
         assert node0.proc is not None and node1.proc is not None
         node1.proc.send_signal(signal.SIGTERM)  # joined peers ignore SIGTERM, as SGLang's do
-        while "waiting for the rank-0 ShutdownReq" not in node1.log.read_text():  # it took the signal...
+
+        def took_it() -> bool:
+            if "waiting for the rank-0 ShutdownReq" in node1.log.read_text():
+                return True
             assert node1.proc.poll() is None, "a joined peer ended on SIGTERM"
-            time.sleep(0.05)
+            return False
+
+        eventually(took_it, 60, what="the peer saying it took SIGTERM")  # it took the signal...
         assert node1.proc.poll() is None  # ...and runs on
         node1.proc.kill()
         assert wait_exit(node0.proc) == 1

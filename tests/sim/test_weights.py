@@ -12,7 +12,7 @@ from pdctl.sglang import init_weights_update_group_body, update_weights_from_dis
 from pdctl.sglang.group import destroy_group, init_custom_process_group
 from pdctl.sim import resolve_model, save_checkpoint, weights_checksum
 from pdctl.sim.model import TinyLM, encode
-from tests.helpers import free_port, get, post, sims
+from tests.helpers import eventually, free_port, get, post, sims
 
 GROUP = "weight_update_group"
 
@@ -177,8 +177,6 @@ def test_update_from_disk_and_version(engines, tmp_path) -> None:
 def test_flush_cache_fails_the_update_while_requests_run(tmp_path) -> None:
     """SGLang: with flush_cache true (the default) an update made while requests still run (paused
     in place) loads the weights but reports the cache as not flushed."""
-    import time
-
     with sims(tmp_path, ("--sim-decode-ms-per-step", "20")) as (engine,):
         group = join_group([engine], offsets=[1], world=2)
         try:
@@ -188,9 +186,14 @@ def test_flush_cache_fails_the_update_while_requests_run(tmp_path) -> None:
                     engine.url + "/generate",
                     {"text": "long", "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}},
                 )
-                while get(engine.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] < 1:
+
+                def runs() -> bool:
+                    if get(engine.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] >= 1:
+                        return True
                     assert not running.done(), running.result()  # (it must run when the update comes)
-                    time.sleep(0.01)
+                    return False
+
+                eventually(runs, 60, interval=0.01, what="the request running")
                 post(engine.url + "/pause_generation", {"mode": "in_place"})
                 post(engine.url + "/begin_weight_update", {})
                 new = resolve_model("sim://tiny?seed=77", "auto", None)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import replace
 
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from pdctl.weights.buckets import tensor_checksum
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import engine_auth, free_port_base, post
+from tests.helpers import engine_auth, eventually, free_port_base, post
 
 KEY_ENV = "PDCTL_TEST_ROUTER_KEY"
 
@@ -44,12 +43,11 @@ def test_weights_status_and_load(tmp_path) -> None:
     url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
     try:
         # The trainer got the router's key (its push needs /pdctl/hold) and pushes once.
-        deadline = time.monotonic() + 120
-        while True:
+        def pushed() -> tuple[int, dict] | None:
             code, st = _status(env)
-            if (st["last_push"] or {}).get("state") == "complete" or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+            return (code, st) if (st["last_push"] or {}).get("state") == "complete" else None
+
+        code, st = eventually(pushed, 120, interval=0.5, what="the trainer's push complete")
         pushed = st["last_push"]["version"]
         assert code == 0 and st["ok"], st
         assert [e["version"] for e in st["engines"]] == [pushed, pushed]

@@ -15,7 +15,7 @@ import pytest
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from pdctl.weights import WeightSync, WeightSyncError
-from tests.helpers import RouterProcess, SimProcess, free_port, get, pd_router_args, post, sims
+from tests.helpers import RouterProcess, SimProcess, eventually, free_port, get, pd_router_args, post, sims
 from tests.weights.conftest import targets
 from tests.weights.framework import Load, Trainer
 
@@ -303,8 +303,10 @@ def test_an_engine_killed_during_an_update(small_fleet, tmp_path):
         trainer.close()
     expected = weights_checksum(model(seed=66))
     assert checksums(prefill) == expected and checksums(restarted) == expected
-    deadline = time.monotonic() + 30
-    while any(w["quarantined"] or not w["is_healthy"] for w in workers(router).values()):
-        assert time.monotonic() < deadline, workers(router)
-        time.sleep(0.2)
+    eventually(
+        lambda: not any(w["quarantined"] or not w["is_healthy"] for w in workers(router).values()),
+        30,
+        interval=0.2,
+        what=lambda: f"every worker healthy and in rotation: {workers(router)}",
+    )
     assert post(router.url + "/generate", {"text": "whole again", **GREEDY})[0] == 200

@@ -18,7 +18,7 @@ import pytest
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import PRESETS, TinyLM
 from pdctl.weights import WeightSync, WeightSyncError
-from tests.helpers import SimProcess, free_port, get, post, sse
+from tests.helpers import SimProcess, eventually, free_port, get, post, sse
 from tests.weights.conftest import targets
 
 GREEDY = {"sampling_params": {"max_new_tokens": 16, "temperature": 0}}
@@ -38,15 +38,6 @@ def workers(router) -> dict[str, dict]:
 
 def running(proc) -> int:
     return sum(s.get("num_running_reqs", 0) for s in get(proc.url + "/server_info")[1]["internal_states"])
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
 
 
 def test_engine_killed_mid_push(fleet, tmp_path):
@@ -95,7 +86,9 @@ def test_engine_killed_mid_push(fleet, tmp_path):
         report = sync.push(params, version="seed21-again")
         assert report.engines == ["e0", "e1", "e2"] and not report.failed
         assert checksums(restarted) == expected
-        wait_for(lambda: not workers(router)[victim.url]["quarantined"])
+        eventually(
+            lambda: not workers(router)[victim.url]["quarantined"], 30, interval=0.2, what="the engine back in rotation"
+        )
     finally:
         sync.close()
 
@@ -138,9 +131,9 @@ def test_trainer_killed_mid_push(fleet, tmp_path, refit):
         if refit == "interrupt":
             for client in clients:
                 client.start()
-            wait_for(lambda: running(procs[2]) >= 2, timeout=60)
+            eventually(lambda: running(procs[2]) >= 2, 60, interval=0.2, what="both clients' requests running")
         go.write_text("go")
-        wait_for(marker.exists, timeout=60)
+        eventually(marker.exists, 60, interval=0.2, what="the trainer's stall marker")
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait()
         for client in clients if refit == "interrupt" else ():
@@ -152,7 +145,12 @@ def test_trainer_killed_mid_push(fleet, tmp_path, refit):
             assert events[-1] == "[DONE]" and "could not be continued" in json.dumps(events[-2]), events[-3:]
         # The lease (3 s) runs out: every engine of the push leaves rotation; the router admits again
         # and answers at once instead of holding requests.
-        wait_for(lambda: all(w["quarantined"] for w in workers(router).values()), timeout=20)
+        eventually(
+            lambda: all(w["quarantined"] for w in workers(router).values()),
+            20,
+            interval=0.2,
+            what="every engine out of rotation",
+        )
         started = time.monotonic()
         status, out = post(router.url + "/generate", {"text": "anyone?", **GREEDY})
         assert status == 503 and "out of rotation" in json.dumps(out)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from pdctl.sim.model import encode, resolve_model, save_checkpoint
 from pdctl.weights.fleet import Fleet
-from tests.helpers import RouterProcess, get, pd_router_args, post, sims, sse
+from tests.helpers import RouterProcess, eventually, get, pd_router_args, post, sims, sse
 
 TOKENS = 160
 PROMPTS = ["The interrupted rollout", "Another prompt, longer than the first one"]
@@ -70,8 +69,7 @@ def _running(url: str) -> int:
 
 def _wait_running(url: str, count: int) -> None:
     """Wait until the engine runs ``count`` requests (their first tokens are out)."""
-    while _running(url) < count:
-        time.sleep(0.02)
+    eventually(lambda: _running(url) >= count, 60, interval=0.02, what=f"{count} requests running on {url}")
 
 
 def _request(prompt: str, as_ids: bool, stream: bool) -> dict:
@@ -328,15 +326,17 @@ def test_a_decode_killed_during_a_continuation_hands_it_to_another_decode(tmp_pa
             body = _request(PROMPTS[1], True, True)
             with cf.ThreadPoolExecutor(1) as pool:
                 answer = pool.submit(_final_of_stream, router.url + "/generate", body)
-                while sum(_running(d.url) for d in decodes) < 1:
-                    time.sleep(0.02)
+                eventually(
+                    lambda: sum(_running(d.url) for d in decodes) >= 1, 60, interval=0.02, what="a decode running"
+                )
                 fleet_ = Fleet([prefill.url, *(d.url for d in decodes)], router_url=router.url, refit="interrupt")
                 try:
                     fleet_.load_from_disk(str(checkpoint_b), "B")
                 finally:
                     fleet_.close()
-                while not (serving := [d for d in decodes if _running(d.url)]):
-                    time.sleep(0.02)
+                serving = eventually(
+                    lambda: [d for d in decodes if _running(d.url)], 60, interval=0.02, what="a decode serving"
+                )
                 assert serving[0].proc is not None
                 os.killpg(serving[0].proc.pid, signal.SIGKILL)
                 final = answer.result()
@@ -447,11 +447,12 @@ def test_an_engine_back_after_a_push_waits_out_of_rotation_for_the_next_push(tmp
             os.killpg(d2.proc.pid, signal.SIGKILL)
             d2.proc.wait()
             again = SimProcess(tmp_path, "--disaggregation-mode", "decode", port=d2.port).start()
-            while True:  # the router sees it back, on the initial weights, and keeps it out
+
+            def kept_out() -> dict | None:  # the router sees it back, on the initial weights, and keeps it out
                 worker = next(w for w in get(router.url + "/workers")[1]["workers"] if w["url"] == d2.url)
-                if worker["quarantined"]:
-                    break
-                time.sleep(0.05)
+                return worker if worker["quarantined"] else None
+
+            worker = eventually(kept_out, 30, what="the restarted decode quarantined")
             assert "next weight push" in worker["quarantined"] and worker["weight_version"] == "default"
             for i in range(12):
                 status, out = post(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -46,7 +47,10 @@ def main() -> None:
         refit=args.refit,
     )
     sync.connect()
+    deadline = time.monotonic() + 120  # the test that starts it makes the file, or fails and leaves
     while args.go is not None and not args.go.exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"no {args.go} within 120 s")
         time.sleep(0.01)
     sync.push(tensors(), version=f"seed{args.seed}")
 
