@@ -14,6 +14,7 @@ Commands:
     stop        SIGTERM whole process groups (and tagged escapees), wait, SIGKILL, verify
     read        a log file's bytes from an offset (for `pdctl logs` and `-f`)
     rm          remove a run directory (`down --purge`)
+    retarget    the command a supervised process restarts with from now on (an engine's PD role switch)
     mps-start   make sure a CUDA MPS control daemon serves a pipe directory (pdctl.mps)
     mps-stop    stop one that this cluster started (quit, then force)
     mps-status  whether it still runs
@@ -41,6 +42,7 @@ from pdctl.agent_replies import (
     PreflightReply,
     ProcessState,
     ReadReply,
+    RetargetReply,
     RmReply,
     SpawnReply,
     Started,
@@ -49,6 +51,7 @@ from pdctl.agent_replies import (
     WaitReadyReply,
 )
 from pdctl.nodeproc import expand, redact, same_process, wait_gone
+from pdctl.supervise import command_file
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
 PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
@@ -150,6 +153,32 @@ def _write_config(path: Path, flags: dict[str, Any]) -> Path:
     return path
 
 
+def _command(proc: dict[str, Any], log_path: Path) -> list[str]:
+    """A process's command line; an engine's key goes in a ``--config`` file its owner alone
+    reads, not in argv for all to see."""
+    argv = list(proc["argv"])
+    if proc.get("config"):
+        argv += ["--config", str(_write_config(log_path.parent / f"{proc['id']}.config.yaml", proc["config"]))]
+    return argv
+
+
+def retarget(req: dict[str, Any]) -> RetargetReply:
+    """The command a running supervised process restarts with from now on (its PD role switched
+    live: a restart must come back in the new role, pdctl.supervise). Written 0600, replaced
+    atomically; the running process is not touched."""
+    proc = req["process"]
+    exit_file = expand(proc["exit_file"])
+    argv = _command(proc, Path(expand(proc["log_path"])))
+    path = Path(command_file(exit_file))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "w") as out:
+        json.dump(argv, out)
+    tmp.replace(path)
+    return {"written": str(path)}
+
+
 def spawn(req: dict[str, Any]) -> SpawnReply:
     """Start each process in a new session; return pid, pgid and create_time per id."""
     started: dict[str, Started] = {}
@@ -168,13 +197,13 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
         for key in PATH_VALUED_ENV:  # the planner writes the run directory as the node spells it (~/...)
             if key in env:
                 env[key] = expand(env[key])
-        argv = list(proc["argv"])
-        if proc.get("config"):  # the engine's key: in a file its owner alone reads, not in argv for all to see
-            argv += ["--config", str(_write_config(log_path.parent / f"{proc['id']}.config.yaml", proc["config"]))]
+        argv = _command(proc, log_path)
+        if proc.get("config"):
             configured.append(proc["id"])
         if proc.get("exit_file"):  # supervised: restarted by its policy, its story kept (pdctl.supervise)
             exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
+            Path(command_file(exit_file)).unlink(missing_ok=True)  # a command kept by an earlier run's switch
             restart = proc.get("restart") or "never"
             watch: list[str] = []
             liveness = proc.get("liveness")
@@ -447,6 +476,7 @@ COMMANDS = {
     "stop": stop,
     "read": read,
     "rm": rm,
+    "retarget": retarget,
     "mps-start": _mps("start"),
     "mps-stop": _mps("stop"),
     "mps-status": _mps("status"),

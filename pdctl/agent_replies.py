@@ -89,6 +89,10 @@ class RmReply(TypedDict):
     removed: list[str]
 
 
+class RetargetReply(TypedDict):
+    written: str
+
+
 class MpsStartReply(TypedDict):
     pid: int
     create_time: float

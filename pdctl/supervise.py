@@ -20,6 +20,9 @@ Rules (systemd's ``Restart=on-failure``, with its clean signals):
   process: ``kill -STOP``, a wedged GPU) is SIGKILLed with its descendants, and its restart policy
   applies (``last_exit`` says why).
 
+FILE.argv, when present (a JSON list, written by pdctl.agent's ``retarget``), is the command from
+the next restart on: an engine that switched its PD role comes back in its new role.
+
 FILE (0600, replaced atomically) says: ``state`` (running, backoff, exited, gave_up), the child's
 ``pid`` and ``create_time``, ``restarts``, ``last_exit`` (``code``: the exit status, negative for a
 signal; ``at``: epoch seconds) and, once the wrapper is done, ``exit_code`` (the trainer's status,
@@ -174,6 +177,7 @@ class Supervisor:
         story = self.story
         if self.stopping:
             return -signal.SIGTERM
+        self.command = restart_command(self.story.path, self.command)
         try:
             self.child = subprocess.Popen(self.command, preexec_fn=_die_with(os.getpid()))
         except OSError as exc:  # as a shell does: 127 for a program that cannot be run
@@ -231,6 +235,25 @@ class Supervisor:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+def command_file(story_path: str) -> str:
+    """Where a command to run from the next (re)start on is kept: beside the story (pdctl.agent
+    writes it when an engine switched its PD role, so that a restart comes back in its new role)."""
+    return story_path + ".argv"
+
+
+def restart_command(story_path: str, command: list[str]) -> list[str]:
+    """The command in ``command_file(story_path)`` when there is a valid one, else ``command``."""
+    try:
+        with open(command_file(story_path)) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return command
+    if isinstance(kept, list) and kept and all(isinstance(a, str) for a in kept):
+        return kept
+    _say(f"ignored {command_file(story_path)}: not a list of strings")
+    return command
 
 
 def _die_with(parent: int) -> Callable[[], None] | None:

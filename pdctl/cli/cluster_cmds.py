@@ -295,8 +295,10 @@ def apply(file: str, dry_run: bool, as_json: bool, recreate: bool, timeout_secs:
 
     Added engines start and enter rotation once healthy and on the fleet's weight version;
     engines whose command line, environment, node or GPUs changed are replaced one at a time
-    (drained first); removed engines are drained, then stopped. Added first, removed last, so
-    no role drops to zero capacity; running processes keep their ports. Changes that cannot be
+    (drained first); an engine that moves between a prefill and a decode group that both have
+    `role_switch: true` is switched live (drained, then SGLang's /pd_role_switch: no restart);
+    removed engines are drained, then stopped. Added first, removed last, so no role drops to
+    zero capacity; running processes keep their ports and GPUs. Changes that cannot be
     made live (model.path, engine, ports.base, trainer.command, placement) are refused, naming
     the field, unless --recreate. Exit 1 on a refusal or a failed step.
     """
@@ -316,4 +318,35 @@ def apply(file: str, dry_run: bool, as_json: bool, recreate: bool, timeout_secs:
         sys.exit(1)
 
 
-COMMANDS = [up, down, status, logs, restart, apply]
+@click.command()
+@click.argument("args", nargs=-1)
+@click.option("--timeout", "timeout_secs", default=900.0, show_default=True, help="Seconds to wait for the engine.")
+def switch(args: tuple[str, ...], timeout_secs: float) -> None:
+    """Switch one engine's PD role live: `pdctl switch [NAME] ENGINE prefill|decode`.
+
+    The router stops sending ENGINE requests and waits for those it runs; the engine switches
+    (SGLang's /pd_role_switch: no restart, same process, GPUs and ports), its supervisor learns
+    the command it restarts with from now on, and the router takes it back in its new role. It
+    takes the next free id of its group's switch group (prefill-1 -> decode-2, say). Its group
+    needs `role_switch: true` beside a group of the other role that allows it, with the same tp.
+    An engine that refuses (busy, say) serves on as it was, and the error says why (exit 1).
+    `pdctl apply` makes the same switch from an edited file (2 prefills, 2 decodes -> 1 and 3).
+    """
+    from pdctl.cluster.switch import switch as cluster_switch
+
+    store = StateStore()
+    if len(args) == 3:
+        name, engine, role = args
+    elif len(args) == 2:
+        name, (engine, role) = store.resolve_name(None), args
+    else:
+        raise click.UsageError("pdctl switch [NAME] ENGINE prefill|decode")
+    if role not in ("prefill", "decode"):
+        raise click.UsageError(f"the role is prefill or decode, not {role!r}")
+    new_id = cluster_switch(
+        name, engine, role, store=store, events=lambda p, m: console.log(f"{p}: {m}"), ready_timeout_secs=timeout_secs
+    )
+    click.echo(f"{engine} is {role} {new_id}")
+
+
+COMMANDS = [up, down, status, logs, restart, apply, switch]

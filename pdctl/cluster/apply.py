@@ -1,14 +1,17 @@
 """``apply``: change a running cluster to match its edited topology, without a full restart.
 
-The new topology is planned with the running processes' ports kept (PortCursors ``keep``), then
-compared with the running plan engine by engine:
+The new topology is planned with the running processes' ports and GPUs kept (PortCursors ``keep``,
+place_gpus ``keep``), then compared with the running plan engine by engine:
 - an engine only in the new plan is **added**: started, then registered with the router, which
   takes it into rotation once it is healthy and holds the fleet's weight version;
 - one whose processes differ (command line, environment, node, GPUs) is **replaced**, one at a
   time, as ``pdctl restart`` does (cordon, drain, stop, start the new command, back in rotation);
+- one that leaves the file beside one of the other PD role that enters it, both in groups with
+  ``role_switch``, is **switched** live (pdctl.cluster.switch: no restart, same GPUs and ports);
 - one only in the running plan is **removed**: cordoned (its requests finish), unregistered,
   stopped.
-Added first, replaced next, removed last, so that a role never drops to zero capacity. The
+Running engines keep their GPUs as well as their ports. Added first, replaced and switched next,
+removed last, so that a role never drops to zero capacity. The
 router learns worker changes through its worker API (and keeps them across its own restarts);
 a router whose own settings changed is replaced (its clients see a short outage). Fields that
 cannot change live (``declared_of``) are refused, naming the field, unless ``recreate`` (then
@@ -19,16 +22,18 @@ group does not yet learn the new engine set.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdctl.cluster import switch
 from pdctl.cluster.down import down, stop_records
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, interrupts_deferred
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.restart import RouterControl, drop_unit, recover, relaunch, replace_engine, wait_routable
 from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
 from pdctl.cluster.up import launch, up, wait_ready
-from pdctl.errors import LifecycleError, RemoteError
+from pdctl.errors import LifecycleError, RemoteError, TopologyError
 from pdctl.plan import LaunchSpec, Plan, make_plan
 from pdctl.plan.model import EngineSpec
 from pdctl.remote import agent_api
@@ -48,6 +53,10 @@ class Change:
     unit: str  # an engine id, or "router"
     processes: tuple[str, ...]
     why: str
+    was: str | None = None
+    """A switch: the running engine that becomes ``unit`` (pdctl.cluster.switch)."""
+    to_role: str | None = None
+    """A switch: the role it takes."""
 
 
 @dataclass
@@ -66,17 +75,24 @@ class ApplyPlan:
         if not self.changes and not self.refused:
             return f"cluster {self.name!r} already matches the file; nothing to do"
         lines = [f"cluster {self.name!r}:"]
-        signs = {ChangeKind.ADD: "+", ChangeKind.REPLACE: "~", ChangeKind.REMOVE: "-"}
+        signs = {ChangeKind.ADD: "+", ChangeKind.REPLACE: "~", ChangeKind.REMOVE: "-", ChangeKind.SWITCH: "="}
         for c in self.changes:
-            lines.append(f"  {signs[c.kind]} {c.kind.value} {c.unit} ({', '.join(c.processes)}): {c.why}")
+            if c.kind is ChangeKind.SWITCH:
+                lines.append(f"  = switch {c.was} -> {c.to_role} (becomes {c.unit}): {c.why}")
+            else:
+                lines.append(f"  {signs[c.kind]} {c.kind.value} {c.unit} ({', '.join(c.processes)}): {c.why}")
         for r in self.refused:
             lines.append(f"  ! refused {r}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def diff(state: ClusterState, top: Topology, plan: Plan) -> ApplyPlan:
-    """What applying ``plan`` (``top``'s, planned with the running ports kept) would change."""
+def diff(state: ClusterState, top: Topology, plan: Plan, switches: Mapping[str, str] | None = None) -> ApplyPlan:
+    """What applying ``plan`` (``top``'s, planned with the running ports and GPUs kept) would
+    change; ``switches`` (new engine id -> the running engine it is) are made by role switch
+    instead of an add and a removal."""
+    switches = switches or {}
+    switched = set(switches.values())
     out = ApplyPlan(state.name)
     was = state.declared or {}
     for key, value in declared_of(top).items():
@@ -87,6 +103,11 @@ def diff(state: ClusterState, top: Topology, plan: Plan) -> ApplyPlan:
     for unit, procs in new.items():
         if unit.startswith("trainer"):
             continue
+        if unit in switches:
+            role = next(iter(procs.values()))["role"]
+            why = "no restart: same process, GPUs and ports"
+            out.changes.append(Change(ChangeKind.SWITCH, unit, tuple(procs), why, was=switches[unit], to_role=role))
+            continue
         if unit not in old:
             out.changes.append(Change(ChangeKind.ADD, unit, tuple(procs), "new in the file"))
             continue
@@ -94,9 +115,9 @@ def diff(state: ClusterState, top: Topology, plan: Plan) -> ApplyPlan:
         if why:
             out.changes.append(Change(ChangeKind.REPLACE, unit, tuple(procs), why))
     for unit, procs in old.items():
-        if unit not in new and not unit.startswith("trainer"):
+        if unit not in new and not unit.startswith("trainer") and unit not in switched:
             out.changes.append(Change(ChangeKind.REMOVE, unit, tuple(procs), "no longer in the file"))
-    order = {ChangeKind.ADD: 0, ChangeKind.REPLACE: 1, ChangeKind.REMOVE: 2}
+    order = {ChangeKind.ADD: 0, ChangeKind.REPLACE: 1, ChangeKind.SWITCH: 2, ChangeKind.REMOVE: 3}
     out.changes.sort(key=lambda c: (order[c.kind], c.unit == "router"))
     if any(u.startswith("trainer") for u in new) and any(c.unit != "router" for c in out.changes):
         out.notes.append("the trainer keeps running as it is: its weight group does not include added engines yet")
@@ -173,8 +194,7 @@ def apply(
         raise LifecycleError(f"no cluster {top.name!r} in {store.root}; start it with `pdctl up`")
     if state.status != Phase.UP:
         raise LifecycleError(f"cluster {top.name!r} is {state.status}; apply works on a cluster that is up")
-    plan = make_plan(top, keep_ports(state))
-    changes = diff(state, top, plan)
+    plan, changes = _planned(state, top)
     if dry_run:
         return changes
     if changes.refused:
@@ -193,6 +213,30 @@ def apply(
         else:
             _apply(state, store, nodes, top, plan, changes, events, ready_timeout_secs)
     return changes
+
+
+def _planned(state: ClusterState, top: Topology) -> tuple[Plan, ApplyPlan]:
+    """``top`` planned on the running cluster (its engines keep their ports and GPUs), and what
+    applying it changes: an engine that leaves the file beside one of the other role that enters
+    it is switched live where it may be (pdctl.cluster.switch), planned on the running one's GPUs
+    and ports."""
+    ports = keep_ports(state)
+    plan = make_plan(top, ports, switch.keep_gpus(state))
+    changes = diff(state, top, plan)
+    removed = [c.unit for c in changes.changes if c.kind is ChangeKind.REMOVE]
+    added = {c.unit for c in changes.changes if c.kind is ChangeKind.ADD}
+    pairs = switch.candidates(state, removed, {e.id: e.to_dict() for e in plan.engines if e.id in added})
+    while pairs:  # (twice at most: the pairs that hold on their new GPUs and ports)
+        alias_ports, alias_gpus = switch.aliases(state, pairs, ports)
+        try:
+            aliased = make_plan(top, alias_ports, alias_gpus)
+        except TopologyError:
+            break
+        held = switch.confirmed(state, pairs, {p.id: p.to_dict() for p in aliased.processes})
+        if held == pairs:
+            return aliased, diff(state, top, aliased, {new: old for old, new in pairs})
+        pairs = held
+    return plan, changes
 
 
 def _apply(
@@ -225,6 +269,11 @@ def _apply(
             wait_ready(unit_specs, state, nodes, 60.0, events, path="/readiness")
         elif change.kind is ChangeKind.REPLACE:
             replace_engine(state, store, nodes, router, change.unit, unit_specs, events, ready_timeout, journal)
+        elif change.kind is ChangeKind.SWITCH:
+            assert change.was is not None
+            engine, spec = engines[change.unit].to_dict(), specs[change.unit].to_dict()
+            switch.switch_engine(state, store, nodes, router, journal, change.was, engine, spec, events, ready_timeout)
+            continue  # the switch wrote the state's plan
         else:
             _remove(state, store, nodes, router, journal, change, old_engines[change.unit]["url"], events)
         state.plan = _merged_plan(state, plan, change)
@@ -259,7 +308,7 @@ def _add(
         journal.phase(StepPhase.STARTED)
         entry = next(s for s in specs if s.entrypoint)
         wait_ready([entry], state, nodes, ready_timeout, events, watch=[s for s in specs if not s.entrypoint])
-        router.add(engine.url or "", engine.role, engine.bootstrap_port)
+        router.add(engine.url or "", engine.role, engine.prefill_bootstrap_port)
         wait_routable(router, change.unit, engine.url or "", ready_timeout, events)
     except BaseException:
         with interrupts_deferred():

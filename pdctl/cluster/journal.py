@@ -37,6 +37,8 @@ class ChangeKind(Choice):
     ADD = "add"
     REPLACE = "replace"
     REMOVE = "remove"
+    SWITCH = "switch"
+    """Its PD role, live (pdctl.cluster.switch)."""
 
 
 class StepPhase(Choice):

@@ -219,9 +219,10 @@ def recover(
     events: Events,
     ready_timeout: float,
 ) -> None:
-    """Finish, or undo, the step an interrupted ``restart`` or ``apply`` left in the journal, before
-    anything else: a replaced engine is started again (if it was stopped) and taken back into
-    rotation; an added one that never joined is stopped and unregistered; a removal is finished."""
+    """Finish, or undo, the step an interrupted ``restart``, ``apply`` or ``switch`` left in the
+    journal, before anything else: a replaced engine is started again (if it was stopped) and taken
+    back into rotation; an added one that never joined is stopped and unregistered; a removal is
+    finished; a switch that stopped before the engine switched is undone (uncordoned)."""
     entry = entry_of(state)
     if entry is None:
         return
@@ -229,7 +230,10 @@ def recover(
     events(entry.unit, f"finishing what was left: {entry.describe()}")
     specs = [LaunchSpec.from_dict(raw) for raw in state.plan.get("processes", []) if raw["id"] in entry.processes]
     mine = [rec for rec in state.processes.values() if rec.id in entry.processes or rec.engine_id == entry.unit]
-    if entry.kind is ChangeKind.REPLACE:
+    if entry.kind is ChangeKind.SWITCH:  # stopped before the engine switched: it serves on as it was
+        if entry.url and entry.unit in state.processes:
+            router.cordon(entry.url, False)
+    elif entry.kind is ChangeKind.REPLACE:
         stopped = [s for s in specs if s.id not in state.processes]
         if stopped:
             launch(stopped, state, store, nodes, {}, events)

@@ -226,26 +226,7 @@ def launch(
     def spawn(ex: Executor) -> SpawnReply:
         payload = []
         for spec in by_node[ex.node.name]:
-            env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
-            if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router
-                env.update(secrets)
-            entry = {
-                "id": spec.id,
-                "argv": list(spec.argv),
-                "env": env,
-                "cwd": spec.cwd,
-                "log_path": spec.log_path,
-                "exit_file": _exit_file(spec),
-                "restart": spec.restart,
-            }
-            if spec.liveness_secs and spec.url:  # probed on SGLang's open /ready (no key needed)
-                entry["liveness"] = {"url": spec.url + "/ready", "timeout_secs": spec.liveness_secs}
-            if spec.id in key_files:  # not in the plan: `pdctl plan` never shows it
-                assert keys is not None
-                entry["config"] = {"api-key": keys.engine}
-            elif keys is not None and spec.role.is_engine:
-                entry["argv"] = [*spec.argv, f"--api-key={keys.engine}"]  # one word: the key begins with '-'
-            payload.append(entry)
+            payload.append(spawn_entry(spec, state, keys, secrets, key_file=spec.id in key_files))
             events(spec.id, "starting")
         return agent_api.spawn(ex, payload)
 
@@ -286,6 +267,33 @@ def launch(
         store.save(state)
     if errors:
         raise LifecycleError("launch failed: " + "; ".join(errors))
+
+
+def spawn_entry(
+    spec: LaunchSpec, state: ClusterState, keys: ClusterKeys | None, secrets: dict[str, str], *, key_file: bool
+) -> dict[str, Any]:
+    """What the node agent starts for ``spec`` (pdctl.agent ``spawn``): its command, environment,
+    log, supervisor story and, for an engine, its key (``key_file``: in a ``--config`` file)."""
+    env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
+    if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router
+        env.update(secrets)
+    entry: dict[str, Any] = {
+        "id": spec.id,
+        "argv": list(spec.argv),
+        "env": env,
+        "cwd": spec.cwd,
+        "log_path": spec.log_path,
+        "exit_file": _exit_file(spec),
+        "restart": spec.restart,
+    }
+    if spec.liveness_secs and spec.url:  # probed on SGLang's open /ready (no key needed)
+        entry["liveness"] = {"url": spec.url + "/ready", "timeout_secs": spec.liveness_secs}
+    if key_file:  # not in the plan: `pdctl plan` never shows it
+        assert keys is not None
+        entry["config"] = {"api-key": keys.engine}
+    elif keys is not None and spec.role.is_engine:
+        entry["argv"] = [*spec.argv, f"--api-key={keys.engine}"]  # one word: the key begins with '-'
+    return entry
 
 
 def _exit_file(spec: LaunchSpec) -> str:

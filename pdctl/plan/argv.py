@@ -57,6 +57,8 @@ def engine_argv(
             argv += ["--disaggregation-transfer-backend", group.transfer_backend]
         if group.ib_device:
             argv += ["--disaggregation-ib-device", group.ib_device]
+        if group.role_switch:
+            argv.append("--enable-pd-role-switch")
     if dist_init_addr:
         argv += ["--dist-init-addr", dist_init_addr, "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     extra = dict(group.args)

@@ -9,6 +9,7 @@ Failures are Issues that name the groups holding the GPUs.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdctl.errors import Issue
@@ -60,6 +61,12 @@ class _Pool:
                 return ids
         return None
 
+    def take_exact(self, node: str, ids: tuple[int, ...], user: str) -> None:
+        for g in ids:
+            self.free[node][g] = False
+        self.free_count[node] -= len(ids)
+        self.users[node][user] += len(ids)
+
     def take_any(self, node: str, count: int, user: str) -> tuple[int, ...] | None:
         ids = tuple(i for i, ok in enumerate(self.free[node]) if ok)[:count]
         if len(ids) < count:
@@ -81,15 +88,28 @@ class _Pool:
         return "; ".join(parts)
 
 
-def place_gpus(top: Topology) -> tuple[GpuLayout | None, list[Issue]]:
-    """Place every engine, then the trainer. Returns (layout, []) or (None, issues)."""
+Slices = tuple[tuple[str, tuple[int, ...]], ...]
+"""(node, gpu_ids) per node rank."""
+
+
+def place_gpus(top: Topology, keep: Mapping[str, Slices] | None = None) -> tuple[GpuLayout | None, list[Issue]]:
+    """Place every engine, then the trainer. Returns (layout, []) or (None, issues).
+
+    ``keep`` (``pdctl apply``): the GPUs of running engines (by engine id) and of a running
+    trainer (``"trainer"``): each keeps them when the new topology still has it with as many
+    GPUs there, before anything new is placed first fit, so that an edit moves no engine that
+    it did not change (and an engine that switches role keeps its GPUs under its new id)."""
     pool = _Pool(top.nodes)
+    kept = _reserve_kept(top, pool, keep or {})
     engines: list[EnginePlacement] = []
     issues: list[Issue] = []
     for group in top.groups:
         candidates = list(group.nodes) if group.nodes else [n.name for n in top.nodes]
         biggest = max(pool.nodes[c].gpus for c in candidates)
         for index in range(group.replicas):
+            if (group.name, index) in kept:
+                engines.append(EnginePlacement(group, index, kept[(group.name, index)]))
+                continue
             # First fit: skip the leading nodes that are already full (keeps 1024 nodes fast).
             while len(candidates) > 1 and pool.free_count[candidates[0]] == 0:
                 candidates = candidates[1:]
@@ -100,10 +120,36 @@ def place_gpus(top: Topology) -> tuple[GpuLayout | None, list[Issue]]:
             engines.append(placement)
     if issues:
         return None, issues
+    trainer_kept = kept.get(("trainer", 0))
+    if trainer_kept is not None:
+        return GpuLayout(tuple(engines), trainer_kept), []
     trainer, trainer_issues = _place_trainer(top, pool, engines)
     if trainer_issues:
         return None, trainer_issues
     return GpuLayout(tuple(engines), trainer), []
+
+
+def _reserve_kept(top: Topology, pool: _Pool, keep: Mapping[str, Slices]) -> dict[tuple[str, int], Slices]:
+    """Take the kept GPUs of engines (and the trainer) that ``top`` still has with the same GPU
+    count, on nodes it still has, where they are free; the rest is placed as new."""
+    out: dict[tuple[str, int], Slices] = {}
+    wanted = [(g.name, i, g.gpus_per_engine, f"{g.name}-{i}", g.nodes) for g in top.groups for i in range(g.replicas)]
+    trainer = top.trainer
+    if trainer is not None and not top.placement.colocate and "trainer" in keep:
+        wanted.append(("trainer", 0, sum(len(ids) for _, ids in keep["trainer"]), "trainer", trainer.nodes))
+    for name, index, size, key, pinned in wanted:
+        slices = keep.get(key)
+        if not slices or sum(len(ids) for _, ids in slices) != size:
+            continue
+        if pinned and any(node not in pinned for node, _ in slices):
+            continue
+        if not all(node in pool.free and all(0 <= g < len(pool.free[node]) and pool.free[node][g] for g in ids)
+                   for node, ids in slices):  # fmt: skip
+            continue
+        for node, ids in slices:
+            pool.take_exact(node, ids, name)
+        out[(name, index)] = tuple(slices)
+    return out
 
 
 def _place_engine(

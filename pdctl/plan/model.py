@@ -123,8 +123,18 @@ class EngineSpec:
     process_ids: tuple[str, ...]
     url: str
     bootstrap_port: int | None
+    """Where a prefill serves its KV (an engine that may switch role has one in either role)."""
     rank_offset: int | None = None
     """First rank in the weight group (1 + GPUs of the engines before), if there is one."""
+    role_switch: bool = False
+    """It runs with ``--enable-pd-role-switch``: it may turn prefill or decode live."""
+    switch_group: str | None = None
+    """The group of the other role it joins when it switches (``pdctl switch``)."""
+
+    @property
+    def prefill_bootstrap_port(self) -> int | None:
+        """The bootstrap port the router sends a prefill's requests to (None for other roles)."""
+        return self.bootstrap_port if self.role is Role.PREFILL else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,6 +147,8 @@ class EngineSpec:
             "url": self.url,
             "bootstrap_port": self.bootstrap_port,
             "rank_offset": self.rank_offset,
+            "role_switch": self.role_switch,
+            "switch_group": self.switch_group,
         }
 
 

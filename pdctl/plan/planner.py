@@ -16,12 +16,12 @@ from typing import Any
 from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks
 from pdctl.errors import Issue, PlanError, TopologyError
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
-from pdctl.plan.gpus import EnginePlacement, GpuLayout, place_gpus
+from pdctl.plan.gpus import EnginePlacement, GpuLayout, Slices, place_gpus
 from pdctl.plan.model import EngineSpec, LaunchSpec, MpsDaemon, Plan, WeightGroup, url_host
 from pdctl.plan.ports import PortCursors, PortOverflowError, dist_init_block_size
 from pdctl.refit import RefitMode
 from pdctl.roles import Role
-from pdctl.topology.model import Node, Topology
+from pdctl.topology.model import Node, ServerGroup, Topology
 from pdctl.weights.env import API_KEY_ENV_ENV, READY_TIMEOUT_ENV, ROUTER_URL_ENV, WEIGHT_GROUP_ENV
 
 WEIGHT_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
@@ -31,15 +31,19 @@ def run_dir(node: Node, name: str) -> str:
     return f"{node.workdir.rstrip('/')}/{name}"
 
 
-def make_plan(top: Topology, keep_ports: Mapping[str, tuple[str, int, int]] | None = None) -> Plan:
-    """Plan every process of ``top``; ``keep_ports`` (``pdctl apply``, see PortCursors) keeps a
-    running cluster's processes on their ports.
+def make_plan(
+    top: Topology,
+    keep_ports: Mapping[str, tuple[str, int, int]] | None = None,
+    keep_gpus: Mapping[str, Slices] | None = None,
+) -> Plan:
+    """Plan every process of ``top``; ``keep_ports`` (``pdctl apply``, see PortCursors) and
+    ``keep_gpus`` (see place_gpus) keep a running cluster's processes on their ports and GPUs.
 
     Raises:
         TopologyError: GPUs or ports cannot be placed (issues name groups and nodes).
         PlanError: an internal invariant failed.
     """
-    layout, issues = place_gpus(top)
+    layout, issues = place_gpus(top, keep_gpus)
     if layout is None:
         raise TopologyError("<topology>", issues)
     try:
@@ -177,6 +181,15 @@ def _mps_daemons(top: Topology, processes: list[LaunchSpec]) -> tuple[MpsDaemon,
     return tuple(out)
 
 
+def _switch_group(top: Topology, group: ServerGroup) -> str | None:
+    """The group of the other PD role that an engine of ``group`` joins when it switches role
+    (``pdctl switch``): the first one that allows switching, with the same tp."""
+    if not group.role_switch:
+        return None
+    other = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}.get(group.role)
+    return next((g.name for g in top.groups if g.role is other and g.role_switch and g.tp == group.tp), None)
+
+
 def _plan_engine(
     top: Topology, placement: EnginePlacement, cursors: PortCursors
 ) -> tuple[list[LaunchSpec], EngineSpec]:
@@ -187,7 +200,10 @@ def _plan_engine(
     # Head node first: http, nccl, bootstrap (prefill), dist-init block; then the other nodes.
     head_id = engine_id if nnodes == 1 else f"{engine_id}.{head.name}"
     node_ports = [(cursors.take(head.name, key=f"{head_id}:http"), cursors.take(head.name, key=f"{head_id}:nccl"))]
-    bootstrap = cursors.take(head.name, key=f"{head_id}:bootstrap") if group.role is Role.PREFILL else None
+    # An engine that may switch PD role keeps a bootstrap port in either role (a decode turned
+    # prefill serves its KV there), so that a switch changes no port.
+    serves_kv = group.role is Role.PREFILL or group.role_switch
+    bootstrap = cursors.take(head.name, key=f"{head_id}:bootstrap") if serves_kv else None
     dist_addr = None
     block = 0
     dist_port = None
@@ -252,6 +268,8 @@ def _plan_engine(
         process_ids=tuple(p.id for p in procs),
         url=url,
         bootstrap_port=bootstrap,
+        role_switch=group.role_switch,
+        switch_group=_switch_group(top, group),
     )
     return procs, engine
 

@@ -12,6 +12,7 @@ from pdctl.agent_replies import (
     MpsStopReply,
     PreflightReply,
     ReadReply,
+    RetargetReply,
     RmReply,
     SpawnReply,
     StatusReply,
@@ -57,6 +58,11 @@ def read_from(ex: Executor, path: str, offset: int) -> ReadReply:
 
 def rm(ex: Executor, paths: list[str]) -> RmReply:
     return cast(RmReply, ex.agent("rm", {"paths": paths}))
+
+
+def retarget(ex: Executor, process: Json) -> RetargetReply:
+    """``process`` (a spawn entry: argv, config, log_path, exit_file) restarts with its new argv."""
+    return cast(RetargetReply, ex.agent("retarget", {"process": process}))
 
 
 def mps_start(ex: Executor, request: Json, *, timeout: float) -> MpsStartReply:

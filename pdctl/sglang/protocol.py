@@ -52,6 +52,7 @@ class Endpoint(Choice):
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     WEIGHTS_CHECKER = "/weights_checker"
     GET_WEIGHT_VERSION = "/get_weight_version"  # gone since 0.5.18 (404); pdctl's router answers it
+    PD_ROLE_SWITCH = "/pd_role_switch"
     RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
     RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
     METRICS = "/metrics"

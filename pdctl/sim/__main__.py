@@ -60,6 +60,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         tokenizer_path=args.tokenizer_path,
         tp_size=args.tp_size or 1,
         disaggregation_mode=args.disaggregation_mode or "null",
+        enable_pd_role_switch=bool(args.enable_pd_role_switch),
         bootstrap_port=(  # 0: any free port (tests read it from the start-up line)
             DEFAULT_BOOTSTRAP_PORT if args.disaggregation_bootstrap_port is None else args.disaggregation_bootstrap_port
         ),
@@ -114,16 +115,18 @@ async def serve(config: SimConfig) -> int:
             log.info("stopped while starting")
             return 0
         starting.result()
+        serves_kv = config.disaggregation_mode == "prefill" or (
+            config.enable_pd_role_switch and config.disaggregation_mode != "null"
+        )
         log.info(
             "sim engine %s on %s (mode %s, tp %d)%s",
             config.model_path,
             server.url,
             config.disaggregation_mode,
             config.tp_size,
-            f", bootstrap port {server.bootstrap_port}" if config.disaggregation_mode == "prefill" else "",
+            f", bootstrap port {server.bootstrap_port}" if serves_kv else "",
         )
-        prefill = config.disaggregation_mode == "prefill"
-        write_port_file(config.port_file, port=server.port, bootstrap_port=server.bootstrap_port if prefill else None)
+        write_port_file(config.port_file, port=server.port, bootstrap_port=server.bootstrap_port if serves_kv else None)
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         if failed.done():
             await asyncio.sleep(FAIL_EXIT_DELAY_SECS)  # /health answers 503 meanwhile

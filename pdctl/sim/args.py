@@ -59,6 +59,7 @@ USED = {
     "disaggregation_mode",
     "disaggregation_bootstrap_port",
     "disaggregation_transfer_backend",
+    "enable_pd_role_switch",
     "load_format",
     "random_seed",
     "weight_version",

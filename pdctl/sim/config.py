@@ -25,6 +25,8 @@ class SimConfig:
     tokenizer_path: str | None = None
     tp_size: int = 1
     disaggregation_mode: str = "null"
+    """The role it starts in (the service's ``mode`` is the current one)."""
+    enable_pd_role_switch: bool = False
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     load_format: str = "auto"
     random_seed: int = 0

@@ -130,14 +130,15 @@ class NativeRoutes:
 
     async def server_info(self, _: web.Request) -> web.Response:
         s, c = self.s, self.s.config
-        info = resolve_server_args({**dict(c.server_args), "disaggregation_mode": s.mode})
+        # The top level is the start-up configuration (a role switch shows in internal_states only).
+        info = resolve_server_args({**dict(c.server_args), "disaggregation_mode": c.disaggregation_mode})
         info.update(
             {
                 "model_path": c.model_path,
                 "port": s.port,
                 "host": c.host,
                 "tp_size": c.tp_size,
-                "disaggregation_mode": s.mode,
+                "disaggregation_mode": c.disaggregation_mode,
                 "disaggregation_bootstrap_port": s.bootstrap_port,
                 "weight_version": s.weight_version,
                 "launch_command": c.launch_command,
@@ -148,6 +149,14 @@ class NativeRoutes:
                         "last_gen_throughput": s.metrics.last_gen_throughput(),
                         **s.engine.stats(),
                         "num_decode_prealloc_queue_reqs": s.prealloc_waiting,
+                        **(
+                            {
+                                "disaggregation_mode": s.mode,
+                                "decode_cuda_graph_memory_gb": 0.0,  # no GPU: no graph memory
+                            }
+                            if s.mode != "null"
+                            else {}
+                        ),
                     }
                 ],
                 "startup_time": s.started_at,

@@ -21,7 +21,7 @@ from aiohttp import web
 from pdctl.errors import SimError
 from pdctl.httputil import start_site
 from pdctl.sglang import generate_error_body
-from pdctl.sim import native_http, openai, weights_http
+from pdctl.sim import native_http, openai, role_switch, weights_http
 from pdctl.sim.body import MAX_BODY_BYTES, ContractError, ValidationError
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Engine
@@ -85,7 +85,9 @@ class SimServer:
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
         self._members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers, c.weight_digest)
         kv_store, bootstrap_port = None, c.bootstrap_port
-        if c.disaggregation_mode == "prefill":
+        # With --enable-pd-role-switch every PD engine serves KV from the start (SGLang's
+        # disagg_service.py): one switched to prefill already has its bootstrap server.
+        if c.disaggregation_mode == "prefill" or (c.enable_pd_role_switch and c.disaggregation_mode != "null"):
             kv_store = KVStore(asyncio.get_running_loop())
             runner, bootstrap_port = await start_site(bootstrap_app(kv_store), c.host, c.bootstrap_port)
             self._runners.append(runner)
@@ -159,6 +161,7 @@ class SimServer:
         native_http.add_routes(app, service)
         openai.add_routes(app, service)
         weights_http.add_routes(app, service)
+        role_switch.add_routes(app, service)
         return app
 
     @web.middleware

@@ -58,12 +58,17 @@ class SimService:
         self.metrics = metrics
         self.session = session
         self.bootstrap_port = bootstrap_port
+        self.mode = config.disaggregation_mode
+        """prefill, decode or null; a role switch (pdctl.sim.role_switch) changes it."""
+        self.decode_graphs = self.mode == "decode"
+        """Whether decode CUDA graphs were "captured" (started as a decode, or switched to one)."""
         self.port = config.port  # the bound port once the HTTP site runs (port 0 binds a free one)
         self.status = "starting"  # starting -> up -> stopping, or failed (a TP peer node died)
         self.started_at = time.time()
         self.weight_session_open = False
         self.prealloc_waiting = 0
         self.entering = 0  # requests past the queue-size check, not in the engine's queue yet
+        self.resolving = 0  # requests not in the engine yet: a decode's waiting for a KV slot or its KV
         self.heartbeats = Heartbeats()  # the prefills this decode has lost (one verdict per prefill)
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
         self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
@@ -74,9 +79,12 @@ class SimService:
 
         engine.on_capacity = capacity_freed
 
-    @property
-    def mode(self) -> str:
-        return self.config.disaggregation_mode
+    def idle(self) -> bool:
+        """SGLang's ``is_fully_idle``: nothing running or queued, no decode request waiting for a
+        KV slot or its KV (what ``/pd_role_switch`` requires)."""
+        stats = self.engine.stats()  # (running counts a prompt being admitted, which busy() does not)
+        waiting = stats["num_running_reqs"] or stats["num_queue_reqs"] or stats["num_reserved_decode_slots"]
+        return not waiting and not self.engine.busy() and self.resolving == 0
 
     @property
     def weight_version(self) -> str:
@@ -128,11 +136,13 @@ class SimService:
         submitted: list[Request] = []
 
         async def start(running: Running, item: ItemSpec) -> None:
+            self.resolving += 1
             try:
                 await self._resolve_pd(running.request, item)
                 self.engine.submit(running.request)  # no await since its KV came: it runs at once
                 submitted.append(running.request)
             finally:
+                self.resolving -= 1
                 if queued:
                     self.entering -= 1
 

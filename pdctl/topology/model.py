@@ -121,6 +121,10 @@ class ServerGroup:
     liveness_timeout_secs: float | None = 30.0
     """Its supervisor kills (then restarts by policy) an engine silent this long on its HTTP port
     once it first answered; None: never (pdctl.supervise)."""
+    role_switch: bool = False
+    """Its engines may switch PD role live (SGLang's ``/pd_role_switch``, ``--enable-pd-role-switch``):
+    ``pdctl apply`` moves engines between a prefill and a decode group that both allow it, and
+    ``pdctl switch`` does one by hand."""
 
     @property
     def gpus_per_engine(self) -> int:
@@ -153,6 +157,7 @@ class ServerGroup:
             env=_env(raw.get("env")),
             restart=RestartPolicy(raw.get("restart", "on-failure")),
             liveness_timeout_secs=raw.get("liveness_timeout_secs", 30.0),
+            role_switch=bool(raw.get("role_switch", False)),
         )
 
 

@@ -20,8 +20,8 @@ COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffe
 def validate(top: Topology) -> list[Issue]:
     """Every semantic issue in ``top`` itself (whether it fits its nodes is the planner's to say)."""
     issues: list[Issue] = []
-    checks = (_nodes, _node_refs, _groups, _pd_pairing, _extra_args, _weights, _trainer, _colocate, _router)
-    for check in (*checks, _router_settings):
+    checks = (_nodes, _node_refs, _groups, _pd_pairing, _role_switch, _extra_args, _weights, _trainer, _colocate)
+    for check in (*checks, _router, _router_settings):
         issues += check(top)
     return issues
 
@@ -120,6 +120,64 @@ def _pd_pairing(top: Topology) -> list[Issue]:
                 hint="run PD (prefill + decode) or regular engines, not both",
             )
         )
+    return out
+
+
+ROLE_SWITCH_REFUSES = {
+    "speculative-algorithm": "speculative decoding",
+    "ep-size": "expert parallelism",
+    "moe-a2a-backend": "MoE all-to-all",
+    "dcp-size": "decode context parallelism",
+}
+"""Flags SGLang 0.5.23 refuses beside --enable-pd-role-switch (arg_groups/pd_disaggregation_hook.py:
+their role-specific state is not rebuilt on a flip), and what each is."""
+
+
+def _role_switch(top: Topology) -> list[Issue]:
+    """``role_switch`` groups: prefill or decode, pure TP on one node (pp 1 is SGLang's rule; dp and
+    attn_dp 1 and one node are pdctl's, which switches one process whole), none of the features
+    SGLang refuses with the flag, and a group of the other role to switch to."""
+    out = []
+    switchable = [g for g in top.groups if g.role_switch]
+    for group in switchable:
+        path = f"{group.path}.role_switch"
+        if group.role not in (Role.PREFILL, Role.DECODE):
+            out.append(Issue(path, f"{group.name}: only prefill and decode engines switch roles"))
+            continue
+        for key in ("pp", "dp", "attn_dp"):
+            if getattr(group, key) != 1:
+                out.append(Issue(f"{group.path}.{key}", f"{group.name}: a role switch needs pure TP ({key} 1)"))
+        smallest = min(n.gpus for n in top.nodes if not group.nodes or n.name in group.nodes) if top.nodes else 0
+        if group.gpus_per_engine > smallest > 0:
+            out.append(Issue(f"{group.path}.tp", f"{group.name}: a role switch needs each engine on one node"))
+        if group.transfer_backend not in (None, "mooncake", "mori"):
+            out.append(
+                Issue(
+                    f"{group.path}.transfer_backend",
+                    f"{group.name}: transfer backend {group.transfer_backend!r} does not support a runtime role switch",
+                    hint="use mooncake (the default) or mori",
+                )
+            )
+        for flag, what in ROLE_SWITCH_REFUSES.items():
+            value = group.args.get(flag)
+            if value is not None and value not in (False, 1, "none") and not (flag == "ep-size" and value == 1):
+                out.append(
+                    Issue(
+                        f"{group.path}.args.{flag}",
+                        f"{group.name}: SGLang refuses {what} (--{flag}) with --enable-pd-role-switch",
+                        hint="remove it, or role_switch",
+                    )
+                )
+        others = [g for g in switchable if g.role is not group.role and g.role in (Role.PREFILL, Role.DECODE)]
+        if group.role in (Role.PREFILL, Role.DECODE) and not any(g.tp == group.tp for g in others):
+            other = "decode" if group.role is Role.PREFILL else "prefill"
+            out.append(
+                Issue(
+                    path,
+                    f"{group.name}: no {other} group with role_switch and tp {group.tp} to switch its engines to",
+                    hint=f"set role_switch on a {other} group of the same tp",
+                )
+            )
     return out
 
 

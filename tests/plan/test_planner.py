@@ -340,3 +340,26 @@ def test_the_data_plane_flags_parse_as_sglang_parses_them() -> None:
         "pdctl-data-plane-aux",
         "pdctl-data-plane-final",
     ]
+
+
+def test_a_switchable_engine_has_a_bootstrap_port_in_either_role() -> None:
+    plan = plan_of("role-switch-sim.yaml")
+    for engine in plan.engines:
+        proc = plan.process(engine.id)
+        assert "--enable-pd-role-switch" in proc.argv and engine.role_switch
+        assert flag(proc.argv, "--disaggregation-bootstrap-port") == str(proc.ports["bootstrap"])
+        assert engine.switch_group == ("decode" if engine.role.value == "prefill" else "prefill")
+    # the router is told a prefill's bootstrap port only
+    decode = next(e for e in plan.engines if e.role.value == "decode")
+    assert decode.prefill_bootstrap_port is None and decode.bootstrap_port is not None
+
+
+def test_running_engines_keep_their_gpus_when_the_file_changes() -> None:
+    """``pdctl apply``: one prefill fewer moves no decode (first fit alone would move both)."""
+    top, _ = load_topology(REPO / "topologies" / "role-switch-sim.yaml")
+    running = make_plan(top)
+    keep = {e.id: ((running.process(e.id).node, running.process(e.id).gpu_ids),) for e in running.engines}
+    smaller = replace(top, groups=tuple(replace(g, replicas=1) if g.name == "prefill" else g for g in top.groups))
+    assert [make_plan(smaller).process(d).gpu_ids for d in ("decode-0", "decode-1")] == [(1,), (2,)]
+    kept = make_plan(smaller, keep_gpus=keep)
+    assert [kept.process(d).gpu_ids for d in ("decode-0", "decode-1")] == [(2,), (3,)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -138,3 +140,14 @@ def test_a_key_that_begins_with_a_dash_cannot_go_in_sglangs_config_file(parser, 
         parser.parse_args(argv)
     keys = [ClusterKeys.generate() for _ in range(200)]
     assert not [k for k in keys if k.engine.startswith("-") or k.control.startswith("-")]
+
+
+def test_a_switchable_engines_argv_parses(parser) -> None:
+    """``role_switch: true``: SGLang's parser reads the flag and a decode's bootstrap port."""
+    top, _ = load_topology(Path(__file__).resolve().parents[2] / "topologies" / "role-switch-sim.yaml")
+    plan = make_plan(replace(top, engine="sglang"))
+    for proc in plan.processes:
+        if proc.role.value in ("prefill", "decode"):
+            ns = check_argv(parser, proc.argv)
+            assert ns.enable_pd_role_switch is True
+            assert ns.disaggregation_bootstrap_port == proc.ports["bootstrap"]

@@ -299,3 +299,23 @@ def test_data_plane_rules_each_have_a_failing_case() -> None:
     one_error(head + "regular: {tp: 4}\n" + trainer + colo("{aux_layers: [1, 1]}"), "has non-unique elements")
     unknown = colo("{timeout: 3}")
     one_error(head + "regular: {tp: 4}\n" + trainer + unknown, "unknown key 'timeout'", "did you mean 'timeout_secs'")
+
+
+SWITCHING = BASE + "prefill: {role_switch: true}\ndecode: {role_switch: true}\n"
+
+
+def test_role_switch_groups_follow_sglangs_rules() -> None:
+    checked(yaml_text(SWITCHING))  # a prefill and a decode group that both allow it
+    one_error(BASE + "regular: {role_switch: true}\n", "only prefill and decode engines switch roles")
+    one_error(BASE + "prefill: {role_switch: true}\ndecode: {}\n", "no decode group with role_switch and tp 1")
+    one_error(BASE + "prefill: {role_switch: true, tp: 2}\ndecode: {role_switch: true}\n", "no decode group")
+    one_error(BASE + "prefill: {role_switch: true, pp: 2}\ndecode: {role_switch: true}\n", "pure TP (pp 1)")
+    one_error(BASE + "prefill: {role_switch: true, tp: 16}\ndecode: {role_switch: true, tp: 16}\n", "on one node")
+    one_error(
+        BASE + "prefill: {role_switch: true, transfer_backend: nixl}\ndecode: {role_switch: true}\n",
+        "transfer backend 'nixl' does not support a runtime role switch",
+    )
+    one_error(
+        BASE + "prefill: {role_switch: true, args: {speculative-algorithm: EAGLE}}\ndecode: {role_switch: true}\n",
+        "refuses speculative decoding (--speculative-algorithm) with --enable-pd-role-switch",
+    )

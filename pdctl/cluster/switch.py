@@ -1,0 +1,273 @@
+"""Role switch: a running engine turns prefill <-> decode without a restart (SGLang's
+``/pd_role_switch``, ``--enable-pd-role-switch``; its process, GPUs and ports stay).
+
+An engine of a ``role_switch`` group is planned with a bootstrap port in either role, so a switch
+changes no port: the router cordons it and answers once its requests have finished (SGLang
+switches only an idle engine), the engine switches, its supervisor learns the command it restarts
+with from now on (``pdctl.agent retarget``: a crash must bring it back in its new role), the
+router re-types it (a new prefill's bootstrap port), and it takes its new id in the state (the
+``switch_group``'s next free index for ``pdctl switch``; the edited file's id for ``pdctl
+apply``), keeping its pid and its log. An engine that refuses (busy, its backend cannot switch)
+is uncordoned and serves on as before; the error says why.
+
+``pdctl apply`` finds switches itself (``pair_switches``): an engine that leaves the file and one
+of the other role that enters it, both allowing switching, with the same tp, whose planned
+command is the running one's but for its role once planned on the running one's GPUs and ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, interrupts_deferred
+from pdctl.cluster.keys import load_keys
+from pdctl.cluster.nodes import Events, NodeSet, quiet
+from pdctl.cluster.restart import BACK_TIMEOUT_SECS, RouterControl, drop_unit, wait_routable
+from pdctl.cluster.state import ClusterState, Phase, StateStore
+from pdctl.cluster.up import spawn_entry
+from pdctl.errors import LifecycleError, RemoteError
+from pdctl.plan import LaunchSpec
+from pdctl.plan.gpus import Slices
+from pdctl.remote import agent_api
+from pdctl.roles import Role
+from pdctl.sglang import Endpoint
+from pdctl.weights.client import CallFailure, JsonClient
+
+MODE_FLAG = "--disaggregation-mode"
+PD_ROLES = (Role.PREFILL, Role.DECODE)
+SWITCH_TIMEOUT_SECS = 300.0
+"""An idle engine's switch tears down and rebuilds its PD structures (and captures decode CUDA
+graphs on a first flip to decode): seconds, not a model load."""
+
+
+# -- planning ---------------------------------------------------------------------------------------
+def keep_gpus(state: ClusterState) -> dict[str, Slices]:
+    """The GPUs of the running engines (by engine id) and trainer, for the planner."""
+    per_unit: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
+    for raw in state.plan.get("processes", []):
+        if not raw.get("gpu_ids"):
+            continue
+        unit = raw.get("engine_id") or ("trainer" if raw["role"] == Role.TRAINER.value else None)
+        if unit is not None:
+            per_unit.setdefault(unit, []).append((int(raw.get("node_rank") or 0), raw["node"], tuple(raw["gpu_ids"])))
+    return {unit: tuple((node, ids) for _, node, ids in sorted(parts)) for unit, parts in per_unit.items()}
+
+
+def switched_spec(raw: Mapping[str, Any], new_id: str, role: Role) -> dict[str, Any]:
+    """The running process ``raw`` (a plan entry) as it runs after switching to ``role`` under
+    ``new_id``: its command says the new role; its ports, GPUs and log stay."""
+    argv = list(raw["argv"])
+    at = argv.index(MODE_FLAG)
+    argv[at + 1] = role.value
+    return {**raw, "id": new_id, "engine_id": new_id, "role": role.value, "argv": argv}
+
+
+def candidates(
+    state: ClusterState, removed: list[str], added: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """Pairs (running engine that leaves, engine of the other role that enters) that a switch
+    may make: both allow switching, same tp, one process each; in id order."""
+    running = {e["id"]: e for e in state.plan.get("engines", [])}
+    pairs, taken = [], set()
+    for old_id in sorted(removed):
+        old = running.get(old_id)
+        if not old or not old.get("role_switch") or len(old.get("process_ids") or []) != 1:
+            continue
+        for new_id in sorted(added):
+            new = added[new_id]
+            if (
+                new_id not in taken
+                and new.get("role_switch")
+                and new["role"] != old["role"]
+                and {new["role"], old["role"]} == {r.value for r in PD_ROLES}
+                and new.get("tp") == old.get("tp")
+                and len(new.get("process_ids") or []) == 1
+            ):
+                pairs.append((old_id, new_id))
+                taken.add(new_id)
+                break
+    return pairs
+
+
+def aliases(
+    state: ClusterState, pairs: list[tuple[str, str]], ports: Mapping[str, tuple[str, int, int]]
+) -> tuple[dict[str, tuple[str, int, int]], dict[str, Slices]]:
+    """The running ports and GPUs with each pair's new engine given its old one's."""
+    ports = dict(ports)
+    gpus = keep_gpus(state)
+    for old_id, new_id in pairs:
+        for key, value in list(ports.items()):
+            process, _, name = key.partition(":")
+            if process == old_id:
+                ports[f"{new_id}:{name}"] = value
+        if old_id in gpus:
+            gpus[new_id] = gpus[old_id]
+    return ports, gpus
+
+
+def confirmed(
+    state: ClusterState, pairs: list[tuple[str, str]], planned: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """The pairs whose new engine, planned on the old one's GPUs and ports, runs the old one's
+    command but for its role (else it is an add and a removal: its group's flags differ, say)."""
+    running = {p["id"]: p for p in state.plan.get("processes", [])}
+    out = []
+    for old_id, new_id in pairs:
+        old, new = running.get(old_id), planned.get(new_id)
+        if old is None or new is None or MODE_FLAG not in old.get("argv", []):
+            continue
+        derived = switched_spec(old, new_id, Role(new["role"]))
+        if all(derived.get(k) == new.get(k) for k in ("argv", "env", "node", "host", "gpu_ids", "ports", "cwd")):
+            out.append((old_id, new_id))
+    return out
+
+
+# -- doing ------------------------------------------------------------------------------------------
+def switch_engine(
+    state: ClusterState,
+    store: StateStore,
+    nodes: NodeSet,
+    router: RouterControl,
+    journal: Journal,
+    old_id: str,
+    new_engine: Mapping[str, Any],
+    new_process: Mapping[str, Any],
+    events: Events,
+    ready_timeout: float,
+) -> None:
+    """Switch running engine ``old_id`` into ``new_engine`` (its id, role, group; ``new_process``
+    its plan entry). Raises LifecycleError when the engine refuses (it serves on as it was)."""
+    record = state.processes.get(old_id)
+    if record is None or not record.url:
+        raise LifecycleError(f"{old_id} is not running: nothing to switch")
+    url = record.url
+    role = Role(new_engine["role"])
+    new_id = str(new_engine["id"])
+    was = record.role
+    journal.begin(old_id, ChangeKind.SWITCH, url, (old_id,))
+    events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")
+    try:
+        router.cordon(url, True)
+        journal.phase(StepPhase.CORDONED)
+        events(old_id, f"idle: asking it to switch to {role}")
+        answer = _ask_switch(state, store, url, role)
+    except BaseException:
+        with interrupts_deferred():
+            with contextlib.suppress(LifecycleError):
+                router.cordon(url, False)
+            journal.end()
+        raise
+    if isinstance(answer, CallFailure):
+        with interrupts_deferred():
+            router.cordon(url, False)
+            journal.end()
+        raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
+    # Switched: from here it goes through whole (a half-made switch would serve in a role that the
+    # router, its supervisor or the state does not know).
+    with interrupts_deferred():
+        spec = LaunchSpec.from_dict(dict(new_process))
+        keys = load_keys(store, state.name)
+        entry = spawn_entry(spec, state, keys, {}, key_file=keys is not None and not keys.engine.startswith("-"))
+        entry.update(log_path=record.log_path, exit_file=record.exit_file)  # its story stays where it is
+        reply = (
+            nodes.each([record.node], lambda ex: agent_api.retarget(ex, entry))[record.node]
+            if record.exit_file
+            else None
+        )
+        if isinstance(reply, RemoteError):
+            events(old_id, f"its supervisor did not learn its new command ({reply}): a crash brings it back as {was}")
+        router.remove(url)
+        router.add(url, role, new_engine.get("bootstrap_port") if role is Role.PREFILL else None)
+        del state.processes[old_id]
+        state.processes[new_id] = replace(record, id=new_id, role=role, engine_id=new_id)
+        drop_unit(state, old_id)
+        plan = dict(state.plan)
+        plan["processes"] = [*plan.get("processes", []), dict(new_process)]
+        plan["engines"] = [*plan.get("engines", []), dict(new_engine)]
+        state.plan = plan
+        journal.end()
+    events(new_id, f"switched from {old_id}: same process, GPUs and ports")
+    wait_routable(router, new_id, url, ready_timeout, events)
+
+
+def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role) -> Any:
+    """``/pd_role_switch`` on the engine, with its key; a switch to decode carries the decode CUDA
+    graph footprint a running decode measured (SGLang needs it before it captures graphs; 0 when
+    no decode reports one)."""
+    keys = load_keys(store, state.name)
+    client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=SWITCH_TIMEOUT_SECS)
+    body: dict[str, Any] = {"new_role": role.value}
+    if role is Role.DECODE:
+        body["decode_cuda_graph_memory_gb"] = _decode_graph_gb(client, state)
+    return client.post(url + Endpoint.PD_ROLE_SWITCH.value, body)
+
+
+def _decode_graph_gb(client: JsonClient, state: ClusterState) -> float:
+    for engine in state.plan.get("engines", []):
+        if engine.get("role") != Role.DECODE.value or not engine.get("url"):
+            continue
+        info = client.get(engine["url"] + Endpoint.SERVER_INFO.value, timeout_secs=10)
+        if isinstance(info, dict):
+            for internal in info.get("internal_states") or []:
+                value = internal.get("decode_cuda_graph_memory_gb") if isinstance(internal, dict) else None
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    return float(value)
+    return 0.0
+
+
+def switch(
+    name: str,
+    engine_id: str,
+    role: Role | str,
+    *,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    events: Events = quiet,
+    ready_timeout_secs: float = BACK_TIMEOUT_SECS,
+) -> str:
+    """``pdctl switch``: engine ``engine_id`` of cluster ``name`` turns ``role``; returns its new id.
+
+    Raises:
+        LifecycleError: no such cluster or engine, an engine that may not switch, or one that refused.
+    """
+    role = Role(role)
+    if role not in PD_ROLES:
+        raise LifecycleError(f"an engine switches to prefill or decode, not {role}")
+    store = store or StateStore()
+    with store.locked(name):
+        state = store.load(name)
+        if state is None:
+            raise LifecycleError(f"no cluster {name!r} in {store.root}")
+        if state.status != Phase.UP:
+            raise LifecycleError(f"cluster {name!r} is {state.status}; switch works on a cluster that is up")
+        engines = {e["id"]: e for e in state.plan.get("engines", [])}
+        engine = engines.get(engine_id)
+        if engine is None:
+            raise LifecycleError(f"no engine {engine_id!r} in cluster {name!r} (engines: {', '.join(sorted(engines))})")
+        if engine["role"] == role.value:
+            raise LifecycleError(f"{engine_id} is a {role} already")
+        if not engine.get("role_switch") or not engine.get("switch_group"):
+            raise LifecycleError(
+                f"{engine_id} may not switch roles: its group needs role_switch: true, beside a group of the "
+                "other role with role_switch and the same tp (then `pdctl apply` the file, which restarts it)"
+            )
+        group = str(engine["switch_group"])
+        used = {e.split("-")[-1] for e in engines if e.rsplit("-", 1)[0] == group}
+        new_id = next(f"{group}-{i}" for i in range(len(engines) + 1) if str(i) not in used)
+        raw = next(p for p in state.plan.get("processes", []) if p["id"] == engine_id)
+        new_process = switched_spec(raw, new_id, role)
+        new_engine = {**engine, "id": new_id, "group": group, "role": role.value, "process_ids": [new_id]}
+        new_engine["switch_group"] = engine.get("group")
+        router = RouterControl(state, store)
+        journal = Journal(state, store, "switch")
+        if nodes is None:
+            with NodeSet(state.node_objects().values()) as owned:
+                switch_engine(state, store, owned, router, journal, engine_id, new_engine, new_process, events,
+                              ready_timeout_secs)  # fmt: skip
+        else:
+            switch_engine(state, store, nodes, router, journal, engine_id, new_engine, new_process, events,
+                          ready_timeout_secs)  # fmt: skip
+    return new_id

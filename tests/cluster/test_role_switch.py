@@ -1,0 +1,175 @@
+"""Role switch (issue 52): ``pdctl apply`` changes the P:D split live, ``pdctl switch`` one engine
+by hand; real sim engines under their supervisors, the real router, closed-loop clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+
+import pytest
+import yaml
+
+from tests.cluster.test_heal import PACED, Clients, _run_processes, _wait_back
+from tests.cluster.test_local_cli import local_topology, pdctl
+from tests.helpers import control_auth, engine_auth, eventually, free_port_base, get
+
+
+def _status(env: dict) -> dict:
+    st = pdctl("status", "--json", env=env)
+    return json.loads(st.stdout)
+
+
+def _pids(st: dict) -> dict[str, int]:
+    """Each engine's serving process, by its URL (what stays when an engine switches)."""
+    return {p["url"]: p["pid"] for p in st["processes"] if p["url"] and p["role"] in ("prefill", "decode")}
+
+
+def _roles(router: str, name: str, env: dict) -> dict[str, str]:
+    workers = get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+    return {w["url"]: w["worker_type"] for w in workers}
+
+
+def _in_rotation(router: str, name: str, env: dict, count: int) -> bool:
+    workers = get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+    return len(workers) == count and all(
+        w["is_healthy"] and not w["quarantined"] and not w["cordoned"] for w in workers
+    )
+
+
+def _split(topo: str, prefills: int, decodes: int) -> str:
+    with open(topo) as f:
+        body = yaml.safe_load(f)
+    body["prefill"]["replicas"], body["decode"]["replicas"] = prefills, decodes
+    path = topo.replace(".yaml", f"-{prefills}p{decodes}d.yaml")
+    with open(path, "w") as out:
+        yaml.safe_dump(body, out)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("switch")
+    switchable = {"replicas": 2, "role_switch": True, "args": PACED}
+    topo = local_topology(
+        tmp,
+        "sw",
+        free_port_base(),
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp / "runs")}],
+        prefill=switchable,
+        decode=dict(switchable),
+        router={"policy": "round_robin", "admission": {"worker_wait_secs": 60}},
+    )
+    env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        yield env, "sw", topo
+    finally:
+        state = json.loads((tmp / "home" / "sw" / "state.json").read_text())
+        down = pdctl("down", "sw", env=env)
+        assert down.returncode == 0, down.stderr
+        assert _run_processes(state["run_id"]) == [], "down left processes of the cluster running"
+
+
+def test_apply_moves_the_split_both_ways_under_load_without_a_restart(cluster) -> None:
+    env, name, topo = cluster
+    before = _status(env)
+    router = next(p["url"] for p in before["processes"] if p["role"] == "router")
+    pids = _pids(before)
+    one_three = _split(topo, 1, 3)
+    dry = pdctl("apply", one_three, "--dry-run", env=env)
+    assert dry.returncode == 0 and "switch prefill-1 -> decode (becomes decode-2)" in dry.stdout, dry.stdout
+    assert "add" not in dry.stdout and "remove" not in dry.stdout, dry.stdout
+    prefill_1 = next(p["url"] for p in before["processes"] if p["id"] == "prefill-1")
+    with Clients(router) as clients:
+        eventually(clients.answered_lately, 60, what="answers before the switch")
+        there = pdctl("apply", one_three, env=env)
+        assert there.returncode == 0, there.stderr
+        assert _roles(router, name, env)[prefill_1] == "decode"
+        mid = _status(env)
+        assert {e["id"] for e in mid["engines"]} == {"prefill-0", "decode-0", "decode-1", "decode-2"}
+        assert _pids(mid) == pids, "an engine process was restarted"
+        back = pdctl("apply", topo, env=env)
+        assert back.returncode == 0, back.stderr
+        assert _roles(router, name, env)[prefill_1] == "prefill"
+        eventually(clients.answered_lately, 60, what="answers after switching back")
+    after = _status(env)
+    assert _pids(after) == pids and after["ok"] is True, after
+    assert not clients.failed(), clients.failed()[:3]
+    assert {a[2] for a in clients.answers} == {"default"}, "every answer on one version"
+    assert pdctl("apply", topo, "--dry-run", env=env).stdout.strip().endswith("nothing to do")
+
+
+def test_a_busy_engine_refuses_and_the_fleet_stays_as_it_was(cluster) -> None:
+    """A request sent to decode-0 directly (a framework that talks to engines) waits for KV that
+    never comes: SGLang switches only an idle engine, so the switch is refused, decode-0 serves on
+    as a decode, back in rotation, and the error says why."""
+    env, name, _ = cluster
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    decode = next(p for p in st["processes"] if p["id"] == "decode-0")
+    prefill = next(p for p in st["processes"] if p["id"] == "prefill-0")
+    body = json.dumps(
+        {
+            "text": "never served",
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill["ports"]["bootstrap"],
+            "bootstrap_room": 4242,
+        }
+    ).encode()
+    host, port = decode["url"].removeprefix("http://").split(":")
+    auth = engine_auth(name, env["PDCTL_HOME"])["Authorization"]
+    waiting = socket.create_connection((host, int(port)))
+    try:
+        head = (
+            f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        waiting.sendall(head.encode() + body)
+        refused = pdctl("switch", name, "decode-0", "prefill", env=env)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "instance is not idle" in refused.stderr and "serves on as decode" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    finally:
+        waiting.close()  # the engine aborts it
+    assert _roles(router, name, env)[decode["url"]] == "decode"
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation")
+    after = _status(env)
+    assert after["ok"] is True, after
+    assert {e["id"] for e in after["engines"]} == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+
+
+def test_a_switched_engine_restarts_in_its_new_role(cluster) -> None:
+    """``pdctl switch`` by hand, then kill -9: its supervisor brings it back as what it became."""
+    env, name, topo = cluster
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    decode = next(p for p in st["processes"] if p["id"] == "decode-1")
+    done = pdctl("switch", name, "decode-1", "prefill", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "decode-1 is prefill prefill-2" in done.stdout, done.stdout
+    os.kill(decode["pid"], signal.SIGKILL)
+    back = _wait_back(env, "prefill-2", decode["pid"], 1)
+    assert back["ports"] == decode["ports"]
+    info = get(decode["url"] + "/model_info", headers=engine_auth(name, env["PDCTL_HOME"]))[1]
+    assert info["disaggregation_mode"] == "prefill"
+    assert _roles(router, name, env)[decode["url"]] == "prefill"
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation")
+    # the file still says two decodes: apply switches it back
+    again = pdctl("apply", topo, env=env)
+    assert again.returncode == 0 and "switch prefill-2 -> decode (becomes decode-1)" in again.stdout, again.stdout
+    assert _roles(router, name, env)[decode["url"]] == "decode"
+
+
+def test_switch_says_what_is_wrong_without_a_traceback(cluster) -> None:
+    env, name, _ = cluster
+    for args, needle in (
+        (("nope", "prefill"), "no engine 'nope'"),
+        (("decode-0", "decode"), "decode-0 is a decode already"),
+        (("decode-0", "both"), "prefill or decode, not 'both'"),
+    ):
+        out = pdctl("switch", name, *args, env=env)
+        assert out.returncode in (1, 2) and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
