@@ -152,22 +152,21 @@ def switch_engine(
     try:
         router.cordon(url, True)
         journal.phase(StepPhase.CORDONED)
-        events(old_id, f"idle: asking it to switch to {role}")
-        answer = _ask_switch(state, store, url, role)
-    except BaseException:
+    except BaseException:  # (Ctrl-C during the drain) nothing changed: it serves on
         with interrupts_deferred():
             with contextlib.suppress(LifecycleError):
                 router.cordon(url, False)
             journal.end()
         raise
-    if isinstance(answer, CallFailure):
-        with interrupts_deferred():
+    # From the call on it goes through whole: a Ctrl-C that cut the call short could leave an engine
+    # switched that the router, its supervisor and the state still take for the old role.
+    with interrupts_deferred():
+        events(old_id, f"idle: asking it to switch to {role}")
+        answer = _ask_switch(state, store, url, role)
+        if isinstance(answer, CallFailure) and not (answer.transport and _role_now(state, store, url) is role):
             router.cordon(url, False)
             journal.end()
-        raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
-    # Switched: from here it goes through whole (a half-made switch would serve in a role that the
-    # router, its supervisor or the state does not know).
-    with interrupts_deferred():
+            raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
         spec = LaunchSpec.from_dict(dict(new_process))
         keys = load_keys(store, state.name)
         entry = spawn_entry(spec, state, keys, {}, key_file=keys is not None and not keys.engine.startswith("-"))
@@ -203,6 +202,15 @@ def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role) ->
     if role is Role.DECODE:
         body["decode_cuda_graph_memory_gb"] = _decode_graph_gb(client, state)
     return client.post(url + Endpoint.PD_ROLE_SWITCH.value, body)
+
+
+def _role_now(state: ClusterState, store: StateStore, url: str) -> Role | None:
+    """The engine's role as it says it now (``/model_info``: its live role), after a call whose
+    answer was lost; None when it does not say."""
+    keys = load_keys(store, state.name)
+    info = JsonClient(api_key=keys.engine if keys else None, timeout_secs=30).get(url + Endpoint.MODEL_INFO.value)
+    mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
+    return Role(mode) if mode in (Role.PREFILL.value, Role.DECODE.value) else None
 
 
 def _decode_graph_gb(client: JsonClient, state: ClusterState) -> float:

@@ -106,7 +106,8 @@ def cluster(tmp_path_factory) -> Iterator[tuple[dict, str, str]]:
         "intr",
         free_port_base(),
         nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp / "runs")}],
-        decode={"replicas": 2},
+        # paced (5 ms a step): the long request of the load test outlasts its Ctrl-C on a loaded machine
+        decode={"replicas": 2, "args": {"sim-decode-ms-per-step": 5}},
         router={"policy": "round_robin", "admission": {"worker_wait_secs": 30}},
     )
     env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}

@@ -3,6 +3,7 @@ by hand; real sim engines under their supervisors, the real router, closed-loop 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -12,8 +13,9 @@ import pytest
 import yaml
 
 from tests.cluster.test_heal import PACED, Clients, _run_processes, _wait_back
+from tests.cluster.test_interrupts import interrupted, settle
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, engine_auth, eventually, free_port_base, get
+from tests.helpers import control_auth, engine_auth, eventually, free_port_base, get, post
 
 
 def _status(env: dict) -> dict:
@@ -173,3 +175,35 @@ def test_switch_says_what_is_wrong_without_a_traceback(cluster) -> None:
     ):
         out = pdctl("switch", name, *args, env=env)
         assert out.returncode in (1, 2) and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster) -> None:
+    """Ctrl-C once `pdctl switch` waits for decode-0's requests: whatever the instant, status
+    tells the truth, the router and the state agree on the engine's role, and the command again
+    (or its undo) goes through."""
+    env, name, _ = cluster
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    url = next(p["url"] for p in st["processes"] if p["id"] == "decode-0")
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(4) as pool:
+        long = [pool.submit(post, router + "/generate", body, timeout=120) for _ in range(4)]
+        eventually(lambda: _running(url, name, env), 60, interval=0.02, what="decode-0 running a long request")
+        code, out = interrupted("switch", name, "decode-0", "prefill", at="switching to prefill", env=env)
+        assert code != 0 and "Traceback" not in out, out
+        assert all(f.result()[0] == 200 for f in long)
+    code, st = settle(env, name)
+    assert code == 0, st
+    engine = next(e for e in st["engines"] if url in [p["url"] for p in st["processes"] if p["id"] in e["processes"]])
+    assert _roles(router, name, env)[url] == engine["role"]
+    if engine["role"] == "decode":  # stopped before it switched: the same command goes through
+        assert pdctl("switch", name, "decode-0", "prefill", env=env).returncode == 0
+        engine = {"id": next(p["id"] for p in _status(env)["processes"] if p["url"] == url)}
+    back = pdctl("switch", name, engine["id"], "decode", env=env)
+    assert back.returncode == 0, back.stderr
+    assert _roles(router, name, env)[url] == "decode"
+
+
+def _running(url: str, name: str, env: dict) -> bool:
+    info = get(url + "/server_info", headers=engine_auth(name, env["PDCTL_HOME"]))[1]
+    return info["internal_states"][0]["num_running_reqs"] >= 1
