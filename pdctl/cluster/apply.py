@@ -339,8 +339,8 @@ def _remove(
 ) -> None:
     """Drain an engine (stopped here, it is taken back), then stop it and unregister it whole."""
     journal.begin(change.unit, ChangeKind.REMOVE, url, change.processes)
-    events(change.unit, "out of rotation; waiting for its requests to finish")
-    try:
+    try:  # (a Ctrl-C from here on, even during the line below, is undone at once)
+        events(change.unit, "out of rotation; waiting for its requests to finish")
         router.cordon(url, True)
     except BaseException:
         with interrupts_deferred():

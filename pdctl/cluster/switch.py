@@ -147,9 +147,9 @@ def switch_engine(
     role = Role(new_engine["role"])
     new_id = str(new_engine["id"])
     was = record.role
-    journal.begin(old_id, ChangeKind.SWITCH, url, (old_id,))
-    events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")
     try:
+        journal.begin(old_id, ChangeKind.SWITCH, url, (old_id,))
+        events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")
         router.cordon(url, True)
         journal.phase(StepPhase.CORDONED)
     except BaseException:  # (Ctrl-C during the drain) nothing changed: it serves on

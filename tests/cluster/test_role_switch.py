@@ -193,7 +193,7 @@ def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster) -> None:
         assert code != 0 and "Traceback" not in out, out
         assert all(f.result()[0] == 200 for f in long)
     code, st = settle(env, name)
-    assert code == 0, st
+    assert code == 0, json.dumps(st)  # (a journal left by a Ctrl-C between its entry and the try: seen once)
     engine = next(e for e in st["engines"] if url in [p["url"] for p in st["processes"] if p["id"] in e["processes"]])
     assert _roles(router, name, env)[url] == engine["role"]
     if engine["role"] == "decode":  # stopped before it switched: the same command goes through
