@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdctl.cluster import switch
@@ -260,7 +260,7 @@ def _apply(
     engines = {e.id: e for e in plan.engines}
     old_engines = {e["id"]: e for e in state.plan.get("engines", [])}
     for change in changes.changes:
-        unit_specs = [specs[p] for p in change.processes if p in specs]
+        unit_specs = unclaimed_logs(state, [specs[p] for p in change.processes if p in specs])
         if change.kind is ChangeKind.ADD:
             _add(state, store, nodes, router, journal, change, unit_specs, engines[change.unit], events, ready_timeout)
         elif change.kind is ChangeKind.REPLACE and change.unit == "router":
@@ -381,7 +381,26 @@ def _running_specs(state: ClusterState, plan: Plan) -> list[dict[str, Any]]:
         if spec.role is Role.TRAINER and spec.id in running:
             out.append(running[spec.id])
         else:
-            out.append(spec.to_dict())
+            raw = spec.to_dict()
+            record = state.processes.get(spec.id)
+            if record is not None and record.log_path != spec.log_path:  # a switched engine keeps its log
+                raw["log_path"] = record.log_path
+            out.append(raw)
+    return out
+
+
+def unclaimed_logs(state: ClusterState, specs: list[LaunchSpec]) -> list[LaunchSpec]:
+    """``specs`` with a log of their own: an engine that switched role keeps its first id's log and
+    supervisor story (``logs/prefill-1.log`` for what is now decode-2), so a new prefill-1 writes
+    ``logs/prefill-1.2.log`` rather than take them over."""
+    held = {rec.log_path for rec in state.processes.values()}
+    out = []
+    for spec in specs:
+        path, n = spec.log_path, 1
+        while path in held and state.processes.get(spec.id, None) is None:
+            n += 1
+            path = spec.log_path.removesuffix(".log") + f".{n}.log"
+        out.append(replace(spec, log_path=path) if path != spec.log_path else spec)
     return out
 
 

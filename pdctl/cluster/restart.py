@@ -186,7 +186,7 @@ def _back_in_rotation(router: RouterControl, old_url: str, entry: LaunchSpec) ->
         router.cordon(url, False)
         return
     router.remove(old_url)
-    router.add(url, entry.role, entry.ports.get("bootstrap"))
+    router.add(url, entry.role, entry.ports.get("bootstrap") if entry.role is Role.PREFILL else None)
 
 
 def _unwind_replace(journal: Journal, router: RouterControl, entry_spec: LaunchSpec, events: Events) -> None:
@@ -230,9 +230,22 @@ def recover(
     events(entry.unit, f"finishing what was left: {entry.describe()}")
     specs = [LaunchSpec.from_dict(raw) for raw in state.plan.get("processes", []) if raw["id"] in entry.processes]
     mine = [rec for rec in state.processes.values() if rec.id in entry.processes or rec.engine_id == entry.unit]
-    if entry.kind is ChangeKind.SWITCH:  # stopped before the engine switched: it serves on as it was
-        if entry.url and entry.unit in state.processes:
-            router.cordon(entry.url, False)
+    if entry.kind is ChangeKind.SWITCH:
+        record = state.processes.get(entry.unit)
+        live = engine_role(state, store, entry.url) if entry.url else None
+        if record is not None and live is not None and live is not record.role:
+            raise LifecycleError(
+                f"{entry.describe()}; {entry.unit} runs as a {live} already: "
+                f"`pdctl switch {state.name} {entry.unit} {live}` finishes the switch"
+            )
+        if entry.url and record is not None:  # it did not switch: it serves on as it was
+            try:
+                router.cordon(entry.url, False)
+            except LifecycleError:
+                if router.worker(entry.url) is not None:
+                    raise
+                bootstrap = record.ports.get("bootstrap") if record.role is Role.PREFILL else None
+                router.add(entry.url, record.role, bootstrap)  # stopped between its removal and re-adding
     elif entry.kind is ChangeKind.REPLACE:
         stopped = [s for s in specs if s.id not in state.processes]
         if stopped:
@@ -252,6 +265,15 @@ def recover(
         if entry.kind is ChangeKind.REMOVE:
             drop_unit(state, entry.unit)
     journal.end()
+
+
+def engine_role(state: ClusterState, store: StateStore, url: str) -> Role | None:
+    """A PD engine's role as it says it now (``/model_info``: its live role; a role switch changes
+    it); None when it does not answer or say."""
+    keys = load_keys(store, state.name)
+    info = JsonClient(api_key=keys.engine if keys else None, timeout_secs=30).get(url + "/model_info")
+    mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
+    return Role(mode) if mode in (Role.PREFILL.value, Role.DECODE.value) else None
 
 
 def drop_unit(state: ClusterState, unit: str) -> None:

@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, interrupts_deferred
+from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.restart import BACK_TIMEOUT_SECS, RouterControl, drop_unit, wait_routable
+from pdctl.cluster.restart import BACK_TIMEOUT_SECS, RouterControl, drop_unit, engine_role, recover, wait_routable
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.up import spawn_entry
 from pdctl.errors import LifecycleError, RemoteError
@@ -147,6 +147,7 @@ def switch_engine(
     role = Role(new_engine["role"])
     new_id = str(new_engine["id"])
     was = record.role
+    already = engine_role(state, store, url) is role  # a switch that stopped half way (pdctl killed)
     try:
         journal.begin(old_id, ChangeKind.SWITCH, url, (old_id,))
         events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")
@@ -161,12 +162,14 @@ def switch_engine(
     # From the call on it goes through whole: a Ctrl-C that cut the call short could leave an engine
     # switched that the router, its supervisor and the state still take for the old role.
     with interrupts_deferred():
-        events(old_id, f"idle: asking it to switch to {role}")
-        answer = _ask_switch(state, store, url, role)
-        if isinstance(answer, CallFailure) and not (answer.transport and _role_now(state, store, url) is role):
-            router.cordon(url, False)
-            journal.end()
-            raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
+        if already:
+            events(old_id, f"it runs as a {role} already: finishing the switch")
+        else:
+            events(old_id, f"idle: asking it to switch to {role}")
+            answer = _ask_switch(state, store, url, role, new_engine.get("tp"))
+            if isinstance(answer, CallFailure):
+                _not_switched(state, store, router, journal, old_id, url, role, was, answer)
+        new_process = {**new_process, "log_path": record.log_path}  # its log and story stay where they are
         spec = LaunchSpec.from_dict(dict(new_process))
         keys = load_keys(store, state.name)
         entry = spawn_entry(spec, state, keys, {}, key_file=keys is not None and not keys.engine.startswith("-"))
@@ -192,30 +195,60 @@ def switch_engine(
     wait_routable(router, new_id, url, ready_timeout, events)
 
 
-def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role) -> Any:
+def _not_switched(
+    state: ClusterState,
+    store: StateStore,
+    router: RouterControl,
+    journal: Journal,
+    old_id: str,
+    url: str,
+    role: Role,
+    was: Role,
+    answer: CallFailure,
+) -> None:
+    """The switch call failed: raise what to do, leaving the engine as safe as SGLang says it is.
+    Refused (busy, say: SGLang's ``safe_to_restore``): uncordoned, it serves on. Refused as not safe
+    to serve ("restart required", another switch under way): it stays out of rotation. Its answer
+    lost (a timeout while it captures decode graphs, say): unless it says it switched (then the
+    switch goes on), it stays out and the journal keeps the step for the next command."""
+    if answer.transport:
+        if engine_role(state, store, url) is role:
+            return
+        raise LifecycleError(
+            f"{old_id}: the answer to its switch to {role} was lost ({answer}) and it does not say it switched; "
+            "it stays out of rotation; the next `pdctl apply`, `switch` or `restart` settles it by asking it its role"
+        )
+    text = str(answer)
+    if "restart required" in text or "already in progress" in text:
+        journal.end()
+        raise LifecycleError(
+            f"{old_id} did not switch to {role}: {answer}; SGLang says it is not safe to serve, so it stays out of "
+            f"rotation: `pdctl restart {state.name} {old_id}` brings it back as a {was}"
+        )
+    router.cordon(url, False)
+    journal.end()
+    raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
+
+
+def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp: int | None) -> Any:
     """``/pd_role_switch`` on the engine, with its key; a switch to decode carries the decode CUDA
-    graph footprint a running decode measured (SGLang needs it before it captures graphs; 0 when
-    no decode reports one)."""
+    graph footprint a running decode of the same tp measured (SGLang needs it before it captures
+    graphs on a first flip to decode, and checks the GPU has that much free; with none measured it
+    is left out, and SGLang refuses such a flip saying why)."""
     keys = load_keys(store, state.name)
     client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=SWITCH_TIMEOUT_SECS)
     body: dict[str, Any] = {"new_role": role.value}
     if role is Role.DECODE:
-        body["decode_cuda_graph_memory_gb"] = _decode_graph_gb(client, state)
+        measured = _decode_graph_gb(client, state, tp)
+        if measured is not None:
+            body["decode_cuda_graph_memory_gb"] = measured
     return client.post(url + Endpoint.PD_ROLE_SWITCH.value, body)
 
 
-def _role_now(state: ClusterState, store: StateStore, url: str) -> Role | None:
-    """The engine's role as it says it now (``/model_info``: its live role), after a call whose
-    answer was lost; None when it does not say."""
-    keys = load_keys(store, state.name)
-    info = JsonClient(api_key=keys.engine if keys else None, timeout_secs=30).get(url + Endpoint.MODEL_INFO.value)
-    mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
-    return Role(mode) if mode in (Role.PREFILL.value, Role.DECODE.value) else None
-
-
-def _decode_graph_gb(client: JsonClient, state: ClusterState) -> float:
+def _decode_graph_gb(client: JsonClient, state: ClusterState, tp: int | None) -> float | None:
+    """What a running decode of the same tp says its decode CUDA graphs take (``/server_info``)."""
     for engine in state.plan.get("engines", []):
-        if engine.get("role") != Role.DECODE.value or not engine.get("url"):
+        if engine.get("role") != Role.DECODE.value or not engine.get("url") or engine.get("tp") != tp:
             continue
         info = client.get(engine["url"] + Endpoint.SERVER_INFO.value, timeout_secs=10)
         if isinstance(info, dict):
@@ -223,7 +256,7 @@ def _decode_graph_gb(client: JsonClient, state: ClusterState) -> float:
                 value = internal.get("decode_cuda_graph_memory_gb") if isinstance(internal, dict) else None
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     return float(value)
-    return 0.0
+    return None
 
 
 def switch(
@@ -271,11 +304,12 @@ def switch(
         new_engine["switch_group"] = engine.get("group")
         router = RouterControl(state, store)
         journal = Journal(state, store, "switch")
-        if nodes is None:
-            with NodeSet(state.node_objects().values()) as owned:
-                switch_engine(state, store, owned, router, journal, engine_id, new_engine, new_process, events,
-                              ready_timeout_secs)  # fmt: skip
-        else:
+        with contextlib.ExitStack() as stack:
+            if nodes is None:
+                nodes = stack.enter_context(NodeSet(state.node_objects().values()))
+            left = entry_of(state)
+            if left is not None and not (left.kind is ChangeKind.SWITCH and left.unit == engine_id):
+                recover(state, store, nodes, router, events, ready_timeout_secs)  # another step left half done
             switch_engine(state, store, nodes, router, journal, engine_id, new_engine, new_process, events,
                           ready_timeout_secs)  # fmt: skip
     return new_id

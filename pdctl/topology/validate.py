@@ -147,8 +147,8 @@ def _role_switch(top: Topology) -> list[Issue]:
         for key in ("pp", "dp", "attn_dp"):
             if getattr(group, key) != 1:
                 out.append(Issue(f"{group.path}.{key}", f"{group.name}: a role switch needs pure TP ({key} 1)"))
-        smallest = min(n.gpus for n in top.nodes if not group.nodes or n.name in group.nodes) if top.nodes else 0
-        if group.gpus_per_engine > smallest > 0:
+        biggest = max((n.gpus for n in top.nodes if not group.nodes or n.name in group.nodes), default=0)
+        if group.gpus_per_engine > biggest > 0:
             out.append(Issue(f"{group.path}.tp", f"{group.name}: a role switch needs each engine on one node"))
         if group.transfer_backend not in (None, "mooncake", "mori"):
             out.append(
@@ -158,8 +158,9 @@ def _role_switch(top: Topology) -> list[Issue]:
                     hint="use mooncake (the default) or mori",
                 )
             )
+        args = {str(k).lstrip("-"): v for k, v in group.args.items()}  # (args may be written as --flag)
         for flag, what in ROLE_SWITCH_REFUSES.items():
-            value = group.args.get(flag)
+            value = args.get(flag)
             if value is not None and value not in (False, 1, "none") and not (flag == "ep-size" and value == 1):
                 out.append(
                     Issue(

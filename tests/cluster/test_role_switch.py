@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 import yaml
@@ -58,7 +59,7 @@ def cluster(tmp_path_factory):
         tmp,
         "sw",
         free_port_base(),
-        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp / "runs")}],
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 5, "workdir": str(tmp / "runs")}],
         prefill=switchable,
         decode=dict(switchable),
         router={"policy": "round_robin", "admission": {"worker_wait_secs": 60}},
@@ -207,3 +208,25 @@ def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster) -> None:
 def _running(url: str, name: str, env: dict) -> bool:
     info = get(url + "/server_info", headers=engine_auth(name, env["PDCTL_HOME"]))[1]
     return info["internal_states"][0]["num_running_reqs"] >= 1
+
+
+def test_an_engine_added_under_a_switched_engines_first_id_gets_a_log_of_its_own(cluster) -> None:
+    """prefill-1 switched to decode-2 keeps logs/prefill-1.log and its supervisor's story; an apply
+    that adds a new prefill-1 gives it logs/prefill-1.2.log instead of taking them over."""
+    env, name, topo = cluster
+    assert pdctl("switch", name, "prefill-1", "decode", env=env).returncode == 0
+    st = _status(env)
+    switched = next(p for p in st["processes"] if p["id"] == "decode-2")
+    grown = _split(topo, 2, 3)
+    done = pdctl("apply", grown, env=env)
+    assert done.returncode == 0 and "add prefill-1" in done.stdout, done.stdout
+    state = json.loads((Path(env["PDCTL_HOME"]) / name / "state.json").read_text())
+    logs = {pid: rec["log_path"] for pid, rec in state["processes"].items()}
+    assert logs["decode-2"].endswith("/prefill-1.log") and logs["prefill-1"].endswith("/prefill-1.2.log"), logs
+    story = json.loads(Path(logs["decode-2"] + ".exit").read_text())
+    assert story["pid"] == switched["pid"], "the new engine's supervisor took over the switched one's story"
+    plan = {p["id"]: p["log_path"] for p in state["plan"]["processes"]}
+    assert plan["decode-2"] == logs["decode-2"] and plan["prefill-1"] == logs["prefill-1"]
+    assert _status(env)["ok"] is True
+    back = pdctl("apply", topo, env=env)  # decode-2 leaves the file
+    assert back.returncode == 0 and "remove decode-2" in back.stdout, back.stdout
