@@ -165,8 +165,11 @@ def replace_engine(
         if not drained.get("drained", False):
             events(engine_id, f"{drained.get('load')} request(s) still running after {DRAIN_TIMEOUT_SECS:.0f}s")
         running = [rec for rec in state.processes.values() if rec.engine_id == engine_id]
-        stop_records(state, nodes, running, events=events)
-        journal.phase(StepPhase.STOPPED)
+        # Stopped and recorded whole: a Ctrl-C in the middle would leave an engine half stopped with
+        # the journal saying it still runs, and the undo would lift its cordon (seen: DOWN, no step named).
+        with interrupts_deferred():
+            stop_records(state, nodes, running, events=events)
+            journal.phase(StepPhase.STOPPED)
         launch(specs, state, store, nodes, {}, events)
         journal.phase(StepPhase.STARTED)
         _wait_started(state, nodes, specs, events, ready_timeout)

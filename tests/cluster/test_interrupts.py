@@ -71,7 +71,9 @@ def truth(env: dict, name: str) -> bool:
         for w in get(router + "/workers", timeout=10, headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
     }
     for engine in st["engines"]:
-        url = next(p["url"] for p in st["processes"] if p["id"] in engine["processes"] and p["url"])
+        url = next((p["url"] for p in st["processes"] if p["id"] in engine["processes"] and p["url"]), None)
+        if url is None:  # stopped, none of its processes runs
+            return False
         w = workers.get(url)
         try:
             healthy = get(url + "/health", timeout=10)[0] == 200
