@@ -69,6 +69,20 @@ class TestHost:
         return subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], **kw)
 
 
+OWNERS = Path("/run/pdctl-test-hosts")
+"""One file per claimed test host set (pdX), holding the pid of the suite that made it."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _zombie(pid)
+
+
 def _zombie(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -89,6 +103,7 @@ class TestHosts:
 
     # -- build ---------------------------------------------------------------------------
     def start(self) -> TestHosts:
+        self.sweep_orphans()
         try:
             self._claim()
             self._network()
@@ -97,10 +112,35 @@ class TestHosts:
                 self._sshd(i, host)
             for host in self.hosts:
                 self._wait_sshd(host)
-        except Exception:
+        except BaseException:  # (Ctrl-C too) nothing half built stays
             self.close()
             raise
         return self
+
+    @staticmethod
+    def sweep_orphans() -> None:
+        """Remove the test host sets whose owning process is gone (a suite killed with SIGKILL could
+        not run its teardown): each set's owner pid is kept in OWNERS/pdX."""
+        if not OWNERS.is_dir():
+            return
+        for owner in OWNERS.iterdir():
+            try:
+                pid = int(owner.read_text())
+            except (OSError, ValueError):
+                pid = 0
+            if pid and _alive(pid):
+                continue
+            prefix = owner.name
+            for ns in _run("ip", "netns", "list", check=False).stdout.split():
+                if re.fullmatch(rf"{prefix}h\d+", ns):
+                    for p in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                        with contextlib.suppress(ProcessLookupError, ValueError):
+                            os.kill(int(p), signal.SIGKILL)
+                    _run("ip", "netns", "del", ns, check=False)
+            for link in re.findall(rf"\d+: ({prefix}v\d+)[@:]", _run("ip", "-o", "link", check=False).stdout):
+                _run("ip", "link", "del", link, check=False)
+            _run("ip", "link", "del", f"{prefix}br", check=False)
+            owner.unlink(missing_ok=True)
 
     def _claim(self) -> None:
         """A 10.77.X.0/24 no other run uses (X random, not from the pid: suites sharing a machine
@@ -113,6 +153,8 @@ class TestHosts:
                 continue
             if _run("ip", "link", "add", f"pd{x}br", "type", "bridge", check=False).returncode != 0:
                 continue  # taken meanwhile
+            OWNERS.mkdir(parents=True, exist_ok=True)
+            (OWNERS / f"pd{x}").write_text(str(os.getpid()))
             self.subnet, self.prefix = x, f"pd{x}"
             self.bridge, self.gateway = f"pd{x}br", f"10.77.{x}.1"
             self.hosts = [TestHost(f"h{i}", f"pd{x}h{i}", f"10.77.{x}.{i + 2}") for i in range(self.count)]
@@ -227,6 +269,8 @@ class TestHosts:
             _run("ip", "link", "del", f"{self.prefix}v{i}", check=False)
         if self.bridge:
             _run("ip", "link", "del", self.bridge, check=False)
+        if self.prefix:
+            (OWNERS / self.prefix).unlink(missing_ok=True)
 
 
 def _venv_python() -> str:

@@ -14,8 +14,10 @@ def hosts(tmp_path_factory):
     if reason:
         pytest.skip(f"multi-host tests skipped: {reason}")
     built = TestHosts(3, tmp_path_factory.mktemp("hosts")).start()
-    yield built
-    built.close()
+    try:
+        yield built
+    finally:  # removed whatever the tests did (a later run also sweeps sets whose owner was killed)
+        built.close()
 
 
 @pytest.fixture
