@@ -22,10 +22,6 @@ from tests.helpers import RouterProcess, free_port, free_port_base, pd_router_ar
 PREFILL_MS_PER_TOKEN = 1.0
 DECODE_MS_PER_STEP = 30.0
 INPUT_LEN, OUTPUT_LEN = 100, 12
-SLACK_MS = 40.0
-"""What the sim adds to its latency model on this machine (the tiny model's compute, HTTP,
-the event loop): measured TTFT and ITL must lie between the model's figure and the figure
-plus this (ITL: plus half of it), so a client that times the wrong span fails."""
 
 
 def bench_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -63,11 +59,16 @@ def test_measured_ttft_and_itl_match_the_sim_latency_model(slow_sim, api) -> Non
         prefill_ms = run["total_input_tokens"] / 6 * PREFILL_MS_PER_TOKEN
     else:
         assert run["input_token_mismatches"] == 0 and run["total_input_tokens"] == 6 * INPUT_LEN
-    assert prefill_ms <= run["median_ttft_ms"] <= prefill_ms + SLACK_MS, run
-    assert DECODE_MS_PER_STEP <= run["median_itl_ms"] <= DECODE_MS_PER_STEP + SLACK_MS / 2, run
-    assert DECODE_MS_PER_STEP <= run["mean_tpot_ms"] <= DECODE_MS_PER_STEP + SLACK_MS / 2, run
+    # The sim cannot answer faster than its latency model, so the bench's figures have hard floors;
+    # no ceilings: a loaded machine only adds time (no timed assertions). A bench that measured
+    # the wrong span (TTFT from the first byte, ITL across requests) falls below a floor or
+    # breaks the spans' order.
+    assert prefill_ms <= run["median_ttft_ms"] < run["median_e2e_latency_ms"], run
+    assert run["median_itl_ms"] >= DECODE_MS_PER_STEP, run
+    assert run["mean_tpot_ms"] >= DECODE_MS_PER_STEP, run
     expected_e2e = prefill_ms + (OUTPUT_LEN - 1) * DECODE_MS_PER_STEP
-    assert expected_e2e <= run["median_e2e_latency_ms"] <= expected_e2e + SLACK_MS * OUTPUT_LEN / 2, run
+    assert expected_e2e <= run["median_e2e_latency_ms"], run
+    assert run["median_e2e_latency_ms"] >= run["median_ttft_ms"] + (OUTPUT_LEN - 1) * DECODE_MS_PER_STEP, run
     assert abs(run["concurrency"] - 1.0) < 0.1  # closed loop of one
 
 
