@@ -18,6 +18,7 @@ from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_o
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
 from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
+from pdctl.sim.remote_instance import RemoteSource
 from pdctl.sim.server import SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")
@@ -65,6 +66,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
             DEFAULT_BOOTSTRAP_PORT if args.disaggregation_bootstrap_port is None else args.disaggregation_bootstrap_port
         ),
         load_format=args.load_format or "auto",
+        remote_source=RemoteSource.from_args(args),
         random_seed=args.random_seed or 0,
         weight_version=args.weight_version or "default",
         enable_metrics=bool(args.enable_metrics),

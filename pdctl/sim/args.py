@@ -38,7 +38,18 @@ def human_readable_int(value: str) -> int:
         ) from None
 
 
-_TYPES = {"int": int, "float": float, "human_readable_int": human_readable_int}
+def json_list_type(value: str) -> list:
+    """SGLang's ``json_list_type`` (utils/common.py): a JSON list, e.g. ``'[30100,30101]'``."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"Invalid JSON list: {value}. Error: {exc}") from None
+    if not isinstance(parsed, list):
+        raise argparse.ArgumentTypeError(f"Invalid JSON list: {value}. Error: not a list")
+    return parsed
+
+
+_TYPES = {"int": int, "float": float, "human_readable_int": human_readable_int, "json_list_type": json_list_type}
 # Flags the sim acts on; everything else set on the command line is logged as ignored.
 USED = {
     "model_path",
@@ -61,6 +72,10 @@ USED = {
     "disaggregation_transfer_backend",
     "enable_pd_role_switch",
     "load_format",
+    "remote_instance_weight_loader_backend",
+    "remote_instance_weight_loader_seed_instance_ip",
+    "remote_instance_weight_loader_seed_instance_service_port",
+    "remote_instance_weight_loader_send_weights_group_ports",
     "random_seed",
     "weight_version",
     "enable_metrics",

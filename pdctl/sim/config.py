@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdctl.sim.multinode import NodeLayout
+    from pdctl.sim.remote_instance import RemoteSource
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 # The sim's bounds on one request (SGLang 0.5.23 has none): the router's --max-n and
@@ -29,6 +30,8 @@ class SimConfig:
     enable_pd_role_switch: bool = False
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     load_format: str = "auto"
+    remote_source: RemoteSource | None = None
+    """``--load-format remote_instance`` with complete settings: the weights come from a seed engine."""
     random_seed: int = 0
     weight_version: str = "default"
     enable_metrics: bool = False

@@ -411,6 +411,14 @@ class Engine:
             with self._cond:
                 self._release_update()
 
+    @contextlib.contextmanager
+    def stalled(self) -> Iterator[None]:
+        """The scheduler inside a control request (SGLang's remote-instance send runs in its
+        scheduler): it runs no step while the caller holds this; running requests stall, none
+        is aborted or drained."""
+        with self._step_lock:
+            yield
+
     def _release_update(self) -> None:
         self._updating = False
         self._waiting.extend(self._held)

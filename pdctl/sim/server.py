@@ -21,7 +21,7 @@ from aiohttp import web
 from pdctl.errors import SimError
 from pdctl.httputil import start_site
 from pdctl.sglang import generate_error_body
-from pdctl.sim import native_http, openai, role_switch, weights_http
+from pdctl.sim import native_http, openai, remote_instance, role_switch, weights_http
 from pdctl.sim.body import MAX_BODY_BYTES, ContractError, ValidationError
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Engine
@@ -30,6 +30,7 @@ from pdctl.sim.kv import KVStore, bootstrap_app
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.model import resolve_model
 from pdctl.sim.multinode import PeerHub
+from pdctl.sim.remote_instance import receive_from_seed
 from pdctl.sim.service import SimService
 from pdctl.sim.weights import WeightGroupMember
 
@@ -80,7 +81,12 @@ class SimServer:
         if c.layout is not None:  # every TP rank rendezvouses before anything loads, as in SGLang
             self.hub = PeerHub(c.layout, c.model_path, self._cannot_serve)
             peers = await self.hub.start(c.dist_timeout_secs)
-        model = await asyncio.to_thread(resolve_model, c.model_path, c.load_format, c.context_length)
+        # A remote_instance load builds the model and fills it from the seed (SGLang's
+        # RemoteInstanceModelLoader); the sim's checkpoint is not read then.
+        load_format = "dummy" if c.remote_source is not None else c.load_format
+        model = await asyncio.to_thread(resolve_model, c.model_path, load_format, c.context_length)
+        if c.remote_source is not None:
+            await asyncio.to_thread(receive_from_seed, model, c.remote_source, c.dist_timeout_secs)
         register_forward_hooks(model, c.forward_hooks)  # once, at load, as SGLang's ModelRunner does
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
         self._members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers, c.weight_digest)
@@ -162,6 +168,7 @@ class SimServer:
         openai.add_routes(app, service)
         weights_http.add_routes(app, service)
         role_switch.add_routes(app, service)
+        remote_instance.add_routes(app, service)
         return app
 
     @web.middleware

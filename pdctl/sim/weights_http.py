@@ -58,6 +58,21 @@ def weights_checksum(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
+def _overall_checksum(checksums: dict[str, str]) -> str:
+    """SGLang's ``overall_checksum``: sha256 over each name and its checksum, by name."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+def _parallelism(service: SimService) -> dict[str, Any]:
+    tp = service.config.tp_size
+    return {"role": "target", "tp_rank": 0, "tp_size": tp, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+            "pp_size": 1, "rank": 0, "size": tp}  # fmt: skip
+
+
 def _ok(message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": True, "message": message, **extra})
 
@@ -202,7 +217,19 @@ class WeightRoutes:
         if names is None and mode is None:  # the whole model, sha256 of every parameter
             sums = weights_checksum(model)
             total = hashlib.sha256("".join(sums[k] for k in sorted(sums)).encode()).hexdigest()
-            return _ok("checksum", checksum=total, checksums=sums, weight_version=self.s.weight_version)
+            # SGLang's answer (weight_checker.py, tokenizer_control_mixin.py): one ChecksumInfo per
+            # rank and the engine's sha256 over the ranks' per_gpu_checksum. The sim's model lives
+            # on TP rank 0 alone, so it is one rank; ``checksum`` and ``checksums`` are the sim's own.
+            per_gpu = _overall_checksum(sums)
+            rank = {"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": [_parallelism(self.s)]}
+            return _ok(
+                "checksum",
+                ranks=[rank],
+                per_engine_checksum=hashlib.sha256(per_gpu.encode()).hexdigest(),
+                checksum=total,
+                checksums=sums,
+                weight_version=self.s.weight_version,
+            )
         # Named tensors, computed as pdctl.weights computes the trainer's (sample or full).
         params = dict(model.named_parameters())
         wanted = list(params) if names is None else [str(n) for n in names]
