@@ -51,7 +51,7 @@ from pdctl.agent_replies import (
     WaitReadyReply,
 )
 from pdctl.nodeproc import expand, redact, same_process, wait_gone
-from pdctl.supervise import command_file
+from pdctl.supervise import command_file, peers_file
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
 PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
@@ -209,6 +209,8 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
             liveness = proc.get("liveness")
             if isinstance(liveness, dict) and liveness.get("url") and liveness.get("timeout_secs"):
                 watch = ["--liveness", str(liveness["url"]), str(float(liveness["timeout_secs"]))]
+            if proc.get("peer_weights"):
+                watch += ["--peers", str(_write_config(Path(peers_file(exit_file)), proc["peer_weights"]))]
             argv = [sys.executable, "-m", "pdctl.supervise", exit_file, "--restart", restart, *watch, "--", *argv]
         if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
             log_path.replace(log_path.with_name(log_path.name + ".1"))
@@ -317,6 +319,8 @@ def status(req: dict[str, Any]) -> StatusReply:
             entry["last_exit"] = story.get("last_exit")
             entry["supervisor"] = story.get("state")
             entry["reason"] = story.get("reason")
+            if story.get("peer"):
+                entry["peer"] = story["peer"]
             child = story.get("pid")
             if p is not None and story.get("state") != "running":
                 entry["alive"] = False  # the supervisor waits to restart it, or is about to exit

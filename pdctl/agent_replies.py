@@ -66,6 +66,7 @@ class ProcessState(TypedDict, total=False):
     last_exit: dict[str, Any] | None  # {"code": N (negative: a signal), "at": epoch seconds}
     supervisor: str | None  # running, backoff, exited, gave_up
     reason: str | None  # why it was left down
+    peer: dict[str, Any]  # its last start's weights from a peer (pdctl.peer_weights), when it has one
     child_pid: int  # the supervised process itself (the recorded pid is its supervisor)
 
 

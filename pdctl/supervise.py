@@ -23,6 +23,11 @@ Rules (systemd's ``Restart=on-failure``, with its clean signals):
 FILE.argv, when present (a JSON list, written by pdctl.agent's ``retarget``), is the command from
 the next restart on: an engine that switched its PD role comes back in its new role.
 
+With ``--peers PLAN`` (an engine's pdctl.peer_weights ``PeerPlan``, JSON) the wrapper relays the
+engine's seed side of SGLang's engine-to-engine transfer, and starts the engine, each time, from a
+peer that holds weights past the boot version when there is one (FILE's ``peer`` says how it went);
+after a start from a peer that failed, the next start loads from disk.
+
 FILE (0600, replaced atomically) says: ``state`` (running, backoff, exited, gave_up), the child's
 ``pid`` and ``create_time``, ``restarts``, ``last_exit`` (``code``: the exit status, negative for a
 signal; ``at``: epoch seconds) and, once the wrapper is done, ``exit_code`` (the trainer's status,
@@ -51,6 +56,7 @@ import psutil
 
 from pdctl.choices import Choice
 from pdctl.nodeproc import expand
+from pdctl.peer_weights import Armed, PeerPlan, PeerSource, SeedRelay, engine_key
 from pdctl.roles import RestartPolicy
 
 MAX_RESTARTS = 5
@@ -92,10 +98,17 @@ class Story:
     last_exit: dict[str, Any] | None = None
     reason: str | None = None
     exit_code: int | None = None
+    peer: dict[str, Any] | None = None
+    """The last start's weights from a peer: ``state`` (receiving, done, failed, none), ``detail``."""
     recent: deque[float] = field(default_factory=deque)
     """When the restarts within the window happened (monotonic)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def write(self) -> None:
+        with self.lock:
+            self._write()
+
+    def _write(self) -> None:
         body = {
             "state": self.state.value,
             "restart": self.restart,
@@ -104,6 +117,7 @@ class Story:
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "reason": self.reason,
+            "peer": self.peer,
         }
         if self.exit_code is not None:
             body["exit_code"] = self.exit_code
@@ -135,17 +149,29 @@ class Liveness:
 
 
 class Supervisor:
-    def __init__(self, story: Story, command: list[str], liveness: Liveness | None = None):
+    def __init__(
+        self, story: Story, command: list[str], liveness: Liveness | None = None, peers: PeerPlan | None = None
+    ):
         self.story = story
         self.command = command
         self.liveness = liveness
         self.child: subprocess.Popen | None = None
         self.stopping = False
         self.killed_for: str | None = None
+        key = engine_key(command) if peers is not None else None
+        self.peer_source = PeerSource(peers, key) if peers is not None else None
+        self.relay = SeedRelay(peers.me, key) if peers is not None else None
+        self.from_disk_next = False
+        """The last start from a peer failed: the next one loads from disk."""
 
     def run(self) -> int:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._stop)
+        if self.relay is not None:
+            try:
+                self.relay.start()
+            except OSError as exc:  # the engine still runs; it cannot seed others
+                _say(f"cannot relay its seed side on port {self.relay.me.relay_port}: {exc}")
         while True:
             code = self._run_once()
             story = self.story
@@ -178,8 +204,19 @@ class Supervisor:
         if self.stopping:
             return -signal.SIGTERM
         self.command = restart_command(self.story.path, self.command)
+        command, armed = self.command, None
+        if self.peer_source is not None:
+            if self.from_disk_next:
+                self.from_disk_next = False
+                story.peer = {"state": "none", "detail": "loads from disk: the last start from a peer failed"}
+            else:
+                armed, detail = self.peer_source.arm()
+                story.peer = {"state": "receiving" if armed else "none", "detail": detail}
+                if armed is not None:
+                    command = self.peer_source.command(self.command, armed)
+                    _say(f"starting from a peer: {detail}")
         try:
-            self.child = subprocess.Popen(self.command, preexec_fn=_die_with(os.getpid()))
+            self.child = subprocess.Popen(command, preexec_fn=_die_with(os.getpid()))
         except OSError as exc:  # as a shell does: 127 for a program that cannot be run
             _say(f"cannot run {self.command[0]}: {exc.strerror or exc}")
             return 127
@@ -193,7 +230,43 @@ class Supervisor:
         story.write()
         if self.liveness is not None:
             threading.Thread(target=self._watch, args=(self.child, self.liveness), daemon=True).start()
-        return self.child.wait()
+        receiving = None
+        if armed is not None:
+            receiving = threading.Thread(target=self._receive, args=(self.child, armed), daemon=True)
+            receiving.start()
+        code = self.child.wait()
+        if receiving is not None:
+            receiving.join()
+        return code
+
+    def _receive(self, child: subprocess.Popen, armed: Armed) -> None:
+        """The start from a peer, beside the engine: the transfer's outcome, then the checksums
+        and the version stamp. A transfer that failed ends the engine, to load from disk next."""
+        assert self.peer_source is not None
+        source = self.peer_source
+        started = time.monotonic()
+
+        def alive() -> bool:
+            return child.poll() is None and not self.stopping
+
+        try:
+            sent, detail = source.wait_sent(armed, alive)
+            if sent:
+                sent, detail = source.verify_and_stamp(armed, alive)
+            elif alive():
+                self.killed_for = f"weights from {armed.seed.engine_id} failed: {detail}"
+                self.from_disk_next = True
+                _say(f"{self.killed_for}: killing it, to load from disk")
+                _kill_tree(child.pid)
+            elif not self.stopping:
+                self.from_disk_next = True
+        finally:
+            source.disarm(armed)
+        state = "done" if sent else "failed"
+        self.story.peer = {"state": state, "detail": detail, "seed": armed.seed.engine_id, "version": armed.version,
+                           "secs": round(time.monotonic() - started, 3)}  # fmt: skip
+        _say(f"weights from a peer: {state}: {detail}")
+        self.story.write()
 
     def _watch(self, child: subprocess.Popen, liveness: Liveness) -> None:
         """Kill ``child`` once it has answered and then stays silent for the timeout."""
@@ -241,6 +314,11 @@ def command_file(story_path: str) -> str:
     """Where a command to run from the next (re)start on is kept: beside the story (pdctl.agent
     writes it when an engine switched its PD role, so that a restart comes back in its new role)."""
     return story_path + ".argv"
+
+
+def peers_file(story_path: str) -> str:
+    """Where an engine's peer plan is kept for its supervisor (``--peers``), beside the story."""
+    return story_path + ".peers"
 
 
 def restart_command(story_path: str, command: list[str]) -> list[str]:
@@ -294,7 +372,11 @@ def _say(message: str) -> None:
 def main(argv: list[str]) -> int:
     restart = "never"
     liveness = None
-    usage = "usage: python -m pdctl.supervise FILE [--restart on-failure|never] [--liveness URL SECS] -- ARGV..."
+    peers = None
+    usage = (
+        "usage: python -m pdctl.supervise FILE [--restart on-failure|never] [--liveness URL SECS] [--peers PLAN] "
+        "-- ARGV..."
+    )
     if len(argv) >= 2 and argv[1] == "--restart":
         restart, argv = argv[2], [argv[0], *argv[3:]]
     if len(argv) >= 4 and argv[1] == "--liveness":
@@ -304,10 +386,18 @@ def main(argv: list[str]) -> int:
             print(usage, file=sys.stderr)
             return 2
         argv = [argv[0], *argv[4:]]
+    if len(argv) >= 3 and argv[1] == "--peers":
+        try:
+            with open(argv[2]) as f:
+                peers = PeerPlan.from_dict(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"--peers {argv[2]}: {exc}", file=sys.stderr)
+            return 2
+        argv = [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--" or restart not in {p.value for p in RestartPolicy}:
         print(usage, file=sys.stderr)
         return 2
-    return Supervisor(Story(expand(argv[0]), restart), argv[2:], liveness).run()
+    return Supervisor(Story(expand(argv[0]), restart), argv[2:], liveness, peers).run()
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ class ProcessStatus:
     supervisor: str | None = None
     """running, backoff (restarting), exited, gave_up (left down: ``reason`` says why)."""
     reason: str | None = None
+    peer: dict[str, Any] | None = None
+    """Its last start's weights from a peer (pdctl.peer_weights): ``state`` and ``detail``."""
     supervisor_pid: int | None = None
     """The recorded process: its supervisor (``pid`` is the supervised process)."""
 
@@ -146,6 +148,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
             ps.last_exit = entry.get("last_exit")
             ps.supervisor = entry.get("supervisor")
             ps.reason = entry.get("reason")
+            ps.peer = entry.get("peer")
             if entry.get("child_pid"):
                 ps.supervisor_pid, ps.pid = rec.pid, int(entry["child_pid"])
             info = entry.get("info")
@@ -219,6 +222,9 @@ def _engines(
         if router_workers is not None and engine.get("url") and problem is None:
             listed = {w.get("url"): w for w in router_workers if isinstance(w, dict)}
             rotation = rotation_of(listed.get(engine["url"]))
+            peer = by_id[ids[0]].peer if ids and ids[0] in by_id else None
+            if rotation and peer and peer.get("state") != "done":  # why no peer brought the fleet's weights
+                rotation += f"; weights from a peer: {peer.get('state')}: {peer.get('detail')}"
         out.append(EngineStatus(engine["id"], engine["role"], ids, problem is None, problem, rotation))
     return out
 

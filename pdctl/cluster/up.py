@@ -286,6 +286,8 @@ def spawn_entry(
         "exit_file": _exit_file(spec),
         "restart": spec.restart,
     }
+    if spec.peer_weights is not None:  # its supervisor starts it from a peer, and relays its seed side
+        entry["peer_weights"] = dict(spec.peer_weights)
     if spec.liveness_secs and spec.url:  # probed on SGLang's open /ready (no key needed)
         entry["liveness"] = {"url": spec.url + "/ready", "timeout_secs": spec.liveness_secs}
     if key_file:  # not in the plan: `pdctl plan` never shows it

@@ -51,6 +51,9 @@ class LaunchSpec:
     """on-failure: its node's supervisor restarts it when it fails (pdctl.supervise)."""
     liveness_secs: float | None = None
     """Its supervisor kills it when its HTTP port has answered nothing this long (once it first did)."""
+    peer_weights: Mapping[str, Any] | None = None
+    """An engine's part in weights from a peer (pdctl.peer_weights ``PeerPlan.to_dict()``): its
+    supervisor starts it from a peer that holds the fleet's weights, and relays its own seed side."""
 
     @property
     def url(self) -> str | None:
@@ -84,6 +87,7 @@ class LaunchSpec:
             "health_path": self.health_path,
             "restart": self.restart,
             "liveness_secs": self.liveness_secs,
+            "peer_weights": None if self.peer_weights is None else dict(self.peer_weights),
             "url": self.url,
         }
 
@@ -108,6 +112,7 @@ class LaunchSpec:
             health_path=raw.get("health_path"),
             restart=raw.get("restart", "never"),
             liveness_secs=raw.get("liveness_secs"),
+            peer_weights=raw.get("peer_weights"),
         )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks
 from pdctl.errors import Issue, PlanError, TopologyError
+from pdctl.peer_weights import PeerPlan, SeedSide
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, Slices, place_gpus
 from pdctl.plan.model import EngineSpec, LaunchSpec, MpsDaemon, Plan, WeightGroup, url_host
@@ -108,6 +109,8 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
             trainer_procs = [_trainer_with_data_plane(p, data_plane) for p in trainer_procs]
             processes = [_with_data_plane(p, data_plane) if p.engine_id else p for p in processes]
         processes += trainer_procs
+    if top.weights is None or top.weights.from_peer:
+        processes = _plan_peer_weights(top, cursors, engines, processes)
     warnings = cursors.warnings()
     return Plan(
         name=top.name,
@@ -125,6 +128,51 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
         max_staleness=top.weights.max_staleness if top.weights is not None else None,
         data_plane=data_plane,
     )
+
+
+def _plan_peer_weights(
+    top: Topology, cursors: PortCursors, engines: list[EngineSpec], processes: list[LaunchSpec]
+) -> list[LaunchSpec]:
+    """Each engine that can seed and receive SGLang's engine-to-engine transfer (one node, no DP,
+    no PP: SGLang's seed routes need one DP rank and pair TP rank to TP rank) gets a relay port
+    and one group port per TP rank on its node, taken after every other port so that no other
+    port moves, and the list of its peers: the others of its TP size (pdctl.peer_weights)."""
+    groups = {g.name: g for g in top.groups}
+    by_id = {p.id: p for p in processes}
+    sides: dict[str, SeedSide] = {}
+    for engine in engines:
+        group = groups[engine.group]
+        head = by_id[engine.process_ids[0]]
+        if len(engine.process_ids) != 1 or group.dp > 1 or group.attn_dp > 1 or group.pp > 1:
+            continue
+        relay = cursors.take(head.node, key=f"{head.id}:seed_relay")
+        ports = tuple(cursors.take(head.node, key=f"{head.id}:seed.{r}") for r in range(engine.tp))
+        sides[engine.id] = SeedSide(engine.id, engine.url, head.host, relay, ports)
+    out = []
+    for spec in processes:
+        side = sides.get(spec.engine_id or "") if spec.entrypoint else None
+        if side is None:
+            out.append(spec)
+            continue
+        tp = next(e.tp for e in engines if e.id == spec.engine_id)
+        peers = tuple(s for eid, s in sides.items() if eid != side.engine_id and _tp_of(engines, eid) == tp)
+        owned = {**spec.ports, "seed_relay": side.relay_port, **{f"seed.{r}": p for r, p in enumerate(side.ports)}}
+        plan = PeerPlan(side, peers, boot_version=_arg_value(spec.argv, "--weight-version") or "default")
+        out.append(replace(spec, ports=MappingProxyType(owned), peer_weights=MappingProxyType(plan.to_dict())))
+    return out
+
+
+def _tp_of(engines: list[EngineSpec], engine_id: str) -> int:
+    return next(e.tp for e in engines if e.id == engine_id)
+
+
+def _arg_value(argv: tuple[str, ...], flag: str) -> str | None:
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def _plan_data_plane(

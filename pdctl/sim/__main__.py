@@ -15,10 +15,9 @@ from pdctl.httputil import write_port_file
 from pdctl.nodeproc import redact
 from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_options
-from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, SimConfig
+from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, RemoteSource, SimConfig
 from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
-from pdctl.sim.remote_instance import RemoteSource
 from pdctl.sim.server import SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")

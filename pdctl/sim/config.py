@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdctl.sim.multinode import NodeLayout
-    from pdctl.sim.remote_instance import RemoteSource
+
+log = logging.getLogger("pdctl.sim.remote_instance")
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 # The sim's bounds on one request (SGLang 0.5.23 has none): the router's --max-n and
@@ -15,6 +17,39 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_MAX_N = 1024
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 65536
 DEFAULT_MAX_REQUEST_TOKENS = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """A receiver's ``--remote-instance-weight-loader-*`` settings."""
+
+    seed_ip: str
+    service_port: int
+    ports: tuple[int, ...]
+
+    @classmethod
+    def from_args(cls, args: Any) -> RemoteSource | None:
+        """The settings when ``--load-format remote_instance`` is complete; else None, after
+        SGLang's warning (``model_path_hook.py``: it falls back to loading from disk)."""
+        if args.load_format != "remote_instance":
+            return None
+        backend = args.remote_instance_weight_loader_backend or "nccl"
+        ip = args.remote_instance_weight_loader_seed_instance_ip
+        port = args.remote_instance_weight_loader_seed_instance_service_port
+        ports = args.remote_instance_weight_loader_send_weights_group_ports
+        if backend != "nccl":
+            log.warning("Fallback load_format to 'auto' due to '%s' backend is not supported.", backend)
+            return None
+        if not ip or port is None:
+            log.warning("Fallback load_format to 'auto' due to incomplete remote instance weight loader settings.")
+            return None
+        if not ports:
+            log.warning(
+                "Fallback load_format to 'auto' due to incomplete remote instance weight loader NCCL group "
+                "ports settings."
+            )
+            return None
+        return cls(str(ip), int(port), tuple(int(p) for p in ports))
 
 
 @dataclass(frozen=True)

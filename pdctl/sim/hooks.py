@@ -31,12 +31,13 @@ from pdctl.errors import SimError
 log = logging.getLogger("pdctl.sim")
 
 
-def parse_hook_specs(text: str | None) -> tuple[dict[str, Any], ...]:
-    """The flag's JSON list; ValueError saying what is wrong."""
+def parse_hook_specs(text: str | list | None) -> tuple[dict[str, Any], ...]:
+    """The flag's JSON list (parsed already by SGLang's ``json_list_type``, or its text);
+    ValueError saying what is wrong."""
     if not text:
         return ()
     try:
-        specs = json.loads(text)
+        specs = json.loads(text) if isinstance(text, str) else text
     except ValueError as exc:
         raise ValueError(f"--forward-hooks is not JSON: {exc}") from None
     if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):

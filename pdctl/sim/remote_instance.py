@@ -32,7 +32,6 @@ import socket
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from aiohttp import web
 
 from pdctl.sglang.group import destroy_group, init_custom_process_group
 from pdctl.sim.body import read_object
+from pdctl.sim.config import RemoteSource
 from pdctl.sim.service import SimService
 
 log = logging.getLogger("pdctl.sim.remote_instance")
@@ -49,39 +49,6 @@ INIT_ROUTE = "/init_weights_send_group_for_remote_instance"
 SEND_ROUTE = "/send_weights_to_remote_instance"
 SIM_BACKEND = "gloo"
 """The sim's groups on CPU, whatever backend a body names."""
-
-
-@dataclass(frozen=True)
-class RemoteSource:
-    """A receiver's ``--remote-instance-weight-loader-*`` settings."""
-
-    seed_ip: str
-    service_port: int
-    ports: tuple[int, ...]
-
-    @classmethod
-    def from_args(cls, args: Any) -> RemoteSource | None:
-        """The settings when ``--load-format remote_instance`` is complete; else None, after
-        SGLang's warning (``model_path_hook.py``: it falls back to loading from disk)."""
-        if args.load_format != "remote_instance":
-            return None
-        backend = args.remote_instance_weight_loader_backend or "nccl"
-        ip = args.remote_instance_weight_loader_seed_instance_ip
-        port = args.remote_instance_weight_loader_seed_instance_service_port
-        ports = args.remote_instance_weight_loader_send_weights_group_ports
-        if backend != "nccl":
-            log.warning("Fallback load_format to 'auto' due to '%s' backend is not supported.", backend)
-            return None
-        if not ip or port is None:
-            log.warning("Fallback load_format to 'auto' due to incomplete remote instance weight loader settings.")
-            return None
-        if not ports:
-            log.warning(
-                "Fallback load_format to 'auto' due to incomplete remote instance weight loader NCCL group "
-                "ports settings."
-            )
-            return None
-        return cls(str(ip), int(port), tuple(int(p) for p in ports))
 
 
 def instance_ip() -> str:

@@ -255,6 +255,8 @@ class WeightsConfig:
     """How a weight update treats requests in flight (pdctl.refit)."""
     max_staleness: int | None = None
     """``interrupt``: the most updates one request may be continued across (None: no bound)."""
+    from_peer: bool = True
+    """A restarted or added engine takes the fleet's weights from a peer (pdctl.peer_weights)."""
 
 
 class DataPlaneBackend(Choice):

@@ -34,13 +34,38 @@ def test_plan_is_deterministic() -> None:
 def test_port_cursor_relays_across_groups_per_node() -> None:
     plan = plan_of("2node-hetero-tp.yaml")
     p0, p1, d0 = (plan.process(i) for i in ("prefill-0", "prefill-1", "decode-0"))
-    assert dict(p0.ports) == {"http": 20000, "nccl": 20001, "bootstrap": 20002}
-    assert dict(p1.ports) == {"http": 20003, "nccl": 20004, "bootstrap": 20005}
-    assert dict(d0.ports) == {"http": 20006, "nccl": 20007}
+    # The seed ports of weights from a peer come after every other port: none of those moves.
+    seed = {"seed_relay": 20010, "seed.0": 20011, "seed.1": 20012}
+    assert dict(p0.ports) == {"http": 20000, "nccl": 20001, "bootstrap": 20002, **seed}
+    seed = {"seed_relay": 20013, "seed.0": 20014, "seed.1": 20015}
+    assert dict(p1.ports) == {"http": 20003, "nccl": 20004, "bootstrap": 20005, **seed}
+    seed = {"seed_relay": 20016, "seed.0": 20017, "seed.1": 20018, "seed.2": 20019, "seed.3": 20020}
+    assert dict(d0.ports) == {"http": 20006, "nccl": 20007, **seed}
+    assert dict(plan.process("router").ports) == {"http": 20008, "metrics": 20009}
     # trainer node n1 has its own cursor: master port then the weight-group rendezvous.
     trainer = plan.process("trainer.n1")
     assert dict(trainer.ports) == {"master": 20000, "weight_group": 20001}
     assert plan.weight_group is not None and plan.weight_group.master_port == 20001
+
+
+def test_peers_of_weights_from_a_peer_are_the_engines_of_the_same_tp() -> None:
+    plan = plan_of("2node-hetero-tp.yaml")
+    peers = {i: [p["engine_id"] for p in plan.process(i).peer_weights["peers"]] for i in ("prefill-0", "prefill-1")}
+    assert peers == {"prefill-0": ["prefill-1"], "prefill-1": ["prefill-0"]}  # tp 2 both
+    lone = plan.process("decode-0").peer_weights
+    assert lone["peers"] == [] and lone["me"]["ports"] == [20017, 20018, 20019, 20020]  # one port per TP rank
+    assert plan.process("prefill-1").peer_weights["me"] == {
+        "engine_id": "prefill-1", "url": "http://10.0.0.10:20003", "host": "10.0.0.10", "relay_port": 20013,
+        "ports": [20014, 20015],
+    }  # fmt: skip
+
+
+def test_weights_from_a_peer_can_be_turned_off_and_skip_multi_node_and_dp_engines() -> None:
+    top, _ = load_topology(REPO / "topologies" / "2node-hetero-tp.yaml")
+    off = make_plan(replace(top, weights=replace(top.weights, from_peer=False)))
+    assert all(p.peer_weights is None and "seed_relay" not in p.ports for p in off.processes)
+    multi = plan_of("sim-multinode-decode.yaml")
+    assert all(p.peer_weights is None for p in multi.processes if p.engine_id and p.engine_id.startswith("decode"))
 
 
 def test_heterogeneous_tp_weight_group() -> None:
@@ -154,7 +179,8 @@ def test_explicit_router_port_is_skipped_by_the_cursor() -> None:
     text = "name: t\nmodel: {path: m}\nnodes: [{name: n0, host: h}]\nports: {base: 20000}\n"
     top, _ = load_topology_text(yaml_text(text + "router: {port: 20001}\nprefill: {}\ndecode: {}\n"))
     plan = make_plan(top)
-    assert dict(plan.process("prefill-0").ports) == {"http": 20000, "nccl": 20002, "bootstrap": 20003}
+    ports = dict(plan.process("prefill-0").ports)
+    assert {k: ports[k] for k in ("http", "nccl", "bootstrap")} == {"http": 20000, "nccl": 20002, "bootstrap": 20003}
 
 
 def test_invariants_catch_a_port_or_gpu_used_twice() -> None:

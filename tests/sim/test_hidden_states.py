@@ -105,4 +105,4 @@ def test_bad_hook_specs_fail_clearly() -> None:
         [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--forward-hooks", "[{"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert garbled.returncode == 2 and "--forward-hooks is not JSON" in garbled.stderr
+    assert garbled.returncode == 2 and "--forward-hooks: Invalid JSON list" in garbled.stderr  # SGLang's json_list_type

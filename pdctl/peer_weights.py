@@ -1,0 +1,389 @@
+"""Weights from a peer engine: a (re)started engine takes the fleet's weights from a serving engine
+of the same TP layout over SGLang's engine-to-engine transfer (sglang-protocol.md 7.3), instead of
+waiting out of rotation for the trainer's next push. Runs in the engines' supervisors
+(pdctl.supervise), on the nodes, so it heals while no pdctl command runs.
+
+SGLang's receiver (``--load-format remote_instance``) drives the transfer itself: at load, its TP
+rank 0 POSTs ``/init_weights_send_group_for_remote_instance`` and then
+``/send_weights_to_remote_instance`` to the seed's address, with no key. pdctl's engines all have
+a key (SGLang answers those routes 401 without it), so each engine's supervisor runs a **seed
+relay** on a planned port of the engine's host: it passes the receiver's two calls on to its
+engine with the engine key, only while a transfer is **armed** (by the receiver's supervisor, with
+the engine key) and only for the seed's own planned group ports. The seed's scheduler stalls from
+the receiver's init to the end of the broadcast (SGLang runs both handlers in it); the relay
+makes that window the transfer itself, not the receiver's whole start.
+
+The receiver's side (``PeerSource``), before each start of its engine:
+1. ask every planned peer its weight version; peers past the boot weights (not ``boot_version``,
+   not mid-transfer) are candidates, the most common version first; none: a plain start;
+2. arm one candidate's relay (one transfer per seed at a time);
+3. start the engine with the receiver's flags and ``--weight-version`` = ``PENDING``, which no
+   fleet holds, so the router's version rule keeps it out of rotation;
+4. once the relay says the send ended and the engine answers: compare ``/weights_checker``
+   checksums (``per_engine_checksum``) of receiver and seed, and the seed's version before and
+   after; equal: ``/update_weight_version`` stamps the seed's version, and the router puts the
+   engine in rotation when that is the fleet's. Otherwise it stays out with the reason in the
+   supervisor's story (``peer``), and the next push (or restart) recovers it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("pdctl.peer_weights")
+
+PENDING = "pdctl:receiving-from-peer"
+"""The version a receiver starts with: the fleet never holds it, so the router keeps it out."""
+INIT_ROUTE = "/init_weights_send_group_for_remote_instance"
+SEND_ROUTE = "/send_weights_to_remote_instance"
+ARM_ROUTE = "/pdctl/seed/arm"
+WAIT_ROUTE = "/pdctl/seed/wait"
+DISARM_ROUTE = "/pdctl/seed/disarm"
+ARM_LEASE_SECS = 900.0
+"""How long an arm holds a seed when its receiver's supervisor never comes back to disarm it."""
+PROBE_SECS = 5.0
+RECEIVER_FLAGS = (
+    "--load-format",
+    "--remote-instance-weight-loader-seed-instance-ip",
+    "--remote-instance-weight-loader-seed-instance-service-port",
+    "--remote-instance-weight-loader-send-weights-group-ports",
+    "--weight-version",
+)
+
+
+@dataclass(frozen=True)
+class SeedSide:
+    """One engine as a seed: where it serves, its relay, and one group port per TP rank."""
+
+    engine_id: str
+    url: str
+    host: str
+    relay_port: int
+    ports: tuple[int, ...]
+
+    @property
+    def relay_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.relay_port}"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SeedSide:
+        return cls(str(raw["engine_id"]), str(raw["url"]), str(raw["host"]), int(raw["relay_port"]),
+                   tuple(int(p) for p in raw["ports"]))  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "url": self.url, "host": self.host, "relay_port": self.relay_port,
+                "ports": list(self.ports)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """An engine's part in peer weights: its own seed side and its peers' (same TP layout)."""
+
+    me: SeedSide
+    peers: tuple[SeedSide, ...]
+    boot_version: str = "default"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PeerPlan:
+        return cls(SeedSide.from_dict(raw["me"]), tuple(SeedSide.from_dict(p) for p in raw["peers"]),
+                   str(raw.get("boot_version", "default")))  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"me": self.me.to_dict(), "peers": [p.to_dict() for p in self.peers], "boot_version": self.boot_version}
+
+
+def engine_key(argv: list[str]) -> str | None:
+    """The engine key of an engine command: ``api-key`` of its ``--config`` file (pdctl.agent
+    writes it 0600), or an ``--api-key=K`` word."""
+    for i, word in enumerate(argv):
+        if word.startswith("--api-key="):
+            return word.split("=", 1)[1]
+        if word == "--api-key" and i + 1 < len(argv):
+            return argv[i + 1]
+        if word == "--config" and i + 1 < len(argv):
+            try:
+                with open(argv[i + 1]) as f:
+                    config = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(config, dict) and config.get("api-key"):
+                return str(config["api-key"])
+    return None
+
+
+def _call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float | None = PROBE_SECS) -> Any:
+    """POST ``body`` (GET when None) with the key; the JSON answer. Raises OSError (HTTPError
+    included) or ValueError."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+# -- the seed's side ------------------------------------------------------------------------------
+class SeedRelay:
+    """The relay of one engine (see the module's docstring); ``start`` serves it on a thread."""
+
+    def __init__(self, me: SeedSide, key: str | None):
+        self.me = me
+        self.key = key
+        self._lock = threading.Condition()
+        self._armed_until = 0.0
+        self._armed_for: str | None = None
+        self._group: str | None = None
+        self._outcome: dict[str, Any] | None = None
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self) -> None:
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > 64 * 1024:
+                    self._answer(413, {"error": "body too large"})
+                    return
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError:
+                    body = None
+                if not isinstance(body, dict):
+                    self._answer(400, {"error": "the body must be a JSON object"})
+                    return
+                status, answer = relay.handle(self.path, body, self.headers.get("Authorization"))
+                self._answer(status, answer)
+
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                pass
+
+        ThreadingHTTPServer.daemon_threads = True
+        self._server = ThreadingHTTPServer((self.me.host, self.me.relay_port), Handler)
+        threading.Thread(target=self._server.serve_forever, name="pdctl-seed-relay", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _authorized(self, header: str | None) -> bool:
+        if not self.key:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.key.encode())
+
+    def handle(self, path: str, body: dict[str, Any], auth: str | None) -> tuple[int, dict[str, Any]]:
+        if path in (ARM_ROUTE, WAIT_ROUTE, DISARM_ROUTE):
+            if not self._authorized(auth):
+                return 401, {"error": "Unauthorized"}
+            if path == ARM_ROUTE:
+                return self._arm(str(body.get("receiver", "")))
+            if path == WAIT_ROUTE:
+                return 200, self._wait(float(body.get("timeout_secs", 60.0)))
+            return self._disarm(str(body.get("receiver", "")))
+        if path in (INIT_ROUTE, SEND_ROUTE):
+            return self._forward(path, body)
+        return 404, {"error": f"unknown path {path}"}
+
+    def _arm(self, receiver: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            if self._armed_for is not None and time.monotonic() < self._armed_until:
+                return 409, {"error": f"seeding {self._armed_for} already"}
+            self._armed_for, self._armed_until = receiver, time.monotonic() + ARM_LEASE_SECS
+            self._group, self._outcome = None, None
+        log.info("armed to seed %s", receiver)
+        return 200, {"armed": receiver}
+
+    def _disarm(self, receiver: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            if self._armed_for == receiver:
+                self._armed_for, self._group = None, None
+                self._lock.notify_all()
+        return 200, {"disarmed": receiver}
+
+    def _wait(self, timeout_secs: float) -> dict[str, Any]:
+        """Long poll: the armed transfer's outcome once it has one (``done`` false at the
+        timeout, to be asked again)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._outcome is not None or self._armed_for is None, timeout_secs)
+            if self._outcome is not None:
+                return {"done": True, **self._outcome}
+            return {"done": self._armed_for is None, "success": False, "message": "not armed"}
+
+    def _finish(self, success: bool, message: str) -> None:
+        with self._lock:
+            self._outcome = {"success": success, "message": message}
+            self._lock.notify_all()
+
+    def _forward(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A receiver's trigger, passed on to the engine with its key when it fits the arm: the
+        seed's own host and ports (a port count that is not its tp would end an SGLang seed), a
+        pair group (world 2, the seed at rank 0), and for the send the group of the init."""
+        ports = ",".join(str(p) for p in self.me.ports)
+        with self._lock:
+            armed = self._armed_for is not None and time.monotonic() < self._armed_until
+            group = self._group
+        problem = None
+        if not armed:
+            problem = "no transfer is armed on this seed"
+        elif str(body.get("ports")) != ports or str(body.get("master_address")) != self.me.host:
+            problem = f"this seed sends from {self.me.host} on ports {ports}"
+        elif path == INIT_ROUTE and (body.get("group_rank") != 0 or body.get("world_size") != 2):
+            problem = "a seed's pair group has world_size 2 with the seed at rank 0"
+        elif path == SEND_ROUTE and (group is None or body.get("group_name") != group):
+            problem = "no group of this name was initialised through this relay"
+        if problem is not None:
+            log.warning("refused %s: %s", path, problem)
+            return 403, {"success": False, "message": problem}
+        if path == INIT_ROUTE:
+            with self._lock:
+                self._group = str(body.get("group_name", "weight_send_group"))
+        try:
+            answer = _call(self.me.url + path, self.key, body, timeout=None)
+        except urllib.error.HTTPError as exc:
+            answer = {"success": False, "message": f"the seed answered {exc.code}"}
+        except (OSError, ValueError) as exc:
+            answer = {"success": False, "message": f"the seed did not answer: {exc}"}
+        ok = isinstance(answer, dict) and bool(answer.get("success"))
+        message = str(answer.get("message", "")) if isinstance(answer, dict) else repr(answer)
+        if path == SEND_ROUTE or not ok:
+            self._finish(ok, message if ok or path == SEND_ROUTE else f"init: {message}")
+        return (200 if ok else 502), (answer if isinstance(answer, dict) else {"success": False})
+
+
+# -- the receiver's side --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Armed:
+    seed: SeedSide
+    version: str
+
+
+class PeerSource:
+    """What one engine's supervisor does to start it from a peer (see the module's docstring)."""
+
+    def __init__(self, plan: PeerPlan, key: str | None):
+        self.plan = plan
+        self.key = key
+
+    def arm(self) -> tuple[Armed | None, str]:
+        """A seed armed for this engine and the version it holds, or None and why not."""
+        versions: dict[SeedSide, str] = {}
+        for peer in self.plan.peers:
+            try:
+                info = _call(peer.url + "/model_info", self.key)
+            except (OSError, ValueError):
+                continue
+            version = info.get("weight_version") if isinstance(info, dict) else None
+            if isinstance(version, str) and version not in (self.plan.boot_version, PENDING):
+                versions[peer] = version
+        if not versions:
+            return None, f"no peer of this TP layout holds weights past the boot version {self.plan.boot_version!r}"
+        ranked = [v for v, _ in Counter(versions.values()).most_common()]
+        for version in ranked:
+            for peer, held in versions.items():
+                if held != version:
+                    continue
+                try:
+                    _call(peer.relay_url + ARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
+                except (OSError, ValueError):
+                    continue  # busy seeding another engine, or its supervisor is gone
+                return Armed(peer, version), f"from {peer.engine_id} at {version!r}"
+        return None, "every peer that holds the fleet's weights is busy or unreachable"
+
+    def command(self, argv: list[str], armed: Armed) -> list[str]:
+        """``argv`` as a receiver from ``armed.seed`` (SGLang's flags; later words win)."""
+        seed = armed.seed
+        return [
+            *_without(argv, RECEIVER_FLAGS),
+            "--load-format", "remote_instance",
+            "--remote-instance-weight-loader-seed-instance-ip", seed.host,
+            "--remote-instance-weight-loader-seed-instance-service-port", str(seed.relay_port),
+            "--remote-instance-weight-loader-send-weights-group-ports", json.dumps(list(seed.ports)),
+            "--weight-version", PENDING,
+        ]  # fmt: skip
+
+    def wait_sent(self, armed: Armed, alive: Any) -> tuple[bool, str]:
+        """Wait for the armed transfer's outcome while ``alive()`` (the engine process runs)."""
+        while alive():
+            try:
+                answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, {"timeout_secs": 5.0}, timeout=30.0)
+            except (OSError, ValueError) as exc:
+                return False, f"the seed's relay went away: {exc}"
+            if isinstance(answer, dict) and answer.get("done"):
+                return bool(answer.get("success")), str(answer.get("message", ""))
+        return False, "the engine exited before its weights arrived"
+
+    def verify_and_stamp(self, armed: Armed, alive: Any) -> tuple[bool, str]:
+        """Once the engine answers: its checksum against the seed's, then the seed's version."""
+        me = self.plan.me
+        while alive():
+            try:
+                _call(me.url + "/model_info", self.key)
+                break
+            except (OSError, ValueError):
+                time.sleep(0.2)
+        else:
+            return False, "the engine exited before it answered"
+        try:
+            mine = _call(me.url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
+            theirs = _call(armed.seed.url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
+            seed_version = _call(armed.seed.url + "/model_info", self.key).get("weight_version")
+        except (OSError, ValueError, AttributeError) as exc:
+            return False, f"could not compare checksums: {exc}"
+        if seed_version != armed.version:
+            return False, f"the seed moved from {armed.version!r} to {seed_version!r} meanwhile"
+        if mine.get("per_engine_checksum") is None or mine.get("per_engine_checksum") != theirs.get(
+            "per_engine_checksum"
+        ):
+            return False, f"its checksum differs from {armed.seed.engine_id}'s"
+        try:
+            _call(me.url + "/update_weight_version", self.key,
+                  {"new_version": armed.version, "abort_all_requests": False})  # fmt: skip
+        except (OSError, ValueError) as exc:
+            return False, f"could not stamp {armed.version!r}: {exc}"
+        return True, f"took {armed.version!r} from {armed.seed.engine_id} (checksums equal)"
+
+    def disarm(self, armed: Armed) -> None:
+        try:
+            _call(armed.seed.relay_url + DISARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
+        except (OSError, ValueError):
+            pass  # its lease ends it
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+            continue
+        if word in flags:
+            skip = True
+            continue
+        if any(word.startswith(f + "=") for f in flags):
+            continue
+        out.append(word)
+    return out

@@ -1,0 +1,221 @@
+"""Weights from a peer, driven as a user would on localhost sim engines under their supervisors and
+the real router: a trainer pushes version B and exits; then, under a closed loop of clients and with
+no push and no pdctl command, a decode killed with kill -9 comes back holding B (taken from a peer
+over SGLang's engine-to-engine transfer through the seed relays), and `pdctl apply` adds a decode
+that enters at B the same way. Without a peer of the same TP layout the old rule holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from pdctl.peer_weights import ARM_ROUTE, DISARM_ROUTE, INIT_ROUTE, SEND_ROUTE, PeerPlan, SeedRelay, SeedSide
+from pdctl.sim import weights_checksum
+from pdctl.sim.model import PRESETS, TinyLM
+from tests.cluster.test_heal import PACED, Clients, _router, _status, _wait_back, _wait_in_rotation, _workers
+from tests.cluster.test_local_cli import local_topology, pdctl
+from tests.helpers import engine_auth, eventually, free_port, free_port_base, get, post, sims
+
+PUSH_B = (
+    "from dataclasses import replace\n"
+    "from pdctl.sim.model import PRESETS, TinyLM\n"
+    "from pdctl.weights import WeightSync\n"
+    "model = TinyLM(replace(PRESETS['tiny'], seed=41))\n"
+    "with WeightSync.from_env(verify='full') as sync:\n"
+    "    report = sync.push(list(model.named_parameters()), version='B')\n"
+    "print('PUSHED', report.engines, flush=True)\n"
+)
+EXPECTED = weights_checksum(TinyLM(replace(PRESETS["tiny"], seed=41)))
+
+
+def _topology(tmp_path, name: str, base: int, decodes: int, **decode) -> str:
+    node = {"name": "me", "host": "127.0.0.1", "gpus": 6, "workdir": str(tmp_path / "runs")}
+    return local_topology(
+        tmp_path,
+        name,
+        base,
+        nodes=[node],
+        prefill={"replicas": 1},
+        decode={"replicas": decodes, "args": PACED, **decode},
+        trainer={"command": ["python", "-c", PUSH_B], "nproc_per_node": 1, "nodes": ["me"]},
+        weights={"backend": "gloo", "bucket_mb": 1},
+    )
+
+
+def _checksums(url: str, name: str, env: dict) -> dict:
+    headers = engine_auth(name, env["PDCTL_HOME"])
+    code, out = post(url + "/weights_checker", {"action": "checksum"}, headers=headers, timeout=30)
+    assert code == 200, out
+    return out["checksums"]
+
+
+def _story(tmp_path, name: str, proc: str) -> dict:
+    return json.loads((tmp_path / "runs" / name / "logs" / f"{proc}.log.exit").read_text())
+
+
+def _pushed(env: dict, name: str) -> None:
+    def exited() -> dict | None:
+        trainer = next(p for p in _status(env).values() if p.get("role") == "trainer")
+        return trainer if trainer.get("exit_code") is not None else None
+
+    trainer = eventually(exited, 120, interval=0.3, what="the trainer's push and exit")
+    assert trainer["exit_code"] == 0, pdctl("logs", name, "trainer", env=env).stdout[-2000:]
+
+
+KEY = "ab" * 16
+
+
+def _relay_call(relay: SeedRelay, path: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return post(relay.me.relay_url + path, body, headers=headers, timeout=30)
+
+
+def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path) -> None:
+    """The relay is open to the receiver's unauthenticated triggers: without an arm (which needs
+    the engine key), or with a body that does not fit the seed (ports, pair group), nothing
+    reaches the engine, and a port count that would end an SGLang seed never does."""
+    with sims(tmp_path, ("--api-key", KEY)) as (seed,):
+        me = SeedSide("seed", seed.url, "127.0.0.1", free_port(), (free_port(),))
+        relay = SeedRelay(me, KEY)
+        relay.start()
+        try:
+            init = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_rank": 0, "world_size": 2,
+                    "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"}, key=None)[0] == 401
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"}, key="wrong" * 8)[0] == 401
+            code, out = _relay_call(relay, INIT_ROUTE, init, key=None)
+            assert code == 403 and "no transfer is armed" in out["message"]
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"})[0] == 200
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 409  # one transfer at a time
+            for bad in ({"ports": f"{me.ports[0]},1"}, {"master_address": "10.9.9.9"}, {"world_size": 3}):
+                code, out = _relay_call(relay, INIT_ROUTE, {**init, **bad}, key=None)
+                assert code == 403, (bad, out)
+            send = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_name": "send_weights_x"}
+            code, out = _relay_call(relay, SEND_ROUTE, send, key=None)
+            assert code == 403 and "no group of this name" in out["message"]
+            assert _relay_call(relay, DISARM_ROUTE, {"receiver": "r"})[0] == 200
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 200
+            assert seed.proc.poll() is None  # nothing reached the engine that would have ended it
+            assert get(seed.url + "/health")[0] == 200
+        finally:
+            relay.stop()
+
+
+def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says_why(tmp_path) -> None:
+    """A seed whose relay cannot reach its engine (gone): the receiver's supervisor learns that the
+    transfer failed, ends the engine waiting for weights, and starts it from disk; the story says
+    so, and the engine holds its boot version (the router keeps it out until the next push)."""
+    with sims(tmp_path, ("--api-key", KEY, "--weight-version", "B")) as (peer,):
+        dead = f"http://127.0.0.1:{free_port()}"
+        relay = SeedRelay(SeedSide("seed", dead, "127.0.0.1", free_port(), (free_port(),)), KEY)
+        relay.start()
+        port = free_port()
+        me = SeedSide("me", f"http://127.0.0.1:{port}", "127.0.0.1", free_port(), (free_port(),))
+        plan = PeerPlan(me, (replace(relay.me, url=peer.url),))  # versions from the live peer, relay to nothing
+        (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))
+        story = tmp_path / "me.exit"
+        cmd = [sys.executable, "-m", "pdctl.supervise", str(story), "--restart", "on-failure",
+               "--peers", str(tmp_path / "plan.json"), "--",
+               sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--host", "127.0.0.1",
+               "--port", str(port), "--api-key", KEY]  # fmt: skip
+        log = (tmp_path / "me.log").open("w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+
+            def from_disk() -> dict | None:
+                s = json.loads(story.read_text()) if story.exists() else {}
+                return s if s.get("restarts") == 1 and (s.get("peer") or {}).get("state") == "none" else None
+
+            s = eventually(from_disk, 120, what=lambda: (tmp_path / "me.log").read_text()[-2000:])
+            assert "loads from disk: the last start from a peer failed" in s["peer"]["detail"]
+            assert "weights from seed failed" in (s["last_exit"].get("why") or ""), s
+            info = eventually(lambda: get(me.url + "/model_info", headers={"Authorization": f"Bearer {KEY}"})[1],
+                              60, ignore=(OSError,), what="the receiver on its own weights")  # fmt: skip
+            assert info["weight_version"] == "default"
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            relay.stop()
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+
+
+def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tmp_path, env) -> None:
+    base = free_port_base()
+    topo = _topology(tmp_path, "peer", base, decodes=2)
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        _pushed(env, "peer")
+        router = _router(env, "peer")
+        status = _status(env)
+        urls = {i: status[i]["url"] for i in ("prefill-0", "decode-0", "decode-1")}
+        for url in urls.values():
+            _wait_in_rotation(router, url, "B")
+        with Clients(router) as clients:
+            # 1. kill -9 of a decode: its supervisor starts it from a peer at B, with no push.
+            old = _status(env)["decode-0"]
+            os.kill(old["pid"], signal.SIGKILL)
+            _wait_back(env, "decode-0", old["pid"], 1)
+            _wait_in_rotation(router, urls["decode-0"], "B")
+            story = _story(tmp_path, "peer", "decode-0")
+            assert story["peer"]["state"] == "done", story
+            assert story["peer"]["seed"] in ("prefill-0", "decode-1") and story["peer"]["version"] == "B"
+            assert _checksums(urls["decode-0"], "peer", env) == EXPECTED
+
+            # 2. `apply` adds a decode: it enters at B the same way.
+            grown = _topology(tmp_path, "peer", base, decodes=3)
+            applied = pdctl("apply", grown, env=env, timeout=600)
+            assert applied.returncode == 0, applied.stderr
+            added = _status(env)["decode-2"]
+            _wait_in_rotation(router, added["url"], "B")
+            assert _story(tmp_path, "peer", "decode-2")["peer"]["state"] == "done"
+            assert _checksums(added["url"], "peer", env) == EXPECTED
+            eventually(clients.answered_lately, 60, what="answers after the apply")
+        assert not clients.failed(), clients.failed()[:3]
+        versions = {a[2] for a in clients.answers}
+        assert versions == {"B"}, versions  # no answer from an engine's initial weights
+        workers = _workers(router)
+        assert all(w["weight_version"] == "B" and not w["quarantined"] for w in workers.values()), workers
+        assert pdctl("status", "peer", env=env).returncode == 0
+    finally:
+        pdctl("down", "peer", env=env)
+
+
+def test_without_a_peer_of_its_tp_layout_a_killed_decode_waits_for_the_next_push_and_status_says_why(
+    tmp_path, env
+) -> None:
+    topo = _topology(tmp_path, "lone", free_port_base(), decodes=1, tp=2)
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        _pushed(env, "lone")
+        router = _router(env, "lone")
+        url = _status(env)["decode-0"]["url"]
+        _wait_in_rotation(router, url, "B")
+        old = _status(env)["decode-0"]
+        os.kill(old["pid"], signal.SIGKILL)
+        _wait_back(env, "decode-0", old["pid"], 1)
+
+        def kept_out() -> dict | None:
+            w = _workers(router).get(url)
+            return w if w and w["is_healthy"] and w["quarantined"] else None
+
+        worker = eventually(kept_out, 120, interval=0.2, ignore=(OSError,), what="the decode back and kept out")
+        assert "until the next weight push reaches it" in worker["quarantined"], worker
+        story = _story(tmp_path, "lone", "decode-0")
+        assert story["peer"]["state"] == "none" and "no peer of this TP layout" in story["peer"]["detail"], story
+        st = pdctl("status", "lone", env=env)
+        assert st.returncode == 1, st.stdout
+        assert "weights from a peer: none: no peer of this TP layout" in " ".join(st.stdout.split()), st.stdout
+    finally:
+        pdctl("down", "lone", env=env)
