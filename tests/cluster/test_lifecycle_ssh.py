@@ -340,3 +340,54 @@ def test_apply_moves_an_engine_to_a_host_with_another_address(clean_hosts, pdctl
         assert code == 200, out
     finally:
         down("mv")
+
+
+def test_a_killed_engine_takes_the_pushed_weights_from_a_peer_on_another_host(clean_hosts, pdctl_home) -> None:
+    """Weights from a peer across hosts: after a push, kill -9 of the decode on h1 brings it back
+    from the prefill on h0 (its only peer of tp 1) over SGLang's engine-to-engine transfer, through
+    the seed relay on h0, with no push; its weights equal the trainer's."""
+    from dataclasses import replace
+
+    from pdctl.sim import weights_checksum
+    from pdctl.sim.model import PRESETS, TinyLM
+
+    data = {
+        "name": "px",
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": [clean_hosts.node(0), clean_hosts.node(1)],
+        "ports": {"base": 24900},
+        "prefill": {"nodes": ["h0"]},
+        "decode": {"nodes": ["h1"]},
+        "router": {"host": "0.0.0.0", "node": "h0", "allow_unauthenticated": True},
+        "trainer": {"command": ["python", "-c", PUSH_SEEDED], "nproc_per_node": 1, "nodes": ["h0"]},
+        "weights": {"backend": "gloo", "bucket_mb": 1},
+    }
+    top, _ = load_topology_text(yaml.safe_dump(data))
+    state = up(top, make_plan(top), ready_timeout_secs=120)
+    try:
+
+        def exited():
+            trainer = next(p for p in status("px").processes if p.role == "trainer")
+            return trainer if trainer.exit_code is not None else None
+
+        assert eventually(exited, 90, interval=0.5, what="the trainer's push").exit_code == 0
+        decode = next(p for p in status("px").processes if p.id == "decode-0")
+        assert decode.weight_version == "netns-41"
+        os.kill(decode.pid, signal.SIGKILL)  # shared pid namespace: visible here
+
+        def back():
+            st = status("px")
+            d = next(p for p in st.processes if p.id == "decode-0")
+            return st if d.pid != decode.pid and d.weight_version == "netns-41" and st.ok else None
+
+        st = eventually(back, 120, interval=0.5, what=lambda: "".join(logs("px", "decode-0"))[-3000:])
+        d = next(p for p in st.processes if p.id == "decode-0")
+        assert d.restarts == 1 and d.peer is not None, d
+        assert d.peer["state"] == "done" and d.peer["seed"] == "prefill-0", d.peer
+        code, out = post(d.url + "/weights_checker", {"action": "checksum"}, headers=engine_auth("px"))
+        assert code == 200 and out["checksums"] == weights_checksum(TinyLM(replace(PRESETS["tiny"], seed=41)))
+        code, out = post(state.router_url + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4}})
+        assert code == 200 and out["meta_info"]["weight_version"] == "netns-41", out
+    finally:
+        down("px")
