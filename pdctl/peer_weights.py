@@ -54,6 +54,7 @@ DISARM_ROUTE = "/pdctl/seed/disarm"
 ARM_LEASE_SECS = 900.0
 """How long an arm holds a seed when its receiver's supervisor never comes back to disarm it."""
 PROBE_SECS = 5.0
+RELAY_READ_SECS = 30.0
 RECEIVER_FLAGS = (
     "--load-format",
     "--remote-instance-weight-loader-seed-instance-ip",
@@ -154,6 +155,8 @@ class SeedRelay:
         relay = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = RELAY_READ_SECS  # a client that sends its request slowly does not hold a thread
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length > 64 * 1024:
@@ -202,7 +205,11 @@ class SeedRelay:
             if path == ARM_ROUTE:
                 return self._arm(str(body.get("receiver", "")))
             if path == WAIT_ROUTE:
-                return 200, self._wait(float(body.get("timeout_secs", 60.0)))
+                try:
+                    wait = min(max(float(body.get("timeout_secs", 5.0)), 0.0), 60.0)
+                except (TypeError, ValueError):
+                    return 400, {"error": "timeout_secs must be a number"}
+                return 200, self._wait(wait)
             return self._disarm(str(body.get("receiver", "")))
         if path in (INIT_ROUTE, SEND_ROUTE):
             return self._forward(path, body)

@@ -51,11 +51,14 @@ def add_routes(app: web.Application, service: SimService) -> None:
 
 
 def weights_checksum(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 of each parameter's float64 bytes; the sim's /weights_checker answer."""
-    return {
-        name: hashlib.sha256(p.detach().to(torch.float64).contiguous().numpy().tobytes()).hexdigest()
-        for name, p in model.named_parameters()
-    }
+    """sha256 of each parameter's bytes as the model holds them (no copy); the sim's
+    /weights_checker answer."""
+    return {name: _sha256_of(p) for name, p in model.named_parameters()}
+
+
+def _sha256_of(tensor: torch.Tensor) -> str:
+    data: Any = tensor.detach().contiguous().view(torch.uint8).numpy()  # a buffer (numpy's stubs do not say so)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _overall_checksum(checksums: dict[str, str]) -> str:
@@ -215,7 +218,12 @@ class WeightRoutes:
             return _fail("the sim's weights_checker knows only action checksum")
         names, mode = body.get("names"), body.get("mode")
         if names is None and mode is None:  # the whole model, sha256 of every parameter
-            sums = weights_checksum(model)
+            # In SGLang's scheduler (a stall for the engine's requests), off the event loop.
+            def compute() -> dict[str, str]:
+                with self.s.engine.stalled():
+                    return weights_checksum(model)
+
+            sums = await asyncio.to_thread(compute)
             total = hashlib.sha256("".join(sums[k] for k in sorted(sums)).encode()).hexdigest()
             # SGLang's answer (weight_checker.py, tokenizer_control_mixin.py): one ChecksumInfo per
             # rank and the engine's sha256 over the ranks' per_gpu_checksum. The sim's model lives

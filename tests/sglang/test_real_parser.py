@@ -151,3 +151,24 @@ def test_a_switchable_engines_argv_parses(parser) -> None:
             ns = check_argv(parser, proc.argv)
             assert ns.enable_pd_role_switch is True
             assert ns.disaggregation_bootstrap_port == proc.ports["bootstrap"]
+
+
+def test_a_receivers_argv_parses_as_a_complete_remote_instance_load(parser) -> None:
+    """The command an engine's supervisor starts a receiver with (pdctl.peer_weights): SGLang's
+    parser reads a remote_instance load with every setting its loader needs (an incomplete one
+    would silently load from disk), the seed relay as the service port, and the pending version."""
+    from pdctl.peer_weights import PENDING, Armed, PeerPlan, PeerSource, SeedSide
+
+    top, _ = load_topology(next(p for p in TOPOLOGIES if p.name == "2node-hetero-tp.yaml"))
+    plan = make_plan(top)
+    spec = plan.process("prefill-1")
+    peers = PeerPlan.from_dict(dict(spec.peer_weights))
+    seed: SeedSide = peers.peers[0]
+    argv = PeerSource(peers, None).command([*spec.argv, "--weight-version", "v0"], Armed(seed, "B"))
+    ns = check_argv(parser, tuple(argv))
+    assert ns.load_format == "remote_instance" and ns.remote_instance_weight_loader_backend == "nccl"
+    assert ns.remote_instance_weight_loader_seed_instance_ip == seed.host
+    assert ns.remote_instance_weight_loader_seed_instance_service_port == seed.relay_port
+    assert ns.remote_instance_weight_loader_send_weights_group_ports == list(seed.ports)
+    assert len(seed.ports) == 2 == ns.tp_size  # one port per TP rank, or SGLang's seed ends
+    assert ns.weight_version == PENDING and argv.count("--weight-version") == 1
