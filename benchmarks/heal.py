@@ -252,6 +252,7 @@ began = time.monotonic()
 dist.broadcast(t, src=0)
 if rank == 1:
     print(time.monotonic() - began, flush=True)
+dist.destroy_process_group()
 """
 
 
