@@ -8,11 +8,12 @@ placement, so what validates is exactly what plans.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from pdctl.errors import Issue
 from pdctl.roles import Role
 from pdctl.sglang import check_extra_args
-from pdctl.topology.model import DataPlaneBackend, Topology
+from pdctl.topology.model import DataPlaneBackend, ServerGroup, Topology
 
 COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffers, fragmentation
 
@@ -169,6 +170,7 @@ def _role_switch(top: Topology) -> list[Issue]:
                         hint="remove it, or role_switch",
                     )
                 )
+        out += _role_switch_settings(group, args)
         others = [g for g in switchable if g.role is not group.role and g.role in (Role.PREFILL, Role.DECODE)]
         if group.role in (Role.PREFILL, Role.DECODE) and not any(g.tp == group.tp for g in others):
             other = "decode" if group.role is Role.PREFILL else "prefill"
@@ -179,6 +181,34 @@ def _role_switch(top: Topology) -> list[Issue]:
                     hint=f"set role_switch on a {other} group of the same tp",
                 )
             )
+    return out
+
+
+def _role_switch_settings(group: ServerGroup, args: dict[str, Any]) -> list[Issue]:
+    """The other settings SGLang 0.5.23 refuses beside ``--enable-pd-role-switch``
+    (arg_groups/pd_disaggregation_hook.py, disaggregation/role_switch.py): a decode that allocates
+    only once the prefill completes, a decode host receive threshold below 1, and the staging
+    buffer (its environment variable, refused at the switch itself)."""
+    out = []
+    policy = args.get("disaggregation-decode-allocation-policy")
+    if policy == "prefill_complete":
+        out.append(Issue(f"{group.path}.args.disaggregation-decode-allocation-policy",
+                         f"{group.name}: SGLang refuses runtime PD role switching with prefill_complete allocation",
+                         hint="remove it, or role_switch"))  # fmt: skip
+    threshold = args.get("disaggregation-decode-host-receive-threshold")
+    try:
+        below_one = threshold is not None and float(threshold) < 1
+    except (TypeError, ValueError):
+        below_one = False
+    if below_one:
+        out.append(Issue(f"{group.path}.args.disaggregation-decode-host-receive-threshold",
+                         f"{group.name}: SGLang's decode host receive does not support role switching (below 1)",
+                         hint="remove it, or role_switch"))  # fmt: skip
+    staging = group.env.get("SGLANG_DISAGG_STAGING_BUFFER")
+    if staging is not None and staging.strip().lower() not in ("", "0", "false", "no", "off"):
+        out.append(Issue(f"{group.path}.env.SGLANG_DISAGG_STAGING_BUFFER",
+                         f"{group.name}: SGLang refuses the staging buffer with a runtime role switch",
+                         hint="remove it, or role_switch"))  # fmt: skip
     return out
 
 

@@ -319,3 +319,18 @@ def test_role_switch_groups_follow_sglangs_rules() -> None:
         BASE + "prefill: {role_switch: true, args: {speculative-algorithm: EAGLE}}\ndecode: {role_switch: true}\n",
         "refuses speculative decoding (--speculative-algorithm) with --enable-pd-role-switch",
     )
+    decode = "decode: {role_switch: true, %s}\n"
+    policy = "args: {disaggregation-decode-allocation-policy: prefill_complete}"
+    one_error(
+        BASE + "prefill: {role_switch: true}\n" + decode % policy,
+        "refuses runtime PD role switching with prefill_complete allocation",
+    )
+    one_error(
+        BASE + "prefill: {role_switch: true}\n" + decode % "args: {disaggregation-decode-host-receive-threshold: 0.5}",
+        "decode host receive does not support role switching",
+    )
+    one_error(
+        BASE + "prefill: {role_switch: true}\n" + decode % "env: {SGLANG_DISAGG_STAGING_BUFFER: '1'}",
+        "refuses the staging buffer with a runtime role switch",
+    )
+    checked(yaml_text(BASE + "prefill: {role_switch: true}\n" + decode % "env: {SGLANG_DISAGG_STAGING_BUFFER: '0'}"))
