@@ -319,6 +319,11 @@ class RouterControl:
         if isinstance(answer, CallFailure) and answer.status != 404:
             raise LifecycleError(f"the router at {self.url} did not remove {worker_url}: {answer}")
 
+    def refresh(self) -> None:
+        """A health round now (``/pdctl/refresh``): a worker just registered is checked at once
+        rather than at the router's next startup check. Best effort: the loop checks it anyway."""
+        self.client.post(self.url + "/pdctl/refresh", {})
+
     def worker(self, worker_url: str) -> dict[str, Any] | None:
         answer = self.client.get(self.url + "/workers")
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):

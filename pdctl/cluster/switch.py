@@ -192,6 +192,7 @@ def switch_engine(
         state.plan = plan
         journal.end()
     events(new_id, f"switched from {old_id}: same process, GPUs and ports")
+    router.refresh()  # its first check now: it serves already (a switch starts nothing)
     wait_routable(router, new_id, url, ready_timeout, events)
 
 

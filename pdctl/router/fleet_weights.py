@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdctl.peer_weights import PENDING
+
 STALE = "stale weights"
 """How a quarantine reason of this rule begins (other reasons, a push's failures, are not ours)."""
 
@@ -27,6 +29,8 @@ class FleetWeights:
     def stale_reason(self, held: str | None, *, updating: bool = False) -> str:
         if updating:
             then = "until the weight update under way ends"
+        elif held == PENDING:
+            then = "its supervisor is loading the fleet's weights into it from a peer engine"
         else:
             then = f"loading {self.source}" if self.source else "until the next weight push reaches it"
         return f"{STALE}: it holds {held!r}, the fleet is at {self.version!r}; {then}"

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -38,15 +39,13 @@ def human_readable_int(value: str) -> int:
         ) from None
 
 
-def json_list_type(value: str) -> list:
-    """SGLang's ``json_list_type`` (utils/common.py): a JSON list, e.g. ``'[30100,30101]'``."""
+def json_list_type(value: str) -> Any:
+    """SGLang's ``json_list_type`` (utils/common.py): any JSON (a list, e.g. ``'[30100,30101]'``,
+    by intent; SGLang does not check), its message on text that is not JSON."""
     try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"Invalid JSON list: {value}. Error: {exc}") from None
-    if not isinstance(parsed, list):
-        raise argparse.ArgumentTypeError(f"Invalid JSON list: {value}. Error: not a list")
-    return parsed
+        return json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"Invalid JSON list: {value}. Please provide a valid JSON list.") from None
 
 
 _TYPES = {"int": int, "float": float, "human_readable_int": human_readable_int, "json_list_type": json_list_type}

@@ -180,6 +180,15 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
             _wait_in_rotation(router, added["url"], "B")
             assert _story(tmp_path, "peer", "decode-2")["peer"]["state"] == "done"
             assert _checksums(added["url"], "peer", env) == EXPECTED
+
+            # 3. `pdctl restart` of an engine: its new process takes B from a peer too, and the roll
+            #    goes on (it stopped before, for an engine that had to wait for a push).
+            before = _status(env)["decode-1"]
+            restarted = pdctl("restart", "peer", "decode-1", env=env, timeout=600)
+            assert restarted.returncode == 0, restarted.stderr
+            assert _status(env)["decode-1"]["pid"] != before["pid"]
+            assert _story(tmp_path, "peer", "decode-1")["peer"]["state"] == "done"
+            assert _checksums(urls["decode-1"], "peer", env) == EXPECTED
             eventually(clients.answered_lately, 60, what="answers after the apply")
         assert not clients.failed(), clients.failed()[:3]
         versions = {a[2] for a in clients.answers}

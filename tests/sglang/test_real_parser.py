@@ -95,7 +95,6 @@ def test_the_sims_config_file_merges_as_sglangs(parser, tmp_path) -> None:
                 "enable-metrics": True,  # a bare flag: set
                 "skip-server-warmup": False,  # a bare flag: left out
                 "context-length": 512,
-                "forward-hooks": [{"name": "h", "target_modules": ["m"], "hook_factory": "a:b"}],
             }
         )
     )
@@ -105,6 +104,19 @@ def test_the_sims_config_file_merges_as_sglangs(parser, tmp_path) -> None:
     ns = build_parser().parse_args(ours)
     assert (ns.api_key, ns.enable_metrics, bool(ns.skip_server_warmup)) == ("k3y", True, False)
     assert ns.context_length == 256, "the command line wins over the file"
+    # A list in the file becomes one word per item (each a Python repr), which SGLang's
+    # json_list_type refuses: the sim refuses it too, with SGLang's words.
+    hooks = tmp_path / "hooks.config.yaml"
+    hooks.write_text(yaml.safe_dump({"forward-hooks": [{"name": "h", "target_modules": ["m"], "hook_factory": "a:b"}]}))
+    argv = ["--model-path", "m", "--config", str(hooks)]
+    ours = merge_config_file(argv, build_parser())
+    assert ours == merger_module.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    with pytest.raises(argparse.ArgumentError, match="Invalid JSON list"):
+        parser.parse_args(ours)
+    sim_parser = build_parser()
+    sim_parser.exit_on_error = False
+    with pytest.raises(argparse.ArgumentError, match=r"Invalid JSON list: .*Please provide a valid JSON list"):
+        sim_parser.parse_args(ours)
 
 
 def test_the_sim_refuses_the_config_keys_sglang_refuses(parser, tmp_path) -> None:
