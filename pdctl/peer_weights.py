@@ -336,7 +336,7 @@ class PeerSource:
         """Wait for the armed transfer's outcome while ``alive()`` (the engine process runs)."""
         while alive():
             try:
-                answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, {"timeout_secs": 5.0}, timeout=30.0)
+                answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, {"timeout_secs": 1.0}, timeout=30.0)
             except (OSError, ValueError) as exc:
                 return False, f"the seed's relay went away: {exc}"
             if isinstance(answer, dict) and answer.get("done"):

@@ -235,7 +235,7 @@ class Supervisor:
             receiving = threading.Thread(target=self._receive, args=(self.child, armed), daemon=True)
             receiving.start()
         code = self.child.wait()
-        if receiving is not None:
+        if receiving is not None and not self.stopping:  # its outcome decides how the next start loads
             receiving.join()
         return code
 
