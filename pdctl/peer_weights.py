@@ -158,7 +158,13 @@ class SeedRelay:
             timeout = RELAY_READ_SECS  # a client that sends its request slowly does not hold a thread
 
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if length < 0:
+                    self._answer(400, {"error": "a body needs a valid Content-Length"})
+                    return
                 if length > 64 * 1024:
                     self._answer(413, {"error": "body too large"})
                     return
@@ -174,17 +180,19 @@ class SeedRelay:
 
             def _answer(self, status: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client went away: nothing to tell it
+                    pass
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 pass
 
-        ThreadingHTTPServer.daemon_threads = True
-        self._server = ThreadingHTTPServer((self.me.host, self.me.relay_port), Handler)
+        self._server = _QuietServer((self.me.host, self.me.relay_port), Handler)
         threading.Thread(target=self._server.serve_forever, name="pdctl-seed-relay", daemon=True).start()
 
     def stop(self) -> None:
@@ -279,6 +287,15 @@ class SeedRelay:
         if path == SEND_ROUTE or not ok:
             self._finish(ok, message if ok or path == SEND_ROUTE else f"init: {message}")
         return (200 if ok else 502), (answer if isinstance(answer, dict) else {"success": False})
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """One log line, not a traceback, for a connection that broke (a client gone, a slow one timed out)."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.info("seed relay: a connection from %s broke", client_address)
 
 
 # -- the receiver's side --------------------------------------------------------------------------

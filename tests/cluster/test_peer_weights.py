@@ -76,7 +76,7 @@ def _relay_call(relay: SeedRelay, path: str, body: dict, key: str | None = KEY) 
     return post(relay.me.relay_url + path, body, headers=headers, timeout=30)
 
 
-def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path) -> None:
+def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path, capfd) -> None:
     """The relay is open to the receiver's unauthenticated triggers: without an arm (which needs
     the engine key), or with a body that does not fit the seed (ports, pair group), nothing
     reaches the engine, and a port count that would end an SGLang seed never does."""
@@ -101,6 +101,19 @@ def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path
             assert code == 403 and "no group of this name" in out["message"]
             assert _relay_call(relay, DISARM_ROUTE, {"receiver": "r"})[0] == 200
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 200
+            # Garbage and clients that go away: answers or a closed connection, no traceback.
+            import socket
+
+            for raw in (
+                b"POST /pdctl/seed/arm HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+                b"POST /pdctl/seed/arm HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n",
+                b"POST /x HTTP/1.1\r\nContent-Length: nine\r\n\r\n",
+                b"\x00\xff garbage\r\n\r\n",
+            ):
+                with socket.create_connection(("127.0.0.1", me.relay_port), timeout=10) as conn:
+                    conn.sendall(raw)  # and hang up without reading the answer
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"}, key=None)[0] == 401  # it still answers
+            assert "Traceback" not in capfd.readouterr().err
             assert seed.proc.poll() is None  # nothing reached the engine that would have ended it
             assert get(seed.url + "/health")[0] == 200
         finally:
