@@ -51,8 +51,9 @@ SEND_ROUTE = "/send_weights_to_remote_instance"
 ARM_ROUTE = "/pdctl/seed/arm"
 WAIT_ROUTE = "/pdctl/seed/wait"
 DISARM_ROUTE = "/pdctl/seed/disarm"
-ARM_LEASE_SECS = 900.0
-"""How long an arm holds a seed when its receiver's supervisor never comes back to disarm it."""
+ARM_IDLE_SECS = 30.0
+"""An arm lapses when its receiver's supervisor has not asked for the outcome this long (it died:
+the seed must not stay reserved for it). The supervisor asks every second while it waits."""
 PROBE_SECS = 5.0
 RELAY_READ_SECS = 30.0
 RECEIVER_FLAGS = (
@@ -149,6 +150,7 @@ class SeedRelay:
         self._armed_for: str | None = None
         self._group: str | None = None
         self._outcome: dict[str, Any] | None = None
+        self._outcome_for: str | None = None
         self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> None:
@@ -214,10 +216,10 @@ class SeedRelay:
                 return self._arm(str(body.get("receiver", "")))
             if path == WAIT_ROUTE:
                 try:
-                    wait = min(max(float(body.get("timeout_secs", 5.0)), 0.0), 60.0)
+                    wait = min(max(float(body.get("timeout_secs", 5.0)), 0.0), ARM_IDLE_SECS / 2)
                 except (TypeError, ValueError):
                     return 400, {"error": "timeout_secs must be a number"}
-                return 200, self._wait(wait)
+                return 200, self._wait(str(body.get("receiver", "")), wait)
             return self._disarm(str(body.get("receiver", "")))
         if path in (INIT_ROUTE, SEND_ROUTE):
             return self._forward(path, body)
@@ -227,7 +229,7 @@ class SeedRelay:
         with self._lock:
             if self._armed_for is not None and time.monotonic() < self._armed_until:
                 return 409, {"error": f"seeding {self._armed_for} already"}
-            self._armed_for, self._armed_until = receiver, time.monotonic() + ARM_LEASE_SECS
+            self._armed_for, self._armed_until = receiver, time.monotonic() + ARM_IDLE_SECS
             self._group, self._outcome = None, None
         log.info("armed to seed %s", receiver)
         return 200, {"armed": receiver}
@@ -239,18 +241,24 @@ class SeedRelay:
                 self._lock.notify_all()
         return 200, {"disarmed": receiver}
 
-    def _wait(self, timeout_secs: float) -> dict[str, Any]:
-        """Long poll: the armed transfer's outcome once it has one (``done`` false at the
-        timeout, to be asked again)."""
+    def _wait(self, receiver: str, timeout_secs: float) -> dict[str, Any]:
+        """Long poll of ``receiver``'s supervisor: its transfer's outcome once there is one
+        (``done`` false at the timeout, to be asked again); each call keeps its arm alive."""
         with self._lock:
-            self._lock.wait_for(lambda: self._outcome is not None or self._armed_for is None, timeout_secs)
-            if self._outcome is not None:
+            if self._armed_for == receiver and self._outcome is None:
+                self._armed_until = time.monotonic() + ARM_IDLE_SECS
+            self._lock.wait_for(lambda: self._outcome is not None or self._armed_for != receiver, timeout_secs)
+            if self._outcome is not None and self._outcome_for == receiver:
                 return {"done": True, **self._outcome}
-            return {"done": self._armed_for is None, "success": False, "message": "not armed"}
+            if self._armed_for != receiver:
+                return {"done": True, "success": False, "message": "this seed is not armed for it (its arm lapsed)"}
+            return {"done": False}
 
     def _finish(self, success: bool, message: str) -> None:
+        """The transfer ended: its outcome kept for its receiver, the seed free for another."""
         with self._lock:
-            self._outcome = {"success": success, "message": message}
+            self._outcome, self._outcome_for = {"success": success, "message": message}, self._armed_for
+            self._armed_for, self._group = None, None
             self._lock.notify_all()
 
     def _forward(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -353,7 +361,8 @@ class PeerSource:
         """Wait for the armed transfer's outcome while ``alive()`` (the engine process runs)."""
         while alive():
             try:
-                answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, {"timeout_secs": 1.0}, timeout=30.0)
+                body = {"receiver": self.plan.me.engine_id, "timeout_secs": 1.0}
+                answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, body, timeout=30.0)
             except (OSError, ValueError) as exc:
                 return False, f"the seed's relay went away: {exc}"
             if isinstance(answer, dict) and answer.get("done"):

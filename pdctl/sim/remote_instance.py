@@ -120,6 +120,9 @@ class SeedRoutes:
         self.s = service
         self.groups: dict[str, dist.ProcessGroup] = {}
         """SGLang's ``_weights_send_group``: by ``{group_name}_{port}_{tp_rank}``."""
+        self.serial = asyncio.Lock()
+        """SGLang's scheduler takes control requests one at a time, in order: a send that comes
+        while its init still completes waits for it (the receiver posts it as soon as it joined)."""
 
     def _fatal(self, reason: str) -> web.Response:
         """An uncaught raise in SGLang's scheduler: the engine ends (the sim exits 1)."""
@@ -154,7 +157,8 @@ class SeedRoutes:
                 )
 
         try:
-            await asyncio.to_thread(run)
+            async with self.serial:
+                await asyncio.to_thread(run)
         except (RuntimeError, ValueError, OSError) as exc:
             return web.json_response({"success": False, "message": f"Failed to init group: {exc}."}, status=400)
         message = f"Succeeded to init group through {master}:{ports[0]} group."
@@ -169,6 +173,10 @@ class SeedRoutes:
             return web.json_response({"success": False, "message": f"Failed to send weights: {exc}."}, status=400)
         name = str(body.get("group_name", "weight_send_group"))
         key = f"{name}_{ports[0]}_0"
+        async with self.serial:
+            return await self._send(key, master, ports[0], name)
+
+    async def _send(self, key: str, master: str, port: int, name: str) -> web.Response:
         group = self.groups.pop(key, None)
         if group is None:
             return self._fatal(f"KeyError: {key!r}")
@@ -187,5 +195,5 @@ class SeedRoutes:
         except (RuntimeError, ValueError, OSError) as exc:
             return web.json_response({"success": False, "message": f"Failed to send weights: {exc}."}, status=400)
         return web.json_response(
-            {"success": True, "message": f"Succeeded to send weights through {master}:{ports[0]} {name}."}
+            {"success": True, "message": f"Succeeded to send weights through {master}:{port} {name}."}
         )

@@ -86,7 +86,10 @@ class SimServer:
         load_format = "dummy" if c.remote_source is not None else c.load_format
         model = await asyncio.to_thread(resolve_model, c.model_path, load_format, c.context_length)
         if c.remote_source is not None:
-            await asyncio.to_thread(receive_from_seed, model, c.remote_source, c.dist_timeout_secs)
+            try:
+                await asyncio.to_thread(receive_from_seed, model, c.remote_source, c.dist_timeout_secs)
+            except (RuntimeError, OSError, ValueError) as exc:  # the seed went away mid-transfer, say
+                raise SimError(f"loading the weights from the seed instance failed: {exc}") from exc
         register_forward_hooks(model, c.forward_hooks)  # once, at load, as SGLang's ModelRunner does
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
         self._members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers, c.weight_digest)

@@ -15,7 +15,16 @@ from dataclasses import replace
 
 import pytest
 
-from pdctl.peer_weights import ARM_ROUTE, DISARM_ROUTE, INIT_ROUTE, SEND_ROUTE, PeerPlan, SeedRelay, SeedSide
+from pdctl.peer_weights import (
+    ARM_ROUTE,
+    DISARM_ROUTE,
+    INIT_ROUTE,
+    SEND_ROUTE,
+    WAIT_ROUTE,
+    PeerPlan,
+    SeedRelay,
+    SeedSide,
+)
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import PRESETS, TinyLM
 from tests.cluster.test_heal import PACED, Clients, _router, _status, _wait_back, _wait_in_rotation, _workers
@@ -118,6 +127,27 @@ def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path
             assert get(seed.url + "/health")[0] == 200
         finally:
             relay.stop()
+
+
+def test_an_arm_whose_receiver_stops_asking_lapses_and_frees_the_seed(tmp_path, monkeypatch) -> None:
+    """A receiver's supervisor that dies (a Ctrl-C'd apply stopped it, a kill -9) must not keep
+    the seed reserved: its arm lapses once it stops asking for the outcome; one that asks keeps it."""
+    import pdctl.peer_weights as peer_weights
+
+    monkeypatch.setattr(peer_weights, "ARM_IDLE_SECS", 1.0)
+    relay = SeedRelay(SeedSide("seed", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (1,)), KEY)
+    relay.start()
+    try:
+        assert _relay_call(relay, ARM_ROUTE, {"receiver": "alive"})[0] == 200
+        for _ in range(3):  # asking keeps the arm past its idle time
+            code, out = _relay_call(relay, WAIT_ROUTE, {"receiver": "alive", "timeout_secs": 0.5})
+            assert code == 200 and out == {"done": False}, out
+        assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 409
+        eventually(lambda: _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 200, 30, what="the arm lapsing")
+        code, out = _relay_call(relay, WAIT_ROUTE, {"receiver": "alive", "timeout_secs": 0})
+        assert out["done"] and not out["success"] and "lapsed" in out["message"], out
+    finally:
+        relay.stop()
 
 
 def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says_why(tmp_path) -> None:
