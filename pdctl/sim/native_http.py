@@ -181,10 +181,13 @@ class NativeRoutes:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await read_object(request, default={})
+        mode = str(body.get("mode", "abort"))
         try:
-            self.s.engine.pause(str(body.get("mode", "abort")))
+            self.s.engine.pause(mode)
         except SimError as exc:
             return web.json_response(generate_error_body(str(exc)), status=400)
+        if mode == "abort":
+            self.s.abort_epoch += 1
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, _: web.Request) -> web.Response:
@@ -193,6 +196,8 @@ class NativeRoutes:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await read_object(request, default={})
+        if body.get("abort_all"):
+            self.s.abort_epoch += 1
         self.s.engine.abort(None if body.get("abort_all") else str(body.get("rid")), "Abort requested")
         return web.Response(status=200)
 

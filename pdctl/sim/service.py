@@ -69,6 +69,11 @@ class SimService:
         self.prealloc_waiting = 0
         self.entering = 0  # requests past the queue-size check, not in the engine's queue yet
         self.resolving = 0  # requests not in the engine yet: a decode's waiting for a KV slot or its KV
+        self.abort_epoch = 0
+        """Counts every abort of all requests (``/pause_generation`` abort, ``/abort_request``
+        abort_all, a version update's abort): a request still resolving its PD leg when one comes
+        is aborted as it enters the engine, as SGLang aborts its decode prealloc and transfer
+        queues (scheduler.py ``abort_request``): its KV may come from the weights before an update."""
         self.heartbeats = Heartbeats()  # the prefills this decode has lost (one verdict per prefill)
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
         self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
@@ -137,10 +142,13 @@ class SimService:
 
         async def start(running: Running, item: ItemSpec) -> None:
             self.resolving += 1
+            epoch = self.abort_epoch
             try:
                 await self._resolve_pd(running.request, item)
                 self.engine.submit(running.request)  # no await since its KV came: it runs at once
                 submitted.append(running.request)
+                if self.abort_epoch != epoch:  # an abort of all came while it waited for its slot or KV
+                    self.engine.abort_requests([running.request], "Aborted")
             finally:
                 self.resolving -= 1
                 if queued:

@@ -191,6 +191,7 @@ class WeightRoutes:
         except (SimError, KeyError) as exc:
             return _fail(f"update_weight_version needs new_version ({exc})")
         if body.get("abort_all_requests", True):
+            self.s.abort_epoch += 1
             engine.abort(None, "Aborted")
         engine.set_weight_version(version)
         return _ok(f"Weight version updated to {version}", new_version=version)

@@ -191,3 +191,35 @@ def test_batches_that_together_exceed_the_decode_slots_all_finish(tmp_path) -> N
         assert all(status == 200 and len(items) == 4 for status, items in outs), outs
         status, info = post(decode.url + "/flush_cache")  # nothing left running or reserved
         assert status == 200, info
+
+
+def test_an_abort_pause_aborts_a_decode_request_still_waiting_for_its_kv(tmp_path) -> None:
+    """SGLang's abort of all requests (a ``/pause_generation`` in abort mode: a weight update's)
+    aborts its decode prealloc and transfer queues too (scheduler.py ``abort_request``): a request
+    whose KV is still on its way, computed on the weights before the update, must not run on
+    after the pause. Found by AReaL's client, once under load: a rollout on the new version whose
+    first token came from the old weights."""
+    from tests.helpers import eventually, sims
+
+    with sims(
+        tmp_path,
+        ("--disaggregation-mode", "prefill", "--sim-prefill-ms-per-token", "20"),
+        ("--disaggregation-mode", "decode", "--enable-pd-role-switch"),  # its idle check shows the wait
+    ) as (prefill, decode):
+        wire = pd_body({"text": "x" * 200, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, prefill,
+                       room=777)  # fmt: skip
+        with cf.ThreadPoolExecutor(2) as pool:
+            d = pool.submit(post, f"{decode.url}/generate", wire)
+            probe = {"new_role": "prefill", "prepare_only": True}  # SGLang's idle check, no switch
+
+            def waiting() -> bool:
+                return "not idle" in str(post(decode.url + "/pd_role_switch", probe)[1])
+
+            eventually(waiting, 30, what="the decode request waiting for its KV")
+            p = pool.submit(post, f"{prefill.url}/generate", wire)
+            assert post(decode.url + "/pause_generation", {"mode": "abort"})[0] == 200
+            assert post(decode.url + "/continue_generation", {})[0] == 200
+            assert p.result()[0] == 200, p.result()
+            _, out = d.result()
+        assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+        assert out["meta_info"]["completion_tokens"] == 0, out
