@@ -29,6 +29,7 @@ The receiver's side (``PeerSource``), before each start of its engine:
 from __future__ import annotations
 
 import hmac
+import http.client
 import json
 import logging
 import threading
@@ -134,8 +135,11 @@ def _call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout
         headers["Authorization"] = f"Bearer {key}"
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"null")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"null")
+    except http.client.HTTPException as exc:  # a broken answer (BadStatusLine, IncompleteRead): no answer
+        raise OSError(f"{url}: {type(exc).__name__}: {exc}") from exc
 
 
 # -- the seed's side ------------------------------------------------------------------------------
@@ -149,6 +153,12 @@ class SeedRelay:
         self._armed_until = 0.0
         self._armed_for: str | None = None
         self._group: str | None = None
+        """The group of the arm's one init (set once: a second init, or a send of another group, is refused)."""
+        self._sent = False
+        """The arm's one send was passed on (a second would end an SGLang seed: its group is gone)."""
+        self._in_flight: str | None = None
+        """The receiver whose init or send the engine is answering now: no new arm meanwhile, and
+        the outcome is this receiver's whatever happened to its arm."""
         self._outcome: dict[str, Any] | None = None
         self._outcome_for: str | None = None
         self._server: ThreadingHTTPServer | None = None
@@ -203,8 +213,8 @@ class SeedRelay:
             self._server.server_close()
 
     def _authorized(self, header: str | None) -> bool:
-        if not self.key:
-            return True
+        if not self.key:  # an engine with no key: nobody may arm it (the triggers would be anyone's)
+            return False
         scheme, _, token = (header or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.key.encode())
 
@@ -227,10 +237,10 @@ class SeedRelay:
 
     def _arm(self, receiver: str) -> tuple[int, dict[str, Any]]:
         with self._lock:
-            if self._armed_for is not None and time.monotonic() < self._armed_until:
-                return 409, {"error": f"seeding {self._armed_for} already"}
+            if self._in_flight is not None or (self._armed_for is not None and time.monotonic() < self._armed_until):
+                return 409, {"error": f"seeding {self._in_flight or self._armed_for} already"}
             self._armed_for, self._armed_until = receiver, time.monotonic() + ARM_IDLE_SECS
-            self._group, self._outcome = None, None
+            self._group, self._sent, self._outcome = None, False, None
         log.info("armed to seed %s", receiver)
         return 200, {"armed": receiver}
 
@@ -254,47 +264,73 @@ class SeedRelay:
                 return {"done": True, "success": False, "message": "this seed is not armed for it (its arm lapsed)"}
             return {"done": False}
 
-    def _finish(self, success: bool, message: str) -> None:
-        """The transfer ended: its outcome kept for its receiver, the seed free for another."""
+    def _finish(self, receiver: str | None, success: bool, message: str) -> None:
+        """``receiver``'s transfer ended: its outcome kept for it, the seed free for another."""
         with self._lock:
-            self._outcome, self._outcome_for = {"success": success, "message": message}, self._armed_for
-            self._armed_for, self._group = None, None
+            self._outcome, self._outcome_for = {"success": success, "message": message}, receiver
+            if self._armed_for == receiver:
+                self._armed_for, self._group = None, None
+            self._in_flight = None
             self._lock.notify_all()
 
     def _forward(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """A receiver's trigger, passed on to the engine with its key when it fits the arm: the
         seed's own host and ports (a port count that is not its tp would end an SGLang seed), a
-        pair group (world 2, the seed at rank 0), and for the send the group of the init."""
+        pair group of SGLang's receiver (world 2, the seed at rank 0, nccl, ``send_weights_*``),
+        one init and then one send of that group per arm (a send with no group ends an SGLang
+        seed). Checked and recorded under one lock, so two triggers cannot both pass."""
         ports = ",".join(str(p) for p in self.me.ports)
+        name = body.get("group_name")
         with self._lock:
-            armed = self._armed_for is not None and time.monotonic() < self._armed_until
-            group = self._group
-        problem = None
-        if not armed:
-            problem = "no transfer is armed on this seed"
-        elif str(body.get("ports")) != ports or str(body.get("master_address")) != self.me.host:
-            problem = f"this seed sends from {self.me.host} on ports {ports}"
-        elif path == INIT_ROUTE and (body.get("group_rank") != 0 or body.get("world_size") != 2):
-            problem = "a seed's pair group has world_size 2 with the seed at rank 0"
-        elif path == SEND_ROUTE and (group is None or body.get("group_name") != group):
-            problem = "no group of this name was initialised through this relay"
+            receiver = self._armed_for
+            problem = None
+            if receiver is None or time.monotonic() >= self._armed_until or self._in_flight is not None:
+                problem = "no transfer is armed on this seed"
+            elif str(body.get("ports")) != ports or str(body.get("master_address")) != self.me.host:
+                problem = f"this seed sends from {self.me.host} on ports {ports}"
+            elif not (isinstance(name, str) and name.startswith("send_weights_") and len(name) < 256):
+                problem = "a receiver's group is send_weights_<its address>"
+            elif path == INIT_ROUTE and (
+                self._group is not None
+                or body.get("group_rank") != 0
+                or body.get("world_size") != 2
+                or body.get("backend", "nccl") != "nccl"
+            ):
+                problem = "one pair group per transfer: world_size 2, the seed at rank 0, nccl"
+            elif path == SEND_ROUTE and (self._group != name or self._sent):
+                problem = "one send per transfer, of the group its init made"
+            if problem is None:
+                self._in_flight = receiver
+                if path == INIT_ROUTE:
+                    self._group = name
+                else:
+                    self._sent = True
         if problem is not None:
             log.warning("refused %s: %s", path, problem)
+            if receiver is not None and path == SEND_ROUTE and self._in_flight is None:
+                self._finish(receiver, False, f"send refused: {problem}")
             return 403, {"success": False, "message": problem}
-        if path == INIT_ROUTE:
-            with self._lock:
-                self._group = str(body.get("group_name", "weight_send_group"))
         try:
             answer = _call(self.me.url + path, self.key, body, timeout=None)
         except urllib.error.HTTPError as exc:
-            answer = {"success": False, "message": f"the seed answered {exc.code}"}
+            answer = {"success": False, "message": f"the seed answered {exc.code}: {_body_of(exc)}"}
         except (OSError, ValueError) as exc:
             answer = {"success": False, "message": f"the seed did not answer: {exc}"}
         ok = isinstance(answer, dict) and bool(answer.get("success"))
         message = str(answer.get("message", "")) if isinstance(answer, dict) else repr(answer)
         if path == SEND_ROUTE or not ok:
-            self._finish(ok, message if ok or path == SEND_ROUTE else f"init: {message}")
+            self._finish(receiver, ok, message if ok or path == SEND_ROUTE else f"init: {message}")
+        else:
+            with self._lock:
+                self._in_flight = None
         return (200 if ok else 502), (answer if isinstance(answer, dict) else {"success": False})
+
+
+def _body_of(exc: urllib.error.HTTPError) -> str:
+    try:
+        return exc.read(2000).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -359,12 +395,18 @@ class PeerSource:
 
     def wait_sent(self, armed: Armed, alive: Any) -> tuple[bool, str]:
         """Wait for the armed transfer's outcome while ``alive()`` (the engine process runs)."""
+        lost_since: float | None = None
         while alive():
             try:
                 body = {"receiver": self.plan.me.engine_id, "timeout_secs": 1.0}
                 answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, body, timeout=30.0)
-            except (OSError, ValueError) as exc:
-                return False, f"the seed's relay went away: {exc}"
+                lost_since = None
+            except (OSError, ValueError) as exc:  # one lost answer is not a lost relay: its arm outlives it
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since >= ARM_IDLE_SECS:
+                    return False, f"the seed's relay went away: {exc}"
+                time.sleep(1.0)
+                continue
             if isinstance(answer, dict) and answer.get("done"):
                 return bool(answer.get("success")), str(answer.get("message", ""))
         return False, "the engine exited before its weights arrived"
@@ -388,9 +430,9 @@ class PeerSource:
             return False, f"could not compare checksums: {exc}"
         if seed_version != armed.version:
             return False, f"the seed moved from {armed.version!r} to {seed_version!r} meanwhile"
-        if mine.get("per_engine_checksum") is None or mine.get("per_engine_checksum") != theirs.get(
-            "per_engine_checksum"
-        ):
+        mine_sum = mine.get("per_engine_checksum") if isinstance(mine, dict) else None
+        theirs_sum = theirs.get("per_engine_checksum") if isinstance(theirs, dict) else None
+        if mine_sum is None or mine_sum != theirs_sum:
             return False, f"its checksum differs from {armed.seed.engine_id}'s"
         try:
             _call(me.url + "/update_weight_version", self.key,

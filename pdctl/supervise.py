@@ -249,19 +249,22 @@ class Supervisor:
         def alive() -> bool:
             return child.poll() is None and not self.stopping
 
+        sent, detail = False, "not started"
         try:
             sent, detail = source.wait_sent(armed, alive)
             if sent:
                 sent, detail = source.verify_and_stamp(armed, alive)
             elif alive():
                 self.killed_for = f"weights from {armed.seed.engine_id} failed: {detail}"
-                self.from_disk_next = True
                 _say(f"{self.killed_for}: killing it, to load from disk")
-                _kill_tree(child.pid)
-            elif not self.stopping:
                 self.from_disk_next = True
+                _kill_tree(child.pid)
+        except Exception as exc:  # a bug must not leave the story saying "receiving" for ever
+            sent, detail = False, f"{type(exc).__name__}: {exc}"
         finally:
             source.disarm(armed)
+        if not sent and not self.stopping:  # whatever failed, its next start does not try a peer again
+            self.from_disk_next = True
         state = "done" if sent else "failed"
         self.story.peer = {"state": state, "detail": detail, "seed": armed.seed.engine_id, "version": armed.version,
                            "secs": round(time.monotonic() - started, 3)}  # fmt: skip

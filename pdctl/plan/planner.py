@@ -145,6 +145,8 @@ def _plan_peer_weights(
         head = by_id[engine.process_ids[0]]
         if len(engine.process_ids) != 1 or group.dp > 1 or group.attn_dp > 1 or group.pp > 1:
             continue
+        if _arg(group, "speculative-algorithm"):  # its draft model would load remote_instance too
+            continue
         relay = cursors.take(head.node, key=f"{head.id}:seed_relay")
         ports = tuple(cursors.take(head.node, key=f"{head.id}:seed.{r}") for r in range(engine.tp))
         sides[engine.id] = SeedSide(engine.id, engine.url, head.host, relay, ports)
@@ -154,16 +156,34 @@ def _plan_peer_weights(
         if side is None:
             out.append(spec)
             continue
-        tp = next(e.tp for e in engines if e.id == spec.engine_id)
-        peers = tuple(s for eid, s in sides.items() if eid != side.engine_id and _tp_of(engines, eid) == tp)
+        layout = _layout(engines, groups, side.engine_id)
+        peers = tuple(
+            s for eid, s in sides.items() if eid != side.engine_id and _layout(engines, groups, eid) == layout
+        )
         owned = {**spec.ports, "seed_relay": side.relay_port, **{f"seed.{r}": p for r, p in enumerate(side.ports)}}
         plan = PeerPlan(side, peers, boot_version=_arg_value(spec.argv, "--weight-version") or "default")
         out.append(replace(spec, ports=MappingProxyType(owned), peer_weights=MappingProxyType(plan.to_dict())))
     return out
 
 
-def _tp_of(engines: list[EngineSpec], engine_id: str) -> int:
-    return next(e.tp for e in engines if e.id == engine_id)
+_WEIGHT_LAYOUT_ARGS = ("quantization", "load-format", "model-loader-extra-config")
+"""Group args that change the tensors an engine holds (dtype is the model's, one per cluster): peers
+must agree on them as on tp (the broadcast pairs parameters one by one and would hang on a size
+that differs)."""
+
+
+def _layout(engines: list[EngineSpec], groups: Mapping[str, ServerGroup], engine_id: str) -> tuple:
+    engine = next(e for e in engines if e.id == engine_id)
+    group = groups[engine.group]
+    return (engine.tp, *(str(_arg(group, k)) for k in _WEIGHT_LAYOUT_ARGS))
+
+
+def _arg(group: ServerGroup, key: str) -> Any:
+    """A group arg written as ``key`` or ``--key`` (None when unset)."""
+    for k, v in group.args.items():
+        if str(k).lstrip("-") == key:
+            return v
+    return None
 
 
 def _arg_value(argv: tuple[str, ...], flag: str) -> str | None:

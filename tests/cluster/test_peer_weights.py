@@ -102,12 +102,16 @@ def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path
             assert code == 403 and "no transfer is armed" in out["message"]
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"})[0] == 200
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 409  # one transfer at a time
-            for bad in ({"ports": f"{me.ports[0]},1"}, {"master_address": "10.9.9.9"}, {"world_size": 3}):
+            for bad in ({"ports": f"{me.ports[0]},1"}, {"master_address": "10.9.9.9"}, {"world_size": 3},
+                        {"group_name": ""}, {"group_name": "mine"}, {"backend": "gloo"}):  # fmt: skip
                 code, out = _relay_call(relay, INIT_ROUTE, {**init, **bad}, key=None)
                 assert code == 403, (bad, out)
             send = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_name": "send_weights_x"}
             code, out = _relay_call(relay, SEND_ROUTE, send, key=None)
-            assert code == 403 and "no group of this name" in out["message"]
+            assert code == 403 and "one send per transfer, of the group its init made" in out["message"]
+            # A refused send ends the armed transfer (its receiver loads from disk): the seed is free.
+            code, out = _relay_call(relay, WAIT_ROUTE, {"receiver": "r", "timeout_secs": 0})
+            assert out["done"] and not out["success"] and "send refused" in out["message"], out
             assert _relay_call(relay, DISARM_ROUTE, {"receiver": "r"})[0] == 200
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 200
             # Garbage and clients that go away: answers or a closed connection, no traceback.

@@ -389,3 +389,16 @@ def test_running_engines_keep_their_gpus_when_the_file_changes() -> None:
     assert [make_plan(smaller).process(d).gpu_ids for d in ("decode-0", "decode-1")] == [(1,), (2,)]
     kept = make_plan(smaller, keep_gpus=keep)
     assert [kept.process(d).gpu_ids for d in ("decode-0", "decode-1")] == [(2,), (3,)]
+
+
+def test_peers_of_weights_from_a_peer_hold_the_same_tensors_and_skip_speculative_engines() -> None:
+    head = "name: t\nmodel: {path: m}\nnodes: [{name: n0, host: h, gpus: 8}]\n"
+    top, _ = load_topology_text(yaml_text(head + "prefill: {args: {quantization: fp8}}\ndecode: {replicas: 2}\n"))
+    plan = make_plan(top)
+    peers = {i: [p["engine_id"] for p in plan.process(i).peer_weights["peers"]] for i in ("prefill-0", "decode-0")}
+    assert peers == {"prefill-0": [], "decode-0": ["decode-1"]}  # another quantization: other tensors, no peer
+    spec = "decode: {replicas: 2, args: {speculative-algorithm: EAGLE, speculative-draft-model-path: d}}\n"
+    top, _ = load_topology_text(yaml_text(head + "prefill: {}\n" + spec))
+    plan = make_plan(top)
+    assert plan.process("decode-0").peer_weights is None  # its draft would load remote_instance too
+    assert [p["engine_id"] for p in plan.process("prefill-0").peer_weights["peers"]] == []
