@@ -282,6 +282,9 @@ class SeedRelay:
         ports = ",".join(str(p) for p in self.me.ports)
         name = body.get("group_name")
         with self._lock:
+            if path == SEND_ROUTE:  # SGLang's receiver sends as soon as it joined: its init may still be
+                # on its way back from the engine (whose scheduler takes the two in order)
+                self._lock.wait_for(lambda: self._in_flight is None, ARM_IDLE_SECS)
             receiver = self._armed_for
             problem = None
             if receiver is None or time.monotonic() >= self._armed_until or self._in_flight is not None:
