@@ -324,8 +324,9 @@ class SeedRelay:
         if path == SEND_ROUTE or not ok:
             self._finish(receiver, ok, message if ok or path == SEND_ROUTE else f"init: {message}")
         else:
-            with self._lock:
+            with self._lock:  # the receiver's send may already wait for this answer (above)
                 self._in_flight = None
+                self._lock.notify_all()
         return (200 if ok else 502), (answer if isinstance(answer, dict) else {"success": False})
 
 

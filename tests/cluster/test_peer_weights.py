@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
@@ -152,6 +153,78 @@ def test_an_arm_whose_receiver_stops_asking_lapses_and_frees_the_seed(tmp_path, 
         assert out["done"] and not out["success"] and "lapsed" in out["message"], out
     finally:
         relay.stop()
+
+
+class _HeldSeed:
+    """A seed engine's two routes on a real HTTP server: the init's answer is held until
+    ``release`` is set (a seed still in its rendezvous), each call recorded."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        self.got_init, self.release, self.got_send = threading.Event(), threading.Event(), threading.Event()
+        held = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == INIT_ROUTE:
+                    held.got_init.set()
+                    held.release.wait()
+                else:
+                    held.got_send.set()
+                body = json.dumps({"success": True, "message": self.path}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_send_that_comes_before_its_inits_answer_goes_on_once_that_answer_comes(monkeypatch) -> None:
+    """SGLang's receiver posts the send as soon as it joined the group, while the seed's answer to
+    the init may still be on its way back through the relay: the send waits for that answer and
+    then goes on. Found by CI: the init's answer did not wake the waiting send, which slept out
+    the arm's idle time (30 s) and held a restarted engine out of rotation that long. With that
+    time made an hour here, a lost wake-up would hang the send instead of passing."""
+    import pdctl.peer_weights as peer_weights
+
+    monkeypatch.setattr(peer_weights, "ARM_IDLE_SECS", 3600.0)
+    engine = _HeldSeed()
+    relay = SeedRelay(SeedSide("seed", engine.url, "127.0.0.1", free_port(), (free_port(),)), KEY)
+    relay.start()
+    try:
+        ports = str(relay.me.ports[0])
+        init = {"master_address": "127.0.0.1", "ports": ports, "group_rank": 0, "world_size": 2,
+                "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
+        send = {"master_address": "127.0.0.1", "ports": ports, "group_name": "send_weights_x"}
+        assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"})[0] == 200
+        answers: dict[str, tuple[int, dict]] = {}
+        calls = [
+            threading.Thread(target=lambda: answers.update(init=_relay_call(relay, INIT_ROUTE, init, key=None))),
+            threading.Thread(target=lambda: answers.update(send=_relay_call(relay, SEND_ROUTE, send, key=None))),
+        ]
+        calls[0].start()
+        assert engine.got_init.wait(60)
+        calls[1].start()
+        # the send is in the relay, waiting for the init's answer (the relay's one condition)
+        eventually(lambda: len(relay._lock._waiters) == 1, 60, what="the send waiting in the relay")  # type: ignore[attr-defined]
+        engine.release.set()
+        assert engine.got_send.wait(60), "the send was not woken by the init's answer"
+        for call in calls:
+            call.join()
+        assert answers["init"][0] == 200 and answers["send"][0] == 200, answers
+        _, out = _relay_call(relay, WAIT_ROUTE, {"receiver": "r", "timeout_secs": 0})
+        assert out["done"] and out["success"], out
+    finally:
+        relay.stop()
+        engine.server.shutdown()
 
 
 def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says_why(tmp_path) -> None:
