@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import traceback
@@ -14,7 +15,20 @@ from pdctl.errors import PdctlError
 
 
 class PdctlGroup(click.Group):
-    """Turns PdctlError into a message and exit 1; anything else into a one-line internal error."""
+    """Turns PdctlError into a message and exit 1; anything else into a one-line internal error.
+
+    Commands load when they run (``COMMAND_MODULES``): a command imports only its own module, so
+    `pdctl switch` does not pay for the bench client's aiohttp, and `--version` for none."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMAND_MODULES, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMAND_MODULES.get(cmd_name)
+        if module is not None and cmd_name not in self.commands:
+            commands = importlib.import_module(f"pdctl.cli.{module}").COMMANDS
+            self.commands.update((command.name, command) for command in commands if command.name)
+        return self.commands.get(cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -59,12 +73,11 @@ def cli(ctx: click.Context, debug: bool) -> None:
         logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 
-def _register() -> None:
-    from pdctl.cli import bench_cmds, cluster_cmds, observe_cmds, router_cmds, topology_cmds, weights_cmds
-
-    for module in (topology_cmds, cluster_cmds, observe_cmds, router_cmds, weights_cmds, bench_cmds):
-        for command in module.COMMANDS:
-            cli.add_command(command)
-
-
-_register()
+COMMAND_MODULES = {
+    "validate": "topology_cmds", "plan": "topology_cmds", "schema": "topology_cmds",
+    "up": "cluster_cmds", "down": "cluster_cmds", "status": "cluster_cmds", "logs": "cluster_cmds",
+    "restart": "cluster_cmds", "apply": "cluster_cmds", "switch": "cluster_cmds",
+    "top": "observe_cmds", "metrics": "observe_cmds", "endpoints": "observe_cmds",
+    "router": "router_cmds", "weights": "weights_cmds", "bench": "bench_cmds",
+}  # fmt: skip
+"""Each command and the module of pdctl.cli that defines it (in its ``COMMANDS``)."""

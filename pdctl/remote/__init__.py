@@ -1,14 +1,32 @@
-"""Remote execution: one Executor per node (local subprocess or SSH), talking to the node agent."""
+"""Remote execution: one Executor per node (local subprocess or SSH), talking to the node agent.
+
+The SSH executor (and paramiko, a third of a second to import) loads only for a node that is
+not local, so commands on a localhost cluster start without it."""
+
+from __future__ import annotations
+
+from typing import Any
 
 from pdctl.remote.base import Executor
 from pdctl.remote.local import LocalExecutor
-from pdctl.remote.ssh import SSHExecutor
 from pdctl.topology.model import Node
 
 
 def executor_for(node: Node) -> Executor:
     """LocalExecutor for localhost nodes, SSHExecutor otherwise."""
-    return LocalExecutor(node) if node.is_local else SSHExecutor(node)
+    if node.is_local:
+        return LocalExecutor(node)
+    from pdctl.remote.ssh import SSHExecutor
+
+    return SSHExecutor(node)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SSHExecutor":
+        from pdctl.remote.ssh import SSHExecutor
+
+        return SSHExecutor
+    raise AttributeError(name)
 
 
 __all__ = [

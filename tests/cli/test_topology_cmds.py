@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import subprocess
+import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -16,16 +20,43 @@ def run(*args: str):
 
 
 def all_commands():
+    """Every command path, as `pdctl --help` lists them (the root group loads its commands lazily)."""
     out = []
 
     def walk(group, prefix):
-        for name, cmd in group.commands.items():
+        ctx = click.Context(group)
+        for name in group.list_commands(ctx):
+            cmd = group.get_command(ctx, name)
+            assert cmd is not None, f"pdctl {' '.join((*prefix, name))} is listed but does not load"
             out.append((*prefix, name))
-            if hasattr(cmd, "commands"):
+            if isinstance(cmd, click.Group):
                 walk(cmd, (*prefix, name))
 
     walk(cli, ())
     return out
+
+
+def test_every_command_module_is_reachable_and_a_command_loads_only_its_own() -> None:
+    """Each command of every pdctl.cli module is named in COMMAND_MODULES (a command left out
+    would be silently missing), and running one imports neither paramiko (a localhost cluster
+    needs no SSH) nor the bench client's aiohttp."""
+    from pdctl.cli.app import COMMAND_MODULES
+
+    for path in sorted((REPO / "pdctl" / "cli").glob("*_cmds.py")):
+        module = importlib.import_module(f"pdctl.cli.{path.stem}")
+        for command in module.COMMANDS:
+            assert COMMAND_MODULES.get(command.name) == path.stem, (command.name, path.stem)
+    probe = (
+        "import sys\n"
+        "from pdctl.cli.app import cli\n"
+        "try:\n"
+        "    cli.main(['switch', '--help'], prog_name='pdctl')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('paramiko', 'aiohttp', 'pdctl.cli.bench_cmds') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]", out
 
 
 @pytest.mark.parametrize("command", all_commands(), ids=" ".join)
