@@ -1,8 +1,9 @@
 """The pdctl command line: thin commands over the library, one error boundary.
 
 Exit codes: 0 ok, 1 a pdctl error (invalid topology, failed up, something down), 2 usage,
-130 interrupted. Tracebacks only with ``--debug``. The commands are imported inside ``main``,
-so that a Ctrl-C while they load ends quietly too.
+130 interrupted. Tracebacks only with ``--debug``. The root group is imported inside ``main``
+and each command's module when it is named (pdctl.cli.app), so that a Ctrl-C while they load
+ends quietly too.
 """
 
 from __future__ import annotations

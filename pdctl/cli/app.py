@@ -24,11 +24,22 @@ class PdctlGroup(click.Group):
         return sorted({*COMMAND_MODULES, *self.commands})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The command, its module loaded; for a name that is none, every module is loaded first,
+        so that click's "did you mean" sees every command."""
+        if cmd_name in self.commands:
+            return self.commands[cmd_name]
         module = COMMAND_MODULES.get(cmd_name)
-        if module is not None and cmd_name not in self.commands:
-            commands = importlib.import_module(f"pdctl.cli.{module}").COMMANDS
-            self.commands.update((command.name, command) for command in commands if command.name)
+        for name in [module] if module is not None else sorted(set(COMMAND_MODULES.values())):
+            self._load(name)
         return self.commands.get(cmd_name)
+
+    def _load(self, module: str) -> None:
+        try:  # click parses (and prints --help, which loads every module) before invoke's boundary
+            commands = importlib.import_module(f"pdctl.cli.{module}").COMMANDS
+        except KeyboardInterrupt:
+            print("pdctl: interrupted", file=sys.stderr)
+            sys.exit(130)
+        self.commands.update((command.name, command) for command in commands if command.name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

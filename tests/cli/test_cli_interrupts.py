@@ -5,21 +5,32 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 INTERRUPTED_IMPORT = """
 import sys
 
-class Interrupting:  # Ctrl-C arriving while the commands are imported
+class Interrupting:  # Ctrl-C arriving while {module} is imported
     def find_spec(self, name, path=None, target=None):
-        if name == "pdctl.cli.app":
+        if name == "{module}":
             raise KeyboardInterrupt
         return None
 
 sys.meta_path.insert(0, Interrupting())
 from pdctl.cli import main
-main(["--help"])
+main({argv!r})
 """
 
 
-def test_ctrl_c_while_loading_prints_no_traceback() -> None:
-    res = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("pdctl.cli.app", ["--help"]),  # the root group
+        ("pdctl.cli.bench_cmds", ["--help"]),  # a command's module, loaded while click parses (the listing)
+        ("pdctl.cli.cluster_cmds", ["switch", "--help"]),  # the named command's module
+    ],
+)
+def test_ctrl_c_while_loading_prints_no_traceback(module: str, argv: list[str]) -> None:
+    code = INTERRUPTED_IMPORT.format(module=module, argv=argv)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 130 and res.stderr.strip() == "pdctl: interrupted", res.stderr

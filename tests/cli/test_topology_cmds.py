@@ -38,8 +38,9 @@ def all_commands():
 
 def test_every_command_module_is_reachable_and_a_command_loads_only_its_own() -> None:
     """Each command of every pdctl.cli module is named in COMMAND_MODULES (a command left out
-    would be silently missing), and running one imports neither paramiko (a localhost cluster
-    needs no SSH) nor the bench client's aiohttp."""
+    would be silently missing), and loading one (`pdctl switch --help`) imports neither paramiko
+    (a localhost cluster needs no SSH: it loads with the first node that is not local) nor the
+    bench client's aiohttp."""
     from pdctl.cli.app import COMMAND_MODULES
 
     for path in sorted((REPO / "pdctl" / "cli").glob("*_cmds.py")):
@@ -55,8 +56,14 @@ def test_every_command_module_is_reachable_and_a_command_loads_only_its_own() ->
         "    pass\n"
         "print(sorted(m for m in ('paramiko', 'aiohttp', 'pdctl.cli.bench_cmds') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[-1] == "[]", out
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_mistyped_command_is_told_the_one_it_meant() -> None:
+    """The commands load lazily; a name that is none still gets click's suggestion among all."""
+    result = run("swich")
+    assert result.exit_code == 2 and "Did you mean 'switch'?" in result.output, result.output
 
 
 @pytest.mark.parametrize("command", all_commands(), ids=" ".join)

@@ -170,7 +170,7 @@ class _HeldSeed:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path == INIT_ROUTE:
                     held.got_init.set()
-                    held.release.wait()
+                    held.release.wait(120)
                 else:
                     held.got_send.set()
                 body = json.dumps({"success": True, "message": self.path}).encode()
@@ -218,13 +218,15 @@ def test_a_send_that_comes_before_its_inits_answer_goes_on_once_that_answer_come
         engine.release.set()
         assert engine.got_send.wait(60), "the send was not woken by the init's answer"
         for call in calls:
-            call.join()
+            call.join(60)
         assert answers["init"][0] == 200 and answers["send"][0] == 200, answers
         _, out = _relay_call(relay, WAIT_ROUTE, {"receiver": "r", "timeout_secs": 0})
         assert out["done"] and out["success"], out
     finally:
+        engine.release.set()
         relay.stop()
         engine.server.shutdown()
+        engine.server.server_close()
 
 
 def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says_why(tmp_path) -> None:
