@@ -37,6 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -423,12 +424,17 @@ class PeerSource:
                 _call(me.url + "/model_info", self.key)
                 break
             except (OSError, ValueError):
-                time.sleep(0.2)
+                time.sleep(0.05)  # a poll of one local call: the engine is in its last second of start
         else:
             return False, "the engine exited before it answered"
-        try:
-            mine = _call(me.url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
-            theirs = _call(armed.seed.url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
+
+        def checksum(url: str) -> Any:
+            return _call(url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
+
+        try:  # both hashes at once: each engine hashes its own weights (a full pass over them)
+            with ThreadPoolExecutor(2) as pool:
+                mine_call, theirs_call = pool.submit(checksum, me.url), pool.submit(checksum, armed.seed.url)
+                mine, theirs = mine_call.result(), theirs_call.result()
             seed_version = _call(armed.seed.url + "/model_info", self.key).get("weight_version")
         except (OSError, ValueError, AttributeError) as exc:
             return False, f"could not compare checksums: {exc}"
