@@ -162,6 +162,10 @@ class SeedRelay:
         the outcome is this receiver's whatever happened to its arm."""
         self._outcome: dict[str, Any] | None = None
         self._outcome_for: str | None = None
+        self._left_open: str | None = None
+        """Why this engine cannot seed until it restarts: an arm ended after its init made a group
+        and before a send used it. SGLang keeps such a group, and its port, for the process's
+        life, so every later init to it would fail (and its receiver start for nothing)."""
         self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> None:
@@ -236,10 +240,26 @@ class SeedRelay:
             return self._forward(path, body)
         return 404, {"error": f"unknown path {path}"}
 
+    def engine_started(self) -> None:
+        """A new engine process: it holds no group of an earlier one, and may seed again."""
+        with self._lock:
+            self._left_open = None
+
+    def _end_arm(self) -> None:
+        """The arm ends (caller holds the lock); an init it passed that no send used leaves its group open."""
+        if self._group is not None and not self._sent:
+            self._left_open = f"its engine holds the group {self._group!r} that {self._armed_for} made and never used"
+            log.warning("%s: it seeds again once its engine restarts", self._left_open)
+        self._armed_for, self._group = None, None
+
     def _arm(self, receiver: str) -> tuple[int, dict[str, Any]]:
         with self._lock:
             if self._in_flight is not None or (self._armed_for is not None and time.monotonic() < self._armed_until):
                 return 409, {"error": f"seeding {self._in_flight or self._armed_for} already"}
+            if self._armed_for is not None:  # lapsed
+                self._end_arm()
+            if self._left_open is not None:
+                return 409, {"error": f"cannot seed: {self._left_open} (until it restarts)"}
             self._armed_for, self._armed_until = receiver, time.monotonic() + ARM_IDLE_SECS
             self._group, self._sent, self._outcome = None, False, None
         log.info("armed to seed %s", receiver)
@@ -248,7 +268,7 @@ class SeedRelay:
     def _disarm(self, receiver: str) -> tuple[int, dict[str, Any]]:
         with self._lock:
             if self._armed_for == receiver:
-                self._armed_for, self._group = None, None
+                self._end_arm()
                 self._lock.notify_all()
         return 200, {"disarmed": receiver}
 
@@ -270,7 +290,7 @@ class SeedRelay:
         with self._lock:
             self._outcome, self._outcome_for = {"success": success, "message": message}, receiver
             if self._armed_for == receiver:
-                self._armed_for, self._group = None, None
+                self._end_arm()
             self._in_flight = None
             self._lock.notify_all()
 
@@ -322,6 +342,9 @@ class SeedRelay:
             answer = {"success": False, "message": f"the seed did not answer: {exc}"}
         ok = isinstance(answer, dict) and bool(answer.get("success"))
         message = str(answer.get("message", "")) if isinstance(answer, dict) else repr(answer)
+        if path == INIT_ROUTE and not ok:
+            with self._lock:  # the engine made no group to leave open (its init failed)
+                self._group = None
         if path == SEND_ROUTE or not ok:
             self._finish(receiver, ok, message if ok or path == SEND_ROUTE else f"init: {message}")
         else:
@@ -329,6 +352,16 @@ class SeedRelay:
                 self._in_flight = None
                 self._lock.notify_all()
         return (200 if ok else 502), (answer if isinstance(answer, dict) else {"success": False})
+
+
+def _error_of(exc: urllib.error.HTTPError) -> str:
+    """The relay's ``error`` in a refusal, else its status and body."""
+    body = _body_of(exc)
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    return error if isinstance(error, str) else f"{exc.code} {body}"
 
 
 def _body_of(exc: urllib.error.HTTPError) -> str:
@@ -375,16 +408,21 @@ class PeerSource:
         if not versions:
             return None, f"no peer of this TP layout holds weights past the boot version {self.plan.boot_version!r}"
         ranked = [v for v, _ in Counter(versions.values()).most_common()]
+        refusals = []
         for version in ranked:
             for peer, held in versions.items():
                 if held != version:
                     continue
                 try:
                     _call(peer.relay_url + ARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
-                except (OSError, ValueError):
-                    continue  # busy seeding another engine, or its supervisor is gone
+                except urllib.error.HTTPError as exc:  # busy seeding another engine, or cannot seed
+                    refusals.append(f"{peer.engine_id}: {_error_of(exc)}")
+                    continue
+                except (OSError, ValueError) as exc:  # its supervisor is gone
+                    refusals.append(f"{peer.engine_id}: {exc}")
+                    continue
                 return Armed(peer, version), f"from {peer.engine_id} at {version!r}"
-        return None, "every peer that holds the fleet's weights is busy or unreachable"
+        return None, "every peer that holds the fleet's weights is busy or unreachable (" + "; ".join(refusals) + ")"
 
     def command(self, argv: list[str], armed: Armed) -> list[str]:
         """``argv`` as a receiver from ``armed.seed`` (SGLang's flags; later words win)."""

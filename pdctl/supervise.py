@@ -205,6 +205,8 @@ class Supervisor:
             return -signal.SIGTERM
         self.command = restart_command(self.story.path, self.command)
         command, armed = self.command, None
+        if self.relay is not None:  # a new process holds no group an earlier one left open
+            self.relay.engine_started()
         if self.peer_source is not None:
             if self.from_disk_next:
                 self.from_disk_next = False

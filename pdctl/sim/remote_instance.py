@@ -83,6 +83,7 @@ def receive_from_seed(model: torch.nn.Module, source: RemoteSource, timeout_secs
         timeout_secs=timeout_secs,
     )
     try:
+        dist.barrier(group=group)  # as SGLang's receiver (RemoteInstanceClient.build_group) and its seed
         send_body = {"master_address": source.seed_ip, "ports": ports, "group_name": group_name}
         threading.Thread(target=_post_unchecked, args=(url + SEND_ROUTE, send_body), daemon=True).start()
         with torch.no_grad():
@@ -155,6 +156,7 @@ class SeedRoutes:
                     group_name=str(body.get("group_name", "weight_send_group")),
                     timeout_secs=self.s.config.dist_timeout_secs,
                 )
+                dist.barrier(group=self.groups[key])  # as SGLang's WeightExporter (kept: as SGLang keeps it)
 
         try:
             async with self.serial:

@@ -15,6 +15,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch.distributed
 
 from pdctl.peer_weights import (
     ARM_ROUTE,
@@ -23,6 +24,7 @@ from pdctl.peer_weights import (
     SEND_ROUTE,
     WAIT_ROUTE,
     PeerPlan,
+    PeerSource,
     SeedRelay,
     SeedSide,
 )
@@ -227,6 +229,57 @@ def test_a_send_that_comes_before_its_inits_answer_goes_on_once_that_answer_come
         relay.stop()
         engine.server.shutdown()
         engine.server.server_close()
+
+
+def test_a_seed_whose_receiver_left_between_init_and_send_seeds_no_more_until_its_engine_restarts(tmp_path) -> None:
+    """SGLang's seed keeps the group an init made until a send uses it, and the group's port with
+    it: a receiver that dies between the two (a kill, a Ctrl-C'd apply) leaves an engine whose
+    every later init fails. Its relay then refuses arms and says why, so the next receiver starts
+    from disk at once instead of starting for nothing, until the seed's engine restarts."""
+    from pdctl.sglang.group import destroy_group, init_custom_process_group
+    from pdctl.sim.remote_instance import SIM_BACKEND
+
+    with sims(tmp_path, ("--api-key", KEY)) as (seed,):
+        me = SeedSide("seed", seed.url, "127.0.0.1", free_port(), (free_port(),))
+        relay = SeedRelay(me, KEY)
+        relay.start()
+        try:
+            init = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_rank": 0, "world_size": 2,
+                    "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"})[0] == 200
+            joined: dict = {}
+
+            def receiver_joins() -> None:  # this test is the receiver, as SGLang's joins the pair group
+                group = init_custom_process_group(
+                    backend=SIM_BACKEND, master_address="127.0.0.1", master_port=me.ports[0], world_size=2,
+                    rank=1, group_name="send_weights_x", timeout_secs=120,
+                )  # fmt: skip
+                torch.distributed.barrier(group=group)
+                joined["group"] = group
+
+            receiving = threading.Thread(target=receiver_joins)
+            receiving.start()
+            code, out = _relay_call(relay, INIT_ROUTE, init, key=None)
+            receiving.join(120)
+            assert code == 200 and out["success"], out
+            destroy_group(joined["group"])  # and the receiver goes away before its send
+            assert _relay_call(relay, DISARM_ROUTE, {"receiver": "r"})[0] == 200
+            code, out = _relay_call(relay, ARM_ROUTE, {"receiver": "next"})
+            assert code == 409 and "never used" in out["error"] and "restarts" in out["error"], out
+            # a receiver's supervisor then starts from disk and its story says why
+            auth = {"Authorization": f"Bearer {KEY}"}
+            assert post(seed.url + "/update_weight_version", {"new_version": "B"}, headers=auth)[0] == 200
+            receiver = SeedSide("next", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
+            armed, detail = PeerSource(PeerPlan(receiver, (me,)), KEY).arm()
+            assert armed is None and "seed: cannot seed" in detail and "never used" in detail, detail
+            # why: the engine's next init fails at once (the left group holds its port)
+            code, out = post(seed.url + INIT_ROUTE, init, headers=auth, timeout=120)
+            assert not out["success"] and "Failed to init group" in out["message"], (code, out)
+            assert seed.proc.poll() is None and get(seed.url + "/health")[0] == 200  # it serves on
+            relay.engine_started()  # its supervisor started a new engine process
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "next"})[0] == 200
+        finally:
+            relay.stop()
 
 
 def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says_why(tmp_path) -> None:
