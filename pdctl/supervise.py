@@ -239,6 +239,8 @@ class Supervisor:
         code = self.child.wait()
         if receiving is not None and not self.stopping:  # its outcome decides how the next start loads
             receiving.join()
+        elif armed is not None and self.peer_source is not None:  # stopped: the seed is free now, not at
+            self.peer_source.disarm(armed)  # its arm's lapse (the receiving thread may not get to it)
         return code
 
     def _receive(self, child: subprocess.Popen, armed: Armed) -> None:

@@ -319,6 +319,39 @@ def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says
             relay.stop()
 
 
+def test_a_receiver_stopped_while_it_waits_for_its_weights_frees_its_seed_at_once(tmp_path) -> None:
+    """`down`, or a Ctrl-C'd `apply` that stops the engine it added, SIGTERMs a supervisor whose
+    engine waits for its weights: the supervisor disarms its seed as it stops, so the seed can
+    serve another receiver at once rather than after its arm's idle time (30 s)."""
+    with sims(tmp_path, ("--api-key", KEY, "--weight-version", "B")) as (peer,):
+        relay = SeedRelay(SeedSide("seed", peer.url, "127.0.0.1", free_port(), (free_port(),)), KEY)
+        relay.start()
+        me = SeedSide("me", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
+        (tmp_path / "plan.json").write_text(json.dumps(PeerPlan(me, (relay.me,)).to_dict()))
+        story = tmp_path / "me.exit"
+        # an engine that waits for weights that never come (it sends no trigger): the arm stays
+        waits = "import time\nwhile True: time.sleep(3600)"
+        cmd = [sys.executable, "-m", "pdctl.supervise", str(story), "--restart", "on-failure",
+               "--peers", str(tmp_path / "plan.json"), "--", sys.executable, "-c", waits, "--api-key", KEY]  # fmt: skip
+        proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+
+            def receiving() -> bool:
+                s = json.loads(story.read_text()) if story.exists() else {}
+                return s.get("pid") is not None and (s.get("peer") or {}).get("state") == "receiving"
+
+            eventually(receiving, 60, what="the engine waiting for its weights from the seed")
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 409  # armed for "me"
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "other"})[0] == 200
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            relay.stop()
+
+
 @pytest.fixture
 def env(tmp_path):
     return {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
