@@ -396,15 +396,19 @@ class PeerSource:
 
     def arm(self) -> tuple[Armed | None, str]:
         """A seed armed for this engine and the version it holds, or None and why not."""
-        versions: dict[SeedSide, str] = {}
-        for peer in self.plan.peers:
+
+        def version_of(peer: SeedSide) -> str | None:
             try:
                 info = _call(peer.url + "/model_info", self.key)
             except (OSError, ValueError):
-                continue
+                return None
             version = info.get("weight_version") if isinstance(info, dict) else None
-            if isinstance(version, str) and version not in (self.plan.boot_version, PENDING):
-                versions[peer] = version
+            return version if isinstance(version, str) and version not in (self.plan.boot_version, PENDING) else None
+
+        # all peers at once: one host that drops packets costs its probe's timeout once, not per peer after it
+        with ThreadPoolExecutor(max(1, min(8, len(self.plan.peers)))) as pool:
+            held_by = list(pool.map(version_of, self.plan.peers))
+        versions = {peer: v for peer, v in zip(self.plan.peers, held_by, strict=True) if v is not None}
         if not versions:
             return None, f"no peer of this TP layout holds weights past the boot version {self.plan.boot_version!r}"
         ranked = [v for v, _ in Counter(versions.values()).most_common()]
