@@ -145,7 +145,7 @@ def _plan_peer_weights(
         head = by_id[engine.process_ids[0]]
         if len(engine.process_ids) != 1 or group.dp > 1 or group.attn_dp > 1 or group.pp > 1:
             continue
-        if _arg(group, "speculative-algorithm"):  # its draft model would load remote_instance too
+        if group.arg("speculative-algorithm"):  # its draft model would load remote_instance too
             continue
         relay = cursors.take(head.node, key=f"{head.id}:seed_relay")
         ports = tuple(cursors.take(head.node, key=f"{head.id}:seed.{r}") for r in range(engine.tp))
@@ -175,15 +175,7 @@ that differs)."""
 def _layout(engines: list[EngineSpec], groups: Mapping[str, ServerGroup], engine_id: str) -> tuple:
     engine = next(e for e in engines if e.id == engine_id)
     group = groups[engine.group]
-    return (engine.tp, *(str(_arg(group, k)) for k in _WEIGHT_LAYOUT_ARGS))
-
-
-def _arg(group: ServerGroup, key: str) -> Any:
-    """A group arg written as ``key`` or ``--key`` (None when unset)."""
-    for k, v in group.args.items():
-        if str(k).lstrip("-") == key:
-            return v
-    return None
+    return (engine.tp, *(str(group.arg(k)) for k in _WEIGHT_LAYOUT_ARGS))
 
 
 def _arg_value(argv: tuple[str, ...], flag: str) -> str | None:

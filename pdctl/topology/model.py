@@ -126,6 +126,14 @@ class ServerGroup:
     ``pdctl apply`` moves engines between a prefill and a decode group that both allow it, and
     ``pdctl switch`` does one by hand."""
 
+    def arg(self, name: str) -> Any:
+        """The value of SGLang flag ``name`` (no leading --) in ``args``, where it may be written
+        with or without the dashes; None when unset."""
+        for key, value in self.args.items():
+            if str(key).lstrip("-") == name:
+                return value
+        return None
+
     @property
     def gpus_per_engine(self) -> int:
         return self.tp * self.pp * self.dp

@@ -8,7 +8,6 @@ placement, so what validates is exactly what plans.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 from pdctl.errors import Issue
 from pdctl.roles import Role
@@ -159,9 +158,8 @@ def _role_switch(top: Topology) -> list[Issue]:
                     hint="use mooncake (the default) or mori",
                 )
             )
-        args = {str(k).lstrip("-"): v for k, v in group.args.items()}  # (args may be written as --flag)
         for flag, what in ROLE_SWITCH_REFUSES.items():
-            value = args.get(flag)
+            value = group.arg(flag)
             if value is not None and value not in (False, 1, "none") and not (flag == "ep-size" and value == 1):
                 out.append(
                     Issue(
@@ -170,7 +168,7 @@ def _role_switch(top: Topology) -> list[Issue]:
                         hint="remove it, or role_switch",
                     )
                 )
-        out += _role_switch_settings(group, args)
+        out += _role_switch_settings(group)
         others = [g for g in switchable if g.role is not group.role and g.role in (Role.PREFILL, Role.DECODE)]
         if group.role in (Role.PREFILL, Role.DECODE) and not any(g.tp == group.tp for g in others):
             other = "decode" if group.role is Role.PREFILL else "prefill"
@@ -184,18 +182,18 @@ def _role_switch(top: Topology) -> list[Issue]:
     return out
 
 
-def _role_switch_settings(group: ServerGroup, args: dict[str, Any]) -> list[Issue]:
+def _role_switch_settings(group: ServerGroup) -> list[Issue]:
     """The other settings SGLang 0.5.23 refuses beside ``--enable-pd-role-switch``
     (arg_groups/pd_disaggregation_hook.py, disaggregation/role_switch.py): a decode that allocates
     only once the prefill completes, a decode host receive threshold below 1, and the staging
     buffer (its environment variable, refused at the switch itself)."""
     out = []
-    policy = args.get("disaggregation-decode-allocation-policy")
+    policy = group.arg("disaggregation-decode-allocation-policy")
     if policy == "prefill_complete":
         out.append(Issue(f"{group.path}.args.disaggregation-decode-allocation-policy",
                          f"{group.name}: SGLang refuses runtime PD role switching with prefill_complete allocation",
                          hint="remove it, or role_switch"))  # fmt: skip
-    threshold = args.get("disaggregation-decode-host-receive-threshold")
+    threshold = group.arg("disaggregation-decode-host-receive-threshold")
     try:
         below_one = threshold is not None and float(threshold) < 1
     except (TypeError, ValueError):

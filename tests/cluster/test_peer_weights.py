@@ -88,17 +88,30 @@ def _relay_call(relay: SeedRelay, path: str, body: dict, key: str | None = KEY) 
     return post(relay.me.relay_url + path, body, headers=headers, timeout=30)
 
 
+def _started_relay(seed_url: str) -> SeedRelay:
+    """A seed relay, serving, in front of the engine at ``seed_url`` (one TP rank); stop it after."""
+    relay = SeedRelay(SeedSide("seed", seed_url, "127.0.0.1", free_port(), (free_port(),)), KEY)
+    relay.start()
+    return relay
+
+
+def _triggers(seed: SeedSide) -> tuple[dict, dict]:
+    """SGLang's receiver's init and send bodies for ``seed`` (its pair group send_weights_x)."""
+    ports = ",".join(str(p) for p in seed.ports)
+    init = {"master_address": seed.host, "ports": ports, "group_rank": 0, "world_size": 2,
+            "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
+    return init, {"master_address": seed.host, "ports": ports, "group_name": "send_weights_x"}
+
+
 def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path, capfd) -> None:
     """The relay is open to the receiver's unauthenticated triggers: without an arm (which needs
     the engine key), or with a body that does not fit the seed (ports, pair group), nothing
     reaches the engine, and a port count that would end an SGLang seed never does."""
     with sims(tmp_path, ("--api-key", KEY)) as (seed,):
-        me = SeedSide("seed", seed.url, "127.0.0.1", free_port(), (free_port(),))
-        relay = SeedRelay(me, KEY)
-        relay.start()
+        relay = _started_relay(seed.url)
+        me = relay.me
         try:
-            init = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_rank": 0, "world_size": 2,
-                    "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
+            init, send = _triggers(me)
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"}, key=None)[0] == 401
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"}, key="wrong" * 8)[0] == 401
             code, out = _relay_call(relay, INIT_ROUTE, init, key=None)
@@ -109,7 +122,6 @@ def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path
                         {"group_name": ""}, {"group_name": "mine"}, {"backend": "gloo"}):  # fmt: skip
                 code, out = _relay_call(relay, INIT_ROUTE, {**init, **bad}, key=None)
                 assert code == 403, (bad, out)
-            send = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_name": "send_weights_x"}
             code, out = _relay_call(relay, SEND_ROUTE, send, key=None)
             assert code == 403 and "one send per transfer, of the group its init made" in out["message"]
             # A refused send ends the armed transfer (its receiver loads from disk): the seed is free.
@@ -199,13 +211,9 @@ def test_a_send_that_comes_before_its_inits_answer_goes_on_once_that_answer_come
 
     monkeypatch.setattr(peer_weights, "ARM_IDLE_SECS", 3600.0)
     engine = _HeldSeed()
-    relay = SeedRelay(SeedSide("seed", engine.url, "127.0.0.1", free_port(), (free_port(),)), KEY)
-    relay.start()
+    relay = _started_relay(engine.url)
     try:
-        ports = str(relay.me.ports[0])
-        init = {"master_address": "127.0.0.1", "ports": ports, "group_rank": 0, "world_size": 2,
-                "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
-        send = {"master_address": "127.0.0.1", "ports": ports, "group_name": "send_weights_x"}
+        init, send = _triggers(relay.me)
         assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"})[0] == 200
         answers: dict[str, tuple[int, dict]] = {}
         calls = [
@@ -240,12 +248,10 @@ def test_a_seed_whose_receiver_left_between_init_and_send_seeds_no_more_until_it
     from pdctl.sim.remote_instance import SIM_BACKEND
 
     with sims(tmp_path, ("--api-key", KEY)) as (seed,):
-        me = SeedSide("seed", seed.url, "127.0.0.1", free_port(), (free_port(),))
-        relay = SeedRelay(me, KEY)
-        relay.start()
+        relay = _started_relay(seed.url)
+        me = relay.me
         try:
-            init = {"master_address": "127.0.0.1", "ports": str(me.ports[0]), "group_rank": 0, "world_size": 2,
-                    "group_name": "send_weights_x", "backend": "nccl"}  # fmt: skip
+            init, _ = _triggers(me)
             assert _relay_call(relay, ARM_ROUTE, {"receiver": "r"})[0] == 200
             joined: dict = {}
 
@@ -288,8 +294,7 @@ def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says
     so, and the engine holds its boot version (the router keeps it out until the next push)."""
     with sims(tmp_path, ("--api-key", KEY, "--weight-version", "B")) as (peer,):
         dead = f"http://127.0.0.1:{free_port()}"
-        relay = SeedRelay(SeedSide("seed", dead, "127.0.0.1", free_port(), (free_port(),)), KEY)
-        relay.start()
+        relay = _started_relay(dead)
         port = free_port()
         me = SeedSide("me", f"http://127.0.0.1:{port}", "127.0.0.1", free_port(), (free_port(),))
         plan = PeerPlan(me, (replace(relay.me, url=peer.url),))  # versions from the live peer, relay to nothing
@@ -324,8 +329,7 @@ def test_a_receiver_stopped_while_it_waits_for_its_weights_frees_its_seed_at_onc
     engine waits for its weights: the supervisor disarms its seed as it stops, so the seed can
     serve another receiver at once rather than after its arm's idle time (30 s)."""
     with sims(tmp_path, ("--api-key", KEY, "--weight-version", "B")) as (peer,):
-        relay = SeedRelay(SeedSide("seed", peer.url, "127.0.0.1", free_port(), (free_port(),)), KEY)
-        relay.start()
+        relay = _started_relay(peer.url)
         me = SeedSide("me", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
         (tmp_path / "plan.json").write_text(json.dumps(PeerPlan(me, (relay.me,)).to_dict()))
         story = tmp_path / "me.exit"
