@@ -32,6 +32,8 @@ from pdctl.sim.engine import KVPayload
 from pdctl.sim.model import DTYPE
 
 POLL_SLICE_SECS = 10.0  # one long-poll request waits at most this long; the client loops
+STARTED_HEADER = "X-Sim-Bootstrap-Started"
+"""The wall-clock time its bootstrap server started, on each answer of ``/kv/{room}``."""
 
 
 def bootstrap_timeout_secs() -> float:
@@ -122,6 +124,8 @@ class PrefillAborted(SimError):
 
 
 def bootstrap_app(store: KVStore) -> web.Application:
+    started = {STARTED_HEADER: repr(time.time())}
+
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="OK")
 
@@ -133,7 +137,7 @@ def bootstrap_app(store: KVStore) -> web.Application:
             return web.json_response({"error": {"message": "bad room or wait"}}, status=400)
         payload = await store.take(room, wait)
         if payload is None:
-            return web.json_response({"error": {"message": f"no KV for room {room} yet"}}, status=404)
+            return web.json_response({"error": {"message": f"no KV for room {room} yet"}}, status=404, headers=started)
         if isinstance(payload, str):
             return web.json_response({"error": {"message": payload}}, status=410)
         return web.Response(body=pack(payload), content_type="application/octet-stream")
@@ -166,14 +170,25 @@ class Heartbeats:
 
 
 async def fetch_kv(
-    session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_secs: float, heartbeats: Heartbeats
+    session: aiohttp.ClientSession,
+    host: str,
+    port: int,
+    room: int,
+    timeout_secs: float,
+    heartbeats: Heartbeats,
+    sent_at: float,
 ) -> KVPayload:
     """Fetch a room's KV from a prefill's bootstrap server, polling until ``timeout_secs``.
 
     Raises SimError naming the room, the server and the timeout; or, once the server has been
     unreachable for HEARTBEAT_MAX_FAILURE checks HEARTBEAT_INTERVAL apart, SimError saying the
     connection with the prefill was lost (SGLang's words). A server ``heartbeats`` already lost
-    gets one check: if that fails too, the room fails at once.
+    gets one check: if that fails too, the room fails at once. A bootstrap server that started
+    after ``sent_at`` (wall clock: when the decode got the request) is a restarted prefill, which
+    cannot hold the room: the room fails at once too. (SGLang's prefill answers only once its KV
+    reached the decode, so a prefill killed after its answer loses nothing there; the sim's decode
+    pulls the KV after the prefill answered, and without this check waited out
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT for a prefill back within the heartbeat window.)
     """
     deadline = time.monotonic() + timeout_secs
     url = f"http://{host}:{port}/kv/{room}"
@@ -211,6 +226,12 @@ async def fetch_kv(
                     reason = (await resp.json(content_type=None)).get("error", {}).get("message", "aborted")
                     raise PrefillAborted(f"the prefill aborted bootstrap_room {room}: {reason}")
                 last_error = f"HTTP {resp.status}"
+                restarted = float(resp.headers.get(STARTED_HEADER, "0"))
+                if restarted > sent_at:
+                    raise SimError(
+                        f"Lost connection with prefill instance (bootstrap_addr: {host}:{port}) for bootstrap_room "
+                        f"{room}: it restarted after the request came, and its KV went with the old process"
+                    )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             last_error = f"{type(exc).__name__}: {exc}"
             if misses == 0:

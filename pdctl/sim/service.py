@@ -206,13 +206,20 @@ class SimService:
         if fake:  # SGLang moves no KV for 2.2.2.2 (warm-up, /health); the sim runs the prompt itself
             return
         assert item.bootstrap_host is not None and item.bootstrap_room is not None  # checked above
+        sent_at = time.time()  # the prefill that got this room is one that had started by now
         await self._reserve_decode_slot()
         req.reserved, req.mode = True, Mode.DECODE
         port = item.bootstrap_port if item.bootstrap_port is not None else self.config.bootstrap_port
         started = time.monotonic()
         try:
             payload = await fetch_kv(
-                self.session, item.bootstrap_host, port, item.bootstrap_room, waiting_timeout_secs(), self.heartbeats
+                self.session,
+                item.bootstrap_host,
+                port,
+                item.bootstrap_room,
+                waiting_timeout_secs(),
+                self.heartbeats,
+                sent_at,
             )
             if payload.prompt_ids != req.input_ids:
                 raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt")
