@@ -44,6 +44,8 @@ from typing import Any
 
 import yaml
 
+from pdctl.refit import in_flux
+
 log = logging.getLogger("pdctl.peer_weights")
 
 PENDING = "pdctl:receiving-from-peer"
@@ -403,7 +405,11 @@ class PeerSource:
             except (OSError, ValueError):
                 return None
             version = info.get("weight_version") if isinstance(info, dict) else None
-            return version if isinstance(version, str) and version not in (self.plan.boot_version, PENDING) else None
+            # a pdctl: label (an update moving its weights or left half done, a transfer of its own) is
+            # no version anyone can take from it
+            if not isinstance(version, str) or version == self.plan.boot_version or in_flux(version):
+                return None
+            return version
 
         # all peers at once: one host that drops packets costs its probe's timeout once, not per peer after it
         with ThreadPoolExecutor(max(1, min(8, len(self.plan.peers)))) as pool:

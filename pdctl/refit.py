@@ -36,6 +36,20 @@ DEFAULT_LEASE_SECS = 30.0
 DEFAULT_HOLD_TIMEOUT_SECS = 300.0
 """How long a drain may take before the hold answers 504."""
 
+UPDATING_LABEL = "pdctl:updating:"
+"""The weight version label an engine carries while a fleet transaction moves its weights
+(followed by the transaction's id): no fleet ever holds it, so the router keeps the engine out of
+rotation after a restart, and no restarting engine takes its weights as a seed."""
+PARTIAL_LABEL = "pdctl:partial:"
+"""The label of an engine that holds part of an update that did not finish (followed by the
+transaction's id), until a whole update reaches it."""
+
+
+def in_flux(version: object) -> bool:
+    """Whether a weight version label says the engine's weights are moving or incomplete (pdctl's
+    own ``pdctl:`` labels: an update under way or failed, a transfer from a peer)."""
+    return isinstance(version, str) and version.startswith("pdctl:")
+
 
 class RefitMode(str, enum.Enum):
     DRAIN = "drain"

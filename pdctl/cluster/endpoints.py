@@ -2,7 +2,7 @@
 address, role, TP, bootstrap port and rank offset in a weight group the router's facade makes,
 and the settings to paste into AReaL, slime and skyrl-train (docs/frameworks.md).
 
-The rank offsets are the facade's (pdctl.router.facade.groups): a framework that treats the
+The rank offsets are the facade's (pdctl.router.transaction.groups): a framework that treats the
 router as one engine of ``tp`` = all ranks sends ``rank_offset`` 1, and engine j joins at 1 + the
 ranks of the engines before it, prefills first, then decodes, then regular engines, each in the
 plan's order. Pure: it reads the cluster's state, touches no node.

@@ -44,6 +44,7 @@ from pdctl.router.refit.routes import HoldRoutes
 from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_reply
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
+from pdctl.router.transaction import FleetTransactions
 from pdctl.router.upstream import Upstream
 from pdctl.router.versions import VersionRule
 from pdctl.router.worker_api import WorkerApi
@@ -76,9 +77,10 @@ class RouterServer:
         self.prometheus_port = config.prometheus_port
         self.health_checks = HealthChecks(config, self.registry, VersionRule(config, self.registry))
         self.updates = WeightUpdates(self.registry, self.health_checks, self.metrics, self.gate)
-        self.facade = SGLangFacade(
+        self.transactions = FleetTransactions(
             config, self.registry, self.updates, self._client, admission.idle, admission.in_flight
         )
+        self.facade = SGLangFacade(config, self.transactions)
         self.holds = HoldRoutes(self.updates, self.registry, admission, self._client)
         self.worker_api = WorkerApi(config, self.registry, self.health_checks, self._client)
         self.registry.on_hung.append(self._hung)
@@ -90,6 +92,8 @@ class RouterServer:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # A predecessor killed during a transaction of its own left engines paused: continued first.
+        await self.transactions.recover()
         # One health round before taking traffic: workers that answer enter rotation with
         # their weight version known; the others join as soon as a later round reaches them.
         await self.health_checks.check_all(self.session)
@@ -123,7 +127,7 @@ class RouterServer:
 
     async def stop(self) -> None:
         await self.holds.stop()
-        await self.facade.stop()
+        await self.transactions.stop()
         await self.health_checks.stop()
         for server in reversed(self._servers):
             await server.stop()

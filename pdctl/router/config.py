@@ -167,7 +167,14 @@ class AdmissionConfig:
     max_hold_secs: float = setting(
         600.0,
         "--max-hold-secs",
-        "Longest a weight push may hold new requests (/pdctl/hold) before they flow again.",
+        "Longest a request waits while a weight update holds new requests before its 503.",
+    )
+    framework_lease_secs: float = setting(
+        120.0,
+        "--framework-lease-secs",
+        "How long a transaction an RL framework drives through SGLang's control routes (its pause, an update, "
+        "released memory) may go with no call before it ends by itself: a pause that moved nothing just ends, one "
+        "that moved weights leaves only the engines it changed out of rotation (docs/frameworks.md).",
     )
     worker_wait_secs: float = setting(
         30.0,
@@ -191,6 +198,7 @@ class AdmissionConfig:
         )
         _check(self.request_timeout_secs > 0, "--request-timeout-secs", self.request_timeout_secs, "> 0")
         _check(self.max_hold_secs > 0, "--max-hold-secs", self.max_hold_secs, "> 0")
+        _check(self.framework_lease_secs > 0, "--framework-lease-secs", self.framework_lease_secs, "> 0")
         _check(self.worker_wait_secs >= 0, "--worker-wait-secs", self.worker_wait_secs, ">= 0")
         _check(self.max_n >= 1, "--max-n", self.max_n, ">= 1")
         _check(self.max_sequences >= 1, "--max-sequences-per-request", self.max_sequences, ">= 1")

@@ -36,15 +36,20 @@ class WorkerAnswer:
         """The worker answered (whatever it said)."""
         return self.status != 0
 
-    def why(self) -> str:
-        """What went wrong, in a few words (for messages that name the worker)."""
-        if not self.reached:
-            return f"no answer ({self.body})"
+    @property
+    def message(self) -> str:
+        """The worker's own words: SGLang's ``message`` or ``error.message``, else its body's text."""
         message = self.body
         if isinstance(message, dict):
             error = message.get("error")
             message = message.get("message") or (error.get("message") if isinstance(error, dict) else error) or message
-        text = str(message).strip()
+        return "" if message is None else str(message).strip()
+
+    def why(self) -> str:
+        """What went wrong, in a few words (for messages that name the worker)."""
+        if not self.reached:
+            return f"no answer ({self.body})"
+        text = self.message
         return f"answered {self.status}: {text[:300]}" if text else f"answered {self.status}"
 
 

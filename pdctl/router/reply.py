@@ -28,6 +28,9 @@ class Reply:
     body: bytes = b""
     content_type: str = "application/json"
     headers: dict[str, str] | None = None
+    reason: str | None = None
+    """The status line's reason phrase instead of the standard one: clients that print only the
+    phrase (AReaL: ``status=400, message='Bad Request'``) then print why. Sanitized when written."""
 
 
 class StreamBody(Protocol):

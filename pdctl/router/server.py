@@ -627,6 +627,18 @@ def _connection_line(keep_alive: bool, http10: bool) -> bytes:
     return b"Connection: keep-alive\r\n" if http10 else b""
 
 
+REASON_LIMIT = 480
+"""Longest reason phrase written (a status line is one header line; proxies cap those near 8 KiB)."""
+
+
+def _status_line(status: int, reason: str | None) -> bytes:
+    if reason is None:
+        return _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
+    # RFC 9112 allows tab, space and visible octets: no CR, LF or other control byte reaches the wire.
+    phrase = "".join(ch if ch == "\t" or " " <= ch <= "~" else " " for ch in reason)[:REASON_LIMIT].strip()
+    return f"HTTP/1.1 {status} {phrase or 'Unknown'}\r\n".encode("ascii")
+
+
 def _head(status: int, headers: dict[str, str] | None, keep_alive: bool, http10: bool) -> bytes:
     """The status line and the headers every answer carries (the caller adds its framing)."""
     return b"%b%b%b%b" % (
@@ -641,7 +653,7 @@ def _whole(reply: Reply, keep_alive: bool, http10: bool) -> bytes:
     """A whole answer's bytes: one format, no intermediate head (an answer per request)."""
     headers, body = reply.headers, reply.body
     return b"%b%b%b%bContent-Type: %b\r\nContent-Length: %d\r\n\r\n%b" % (
-        _STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} Unknown\r\n".encode(),
+        _status_line(reply.status, reply.reason),
         _date_line(),
         header_lines(headers) if headers else b"",
         b"" if keep_alive and not http10 else _connection_line(keep_alive, http10),

@@ -33,6 +33,8 @@ class RouterState:
     fleet: FleetWeights | None = None
     workers: tuple[WorkerSpec, ...] | None = None
     """None: the command line's workers."""
+    transaction: dict[str, Any] | None = None
+    """The router's own fleet transaction while one is open (``FleetTxn.record``)."""
     run: str | None = field(default_factory=lambda: os.environ.get(RUN_ID_ENV))
 
     @classmethod
@@ -54,6 +56,9 @@ class RouterState:
             if isinstance(fleet, dict):
                 source = fleet.get("source")
                 state.fleet = FleetWeights(str(fleet["version"]), None if source is None else str(source))
+            transaction = raw.get("transaction")
+            if isinstance(transaction, dict):
+                state.transaction = transaction
             workers = raw.get("workers")
             if isinstance(workers, list):
                 state.workers = tuple(
@@ -76,6 +81,8 @@ class RouterState:
         body: dict[str, Any] = {"run": self.run}
         if self.fleet is not None:
             body["fleet"] = {"version": self.fleet.version, "source": self.fleet.source}
+        if self.transaction is not None:
+            body["transaction"] = self.transaction
         if self.workers is not None:
             body["workers"] = [
                 {

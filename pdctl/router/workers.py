@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from pdctl.roles import Role, engine_role
@@ -202,6 +203,13 @@ class WorkerRegistry:
             for w in self.workers.values()
         )
         self.kept.write(self.config.state_file, self.config.worker_key)
+
+    def keep_transaction(self, record: dict[str, Any] | None) -> None:
+        """The router's own open transaction (pdctl.router.transaction), or None once it ended:
+        kept so that a restarted router ends what this one leaves."""
+        if record != self.kept.transaction:
+            self.kept.transaction = record
+            self.kept.write(self.config.state_file, self.config.worker_key)
 
     def find(self, key: str) -> Worker | None:
         """A worker by id or URL (percent-encoded or not)."""

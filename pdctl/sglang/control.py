@@ -45,6 +45,24 @@ OUTSIDE_SESSION = "update_weights_from_distributed must run between begin_weight
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 DP_REFUSED = "data-parallel replicas are not supported for update weights from distributed"
+RECEIVE_FAILED = "Failed to receive weights"
+"""How SGLang begins the answer of an update whose receive failed: its tensors arrive in buffers of
+their own and reach the model only after the receive, so the model is untouched
+(``scheduler_components/weight_updater.py``). A failure in the load that follows answers
+``Failed to update parameter online: ... partially updated`` instead, with no rollback."""
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""What ``/release_memory_occupation`` releases when it names no tags (SGLang's ``constants.py``)."""
+BODY_REQUIRED = "1 validation error: body: Field required"
+"""SGLang's 400 for a control route sent with no body (FastAPI's validation of a required body)."""
+
+
+def left_untouched(message: str) -> bool:
+    """Whether SGLang's failure ``message`` for an update call says the engine's model was not
+    touched: a refusal before the receive (no session, no such group) or a failed receive. Any
+    other failure (the load after the receive, which SGLang does not roll back) may have changed it."""
+    text = message.strip()
+    before_receive = text.startswith(OUTSIDE_SESSION) or "Please call `init_weights_update_group` first" in text
+    return text.startswith(RECEIVE_FAILED) or before_receive
 
 
 def missing_group(name: str, known: list[str]) -> str:
@@ -104,8 +122,18 @@ def group_name(body: Any) -> str:
     return text(as_object(body), "group_name", DEFAULT_GROUP_NAME)
 
 
-def memory_tags(body: Any) -> list[str] | None:
-    """``tags`` of ``/release_memory_occupation`` and ``/resume_memory_occupation`` (None: all)."""
+def named_group(body: Any) -> str | None:
+    """The ``group_name`` a body names, None when it names none (a missing body included)."""
+    value = as_object(body).get("group_name")
+    return None if value is None else text(as_object(body), "group_name")
+
+
+def memory_tags(body: Any, *, required: bool = False) -> list[str] | None:
+    """``tags`` of ``/release_memory_occupation`` and ``/resume_memory_occupation`` (None: all),
+    read as SGLang 0.5.23 reads them (``io_struct.py``, a msgspec struct that ignores unknown
+    keys): ``required``, a missing body is refused as SGLang refuses it."""
+    if body is None and required:
+        raise ValueError(BODY_REQUIRED)
     tags = as_object(body).get("tags")
     if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
         raise ValueError("tags must be a list of strings (weights, kv_cache, cuda_graph) or null")
@@ -157,12 +185,14 @@ class InitGroup:
 @dataclass(frozen=True)
 class DistributedUpdate:
     """``POST /update_weights_from_distributed``: ``{names, dtypes, shapes, ...}`` or the older
-    one-parameter ``{name, dtype, shape}`` (skyrl-train), read as a list of one."""
+    one-parameter ``{name, dtype, shape}`` (skyrl-train), read as a list of one. ``group_name``
+    is None when the body names none (SGLang 0.5.23 then takes ``weight_update_group``; SGLang
+    before named groups, which skyrl-train was written for, its one group)."""
 
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    group_name: str = DEFAULT_GROUP_NAME
+    group_name: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -196,20 +226,21 @@ class DistributedUpdate:
             names=tuple(names),
             dtypes=tuple(d.removeprefix("torch.") for d in dtypes),
             shapes=tuple(dims),
-            group_name=text(b, "group_name", DEFAULT_GROUP_NAME),
+            group_name=None if b.get("group_name") is None else text(b, "group_name"),
             flush_cache=flag(b, "flush_cache", True),
             abort_all_requests=flag(b, "abort_all_requests", False),
             weight_version=_opt_str(b, "weight_version"),
             load_format=_opt_str(b, "load_format"),
         )
 
-    def to_body(self, *, flush_cache: bool, weight_version: str | None) -> dict[str, Any]:
-        """The list form (SGLang 0.5.23 knows no other), with these ``flush_cache`` and version."""
+    def to_body(self, *, flush_cache: bool, weight_version: str | None, group_name: str) -> dict[str, Any]:
+        """The list form (SGLang 0.5.23 knows no other) over ``group_name``, with these
+        ``flush_cache`` and version."""
         return {
             "names": list(self.names),
             "dtypes": list(self.dtypes),
             "shapes": [list(s) for s in self.shapes],
-            "group_name": self.group_name,
+            "group_name": group_name,
             "flush_cache": flush_cache,
             "abort_all_requests": self.abort_all_requests,
             "weight_version": weight_version,

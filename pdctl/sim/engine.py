@@ -41,6 +41,7 @@ import torch
 
 from pdctl.choices import parse_choice
 from pdctl.errors import SimError
+from pdctl.sglang.control import MEMORY_TAGS
 from pdctl.sglang.protocol import PauseMode
 from pdctl.sim.model import EOS_ID, KVPool, TinyLM, decode
 from pdctl.sim.sampling import SamplingOptions, sample
@@ -57,10 +58,6 @@ def _top(logps: torch.Tensor, k: int) -> list[tuple[float, int]]:
         return []
     values, ids = torch.topk(logps, min(k, logps.numel()))
     return list(zip(values.tolist(), ids.tolist(), strict=True))
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-"""SGLang's GPU memory types (``GPU_MEMORY_ALL_TYPES``): what an empty ``tags`` releases."""
 
 
 def abort_reason(message: str, status: int | None = None) -> dict[str, Any]:

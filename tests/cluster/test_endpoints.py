@@ -1,5 +1,5 @@
 """``pdctl endpoints``: engines, rank offsets and the settings frameworks take, from a cluster's
-state; the offsets are the ones the router's facade gives the engines (pdctl.router.facade.groups)."""
+state; the offsets are the ones the router's facade gives the engines (pdctl.router.transaction.groups)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pdctl.cluster.endpoints import endpoints
 from pdctl.cluster.state import ClusterState, Phase
 from pdctl.plan import make_plan
 from pdctl.router.config import RouterConfig
-from pdctl.router.facade.groups import layout
+from pdctl.router.transaction.groups import layout
 from pdctl.router.workers import WorkerRegistry
 from pdctl.sglang.control import InitGroup
 from pdctl.topology import load_topology

@@ -230,7 +230,7 @@ def small_fleet(tmp_path):
     with sims(tmp_path, ("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode")) as procs:
         router = RouterProcess(
             tmp_path,
-            *pd_router_args(procs[:1], procs[1:], "--max-hold-secs", "3", "--health-check-interval-secs", "1"),
+            *pd_router_args(procs[:1], procs[1:], "--framework-lease-secs", "3", "--health-check-interval-secs", "1"),
         ).start("/readiness")
         try:
             yield procs, router
@@ -239,7 +239,7 @@ def small_fleet(tmp_path):
 
 
 def test_a_pause_with_no_continue_ends_by_itself(small_fleet):
-    """--max-hold-secs after its last call a framework's pause ends: held requests go on, the
+    """--framework-lease-secs after its last call a framework's pause ends: held requests go on, the
     engines are continued, and nothing leaves rotation (no weights moved)."""
     _procs, router = small_fleet
     assert post(router.url + "/pause_generation", {"mode": "retract"})[0] == 200

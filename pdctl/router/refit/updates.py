@@ -223,6 +223,31 @@ class WeightUpdates:
             holder.lease.cancel()
         holder.lease = asyncio.get_running_loop().call_later(lease_secs, self._lapse, holder, lease_secs)
 
+    def suspend(self, txn: str) -> None:
+        """No lease runs for ``txn`` while its driver's call is being served (it cannot renew from
+        inside one); ``renew`` restarts it when the call ends."""
+        holder = self._holder
+        if holder is not None and holder.txn == txn and holder.lease is not None:
+            holder.lease.cancel()
+            holder.lease = None
+
+    def describe_group(self, txn: str, group: Mapping[str, Any]) -> None:
+        """The weight group ``txn`` moves weights over, for its push record."""
+        if self.last is not None and self.last.txn == txn:
+            self.last.group = group
+
+    def name_version(self, txn: str, version: str) -> None:
+        """The version ``txn`` stamps on the engines that took it (known only at its end for a
+        framework's update), for its push record."""
+        if self.last is not None and self.last.txn == txn:
+            self.last.version = version
+
+    def set_fleet_version(self, version: str) -> None:
+        """Every engine was relabelled ``version`` outside a transaction (``/update_weight_version``):
+        the fleet is at it, from wherever its weights came."""
+        fleet = self.registry.fleet
+        self.registry.set_fleet(FleetWeights(version, fleet.source if fleet else None))
+
     def _end_unanswered(self, holder: _Holder) -> None:
         log.warning(
             "weight update %s went away before its hold was answered: admitting requests again", holder.txn or "(bare)"
@@ -275,15 +300,17 @@ class WeightUpdates:
                 last.state, last.ended_at = PushState.CANCELLED, time.time()
                 self.metrics.weight_update_ended("cancelled", {}, self.held_secs())
         else:
-            log.error(
-                "weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
-                "rotation until a later push reaches them; admitting requests again",
-                txn,
-                lease,
-                len(holder.engines),
-            )
-            for url in holder.engines:
-                self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
+            # A framework's transaction knows which engines it changed: its own lapse (on_lapse) says.
+            if holder.driver is Driver.PDCTL:
+                log.error(
+                    "weight push %s did not renew its hold within %.0fs (trainer gone?): its %d engine(s) leave "
+                    "rotation until a later push reaches them; admitting requests again",
+                    txn,
+                    lease,
+                    len(holder.engines),
+                )
+                for url in holder.engines:
+                    self.registry.set_quarantine(url, f"weight push {txn} stopped half way (lease expired)")
             if ours:
                 assert last is not None
                 last.state, last.ended_at = PushState.ABANDONED, time.time()

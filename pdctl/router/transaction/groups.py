@@ -17,6 +17,7 @@ from typing import Any
 from pdctl.roles import Role
 from pdctl.router.workers import Worker
 from pdctl.sglang.control import DP_REFUSED, InitGroup
+from pdctl.sglang.protocol import DEFAULT_GROUP_NAME
 
 _ORDER = {Role.PREFILL: 0, Role.DECODE: 1, Role.REGULAR: 2}
 
@@ -115,3 +116,42 @@ def layout(spec: InitGroup, workers: Iterable[Worker], infos: Mapping[str, Mappi
             f"e.g. AReaL's allocation sglang:d1t{total})"
         )
     return tuple(members)
+
+
+class GroupBook:
+    """The weight groups the fleet has joined, by name, and those that can carry no more updates.
+
+    A call that names no group (skyrl-train's one-parameter updates and its bodyless destroy,
+    written for SGLang before named groups) means SGLang 0.5.x's default group when the fleet has
+    one by that name, else the fleet's only group, as SGLang before named groups used its one group.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[str, FleetGroup] = {}
+        self.broken: dict[str, str] = {}
+        """Group name -> why it can no longer carry updates (an engine left it mid-update)."""
+
+    def resolve(self, name: str | None) -> str:
+        """The group a call means; LayoutError saying why when that cannot be told."""
+        if name is not None:
+            return name
+        if DEFAULT_GROUP_NAME in self.groups or not self.groups:
+            return DEFAULT_GROUP_NAME
+        if len(self.groups) == 1:
+            return next(iter(self.groups))
+        raise LayoutError(
+            f"the call names no group_name and the fleet has joined {len(self.groups)} groups "
+            f"({', '.join(sorted(self.groups))}): name the one it is for"
+        )
+
+    def add(self, group: FleetGroup) -> None:
+        self.groups[group.name] = group
+        self.broken.pop(group.name, None)
+
+    def pop(self, name: str) -> FleetGroup | None:
+        self.broken.pop(name, None)
+        return self.groups.pop(name, None)
+
+    def broke(self, name: str, why: str) -> None:
+        if name in self.groups:
+            self.broken[name] = why

@@ -1,0 +1,239 @@
+"""A fleet transaction's explicit states, and what it did to each engine.
+
+A transaction (pdctl.router.transaction.runner) moves through ``TxnState`` by ``FleetTxn.move``,
+which refuses every step the table does not list:
+
+    HELD ──> MOVING ──> ENDED
+      └────────────────────┘      (a pause that no update followed, a failure before any weight moved)
+
+Each engine carries a ``Mark``, set from its answers by ``FleetTxn.mark``; the marks decide the
+end: engines whose weights may have changed (``Mark.changed``) and did not take the whole update
+leave rotation, the others keep their weights and version and serve on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from pdctl.choices import Choice
+from pdctl.router.fanout import WorkerAnswer
+from pdctl.router.refit import Driver
+from pdctl.router.transaction.groups import FleetGroup, Member
+from pdctl.router.workers import Worker
+from pdctl.sglang import PauseMode
+from pdctl.sglang.control import left_untouched
+
+
+class TxnState(Choice):
+    HELD = "held"
+    """The router holds new requests and the engines are paused; no weight has moved."""
+    MOVING = "moving"
+    """Weights move into the engines (update calls forwarded, or a load from disk)."""
+    ENDED = "ended"
+    """Continued and released: by its end, a failure, or its lapse."""
+
+
+_NEXT: Mapping[TxnState, frozenset[TxnState]] = {
+    TxnState.HELD: frozenset({TxnState.MOVING, TxnState.ENDED}),
+    TxnState.MOVING: frozenset({TxnState.MOVING, TxnState.ENDED}),
+    TxnState.ENDED: frozenset(),
+}
+
+
+class Opener(Choice):
+    """What opened a transaction (and so what ends it)."""
+
+    PAUSE = "a framework's pause"
+    """``/pause_generation``: ends at ``/continue_generation``."""
+    UPDATE = "an update sent with no pause"
+    """The router paused the fleet itself: ends at the framework's next call of another kind."""
+    MEMORY = "a memory release"
+    """``/release_memory_occupation`` with no pause: ends when every tag is resumed."""
+    LOAD = "pdctl weights load"
+    """A load from disk that ``pdctl weights load`` asked of the router: ends when it is done."""
+
+
+LEFT_OPEN = {
+    Opener.PAUSE: "a pause with no continue",
+    Opener.UPDATE: "an update with no end",
+    Opener.MEMORY: "memory released and not resumed",
+    Opener.LOAD: "a load from disk with no end",
+}
+"""How a transaction that lapsed was left, by what opened it (its driver's last word)."""
+
+
+class Moved(Choice):
+    """What moves the weights in a transaction (at most one kind per transaction)."""
+
+    NOTHING = "nothing"
+    DISTRIBUTED = "distributed"
+    DISK = "disk"
+
+
+class Mark(Choice):
+    """What a transaction did to one engine's weights."""
+
+    UNTOUCHED = "untouched"
+    """Nothing reached its model: no call yet, or every call was refused before its receive."""
+    TAKING = "taking"
+    """It took every update call so far."""
+    LOADED = "loaded"
+    """It loaded the checkpoint from disk."""
+    REFUSED = "refused"
+    """It refused the update without touching its model (a load from disk it rolled back, a
+    receive that failed): it keeps its weights and version."""
+    PARTIAL = "partial"
+    """It may hold part of the update: a failure after its receive began, or the update stopped
+    after it took some of it."""
+    GONE = "gone"
+    """It did not answer (dead or hung) after the update began: it may hold anything."""
+
+    @property
+    def changed(self) -> bool:
+        """Its weights may differ from what it held before the transaction."""
+        return self in (Mark.TAKING, Mark.LOADED, Mark.PARTIAL, Mark.GONE)
+
+
+_MARK_NEXT: Mapping[Mark, frozenset[Mark]] = {
+    Mark.UNTOUCHED: frozenset(Mark),
+    Mark.TAKING: frozenset({Mark.TAKING, Mark.PARTIAL, Mark.GONE}),
+    Mark.REFUSED: frozenset({Mark.REFUSED}),
+    Mark.LOADED: frozenset({Mark.LOADED, Mark.GONE}),
+    Mark.PARTIAL: frozenset({Mark.PARTIAL, Mark.GONE}),
+    Mark.GONE: frozenset({Mark.GONE}),
+}
+
+
+class StateError(RuntimeError):
+    """A step the transaction's table does not allow (a bug in its driver, never a client's doing)."""
+
+
+def mark_of_update(before: Mark, answer: WorkerAnswer) -> Mark:
+    """An engine's mark after its answer to one update call."""
+    if answer.ok:
+        return Mark.TAKING
+    if not answer.reached:
+        return Mark.GONE
+    if left_untouched(answer.message):
+        return Mark.REFUSED if before is Mark.UNTOUCHED else Mark.PARTIAL
+    return Mark.PARTIAL
+
+
+def mark_of_load(answer: WorkerAnswer) -> Mark:
+    """An engine's mark after its answer to a load from disk (SGLang keeps the old weights when a
+    load fails; the sim reads the whole file before it touches the model)."""
+    if answer.ok:
+        return Mark.LOADED
+    return Mark.REFUSED if answer.reached else Mark.GONE
+
+
+@dataclass
+class FleetTxn:
+    """One fleet transaction: its state, its engines and what it did to each. Changed only
+    through its methods (``move``, ``mark``, ``begun``, ``released``...)."""
+
+    id: str
+    opener: Opener
+    pause: PauseMode
+    """The mode the engines were paused in."""
+    engines: tuple[Worker, ...]
+    """Every engine it paused (continued at its end)."""
+    driver: Driver = Driver.FRAMEWORK
+    state: TxnState = TxnState.HELD
+    moved: Moved = Moved.NOTHING
+    marks: dict[str, Mark] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)
+    """URL -> what went wrong there (engines whose mark is not UNTOUCHED, TAKING or LOADED)."""
+    prior: dict[str, str | None] = field(default_factory=dict)
+    """URL -> the version label an engine had before the transaction relabelled it."""
+    groups: dict[str, FleetGroup] = field(default_factory=dict)
+    """The groups whose updates it forwarded (one per pipeline stage for some frameworks)."""
+    sessions: dict[str, Member] = field(default_factory=dict)
+    """Engines in an SGLang weight-update session (0.5.21+) it opened, by URL."""
+    names: list[str] = field(default_factory=list)
+    """Tensors updated from distributed, in order (verified at the end)."""
+    released: dict[str, frozenset[str]] = field(default_factory=dict)
+    """URL -> memory tags released on that engine and not resumed yet."""
+    version: str | None = None
+    source: str | None = None
+    failure: str | None = None
+    """Why it failed (it ends at once when a call fails)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    opened_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        for worker in self.engines:
+            self.marks.setdefault(worker.url, Mark.UNTOUCHED)
+
+    @property
+    def implicit(self) -> bool:
+        """Opened by the router for a call, not by the framework's pause."""
+        return self.opener is not Opener.PAUSE
+
+    @property
+    def ended(self) -> bool:
+        return self.state is TxnState.ENDED
+
+    def adopt(self, pause: PauseMode) -> None:
+        """The driver paused (again): the engines are in ``pause`` now, and the driver's continue
+        ends the transaction, whoever opened it."""
+        self.pause = pause
+        self.opener = Opener.PAUSE
+
+    def move(self, to: TxnState, moved: Moved | None = None) -> None:
+        """Step to ``to`` (with what moves the weights, on the first step to MOVING)."""
+        if to not in _NEXT[self.state]:
+            raise StateError(f"transaction {self.id}: {self.state} -> {to} is not a step it can take")
+        if moved is not None:
+            if self.moved not in (Moved.NOTHING, moved):
+                raise StateError(f"transaction {self.id}: weights already moved {self.moved}, not {moved}")
+            self.moved = moved
+        self.state = to
+
+    def mark(self, url: str, mark: Mark, why: str | None = None) -> None:
+        before = self.marks.get(url, Mark.UNTOUCHED)
+        if mark not in _MARK_NEXT[before]:
+            raise StateError(f"transaction {self.id}: engine {url} {before} -> {mark} is not a step it can take")
+        self.marks[url] = mark
+        if why is not None:
+            self.why.setdefault(url, why)
+
+    def changed(self) -> list[str]:
+        """Engines whose weights may differ from what they held before the transaction."""
+        return [url for url, m in self.marks.items() if m.changed]
+
+    def unchanged(self) -> list[str]:
+        return [url for url, m in self.marks.items() if not m.changed]
+
+    def engines_marked(self, *marks: Mark) -> list[Worker]:
+        return [w for w in self.engines if self.marks.get(w.url) in marks]
+
+    def memory(self, url: str, released: frozenset[str]) -> None:
+        """What memory ``url`` has released now (an empty set: all of it back)."""
+        if released:
+            self.released[url] = released
+        else:
+            self.released.pop(url, None)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.monotonic() - started
+
+    def record(self) -> dict[str, object]:
+        """What a router that restarts must undo of it (pdctl.router.state_file): the engines it
+        paused, their open update sessions and released memory."""
+        return {
+            "txn": self.id,
+            "opener": self.opener.name,
+            "engines": [w.url for w in self.engines],
+            "sessions": sorted(self.sessions),
+            "released": {url: sorted(tags) for url, tags in self.released.items()},
+            "moved": self.moved.value,
+        }
