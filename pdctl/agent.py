@@ -33,6 +33,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -309,40 +310,51 @@ def _http_json(url: str, timeout: float, key: str | None = None) -> Any:
 
 
 def status(req: dict[str, Any]) -> StatusReply:
-    out: dict[str, ProcessState] = {}
-    for proc in req["processes"]:
-        p = same_process(proc["pid"], proc["create_time"])
-        entry: ProcessState = {"alive": p is not None}
-        story = _story(proc.get("exit_file"))
-        if story is not None:
-            entry["restarts"] = int(story.get("restarts") or 0)
-            entry["last_exit"] = story.get("last_exit")
-            entry["supervisor"] = story.get("state")
-            entry["reason"] = story.get("reason")
-            if story.get("peer"):
-                entry["peer"] = story["peer"]
-            child = story.get("pid")
-            if p is not None and story.get("state") != "running":
-                entry["alive"] = False  # the supervisor waits to restart it, or is about to exit
-            if p is not None and child and story.get("create_time"):
-                entry["child_pid"] = child
-                p = same_process(child, story["create_time"]) or p
-        if proc.get("exit_file") and (p is None or not entry["alive"]):
-            # (also while its supervisor is still finishing: it wrote the final code before it exits, and
-            # `up` read such a trainer, done with 0, as one that died with no code)
-            entry["exit_code"] = story.get("exit_code") if story else None  # None: SIGKILL of the group
-        if p is not None and entry["alive"]:
-            started = _safe(p.create_time)
-            if started is not None:
-                entry["uptime_secs"] = time.time() - started
-            entry["rss_mb"] = _safe(lambda p=p: p.memory_info().rss / 2**20)
-        if p is not None and entry["alive"] and proc.get("health_url"):
-            entry["healthy"] = _http_ok(proc["health_url"], timeout=float(req.get("timeout_secs", 5)))
-        if p is not None and entry["alive"] and proc.get("info_url"):
-            info = _http_json(proc["info_url"], timeout=float(req.get("timeout_secs", 5)), key=proc.get("info_key"))
-            entry["info"] = info
-        out[proc["id"]] = entry
-    return {"processes": out}
+    """Each process of ``req``: alive, its supervisor's story, and (when it answers HTTP) its health
+    and info. Processes are probed at once (a bounded pool): a paused engine's health check waits
+    out its timeout, and it must not add up across a node's engines."""
+    timeout = float(req.get("timeout_secs", 5))
+    procs = req["processes"]
+    with ThreadPoolExecutor(max(1, min(STATUS_PROBES, len(procs)))) as pool:
+        entries = list(pool.map(lambda proc: _process_status(proc, timeout), procs))
+    return {"processes": {proc["id"]: entry for proc, entry in zip(procs, entries, strict=True)}}
+
+
+STATUS_PROBES = 16
+"""Most processes of one node that ``status`` probes at once."""
+
+
+def _process_status(proc: dict[str, Any], timeout: float) -> ProcessState:
+    p = same_process(proc["pid"], proc["create_time"])
+    entry: ProcessState = {"alive": p is not None}
+    story = _story(proc.get("exit_file"))
+    if story is not None:
+        entry["restarts"] = int(story.get("restarts") or 0)
+        entry["last_exit"] = story.get("last_exit")
+        entry["supervisor"] = story.get("state")
+        entry["reason"] = story.get("reason")
+        if story.get("peer"):
+            entry["peer"] = story["peer"]
+        child = story.get("pid")
+        if p is not None and story.get("state") != "running":
+            entry["alive"] = False  # the supervisor waits to restart it, or is about to exit
+        if p is not None and child and story.get("create_time"):
+            entry["child_pid"] = child
+            p = same_process(child, story["create_time"]) or p
+    if proc.get("exit_file") and (p is None or not entry["alive"]):
+        # (also while its supervisor is still finishing: it wrote the final code before it exits, and
+        # `up` read such a trainer, done with 0, as one that died with no code)
+        entry["exit_code"] = story.get("exit_code") if story else None  # None: SIGKILL of the group
+    if p is not None and entry["alive"]:
+        started = _safe(p.create_time)
+        if started is not None:
+            entry["uptime_secs"] = time.time() - started
+        entry["rss_mb"] = _safe(lambda p=p: p.memory_info().rss / 2**20)
+    if p is not None and entry["alive"] and proc.get("health_url"):
+        entry["healthy"] = _http_ok(proc["health_url"], timeout=timeout)
+    if p is not None and entry["alive"] and proc.get("info_url"):
+        entry["info"] = _http_json(proc["info_url"], timeout=timeout, key=proc.get("info_key"))
+    return entry
 
 
 def _story(path: str | None) -> dict[str, Any] | None:

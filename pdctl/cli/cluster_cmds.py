@@ -182,11 +182,15 @@ def _print_status(result: ClusterStatus) -> None:
         def engine(e: EngineStatus) -> str:
             if not e.up:
                 return f"{e.id} [red]DOWN[/] ({e.problem})"
+            if e.rotation and e.rotation.startswith("paused:"):
+                return f"{e.id} [yellow]paused[/]"
             if e.rotation:
                 return f"{e.id} [yellow]OUT OF ROTATION[/] ({e.rotation})"
             return f"{e.id} [green]up[/]"
 
         out.print(f"engines: {', '.join(engine(e) for e in result.engines)}")
+    if result.hold:
+        out.print(f"[yellow]requests wait: the router is {result.hold.get('reason')}[/]")
     if result.step:
         out.print(f"[yellow]{result.step}[/]" if result.step.startswith("in progress") else f"[red]{result.step}[/]")
     for d in result.mps:

@@ -29,7 +29,8 @@ def status(name: str | None, as_json: bool) -> None:
 
     "planned" ranks come from the plan; "in group" from the group the trainer's latest push
     used (the router keeps it). Exit 1 when an engine does not answer, is out of the router's
-    rotation, or the engines do not all hold one version.
+    rotation, the engines do not all hold one version, or an update holds the router's requests
+    (a framework's pause, a push under way).
     """
     store = StateStore()
     result = weights_status(store.resolve_name(name), store=store)
@@ -85,6 +86,8 @@ def _print(result: WeightsStatus) -> None:
         rotation = f"[red]out: {e.out_of_rotation}[/]" if e.out_of_rotation else "[green]in[/]"
         table.add_row(e.id, e.role, version, planned, in_group, rotation)
     print_table(out, table)
+    if result.hold:
+        out.print(f"[red]requests wait: the router is {result.hold.get('reason')}[/]")
     push = result.last_push
     if push:
         line = f"last push: {push.get('version')} {push.get('state')}"

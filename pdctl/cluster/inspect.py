@@ -85,17 +85,21 @@ class ClusterStatus:
     step: str | None = None
     """A day-2 command's step on one engine that did not finish (pdctl.cluster.journal), or one in
     progress now (``in progress:``)."""
+    hold: dict[str, Any] | None = None
+    """What holds the router's new requests now (a framework's pause, a push), as the router says:
+    ``reason`` in words, ``since`` (epoch seconds), ``secs``."""
 
     @property
     def ok(self) -> bool:
         """Up as declared: every process alive and healthy (the router's readiness says it can
-        serve each role), every engine of the plan up and in the router's rotation, and no day-2
-        step left half done."""
+        serve each role), every engine of the plan up and in the router's rotation, no day-2
+        step left half done, and no weight update holding the router's requests."""
         return (
             self.status == Phase.UP
             and all(p.ok for p in self.processes)
             and all(e.up and e.rotation is None for e in self.engines)
             and self.step is None
+            and self.hold is None
         )
 
     @property
@@ -131,6 +135,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     results = nodes.each(by_node, lambda ex: agent_api.status(ex, by_node[ex.node.name], timeout=60))
     out: list[ProcessStatus] = []
     router_workers = None
+    hold = None
     for rec in state.processes.values():
         res = results.get(rec.node)
         ps = ProcessStatus(
@@ -155,14 +160,16 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
             if isinstance(info, dict):
                 if rec.role == Role.ROUTER:
                     router_workers = info.get("workers")
+                    hold = info.get("hold") if isinstance(info.get("hold"), dict) else None
                 else:
                     ps.weight_version = info.get("weight_version")
         out.append(ps)
     order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
     out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
-    engines, daemons = _engines(state, out, router_workers), daemon_status(state, nodes)
+    engines, daemons = _engines(state, out, router_workers, hold), daemon_status(state, nodes)
     result = ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
     result.step = _step(state)
+    result.hold = hold
     return result
 
 
@@ -201,26 +208,34 @@ def rotation_of(worker: dict[str, Any] | None) -> str | None:
 
 
 def _engines(
-    state: ClusterState, processes: list[ProcessStatus], router_workers: list[dict[str, Any]] | None
+    state: ClusterState,
+    processes: list[ProcessStatus],
+    router_workers: list[dict[str, Any]] | None,
+    hold: dict[str, Any] | None = None,
 ) -> list[EngineStatus]:
     by_id = {p.id: p for p in processes}
+    listed = {w.get("url"): w for w in router_workers or [] if isinstance(w, dict)}
     out = []
     for engine in state.plan.get("engines", []):
         ids = list(engine["process_ids"])
         problem = None
+        paused = False
         for pid in ids:
             p = by_id.get(pid)
             if p is None or p.alive is False:
                 problem = f"{pid} is not running"
             elif p.alive is None:
                 problem = f"{pid} cannot be reached ({p.error})"
+            elif p.healthy is False and hold is not None and (listed.get(engine.get("url")) or {}).get("is_healthy"):
+                # Paused by the update that holds the router: SGLang's /health (a generation) waits
+                # while paused; the router, which reads /model_info meanwhile, says it is alive.
+                paused = True
             elif p.healthy is False:
                 problem = f"{pid} fails its health check"
             if problem:
                 break
-        rotation = None
-        if router_workers is not None and engine.get("url") and problem is None:
-            listed = {w.get("url"): w for w in router_workers if isinstance(w, dict)}
+        rotation = f"paused: the router is {hold.get('reason')}" if paused and hold is not None else None
+        if router_workers is not None and engine.get("url") and problem is None and not paused:
             rotation = rotation_of(listed.get(engine["url"]))
             peer = by_id[ids[0]].peer if ids and ids[0] in by_id else None
             if rotation and peer and peer.get("state") != "done":  # why no peer brought the fleet's weights

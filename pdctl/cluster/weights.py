@@ -50,12 +50,16 @@ class WeightsStatus:
     """The router's record of the latest push: version, state, complete and failed engines, group."""
     engines: list[EngineWeights] = field(default_factory=list)
     router_error: str | None = None
+    hold: dict[str, Any] | None = None
+    """What holds the router's new requests now (a framework's pause, a push), and since when."""
 
     @property
     def ok(self) -> bool:
-        """Every engine answers, none is out of rotation, and all share one version."""
+        """Every engine answers, none is out of rotation, all share one version, and nothing
+        holds the router's requests."""
         versions = {e.version for e in self.engines}
-        return all(e.error is None and e.out_of_rotation is None for e in self.engines) and len(versions) == 1
+        engines_ok = all(e.error is None and e.out_of_rotation is None for e in self.engines)
+        return engines_ok and len(versions) == 1 and self.hold is None
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
@@ -109,6 +113,7 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
             else:
                 router = answer
                 result.last_push = answer.get("last_push")
+                result.hold = answer.get("hold")
         used = ((result.last_push or {}).get("group") or {}).get("ranks") or {}
         quarantine = router.get("quarantine") or {}
         workers = {w.get("url"): w for w in router.get("workers") or [] if isinstance(w, dict)}

@@ -81,8 +81,10 @@ class RouterServer:
             config, self.registry, self.updates, self._client, admission.idle, admission.in_flight
         )
         self.facade = SGLangFacade(config, self.transactions)
-        self.holds = HoldRoutes(self.updates, self.registry, admission, self._client)
-        self.worker_api = WorkerApi(config, self.registry, self.health_checks, self._client)
+        self.holds = HoldRoutes(self.updates, self.registry, admission, self._client, self.transactions.hold_state)
+        self.worker_api = WorkerApi(
+            config, self.registry, self.health_checks, self._client, self.transactions.hold_state
+        )
         self.registry.on_hung.append(self._hung)
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count()
@@ -273,6 +275,9 @@ class RouterServer:
 
     async def readiness(self, _: Request) -> Reply:
         ready, in_rotation, why = self._ready()
+        hold = self.transactions.hold_state()
+        if hold is not None:  # requests wait: the router cannot serve one now, whatever its workers
+            ready, why = False, hold["reason"]
         body: dict[str, Any] = {
             "status": "ready" if ready else "not_ready",
             "healthy_workers": in_rotation,
@@ -280,10 +285,15 @@ class RouterServer:
         }
         if why:
             body["reason"] = why
+        if hold is not None:
+            body["hold"] = hold
         return json_reply(body, 200 if ready else 503)
 
     async def health_generate(self, _: Request) -> Reply:
         ready, _count, why = self._ready()
+        hold = self.transactions.hold_state()
+        if hold is not None:
+            ready, why = False, hold["reason"]
         if ready:
             return text_reply("At least one router has healthy workers")
         return errors.error_response(503, errors.NO_WORKERS, f"the router cannot serve: {why}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdctl.peer_weights import PENDING
+from pdctl.refit import PARTIAL_LABEL, UPDATING_LABEL
 
 STALE = "stale weights"
 """How a quarantine reason of this rule begins (other reasons, a push's failures, are not ours)."""
@@ -33,4 +34,18 @@ class FleetWeights:
             then = "its supervisor is loading the fleet's weights into it from a peer engine"
         else:
             then = f"loading {self.source}" if self.source else "until the next weight push reaches it"
-        return f"{STALE}: it holds {held!r}, the fleet is at {self.version!r}; {then}"
+        return f"{STALE}: it holds {_named(held)}, the fleet is at {self.version!r}; {then}"
+
+    @staticmethod
+    def flux_reason(held: str | None) -> str:
+        """Why an engine whose label says its weights move or are half done is out, when the fleet
+        has no version yet (no update completed since the router's state began)."""
+        return f"{STALE}: it holds {_named(held)}; until a whole weight update reaches it"
+
+
+def _named(held: str | None) -> str:
+    if isinstance(held, str) and held.startswith(UPDATING_LABEL):
+        return f"part of weight update {held.removeprefix(UPDATING_LABEL)}, which did not finish ({held!r})"
+    if isinstance(held, str) and held.startswith(PARTIAL_LABEL):
+        return f"part of weight update {held.removeprefix(PARTIAL_LABEL)}, which failed ({held!r})"
+    return repr(held)

@@ -12,6 +12,7 @@ import logging
 
 import aiohttp
 
+from pdctl.refit import in_flux
 from pdctl.router.config import RouterConfig
 from pdctl.router.fleet_weights import STALE, FleetWeights
 from pdctl.router.workers import Worker, WorkerRegistry
@@ -41,13 +42,16 @@ class VersionRule:
                 self.registry.set_quarantine(worker.url, fleet.stale_reason(worker.weight_version, updating=True))
             return
         stale = worker.quarantined is not None and worker.quarantined.startswith(STALE)
-        if fleet is None or worker.weight_version == fleet.version:
+        held = worker.weight_version
+        # A pdctl: label (weights moving or left half done) is never a version to serve, fleet or not.
+        if not in_flux(held) and (fleet is None or held == fleet.version):
             if stale:
                 self.registry.set_quarantine(worker.url, None)
             return
         if worker.quarantined is None or stale:
-            self.registry.set_quarantine(worker.url, fleet.stale_reason(worker.weight_version))
-        if fleet.source and worker.url not in self.registry.loading:
+            reason = fleet.stale_reason(held) if fleet is not None else FleetWeights.flux_reason(held)
+            self.registry.set_quarantine(worker.url, reason)
+        if fleet is not None and fleet.source and worker.url not in self.registry.loading:
             task = asyncio.create_task(self._load(session, worker, fleet), name=f"pdctl-router-load {worker.url}")
             self.registry.loading[worker.url] = task
             task.add_done_callback(functools.partial(self._loaded, worker.url))

@@ -34,12 +34,15 @@ class WorkerApi:
         registry: WorkerRegistry,
         health: HealthChecks,
         session: Callable[[], aiohttp.ClientSession | None],
+        hold_state: Callable[[], dict[str, Any] | None] = lambda: None,
     ):
-        """``session``: the router's client session (made when it starts)."""
+        """``session``: the router's client session (made when it starts); ``hold_state``: what
+        holds new requests now (pdctl.router.transaction ``hold_state``)."""
         self.config = config
         self.registry = registry
         self.health = health
         self.session = session
+        self.hold_state = hold_state
 
     def add_routes(self, r: Routes) -> None:
         r.add("GET", "/workers", self.list_workers)
@@ -50,9 +53,15 @@ class WorkerApi:
         r.add("POST", "/pdctl/refresh", self.refresh)
 
     async def list_workers(self, _: Request) -> Reply:
+        """sglang-router's answer, and ``hold`` while a weight update holds new requests (``pdctl
+        status`` reads it through its node's agent: paused engines are held, not down)."""
         workers = [w.to_dict() for w in self.registry.workers.values()]
         stats = {f"{role}_count": len(self.registry.of_role(role)) for role in ENGINE_ROLES}
-        return json_reply({"workers": workers, "total": len(workers), "stats": stats})
+        body: dict[str, Any] = {"workers": workers, "total": len(workers), "stats": stats}
+        hold = self.hold_state()
+        if hold is not None:
+            body["hold"] = hold
+        return json_reply(body)
 
     async def add_worker(self, request: Request) -> Reply:
         """``{"url", "worker_type", "bootstrap_port", "api_key"}``; ``api_key`` (write-only, never

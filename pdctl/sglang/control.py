@@ -52,6 +52,8 @@ their own and reach the model only after the receive, so the model is untouched
 ``Failed to update parameter online: ... partially updated`` instead, with no rollback."""
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """What ``/release_memory_occupation`` releases when it names no tags (SGLang's ``constants.py``)."""
+PARTIALLY_UPDATED = "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
+"""What SGLang adds to a failed load after the receive (``model_runner.py``): no rollback."""
 BODY_REQUIRED = "1 validation error: body: Field required"
 """SGLang's 400 for a control route sent with no body (FastAPI's validation of a required body)."""
 

@@ -348,7 +348,15 @@ class WeightGroupMember:
         started = time.perf_counter()
         for peer in self._peers:
             peer.send(command)
-        received = receive(group, specs, load_format, destination, mode)
+        try:
+            received = receive(group, specs, load_format, destination, mode)
+        except BaseException:
+            # Every helper's answer to this command is read even when this rank's receive failed: a
+            # reply left in a pipe would be read as the answer to the next command (every later update
+            # would compare its digest with this one's).
+            with contextlib.suppress(SimError):
+                self._collect("recv")
+            raise
         done = time.perf_counter()
         sums = self._collect("recv")
         mine = received.digest

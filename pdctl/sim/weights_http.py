@@ -23,6 +23,8 @@ from pdctl.sglang.control import (
     GROUP_INITIALIZED,
     NO_GROUP_TO_DESTROY,
     OUTSIDE_SESSION,
+    PARTIALLY_UPDATED,
+    RECEIVE_FAILED,
     UPDATED_ONLINE,
     group_name,
     missing_group,
@@ -91,6 +93,24 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+class _Received(Exception):
+    """An update call's receive did not go into the model; ``touched``: part of it did."""
+
+    def __init__(self, message: str, *, touched: bool):
+        super().__init__(message)
+        self.touched = touched
+
+
+def _misfit(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], params: dict[str, torch.nn.Parameter]) -> str | None:
+    """Why the model cannot take an update's tensors (the first unknown name or wrong shape), if it cannot."""
+    for name, _, shape in specs:
+        if name not in params:
+            return f"unknown parameter {name!r}"
+        if tuple(params[name].shape) != shape:
+            return f"{name}: shape {shape} != model's {tuple(params[name].shape)}"
+    return None
+
+
 class WeightRoutes:
     def __init__(self, service: SimService):
         self.s = service
@@ -141,11 +161,24 @@ class WeightRoutes:
         if name not in members.groups:
             return _fail(missing_group(name, list(members.groups)))
 
+        load_format = body.get("load_format")
+
         def run() -> str | None:
             with engine.exclusive():
                 params = dict(model.named_parameters())
-                tensors = members.receive(specs, body.get("load_format"), params, group_name=name).tensors
-                model.load_weights(tensors)
+                # The sim receives straight into its parameters; a name or shape it cannot take is
+                # found first, and then the whole call is received into a buffer of its own (the
+                # trainer's broadcast completes) and refused with the model untouched. SGLang
+                # receives into buffers, loads after, and may be left partial (its message says so).
+                misfit = _misfit(specs, params)
+                in_place = misfit is None and load_format in (None, "auto")
+                try:
+                    received = members.receive(specs, load_format, params if in_place else None, group_name=name)
+                except (SimError, RuntimeError) as exc:
+                    raise _Received(str(exc), touched=in_place) from exc
+                if misfit is not None:
+                    raise _Received(misfit, touched=False)
+                model.load_weights(received.tensors)
                 if body.get("weight_version") is not None:
                     engine.set_weight_version(str(body["weight_version"]))
                 if body.get("flush_cache", True) and engine.stats()["num_running_reqs"]:
@@ -154,8 +187,12 @@ class WeightRoutes:
 
         try:
             problem = await asyncio.to_thread(run)
+        except _Received as exc:
+            if exc.touched:
+                return _fail(f"Failed to update parameter online: {exc}. {PARTIALLY_UPDATED}")
+            return _fail(f"{RECEIVE_FAILED}: {exc}")
         except (SimError, RuntimeError) as exc:
-            return _fail(f"Failed to receive weights: {exc}")
+            return _fail(f"{RECEIVE_FAILED}: {exc}")
         if problem:
             return _fail(problem)
         return _ok(UPDATED_ONLINE)

@@ -31,12 +31,15 @@ class HoldRoutes:
         registry: WorkerRegistry,
         admission: Admission,
         session: Callable[[], aiohttp.ClientSession | None],
+        hold_state: Callable[[], dict[str, Any] | None] = lambda: None,
     ):
-        """``session``: the router's client session (made when it starts)."""
+        """``session``: the router's client session (made when it starts); ``hold_state``: what
+        holds new requests now, in words (pdctl.router.transaction ``hold_state``)."""
         self.updates = updates
         self.registry = registry
         self.admission = admission
         self.session = session
+        self.hold_state = hold_state
         self._tasks: set[asyncio.Task] = set()
         updates.on_lapse.append(self._lapsed)
 
@@ -94,6 +97,7 @@ class HoldRoutes:
                 "held": self.updates.holder is not None,
                 "holder": self.updates.holder,
                 "holder_driver": self.updates.holder_driver,
+                "hold": self.hold_state(),
                 "last_push": None if last is None else last.to_json(),
                 "workers": workers,
                 "quarantine": dict(self.registry.quarantine),

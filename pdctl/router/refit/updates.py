@@ -136,6 +136,20 @@ class WeightUpdates:
     def holder_driver(self) -> Driver | None:
         return self._holder.driver if self._holder is not None and self._holder.txn is not None else None
 
+    def hold_state(self) -> dict[str, Any] | None:
+        """While a hold keeps the gate closed: its txn, driver, since when (epoch seconds) and for
+        how long; None while requests flow."""
+        secs = self.held_secs()
+        if secs is None:
+            return None
+        holder = self._holder
+        return {
+            "txn": holder.txn if holder is not None else None,
+            "driver": holder.driver.value if holder is not None and holder.txn is not None else None,
+            "since": time.time() - secs,
+            "secs": round(secs, 1),
+        }
+
     def held_secs(self) -> float | None:
         """How long the current hold has kept the gate closed (None: it is open)."""
         return None if self.gate.is_open else time.monotonic() - self._held_at

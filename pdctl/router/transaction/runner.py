@@ -134,6 +134,23 @@ class FleetTransactions:
     ) -> list[WorkerAnswer]:
         return await call_all(self.session, list(workers), "POST", endpoint.value, body, secs)
 
+    def hold_state(self) -> dict[str, Any] | None:
+        """What holds the router now, if anything (``WeightUpdates.hold_state`` with ``by``, in
+        words: whose transaction, and what opened it), for every health surface to say."""
+        state = self.updates.hold_state()
+        if state is None:
+            return None
+        txn = self.current
+        if txn is not None and txn.id == state["txn"]:
+            state["by"] = f"{'memory released by a framework' if txn.released else txn.opener} ({txn.id})"
+        elif state["txn"] is not None:
+            state["by"] = f"weight push {state['txn']}"
+        else:
+            state["by"] = "a hold with no transaction"
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state["since"]))
+        state["reason"] = f"held by {state['by']} since {since} ({state['secs']:.0f} s)"
+        return state
+
     def foreign(self) -> str | None:
         """Why a call that acts on paused engines is refused: another transaction (a
         ``pdctl.weights`` push) holds the router and its engines."""
