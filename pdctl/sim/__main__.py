@@ -77,6 +77,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         prefill_ms_per_token=sim.prefill_ms_per_token,
         decode_ms_per_step=sim.decode_ms_per_step,
         weight_digest=sim.weight_digest,
+        weight_group_timeout_secs=sim.weight_group_timeout_secs,
         max_n=sim.max_n,
         max_sequences_per_request=sim.max_sequences_per_request,
         max_request_tokens=sim.max_request_tokens,

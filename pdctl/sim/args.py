@@ -105,6 +105,7 @@ class SimOptions:
     max_n: int = DEFAULT_MAX_N
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    weight_group_timeout_secs: float = 300.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="How the engine's TP ranks compare each weight update they received (SGLang does not): "
         "full reads every byte; sample reads names, sizes, each tensor's ends and 64 words (default full).",
     )
+    sim.add_argument(
+        "--sim-weight-group-timeout-secs",
+        type=float,
+        default=300.0,
+        help="How long a rank of a weight group waits in a collective (a broadcast whose trainer died) before it "
+        "fails; SGLang's groups use torch's default, 30 minutes (default 300).",
+    )
     limits = parser.add_argument_group("sim only (request bounds; SGLang has none; beyond: 400 naming the flag)")
     limits.add_argument(
         "--sim-max-n", type=int, default=DEFAULT_MAX_N, help=f"Largest n of one request (default {DEFAULT_MAX_N})."
@@ -185,6 +193,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
         args.sim_max_n,
         args.sim_max_sequences_per_request,
         args.sim_max_request_tokens,
+        args.sim_weight_group_timeout_secs,
     )
 
 

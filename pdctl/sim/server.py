@@ -92,7 +92,9 @@ class SimServer:
                 raise SimError(f"loading the weights from the seed instance failed: {exc}") from exc
         register_forward_hooks(model, c.forward_hooks)  # once, at load, as SGLang's ModelRunner does
         local_ranks = c.layout.tp_per_node if c.layout else c.tp_size
-        self._members = await asyncio.to_thread(WeightGroupMember, local_ranks, peers, c.weight_digest)
+        self._members = await asyncio.to_thread(
+            WeightGroupMember, local_ranks, peers, c.weight_digest, c.weight_group_timeout_secs
+        )
         kv_store, bootstrap_port = None, c.bootstrap_port
         # With --enable-pd-role-switch every PD engine serves KV from the start (SGLang's
         # disagg_service.py): one switched to prefill already has its bootstrap server.

@@ -292,15 +292,21 @@ class WeightGroupMember:
     as SGLang keeps them (``model_runner_components/weight_updater.py``: a dict by group name;
     joining a name again replaces that group)."""
 
-    def __init__(self, local_ranks: int, peers: Sequence[Peer] = (), digest_mode: str = "full"):
+    def __init__(
+        self, local_ranks: int, peers: Sequence[Peer] = (), digest_mode: str = "full", timeout_secs: float = 300.0
+    ):
+        """``timeout_secs``: how long each rank waits in a group's rendezvous and collectives."""
         Digest(digest_mode)  # refuses an unknown mode before any process starts
         self.digest_mode = digest_mode
+        self.timeout_secs = timeout_secs
         ctx = mp.get_context("spawn")
         self._peers: list[Peer] = [HelperProcess(ctx) for _ in range(local_ranks - 1)] + list(peers)
+        self._owed = [0] * len(self._peers)
+        """Replies each peer still owes to commands this rank stopped waiting for (see ``receive``)."""
         self.tp_size = local_ranks + sum(p.ranks for p in peers)
         self.groups: dict[str, tuple[dist.ProcessGroup, GroupSpec]] = {}
 
-    def init(self, spec: GroupSpec, timeout_secs: float = 300.0) -> None:
+    def init(self, spec: GroupSpec, timeout_secs: float | None = None) -> None:
         """Join ``spec.group_name`` as ranks rank_offset .. rank_offset + tp_size - 1 (blocks until
         all ranks join); a group of that name already joined is left first."""
         if spec.rank_offset < 1 or spec.rank_offset + self.tp_size > spec.world_size:
@@ -310,6 +316,7 @@ class WeightGroupMember:
             )
         if spec.group_name in self.groups:
             self.destroy(spec.group_name)
+        timeout_secs = self.timeout_secs if timeout_secs is None else timeout_secs
         rank = spec.rank_offset + 1
         for peer in self._peers:  # every other rank joins concurrently with this one (or none can)
             peer.send(init_command(spec, rank, timeout_secs))
@@ -351,11 +358,11 @@ class WeightGroupMember:
         try:
             received = receive(group, specs, load_format, destination, mode)
         except BaseException:
-            # Every helper's answer to this command is read even when this rank's receive failed: a
-            # reply left in a pipe would be read as the answer to the next command (every later update
-            # would compare its digest with this one's).
-            with contextlib.suppress(SimError):
-                self._collect("recv")
+            # This rank answers its failure now, as SGLang's TP rank 0 does; the other ranks may still
+            # wait in the broadcast (one fed through another rank waits out the group's timeout). Their
+            # replies are owed: the next command reads and drops them first, so that none is taken for
+            # its own answer (every later update failed 'TP ranks received different tensors').
+            self._owed = [n + 1 for n in self._owed]
             raise
         done = time.perf_counter()
         sums = self._collect("recv")
@@ -391,7 +398,11 @@ class WeightGroupMember:
     def _collect(self, what: str) -> list[Any]:
         results: list[Any] = []
         failures: list[Any] = []
-        for peer in self._peers:  # every peer answers before we judge, so none is left mid-command
+        for i, peer in enumerate(self._peers):  # every peer answers before we judge, so none is left mid-command
+            while self._owed[i]:  # (it answers in order: first what an earlier, failed command still owed)
+                ok, value = peer.recv()
+                self._owed[i] -= 1
+                log.info("TP rank %d's late answer to a failed command: %s", i + 1, value if not ok else "done")
             ok, value = peer.recv()
             (results if ok else failures).append(value)
         if failures:

@@ -298,6 +298,13 @@ class SGLangFacade:
             return _fail(400, f"init_weights_update_group: {exc}")
         async with self._lock:
             await self._end_implicit()
+            txn = self.txns.current
+        if txn is None:
+            return await self._init_group(spec)
+        async with self.txns.call(txn):  # the framework's rendezvous may take a while: no lapse under it
+            return await self._init_group(spec)
+
+    async def _init_group(self, spec: sg.InitGroup) -> Reply:
         engines = self.txns.engines()
         infos = await call_all(self.txns.session, engines, "GET", Endpoint.SERVER_INFO.value, None, INFO_SECS)
         silent = [f"{label(a.worker)} {a.why()}" for a in infos if not (a.ok and isinstance(a.body, dict))]
@@ -438,7 +445,7 @@ def _audited(
     """Every facade call leaves an audit line (route and outcome; the key check has logged who);
     a refusal or failure also a WARNING with its message, so that the framework's user reads why."""
 
-    async def audited(request: Request) -> Reply:
+    async def answer(request: Request) -> Reply:
         try:
             reply = await handler(request)
         except ValueError as exc:  # a body that is not JSON
@@ -448,4 +455,21 @@ def _audited(
             log.warning("%s %s answered %d: %s", method, path, reply.status, reply.reason or "")
         return reply
 
+    async def audited(request: Request) -> Reply:
+        # A control call acts on the whole fleet: a client that goes away (its trainer killed, a
+        # Ctrl-C) must not cut it half way, so it runs to its end in a task of its own, which the
+        # client's cancellation does not reach; its outcome is logged all the same.
+        task = asyncio.ensure_future(answer(request))
+        _running.add(task)
+        task.add_done_callback(_running.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            log.warning("%s %s: its client went away; the call goes on to its end", method, path)
+            raise
+
     return audited
+
+
+_running: set[asyncio.Task] = set()
+"""Control calls whose client went away, kept referenced until they end."""

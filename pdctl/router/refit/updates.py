@@ -108,9 +108,11 @@ class _Holder:
     """Weights have begun to move (its driver said so): only then may its engines be half updated."""
 
 
-Lapsed = Callable[[str | None, bool, tuple[str, ...], Driver], None]
+Lapsed = Callable[[str | None, bool, tuple[str, ...], Driver], bool | None]
 """Told when a transaction's lease ran out: its txn, whether weights had begun to move, its
-engines (paused by it: someone must continue them) and its driver."""
+engines (paused by it: someone must continue them) and its driver. A listener that answers True
+ends the transaction itself (``release``, once its engines are fit to serve): the gate stays
+closed until then."""
 
 
 class WeightUpdates:
@@ -295,6 +297,16 @@ class WeightUpdates:
     def _lapse(self, holder: _Holder, lease: float) -> None:
         if self._holder is not holder:
             return
+        holder.lease = None
+        if holder.driver is Driver.FRAMEWORK and holder.txn is not None:
+            # The router's own transaction (pdctl.router.transaction) ends it: memory given back
+            # and engines continued before a request may reach them.
+            for told in list(self.on_lapse):
+                try:
+                    if told(holder.txn, holder.moved, holder.engines, holder.driver):
+                        return
+                except Exception:
+                    log.exception("a lapse listener failed")
         txn = holder.txn
         last = self.last
         ours = txn is not None and last is not None and last.txn == txn and not last.ended
@@ -331,6 +343,8 @@ class WeightUpdates:
             self.metrics.weight_update_ended("abandoned", {}, self.held_secs())
         self.registry.updating = False
         self.gate.open()
+        if holder.driver is Driver.FRAMEWORK and txn is not None:
+            return  # its listeners heard it above and none took it
         for told in list(self.on_lapse):
             try:
                 told(txn, moved, holder.engines, holder.driver)

@@ -285,10 +285,12 @@ class FleetTransactions:
             outcome = await self.fail(txn, f"{named}; nothing was sent to the other engines")
             raise UpdateFailed(outcome, tuple(dead))
         body = update.to_body(flush_cache=False, weight_version=None, group_name=group.name)
+        txn.sending.update(w.url for w in workers)
         with txn.timed("transfer"):
             answers = await self.call_all(
                 workers, Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, secs=self.config.admission.request_timeout_secs
             )
+        txn.sending.difference_update(w.url for w in workers)
         txn.names.extend(update.names)
         if update.weight_version is not None:
             txn.version = update.weight_version
@@ -329,11 +331,13 @@ class FleetTransactions:
         txn.version = disk.weight_version or txn.version or new_version()
         txn.source = disk.model_path
         await self._move(txn, Moved.DISK)
+        txn.sending.update(w.url for w in txn.engines)
         with txn.timed("transfer"):
             answers = await self.call_all(
                 txn.engines, Endpoint.UPDATE_WEIGHTS_FROM_DISK, disk.to_body(None),
                 secs=self.config.admission.request_timeout_secs,
             )  # fmt: skip
+        txn.sending.clear()
         for a in answers:
             txn.mark(a.worker.url, mark_of_load(a), None if a.ok else f"load: {a.why()}")
         loaded = txn.engines_marked(Mark.LOADED)
@@ -446,13 +450,12 @@ class FleetTransactions:
         txn.sessions.clear()
         return answers
 
-    async def _close(self, txn: FleetTxn, complete: list[Worker], *, release: bool = True) -> None:
+    async def _close(self, txn: FleetTxn, complete: list[Worker]) -> None:
         """The end every transaction shares: labels made true, every engine continued, the router
-        released (unless its lease ran out: it is already): ``complete`` engines hold the version,
-        changed ones that are not leave rotation."""
+        released: ``complete`` engines hold the version, changed ones that are not leave rotation."""
         done = {w.url for w in complete}
-        broken = [w for w in txn.engines if txn.marks.get(w.url, Mark.UNTOUCHED).changed and w.url not in done]
-        restore = [w for w in txn.engines if not txn.marks.get(w.url, Mark.UNTOUCHED).changed and w.url in txn.prior]
+        broken = [w for w in txn.engines if txn.may_have_changed(w.url) and w.url not in done]
+        restore = [w for w in txn.engines if not txn.may_have_changed(w.url) and w.url in txn.prior]
         with txn.timed("continue"):
             relabels = [self._label(broken, PARTIAL_LABEL + txn.id)] if broken else []
             for version, group in itertools.groupby(
@@ -489,9 +492,8 @@ class FleetTransactions:
         if self.current is txn:
             self.current = None
         self._keep()
-        if release:
-            ended = Release(txn.id, tuple(done), reasons, dict(txn.phases), moved=txn.moved is not Moved.NOTHING)
-            await self.updates.release(ended, self._session())
+        ended = Release(txn.id, tuple(done), reasons, dict(txn.phases), moved=txn.moved is not Moved.NOTHING)
+        await self.updates.release(ended, self._session())
 
     async def _verify(self, workers: list[Worker], names: list[str]) -> dict[str, str]:
         """Engines whose checksums of ``names`` differ from the strict majority's (module docstring)."""
@@ -523,22 +525,19 @@ class FleetTransactions:
         return label(worker) if worker is not None else url
 
     # -- when the driver is gone -------------------------------------------------------------------------
-    def _lapsed(self, txn_id: str | None, moved: bool, engines: tuple[str, ...], driver: Driver) -> None:
-        """No call came for ``framework_lease_secs``: the router already lets requests in again.
-        Engines the transaction may have changed leave rotation now (before any request reaches
-        them); then, in the background, memory is given back, sessions closed, labels made true
-        and every engine continued."""
+    def _lapsed(self, txn_id: str | None, moved: bool, engines: tuple[str, ...], driver: Driver) -> bool:
+        """No call came for ``framework_lease_secs``: the transaction ends as a failure does (its
+        driver is gone). The gate stays closed until its memory is back and its engines are
+        continued (``_close`` releases it); engines it may have changed leave rotation."""
         txn = self.current
         if txn is None or txn.id != txn_id:
-            return
-        txn.failure = f"nothing came for {self.lease_secs:.0f}s after its driver's last call"
+            return False
+        left = "memory released and not resumed" if txn.released else LEFT_OPEN[txn.opener]
+        txn.failure = f"nothing came for {self.lease_secs:.0f}s after its driver's last call ({left})"
         self.current = None
-        for url in txn.changed():
-            self.registry.set_quarantine(url, f"weight update {txn.version or txn.id} stopped half way ({txn.failure})")
         log.error(
-            "transaction %s (%s): %s; its engines are continued%s",
+            "transaction %s: %s; its engines are continued%s",
             txn.id,
-            "memory released and not resumed" if txn.released else LEFT_OPEN[txn.opener],
             txn.failure,
             f" and {len(txn.changed())} out of rotation until a whole update" if txn.changed() else "",
         )
@@ -546,9 +545,10 @@ class FleetTransactions:
         async def finish() -> None:
             await self._resume_all(txn)
             await self._end_sessions(txn)
-            await self._close(txn, [], release=False)
+            await self._close(txn, [])
 
         self._background(finish())
+        return True
 
     async def recover(self) -> None:
         """At the router's start: end what a transaction of a killed predecessor left (its

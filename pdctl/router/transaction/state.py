@@ -155,6 +155,8 @@ class FleetTxn:
     """Engines in an SGLang weight-update session (0.5.21+) it opened, by URL."""
     names: list[str] = field(default_factory=list)
     """Tensors updated from distributed, in order (verified at the end)."""
+    sending: set[str] = field(default_factory=set)
+    """URLs an update call is in flight to: each may be receiving into its model until it answers."""
     released: dict[str, frozenset[str]] = field(default_factory=dict)
     """URL -> memory tags released on that engine and not resumed yet."""
     version: str | None = None
@@ -201,12 +203,17 @@ class FleetTxn:
         if why is not None:
             self.why.setdefault(url, why)
 
+    def may_have_changed(self, url: str) -> bool:
+        """Whether ``url``'s weights may differ from what it held before the transaction: its mark
+        says so, or a call to it is still in flight (it never answered: a router that gave up on it)."""
+        return self.marks.get(url, Mark.UNTOUCHED).changed or url in self.sending
+
     def changed(self) -> list[str]:
         """Engines whose weights may differ from what they held before the transaction."""
-        return [url for url, m in self.marks.items() if m.changed]
+        return [url for url in self.marks if self.may_have_changed(url)]
 
     def unchanged(self) -> list[str]:
-        return [url for url, m in self.marks.items() if not m.changed]
+        return [url for url in self.marks if not self.may_have_changed(url)]
 
     def engines_marked(self, *marks: Mark) -> list[Worker]:
         return [w for w in self.engines if self.marks.get(w.url) in marks]
