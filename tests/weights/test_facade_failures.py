@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -314,7 +313,7 @@ def test_released_memory_is_read_as_sglang_reads_it_and_bounded_like_a_pause(fle
     router holds requests meanwhile and says so; a second release and a resume of what is not
     released are refused (each would end an SGLang engine); a framework that dies with the
     memory released gets it back after the lease, and requests flow."""
-    procs, router = fleet
+    _procs, router = fleet
     status, out = http("POST", router.url + "/release_memory_occupation")
     assert status == 400 and "Field required" in out["error"]["message"], out
     assert post(router.url + "/release_memory_occupation", {"tags": "weights"})[0] == 400
