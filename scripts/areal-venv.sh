@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv-areal: AReaL 1.0.4's own client code (RemoteSGLangEngine, its WeightUpdateMeta, name_resolve)
-# importable on CPU, for the tests that drive pdctl's engines with AReaL itself. Idempotent.
+# Create .venv-areal: the RL frameworks' own client code importable on CPU, for the tests that drive pdctl's
+# engines with it: AReaL 1.0.4 (RemoteSGLangEngine, its WeightUpdateMeta, name_resolve) and skyrl-train 0.3.1
+# (RemoteInferenceEngine, InferenceEngineClient, its broadcast weight sync). Idempotent.
 #   scripts/areal-venv.sh        needs .venv (scripts/setup.sh); prints the interpreter's path once it made it
 #
 # AReaL is installed with --no-deps (its metadata pulls in CUDA torch, sglang, wandb, litellm, ...), then
@@ -22,7 +23,7 @@ base_sp=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["pu
 # A second run costs about a second: nothing is installed again unless this script, the repo's path or
 # .venv's set of installed distributions (e.g. another torch) changed: the stamp holds their hash.
 stamp=$VENV/.pdctl-areal-venv
-want=$( { cat "$self"; echo "$root"; ls "$base_sp" | grep -E '\.(dist|egg)-info$' || true; } | sha256sum | cut -d' ' -f1)
+want=$( { cat "$self" tests/frameworks/skyrl_compat.py; echo "$root"; ls "$base_sp" | grep -E '\.(dist|egg)-info$' || true; } | sha256sum | cut -d' ' -f1)
 if [ -x $VENV/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0 # made already: quiet (scripts/setup.sh says one line when it has nothing to do)
 fi
@@ -40,6 +41,10 @@ PIP=(.venv/bin/python -m pip --python $VENV/bin/python --disable-pip-version-che
 # Quiet when it works; all of pip's output when not.
 pip_install() { local out; if ! out=$("${PIP[@]}" install "$@" 2>&1); then echo "$out" >&2; exit 1; fi; }
 pip_install --no-deps areal==1.0.4
+# skyrl-train 0.3.1 declares Python >= 3.12 and pulls in vllm, flash-attn, ...: its remote-engine client and
+# broadcast weight sync use none of that (what they import is installed here for AReaL, plus loguru).
+pip_install --no-deps --ignore-requires-python skyrl-train==0.3.1
+pip_install loguru
 # What those imports need (AReaL's own pins where a version matters); pip takes the rest from .venv.
 pip_install \
   'transformers>=5.0.0,<=5.3.0' 'hydra-core==1.4.0.dev1' 'omegaconf==2.4.0.dev2' 'aiohttp>=3.13.3,<4' \
@@ -63,6 +68,12 @@ from areal.engine.core.distributed import init_custom_process_group  # noqa: F40
 from areal.engine.sglang_remote import RemoteSGLangEngine  # noqa: F401
 from areal.utils import name_resolve  # noqa: F401
 
+sys.path.insert(0, "tests/frameworks")
+import skyrl_compat  # noqa: F401,E402  (ray's moved class, before skyrl_train imports it)
+from skyrl_train.inference_engines.inference_engine_client import InferenceEngineClient  # noqa: F401,E402
+from skyrl_train.inference_engines.remote_inference_engine import create_remote_inference_engines  # noqa: F401,E402
+from skyrl_train.weight_sync import BroadcastTransferStrategy  # noqa: F401,E402
+
 assert torch.__file__.startswith(sys.argv[1]), f"torch from {torch.__file__}, not .venv"
 EOF
 ); then
@@ -70,4 +81,5 @@ EOF
   exit 1
 fi
 echo "$want" >"$stamp"
-echo "areal-venv: $root/$VENV/bin/python (AReaL $($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("areal"))'), torch from .venv)"
+versions=$($VENV/bin/python -c 'import importlib.metadata as m; print("AReaL", m.version("areal") + ", skyrl-train", m.version("skyrl-train"))')
+echo "areal-venv: $root/$VENV/bin/python ($versions, torch from .venv)"

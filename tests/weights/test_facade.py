@@ -15,7 +15,7 @@ import pytest
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from pdctl.weights import WeightSync, WeightSyncError
-from tests.helpers import RouterProcess, SimProcess, eventually, free_port, get, pd_router_args, post, sims
+from tests.helpers import RouterProcess, SimProcess, eventually, free_port, get, http, pd_router_args, post, sims
 from tests.weights.conftest import targets
 from tests.weights.framework import Load, Trainer
 
@@ -130,7 +130,7 @@ def test_skyrl_updates_with_no_pause_are_one_transaction(fleet, tmp_path):
     refused; the flush ends the transaction."""
     procs, router = fleet
     trainer_model = model(seed=62)
-    trainer = Trainer(router.url, WORLD, group_name="weight_update_group")
+    trainer = Trainer(router.url, WORLD, group_name="skyrl")  # skyrl-train's; its updates name no group
     try:
         assert trainer.init()[0] == 200
         with Load(router.url, max_new_tokens=8) as load:
@@ -150,7 +150,8 @@ def test_skyrl_updates_with_no_pause_are_one_transaction(fleet, tmp_path):
         assert load.versions[push["version"]] >= 1
     finally:
         trainer.close()
-        post(router.url + "/destroy_weights_update_group", {})
+        # skyrl-train's destroy has no body at all: the fleet's only group
+        assert http("POST", router.url + "/destroy_weights_update_group")[0] == 200
 
 
 def test_disk_update_between_pause_and_continue(fleet, tmp_path):
