@@ -43,11 +43,22 @@ def main() -> None:
                 "choices": [str(c) for c in action.choices] if action.choices else None,
                 "type": getattr(action.type, "__name__", None) if action.type else None,
                 "required": bool(action.required),
+                "default": _json_default(action.default),
             }
         )
     flags.sort(key=lambda f: f["names"][0])
     json.dump({"sglang_version": version("sglang"), "flags": flags}, sys.stdout, indent=1)
     sys.stdout.write("\n")
+
+
+def _json_default(value: object) -> object:
+    """The flag's default as JSON (None where SGLang's is no JSON value: what /server_info shows then
+    is not a constant pdctl can carry)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    return None
 
 
 if __name__ == "__main__":

@@ -221,7 +221,8 @@ def launch(
         by_node[spec.node].append(spec)
     # The engines whose key goes in a --config file (an older pdctl's key that begins with '-'
     # cannot: SGLang would read it as a flag; that one goes on the command line as before).
-    key_files = {s.id for s in specs if keys is not None and s.role.is_engine and not keys.engine.startswith("-")}
+    keyed_engines = keys is not None and keyed(state) and not keys.engine.startswith("-")
+    key_files = {s.id for s in specs if keyed_engines and s.role.is_engine}
 
     def spawn(ex: Executor) -> SpawnReply:
         payload = []
@@ -290,12 +291,19 @@ def spawn_entry(
         entry["peer_weights"] = dict(spec.peer_weights)
     if spec.liveness_secs and spec.url:  # probed on SGLang's open /ready (no key needed)
         entry["liveness"] = {"url": spec.url + "/ready", "timeout_secs": spec.liveness_secs}
+    if not keyed(state):  # engine_auth: none: the topology asked for engines any caller may reach
+        return entry
     if key_file:  # not in the plan: `pdctl plan` never shows it
         assert keys is not None
         entry["config"] = {"api-key": keys.engine}
     elif keys is not None and spec.role.is_engine:
         entry["argv"] = [*spec.argv, f"--api-key={keys.engine}"]  # one word: the key begins with '-'
     return entry
+
+
+def keyed(state: ClusterState) -> bool:
+    """Whether the cluster's engines take the engine key (``engine_auth: key``, the default)."""
+    return state.plan.get("engine_auth", "key") != "none"
 
 
 def _exit_file(spec: LaunchSpec) -> str:

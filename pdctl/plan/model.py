@@ -224,6 +224,8 @@ class Plan:
     max_staleness: int | None = None
     data_plane: DataPlaneSpec | None = None
     """Colocate with ``placement.data_plane``: the union world of trainer and engine ranks."""
+    engine_auth: str = "key"
+    """``engine_auth``: ``none`` starts engines without the engine key (pdctl.cluster.up)."""
 
     def process(self, process_id: str) -> LaunchSpec:
         for spec in self.processes:
@@ -254,4 +256,5 @@ class Plan:
             "trainer_startup_secs": self.trainer_startup_secs,
             "refit": {"mode": self.refit, "max_staleness": self.max_staleness},
             "data_plane": self.data_plane.to_dict() if self.data_plane else None,
+            "engine_auth": self.engine_auth,
         }

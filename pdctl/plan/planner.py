@@ -127,6 +127,7 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
         refit=top.weights.refit.value if top.weights is not None else RefitMode.DRAIN.value,
         max_staleness=top.weights.max_staleness if top.weights is not None else None,
         data_plane=data_plane,
+        engine_auth=top.engine_auth.value,
     )
 
 

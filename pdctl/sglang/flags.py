@@ -28,6 +28,9 @@ class FlagInfo:
     choices: tuple[str, ...] | None
     type_name: str | None
     required: bool
+    default: Any = None
+    """SGLang's default (None where it has none, or none that JSON can carry): what its
+    ``/server_info`` reports for a flag not given (tools/gen_sglang_flags.py)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ def server_flags() -> ServerFlagTable:
             choices=tuple(f["choices"]) if f["choices"] else None,
             type_name=f["type"],
             required=f["required"],
+            default=f.get("default"),
         )
         for f in raw["flags"]
     )

@@ -56,6 +56,7 @@ class Endpoint(Choice):
     RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
     RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
     METRICS = "/metrics"
+    LOADS = "/v1/loads"
 
     def __str__(self) -> str:
         return self.value

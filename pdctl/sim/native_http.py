@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
 
 from pdctl.errors import SimError
-from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body
+from pdctl.sglang import SPOKEN_VERSION, Endpoint, generate_error_body, server_flags
 from pdctl.sglang.control import memory_tags
 from pdctl.sglang.protocol import resolve_server_args
 from pdctl.sim.body import ContractError, ValidationError, read_json, read_object
@@ -40,6 +42,7 @@ def add_routes(app: web.Application, service: SimService) -> None:
     r.add_route("*", Endpoint.RELEASE_MEMORY_OCCUPATION.value, routes.release_memory)
     r.add_route("*", Endpoint.RESUME_MEMORY_OCCUPATION.value, routes.resume_memory)
     r.add_get(Endpoint.METRICS.value, routes.metrics)
+    r.add_get(Endpoint.LOADS.value, routes.loads)
 
 
 class NativeRoutes:
@@ -131,7 +134,11 @@ class NativeRoutes:
     async def server_info(self, _: web.Request) -> web.Response:
         s, c = self.s, self.s.config
         # The top level is the start-up configuration (a role switch shows in internal_states only).
-        info = resolve_server_args({**dict(c.server_args), "disaggregation_mode": c.disaggregation_mode})
+        # A flag not given is reported at SGLang's default, as SGLang reports it (slime asserts
+        # enable_memory_saver is False and a prefill's load_balance_method resolved from 'auto').
+        defaults = {f.dest: f.default for f in server_flags().flags}
+        given = {k: v for k, v in c.server_args if v is not None or k not in defaults}
+        info = resolve_server_args({**defaults, **given, "disaggregation_mode": c.disaggregation_mode})
         info.update(
             {
                 "model_path": c.model_path,
@@ -218,11 +225,50 @@ class NativeRoutes:
             return web.json_response(generate_error_body(str(exc)), status=400)
         return web.Response(body=b"null", content_type="application/json")
 
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's ``GET /v1/loads`` (``entrypoints/v1_loads.py``) for one DP rank: the core
+        scalars always (slime reads ``num_running_reqs`` + ``num_waiting_reqs`` after its abort
+        until they are 0), and ``disaggregation`` and ``queues`` unless ``include`` is ``core`` only.
+        An ``include`` section SGLang does not know fails as SGLang's does (an unhandled error: 500)."""
+        asked = request.query.get("include")
+        include = {part.strip() for part in asked.split(",")} if asked else None
+        if include is not None and not include <= LOAD_SECTIONS:
+            return web.Response(status=500, text="Internal Server Error")
+        s, c = self.s, self.s.config
+        stats = s.engine.stats()
+        running, waiting = stats["num_running_reqs"], stats["num_queue_reqs"] + s.prealloc_waiting
+        total = c.max_running_requests * s.model.config.context
+        load: dict[str, Any] = {
+            "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": total,
+            "num_active_tokens": 0, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": total,
+            "max_running_requests": c.max_running_requests, "token_usage": 0.0,
+            "gen_throughput": s.metrics.last_gen_throughput(), "cache_hit_rate": 0.0, "utilization": 0.0,
+            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+        }  # fmt: skip
+        if include is None or "all" in include or "disagg" in include:
+            load["disaggregation"] = {"mode": s.mode, "decode_prealloc_queue_reqs": s.prealloc_waiting}
+        if include is None or "all" in include or "queues" in include:
+            load["queues"] = {"waiting": stats["num_queue_reqs"], "paused": 0, "retracted": 0}
+        return web.json_response(
+            {
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "version": SPOKEN_VERSION,
+                "accelerator": None,
+                "num_accelerators": c.tp_size,
+                "loads": [load],
+            }
+        )
+
     async def metrics(self, _: web.Request) -> web.Response:
         if not self.s.config.enable_metrics:
             return web.json_response({"detail": "Not Found"}, status=404)
         stats = {**self.s.engine.stats(), "num_decode_prealloc_queue_reqs": self.s.prealloc_waiting}
         return web.Response(body=self.s.metrics.render(stats), content_type="text/plain")
+
+
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+"""``include`` sections SGLang 0.5.23's ``/v1/loads`` knows (``LoadSnapshot.VALID_SECTIONS``)."""
 
 
 async def refuse(request: web.Request, raw: Any, exc: SimError) -> web.StreamResponse:

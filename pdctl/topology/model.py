@@ -240,6 +240,15 @@ DEFAULT_BUCKET_MB = 1024
 ``pdctl.weights`` read it from here."""
 
 
+class EngineAuth(Choice):
+    """``engine_auth``: whether engines ask callers for the cluster's engine key."""
+
+    KEY = "key"
+    """SGLang's --api-key: the router, pdctl and the trainer hold it; nobody else is answered."""
+    NONE = "none"
+    """No key: anyone who reaches an engine's port is answered (slime's external-engine mode sends none)."""
+
+
 class WeightBackend(Choice):
     """The flat weight group's torch.distributed backend: ``nccl`` on GPUs, ``gloo`` on CPU."""
 
@@ -357,6 +366,7 @@ class Topology:
     trainer: TrainerConfig | None = None
     weights: WeightsConfig | None = None
     placement: Placement = field(default_factory=Placement)
+    engine_auth: EngineAuth = EngineAuth.KEY
 
     @property
     def data_plane_backend(self) -> DataPlaneBackend | None:
@@ -426,4 +436,5 @@ class Topology:
             trainer=trainer,
             weights=weights,
             placement=placement,
+            engine_auth=EngineAuth(raw.get("engine_auth", EngineAuth.KEY.value)),
         )

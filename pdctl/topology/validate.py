@@ -12,7 +12,7 @@ from collections import Counter
 from pdctl.errors import Issue
 from pdctl.roles import Role
 from pdctl.sglang import check_extra_args
-from pdctl.topology.model import DataPlaneBackend, ServerGroup, Topology
+from pdctl.topology.model import DataPlaneBackend, EngineAuth, ServerGroup, Topology
 
 COLOCATE_HEADROOM = 0.10  # TorchSpec's _HEADROOM_FRAC: CUDA context, NCCL buffers, fragmentation
 
@@ -21,7 +21,7 @@ def validate(top: Topology) -> list[Issue]:
     """Every semantic issue in ``top`` itself (whether it fits its nodes is the planner's to say)."""
     issues: list[Issue] = []
     checks = (_nodes, _node_refs, _groups, _pd_pairing, _role_switch, _extra_args, _weights, _trainer, _colocate)
-    for check in (*checks, _router, _router_settings):
+    for check in (*checks, _router, _router_settings, _engine_auth):
         issues += check(top)
     return issues
 
@@ -405,6 +405,23 @@ def _control_open_from(top: Topology) -> list[Issue]:
             )
         )
     return out
+
+
+def _engine_auth(top: Topology) -> list[Issue]:
+    """``engine_auth: none``: a warning that says what an engine without the key answers, and to whom."""
+    if top.engine_auth is not EngineAuth.NONE:
+        return []
+    hosts = sorted({n.host for n in top.nodes})
+    return [
+        Issue(
+            "engine_auth",
+            f"engines on {', '.join(hosts)} answer every caller that reaches their ports with no key: generation, "
+            "weight updates and groups, loads from disk, memory release, cache flush, pause and role switch",
+            severity="warning",
+            hint="only where the nodes' network is private to the cluster and its trainer (slime's external "
+            "engines send no key); the router and pdctl's own calls still hold their keys",
+        )
+    ]
 
 
 def _router(top: Topology) -> list[Issue]:
