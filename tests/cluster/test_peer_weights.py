@@ -440,3 +440,26 @@ def test_without_a_peer_of_its_tp_layout_a_killed_decode_waits_for_the_next_push
         assert "weights from a peer: none: no peer of this TP layout" in " ".join(st.stdout.split()), st.stdout
     finally:
         pdctl("down", "lone", env=env)
+
+
+def test_no_engine_seeds_while_a_fleet_update_moves_its_weights_or_after_one_left_them_half_done(tmp_path) -> None:
+    """A fleet transaction labels every engine pdctl:updating:<txn> before the first weight moves
+    and pdctl:partial:<txn> when it failed half way (pdctl.router.transaction): a restarting engine
+    takes neither as a seed (it came back from a peer holding 8 new and 9 old tensors, labelled with
+    the old version), and takes the seed once a whole update labels it."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with sims(tmp_path, ("--api-key", KEY)) as (seed,):
+        relay = _started_relay(seed.url)
+        try:
+            receiver = SeedSide("r", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
+            source = PeerSource(PeerPlan(receiver, (relay.me,)), KEY)
+            for label in ("pdctl:updating:framework-1", "pdctl:partial:framework-1"):
+                assert post(seed.url + "/update_weight_version", {"new_version": label}, headers=auth)[0] == 200
+                armed, detail = source.arm()
+                assert armed is None and "no peer of this TP layout holds weights past" in detail, (label, detail)
+            assert post(seed.url + "/update_weight_version", {"new_version": "fw-2"}, headers=auth)[0] == 200
+            armed, detail = source.arm()
+            assert armed is not None and armed.version == "fw-2", detail
+            source.disarm(armed)
+        finally:
+            relay.stop()
