@@ -177,7 +177,11 @@ def test_slime_external_engines_drive_a_fleet_with_engine_auth_none(tmp_path) ->
         assert down.returncode == 0, down.stderr
 
 
-def test_with_the_default_engine_key_slime_is_refused_at_its_first_call(tmp_path) -> None:
+def test_with_the_default_engine_key_slime_is_refused_and_a_frameworks_pause_is_named_everywhere(tmp_path) -> None:
+    """Default engine_auth: slime's first call gets 401. And a framework's pause (keyless, from
+    control_open_from) that nothing continues: `pdctl status` names the hold and shows the engines
+    paused, not down, and exits 1; so does `pdctl weights status`; both are fine again after the
+    framework's continue."""
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     topo = topology(tmp_path, "keyed")
     up = pdctl("up", topo, env=env)
@@ -187,5 +191,19 @@ def test_with_the_default_engine_key_slime_is_refused_at_its_first_call(tmp_path
         addr = found["settings"]["slime"]["--rollout-external-engine-addrs"].split()[0]
         response = requests.get(f"http://{addr.removeprefix('http://')}/server_info", timeout=30.0)
         assert response.status_code == 401
+        router = found["router"]
+        assert requests.post(f"{router}/pause_generation", json={}).status_code == 200
+        status = pdctl("status", "keyed", "--json", env=env)
+        assert status.returncode == 1, status.stdout
+        st = json.loads(status.stdout)
+        assert "held by a framework's pause" in st["hold"]["reason"] and st["ok"] is False, st["hold"]
+        assert all(e["up"] and e["rotation"].startswith("paused:") for e in st["engines"]), st["engines"]
+        text = pdctl("status", "keyed", env=env)
+        assert "requests wait: the router is held by a framework's pause" in text.stdout and "DOWN" not in text.stdout
+        weights = pdctl("weights", "status", "keyed", env=env)
+        assert weights.returncode == 1 and "held by a framework's pause" in weights.stdout, weights.stdout
+        assert requests.post(f"{router}/continue_generation", json={}).status_code == 200
+        assert pdctl("status", "keyed", env=env).returncode == 0
+        assert pdctl("weights", "status", "keyed", env=env).returncode == 0
     finally:
         assert pdctl("down", "keyed", env=env).returncode == 0
