@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import resolve_model
-from tests.helpers import RouterProcess, SimProcess, get, pd_router_args, post, sims
+from tests.helpers import RouterProcess, SimProcess, eventually, get, pd_router_args, post, sims
 
 ROOT = Path(__file__).resolve().parents[2]
 AREAL_PYTHON = ROOT / ".venv-areal" / "bin" / "python"
@@ -89,3 +90,60 @@ def test_areal_drives_the_fleet_through_the_router(areal_python, fleet, tmp_path
         reference.stop()
     log = router.log.read_text()
     assert "path=/update_weights_from_disk status=200" in log and "path=/continue_generation status=200" in log
+
+
+def test_areal_through_a_decode_killed_between_its_buckets(areal_python, tmp_path):
+    """AReaL's own update, a decode killed after its first bucket: AReaL raises with the router's
+    reason in the message it prints (its ClientResponseError shows the reason phrase only), nothing
+    stays held (AReaL sends no continue), every engine the update changed is out of rotation, and
+    AReaL's retry (its group joined again under the same name, every bucket) brings every engine,
+    the restarted decode included, to the trainer's weights with no pdctl restart."""
+    specs = [
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--tp-size", "2"),
+        ("--disaggregation-mode", "decode"),
+    ]
+    with sims(tmp_path, *specs) as procs:
+        router = RouterProcess(tmp_path, *pd_router_args(procs[:1], procs[1:], "--health-check-interval-secs", "1"))
+        router.start("/readiness")
+        try:
+            env = {**os.environ, "AREAL_CACHE_DIR": str(tmp_path / "areal-cache"), "PYTHONPATH": str(ROOT)}
+            driver = subprocess.Popen(
+                [str(areal_python), str(ROOT / "tests" / "frameworks" / "areal_kill_driver.py"),
+                 router.url.removeprefix("http://"), "sglang:d1t4", str(tmp_path)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            )  # fmt: skip
+            try:
+                eventually(lambda: (tmp_path / "bucket-1").exists() or driver.poll() is not None, 180)
+                assert driver.poll() is None, driver.communicate()[0][-3000:]
+                victim = procs[2]
+                os.killpg(victim.proc.pid, signal.SIGKILL)
+                victim.proc.wait()
+                (tmp_path / "killed").write_text("yes")
+                eventually(lambda: get(router.url + "/pdctl/weights")[1]["last_push"]["state"] == "failed", 120)
+                state = {w["url"]: w for w in get(router.url + "/workers")[1]["workers"]}
+                for p in procs[:2]:
+                    assert "holds part of weight update" in (state[p.url]["quarantined"] or ""), state
+                status, ready = get(router.url + "/readiness")
+                assert status == 503 and "held by" not in ready.get("reason", ""), ready  # nothing held
+                restarted = SimProcess(tmp_path, *victim.args, port=victim.port, name="restarted").start()
+                procs[2] = restarted
+                (tmp_path / "back").write_text("yes")
+                out, _ = driver.communicate(timeout=300)
+                assert driver.returncode == 0, out[-4000:]
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+            result = json.loads((tmp_path / "result.json").read_text())
+            assert result["raised"], result  # its trainer's step fails (the broadcast's peer is gone)
+            # AReaL prints the reason phrase of the router's refusal: the router's own words, naming the decode.
+            printed = next(line for line in out.splitlines() if "ClientResponseError: 400" in line)
+            assert victim.url in printed and "may hold part of it" in printed, printed
+            assert result["retried"] and result["buckets"] > 2
+            expected = weights_checksum(resolve_model("sim://tiny?seed=73", "auto", None))
+            for p in procs:
+                assert post(p.url + "/weights_checker", {"action": "checksum"})[1]["checksums"] == expected, p.url
+            eventually(lambda: get(router.url + "/readiness")[0] == 200, 30, what="the fleet in rotation again")
+            assert post(router.url + "/generate", {"text": "whole", "sampling_params": {"max_new_tokens": 4}})[0] == 200
+        finally:
+            router.stop()

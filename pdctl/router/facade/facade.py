@@ -305,6 +305,14 @@ class SGLangFacade:
             return await self._init_group(spec)
 
     async def _init_group(self, spec: sg.InitGroup) -> Reply:
+        old = self.book.pop(spec.group_name)
+        if old is not None:
+            # A framework that joins a name again has left the old group (AReaL retries a failed
+            # update so, and has no destroy): SGLang refuses a second group of one name, so the
+            # old one goes first; an engine that restarted since has none to destroy.
+            await self.txns.call_all(
+                (m.worker for m in old.members), Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": spec.group_name}
+            )
         engines = self.txns.engines()
         infos = await call_all(self.txns.session, engines, "GET", Endpoint.SERVER_INFO.value, None, INFO_SECS)
         silent = [f"{label(a.worker)} {a.why()}" for a in infos if not (a.ok and isinstance(a.body, dict))]
