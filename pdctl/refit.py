@@ -31,6 +31,8 @@ from pdctl.choices import parse_choice
 
 HOLD_PATH = "/pdctl/hold"
 RELEASE_PATH = "/pdctl/release"
+LOAD_PATH = "/pdctl/load"
+"""``pdctl weights load``, run by the router itself (pdctl.router.transaction.routes)."""
 DEFAULT_LEASE_SECS = 30.0
 """How long the router waits for a silent transaction (its trainer died) before it gives up on it."""
 DEFAULT_HOLD_TIMEOUT_SECS = 300.0

@@ -56,14 +56,25 @@ def load(path: str, name: str | None, version: str | None, refit: str | None) ->
     """Load the checkpoint at PATH into every engine of cluster NAME.
 
     PATH is read by each engine on its own node (/update_weights_from_disk). One transaction,
-    as a trainer's push: the router holds (and, with --refit drain, drains), engines pause,
-    load, take the version, resume; an engine that fails to load leaves the router's rotation
-    and the command exits 1.
+    which the router runs: it holds (and, with --refit drain, drains), engines pause, load, take
+    the version, resume; an engine that fails to load leaves the router's rotation and the
+    command exits 1. A Ctrl-C while requests drain cancels the load (nothing changed); after
+    that the router finishes it on its own.
     """
     store = StateStore()
     cluster = store.resolve_name(name)
     version = version or os.path.basename(path.rstrip("/")) or path
-    report = load_weights(cluster, path, version, refit=refit, store=store, progress=lambda m: click.echo(m, err=True))
+    try:
+        report = load_weights(
+            cluster, path, version, refit=refit, store=store, progress=lambda m: click.echo(m, err=True)
+        )
+    except KeyboardInterrupt:
+        click.echo(
+            "the router runs the load: it cancels it if it still waited for requests in flight (nothing changed), "
+            f"else finishes it on its own; `pdctl weights status {cluster}` says where the fleet is",
+            err=True,
+        )
+        raise
     click.echo(
         f"loaded {path} as version {report.version} into {len(report.engines)} engine(s) in {report.seconds:.2f}s "
         f"(load {report.phases.get('transfer', 0.0):.2f}s, refit {report.refit})"

@@ -45,6 +45,7 @@ from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_repl
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
 from pdctl.router.transaction import FleetTransactions
+from pdctl.router.transaction.routes import LoadRoute
 from pdctl.router.upstream import Upstream
 from pdctl.router.versions import VersionRule
 from pdctl.router.worker_api import WorkerApi
@@ -81,6 +82,7 @@ class RouterServer:
             config, self.registry, self.updates, self._client, admission.idle, admission.in_flight
         )
         self.facade = SGLangFacade(config, self.transactions)
+        self.load_route = LoadRoute(self.transactions)
         self.holds = HoldRoutes(self.updates, self.registry, admission, self._client, self.transactions.hold_state)
         self.worker_api = WorkerApi(
             config, self.registry, self.health_checks, self._client, self.transactions.hold_state
@@ -166,6 +168,7 @@ class RouterServer:
             r.add("GET", path.value, self.server_info)
         self.facade.add_routes(r)  # SGLang's control routes, for the whole fleet
         self.holds.add_routes(r)  # a pdctl.weights transaction's
+        self.load_route.add_routes(r)  # pdctl weights load, run by the router
         self.worker_api.add_routes(r)
         r.add("GET", "/metrics", self.metrics_endpoint)
         return r

@@ -75,6 +75,7 @@ CONTROL_WRITE_ROUTES = frozenset(
         ("POST", "/workers"),
         ("POST", "/pdctl/hold"),
         ("POST", "/pdctl/release"),
+        ("POST", "/pdctl/load"),
         ("POST", "/pdctl/refresh"),
         ("POST", "/pdctl/cordon"),
     }

@@ -78,6 +78,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         decode_ms_per_step=sim.decode_ms_per_step,
         weight_digest=sim.weight_digest,
         weight_group_timeout_secs=sim.weight_group_timeout_secs,
+        disk_load_ms=sim.disk_load_ms,
         max_n=sim.max_n,
         max_sequences_per_request=sim.max_sequences_per_request,
         max_request_tokens=sim.max_request_tokens,

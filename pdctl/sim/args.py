@@ -106,6 +106,7 @@ class SimOptions:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     weight_group_timeout_secs: float = 300.0
+    disk_load_ms: float = 0.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = parser.add_argument_group("sim only (latency model; simulation, not measurement)")
     sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.0, help="Added per prompt token.")
     sim.add_argument("--sim-decode-ms-per-step", type=float, default=0.0, help="Added per batched decode step.")
+    sim.add_argument(
+        "--sim-disk-load-ms", type=float, default=0.0, help="Added to each load from disk (a GPU engine's takes seconds)."
+    )
     sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
     sim.add_argument(
         "--sim-port-file", help="Once serving, write the bound ports here as JSON (for --port 0; pdctl's own flag)."
@@ -194,6 +198,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
         args.sim_max_sequences_per_request,
         args.sim_max_request_tokens,
         args.sim_weight_group_timeout_secs,
+        args.sim_disk_load_ms,
     )
 
 

@@ -82,6 +82,8 @@ class SimConfig:
     """How TP ranks compare a weight update (``--sim-weight-digest``; sim/weights.py ``Digest``)."""
     weight_group_timeout_secs: float = 300.0
     """``--sim-weight-group-timeout-secs``: a weight group's collectives' timeout."""
+    disk_load_ms: float = 0.0
+    """``--sim-disk-load-ms``: added to each load from disk, before the model is touched."""
     max_n: int = DEFAULT_MAX_N
     """``--sim-max-n``: the largest ``n`` a request may ask for (400 above)."""
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST

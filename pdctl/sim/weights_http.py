@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import logging
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,8 @@ class WeightRoutes:
 
         def run() -> None:
             tensors = load_file(str(path / "model.safetensors"))
+            if self.s.config.disk_load_ms:  # the latency model: reading a real checkpoint takes a while
+                time.sleep(self.s.config.disk_load_ms / 1000)
             with engine.exclusive():
                 model.load_weights(list(tensors.items()))
                 if body.get("weight_version") is not None:

@@ -59,6 +59,10 @@ class JsonClient:
             return CallFailure(url, f"no answer from {url}: {reason}", transport=True)
         return _answer(url, raw, status)
 
+    def headers_for(self, url: str) -> dict[str, str]:
+        """The headers a call to ``url`` carries: JSON, and the key for its server."""
+        return self._headers(url)
+
     def _headers(self, url: str) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         parts = urlsplit(url)

@@ -10,6 +10,8 @@ control machine, which has no torch) uses ``Fleet.load_from_disk`` directly.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import logging
 import os
 import threading
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from pdctl.choices import parse_choice
 from pdctl.errors import WeightSyncError
@@ -25,6 +28,7 @@ from pdctl.refit import (
     DEFAULT_HOLD_TIMEOUT_SECS,
     DEFAULT_LEASE_SECS,
     HOLD_PATH,
+    LOAD_PATH,
     RELEASE_PATH,
     Hold,
     HoldAnswer,
@@ -324,7 +328,11 @@ class Fleet:
     # -- from disk -------------------------------------------------------------------------------------------
     def load_from_disk(self, model_path: str, version: str, refit: RefitMode | str | None = None) -> PushReport:
         """``/update_weights_from_disk`` on every engine under the push's transaction rules: hold,
-        pause, load, version set last (only on engines that loaded), continue, release.
+        pause, load, version set last (only on engines that loaded), continue, release. With a
+        router, the router runs the transaction (``POST /pdctl/load``, pdctl.router.transaction):
+        this process only asks and reports, so a Ctrl-C here never leaves the fleet half loaded
+        (the router cancels a load still waiting for requests in flight, and finishes one whose
+        weights have begun to move). Without one, it runs here, engine by engine.
 
         An engine that answers the load with an error kept its previous weights (SGLang rolls
         back; the sim reads the file before touching the model): it stays in rotation on its old
@@ -333,6 +341,72 @@ class Fleet:
         leaves rotation (``report.failed``). Raises WeightSyncError when any engine did not load.
         """
         mode = self.refit if refit is None else refit_mode(refit)
+        if self.router_url:
+            report = self._load_through_router(model_path, version, mode)
+        else:
+            report = self._load_here(model_path, version, mode)
+        self.raise_if_failed(report, f"loading {model_path}")
+        if report.skipped:
+            raise WeightSyncError(
+                f"loading {model_path}: {', '.join(report.skipped)} did not answer (restarting?); "
+                f"{', '.join(report.engines)} hold {version}; the router loads {model_path} into the others "
+                "once they answer again, and keeps them out of rotation until then",
+                engine=report.skipped[0],
+                phase=Phase.PROBE,
+                report=report,
+            )
+        return report
+
+    def _load_through_router(self, model_path: str, version: str, mode: RefitMode) -> PushReport:
+        """The router's own load (pdctl.router.transaction.routes), its steps told as they come."""
+        report = PushReport(version=version, load_format="disk", refit=mode.value)
+        url = f"{self.router_url}{LOAD_PATH}"
+        body = {"model_path": model_path, "version": version, "refit": mode.value, "max_staleness": self.max_staleness}
+        parts = urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=self.timeout_secs)
+        try:
+            conn.request("POST", parts.path, body=json.dumps(body).encode(), headers=self.client.headers_for(url))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                answer = CallFailure(url, f"{url} answered: {resp.read().decode(errors='replace')[:500]}", False)
+                raise WeightSyncError(f"the router did not load {model_path}: {answer}", phase=Phase.HOLD)
+            outcome = None
+            for line in resp:
+                step = json.loads(line)
+                if step.get("step") == "holding":
+                    draining = ": draining the requests in flight" if step.get("drain") else ""
+                    self.tell(f"holding the router at {self.router_url}{draining}")
+                elif step.get("step") == "loading":
+                    self.tell(f"loading {model_path} on {step.get('engines')} engine(s)")
+                elif "error" in step:
+                    raise WeightSyncError(f"the router did not load {model_path}: {step['error']}", phase=Phase.HOLD)
+                elif "result" in step:
+                    outcome = step["result"]
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise WeightSyncError(
+                f"lost the router at {self.router_url} during the load ({exc}); it finishes the load on its own "
+                "once weights began to move: `pdctl weights status` says where the fleet is",
+                phase=Phase.TRANSFER,
+            ) from exc
+        finally:
+            conn.close()
+        if not isinstance(outcome, dict):
+            raise WeightSyncError(f"the router's load of {model_path} ended with no outcome", phase=Phase.RELEASE)
+        ids = {e.url: e.id for e in self.engines}
+        named = lambda u: ids.get(u) or _engine_id(u)  # noqa: E731 - an engine added since has no id here
+        report.engines = [named(u) for u in outcome.get("complete", [])]
+        for u, why in (outcome.get("refused") or {}).items():
+            report.refused[named(u)] = Failure(named(u), Phase.TRANSFER, why)
+        for u, why in (outcome.get("failed") or {}).items():
+            if "no answer" in why:  # not answering (restarting): the router loads it once it answers
+                report.skipped.append(named(u))
+            else:
+                report.failed[named(u)] = Failure(named(u), Phase.TRANSFER, why)
+        report.phases.update({k: float(v) for k, v in (outcome.get("phases") or {}).items()})
+        return report
+
+    def _load_here(self, model_path: str, version: str, mode: RefitMode) -> PushReport:
+        """A load with no router: each engine paused, loaded, versioned and continued from here."""
         report = PushReport(version=version, load_format="disk", refit=mode.value)
         with report.phase(Phase.PROBE):
             live, infos = self.probe(report)
@@ -371,16 +445,6 @@ class Fleet:
             finally:
                 with report.phase(Phase.CONTINUE):
                     self.fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
-        self.raise_if_failed(report, f"loading {model_path}")
-        if report.skipped:
-            raise WeightSyncError(
-                f"loading {model_path}: {', '.join(report.skipped)} did not answer (restarting?); "
-                f"{', '.join(report.engines)} hold {version}; the router loads {model_path} into the others "
-                "once they answer again, and keeps them out of rotation until then",
-                engine=report.skipped[0],
-                phase=Phase.PROBE,
-                report=report,
-            )
         return report
 
 

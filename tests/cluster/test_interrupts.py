@@ -108,8 +108,10 @@ def cluster(tmp_path_factory) -> Iterator[tuple[dict, str, str]]:
         "intr",
         free_port_base(),
         nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp / "runs")}],
-        # paced (5 ms a step): the long request of the load test outlasts its Ctrl-C on a loaded machine
-        decode={"replicas": 2, "args": {"sim-decode-ms-per-step": 5}},
+        # paced (5 ms a step): the long request of the load test outlasts its Ctrl-C on a loaded machine;
+        # a load from disk takes 1.5 s, as a GPU engine's takes seconds: a Ctrl-C lands inside it
+        prefill={"args": {"sim-disk-load-ms": 1500}},
+        decode={"replicas": 2, "args": {"sim-decode-ms-per-step": 5, "sim-disk-load-ms": 1500}},
         router={"policy": "round_robin", "admission": {"worker_wait_secs": 30}},
     )
     env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}
@@ -204,6 +206,49 @@ def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) ->
     assert not any(e["out_of_rotation"] for e in weights["engines"]), weights
     ok = pdctl("weights", "load", str(tmp_path / "ckpt"), name, env=env)
     assert ok.returncode == 0, ok.stderr
+    assert settle(env, name)[0] == 0
+
+
+def test_ctrl_c_once_a_load_moves_weights_leaves_the_fleet_on_the_new_version(cluster, tmp_path) -> None:
+    """Ctrl-C on the line "loading CKPT on N engine(s)" (the router has paused the engines and the
+    load is under way): the router finishes the load on its own; every engine serves the new
+    version at once and none leaves rotation (every engine left rotation for good before: 612 of
+    648 requests got 503 until another load). Clients keep sending throughout and none fails."""
+    env, name, _ = cluster
+    save_checkpoint(resolve_model("sim://tiny?seed=6", "auto", None), tmp_path / "ckpt6")
+    _, st = status(env)
+    router = next(p for p in st["processes"] if p["role"] == "router")["url"]
+    stop = threading.Event()
+    answers: list = []
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(post(router + "/generate", {"text": "go on", "sampling_params": {"max_new_tokens": 8}}))
+            except OSError as exc:
+                answers.append((0, str(exc)))
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        code, out = interrupted(
+            "weights", "load", str(tmp_path / "ckpt6"), name, "--version", "v6", at="loading ", env=env
+        )
+        assert code == 130 and "Traceback" not in out and "finishes it on its own" in out, out
+
+        def on_v6() -> bool:
+            workers = get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+            return all(w["weight_version"] == "v6" and not w["quarantined"] and w["is_healthy"] for w in workers)
+
+        eventually(on_v6, 60, interval=0.2, what="every engine in rotation on v6")
+        done = len(answers)
+        eventually(lambda: len(answers) >= done + 4, 60, what="answers after the interrupted load")
+    finally:
+        stop.set()
+        for c in clients:
+            c.join()
+    assert [a for a in answers if a[0] != 200] == []
     assert settle(env, name)[0] == 0
 
 

@@ -80,6 +80,13 @@ def new_version() -> str:
     return f"fw-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1000) % 1000:03d}-{next(_serial)}"
 
 
+class Unset:
+    """A setting its caller left to the router's configuration."""
+
+
+UNSET = Unset()
+
+
 class UpdateFailed(Exception):
     """An update call failed: the transaction has ended (``FleetTransactions.fail``); the message
     says what happened to every engine. ``left``: engines that left the weight group (dead, or no
@@ -165,10 +172,12 @@ class FleetTransactions:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _background(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
+        """Run ``coro`` in a task of the router's own, kept until it ends (cancelled when the router stops)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _keep(self) -> None:
         """Write what a restarted router must undo of the open transaction (nothing once it ended)."""
@@ -176,16 +185,27 @@ class FleetTransactions:
         self.registry.keep_transaction(None if txn is None or txn.ended else txn.record())
 
     # -- open -----------------------------------------------------------------------------------------
-    async def open(self, opener: Opener, pause: PauseMode | None, driver: Driver = Driver.FRAMEWORK) -> FleetTxn:
+    async def open(
+        self,
+        opener: Opener,
+        pause: PauseMode | None,
+        driver: Driver = Driver.FRAMEWORK,
+        *,
+        refit: RefitMode | None = None,
+        max_staleness: int | Unset | None = UNSET,
+        abandoned: asyncio.Event | None = None,
+    ) -> FleetTxn:
         """Hold the router and pause every engine. ``pause``: the driver's own pause mode (requests
-        wait at the router; those in flight get what that mode gives them); None: the router's
-        refit mode decides, as for a push (drain: wait for requests in flight, then pause in
-        ``retract``; interrupt: pause in ``abort`` at once). Raises Conflict when another
-        transaction holds the router or a drain did not finish."""
+        wait at the router; those in flight get what that mode gives them); None: the refit mode
+        decides (``refit``, else the router's), as for a push (drain: wait for requests in flight,
+        then pause in ``retract``; interrupt: pause in ``abort`` at once). Raises Conflict when
+        another transaction holds the router, a drain did not finish, or ``abandoned`` was set
+        while the drain waited (its driver went away: nothing had changed, requests flow at once).
+        Once the hold is answered it runs to its end whatever its caller does."""
         holder = self.updates.holder
         if holder is not None:
             raise Conflict(f"weight push {holder} holds the router")
-        refit = self.config.refit
+        refit = refit or self.config.refit
         if pause is not None:
             gate = RefitMode.INTERRUPT if refit is RefitMode.INTERRUPT and pause is PauseMode.ABORT else RefitMode.DRAIN
             engine_mode = pause
@@ -199,12 +219,24 @@ class FleetTransactions:
             lease_secs=self.lease_secs,
             timeout_secs=DEFAULT_HOLD_TIMEOUT_SECS,
             refit=gate,
-            max_staleness=self.config.max_staleness,
+            max_staleness=self.config.max_staleness if isinstance(max_staleness, Unset) else max_staleness,
         )
         with txn.timed("pause"):
-            _, ready = await self.updates.hold(
-                hold, idle=self._idle, in_flight=self._in_flight, record=False, driver=driver, wait=pause is None
+            holding = asyncio.ensure_future(
+                self.updates.hold(
+                    hold, idle=self._idle, in_flight=self._in_flight, record=False, driver=driver, wait=pause is None
+                )
             )
+            if abandoned is not None:
+                gone = asyncio.ensure_future(abandoned.wait())
+                await asyncio.wait((holding, gone), return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
+                if not holding.done():  # its driver left while requests drained: the hold ends unanswered
+                    holding.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await holding
+                    raise Conflict("its driver went away while requests in flight drained; nothing changed")
+            _, ready = await holding
             if not ready:
                 await self.updates.release(Release(txn=txn.id), self._session())
                 raise Conflict(
@@ -212,11 +244,14 @@ class FleetTransactions:
                 )
             self.current = txn
             self._keep()  # before the pause: a router killed from here on continues them when it starts
-            for a in await self.call_all(txn.engines, Endpoint.PAUSE_GENERATION, pause_generation_body(engine_mode)):
-                if not a.ok:
-                    log.warning("transaction %s: pause %s %s (it pauses no request)", txn.id, label(a.worker), a.why())
+            await asyncio.shield(self._pause(txn, engine_mode))
         log.info("transaction %s opened by %s: %d engine(s) paused (%s)", txn.id, opener, len(txn.engines), engine_mode)
         return txn
+
+    async def _pause(self, txn: FleetTxn, mode: PauseMode) -> None:
+        for a in await self.call_all(txn.engines, Endpoint.PAUSE_GENERATION, pause_generation_body(mode)):
+            if not a.ok:
+                log.warning("transaction %s: pause %s %s (it pauses no request)", txn.id, label(a.worker), a.why())
 
     async def pause_again(self, txn: FleetTxn, mode: PauseMode) -> None:
         """The driver paused again (perhaps in another mode): the engines take it, and a
@@ -346,6 +381,39 @@ class FleetTransactions:
                 if not a.ok:
                     txn.why.setdefault(a.worker.url, f"loaded, but update_weight_version {a.why()}")
         return {url: txn.why[url] for url in txn.marks if url in txn.why}
+
+    async def load_for_pdctl(
+        self,
+        disk: sg.DiskUpdate,
+        refit: RefitMode | None,
+        max_staleness: int | Unset | None,
+        tell: Callable[[dict[str, Any]], None],
+        abandoned: asyncio.Event,
+    ) -> dict[str, Any]:
+        """``pdctl weights load``: a load from disk as one transaction of its own, told step by
+        step. Its driver going away while requests drain cancels it (nothing changed); from the
+        hold's answer on, it runs to its end (the fleet ends on one version whether or not anyone
+        waits for the answer). The outcome per engine URL: ``complete``, ``refused`` (kept their
+        weights, in rotation), ``failed`` (out of rotation; the router loads the checkpoint into
+        each once it answers again)."""
+        mode = refit or self.config.refit
+        draining = mode is RefitMode.DRAIN
+        tell({"step": "holding", "drain": draining})
+        txn = await self.open(
+            Opener.LOAD, None, Driver.PDCTL, refit=mode, max_staleness=max_staleness, abandoned=abandoned
+        )
+
+        async def whole() -> dict[str, Any]:
+            tell({"step": "loading", "path": disk.model_path, "engines": len(txn.engines)})
+            problems = await self.load(txn, disk)
+            await self.end(txn)
+            refused = {u: txn.why[u] for u, m in txn.marks.items() if m is Mark.REFUSED}
+            complete = [w.url for w in txn.engines if txn.marks.get(w.url) is Mark.LOADED and w.url not in txn.why]
+            failed = {u: why for u, why in problems.items() if u not in refused}
+            return {"version": txn.version, "complete": complete, "refused": refused, "failed": failed,
+                    "phases": dict(txn.phases), "txn": txn.id}  # fmt: skip
+
+        return await whole()
 
     # -- memory -----------------------------------------------------------------------------------------
     async def release_memory(self, txn: FleetTxn, tags: list[str] | None) -> list[WorkerAnswer]:
@@ -547,7 +615,7 @@ class FleetTransactions:
             await self._end_sessions(txn)
             await self._close(txn, [])
 
-        self._background(finish())
+        self.spawn(finish())
         return True
 
     async def recover(self) -> None:
