@@ -396,8 +396,22 @@ class PeerSource:
         self.plan = plan
         self.key = key
 
-    def arm(self) -> tuple[Armed | None, str]:
-        """A seed armed for this engine and the version it holds, or None and why not."""
+    def arm(self, stopping: Any = lambda: False) -> tuple[Armed | None, str]:
+        """A seed armed for this engine and the version it holds, or None and why not. While every
+        peer that holds the fleet's weights is busy seeding another engine (two engines restarted
+        at once), it asks again once one may be free (a seed is busy for its transfer, or until
+        its arm lapses), and a peer that healed meanwhile is a seed too; ``stopping()`` ends the wait."""
+        delay = 0.1
+        while True:
+            armed, detail, busy = self._arm()
+            if armed is not None or not busy or stopping():
+                return armed, detail
+            log.info("every seed is busy (%s): asking again", detail)
+            time.sleep(delay)  # a poll with backoff: the relays tell no one when they are free
+            delay = min(delay * 2, 2.0)
+
+    def _arm(self) -> tuple[Armed | None, str, bool]:
+        """One round of ``arm``: and whether a peer refused only because it seeds another engine now."""
 
         def version_of(peer: SeedSide) -> str | None:
             try:
@@ -416,9 +430,11 @@ class PeerSource:
             held_by = list(pool.map(version_of, self.plan.peers))
         versions = {peer: v for peer, v in zip(self.plan.peers, held_by, strict=True) if v is not None}
         if not versions:
-            return None, f"no peer of this TP layout holds weights past the boot version {self.plan.boot_version!r}"
+            none = f"no peer of this TP layout holds weights past the boot version {self.plan.boot_version!r}"
+            return None, none, False
         ranked = [v for v, _ in Counter(versions.values()).most_common()]
         refusals = []
+        busy = False
         for version in ranked:
             for peer, held in versions.items():
                 if held != version:
@@ -426,13 +442,16 @@ class PeerSource:
                 try:
                     _call(peer.relay_url + ARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
                 except urllib.error.HTTPError as exc:  # busy seeding another engine, or cannot seed
-                    refusals.append(f"{peer.engine_id}: {_error_of(exc)}")
+                    why = _error_of(exc)
+                    busy = busy or why.startswith("seeding ")
+                    refusals.append(f"{peer.engine_id}: {why}")
                     continue
                 except (OSError, ValueError) as exc:  # its supervisor is gone
                     refusals.append(f"{peer.engine_id}: {exc}")
                     continue
-                return Armed(peer, version), f"from {peer.engine_id} at {version!r}"
-        return None, "every peer that holds the fleet's weights is busy or unreachable (" + "; ".join(refusals) + ")"
+                return Armed(peer, version), f"from {peer.engine_id} at {version!r}", False
+        refused = "every peer that holds the fleet's weights is busy or unreachable (" + "; ".join(refusals) + ")"
+        return None, refused, busy
 
     def command(self, argv: list[str], armed: Armed) -> list[str]:
         """``argv`` as a receiver from ``armed.seed`` (SGLang's flags; later words win)."""
@@ -479,25 +498,47 @@ class PeerSource:
         def checksum(url: str) -> Any:
             return _call(url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
 
-        try:  # both hashes at once: each engine hashes its own weights (a full pass over them)
-            with ThreadPoolExecutor(2) as pool:
-                mine_call, theirs_call = pool.submit(checksum, me.url), pool.submit(checksum, armed.seed.url)
-                mine, theirs = mine_call.result(), theirs_call.result()
-            seed_version = _call(armed.seed.url + "/model_info", self.key).get("weight_version")
-        except (OSError, ValueError, AttributeError) as exc:
-            return False, f"could not compare checksums: {exc}"
-        if seed_version != armed.version:
-            return False, f"the seed moved from {armed.version!r} to {seed_version!r} meanwhile"
+        def reference(peer: SeedSide) -> tuple[Any, str]:
+            """A peer's checksum and the version it holds after hashing (a push meanwhile moves it)."""
+            theirs = checksum(peer.url)
+            return theirs, str(_call(peer.url + "/model_info", self.key).get("weight_version"))
+
+        # The seed first, then any peer of this TP layout at the same version (the seed may have died
+        # since it sent: another engine at that version holds the same weights). Both hashes at once:
+        # each engine hashes its own weights (a full pass over them).
+        others = [p for p in self.plan.peers if p != armed.seed]
+        with ThreadPoolExecutor(2) as pool:
+            mine_call, first = pool.submit(checksum, me.url), pool.submit(reference, armed.seed)
+            try:
+                mine = mine_call.result()
+            except (OSError, ValueError) as exc:
+                return False, f"could not read its own checksum: {exc}"
+            compared, problems = None, []
+            for peer, answer in [(armed.seed, first), *((p, None) for p in others)]:
+                try:
+                    theirs, held = (answer or pool.submit(reference, peer)).result()
+                except (OSError, ValueError, AttributeError) as exc:
+                    problems.append(f"{peer.engine_id}: {exc}")
+                    continue
+                if held != armed.version:
+                    problems.append(f"{peer.engine_id} holds {held!r} now")
+                    continue
+                compared = (peer, theirs)
+                break
+        if compared is None:
+            return False, f"could not compare checksums with any engine at {armed.version!r}: {'; '.join(problems)}"
+        peer, theirs = compared
         mine_sum = mine.get("per_engine_checksum") if isinstance(mine, dict) else None
         theirs_sum = theirs.get("per_engine_checksum") if isinstance(theirs, dict) else None
         if mine_sum is None or mine_sum != theirs_sum:
-            return False, f"its checksum differs from {armed.seed.engine_id}'s"
+            return False, f"its checksum differs from {peer.engine_id}'s"
         try:
             _call(me.url + "/update_weight_version", self.key,
                   {"new_version": armed.version, "abort_all_requests": False})  # fmt: skip
         except (OSError, ValueError) as exc:
             return False, f"could not stamp {armed.version!r}: {exc}"
-        return True, f"took {armed.version!r} from {armed.seed.engine_id} (checksums equal)"
+        checked = "" if peer == armed.seed else f", checked against {peer.engine_id}"
+        return True, f"took {armed.version!r} from {armed.seed.engine_id} (checksums equal{checked})"
 
     def disarm(self, armed: Armed) -> None:
         try:

@@ -1,9 +1,21 @@
-"""How pdctl's long-running servers (sim, null engine, router) learn to stop."""
+"""How pdctl's long-running servers (sim, null engine, router) learn to stop, and how its commands
+take every signal that asks them to stop."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What a user or a terminal sends a command to stop it: Ctrl-C, kill, a closed terminal."""
+
+
+def interrupt_on_every_stop_signal() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does: a command then stops the same
+    way whichever it got (what it deferred runs whole, what it started is recorded or undone), not
+    killed on the spot with a process it spawned unknown to the state. Main thread only."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
 
 def stop_event() -> asyncio.Event:

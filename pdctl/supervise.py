@@ -212,7 +212,7 @@ class Supervisor:
                 self.from_disk_next = False
                 story.peer = {"state": "none", "detail": "loads from disk: the last start from a peer failed"}
             else:
-                armed, detail = self.peer_source.arm()
+                armed, detail = self.peer_source.arm(lambda: self.stopping)
                 story.peer = {"state": "receiving" if armed else "none", "detail": detail}
                 if armed is not None:
                     command = self.peer_source.command(self.command, armed)
@@ -254,10 +254,19 @@ class Supervisor:
             return child.poll() is None and not self.stopping
 
         sent, detail = False, "not started"
+        unchecked = False
         try:
             sent, detail = source.wait_sent(armed, alive)
             if sent:
                 sent, detail = source.verify_and_stamp(armed, alive)
+                # Its weights came but nothing could vouch for them (the seed died before its checksum,
+                # no other engine holds that version): an engine left at the receiving label would stay
+                # out for good; it starts again, from a peer (one may hold the version by then).
+                unchecked = not sent and detail.startswith("could not compare checksums") and alive()
+                if unchecked:
+                    self.killed_for = f"weights from {armed.seed.engine_id} unchecked: {detail}"
+                    _say(f"{self.killed_for}: killing it, to start from a peer again")
+                    _kill_tree(child.pid)
             elif alive():
                 self.killed_for = f"weights from {armed.seed.engine_id} failed: {detail}"
                 _say(f"{self.killed_for}: killing it, to load from disk")
@@ -267,7 +276,7 @@ class Supervisor:
             sent, detail = False, f"{type(exc).__name__}: {exc}"
         finally:
             source.disarm(armed)
-        if not sent and not self.stopping:  # whatever failed, its next start does not try a peer again
+        if not sent and not self.stopping and not unchecked:  # its next start does not try a peer again
             self.from_disk_next = True
         state = "done" if sent else "failed"
         self.story.peer = {"state": state, "detail": detail, "seed": armed.seed.engine_id, "version": armed.version,

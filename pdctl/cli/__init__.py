@@ -14,6 +14,9 @@ from typing import Any
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    from pdctl.signals import interrupt_on_every_stop_signal
+
+    interrupt_on_every_stop_signal()  # kill and a closed terminal stop a command as Ctrl-C does
     try:
         from pdctl.cli.app import cli
     except KeyboardInterrupt:

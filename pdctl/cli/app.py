@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -52,7 +53,8 @@ class PdctlGroup(click.Group):
             click.secho(f"error: {exc}", fg="red", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.secho("interrupted", fg="red", err=True)
+            with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) takes stderr with it
+                click.secho("interrupted", fg="red", err=True)
             sys.exit(130)
         except Exception as exc:
             if ctx.obj and ctx.obj.get("debug"):

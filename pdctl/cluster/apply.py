@@ -22,6 +22,7 @@ group does not yet learn the new engine set.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -30,7 +31,15 @@ from pdctl.cluster import switch
 from pdctl.cluster.down import down, stop_records
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, interrupts_deferred
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.restart import RouterControl, drop_unit, recover, relaunch, replace_engine, wait_routable
+from pdctl.cluster.restart import (
+    RouterControl,
+    drop_unit,
+    engine_role,
+    recover,
+    relaunch,
+    replace_engine,
+    wait_routable,
+)
 from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
 from pdctl.cluster.up import launch, up, wait_ready
 from pdctl.errors import LifecycleError, RemoteError, TopologyError
@@ -259,6 +268,7 @@ def _apply(
     specs = {s.id: s for s in plan.processes}
     engines = {e.id: e for e in plan.engines}
     old_engines = {e["id"]: e for e in state.plan.get("engines", [])}
+    _check_switches(state, store, changes, engines, old_engines)
     for change in changes.changes:
         unit_specs = unclaimed_logs(state, [specs[p] for p in change.processes if p in specs])
         if change.kind is ChangeKind.ADD:
@@ -284,6 +294,46 @@ def _apply(
     state.plan = plan.to_dict() | {"processes": _running_specs(state, plan)}
     state.declared = declared_of(top)
     store.save(state)
+
+
+def _check_switches(
+    state: ClusterState,
+    store: StateStore,
+    changes: ApplyPlan,
+    engines: dict[str, EngineSpec],
+    old_engines: dict[str, dict[str, Any]],
+) -> None:
+    """Refuse, before any step, an apply whose switches cannot be made: an engine to switch that
+    does not answer (dead, or being restarted by its supervisor), or a step after which a PD fleet
+    would have no engine of a role (steps run one by one: the fleet serves between them)."""
+    dead = [
+        c.was
+        for c in changes.changes
+        if c.kind is ChangeKind.SWITCH and c.was and engine_role(state, store, old_engines[c.was]["url"]) is None
+    ]
+    if dead:
+        raise LifecycleError(
+            f"{', '.join(dead)} does not answer: a switch needs the engine running, and nothing was changed; once "
+            f"its supervisor has brought it back (`pdctl status {state.name}`), or after `pdctl restart`, apply again"
+        )
+    counts = Counter(e["role"] for e in old_engines.values())
+    if not counts[Role.PREFILL.value] or not counts[Role.DECODE.value]:
+        return  # not a PD fleet (or not one yet): nothing to keep
+    for change in changes.changes:
+        if change.kind is ChangeKind.ADD:
+            counts[engines[change.unit].role.value] += 1
+        elif change.kind is ChangeKind.REMOVE:
+            counts[old_engines[change.unit]["role"]] -= 1
+        elif change.kind is ChangeKind.SWITCH and change.was:
+            counts[old_engines[change.was]["role"]] -= 1
+            counts[engines[change.unit].role.value] += 1
+        empty = [r for r in (Role.PREFILL.value, Role.DECODE.value) if counts[r] <= 0]
+        if empty:
+            raise LifecycleError(
+                f"the step '{change.kind} {change.was or change.unit}' would leave the fleet with no {empty[0]} "
+                "(steps run one at a time and the fleet serves between them; a PD fleet serves nothing without "
+                f"a {empty[0]}); nothing was changed: apply a file with one more {empty[0]} first"
+            )
 
 
 def _add(

@@ -27,6 +27,7 @@ from typing import Any
 
 from pdctl.choices import Choice
 from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.signals import INTERRUPTS
 
 log = logging.getLogger("pdctl.cluster")
 
@@ -118,7 +119,8 @@ class Journal:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) until the block is done, then raise KeyboardInterrupt: for what
+    """Hold back Ctrl-C (SIGINT), SIGTERM and SIGHUP until the block is done, then raise
+    KeyboardInterrupt: for what
     must happen whole (spawn a process and record it; undo a step). Only on the main thread (the
     only one Python delivers signals to); elsewhere the block simply runs."""
     if threading.current_thread() is not threading.main_thread():
@@ -130,10 +132,11 @@ def interrupts_deferred() -> Iterator[None]:
         caught.append(signum)
         log.warning("interrupted: finishing the step in progress first (it records what it started)")
 
-    previous = signal.signal(signal.SIGINT, hold)
+    previous = {sig: signal.signal(sig, hold) for sig in INTERRUPTS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if caught:
         raise KeyboardInterrupt

@@ -331,20 +331,35 @@ class RouterControl:
         return next((w for w in answer.get("workers", []) if w.get("url") == worker_url), None)
 
 
+UNDER_WAY = ("from a peer engine", "; loading ", "until the weight update under way ends")
+"""How the router's reason for keeping an engine out says that something is bringing it back
+(pdctl.router.fleet_weights): its supervisor takes the fleet's weights from a peer, the router
+loads the fleet's checkpoint into it, an update under way decides."""
+
+
 def wait_routable(router: RouterControl, unit: str, url: str, timeout: float, events: Events) -> None:
-    """Wait until the router routes to ``url`` again: healthy, not quarantined, not cordoned."""
+    """Wait until the router routes to ``url`` again: healthy, not quarantined, not cordoned. An
+    engine that is up but kept out for its weights with nothing under way to bring it back (only
+    a weight update can) is said at once, not waited for."""
     deadline = time.monotonic() + timeout
+    router.refresh()  # the router's view of the new process, not what it last saw of the old one
+    told = ""
     while True:
         worker = router.worker(url)
         if worker and worker["is_healthy"] and not worker["quarantined"] and not worker["cordoned"]:
             events(unit, f"back in rotation (weights {worker.get('weight_version')})")
             return
         quarantined = (worker or {}).get("quarantined") or ""
-        if quarantined and "next weight push" in quarantined:
-            raise LifecycleError(
-                f"{unit} restarted but stays out of rotation: {quarantined}. The other engines were left as they "
-                "are, so that the role keeps its capacity"
-            )
+        if quarantined and (worker or {}).get("is_healthy"):
+            if not any(sign in quarantined for sign in UNDER_WAY):
+                raise LifecycleError(
+                    f"{unit} is up but stays out of rotation: {quarantined}. Only a weight update (a push, a load, "
+                    "or a peer that holds the fleet's version) brings it back; the other engines were left as they "
+                    "are, so that the role keeps its capacity"
+                )
+            if quarantined != told:
+                told = quarantined
+                events(unit, f"up; out of rotation until its weights are the fleet's: {quarantined.split('; ')[-1]}")
         if time.monotonic() > deadline:
             raise LifecycleError(
                 f"{unit} restarted but the router has not taken it back after {timeout:.0f}s: {worker}"

@@ -147,7 +147,19 @@ def switch_engine(
     role = Role(new_engine["role"])
     new_id = str(new_engine["id"])
     was = record.role
-    already = engine_role(state, store, url) is role  # a switch that stopped half way (pdctl killed)
+    if was in PD_ROLES and not any(e["role"] == was.value and e["id"] != old_id for e in state.plan.get("engines", [])):
+        raise LifecycleError(
+            f"{old_id} is the fleet's only {was}: as a {role} it would leave the fleet with no {was}, and a PD fleet "
+            f"serves nothing without one; add a {was} first (`pdctl apply` a file with one more), then switch"
+        )
+    live = engine_role(state, store, url)
+    if live is None and entry_of(state) is None:  # (a switch left half done asks again below, in the step)
+        raise LifecycleError(
+            f"{old_id} does not answer at {url}: a switch needs it running, and nothing was changed. Once its "
+            f"supervisor has brought it back (`pdctl status {state.name}`), or after `pdctl restart {state.name} "
+            f"{old_id}`, run this again"
+        )
+    already = live is role  # a switch that stopped half way (pdctl killed)
     try:
         journal.begin(old_id, ChangeKind.SWITCH, url, (old_id,))
         events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")

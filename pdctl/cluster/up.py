@@ -34,6 +34,7 @@ from pdctl.plan.planner import run_dir
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
 from pdctl.roles import Role
+from pdctl.signals import INTERRUPTS
 from pdctl.topology.model import Topology
 
 LOG_TAIL_LINES = 50
@@ -120,15 +121,17 @@ def up(
 
 @contextlib.contextmanager
 def _uninterrupted() -> Iterator[None]:
-    """Ignore Ctrl-C (SIGINT) for the block, when this is the main thread (signals go there)."""
+    """Ignore Ctrl-C (SIGINT), SIGTERM and SIGHUP for the block, when this is the main thread
+    (signals go there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in INTERRUPTS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _fail(

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.0, help="Added per prompt token.")
     sim.add_argument("--sim-decode-ms-per-step", type=float, default=0.0, help="Added per batched decode step.")
     sim.add_argument(
-        "--sim-disk-load-ms", type=float, default=0.0, help="Added to each load from disk (a GPU engine's takes seconds)."
+        "--sim-disk-load-ms", type=float, default=0.0, help="Added to each load from disk (a GPU engine's takes secs)."
     )
     sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
     sim.add_argument(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 import logging
+import time
 from pathlib import Path
 from typing import Any
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -26,9 +27,11 @@ from tests.helpers import control_auth, eventually, free_port_base, get, post
 pytestmark = pytest.mark.timeout(600)
 
 
-def interrupted(*args: str, at: str, env: dict, timeout: float = 180) -> tuple[int, str]:
-    """Run ``pdctl ARGS``; send it SIGINT once a progress line containing ``at`` appears (its exit
-    code and output). Fails when the command ends before that line."""
+def interrupted(
+    *args: str, at: str, env: dict, timeout: float = 180, sig: signal.Signals = signal.SIGINT
+) -> tuple[int, str]:
+    """Run ``pdctl ARGS``; send it ``sig`` (SIGINT: a Ctrl-C) once a progress line containing ``at``
+    appears (its exit code and output). Fails when the command ends before that line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdctl", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -40,7 +43,7 @@ def interrupted(*args: str, at: str, env: dict, timeout: float = 180) -> tuple[i
         for line in proc.stdout:
             seen.append(line)
             if at in line and not sent.is_set():
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(sig)
                 sent.set()
 
     reader = threading.Thread(target=read)
@@ -140,14 +143,62 @@ def test_ctrl_c_during_a_restart(cluster, phase) -> None:
     assert code == 0 and st["step"] is None, st
 
 
-@pytest.mark.parametrize("phase", ["decode-2: starting", "decode-2: started pid"])
-def test_ctrl_c_during_an_apply_that_adds_an_engine(cluster, tmp_path, phase) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("phase", ["starting", "started pid"])
+def test_sigterm_or_sighup_during_a_restart_leaves_no_process_the_state_does_not_know(cluster, phase, sig) -> None:
+    """kill or a closed terminal while restart spawns the engine: what Ctrl-C gets (the spawn and
+    its record whole, then the step's undo or its record for the next command). Before, the
+    command died on the spot: a stray engine the state did not know answered the health URL, the
+    recorded supervisor crash-looped on 'address already in use' and only down removed it."""
+    env, name, _ = cluster
+    code, out = interrupted("restart", name, "decode-0", at=phase, env=env, sig=sig)
+    assert code == 130 and "Traceback" not in out, out
+    _, st = status(env)
+    assert _strays(env, name, st) == [], "processes of the cluster the state does not know"
+    code, st = settle(env, name)
+    if code != 0:
+        assert st["step"] and "decode-0" in st["step"] and "again" in st["step"], st
+    again = pdctl("restart", name, "decode-0", env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    code, st = settle(env, name)
+    assert code == 0 and st["step"] is None and _strays(env, name, st) == [], st
+
+
+def _strays(env: dict, name: str, st: dict) -> list[str]:
+    """Engine processes of the cluster's run (its run id in their environment) that no recorded
+    process is, nor a recorded process's child (a supervisor's engine, an engine's TP helper)."""
+    run_id = json.loads((Path(env["PDCTL_HOME"]) / name / "state.json").read_text())["run_id"]
+    known = {p["pid"] for p in st["processes"]} | {p.get("supervisor_pid") for p in st["processes"]}
+    strays = []
+    for pid in _run_processes(run_id):
+        try:
+            proc = psutil.Process(pid)
+            lineage = {proc.pid, *(a.pid for a in proc.parents())}
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "pdctl.sim" in cmd and not lineage & known:
+            strays.append(f"{pid}: {cmd}")
+    return strays
+
+
+@pytest.mark.parametrize(
+    "phase, sig",
+    [
+        ("decode-2: starting", signal.SIGINT),
+        ("decode-2: started pid", signal.SIGINT),
+        ("decode-2: starting", signal.SIGTERM),
+        ("decode-2: started pid", signal.SIGHUP),
+    ],
+    ids=["starting-SIGINT", "started-SIGINT", "starting-SIGTERM", "started-SIGHUP"],
+)
+def test_ctrl_c_during_an_apply_that_adds_an_engine(cluster, tmp_path, phase, sig) -> None:
     env, name, topo = cluster
     body = yaml.safe_load(Path(topo).read_text())
     body["decode"] = {"replicas": 3}
     bigger = tmp_path / "bigger.yaml"
     bigger.write_text(yaml.safe_dump(body))
-    code, out = interrupted("apply", str(bigger), at=phase, env=env)
+    code, out = interrupted("apply", str(bigger), at=phase, env=env, sig=sig)
     assert code == 130 and "Traceback" not in out, out
     # The engine that did not join is stopped and unregistered: the cluster is as it was.
     code, st = settle(env, name)

@@ -7,6 +7,7 @@ that enters at B the same way. Without a peer of the same TP layout the old rule
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -461,5 +462,54 @@ def test_no_engine_seeds_while_a_fleet_update_moves_its_weights_or_after_one_lef
             armed, detail = source.arm()
             assert armed is not None and armed.version == "fw-2", detail
             source.disarm(armed)
+        finally:
+            relay.stop()
+
+
+def test_a_seed_that_dies_before_its_checksum_is_vouched_for_by_another_engine_at_its_version(tmp_path) -> None:
+    """kill -9 of the seed while the receiver compares checksums (2 of 4 tries in a probe): the
+    receiver compared with nothing, stayed at the receiving label and out of rotation for good,
+    although another engine held the version. Now any engine of its layout at that version
+    vouches; with none, it says so (its supervisor then starts it again, from a peer)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with sims(tmp_path, ("--api-key", KEY), ("--api-key", KEY, "--weight-version", "pdctl:receiving-from-peer")) as (
+        peer,
+        me,
+    ):
+        assert post(peer.url + "/update_weight_version", {"new_version": "B"}, headers=auth)[0] == 200
+        dead = SeedSide("seed", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
+        other = SeedSide("peer", peer.url, "127.0.0.1", free_port(), (free_port(),))
+        mine = SeedSide("me", me.url, "127.0.0.1", free_port(), (free_port(),))
+        from pdctl.peer_weights import Armed
+
+        alone = PeerSource(PeerPlan(mine, (dead,)), KEY)
+        ok, detail = alone.verify_and_stamp(Armed(dead, "B"), lambda: True)
+        assert not ok and detail.startswith("could not compare checksums with any engine at 'B'"), detail
+        source = PeerSource(PeerPlan(mine, (dead, other)), KEY)
+        ok, detail = source.verify_and_stamp(Armed(dead, "B"), lambda: True)
+        assert ok and "checked against peer" in detail, detail
+        assert get(me.url + "/model_info", headers=auth)[1]["weight_version"] == "B"
+
+
+def test_two_engines_restarted_at_once_share_the_only_seed_one_after_the_other(tmp_path, caplog) -> None:
+    """Two decodes killed at once: the second found the only seed busy, loaded from disk and
+    waited for a push that never came (the trainer had exited). Now it asks again once the seed
+    may be free, and arms it when the first transfer ends."""
+    with sims(tmp_path, ("--api-key", KEY, "--weight-version", "B")) as (seed,):
+        relay = _started_relay(seed.url)
+        try:
+            assert _relay_call(relay, ARM_ROUTE, {"receiver": "first"})[0] == 200  # the first restarted decode
+            second = SeedSide("second", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
+            source = PeerSource(PeerPlan(second, (relay.me,)), KEY)
+            got: dict = {}
+            caplog.set_level(logging.INFO, logger="pdctl.peer_weights")
+            asking = threading.Thread(target=lambda: got.update(armed=source.arm()[0]))
+            asking.start()
+            # refused as busy, it asks again (it returned at once with no seed before, to load from disk)
+            eventually(lambda: "asking again" in caplog.text, 30, what="the second receiver refused as busy")
+            assert _relay_call(relay, DISARM_ROUTE, {"receiver": "first"})[0] == 200  # the first transfer ended
+            asking.join(60)
+            assert got["armed"] is not None and got["armed"].version == "B", got
+            source.disarm(got["armed"])
         finally:
             relay.stop()

@@ -4,6 +4,7 @@ by hand; real sim engines under their supervisors, the real router, closed-loop 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import signal
@@ -230,3 +231,53 @@ def test_an_engine_added_under_a_switched_engines_first_id_gets_a_log_of_its_own
     assert _status(env)["ok"] is True
     back = pdctl("apply", topo, env=env)  # decode-2 leaves the file
     assert back.returncode == 0 and "remove decode-2" in back.stdout, back.stdout
+
+
+def test_a_switch_that_would_leave_no_prefill_is_refused_and_changes_nothing(cluster) -> None:
+    """Found by a probe: switching the last prefill to decode was accepted, the fleet had no
+    prefill (63 x 503 in 3 s) while status listed every engine up. Now it is refused before
+    anything changes; the fleet serves on."""
+    env, name, _ = cluster
+    engines = lambda: {e["id"]: e for e in _status(env)["engines"]}  # noqa: E731
+    prefills = sorted(i for i, e in engines().items() if e["role"] == "prefill")
+    assert len(prefills) == 2, engines()
+    decodes = {i for i, e in engines().items() if e["role"] == "decode"}
+    first = pdctl("switch", name, prefills[0], "decode", env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    (last,) = [i for i, e in engines().items() if e["role"] == "prefill"]
+    pids = _pids(_status(env))
+    refused = pdctl("switch", name, last, "decode", env=env, timeout=300)
+    assert refused.returncode == 1 and "only prefill" in refused.stderr and "Traceback" not in refused.stderr
+    st = _status(env)
+    assert _pids(st) == pids and st["ok"] and st["step"] is None, st
+    # back to two prefills
+    (switched,) = {i for i, e in engines().items() if e["role"] == "decode"} - decodes
+    back = pdctl("switch", name, switched, "prefill", env=env, timeout=300)
+    assert back.returncode == 0, back.stderr
+
+
+def test_an_apply_whose_switch_finds_its_engine_dead_changes_nothing_and_says_so(cluster) -> None:
+    """Found by a probe: apply with a switch of an engine that was dead said the switch's answer
+    was 'lost' and the journal that its 'processes still run' (both false), and every apply after
+    looped on it until a restart. Now apply refuses before any step, naming the engine; once it
+    runs again (here: pdctl restart), the same apply switches it."""
+    env, name, topo = cluster
+    st = _status(env)
+    (other,) = [e["id"] for e in st["engines"] if e["role"] == "prefill" and e["id"] != "prefill-0"]
+    proc = next(p for p in st["processes"] if p["id"] == other)
+    for pid in (proc.get("supervisor_pid"), proc["pid"]):  # its supervisor too: it stays down
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    one_three = _split(topo, 1, 3)
+    refused = pdctl("apply", one_three, env=env, timeout=300)
+    assert refused.returncode == 1 and f"{other} does not answer" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and "lost" not in refused.stderr
+    after = _status(env)
+    assert after["step"] is None and {e["id"] for e in after["engines"]} == {e["id"] for e in st["engines"]}
+    assert pdctl("restart", name, other, env=env, timeout=300).returncode == 0
+    there = pdctl("apply", one_three, env=env, timeout=300)
+    assert there.returncode == 0, there.stderr
+    back = pdctl("apply", topo, env=env, timeout=300)
+    assert back.returncode == 0, back.stderr
+    assert _status(env)["ok"]

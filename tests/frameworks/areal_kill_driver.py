@@ -17,7 +17,6 @@ import datetime
 import json
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,14 +28,16 @@ from areal.engine.sglang_remote import RemoteSGLangEngine
 from areal.infra.platforms import current_platform
 
 from pdctl.sim.model import resolve_model
+from tests.helpers import eventually
 
 SEED = 73
 BUCKET_BYTES = 64 * 1024
 
 
 def wait_for(path: Path) -> None:
-    while not path.exists():  # the test's signal: a file it writes when it has done its part
-        time.sleep(0.05)
+    """The test's signal: a file it writes when it has done its part (bounded: a test that died
+    must not leave this waiting)."""
+    eventually(path.exists, 300, what=f"the test's {path.name}")
 
 
 def joined(engine: RemoteSGLangEngine, alloc: ModelAllocation, name: str) -> tuple[WeightUpdateMeta, object]:

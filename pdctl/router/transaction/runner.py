@@ -221,7 +221,7 @@ class FleetTransactions:
             refit=gate,
             max_staleness=self.config.max_staleness if isinstance(max_staleness, Unset) else max_staleness,
         )
-        with txn.timed("pause"):
+        with txn.timed("hold"):
             holding = asyncio.ensure_future(
                 self.updates.hold(
                     hold, idle=self._idle, in_flight=self._in_flight, record=False, driver=driver, wait=pause is None
@@ -242,8 +242,9 @@ class FleetTransactions:
                 raise Conflict(
                     f"requests in flight did not finish within {DEFAULT_HOLD_TIMEOUT_SECS:.0f}s (refit drain)"
                 )
-            self.current = txn
-            self._keep()  # before the pause: a router killed from here on continues them when it starts
+        self.current = txn
+        self._keep()  # before the pause: a router killed from here on continues them when it starts
+        with txn.timed("pause"):
             await asyncio.shield(self._pause(txn, engine_mode))
         log.info("transaction %s opened by %s: %d engine(s) paused (%s)", txn.id, opener, len(txn.engines), engine_mode)
         return txn
