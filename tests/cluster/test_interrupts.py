@@ -357,3 +357,25 @@ def test_a_load_while_the_only_prefill_restarts_fails_no_request(cluster, tmp_pa
     assert not failed, failed[:3]
     assert answers[-1][1]["meta_info"]["weight_version"] == "v9"
     assert settle(env, name)[0] == 0
+
+
+def test_restart_of_an_engine_only_an_update_can_bring_back_says_so_at_once(cluster) -> None:
+    """An engine out of rotation for a failed weight update (nothing under way brings it back: no
+    peer transfer, no load): restart used to wait its whole 900 s for it in silence. It says at
+    once that the engine is up and what brings it back."""
+    env, name, _ = cluster
+    _, st = status(env)
+    router = next(p for p in st["processes"] if p["role"] == "router")["url"]
+    decode = next(p for p in st["processes"] if p["id"] == "decode-1")["url"]
+    auth = control_auth(name, env["PDCTL_HOME"])
+    assert (
+        post(router + "/pdctl/hold", {"txn": "t-failed", "engines": [decode], "lease_secs": 60}, headers=auth)[0] == 200
+    )
+    release = {"txn": "t-failed", "failed": {decode: "weight push t-failed failed: a test"}}
+    assert post(router + "/pdctl/release", release, headers=auth)[0] == 200
+    out = pdctl("restart", name, "decode-1", env=env, timeout=300)  # (it waited out 900 s before)
+    assert out.returncode == 1 and "is up but stays out of rotation" in out.stderr, out.stderr
+    assert "Only a weight update" in out.stderr
+    assert post(router + "/pdctl/hold", {"txn": "t-ok", "engines": [decode], "lease_secs": 60}, headers=auth)[0] == 200
+    assert post(router + "/pdctl/release", {"txn": "t-ok", "complete": [decode]}, headers=auth)[0] == 200
+    assert settle(env, name)[0] == 0
