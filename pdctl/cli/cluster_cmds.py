@@ -173,6 +173,9 @@ def _print_status(result: ClusterStatus) -> None:
     for p in result.processes:
         if p.error:
             out.print(f"[red]{p.node}: {p.error}[/]")
+        if p.kept_args:
+            kept = ", ".join(f"{flag} {mine} (its group's: {theirs})" for flag, (mine, theirs) in p.kept_args.items())
+            out.print(f"{p.id}: switched role; until its next restart it keeps {kept}")
         if p.reason:
             out.print(f"[red]{p.id}: {p.reason}[/]")
         elif p.restarts and p.last_exit:

@@ -66,6 +66,9 @@ class Change:
     """A switch: the running engine that becomes ``unit`` (pdctl.cluster.switch)."""
     to_role: str | None = None
     """A switch: the role it takes."""
+    keeps: dict[str, list[str | None]] = field(default_factory=dict)
+    """A switch: the flags the switched process keeps from its old group until its next restart,
+    ``{flag: [its value, its new group's]}`` (SGLang keeps a process's args across a switch)."""
 
 
 @dataclass
@@ -113,9 +116,20 @@ def diff(state: ClusterState, top: Topology, plan: Plan, switches: Mapping[str, 
         if unit.startswith("trainer"):
             continue
         if unit in switches:
-            role = next(iter(procs.values()))["role"]
+            planned = next(iter(procs.values()))
+            role = planned["role"]
+            running = next(iter(old.get(switches[unit], {}).values()), None)
+            keeps: dict[str, list[str | None]] = {}
+            if running is not None:
+                derived = switch.switched_spec(running, unit, Role(role))
+                keeps, _ = switch.kept_args(derived["argv"], list(planned["argv"]))
             why = "no restart: same process, GPUs and ports"
-            out.changes.append(Change(ChangeKind.SWITCH, unit, tuple(procs), why, was=switches[unit], to_role=role))
+            if keeps:
+                kept = ", ".join(f"{flag} {mine} (its new group's: {theirs})" for flag, (mine, theirs) in keeps.items())
+                why += f"; until its next restart it keeps its own {kept}"
+            out.changes.append(
+                Change(ChangeKind.SWITCH, unit, tuple(procs), why, was=switches[unit], to_role=role, keeps=keeps)
+            )
             continue
         if unit not in old:
             out.changes.append(Change(ChangeKind.ADD, unit, tuple(procs), "new in the file"))
@@ -150,6 +164,13 @@ def _difference(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]], 
             a, b = old[pid].get(key), raw.get(key)
             if key == "argv" and router:
                 a, b = _router_settings(a or []), _router_settings(b or [])
+            if key == "argv" and old[pid].get("switched") and a != b:
+                # A switched engine runs its old group's soft flags until its next restart (SGLang keeps
+                # a process's args across a switch): only a flag that changes its tensors or parallelism
+                # is a reason to restart it.
+                _, hard = switch.kept_args(list(a or []), list(b or []))
+                if not hard:
+                    continue
             if a != b:
                 return f"{pid}: {key} changed" + (f" ({a} -> {b})" if key in ("gpu_ids", "ports", "node") else "")
     return ""
@@ -235,17 +256,26 @@ def _planned(state: ClusterState, top: Topology) -> tuple[Plan, ApplyPlan]:
     removed = [c.unit for c in changes.changes if c.kind is ChangeKind.REMOVE]
     added = {c.unit for c in changes.changes if c.kind is ChangeKind.ADD}
     pairs = switch.candidates(state, removed, {e.id: e.to_dict() for e in plan.engines if e.id in added})
+    unswitchable: dict[str, str] = {}
     while pairs:  # (twice at most: the pairs that hold on their new GPUs and ports)
         alias_ports, alias_gpus = switch.aliases(state, pairs, ports)
         try:
             aliased = make_plan(top, alias_ports, alias_gpus)
         except TopologyError:
             break
-        held = switch.confirmed(state, pairs, {p.id: p.to_dict() for p in aliased.processes})
+        held, why = switch.confirmed(state, pairs, {p.id: p.to_dict() for p in aliased.processes})
+        unswitchable.update(why)
         if held == pairs:
-            return aliased, diff(state, top, aliased, {new: old for old, new in pairs})
+            result = diff(state, top, aliased, {new: old for old, new in pairs})
+            result.notes += _not_switched(unswitchable)
+            return aliased, result
         pairs = held
+    changes.notes += _not_switched(unswitchable)
     return plan, changes
+
+
+def _not_switched(why: Mapping[str, str]) -> list[str]:
+    return [f"{old}: {reason}; it is added and removed instead (a restart)" for old, reason in why.items()]
 
 
 def _apply(
@@ -282,6 +312,9 @@ def _apply(
         elif change.kind is ChangeKind.SWITCH:
             assert change.was is not None
             engine, spec = engines[change.unit].to_dict(), specs[change.unit].to_dict()
+            if change.keeps:  # what `status` shows until its next restart (its supervisor restarts it as planned)
+                pid = switch.serving_pid(state, nodes, change.was)
+                spec["kept_args"] = {"pid": pid, "args": dict(change.keeps)}
             switch.switch_engine(state, store, nodes, router, journal, change.was, engine, spec, events, ready_timeout)
             continue  # the switch wrote the state's plan
         else:
@@ -291,7 +324,8 @@ def _apply(
             journal.end()
         else:
             store.save(state)
-    state.plan = plan.to_dict() | {"processes": _running_specs(state, plan)}
+    changed = {c.unit for c in changes.changes}
+    state.plan = plan.to_dict() | {"processes": _running_specs(state, plan, changed)}
     state.declared = declared_of(top)
     store.save(state)
 
@@ -423,18 +457,25 @@ def _merged_plan(state: ClusterState, plan: Plan, change: Change) -> dict[str, A
     return merged
 
 
-def _running_specs(state: ClusterState, plan: Plan) -> list[dict[str, Any]]:
-    """The new plan's processes, except a trainer that kept running as it was."""
+def _running_specs(state: ClusterState, plan: Plan, changed: set[str]) -> list[dict[str, Any]]:
+    """The new plan's processes, except a trainer that kept running as it was, and a switched
+    engine this apply did not change (it runs its own flags until its next restart)."""
     running = {p["id"]: p for p in state.plan.get("processes", [])}
     out = []
     for spec in plan.processes:
-        if spec.role is Role.TRAINER and spec.id in running:
+        kept_running = spec.role is Role.TRAINER or (
+            running.get(spec.id, {}).get("switched") and (spec.engine_id or spec.id) not in changed
+        )
+        if kept_running and spec.id in running:
             out.append(running[spec.id])
         else:
             raw = spec.to_dict()
             record = state.processes.get(spec.id)
             if record is not None and record.log_path != spec.log_path:  # a switched engine keeps its log
                 raw["log_path"] = record.log_path
+            kept = running.get(spec.id, {}).get("kept_args")
+            if kept:  # a switched engine's own args (`status` shows them while that process runs)
+                raw["kept_args"] = kept
             out.append(raw)
     return out
 

@@ -45,6 +45,9 @@ class ProcessStatus:
     """Its last start's weights from a peer (pdctl.peer_weights): ``state`` and ``detail``."""
     supervisor_pid: int | None = None
     """The recorded process: its supervisor (``pid`` is the supervised process)."""
+    kept_args: dict[str, list[Any]] | None = None
+    """A switched engine's flags that differ from its group's, ``{flag: [its value, its group's]}``,
+    while the process that switched runs (its next restart takes its group's)."""
 
     @property
     def completed(self) -> bool:
@@ -164,6 +167,11 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
                 else:
                     ps.weight_version = info.get("weight_version")
         out.append(ps)
+    planned = {raw["id"]: raw for raw in state.plan.get("processes", [])}
+    for ps in out:
+        kept = planned.get(ps.id, {}).get("kept_args")
+        if isinstance(kept, dict) and kept.get("pid") == ps.pid and ps.alive:
+            ps.kept_args = dict(kept.get("args") or {})
     order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
     out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
     engines, daemons = _engines(state, out, router_workers, hold), daemon_status(state, nodes)

@@ -108,21 +108,99 @@ def aliases(
     return ports, gpus
 
 
+HARD_ARGS = frozenset(
+    {
+        "--model-path", "--tokenizer-path", "--revision", "--trust-remote-code", "--dtype", "--kv-cache-dtype",
+        "--quantization", "--load-format", "--model-loader-extra-config", "--tp-size", "--tensor-parallel-size",
+        "--pp-size", "--pipeline-parallel-size", "--dp-size", "--data-parallel-size", "--ep-size",
+        "--expert-parallel-size", "--enable-dp-attention", "--speculative-algorithm", "--speculative-draft-model-path",
+        "--nnodes", "--node-rank", "--dist-init-addr", "--enable-pd-role-switch",
+    }
+)  # fmt: skip
+"""Flags a switched process must share with the group it joins: they change the tensors it holds,
+its parallelism or its placement. The others (memory fractions, chunk and batch sizes, schedules...)
+it keeps from its old group until its next restart, as SGLang keeps a process's args across a switch."""
+
+
+def flags_of(argv: list[str]) -> dict[str, str | None]:
+    """An engine command's ``--flag [value]`` words after its module (later words win)."""
+    out: dict[str, str | None] = {}
+    words = list(argv)
+    i = next((j for j, w in enumerate(words) if w.startswith("--")), len(words))
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--"):
+            i += 1
+            continue
+        if "=" in word:
+            flag, value = word.split("=", 1)
+            out[flag] = value
+            i += 1
+        elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+            out[word] = words[i + 1]
+            i += 2
+        else:
+            out[word] = None
+            i += 1
+    return out
+
+
+def kept_args(running: list[str], planned: list[str]) -> tuple[dict[str, list[str | None]], list[str]]:
+    """What a switch of ``running`` (its command, the mode flag set to the new role) into ``planned``
+    keeps from its old group: ``{flag: [running value, planned value]}`` for the soft flags that
+    differ; and the hard flags that differ (the switch is impossible when there is one)."""
+    mine, theirs = flags_of(running), flags_of(planned)
+    soft: dict[str, list[str | None]] = {}
+    hard: list[str] = []
+    for flag in sorted(set(mine) | set(theirs)):
+        if flag == MODE_FLAG or mine.get(flag) == theirs.get(flag):
+            continue
+        if flag in HARD_ARGS:
+            hard.append(f"{flag} {mine.get(flag)!r} vs {theirs.get(flag)!r}")
+        else:
+            soft[flag] = [mine.get(flag), theirs.get(flag)]
+    return soft, hard
+
+
 def confirmed(
     state: ClusterState, pairs: list[tuple[str, str]], planned: Mapping[str, Mapping[str, Any]]
-) -> list[tuple[str, str]]:
-    """The pairs whose new engine, planned on the old one's GPUs and ports, runs the old one's
-    command but for its role (else it is an add and a removal: its group's flags differ, say)."""
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """The pairs whose new engine, planned on the old one's GPUs and ports, the old one can become
+    by a switch: the same place (node, GPUs, ports, environment, directory) and the same hard flags
+    (``HARD_ARGS``); soft flags may differ (it keeps its own until its next restart). Also why each
+    pair that cannot is not a switch (old engine id -> why: it is then added and removed)."""
     running = {p["id"]: p for p in state.plan.get("processes", [])}
-    out = []
+    out, why = [], {}
     for old_id, new_id in pairs:
         old, new = running.get(old_id), planned.get(new_id)
         if old is None or new is None or MODE_FLAG not in old.get("argv", []):
             continue
         derived = switched_spec(old, new_id, Role(new["role"]))
-        if all(derived.get(k) == new.get(k) for k in ("argv", "env", "node", "host", "gpu_ids", "ports", "cwd")):
-            out.append((old_id, new_id))
-    return out
+        moved = [k for k in ("env", "node", "host", "gpu_ids", "ports", "cwd") if derived.get(k) != new.get(k)]
+        _, hard = kept_args(derived["argv"], list(new.get("argv", [])))
+        if moved or hard:
+            reasons = [f"its {k} differs" for k in moved]
+            reasons += [f"{h} (a flag that changes its tensors or parallelism)" for h in hard]
+            why[old_id] = f"it cannot become {new_id} by a switch: " + "; ".join(reasons)
+            continue
+        out.append((old_id, new_id))
+    return out, why
+
+
+def serving_pid(state: ClusterState, nodes: NodeSet, process_id: str) -> int | None:
+    """The pid of the process that serves for recorded process ``process_id`` now: its supervisor's
+    child (what a restart replaces), else the recorded one."""
+    record = state.processes.get(process_id)
+    if record is None:
+        return None
+    query: dict[str, Any] = {"id": record.id, "pid": record.pid, "create_time": record.create_time}
+    if record.exit_file:
+        query["exit_file"] = record.exit_file
+    reply = nodes.each([record.node], lambda ex: agent_api.status(ex, [query]))[record.node]
+    if isinstance(reply, RemoteError):
+        return None
+    entry = reply["processes"].get(record.id) or {}
+    return int(entry.get("child_pid") or record.pid)
 
 
 # -- doing ------------------------------------------------------------------------------------------
@@ -181,7 +259,8 @@ def switch_engine(
             answer = _ask_switch(state, store, url, role, new_engine.get("tp"))
             if isinstance(answer, CallFailure):
                 _not_switched(state, store, router, journal, old_id, url, role, was, answer)
-        new_process = {**new_process, "log_path": record.log_path}  # its log and story stay where they are
+        # its log and story stay where they are; "switched": it runs what it ran before but its role
+        new_process = {**new_process, "log_path": record.log_path, "switched": True}
         spec = LaunchSpec.from_dict(dict(new_process))
         keys = load_keys(store, state.name)
         entry = spawn_entry(spec, state, keys, {}, key_file=keys is not None and not keys.engine.startswith("-"))

@@ -165,3 +165,25 @@ def test_status_reports_a_dead_process_and_the_trainers_exit_code(planned, store
     by_id = {p["id"]: p for p in report["processes"]}
     assert by_id["trainer.h1"]["alive"] is False and by_id["trainer.h1"]["exit_code"] == 7
     assert by_id["prefill-0"]["alive"] is True
+
+
+def test_a_switch_keeps_soft_flags_and_is_refused_for_one_that_changes_tensors() -> None:
+    """apply switches an engine whose group args differ from the other group's (it keeps its own
+    until its next restart), but not one whose new group differs in a flag that changes its
+    tensors or parallelism: that pair is an add and a removal, and apply says why."""
+    from pdctl.cluster.switch import kept_args
+
+    running = ["python", "-m", "pdctl.sim", "--model-path", "m", "--tp-size", "2", "--disaggregation-mode", "decode",
+               "--max-running-requests", "48", "--mem-fraction-static=0.8", "--enable-metrics"]  # fmt: skip
+    planned = ["python", "-m", "pdctl.sim", "--model-path", "m", "--tp-size", "2", "--disaggregation-mode", "decode",
+               "--max-running-requests", "32", "--enable-metrics", "--chunked-prefill-size", "4096"]  # fmt: skip
+    soft, hard = kept_args(running, planned)
+    assert hard == []
+    assert soft == {
+        "--max-running-requests": ["48", "32"],
+        "--mem-fraction-static": ["0.8", None],
+        "--chunked-prefill-size": [None, "4096"],
+    }
+    quantized = [*planned, "--quantization", "fp8"]
+    soft, hard = kept_args(running, quantized)
+    assert hard == ["--quantization None vs 'fp8'"]

@@ -56,13 +56,14 @@ def _split(topo: str, prefills: int, decodes: int) -> str:
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("switch")
     switchable = {"replicas": 2, "role_switch": True, "args": PACED}
+    # each group with args of its own, as every real fleet has (a switch keeps the process's own)
     topo = local_topology(
         tmp,
         "sw",
         free_port_base(),
         nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 5, "workdir": str(tmp / "runs")}],
-        prefill=switchable,
-        decode=dict(switchable),
+        prefill={**switchable, "args": {**PACED, "max-running-requests": 48}},
+        decode={**switchable, "args": {**PACED, "max-running-requests": 32}},
         router={"policy": "round_robin", "admission": {"worker_wait_secs": 60}},
     )
     env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}
@@ -86,6 +87,8 @@ def test_apply_moves_the_split_both_ways_under_load_without_a_restart(cluster) -
     dry = pdctl("apply", one_three, "--dry-run", env=env)
     assert dry.returncode == 0 and "switch prefill-1 -> decode (becomes decode-2)" in dry.stdout, dry.stdout
     assert "add" not in dry.stdout and "remove" not in dry.stdout, dry.stdout
+    # the groups' args differ: the switched process keeps its own, and says which
+    assert "keeps its own --max-running-requests 48 (its new group's: 32)" in dry.stdout, dry.stdout
     prefill_1 = next(p["url"] for p in before["processes"] if p["id"] == "prefill-1")
     with Clients(router) as clients:
         eventually(clients.answered_lately, 60, what="answers before the switch")
@@ -95,6 +98,10 @@ def test_apply_moves_the_split_both_ways_under_load_without_a_restart(cluster) -
         mid = _status(env)
         assert {e["id"] for e in mid["engines"]} == {"prefill-0", "decode-0", "decode-1", "decode-2"}
         assert _pids(mid) == pids, "an engine process was restarted"
+        switched = next(p for p in mid["processes"] if p["id"] == "decode-2")
+        assert switched["kept_args"] == {"--max-running-requests": ["48", "32"]}, switched
+        shown = pdctl("status", name, env=env).stdout
+        assert "decode-2: switched role; until its next restart it keeps --max-running-requests 48" in shown
         back = pdctl("apply", topo, env=env)
         assert back.returncode == 0, back.stderr
         assert _roles(router, name, env)[prefill_1] == "prefill"
