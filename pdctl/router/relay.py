@@ -23,6 +23,8 @@ import functools
 import logging
 
 from pdctl.router.legs import Live
+from pdctl.router.openai_resume import ROUTES as OPENAI_ROUTES
+from pdctl.router.openai_resume import OpenAIResume, StreamLog
 from pdctl.router.refit.continuation import Continuation
 from pdctl.router.refit.resume import GENERATE, Piece
 from pdctl.router.reply import Flow, Outlet
@@ -51,6 +53,9 @@ class Relay:
         self.outlet: Outlet | None = None
         self._ended: asyncio.Future[BaseException | None] | None = None  # the current stream's end
         self._pull: _Pull | None = None
+        # An OpenAI stream's events as the client got them: the only record of its text (its chunks
+        # are deltas), read only if its decode dies (pdctl.router.openai_resume)
+        self.openai: StreamLog | None = StreamLog() if request.path in OPENAI_ROUTES else None
 
     # -- the current stream's blocks (the engine connection's callbacks) ----------------------------
     def block(self, block: bytes, end: bool) -> None:
@@ -65,6 +70,8 @@ class Relay:
                 end = True
         elif self.transform is not None:
             block = shaped(block, self.transform)
+        if self.openai is not None:
+            self.openai.add(block)
         outlet = self.outlet
         assert outlet is not None
         if not end:
@@ -145,6 +152,15 @@ class Relay:
                     why = f"{worker.role} {worker.url} failed mid-stream: {error}"
                     data = last_data(last)
                     job = request.job if rule is not None else None  # parsed only now: rarely needed
+                    resume = OpenAIResume.of(request.path, request.body, self.openai) if self.openai else None
+                    if resume is not None:
+                        tail, self.current = await c.openai(request, resume, tries, why)
+                        if self.current is not None:
+                            log.warning("stream %s: %s; continuing on %s after %d tokens", resume.id, why,
+                                        self.current.leg.worker.url, resume.tokens)  # fmt: skip
+                            self.transform = resume.rewrite
+                        outlet.write(tail, self.current is None)
+                        continue
                     if job is None or not job.single or data is None:
                         outlet.write(error_event(why), True)
                         return

@@ -653,7 +653,7 @@ def _whole(reply: Reply, keep_alive: bool, http10: bool) -> bytes:
     """A whole answer's bytes: one format, no intermediate head (an answer per request)."""
     headers, body = reply.headers, reply.body
     return b"%b%b%b%bContent-Type: %b\r\nContent-Length: %d\r\n\r\n%b" % (
-        _status_line(reply.status, reply.reason),
+        (reply.reason is None and _STATUS_LINES.get(reply.status)) or _status_line(reply.status, reply.reason),
         _date_line(),
         header_lines(headers) if headers else b"",
         b"" if keep_alive and not http10 else _connection_line(keep_alive, http10),

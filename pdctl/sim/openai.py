@@ -81,14 +81,25 @@ def _is_part(part: Any) -> bool:
     return isinstance(part, dict) and isinstance(part.get("type"), str) and isinstance(part.get("text", ""), str)
 
 
-def chat_prompt(messages: list[dict[str, Any]]) -> str:
+def chat_prompt(messages: list[dict[str, Any]], continue_final_message: bool = False) -> str:
+    """The sim's chat template. A last assistant message with string content is, as SGLang 0.5.23
+    renders it (``serving_chat.py`` ``_handle_last_assistant_message``): with
+    ``continue_final_message``, the start of the answer (the template with its generation prompt,
+    then that text, no end of turn); without, a user message."""
+    prefix = ""
+    last = messages[-1] if messages else None
+    if last is not None and str(last.get("role")).lower() == "assistant" and isinstance(last.get("content"), str):
+        if continue_final_message:
+            prefix, messages = last["content"], messages[:-1]
+        else:
+            messages = [*messages[:-1], {**last, "role": "user"}]
     parts = []
     for m in messages:
         content = m.get("content") or ""
         if isinstance(content, list):
             content = "".join(p.get("text", "") for p in content)
         parts.append(f"<|{m['role'].lower()}|>\n{content}\n")
-    return "".join(parts) + "<|assistant|>\n"
+    return "".join(parts) + "<|assistant|>\n" + prefix
 
 
 def _prompt_type(value: Any) -> Any:
@@ -155,6 +166,7 @@ _COMPLETION = {
 _CHAT = {
     **_SHARED,
     "messages": (lax_messages, REQUIRED),
+    "continue_final_message": (lax_bool, False),
     "max_tokens": (lax_int, None),
     "max_completion_tokens": (lax_int, None),
     "temperature": (lax_float, None),
@@ -281,7 +293,8 @@ class OpenAIRoutes:
             req = parse(await read_openai_json(request), _CHAT)
             if not req["messages"]:
                 raise SimError("Messages cannot be empty.")
-            items = self._items(req, [encode(chat_prompt(req["messages"]))], chat=True)
+            prompt = chat_prompt(req["messages"], req["continue_final_message"])
+            items = self._items(req, [encode(prompt)], chat=True)
         except SimError as exc:
             return _refuse(request, exc)
         return await self._respond(request, req, items, chat=True)
@@ -289,7 +302,9 @@ class OpenAIRoutes:
     async def _respond(
         self, request: web.Request, body: dict[str, Any], items: list[ItemSpec], *, chat: bool
     ) -> web.StreamResponse:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # SGLang's answer id is the request's rid (a continued stream keeps its id), else a new one
+        given = body.get("rid")
+        rid = given if isinstance(given, str) and given else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         model = body.get("model") or self.s.config.served_name
         if body.get("stream"):

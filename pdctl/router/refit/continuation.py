@@ -21,6 +21,7 @@ from pdctl.router.attempts import INTERRUPT, Attempts
 from pdctl.router.errors import RouteError
 from pdctl.router.jsonutil import dumps
 from pdctl.router.legs import Live
+from pdctl.router.openai_resume import OpenAIResume
 from pdctl.router.refit.resume import Job, Piece, asked_abort, settle
 from pdctl.router.reply import Reply
 from pdctl.router.request import ClientRequest
@@ -104,6 +105,27 @@ class Continuation:
             if isinstance(got, Live):
                 return out, got, Continued(job, order, pending)
             return out + error_event(why), None, None  # the retries are spent
+
+    async def openai(
+        self, request: ClientRequest, resume: OpenAIResume, tries: Tries, why: str
+    ) -> tuple[bytes, Live | None]:
+        """Continue a one-choice OpenAI stream whose decode died (pdctl.router.openai_resume), as a
+        retry of the request: the bytes to send first, and the continuation's stream (None when the
+        client's stream ends with those bytes: its budget was spent, or the retry policy says stop)."""
+        delay = tries.next(Retry(why, errors.DECODE_FAILED))
+        if delay is None:
+            return error_event(why), None
+        await self.attempts.retry.sleep(delay)
+        if resume.spent:
+            return resume.end(), None
+        self.metrics.retried("stream_resumed")
+        try:
+            got = await self.attempts.run(request, resume.continuation(), None, tries, continuation=True)
+        except RouteError as exc:
+            return error_event(f"{why}; then {exc}"), None
+        if isinstance(got, Live):
+            return b"", got
+        return error_event(why), None  # the retries are spent
 
     # -- whole answers --------------------------------------------------------------------------------
     async def whole(self, request: ClientRequest, first: Reply, tries: Tries) -> Reply:
