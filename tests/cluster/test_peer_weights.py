@@ -402,6 +402,19 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
             assert _status(env)["decode-1"]["pid"] != before["pid"]
             assert _story(tmp_path, "peer", "decode-1")["peer"]["state"] == "done"
             assert _checksums(urls["decode-1"], "peer", env) == EXPECTED
+
+            # 4. two decodes killed at once, the trainer long gone: both take B from a peer (one
+            #    found its seed busy with the other, loaded from disk and waited for a push that
+            #    never came: now it asks again once a seed is free).
+            first, second = _status(env)["decode-0"], _status(env)["decode-2"]
+            os.kill(first["pid"], signal.SIGKILL)
+            os.kill(second["pid"], signal.SIGKILL)
+            _wait_back(env, "decode-0", first["pid"], 2)
+            _wait_back(env, "decode-2", second["pid"], 1)
+            for proc, url in (("decode-0", urls["decode-0"]), ("decode-2", added["url"])):
+                _wait_in_rotation(router, url, "B")
+                assert _story(tmp_path, "peer", proc)["peer"]["state"] == "done", _story(tmp_path, "peer", proc)
+                assert _checksums(url, "peer", env) == EXPECTED
             eventually(clients.answered_lately, 60, what="answers after the apply")
         assert not clients.failed(), clients.failed()[:3]
         versions = {a[2] for a in clients.answers}
