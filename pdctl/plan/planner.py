@@ -151,16 +151,21 @@ def _plan_peer_weights(
         relay = cursors.take(head.node, key=f"{head.id}:seed_relay")
         ports = tuple(cursors.take(head.node, key=f"{head.id}:seed.{r}") for r in range(engine.tp))
         sides[engine.id] = SeedSide(engine.id, engine.url, head.host, relay, ports)
+    by_engine = {e.id: e for e in engines}
+    layouts = {eid: _layout(by_engine[eid], groups) for eid in sides}
+    same: dict[tuple, list[SeedSide]] = {}
+    for eid, seed in sides.items():
+        same.setdefault(layouts[eid], []).append(seed)
+    position = {s.engine_id: i for members in same.values() for i, s in enumerate(members)}
+    hosts: dict[tuple, dict[str, list[SeedSide]]] = {key: _by_host(members) for key, members in same.items()}
     out = []
     for spec in processes:
         side = sides.get(spec.engine_id or "") if spec.entrypoint else None
         if side is None:
             out.append(spec)
             continue
-        layout = _layout(engines, groups, side.engine_id)
-        peers = tuple(
-            s for eid, s in sides.items() if eid != side.engine_id and _layout(engines, groups, eid) == layout
-        )
+        key = layouts[side.engine_id]
+        peers = _nearest_peers(side, same[key], position, hosts[key])
         owned = {**spec.ports, "seed_relay": side.relay_port, **{f"seed.{r}": p for r, p in enumerate(side.ports)}}
         plan = PeerPlan(side, peers, boot_version=_arg_value(spec.argv, "--weight-version") or "default")
         out.append(replace(spec, ports=MappingProxyType(owned), peer_weights=MappingProxyType(plan.to_dict())))
@@ -173,8 +178,39 @@ must agree on them as on tp (the broadcast pairs parameters one by one and would
 that differs)."""
 
 
-def _layout(engines: list[EngineSpec], groups: Mapping[str, ServerGroup], engine_id: str) -> tuple:
-    engine = next(e for e in engines if e.id == engine_id)
+PEERS_PER_ENGINE = 8
+"""How many peers of its layout an engine lists (its supervisor asks them all at once for their
+version, and a busy one again once it is free): enough to find a seed, and a plan whose size grows
+with the engines, not with their square (every engine listed every other of its layout: 184,320
+entries for 576 engines)."""
+
+
+def _nearest_peers(side: SeedSide, layout: list[SeedSide], position: Mapping[str, int],
+                   by_host: Mapping[str, list[SeedSide]]) -> tuple[SeedSide, ...]:  # fmt: skip
+    """Up to ``PEERS_PER_ENGINE`` others of ``side``'s layout: those on its host first (the
+    transfer stays on the node), then the next ones in the plan's order after it, wrapping (so
+    that engines that restart together ask different seeds first). ``position``: each engine's
+    index in ``layout``; ``by_host``: the layout's engines by host."""
+    local = [s for s in by_host[side.host] if s.engine_id != side.engine_id][:PEERS_PER_ENGINE]
+    out = list(local)
+    at, n = position[side.engine_id], len(layout)
+    for step in range(1, n):
+        if len(out) >= PEERS_PER_ENGINE:
+            break
+        other = layout[(at + step) % n]
+        if other.host != side.host:
+            out.append(other)
+    return tuple(out)
+
+
+def _by_host(sides: list[SeedSide]) -> dict[str, list[SeedSide]]:
+    out: dict[str, list[SeedSide]] = {}
+    for side in sides:
+        out.setdefault(side.host, []).append(side)
+    return out
+
+
+def _layout(engine: EngineSpec, groups: Mapping[str, ServerGroup]) -> tuple:
     group = groups[engine.group]
     return (engine.tp, *(str(group.arg(k)) for k in _WEIGHT_LAYOUT_ARGS))
 

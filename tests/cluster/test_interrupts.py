@@ -143,8 +143,19 @@ def test_ctrl_c_during_a_restart(cluster, phase) -> None:
     assert code == 0 and st["step"] is None, st
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-@pytest.mark.parametrize("phase", ["starting", "started pid"])
+@pytest.mark.parametrize(
+    "phase, sig",
+    [
+        ("out of rotation", signal.SIGHUP),
+        ("stopping", signal.SIGTERM),
+        ("starting", signal.SIGTERM),
+        ("starting", signal.SIGHUP),
+        ("started pid", signal.SIGTERM),
+        ("started pid", signal.SIGHUP),
+    ],
+    ids=["draining-SIGHUP", "stopping-SIGTERM", "starting-SIGTERM", "starting-SIGHUP", "started-SIGTERM",
+         "started-SIGHUP"],
+)  # fmt: skip
 def test_sigterm_or_sighup_during_a_restart_leaves_no_process_the_state_does_not_know(cluster, phase, sig) -> None:
     """kill or a closed terminal while restart spawns the engine: what Ctrl-C gets (the spawn and
     its record whole, then the step's undo or its record for the next command). Before, the

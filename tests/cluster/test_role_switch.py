@@ -186,10 +186,11 @@ def test_switch_says_what_is_wrong_without_a_traceback(cluster) -> None:
         assert out.returncode in (1, 2) and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster) -> None:
-    """Ctrl-C once `pdctl switch` waits for decode-0's requests: whatever the instant, status
-    tells the truth, the router and the state agree on the engine's role, and the command again
-    (or its undo) goes through."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster, sig) -> None:
+    """Ctrl-C (or kill, or a closed terminal) once `pdctl switch` waits for decode-0's requests:
+    whatever the instant, status tells the truth, the router and the state agree on the engine's
+    role, and the command again (or its undo) goes through."""
     env, name, _ = cluster
     st = _status(env)
     router = next(p["url"] for p in st["processes"] if p["role"] == "router")
@@ -198,7 +199,7 @@ def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster) -> None:
     with cf.ThreadPoolExecutor(4) as pool:
         long = [pool.submit(post, router + "/generate", body, timeout=120) for _ in range(4)]
         eventually(lambda: _running(url, name, env), 60, interval=0.02, what="decode-0 running a long request")
-        code, out = interrupted("switch", name, "decode-0", "prefill", at="switching to prefill", env=env)
+        code, out = interrupted("switch", name, "decode-0", "prefill", at="switching to prefill", env=env, sig=sig)
         assert code != 0 and "Traceback" not in out, out
         assert all(f.result()[0] == 200 for f in long)
     code, st = settle(env, name)

@@ -3,6 +3,7 @@ and FILE:LINE:COL errors, never a traceback (tests run the real CLI in a subproc
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -156,3 +157,7 @@ def test_a_1024_node_topology_is_within_the_limits(tmp_path) -> None:
     path.write_text(topology_text(1024))
     planned = load_plan(path)
     assert len(planned.topology.nodes) == 1024 and len(planned.plan.engines) > 1024
+    # The plan grows with the engines, not with their square (each listed every peer of its layout:
+    # about 130 KB per engine here, 200 MB in all); benchmarks/plan_scale.py measures the same bytes.
+    per_engine = len(json.dumps(planned.plan.to_dict())) / len(planned.plan.engines)
+    assert per_engine < 4096, per_engine
