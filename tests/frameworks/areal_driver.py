@@ -33,6 +33,7 @@ from areal.infra.platforms import current_platform
 from areal.utils import name_resolve, names
 
 from pdctl.sim.model import resolve_model, save_checkpoint
+from tests.helpers import eventually
 
 DISK_SEED, PUSH_SEED = 71, 72
 BUCKET_BYTES = 64 * 1024  # several buckets for the tiny model, one in flight at a time as AReaL sends them
@@ -68,9 +69,13 @@ def main() -> None:
 
         asyncio.run(all_of())
 
+    def at_version(version: int) -> list:
+        return [r for r in list(responses) if set(r.output_versions) == {version}]
+
     load = threading.Thread(target=rollouts, name="rollouts")
     load.start()
-    time.sleep(1.0)  # rollouts in flight when the first pause comes
+    # Rollouts in flight when the first pause comes: one has finished, five are on their way.
+    eventually(lambda: responses or errors, 300, what="a first rollout")
 
     # -- a disk update (fsdp_engine._update_weights_from_disk) ---------------------------------------------
     ckpt = work / "ckpt"
@@ -82,7 +87,7 @@ def main() -> None:
     future.result(timeout=120)
     engine.continue_generation()
     engine.set_version(1)
-    time.sleep(1.0)
+    eventually(lambda: at_version(1) or errors, 300, what="a rollout on the disk update's weights")
 
     # -- a distributed update (fsdp_engine: init once, then pause, buckets, continue) ------------------------
     alloc = ModelAllocation.from_str(allocation)
@@ -126,7 +131,7 @@ def main() -> None:
         future.result(timeout=120)
     engine.continue_generation()
     engine.set_version(2)
-    time.sleep(1.0)
+    eventually(lambda: len(at_version(2)) >= 3 or errors, 300, what="rollouts on the pushed weights")
 
     stop.set()
     load.join(timeout=300)
@@ -140,7 +145,7 @@ def main() -> None:
         resubmitted=len(multi),
         logprobs_ok=all(len(r.output_logprobs) == len(r.output_tokens) == 160 for r in responses),
         buckets=len(buckets),
-        after_push=[[r.input_tokens, r.output_tokens] for r in responses if set(r.output_versions) == {2}][:3],
+        after_push=[[r.input_tokens, r.output_tokens] for r in at_version(2)][:3],
     )
     engine.destroy()
     (work / "result.json").write_text(json.dumps(result))

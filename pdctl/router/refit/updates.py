@@ -106,6 +106,9 @@ class _Holder:
     driver: Driver = Driver.PDCTL
     moved: bool = False
     """Weights have begun to move (its driver said so): only then may its engines be half updated."""
+    ending: asyncio.Event | None = None
+    """Set when its release has begun (every worker's health is read again before requests
+    flow); the event is set when the gate opens."""
 
 
 Lapsed = Callable[[str | None, bool, tuple[str, ...], Driver], bool | None]
@@ -148,6 +151,7 @@ class WeightUpdates:
         return {
             "txn": holder.txn if holder is not None else None,
             "driver": holder.driver.value if holder is not None and holder.txn is not None else None,
+            "ending": holder is not None and holder.ending is not None,
             "since": time.time() - secs,
             "secs": round(secs, 1),
         }
@@ -174,6 +178,8 @@ class WeightUpdates:
         txn (a new one, or its driver renewing it) starts or renews the lease; ``record``
         starts its push record. Raises Conflict when another transaction holds the router or
         this one has ended."""
+        while self._holder is not None and self._holder.ending is not None:
+            await self._holder.ending.wait()  # a release reading health: this hold follows it
         txn = hold.txn
         holder = self._holder
         new_transaction = txn is None or holder is None or holder.txn != txn
@@ -360,6 +366,9 @@ class WeightUpdates:
         holder = self._holder
         if txn is not None and holder is not None and holder.txn is not None and txn != holder.txn:
             raise Conflict(f"weight push {holder.txn} holds the router")
+        if holder is not None and holder.ending is not None:  # a release repeated while the first reads health
+            await holder.ending.wait()
+            return
         for url in release.complete:
             self.registry.set_quarantine(url, None)
         for url, reason in release.failed.items():
@@ -367,6 +376,7 @@ class WeightUpdates:
         if holder is not None and holder.lease is not None:
             holder.lease.cancel()
         last = self.last
+        outcome: PushState | None = None
         if last is not None and txn is not None and last.txn == txn:
             if not release.moved:
                 outcome = PushState.CANCELLED
@@ -374,13 +384,13 @@ class WeightUpdates:
                 outcome = PushState.FAILED
             else:
                 outcome = PushState.COMPLETE
-            last.state, last.ended_at = outcome, time.time()
             last.complete, last.failed = tuple(release.complete), dict(release.failed)
             last.phases = dict(release.phases)
             self.metrics.weight_update_ended(outcome.name.lower(), dict(release.phases), self.held_secs())
             if release.complete and release.moved and last.version is not None:
                 self.registry.set_fleet(FleetWeights(str(last.version), last.source))
-        self._holder = None
+        if holder is not None:
+            holder.ending = asyncio.Event()
         self.registry.updating = False
         fleet = self.registry.fleet
         if fleet is not None and fleet.source and last is not None and last.txn == txn and release.moved:
@@ -395,5 +405,13 @@ class WeightUpdates:
         try:
             if session is not None:
                 await self.health.check_all(session)
-        finally:  # whatever the checks met, requests flow again
+        finally:
+            # Whatever the checks met, requests flow again. The transaction reads as ended only
+            # from here: until the gate opens it still holds the router, and says so.
+            if outcome is not None and last is not None:
+                last.state, last.ended_at = outcome, time.time()
+            if self._holder is holder:
+                self._holder = None
             self.gate.open()
+            if holder is not None and holder.ending is not None:
+                holder.ending.set()

@@ -148,7 +148,9 @@ class FleetTransactions:
         if state is None:
             return None
         txn = self.current
-        if txn is not None and txn.id == state["txn"]:
+        if state["ending"]:
+            state["by"] = f"the end of weight update {state['txn']} (every worker's health read again)"
+        elif txn is not None and txn.id == state["txn"]:
             state["by"] = f"{'memory released by a framework' if txn.released else txn.opener} ({txn.id})"
         elif state["txn"] is not None:
             state["by"] = f"weight push {state['txn']}"
