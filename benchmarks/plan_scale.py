@@ -1,7 +1,8 @@
-"""validate + plan wall time for 1, 64 and 1024 nodes of 8 GPUs (goal: < 1 s at 1024).
+"""validate + plan wall time and plan size for 1 to 4096 nodes of 8 GPUs (goals: < 1 s at 1024
+nodes; the plan's JSON bytes per engine flat as the fleet grows, i.e. the plan linear in it).
 
-Each size: 2 TP-4 prefills and 1 TP-8 decode... scaled so every GPU is used: per 2 nodes,
-two TP-4 prefills, one TP-8 decode. Best of 3 runs, all sizes in one process.
+Each size: per 2 nodes, two TP-4 prefills and one TP-8 decode, so every GPU is used. Best of 3
+runs (1 at 4096), all sizes in one process.
 
     python benchmarks/plan_scale.py   # writes benchmarks/results/plan_scale.{json,md}
 """
@@ -38,7 +39,7 @@ def topology_text(n_nodes: int) -> str:
 def measure(n_nodes: int, repeats: int = 3) -> dict:
     text = topology_text(n_nodes)
     best = {"load_validate_s": float("inf"), "plan_s": float("inf")}
-    processes = 0
+    processes = plan_bytes = engines = 0
     for _ in range(repeats):
         t0 = time.perf_counter()
         top, _ = load_topology_text(text)
@@ -47,23 +48,39 @@ def measure(n_nodes: int, repeats: int = 3) -> dict:
         t2 = time.perf_counter()
         best["load_validate_s"] = min(best["load_validate_s"], t1 - t0)
         best["plan_s"] = min(best["plan_s"], t2 - t1)
-        processes = len(plan.processes)
+        processes, engines = len(plan.processes), len(plan.engines)
+        plan_bytes = len(json.dumps(plan.to_dict()))
     total = best["load_validate_s"] + best["plan_s"]
-    return {"nodes": n_nodes, "gpus": n_nodes * 8, "processes": processes, **best, "total_s": total}
+    return {
+        "nodes": n_nodes,
+        "gpus": n_nodes * 8,
+        "processes": processes,
+        **best,
+        "total_s": total,
+        "plan_bytes": plan_bytes,
+        "bytes_per_engine": round(plan_bytes / engines),
+    }
 
 
 def main() -> None:
-    rows = [measure(n) for n in (1, 64, 1024)]
+    rows = [measure(n, 1 if n > 1024 else 3) for n in (1, 64, 256, 1024, 4096)]
     RESULTS.mkdir(exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version()}
     (RESULTS / "plan_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = ["| nodes | GPUs | processes | load+validate (s) | plan (s) | total (s) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| nodes | GPUs | processes | load+validate (s) | plan (s) | total (s) | plan JSON | bytes/engine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['nodes']} | {r['gpus']} | {r['processes']} | {r['load_validate_s']:.3f} | "
-            f"{r['plan_s']:.3f} | {r['total_s']:.3f} |"
+            f"{r['plan_s']:.3f} | {r['total_s']:.3f} | {r['plan_bytes'] / 1e6:.1f} MB | {r['bytes_per_engine']} |"
         )
-    lines.append(f"\nGoal: total < 1 s at 1024 nodes: {'met' if rows[-1]['total_s'] < 1 else 'NOT met'}.")
+    at_1024 = next(r for r in rows if r["nodes"] == 1024)
+    per_engine = [r["bytes_per_engine"] for r in rows if r["nodes"] >= 64]
+    flat = max(per_engine) <= 1.1 * min(per_engine)
+    lines.append(f"\nGoal: total < 1 s at 1024 nodes: {'met' if at_1024['total_s'] < 1 else 'NOT met'}.")
+    lines.append(f"Goal: bytes per engine flat (within 10%) from 64 to 4096 nodes: {'met' if flat else 'NOT met'}.")
     (RESULTS / "plan_scale.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -367,6 +367,10 @@ class Topology:
     weights: WeightsConfig | None = None
     placement: Placement = field(default_factory=Placement)
     engine_auth: EngineAuth = EngineAuth.KEY
+    _nodes_by_name: Mapping[str, Node] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_nodes_by_name", MappingProxyType({n.name: n for n in self.nodes}))
 
     @property
     def data_plane_backend(self) -> DataPlaneBackend | None:
@@ -382,9 +386,9 @@ class Topology:
 
     def node(self, name: str) -> Node:
         """The node called ``name``; raises KeyError naming the known nodes."""
-        for node in self.nodes:
-            if node.name == name:
-                return node
+        node = self._nodes_by_name.get(name)
+        if node is not None:
+            return node
         raise KeyError(f"no node {name!r}; nodes: {', '.join(n.name for n in self.nodes)}")
 
     @property
