@@ -15,6 +15,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from pdctl.sim.profiles import PROFILES
+
 
 @dataclass(frozen=True)
 class FlagInfo:
@@ -162,6 +164,8 @@ def check_extra_args(args: Mapping[str, Any], *, allow_sim_flags: bool) -> list[
     for key, value in args.items():
         name = _flag_name(key)
         if allow_sim_flags and name.startswith(SIM_ONLY_PREFIX):
+            if name == "--sim-profile" and str(value) not in PROFILES:  # (a missing one would fail only at up)
+                problems.append((key, f"unknown sim profile {value!r}", "choose from " + ", ".join(sorted(PROFILES))))
             continue
         if name in REMOVED_FLAGS:
             problems.append((key, f"{name} is not an SGLang {table.version} flag", REMOVED_FLAGS[name]))

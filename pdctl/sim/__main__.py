@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shlex
@@ -18,6 +19,7 @@ from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_o
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, RemoteSource, SimConfig
 from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
+from pdctl.sim.profiles import describe_profiles, profile_named
 from pdctl.sim.server import SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")
@@ -31,8 +33,20 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         argv = merge_config_file(argv, parser)
     except (ValueError, OSError, yaml.YAMLError) as exc:
         parser.error(f"--config: {exc}")
+    if "--list-profiles" in argv:
+        print(describe_profiles())
+        sys.exit(0)
     args = parser.parse_args(argv)  # exits 2 on unknown flags, like SGLang
     sim = sim_options(args)
+    profile = None
+    if sim.profile is not None:
+        try:
+            profile = profile_named(sim.profile)
+        except ValueError as exc:
+            parser.error(f"--sim-profile: {exc}")
+        chunk = args.chunked_prefill_size
+        overrides = {"kv_pool_tokens": args.max_total_tokens, "chunk_tokens": chunk if chunk and chunk > 0 else None}
+        profile = dataclasses.replace(profile, **{k: v for k, v in overrides.items() if v is not None})
     for flag, value in (
         ("--tp-size", args.tp_size),
         ("--max-running-requests", args.max_running_requests),
@@ -72,13 +86,15 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         api_key=args.api_key,
         skip_server_warmup=bool(args.skip_server_warmup),
         context_length=args.context_length,
-        max_running_requests=args.max_running_requests or 64,
+        max_running_requests=args.max_running_requests or (profile.max_running_requests if profile else 64),
         max_queued_requests=args.max_queued_requests,
         prefill_ms_per_token=sim.prefill_ms_per_token,
         decode_ms_per_step=sim.decode_ms_per_step,
         weight_digest=sim.weight_digest,
         weight_group_timeout_secs=sim.weight_group_timeout_secs,
         disk_load_ms=sim.disk_load_ms,
+        profile=profile,
+        prefix_cache=not args.disable_radix_cache,
         max_n=sim.max_n,
         max_sequences_per_request=sim.max_sequences_per_request,
         max_request_tokens=sim.max_request_tokens,

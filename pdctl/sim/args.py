@@ -89,7 +89,9 @@ USED = {
     "mem_fraction_static",
     "forward_hooks",
     "enable_return_hidden_states",
-    "disable_radix_cache",  # holds trivially: the sim prefills every prompt whole (no prefix cache)
+    "disable_radix_cache",  # a profile engine runs no prefix cache; the plain sim has none to disable
+    "max_total_tokens",  # a profile engine's KV pool in tokens
+    "chunked_prefill_size",  # a profile engine's prefill batch bound
     "disable_prefill_cuda_graph",  # holds trivially: the sim captures no CUDA graphs
 }
 
@@ -107,6 +109,7 @@ class SimOptions:
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     weight_group_timeout_secs: float = 300.0
     disk_load_ms: float = 0.0
+    profile: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--sim-disk-load-ms", type=float, default=0.0, help="Added to each load from disk (a GPU engine's takes secs)."
     )
+    sim.add_argument(
+        "--sim-profile",
+        help="Cost what a GPU costs: prefill, decode steps, a KV pool of tokens with a prefix cache, KV transfer "
+        "and graph capture as the named profile's model on its GPUs (--list-profiles; docs/sim-profiles.md). "
+        "Outputs then run to max_new_tokens from a stand-in forward pass.",
+    )
+    sim.add_argument("--list-profiles", action="store_true", help="List the profiles and exit.")
     sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
     sim.add_argument(
         "--sim-port-file", help="Once serving, write the bound ports here as JSON (for --port 0; pdctl's own flag)."
@@ -199,6 +209,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
         args.sim_max_request_tokens,
         args.sim_weight_group_timeout_secs,
         args.sim_disk_load_ms,
+        args.sim_profile,
     )
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdctl.sim.multinode import NodeLayout
+    from pdctl.sim.profiles import SimProfile
 
 log = logging.getLogger("pdctl.sim.remote_instance")
 
@@ -84,6 +85,10 @@ class SimConfig:
     """``--sim-weight-group-timeout-secs``: a weight group's collectives' timeout."""
     disk_load_ms: float = 0.0
     """``--sim-disk-load-ms``: added to each load from disk, before the model is touched."""
+    profile: SimProfile | None = None
+    """``--sim-profile``: the GPU cost model the engine follows (pdctl.sim.costed); None: the plain sim."""
+    prefix_cache: bool = True
+    """A profile engine's prefix cache (off: ``--disable-radix-cache``)."""
     max_n: int = DEFAULT_MAX_N
     """``--sim-max-n``: the largest ``n`` a request may ask for (400 above)."""
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST

@@ -43,7 +43,9 @@ from pdctl.choices import parse_choice
 from pdctl.errors import SimError
 from pdctl.sglang.control import MEMORY_TAGS
 from pdctl.sglang.protocol import PauseMode
+from pdctl.sim.costed import CostedPool, Held, NoKV, StandInForward, wait_until
 from pdctl.sim.model import EOS_ID, KVPool, TinyLM, decode
+from pdctl.sim.profiles import SimProfile
 from pdctl.sim.sampling import SamplingOptions, sample
 
 log = logging.getLogger("pdctl.sim")
@@ -130,6 +132,10 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     generator: torch.Generator | None = None
+    held: Held | None = None
+    """A profile engine's KV reserve for it while it runs (pdctl.sim.costed)."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (SGLang's ``meta_info.cached_tokens``)."""
     return_hidden_states: bool = False
     hidden_states: list[Any] = field(default_factory=list)
     """SGLang's ``meta_info.hidden_states``: the prompt's final hidden states (one row per prompt
@@ -154,7 +160,9 @@ class Request:
 
 
 class Engine:
-    """One model, one KV pool, one scheduler thread."""
+    """One model, one KV pool, one scheduler thread. With a ``profile`` (``--sim-profile``) the
+    scheduler runs pdctl.sim.costed's way: a KV pool of tokens with a prefix cache, each round
+    waiting what the profile's GPU would take, a forward pass that computes nothing."""
 
     def __init__(
         self,
@@ -167,13 +175,22 @@ class Engine:
         publish_kv: Callable[[int, KVPayload | str], None] | None = None,
         weight_version: str = "default",
         capture_hidden_states: bool = False,
+        profile: SimProfile | None = None,
+        prefix_cache: bool = True,
     ):
         self.model = model
+        self.profile = profile
+        self.costed: CostedPool | None = None
+        self._forward: TinyLM | StandInForward = model
+        if profile is not None:
+            context = min(profile.context_length, model.config.context_length or profile.context_length)
+            self._forward = StandInForward(model.config, context)
+            self.costed = CostedPool(profile, context, cache=prefix_cache)
         self._hidden: torch.Tensor | None = None
         """The latest forward's final hidden states (``model.norm``'s output), when captured."""
-        if capture_hidden_states:  # (--enable-return-hidden-states: a forward hook, as a user's would be)
+        if capture_hidden_states and profile is None:  # (--enable-return-hidden-states: a forward hook)
             model.model["norm"].register_forward_hook(self._keep_hidden)
-        self.pool = KVPool(model.config, max_running)
+        self.pool: KVPool | NoKV = KVPool(model.config, max_running) if profile is None else NoKV()
         self.capacity = max_running
         self.prefill_ms_per_token = prefill_ms_per_token
         self.decode_ms_per_step = decode_ms_per_step
@@ -205,6 +222,11 @@ class Engine:
         self._ids = itertools.count()
         self._step_lock = threading.Lock()  # held by the scheduler while it runs the model
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
+
+    @property
+    def context(self) -> int:
+        """Positions a request may hold (prompt plus output)."""
+        return self._forward.config.context
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -316,6 +338,7 @@ class Engine:
                 self._purge()
             elif mode is PauseMode.RETRACT:
                 for req in reversed(self._running):
+                    self._free_kv(req)
                     if not req.finished:
                         req.retractions += 1
                         req.slot = None
@@ -427,13 +450,23 @@ class Engine:
             return any(not r.finished for r in (*self._running, *self._waiting, *self._held))
 
     def stats(self) -> dict[str, int]:
+        """Counts for the metrics: requests, and KV tokens used of the total (a profile
+        engine's pool; otherwise slots of the context length)."""
         with self._cond:
             running = sum(1 for r in (*self._running, *self._admitting) if not r.finished)
+            free_slots = self.capacity - len(self._running) - self._reserved
+            if self.costed is not None:
+                used, total = self.costed.used, self.costed.total
+            else:
+                total = self.capacity * self.context
+                used = total - free_slots * self.context
             return {
                 "num_running_reqs": running,
                 "num_queue_reqs": len(self._waiting) + len(self._held) - self._stale,
                 "num_reserved_decode_slots": self._reserved,
-                "free_slots": self.capacity - len(self._running) - self._reserved,
+                "free_slots": free_slots,
+                "kv_used_tokens": used,
+                "kv_total_tokens": total,
             }
 
     # -- the scheduler thread -----------------------------------------------------------------
@@ -472,6 +505,7 @@ class Engine:
                 self._reap()
                 self._admitting = []  # the last round's are in _running now
                 admit: list[Request] = []
+                new_tokens = 0
                 while self._waiting and not self._paused and not self._updating and not self._released:
                     req = self._waiting[0]
                     if req.finished:
@@ -481,6 +515,15 @@ class Engine:
                         continue
                     if not req.reserved and self._used() + len(admit) >= self.capacity:
                         break
+                    if self.costed is not None:
+                        profile = self.costed.profile
+                        if admit and new_tokens >= profile.chunk_tokens:
+                            break  # this round's prefill batch is full (SGLang's chunked prefill size)
+                        held = self._hold_kv(req)
+                        if held is None:
+                            break  # the KV pool is full: it waits, as in SGLang's queue
+                        req.held, req.cached_tokens = held, held.cached
+                        new_tokens += held.new_tokens
                     self._waiting.popleft()
                     req.queued = False
                     if req.reserved:
@@ -491,9 +534,13 @@ class Engine:
                 self._admitting = list(admit)
                 step = bool(self._running) and not self._paused and not self._updating and not self._released
             with self._step_lock:
+                if self.costed is not None and admit:
+                    wait_until(time.monotonic() + self._prefill_ms(admit) / 1000)
                 for req in admit:
                     self._start(req)
                 if step:
+                    if self.costed is not None:
+                        wait_until(time.monotonic() + self._decode_ms() / 1000)
                     self._step()
             self._progressed()
 
@@ -521,7 +568,38 @@ class Engine:
                 last.slot = i
                 self._running[i] = last
             req.slot = None
+            self._free_kv(req)
             self._capacity_freed()
+
+    # -- a profile engine's KV and time (pdctl.sim.costed) ----------------------------------------------
+    def _hold_kv(self, req: Request) -> Held | None:
+        """Room in the pool for ``req``, its cached prefix locked; None when it must wait."""
+        assert self.costed is not None
+        decode_kv = req.mode is Mode.DECODE and req.kv is not None and req.retractions == 0
+        ids = req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
+        left = 1 if req.mode is Mode.PREFILL else req.sampling.max_new_tokens - len(req.output_ids)
+        return self.costed.admit(ids, left, prefill=not decode_kv, use_cache=req.mode is not Mode.DECODE)
+
+    def _free_kv(self, req: Request) -> None:
+        """Give back ``req``'s reserve; a request that ended normally leaves its tokens cached
+        (a PD prefill its prompt; a PD decode caches nothing, as SGLang's decode side)."""
+        held, req.held = req.held, None
+        if held is None or self.costed is None:
+            return
+        keep: list[int] | None = None
+        if req.finished and req.mode is not Mode.DECODE and (req.finish or {}).get("type") != "abort":
+            keep = req.input_ids + req.output_ids[:-1] if req.mode is Mode.NORMAL else req.input_ids
+        self.costed.release(held, keep)
+
+    def _prefill_ms(self, admit: list[Request]) -> float:
+        assert self.costed is not None
+        prompts = [(r.held.new_tokens, r.held.cached) for r in admit if r.held is not None and r.held.new_tokens]
+        return self.costed.profile.prefill_ms(prompts)
+
+    def _decode_ms(self) -> float:
+        assert self.costed is not None
+        batch = [r for r in self._running if not r.finished]
+        return self.costed.profile.decode_step_ms(len(batch), sum(r.kv_len for r in batch))
 
     def _start(self, req: Request) -> None:
         if req.finished:  # aborted while it was being admitted (its client left): no prefill for it
@@ -556,7 +634,7 @@ class Engine:
         ids = req.input_ids + req.output_ids[:-1] if req.output_ids else req.input_ids
         if self.prefill_ms_per_token:
             time.sleep(len(ids) * self.prefill_ms_per_token / 1000)
-        logits, kv = self.model.prefill(ids)
+        logits, kv = self._forward.prefill(ids)
         if req.return_hidden_states and not req.output_ids and self._hidden is not None:
             req.hidden_states.append(self._hidden.tolist())  # (a re-prefill after a retract has them)
         assert req.slot is not None
@@ -595,7 +673,7 @@ class Engine:
         # (a request aborted before its prefill ran has no token: its row is computed and dropped)
         ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in batch])
         positions = torch.tensor([len(r.input_ids) + max(len(r.output_ids), 1) - 1 for r in batch])
-        logits = self.model.decode_step(ids, positions, self.pool)
+        logits = self._forward.decode_step(ids, positions, self.pool)
         greedy = torch.argmax(logits, dim=-1).tolist()
         # log_softmax over [B, V] costs as much as a layer; only pay it when someone asked.
         logps = (
@@ -634,7 +712,7 @@ class Engine:
         opts = req.sampling
         n = len(req.output_ids)
         if n < opts.max_new_tokens and token != EOS_ID and not opts.stop and not opts.stop_token_ids:
-            return None if len(req.input_ids) + n < self.model.config.context else {"type": "length", "length": n}
+            return None if len(req.input_ids) + n < self.context else {"type": "length", "length": n}
         if n > opts.min_new_tokens:
             if token == EOS_ID and not opts.ignore_eos:
                 return {"type": "stop", "matched": token}
@@ -647,7 +725,7 @@ class Engine:
                         return {"type": "stop", "matched": stop}
         if n >= opts.max_new_tokens:
             return {"type": "length", "length": opts.max_new_tokens}
-        if len(req.input_ids) + n >= self.model.config.context:
+        if len(req.input_ids) + n >= self.context:
             return {"type": "length", "length": n}
         return None
 

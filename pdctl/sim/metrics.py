@@ -23,7 +23,10 @@ class SimMetrics:
         self._prealloc = Gauge(
             "sglang:num_decode_prealloc_queue_reqs", "Decode requests waiting for a KV slot", labels, registry=r
         )
-        self._usage = Gauge("sglang:token_usage", "KV slot usage", labels, registry=r)
+        self._transfer = Gauge(
+            "sglang:num_decode_transfer_queue_reqs", "Decode requests whose KV is in transfer", labels, registry=r
+        )
+        self._usage = Gauge("sglang:token_usage", "KV token usage", labels, registry=r)
         self._throughput = Gauge("sglang:gen_throughput", "Generation tokens/s", labels, registry=r)
         self._prompt = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
         self._generated = Counter("sglang:generation_tokens", "Generated tokens", labels, registry=r)
@@ -91,7 +94,8 @@ class SimMetrics:
         self._running.labels(m).set(stats["num_running_reqs"])
         self._queued.labels(m).set(stats["num_queue_reqs"])
         self._prealloc.labels(m).set(stats.get("num_decode_prealloc_queue_reqs", 0))
-        total = stats["free_slots"] + stats["num_running_reqs"] + stats["num_reserved_decode_slots"]
-        self._usage.labels(m).set(1 - stats["free_slots"] / total if total else 0.0)
+        total = stats["kv_total_tokens"]
+        self._usage.labels(m).set(stats["kv_used_tokens"] / total if total else 0.0)
+        self._transfer.labels(m).set(stats.get("num_decode_transfer_queue_reqs", 0))
         self._throughput.labels(m).set(self.last_gen_throughput())
         return generate_latest(self.registry)

@@ -48,7 +48,7 @@ def add_routes(app: web.Application, service: SimService) -> None:
 class NativeRoutes:
     def __init__(self, service: SimService):
         self.s = service
-        self.limits = Limits.of(service.config, service.model.config)
+        self.limits = Limits.of(service.config, service.model.config.vocab_size, service.engine.context)
 
     def _output(self, running: Running, tokens: int) -> dict:
         req = running.request
@@ -149,8 +149,8 @@ class NativeRoutes:
                 "disaggregation_bootstrap_port": s.bootstrap_port,
                 "weight_version": s.weight_version,
                 "launch_command": c.launch_command,
-                "max_total_num_tokens": c.max_running_requests * s.model.config.context,
-                "max_req_input_len": s.model.config.context - 1,
+                "max_total_num_tokens": s.engine.stats()["kv_total_tokens"],
+                "max_req_input_len": s.engine.context - 1,
                 "internal_states": [
                     {
                         "last_gen_throughput": s.metrics.last_gen_throughput(),
@@ -237,13 +237,15 @@ class NativeRoutes:
         s, c = self.s, self.s.config
         stats = s.engine.stats()
         running, waiting = stats["num_running_reqs"], stats["num_queue_reqs"] + s.prealloc_waiting
-        total = c.max_running_requests * s.model.config.context
+        total, used = stats["kv_total_tokens"], stats["kv_used_tokens"]
+        costed = s.engine.costed
         load: dict[str, Any] = {
             "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-            "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": total,
+            "num_waiting_uncached_tokens": 0, "num_used_tokens": used, "num_total_tokens": total,
             "num_active_tokens": 0, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": total,
-            "max_running_requests": c.max_running_requests, "token_usage": 0.0,
-            "gen_throughput": s.metrics.last_gen_throughput(), "cache_hit_rate": 0.0, "utilization": 0.0,
+            "max_running_requests": s.engine.capacity, "token_usage": round(used / total, 4) if total else 0.0,
+            "gen_throughput": s.metrics.last_gen_throughput(),
+            "cache_hit_rate": round(costed.hit_rate, 4) if costed is not None else 0.0, "utilization": 0.0,
             "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
         }  # fmt: skip
         if include is None or "all" in include or "disagg" in include:
@@ -263,7 +265,11 @@ class NativeRoutes:
     async def metrics(self, _: web.Request) -> web.Response:
         if not self.s.config.enable_metrics:
             return web.json_response({"detail": "Not Found"}, status=404)
-        stats = {**self.s.engine.stats(), "num_decode_prealloc_queue_reqs": self.s.prealloc_waiting}
+        stats = {
+            **self.s.engine.stats(),
+            "num_decode_prealloc_queue_reqs": self.s.prealloc_waiting,
+            "num_decode_transfer_queue_reqs": self.s.transferring,
+        }
         return web.Response(body=self.s.metrics.render(stats), content_type="text/plain")
 
 

@@ -231,7 +231,7 @@ PD_FIELDS = ("host", "port", "room")
 class OpenAIRoutes:
     def __init__(self, service: SimService):
         self.s = service
-        self.limits = Limits.of(service.config, service.model.config)
+        self.limits = Limits.of(service.config, service.model.config.vocab_size, service.engine.context)
 
     def _model_card(self) -> dict[str, Any]:
         s = self.s
@@ -242,7 +242,7 @@ class OpenAIRoutes:
             "owned_by": "sglang",
             "root": s.config.model_path,
             "parent": None,
-            "max_model_len": s.model.config.context,
+            "max_model_len": s.engine.context,
         }
 
     async def models(self, _: web.Request) -> web.Response:

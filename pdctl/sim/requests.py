@@ -45,7 +45,7 @@ from pdctl.sim.body import (
 )
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Request, abort_reason
-from pdctl.sim.model import SimModelConfig, decode, encode
+from pdctl.sim.model import decode, encode
 from pdctl.sim.sampling import SamplingOptions, check_sampling_params
 
 
@@ -61,10 +61,10 @@ class Limits:
     max_request_tokens: int
 
     @classmethod
-    def of(cls, config: SimConfig, model: SimModelConfig) -> Limits:
+    def of(cls, config: SimConfig, vocab_size: int, context: int) -> Limits:
         return cls(
-            model.vocab_size,
-            model.context,
+            vocab_size,
+            context,
             config.max_n,
             config.max_sequences_per_request,
             config.max_request_tokens,
@@ -356,7 +356,7 @@ def generate_output(req: Request, n: int, weight_version: str, *, pd_decode: boo
         "num_retractions": req.retractions,
         "reasoning_tokens": 0,
         "completion_tokens": len(ids),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "e2e_latency": time.monotonic() - req.created,
     }
     if req.return_logprob:

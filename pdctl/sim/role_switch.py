@@ -13,6 +13,7 @@ bootstrap server from the start (``disagg_service.py``), so a switch starts and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -82,8 +83,11 @@ async def pd_role_switch(service: SimService, request: web.Request) -> web.Respo
             return answer(False, NEGATIVE_MEMORY, safe=True)
     if body.get("prepare_only"):
         return answer(True, "ready", safe=True)
-    service.mode = new_role
-    if new_role == "decode":
+    if new_role == "decode" and not service.decode_graphs:
+        profile = service.engine.profile
+        if profile is not None:  # a profile engine pays the capture's time (the router has drained it)
+            await asyncio.sleep(profile.graph_capture_secs)
         service.decode_graphs = True  # "captured" on the first flip to decode, as SGLang does
+    service.mode = new_role
     log.info("PD role switch succeeded: %s -> %s", old_role, new_role)
     return answer(True, "ok")

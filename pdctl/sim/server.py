@@ -110,6 +110,8 @@ class SimServer:
             prefill_ms_per_token=c.prefill_ms_per_token,
             decode_ms_per_step=c.decode_ms_per_step,
             publish_kv=kv_store.put_threadsafe if kv_store else None,
+            profile=c.profile,
+            prefix_cache=c.prefix_cache,
             weight_version=c.weight_version,
             capture_hidden_states=c.enable_return_hidden_states,
         )

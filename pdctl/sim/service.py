@@ -67,6 +67,8 @@ class SimService:
         self.started_at = time.time()
         self.weight_session_open = False
         self.prealloc_waiting = 0
+        self.transferring = 0
+        """Decode requests whose KV is on its way (SGLang's transfer queue)."""
         self.entering = 0  # requests past the queue-size check, not in the engine's queue yet
         self.resolving = 0  # requests not in the engine yet: a decode's waiting for a KV slot or its KV
         self.abort_epoch = 0
@@ -211,6 +213,7 @@ class SimService:
         req.reserved, req.mode = True, Mode.DECODE
         port = item.bootstrap_port if item.bootstrap_port is not None else self.config.bootstrap_port
         started = time.monotonic()
+        self.transferring += 1
         try:
             payload = await fetch_kv(
                 self.session,
@@ -223,6 +226,9 @@ class SimService:
             )
             if payload.prompt_ids != req.input_ids:
                 raise SimError(f"KV of bootstrap_room {item.bootstrap_room} belongs to another prompt")
+            profile = self.engine.profile
+            if profile is not None:  # from when the KV was ready: its bytes over the profile's link (the sim sent none)
+                await asyncio.sleep(profile.transfer_ms(len(req.input_ids)) / 1000)
         except BaseException as exc:  # the reserved slot is given back on every failure
             self.engine.release_slot()
             req.reserved = False
@@ -230,7 +236,15 @@ class SimService:
                 self.metrics.transfer_failed()
                 raise SimError(str(exc), status=500) from exc
             raise
-        self.metrics.kv_transferred(time.monotonic() - started, payload.kv.numel() * payload.kv.element_size())
+        finally:
+            self.transferring -= 1
+        profile = self.engine.profile
+        nbytes = (
+            len(req.input_ids) * profile.kv_bytes_per_token
+            if profile is not None
+            else payload.kv.numel() * payload.kv.element_size()
+        )
+        self.metrics.kv_transferred(time.monotonic() - started, nbytes)
         req.kv = payload
 
     # -- progress ----------------------------------------------------------------------------------

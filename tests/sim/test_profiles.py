@@ -1,0 +1,128 @@
+"""GPU cost profiles (``--sim-profile``): each reproduces the published figures it cites, and a
+real profile engine waits what its profile says, reports its prefix cache as SGLang does and
+queues requests its KV pool cannot hold."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from pdctl.sim.profiles import PROFILES, Metric, SimProfile
+from pdctl.topology import load_topology_text
+from tests.helpers import SimProcess, eventually, get, post
+
+TOLERANCE = 0.15
+
+
+@pytest.mark.parametrize("profile", list(PROFILES.values()), ids=list(PROFILES))
+def test_each_profile_reproduces_its_published_figures(profile: SimProfile) -> None:
+    """At least two published figures per profile, every one within 15% (the cost model's
+    arithmetic, no clock: a figure the constants drift away from fails here)."""
+    assert len(profile.figures) >= 2, profile.name
+    assert any(f.metric in (Metric.DECODE_STEP_MS, Metric.DECODE_TOKENS_PER_S) for f in profile.figures)
+    for figure in profile.figures:
+        predicted = profile.predict(figure)
+        assert abs(predicted - figure.value) <= TOLERANCE * figure.value, (figure.conditions, predicted)
+        assert figure.source and figure.conditions
+
+
+def test_the_cost_model_grows_as_a_gpu_does() -> None:
+    p = PROFILES["llama3-8b-h100"]
+    assert p.decode_step_ms(64, 64 * 2048) > p.decode_step_ms(64, 64 * 128) > p.decode_step_ms(1, 128)
+    assert p.prefill_ms([(4096, 0)]) > 2 * p.prefill_ms([(2048, 0)]) * 0.99  # attention: more than linear
+    assert p.prefill_ms([(100, 4000)]) < p.prefill_ms([(4100, 0)]) / 10  # a cached prefix is not recomputed
+    assert p.prefill_ms([(20_000, 0)]) > p.prefill_ms([(8192, 0)])  # several chunks, several forwards
+    assert p.transfer_ms(2048) == pytest.approx(2048 * 131072 / 24e9 * 1000)
+
+
+def test_list_profiles_and_an_unknown_profile() -> None:
+    listed = subprocess.run([sys.executable, "-m", "pdctl.sim", "--list-profiles"], capture_output=True, text=True)
+    assert listed.returncode == 0 and all(name in listed.stdout for name in PROFILES)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--sim-profile", "gpt-9"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "unknown sim profile 'gpt-9'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_topology_names_a_profile_and_validate_refuses_an_unknown_one() -> None:
+    base = "name: t\nengine: sim\nmodel: {path: 'sim://tiny'}\nnodes: [{name: n, host: 127.0.0.1, gpus: 2}]\n"
+    top, _ = load_topology_text(base + "prefill: {args: {sim-profile: llama3-8b-h100}}\ndecode: {}\n")
+    assert top.groups[0].args["sim-profile"] == "llama3-8b-h100"
+    with pytest.raises(Exception, match="unknown sim profile 'gpt-9'"):
+        load_topology_text(base + "prefill: {args: {sim-profile: gpt-9}}\ndecode: {}\n")
+
+
+def generate(url: str, ids: list[int], new: int) -> tuple[float, dict]:
+    started = time.monotonic()
+    status, body = post(url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": new}})
+    assert status == 200, body
+    return time.monotonic() - started, body
+
+
+def test_a_profile_engine_waits_its_costs_and_reports_its_prefix_cache(tmp_path) -> None:
+    """Time only from below (a wait is never shorter than asked; a loaded machine only adds):
+    a 4,000-token prompt takes at least its modelled prefill, its repeat is served from the
+    prefix cache (``cached_tokens`` as SGLang reports it), and every output runs to
+    ``max_new_tokens`` at no less than a decode step per token."""
+    profile = PROFILES["llama3-8b-h100"]
+    sim = SimProcess(tmp_path, "--sim-profile", profile.name, "--enable-metrics").start()
+    try:
+        prompt = [i % 250 for i in range(4000)]
+        secs, body = generate(sim.url, prompt, 1)
+        assert secs >= profile.prefill_ms([(3990, 0)]) / 1000
+        _, again = generate(sim.url, prompt, 1)
+        assert again["meta_info"]["cached_tokens"] == 3999  # all but the last token, as SGLang
+        assert again["meta_info"]["prompt_tokens"] == 4000
+        secs, body = generate(sim.url, [7, 8, 9], 50)
+        assert body["meta_info"]["completion_tokens"] == 50 and body["meta_info"]["cached_tokens"] == 0
+        assert secs >= 49 * profile.decode_step_ms(1, 3) / 1000
+        info = get(sim.url + "/server_info")[1]
+        assert info["max_total_num_tokens"] == profile.kv_pool_tokens
+        load = get(sim.url + "/v1/loads")[1]["loads"][0]
+        assert load["max_running_requests"] == profile.max_running_requests
+        assert load["num_used_tokens"] > 4000 and load["cache_hit_rate"] > 0.4, load
+    finally:
+        sim.stop()
+
+
+def test_a_full_kv_pool_queues_requests_and_says_so(tmp_path) -> None:
+    """A pool of 1,500 tokens holds two requests of 100 + 600 tokens, not three: the third
+    waits in the queue (num_queue_reqs, /v1/loads), starts when one ends, and all finish."""
+    sim = SimProcess(
+        tmp_path, "--sim-profile", "llama3-8b-h100", "--max-total-tokens", "1500", "--disable-radix-cache"
+    ).start()
+    try:
+
+        async def three() -> list[int]:
+            async with aiohttp.ClientSession() as session:
+
+                async def one(i: int) -> int:
+                    body = {"input_ids": [i + 1] * 100, "sampling_params": {"max_new_tokens": 600}}
+                    async with session.post(sim.url + "/generate", json=body) as r:
+                        return (await r.json())["meta_info"]["completion_tokens"]
+
+                tasks = [asyncio.ensure_future(one(i)) for i in range(3)]
+
+                async def queued() -> dict:
+                    while True:
+                        async with session.get(sim.url + "/v1/loads") as r:
+                            load = (await r.json())["loads"][0]
+                        if load["num_running_reqs"] == 2 and load["num_waiting_reqs"] == 1:
+                            return load
+                        await asyncio.sleep(0.02)
+
+                load = await asyncio.wait_for(queued(), 60)
+                assert load["token_usage"] > 0.9, load
+                return await asyncio.gather(*tasks)
+
+        assert asyncio.run(three()) == [600, 600, 600]
+        eventually(lambda: get(sim.url + "/v1/loads")[1]["loads"][0]["num_used_tokens"] == 0, 30)
+    finally:
+        sim.stop()
