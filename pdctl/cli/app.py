@@ -92,5 +92,6 @@ COMMAND_MODULES = {
     "restart": "cluster_cmds", "apply": "cluster_cmds", "switch": "cluster_cmds",
     "top": "observe_cmds", "metrics": "observe_cmds", "endpoints": "observe_cmds",
     "router": "router_cmds", "weights": "weights_cmds", "bench": "bench_cmds",
+    "planner": "planner_cmds",
 }  # fmt: skip
 """Each command and the module of pdctl.cli that defines it (in its ``COMMANDS``)."""

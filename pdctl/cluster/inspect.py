@@ -15,6 +15,7 @@ from pdctl.cluster.nodes import NodeSet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.remote import agent_api
+from pdctl.role_planner.record import recent_decisions
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
 
@@ -91,6 +92,8 @@ class ClusterStatus:
     hold: dict[str, Any] | None = None
     """What holds the router's new requests now (a framework's pause, a push), as the router says:
     ``reason`` in words, ``since`` (epoch seconds), ``secs``."""
+    planner: list[dict[str, Any]] = field(default_factory=list)
+    """The P:D planner's latest decisions (``pdctl planner``; pdctl.role_planner.loop), oldest first."""
 
     @property
     def ok(self) -> bool:
@@ -178,6 +181,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     result = ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
     result.step = _step(state)
     result.hold = hold
+    result.planner = recent_decisions(store, name, 5)  # (pdctl.role_planner.record)
     return result
 
 

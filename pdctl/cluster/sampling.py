@@ -34,6 +34,14 @@ class EngineSample:
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
     weight_version: str | None = None
+    prealloc: float | None = None
+    """A decode's requests waiting for KV room (included in ``queued``)."""
+    transfer: float | None = None
+    """A decode's requests holding KV room while their prefill's KV comes (not in ``queued``)."""
+    ttft: dict[float, float] = field(default_factory=dict)
+    """Its TTFT histogram: cumulative count per bucket bound (``le``), summed over label sets."""
+    itl: dict[float, float] = field(default_factory=dict)
+    """Its inter-token latency histogram, the same way."""
 
 
 @dataclass
@@ -50,6 +58,8 @@ class RouterSample:
     workers_known: bool = False
     """Whether ``GET /workers`` answered (else the router's view of the engines is unknown)."""
     last_push: dict[str, Any] | None = None
+    hold: str | None = None
+    """What holds the router's requests now (a weight update, a framework's pause), in its words."""
 
 
 @dataclass
@@ -70,13 +80,31 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         "sglang:prompt_tokens_total": "prompt_tokens",
         "sglang:generation_tokens_total": "generation_tokens",
     }
+    also = {"sglang:num_decode_prealloc_queue_reqs": "prealloc", "sglang:num_decode_transfer_queue_reqs": "transfer"}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = wanted.get(sample.name)
-            if key is not None:
-                out[key] = out.get(key, 0.0) + sample.value
+            for key in (wanted.get(sample.name), also.get(sample.name)):
+                if key is not None:
+                    out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+HISTOGRAMS = {
+    "sglang:time_to_first_token_seconds_bucket": "ttft",
+    "sglang:inter_token_latency_seconds_bucket": "itl",
+}
+
+
+def parse_engine_histograms(text: str, into: EngineSample) -> None:
+    """The TTFT and ITL histograms of an engine's ``/metrics`` into ``into``."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = HISTOGRAMS.get(sample.name)
+            if key is not None:
+                buckets = getattr(into, key)
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
 
 
 def parse_router_metrics(text: str, into: RouterSample) -> None:
@@ -146,6 +174,7 @@ class Sampler:
         if text is not None:
             for k, v in parse_engine_metrics(text).items():
                 setattr(sample, k, v)
+            parse_engine_histograms(text, sample)
         version = _json_field(info, "weight_version")
         sample.weight_version = None if version is None else str(version)
         return sample
@@ -166,6 +195,11 @@ class Sampler:
         sample.workers_known = isinstance(listed, list)
         push = _json_field(weights, "last_push")
         sample.last_push = push if isinstance(push, dict) else None
+        hold = _json_field(weights, "hold")
+        if isinstance(hold, dict):
+            sample.hold = str(hold.get("reason") or "a weight update holds the router")
+        elif _json_field(weights, "held"):
+            sample.hold = f"weight push {_json_field(weights, 'holder')} holds the router"
         return sample
 
 

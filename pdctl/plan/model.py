@@ -226,6 +226,8 @@ class Plan:
     """Colocate with ``placement.data_plane``: the union world of trainer and engine ranks."""
     engine_auth: str = "key"
     """``engine_auth``: ``none`` starts engines without the engine key (pdctl.cluster.up)."""
+    planner: Mapping[str, Any] | None = None
+    """The topology's ``planner:`` section (``pdctl planner`` reads it from the state)."""
 
     def process(self, process_id: str) -> LaunchSpec:
         for spec in self.processes:
@@ -257,4 +259,5 @@ class Plan:
             "refit": {"mode": self.refit, "max_staleness": self.max_staleness},
             "data_plane": self.data_plane.to_dict() if self.data_plane else None,
             "engine_auth": self.engine_auth,
+            "planner": dict(self.planner) if self.planner is not None else None,
         }

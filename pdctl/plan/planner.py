@@ -128,6 +128,7 @@ def _build(top: Topology, layout: GpuLayout, keep_ports: Mapping[str, tuple[str,
         max_staleness=top.weights.max_staleness if top.weights is not None else None,
         data_plane=data_plane,
         engine_auth=top.engine_auth.value,
+        planner=top.planner.to_dict() if top.planner is not None else None,
     )
 
 

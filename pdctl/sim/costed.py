@@ -23,13 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pdctl.sim.model import BYTE_VOCAB, DTYPE, SimModelConfig
+from pdctl.sim.model import BYTE_VOCAB, DTYPE, KVPool, SimModelConfig
 from pdctl.sim.prefix_cache import PrefixCache, _Node
 from pdctl.sim.profiles import SimProfile
 
 
-class NoKV:
+class NoKV(KVPool):
     """The KV pool of a profile engine: nothing is stored (the stand-in forward reads none)."""
+
+    def __init__(self) -> None:  # (no tensors: a profile engine's pool may hold 1,024 requests)
+        self.slots = 0
+        self.k = self.v = torch.zeros(0, dtype=DTYPE)
 
     def write(self, slot: int, kv: torch.Tensor) -> None:
         pass

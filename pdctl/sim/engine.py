@@ -190,7 +190,7 @@ class Engine:
         """The latest forward's final hidden states (``model.norm``'s output), when captured."""
         if capture_hidden_states and profile is None:  # (--enable-return-hidden-states: a forward hook)
             model.model["norm"].register_forward_hook(self._keep_hidden)
-        self.pool: KVPool | NoKV = KVPool(model.config, max_running) if profile is None else NoKV()
+        self.pool: KVPool = KVPool(model.config, max_running) if profile is None else NoKV()
         self.capacity = max_running
         self.prefill_ms_per_token = prefill_ms_per_token
         self.decode_ms_per_step = decode_ms_per_step

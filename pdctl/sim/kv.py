@@ -71,7 +71,13 @@ def pack(payload: KVPayload) -> bytes:
 def unpack(data: bytes) -> KVPayload:
     (size,) = struct.unpack("!I", data[:4])
     header = json.loads(data[4 : 4 + size])
-    kv = torch.frombuffer(bytearray(data[4 + size :]), dtype=DTYPE).view(*header["shape"])
+    raw = data[4 + size :]
+    # (a profile engine's KV holds no positions: torch.frombuffer refuses an empty buffer)
+    kv = (
+        torch.frombuffer(bytearray(raw), dtype=DTYPE).view(*header["shape"])
+        if raw
+        else torch.zeros(header["shape"], dtype=DTYPE)
+    )
     return KVPayload(
         header["prompt_ids"],
         kv,

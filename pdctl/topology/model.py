@@ -15,6 +15,7 @@ from typing import Any
 
 from pdctl.choices import Choice
 from pdctl.refit import RefitMode
+from pdctl.role_planner.config import PlannerConfig
 from pdctl.roles import RestartPolicy, Role
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -367,6 +368,8 @@ class Topology:
     weights: WeightsConfig | None = None
     placement: Placement = field(default_factory=Placement)
     engine_auth: EngineAuth = EngineAuth.KEY
+    planner: PlannerConfig | None = None
+    """The ``planner:`` section (pdctl.role_planner), if any."""
     _nodes_by_name: Mapping[str, Node] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -441,4 +444,5 @@ class Topology:
             weights=weights,
             placement=placement,
             engine_auth=EngineAuth(raw.get("engine_auth", EngineAuth.KEY.value)),
+            planner=PlannerConfig.from_dict(raw["planner"]) if "planner" in raw else None,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pdctl.errors import Issue
+from pdctl.role_planner.config import Objective, PlannerMode
 from pdctl.roles import Role
 from pdctl.sglang import check_extra_args
 from pdctl.topology.model import DataPlaneBackend, EngineAuth, ServerGroup, Topology
@@ -21,7 +22,7 @@ def validate(top: Topology) -> list[Issue]:
     """Every semantic issue in ``top`` itself (whether it fits its nodes is the planner's to say)."""
     issues: list[Issue] = []
     checks = (_nodes, _node_refs, _groups, _pd_pairing, _role_switch, _extra_args, _weights, _trainer, _colocate)
-    for check in (*checks, _router, _router_settings, _engine_auth):
+    for check in (*checks, _router, _router_settings, _engine_auth, _planner):
         issues += check(top)
     return issues
 
@@ -422,6 +423,40 @@ def _engine_auth(top: Topology) -> list[Issue]:
             "engines send no key); the router and pdctl's own calls still hold their keys",
         )
     ]
+
+
+def _planner(top: Topology) -> list[Issue]:
+    """``planner:``: it moves engines of role_switch groups, so it needs them (mode off needs
+    nothing); its minimums must leave it something to move; the latency objective needs targets."""
+    planner = top.planner
+    if planner is None or planner.mode is PlannerMode.OFF:
+        return []
+    out = []
+    roles = {g.role for g in top.groups if g.role_switch}
+    if not {Role.PREFILL, Role.DECODE} <= roles:
+        out.append(
+            Issue(
+                "planner",
+                "the planner moves engines between prefill and decode groups with role_switch: true, and this "
+                "topology has none of one role or the other",
+                hint="set role_switch: true on a prefill and a decode group of the same tp, or planner.mode: off",
+            )
+        )
+    engines = sum(g.replicas for g in top.groups if g.role in (Role.PREFILL, Role.DECODE))
+    if planner.min_prefill + planner.min_decode > engines:
+        out.append(
+            Issue(
+                "planner.min_prefill",
+                f"min_prefill {planner.min_prefill} + min_decode {planner.min_decode} is more than the fleet's "
+                f"{engines} PD engines",
+                hint="lower the minimums",
+            )
+        )
+    if planner.objective is Objective.LATENCY and (not planner.ttft_ms or not planner.itl_ms):
+        out.append(
+            Issue("planner.objective", "the latency objective needs ttft_ms and itl_ms", hint="set both targets")
+        )
+    return out
 
 
 def _router(top: Topology) -> list[Issue]:

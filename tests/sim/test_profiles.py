@@ -8,13 +8,14 @@ import asyncio
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 import pytest
 
 from pdctl.sim.profiles import PROFILES, Metric, SimProfile
 from pdctl.topology import load_topology_text
-from tests.helpers import SimProcess, eventually, get, post
+from tests.helpers import RouterProcess, SimProcess, eventually, get, pd_router_args, post, sims
 
 TOLERANCE = 0.15
 
@@ -126,3 +127,33 @@ def test_a_full_kv_pool_queues_requests_and_says_so(tmp_path) -> None:
         eventually(lambda: get(sim.url + "/v1/loads")[1]["loads"][0]["num_used_tokens"] == 0, 30)
     finally:
         sim.stop()
+
+
+def test_a_pd_pair_of_profile_engines_serves_through_the_router_and_costs_the_transfer(tmp_path) -> None:
+    """A profile prefill and decode behind pdctl's router: the decode waits the KV's modelled
+    transfer (its bytes over the link, shown by SGLang's transfer metrics), the answer runs to
+    max_new_tokens, and the prefill caches the prompt for the next request that shares it."""
+    profile = PROFILES["llama3-70b-h100-tp4"]
+    args = ("--sim-profile", profile.name, "--enable-metrics")
+    with sims(tmp_path, ("--disaggregation-mode", "prefill", *args), ("--disaggregation-mode", "decode", *args)) as (
+        prefill,
+        decode,
+    ):
+        router = RouterProcess(tmp_path, *pd_router_args([prefill], [decode])).start("/readiness")
+        try:
+            prompt = [i % 250 for i in range(3000)]
+            secs, body = generate(router.url, prompt, 20)
+            assert body["meta_info"]["completion_tokens"] == 20
+            modelled = (
+                profile.prefill_ms([(3000, 0)]) + profile.transfer_ms(3000) + 19 * profile.decode_step_ms(1, 3000)
+            )
+            assert secs >= modelled / 1000, (secs, modelled)
+            with urllib.request.urlopen(decode.url + "/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
+            speed = next(line for line in metrics.splitlines() if line.startswith("sglang:kv_transfer_speed_gb_s{"))
+            assert 0 < float(speed.split()[-1]) <= profile.link_gbytes_per_s  # the modelled bytes, never faster
+            _, again = generate(router.url, prompt[:2000] + [7] * 10, 2)
+            assert again["meta_info"]["completion_tokens"] == 2
+            assert get(prefill.url + "/v1/loads")[1]["loads"][0]["cache_hit_rate"] > 0.3
+        finally:
+            router.stop()

@@ -1,0 +1,73 @@
+"""The ``planner:`` section of a topology, as frozen settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class PlannerMode(str, Enum):
+    OFF = "off"
+    ADVISE = "advise"
+    """Decide and log what it would do and why; change nothing."""
+    ACT = "act"
+    """Decide and switch engines (the same code as ``pdctl switch``)."""
+
+
+class Objective(str, Enum):
+    THROUGHPUT = "throughput"
+    """Move engines to the role whose queue holds the fleet back."""
+    LATENCY = "latency"
+    """Move engines to the role that misses its target (TTFT: prefill; ITL: decode) while the other meets its own."""
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    mode: PlannerMode = PlannerMode.ADVISE
+    objective: Objective = Objective.THROUGHPUT
+    ttft_ms: float | None = None
+    """The latency objective's TTFT target (p50 over an interval, as the decodes measure it)."""
+    itl_ms: float | None = None
+    """The latency objective's ITL target (p50 over an interval)."""
+    min_prefill: int = 1
+    min_decode: int = 1
+    interval_secs: float = 10.0
+    """How often it samples and decides."""
+    cooldown_secs: float = 30.0
+    """After a switch, how long before the next (the fleet's queues settle first)."""
+    sustain: int = 2
+    """Intervals in a row a role must be the bottleneck before an engine moves to it."""
+    backlog: float = 1.0
+    """Waiting requests per engine from which a role counts as holding the fleet back."""
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> PlannerConfig:
+        raw = raw or {}
+        return cls(
+            mode=PlannerMode(raw.get("mode", PlannerMode.ADVISE.value)),
+            objective=Objective(raw.get("objective", Objective.THROUGHPUT.value)),
+            ttft_ms=raw.get("ttft_ms"),
+            itl_ms=raw.get("itl_ms"),
+            min_prefill=int(raw.get("min_prefill", 1)),
+            min_decode=int(raw.get("min_decode", 1)),
+            interval_secs=float(raw.get("interval_secs", 10.0)),
+            cooldown_secs=float(raw.get("cooldown_secs", 30.0)),
+            sustain=int(raw.get("sustain", 2)),
+            backlog=float(raw.get("backlog", 1.0)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "objective": self.objective.value,
+            "ttft_ms": self.ttft_ms,
+            "itl_ms": self.itl_ms,
+            "min_prefill": self.min_prefill,
+            "min_decode": self.min_decode,
+            "interval_secs": self.interval_secs,
+            "cooldown_secs": self.cooldown_secs,
+            "sustain": self.sustain,
+            "backlog": self.backlog,
+        }

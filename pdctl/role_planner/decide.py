@@ -1,0 +1,271 @@
+"""How the P:D planner decides: one ``Observation`` of the fleet per interval in, one ``Decision``
+out. Pure (no I/O, no clock but the observation's): tests/role_planner/test_decide.py drives it.
+
+The throughput rule: a PD fleet's requests wait where its bottleneck is. Prompts queue at the
+prefills when prefill is short; requests wait for a KV slot or their transfer at the decodes
+(``num_queue_reqs`` plus the prealloc queue) when decode is short. A role whose engines hold
+``backlog`` or more waiting requests each, while the other's hold less than half that, is the
+bottleneck; once it has been so for ``sustain`` intervals in a row, one engine of the other role
+moves to it, unless:
+
+- a weight update or a framework's transaction holds the fleet (it waits: engines are paused);
+- an engine is unhealthy, or a switch was made less than ``cooldown_secs`` ago;
+- the other role is at its minimum (``min_prefill``/``min_decode``);
+- the other role would be overloaded by it: its measured tokens/s per engine, spread over one
+  engine fewer, would pass 90% of the most an engine of that role was seen to do while
+  backlogged (its capacity, learned from the fleet itself);
+- the split it would move to was measured under the same workload mix (prompt to output tokens
+  within 25%) and gave no more output tokens/s than the split now (within 5%): the planner
+  does not go back to a split it has tried, which is what stops it flapping between two splits
+  that each leave one role the bottleneck.
+
+The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
+``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
+donor must meet its own target with 20% to spare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pdctl.role_planner.config import Objective, PlannerConfig
+from pdctl.roles import Role
+
+DONOR_HEADROOM = 0.9
+"""A donor role's projected tokens/s per engine may reach this share of its learned capacity."""
+SAME_MIX = 0.25
+"""Two workloads are the same mix when their prompt:output token ratios differ by less than this."""
+BETTER_BY = 0.05
+"""A split measured before is tried again only if it gave this much more output than now."""
+LATENCY_SPARE = 0.8
+"""Under the latency objective a donor must meet its target at this share of it."""
+
+
+class Action(str, Enum):
+    SWITCH = "switch"
+    WAIT = "wait"
+    """Something keeps it from deciding (a hold, an unhealthy engine): it decides again later."""
+    STAY = "stay"
+    """It decided that the split is right for now."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine in one interval."""
+
+    id: str
+    role: Role
+    switchable: bool
+    healthy: bool
+    waiting: float
+    """Requests queued at it (a decode: its queue plus its KV prealloc queue)."""
+    running: float
+    tokens_per_s: float
+    """Prompt tokens/s for a prefill, generated tokens/s for a decode, over the interval."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    at: float
+    """Seconds on a monotonic clock."""
+    engines: tuple[EngineLoad, ...]
+    held: str | None = None
+    """Why the fleet is held (a weight update, a framework's pause), or None."""
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class RoleLoad:
+    role: Role
+    engines: int
+    waiting: float
+    """Waiting requests per engine."""
+    tokens_per_s: float
+    """Tokens/s per engine."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engines": self.engines,
+            "waiting_per_engine": round(self.waiting, 2),
+            "tokens_per_s_per_engine": round(self.tokens_per_s, 1),
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    engine: str | None = None
+    to_role: Role | None = None
+    figures: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action.value,
+            "engine": self.engine,
+            "to_role": self.to_role.value if self.to_role else None,
+            "reason": self.reason,
+            "figures": dict(self.figures),
+        }
+
+
+@dataclass
+class SplitRecord:
+    output_tokens_per_s: float
+    mix: float
+    """Prompt tokens per output token."""
+
+
+def other(role: Role) -> Role:
+    return Role.DECODE if role is Role.PREFILL else Role.PREFILL
+
+
+class RolePlanner:
+    """The decision state across intervals: the bottleneck streak, the last switch, each role's
+    learned capacity and each split's measured output."""
+
+    def __init__(self, config: PlannerConfig):
+        self.config = config
+        self.capacity: dict[Role, float] = {}
+        self.streak: tuple[Role | None, int] = (None, 0)
+        self.last_switch_at: float | None = None
+        self.splits: dict[tuple[int, int], SplitRecord] = {}
+
+    def minimum(self, role: Role) -> int:
+        return self.config.min_prefill if role is Role.PREFILL else self.config.min_decode
+
+    def switched(self, at: float) -> None:
+        """A switch was made at ``at`` (the loop tells it once the switch is done)."""
+        self.last_switch_at = at
+        self.streak = (None, 0)
+
+    def decide(self, obs: Observation) -> Decision:
+        loads = {role: _role_load(obs, role) for role in (Role.PREFILL, Role.DECODE)}
+        figures: dict[str, Any] = {r.value: loads[r].to_dict() for r in loads}
+        if obs.ttft_ms is not None or obs.itl_ms is not None:
+            figures["ttft_ms"], figures["itl_ms"] = obs.ttft_ms, obs.itl_ms
+        if obs.held:
+            return Decision(Action.WAIT, f"{obs.held}: no switch until it ends", figures=figures)
+        sick = [e.id for e in obs.engines if not e.healthy]
+        if sick:
+            return Decision(Action.WAIT, f"not every engine is healthy ({', '.join(sick)})", figures=figures)
+        self._learn(loads, obs)
+        split = (loads[Role.PREFILL].engines, loads[Role.DECODE].engines)
+        figures["split"] = f"{split[0]}:{split[1]}"
+        short, why = self._bottleneck(loads, obs)
+        if short is None:
+            self.streak = (None, 0)
+            return Decision(Action.STAY, why, figures=figures)
+        count = self.streak[1] + 1 if self.streak[0] is short else 1
+        self.streak = (short, count)
+        if count < self.config.sustain:
+            return Decision(Action.STAY, f"{why} ({count} of {self.config.sustain} intervals)", figures=figures)
+        if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
+            left = self.config.cooldown_secs - (obs.at - self.last_switch_at)
+            why = f"{why}; cooling down after the last switch ({left:.0f} s left)"
+            return Decision(Action.STAY, why, figures=figures)
+        donor = other(short)
+        load = loads[donor]
+        if load.engines - 1 < self.minimum(donor):
+            return Decision(
+                Action.STAY, f"{why}; the {donor}s are at their minimum ({self.minimum(donor)})", figures=figures
+            )
+        refusal = self._donor_refuses(donor, load, obs)
+        if refusal:
+            return Decision(Action.STAY, f"{why}; {refusal}", figures=figures)
+        target = (split[0] + 1, split[1] - 1) if short is Role.PREFILL else (split[0] - 1, split[1] + 1)
+        tried = self._tried(target, obs)
+        if tried:
+            return Decision(Action.STAY, f"{why}; {tried}", figures=figures)
+        movable = [e for e in obs.engines if e.role is donor and e.switchable]
+        if not movable:
+            return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
+        pick = min(movable, key=lambda e: (e.running + e.waiting, e.id))
+        return Decision(Action.SWITCH, f"{why}: {pick.id} moves to {short}", pick.id, short, figures)
+
+    # -- the parts ------------------------------------------------------------------------------------
+    def _learn(self, loads: Mapping[Role, RoleLoad], obs: Observation) -> None:
+        for role, load in loads.items():
+            if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0:
+                self.capacity[role] = max(self.capacity.get(role, 0.0), load.tokens_per_s)
+        prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
+        output = decode.tokens_per_s * decode.engines
+        if output > 0:
+            mix = prefill.tokens_per_s * prefill.engines / output
+            self.splits[(prefill.engines, decode.engines)] = SplitRecord(output, mix)
+
+    def _bottleneck(self, loads: Mapping[Role, RoleLoad], obs: Observation) -> tuple[Role | None, str]:
+        if self.config.objective is Objective.LATENCY:
+            return self._latency_bottleneck(obs)
+        prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
+        need = self.config.backlog
+        for short, spare in ((prefill, decode), (decode, prefill)):
+            if short.engines and short.waiting >= need and spare.waiting < need / 2:
+                return short.role, (
+                    f"the {short.role}s hold the fleet back: {short.waiting:.1f} requests waiting per {short.role}, "
+                    f"{spare.waiting:.1f} per {spare.role}"
+                )
+        return None, (
+            f"no role holds the fleet back ({prefill.waiting:.1f} waiting per prefill, {decode.waiting:.1f} per decode)"
+        )
+
+    def _latency_bottleneck(self, obs: Observation) -> tuple[Role | None, str]:
+        ttft, itl = obs.ttft_ms, obs.itl_ms
+        c = self.config
+        if ttft is None or itl is None or not c.ttft_ms or not c.itl_ms:
+            return None, "no latency figures yet"
+        over_ttft, over_itl = ttft / c.ttft_ms, itl / c.itl_ms
+        if over_ttft > 1 and over_ttft > over_itl:
+            return Role.PREFILL, f"TTFT {ttft:.0f} ms misses its {c.ttft_ms:.0f} ms target (ITL {itl:.0f} ms)"
+        if over_itl > 1 and over_itl > over_ttft:
+            return Role.DECODE, f"ITL {itl:.0f} ms misses its {c.itl_ms:.0f} ms target (TTFT {ttft:.0f} ms)"
+        return None, f"TTFT {ttft:.0f} ms and ITL {itl:.0f} ms meet their targets"
+
+    def _donor_refuses(self, donor: Role, load: RoleLoad, obs: Observation) -> str | None:
+        if self.config.objective is Objective.LATENCY:
+            c = self.config
+            mine, target = (obs.ttft_ms, c.ttft_ms) if donor is Role.PREFILL else (obs.itl_ms, c.itl_ms)
+            if mine is not None and target and mine > LATENCY_SPARE * target:
+                return f"the {donor}s have too little to spare ({mine:.0f} ms of a {target:.0f} ms target)"
+        capacity = self.capacity.get(donor)
+        if capacity is None or load.engines < 2:
+            return None
+        projected = load.tokens_per_s * load.engines / (load.engines - 1)
+        if projected > DONOR_HEADROOM * capacity:
+            return (
+                f"one {donor} fewer would overload the rest: {projected:.0f} tokens/s each, against the "
+                f"{capacity:.0f} an engine was seen to do"
+            )
+        return None
+
+    def _tried(self, target: tuple[int, int], obs: Observation) -> str | None:
+        before, now = self.splits.get(target), self.splits.get(_split_of(obs))
+        if before is None or now is None or now.mix <= 0:
+            return None
+        if abs(before.mix - now.mix) / now.mix >= SAME_MIX:
+            return None  # another workload: what was measured then says nothing now
+        if before.output_tokens_per_s <= now.output_tokens_per_s * (1 + BETTER_BY):
+            return (
+                f"{target[0]}:{target[1]} was measured on this workload at {before.output_tokens_per_s:.0f} output "
+                f"tokens/s, no better than {now.output_tokens_per_s:.0f} now: staying"
+            )
+        return None
+
+
+def _role_load(obs: Observation, role: Role) -> RoleLoad:
+    mine = [e for e in obs.engines if e.role is role]
+    n = len(mine)
+    if not n:
+        return RoleLoad(role, 0, 0.0, 0.0)
+    return RoleLoad(role, n, sum(e.waiting for e in mine) / n, sum(e.tokens_per_s for e in mine) / n)
+
+
+def _split_of(obs: Observation) -> tuple[int, int]:
+    return (
+        sum(1 for e in obs.engines if e.role is Role.PREFILL),
+        sum(1 for e in obs.engines if e.role is Role.DECODE),
+    )

@@ -1,0 +1,162 @@
+"""``pdctl planner``: the P:D planner's loop over a running cluster.
+
+Each interval: two samples of every engine's and the router's metrics (pdctl.cluster.sampling,
+``interval_secs`` apart) make an ``Observation``; ``RolePlanner.decide`` answers; in ``act`` mode a
+``switch`` decision runs ``pdctl switch``'s own code (pdctl.cluster.switch: the router drains the
+engine, the journal covers a Ctrl-C, a refusal leaves it serving as it was). Every decision, with
+its reason and figures, is logged and appended to ``planner.jsonl`` beside the cluster's state
+(0600), which ``pdctl status --json`` shows. A switch the engine refused (busy) is tried again at
+the next interval: the bottleneck streak stands until a switch is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from pdctl.cluster.keys import load_keys
+from pdctl.cluster.nodes import Events, quiet
+from pdctl.cluster.sampling import EngineSample, Sample, Sampler
+from pdctl.cluster.state import ClusterState, Phase, StateStore
+from pdctl.cluster.switch import switch
+from pdctl.cluster.watch import quantile
+from pdctl.errors import LifecycleError
+from pdctl.role_planner.config import PlannerConfig, PlannerMode
+from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner
+from pdctl.role_planner.record import append_decision
+from pdctl.roles import Role
+
+log = logging.getLogger("pdctl.planner")
+
+
+def observe(state: ClusterState, before: Sample, after: Sample) -> Observation:
+    """The interval between two samples as the planner reads it."""
+    dt = max(after.at - before.at, 1e-6)
+    engines = {e["id"]: e for e in state.plan.get("engines", [])}
+    loads = []
+    ttft: dict[float, float] = {}
+    itl: dict[float, float] = {}
+    for pid, now in after.engines.items():
+        rec = state.processes.get(pid)
+        engine = engines.get(rec.engine_id or pid) if rec is not None else None
+        if rec is None or engine is None or rec.role not in (Role.PREFILL, Role.DECODE):
+            continue
+        was = before.engines.get(pid, EngineSample("unknown"))
+        counter = "prompt_tokens" if rec.role is Role.PREFILL else "generation_tokens"
+        rate = _rate(getattr(was, counter), getattr(now, counter), dt)
+        loads.append(
+            EngineLoad(
+                engine["id"],
+                rec.role,
+                bool(engine.get("role_switch") and engine.get("switch_group")),
+                now.reach == "up",
+                waiting_at(rec.role, now),
+                now.running or 0.0,
+                rate,
+            )
+        )
+        if rec.role is Role.DECODE:
+            _add_delta(ttft, was.ttft, now.ttft)
+            _add_delta(itl, was.itl, now.itl)
+    router = after.router
+    hold = router.hold if router is not None else None
+    return Observation(after.at, tuple(loads), hold, _ms(quantile(0.5, ttft)), _ms(quantile(0.5, itl)))
+
+
+def waiting_at(role: Role, sample: EngineSample) -> float:
+    """Requests that wait for this engine's own work. A prefill: its queue. A decode: its queue,
+    plus its prealloc queue (requests waiting for KV room) in the share of its room held by
+    requests that decode: room held by requests whose prefill has not sent their KV yet (the
+    transfer queue) is the prefills' shortage, not the decode's."""
+    queued = sample.queued or 0.0
+    if role is not Role.DECODE:
+        return queued
+    prealloc, running, transfer = sample.prealloc or 0.0, sample.running or 0.0, sample.transfer or 0.0
+    decoding = running / (running + transfer) if running + transfer > 0 else 1.0
+    return queued - prealloc + prealloc * decoding
+
+
+def _rate(before: float | None, now: float | None, dt: float) -> float:
+    if before is None or now is None or now < before:
+        return 0.0
+    return (now - before) / dt
+
+
+def _add_delta(into: dict[float, float], before: dict[float, float], now: dict[float, float]) -> None:
+    for bound, count in now.items():
+        into[bound] = into.get(bound, 0.0) + max(0.0, count - before.get(bound, 0.0))
+
+
+def _ms(secs: float | None) -> float | None:
+    return None if secs is None else round(secs * 1000, 1)
+
+
+async def _interval(state: ClusterState, store: StateStore, secs: float, stop: threading.Event) -> Observation:
+    async with aiohttp.ClientSession() as session:
+        sampler = Sampler(state, load_keys(store, state.name), session)
+        before = await sampler.sample()
+        deadline = time.monotonic() + secs
+        while time.monotonic() < deadline and not stop.is_set():  # the interval, cut short by a stop
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        after = await sampler.sample()
+    return observe(state, before, after)
+
+
+class PlannerLoop:
+    """The planner of one cluster (``run`` until ``stop`` is set)."""
+
+    def __init__(self, name: str, config: PlannerConfig, store: StateStore, events: Events = quiet):
+        self.name = name
+        self.config = config
+        self.store = store
+        self.events = events
+        self.planner = RolePlanner(config)
+        self.stop = threading.Event()
+
+    def run(self, intervals: int | None = None, told: Callable[[Decision], None] | None = None) -> None:
+        """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode."""
+        done = 0
+        while not self.stop.is_set() and (intervals is None or done < intervals):
+            state = self.store.load(self.name)
+            if state is None or state.status != Phase.UP:
+                raise LifecycleError(f"cluster {self.name!r} is not up: the planner stops")
+            obs = asyncio.run(_interval(state, self.store, self.config.interval_secs, self.stop))
+            if self.stop.is_set():
+                return
+            decision = self.planner.decide(obs)
+            outcome = self._act(decision, obs) if decision.action is Action.SWITCH else None
+            self._record(decision, outcome)
+            if told is not None:
+                told(decision)
+            done += 1
+
+    def _act(self, decision: Decision, obs: Observation) -> str:
+        assert decision.engine is not None and decision.to_role is not None
+        if self.config.mode is not PlannerMode.ACT:
+            return "advised (mode advise: nothing changed)"
+        try:
+            new_id = switch(self.name, decision.engine, decision.to_role, store=self.store, events=self.events)
+        except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
+            return f"not switched: {exc}"
+        self.planner.switched(time.monotonic())
+        return f"switched: {decision.engine} is {new_id}"
+
+    def _record(self, decision: Decision, outcome: str | None) -> None:
+        entry = {"at": time.time(), "mode": self.config.mode.value, **decision.to_dict(), "outcome": outcome}
+        level = logging.INFO if decision.action is Action.SWITCH else logging.DEBUG
+        log.log(level, "%s%s", decision.reason, f" -> {outcome}" if outcome else "")
+        self.events("planner", f"{decision.action.value}: {decision.reason}" + (f" -> {outcome}" if outcome else ""))
+        append_decision(self.store, self.name, entry)
+
+
+def planner_config(state: ClusterState, overrides: dict[str, Any]) -> PlannerConfig:
+    """The cluster's ``planner:`` section (from its plan), with ``overrides`` (the command's flags) on top."""
+    raw = dict(state.plan.get("planner") or {})
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return PlannerConfig.from_dict(raw)

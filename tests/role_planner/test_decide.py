@@ -1,0 +1,134 @@
+"""The P:D planner's decisions (pdctl.role_planner.decide), interval by interval."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdctl.role_planner.config import Objective, PlannerConfig
+from pdctl.role_planner.decide import Action, EngineLoad, Observation, RolePlanner
+from pdctl.roles import Role
+
+P, D = Role.PREFILL, Role.DECODE
+
+
+def fleet(at: float, prefills: list[tuple[float, float]], decodes: list[tuple[float, float]], **kw) -> Observation:
+    """Engines as (waiting, tokens/s), prefills then decodes, every one switchable and healthy."""
+    engines = [EngineLoad(f"prefill-{i}", P, True, True, w, 1, t) for i, (w, t) in enumerate(prefills)]
+    engines += [EngineLoad(f"decode-{i}", D, True, True, w, 8, t) for i, (w, t) in enumerate(decodes)]
+    return Observation(at, tuple(engines), **kw)
+
+
+CONFIG = PlannerConfig(interval_secs=10, cooldown_secs=30, sustain=2)
+
+
+def test_a_decode_backlog_moves_the_idlest_prefill_after_two_intervals() -> None:
+    planner = RolePlanner(CONFIG)
+    first = planner.decide(fleet(0, [(0, 900), (0, 500)], [(6, 400), (5, 400)]))
+    assert first.action is Action.STAY and "1 of 2" in first.reason
+    second = planner.decide(fleet(10, [(0, 900), (0, 500)], [(6, 400), (5, 400)]))
+    assert second.action is Action.SWITCH and second.to_role is D and second.engine == "prefill-0"
+    assert second.figures["decode"]["waiting_per_engine"] == 5.5 and second.figures["split"] == "2:2"
+
+
+def test_a_hold_or_a_sick_engine_waits_and_the_streak_does_not_count_them() -> None:
+    planner = RolePlanner(CONFIG)
+    assert planner.decide(fleet(0, [(0, 1)], [(9, 1), (9, 1)], held="weight push p1 holds the router")).action is (
+        Action.WAIT
+    )
+    obs = fleet(10, [(0, 1), (0, 1)], [(9, 1)])
+    sick = Observation(obs.at, (*obs.engines[:-1], EngineLoad("decode-0", D, True, False, 9, 0, 0)))
+    assert planner.decide(sick).action is Action.WAIT
+    assert planner.decide(fleet(20, [(0, 1), (0, 1)], [(9, 1)])).action is Action.STAY  # a streak of 1, not 3
+
+
+def test_the_minimum_per_role_and_the_cooldown_hold() -> None:
+    planner = RolePlanner(PlannerConfig(min_prefill=2, sustain=1, cooldown_secs=30))
+    decision = planner.decide(fleet(0, [(0, 1), (0, 1)], [(9, 1), (9, 1)]))
+    assert decision.action is Action.STAY and "minimum (2)" in decision.reason
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=30))
+    planner.switched(0)
+    assert "cooling down" in planner.decide(fleet(20, [(0, 1), (0, 1)], [(9, 1), (9, 1)])).reason
+    assert planner.decide(fleet(31, [(0, 1), (0, 1)], [(9, 1), (9, 1)])).action is Action.SWITCH
+
+
+def test_a_donor_that_would_be_overloaded_keeps_its_engines() -> None:
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    planner.decide(fleet(0, [(4, 1000), (4, 1000)], [(0, 100), (0, 100)]))  # prefills backlogged at 1000/s each
+    planner.capacity[P] = 1000.0
+    refused = planner.decide(fleet(10, [(0, 600), (0, 600)], [(5, 100), (5, 100)]))  # 1200/s on one: too much
+    assert refused.action is Action.STAY and "overload" in refused.reason
+    taken = planner.decide(fleet(20, [(0, 400), (0, 400)], [(5, 100), (5, 100)]))  # 800/s on one: fits
+    assert taken.action is Action.SWITCH and taken.to_role is D
+
+
+def test_it_does_not_go_back_to_a_split_it_measured_as_no_better() -> None:
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    assert planner.decide(fleet(0, [(0, 300), (0, 300)], [(5, 100), (5, 100)])).action is Action.SWITCH  # 2:2 -> 1:3
+    planner.switched(0)
+    planner.capacity.clear()  # (the capacity rule alone would refuse too: this checks the measured splits)
+    # At 1:3 the prefill is the bottleneck now, and the fleet makes more than at 2:2: staying.
+    back = planner.decide(fleet(10, [(3, 600)], [(0, 80), (0, 80), (0, 80)]))
+    assert back.action is Action.STAY and "was measured on this workload" in back.reason
+    # Another workload (prompts ten times longer per output token): 2:2's figure says nothing.
+    shifted = planner.decide(fleet(20, [(3, 6000)], [(0, 80), (0, 80), (0, 80)]))
+    assert shifted.action is Action.SWITCH and shifted.to_role is P
+
+
+def test_the_latency_objective_moves_toward_the_missed_target() -> None:
+    config = PlannerConfig(objective=Objective.LATENCY, ttft_ms=500, itl_ms=50, sustain=1, cooldown_secs=0)
+    planner = RolePlanner(config)
+    missed = planner.decide(fleet(0, [(0, 1), (0, 1)], [(0, 1), (0, 1)], ttft_ms=900, itl_ms=20))
+    assert missed.action is Action.SWITCH and missed.to_role is P
+    tight = planner.decide(fleet(10, [(0, 1), (0, 1)], [(0, 1), (0, 1)], ttft_ms=900, itl_ms=45))
+    assert tight.action is Action.STAY and "too little to spare" in tight.reason
+    met = planner.decide(fleet(20, [(0, 1), (0, 1)], [(0, 1), (0, 1)], ttft_ms=400, itl_ms=40))
+    assert met.action is Action.STAY and "meet their targets" in met.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 20), st.floats(0, 20), st.floats(1, 5000), st.floats(1, 5000), st.integers(0, 2)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 3),
+    st.integers(1, 3),
+)
+def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
+    steps: list[tuple[float, float, float, float, int]], min_prefill: int, min_decode: int
+) -> None:
+    """Whatever the loads: a switch never leaves a role under its minimum, never comes within a
+    cooldown of the last, never during a hold, and always moves an engine of the other role."""
+    config = PlannerConfig(min_prefill=min_prefill, min_decode=min_decode, sustain=1, cooldown_secs=25)
+    planner = RolePlanner(config)
+    split = [3, 3]
+    last = None
+    for i, (wp, wd, tp, td, held) in enumerate(steps):
+        at = i * 10.0
+        obs = fleet(at, [(wp, tp)] * split[0], [(wd, td)] * split[1], held="a hold" if held == 2 else None)
+        decision = planner.decide(obs)
+        if decision.action is not Action.SWITCH:
+            continue
+        assert held != 2
+        assert last is None or at - last >= 25
+        donor = D if decision.to_role is P else P
+        assert decision.engine is not None and decision.engine.startswith(donor.value)
+        split = [split[0] + 1, split[1] - 1] if decision.to_role is P else [split[0] - 1, split[1] + 1]
+        assert split[0] >= min_prefill and split[1] >= min_decode
+        planner.switched(at)
+        last = at
+
+
+def test_a_decode_whose_room_waits_for_prefills_is_not_the_bottleneck() -> None:
+    """Room held by requests whose KV has not come (the transfer queue) is the prefills'
+    shortage: a decode's prealloc queue counts only in the share of its room that decodes."""
+    from pdctl.cluster.sampling import EngineSample
+    from pdctl.role_planner.loop import waiting_at
+
+    starved = EngineSample("up", running=1, queued=8, prealloc=8, transfer=15)
+    assert waiting_at(D, starved) == 0.5
+    full = EngineSample("up", running=16, queued=9, prealloc=8, transfer=0)
+    assert waiting_at(D, full) == 9
+    assert waiting_at(P, EngineSample("up", running=2, queued=7)) == 7
