@@ -18,7 +18,7 @@ import pytest
 
 from tests.cluster.test_heal import _run_processes
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import eventually, free_port_base, post
+from tests.helpers import control_auth, eventually, free_port_base, post
 
 PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16}
 INTERVAL = 2
@@ -110,10 +110,20 @@ def fleet(tmp_path):
 
 
 def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) -> None:
-    """Advise changes nothing and says what it would do; act moves an engine toward the
-    bottleneck each time the load shifts, down to the minimum of the other role; no request fails."""
+    """While a weight update holds the fleet, act waits; advise changes nothing and says what it
+    would do; act moves an engine toward the bottleneck each time the load shifts, down to the
+    minimum of the other role; no request fails."""
     env, home, name, router = fleet
+    auth = control_auth(name, env["PDCTL_HOME"])
     with ShiftingLoad(router) as load:
+        # a weight update holds the fleet: act mode waits and says why, whatever the queues
+        assert post(router + "/pdctl/hold", {"txn": "t-held", "engines": [], "lease_secs": 120}, headers=auth)[0] == 200
+        held = pdctl("planner", name, "--mode", "act", "--intervals", "2", env=env)
+        assert held.returncode == 0, held.stderr
+        waits = decisions(env, name)
+        assert [d["action"] for d in waits] == ["wait", "wait"] and "held by" in waits[0]["reason"], waits
+        assert split(home, name) == (2, 2)
+        assert post(router + "/pdctl/release", {"txn": "t-held"}, headers=auth)[0] == 200
         # advise: three intervals under prefill-heavy load, the split as it was
         advise = pdctl("planner", name, "--mode", "advise", "--intervals", "3", env=env)
         assert advise.returncode == 0, advise.stderr
