@@ -194,6 +194,13 @@ def _print_status(result: ClusterStatus) -> None:
         out.print(f"engines: {', '.join(engine(e) for e in result.engines)}")
     if result.hold:
         out.print(f"[yellow]requests wait: the router is {result.hold.get('reason')}[/]")
+    if result.planner_process is not None:
+        planner = result.planner_process
+        alive = "[green]running[/]" if planner["alive"] else "[red]not running[/]"
+        last = result.planner[-1] if result.planner else None
+        said = f"; last: {last['action']}: {last['reason']}" if last else ""
+        where = f"pid {planner['pid']}, restarts {planner['restarts']}, log {planner['log']}"
+        out.print(f"planner: {alive} ({where}){said}")
     if result.step:
         out.print(f"[yellow]{result.step}[/]" if result.step.startswith("in progress") else f"[red]{result.step}[/]")
     for d in result.mps:

@@ -18,6 +18,7 @@ from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
+from pdctl.role_planner import daemon as planner_daemon
 from pdctl.roles import Role
 
 GRACE_SECS = 10.0
@@ -45,12 +46,17 @@ def down(
 
 def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, events: Events) -> str:
     name = state.name
-    if state.status == Phase.DOWN and not state.processes and not state.mps:
+    if state.status == Phase.DOWN and not state.processes and not state.mps and not state.planner:
         summary = f"cluster {name!r} is already down"
     else:
         count = len(state.processes)
         state.status = Phase.STOPPING
         store.save(state)
+        planner = bool(state.planner)
+        if planner:  # first: it must not switch an engine that is being stopped
+            planner_daemon.stop(state)
+            events("planner", "stopped")
+            store.save(state)
         try:
             stop_processes(state, nodes, events=events)
             state.processes.clear()
@@ -60,7 +66,7 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
         state.status = Phase.DOWN
         state.journal = None  # a day-2 step left half done has nothing left to finish
         store.save(state)
-        summary = f"cluster {name!r} is down ({count} processes stopped)"
+        summary = f"cluster {name!r} is down ({count} processes stopped{' and its planner' if planner else ''})"
     if purge:
         results = nodes.each(state.run_dirs, lambda ex: agent_api.rm(ex, [state.run_dirs[ex.node.name]]))
         failed = [str(r) for r in results.values() if isinstance(r, RemoteError)]

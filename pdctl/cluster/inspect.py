@@ -15,6 +15,7 @@ from pdctl.cluster.nodes import NodeSet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.remote import agent_api
+from pdctl.role_planner import daemon as planner_daemon
 from pdctl.role_planner.record import recent_decisions
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
@@ -94,18 +95,22 @@ class ClusterStatus:
     ``reason`` in words, ``since`` (epoch seconds), ``secs``."""
     planner: list[dict[str, Any]] = field(default_factory=list)
     """The P:D planner's latest decisions (``pdctl planner``; pdctl.role_planner.loop), oldest first."""
+    planner_process: dict[str, Any] | None = None
+    """The planner ``up`` started (pdctl.role_planner.daemon.describe), if any."""
 
     @property
     def ok(self) -> bool:
         """Up as declared: every process alive and healthy (the router's readiness says it can
         serve each role), every engine of the plan up and in the router's rotation, no day-2
-        step left half done, and no weight update holding the router's requests."""
+        step left half done, no weight update holding the router's requests, and its planner
+        (if it runs one) running."""
         return (
             self.status == Phase.UP
             and all(p.ok for p in self.processes)
             and all(e.up and e.rotation is None for e in self.engines)
             and self.step is None
             and self.hold is None
+            and (self.planner_process is None or bool(self.planner_process["alive"]))
         )
 
     @property
@@ -182,6 +187,7 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     result.step = _step(state)
     result.hold = hold
     result.planner = recent_decisions(store, name, 5)  # (pdctl.role_planner.record)
+    result.planner_process = planner_daemon.describe(state)
     return result
 
 

@@ -84,6 +84,9 @@ class ClusterState:
     mps: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per node, the CUDA MPS control daemon of a colocated cluster: pid, create_time,
     pipe_dir, log_dir, and ``started`` (false: it was already running; ``down`` leaves it)."""
+    planner: dict[str, Any] = field(default_factory=dict)
+    """The P:D planner's supervisor on the control machine (pdctl.role_planner.daemon): pid,
+    create_time, log, exit_file; empty when none runs."""
 
     def node_objects(self) -> dict[str, Node]:
         out = {}

@@ -33,6 +33,7 @@ from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
+from pdctl.role_planner import daemon as planner_daemon
 from pdctl.roles import Role
 from pdctl.signals import INTERRUPTS
 from pdctl.topology.model import Topology
@@ -116,6 +117,10 @@ def up(
                 _fail(exc, plan, state, store, nodes, events)
         state.status = Phase.UP
         store.save(state)
+        with interrupts_deferred():  # started and recorded whole: `down` must find what runs
+            if planner_daemon.start(state, store) is not None:
+                events("planner", f"started (mode {state.plan['planner']['mode']}; log {state.planner['log']})")
+                store.save(state)
         return state
 
 

@@ -124,8 +124,12 @@ class PlannerLoop:
         done = 0
         while not self.stop.is_set() and (intervals is None or done < intervals):
             state = self.store.load(self.name)
-            if state is None or state.status != Phase.UP:
-                raise LifecycleError(f"cluster {self.name!r} is not up: the planner stops")
+            if state is None or state.status in (Phase.DOWN, Phase.STOPPING, Phase.FAILED):
+                log.info("cluster %s is %s: the planner stops", self.name, state.status if state else "gone")
+                return
+            if state.status != Phase.UP:  # (starting, or a day-2 command's status): decide when it is up
+                self.stop.wait(self.config.interval_secs)
+                continue
             obs = asyncio.run(_interval(state, self.store, self.config.interval_secs, self.stop))
             if self.stop.is_set():
                 return

@@ -93,7 +93,8 @@ def fleet(tmp_path):
         prefill=switchable,
         decode=switchable,
         router={"policy": "round_robin", "admission": {"worker_wait_secs": 120}},
-        planner={"mode": "act", "interval_secs": INTERVAL, "cooldown_secs": 3 * INTERVAL, "sustain": 2},
+        # mode off: no planner of its own (up starts one otherwise); the test runs them with --mode
+        planner={"mode": "off", "interval_secs": INTERVAL, "cooldown_secs": 3 * INTERVAL, "sustain": 2},
     )
     home = tmp_path / "home"
     env = {**os.environ, "PDCTL_HOME": str(home)}
@@ -135,7 +136,10 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
         # act, in the background as an operator runs it
         log = (home / "planner.log").open("w")
         planner = subprocess.Popen(
-            [sys.executable, "-m", "pdctl", "planner", name], env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "pdctl", "planner", name, "--mode", "act"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             shifted = time.monotonic()

@@ -1,0 +1,63 @@
+"""The planner as a process of the cluster: ``up`` starts it, its supervisor restarts it after a
+kill -9, ``status`` shows it, ``down`` stops it and leaves nothing of the cluster running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from tests.cluster.test_heal import _run_processes
+from tests.cluster.test_local_cli import local_topology, pdctl
+from tests.helpers import eventually, free_port_base
+
+
+def _status(env: dict) -> dict:
+    out = pdctl("status", "--json", env=env)
+    return json.loads(out.stdout)
+
+
+def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path) -> None:
+    switchable = {"replicas": 1, "role_switch": True}
+    topo = local_topology(
+        tmp_path,
+        "pln",
+        free_port_base(),
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
+        prefill=switchable,
+        decode=switchable,
+        planner={"mode": "advise", "interval_secs": 1},
+    )
+    home = tmp_path / "home"
+    env = {**os.environ, "PDCTL_HOME": str(home)}
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    run_id = json.loads((home / "pln" / "state.json").read_text())["run_id"]
+    try:
+        assert "planner: started (mode advise" in up.stderr, up.stderr
+        # it decides: an idle fleet, nothing to move
+        history = eventually(
+            lambda: json.loads(pdctl("planner", "pln", "--history", env=env).stdout), 120, what="a first decision"
+        )
+        assert history[0]["mode"] == "advise" and history[0]["action"] == "stay", history
+        st = _status(env)
+        first = st["planner_process"]
+        assert first["alive"] and first["restarts"] == 0 and st["ok"] is True, first
+        text = pdctl("status", env=env)
+        assert "planner: running" in text.stdout + text.stderr
+        os.kill(first["pid"], signal.SIGKILL)  # the planner itself, not its supervisor
+        back = eventually(
+            lambda: (p := _status(env)["planner_process"])["restarts"] >= 1 and p["alive"] and p["pid"] != first["pid"]
+            and p,
+            120,
+            what="the planner restarted by its supervisor",
+        )  # fmt: skip
+        assert back["supervisor_pid"] == first["supervisor_pid"]
+    finally:
+        down = pdctl("down", "pln", env=env)
+        assert down.returncode == 0, down.stderr
+    assert "and its planner" in down.stdout, down.stdout
+    assert _run_processes(run_id) == [], "down left processes of the cluster running (the planner?)"
+    assert json.loads((home / "pln" / "state.json").read_text())["planner"] == {}
+    again = pdctl("down", "pln", env=env)
+    assert again.returncode == 0 and "already down" in again.stdout + again.stderr
