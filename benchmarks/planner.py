@@ -1,0 +1,245 @@
+"""The P:D planner against every static split of the same engines (issue 58), in one run on one
+local cluster of 4 sim engines costed as Llama-3.1-8B on H100s (``--sim-profile llama3-8b-h100``,
+``max-running-requests: 16``), same seeds for every configuration.
+
+Workloads (each client an aiohttp stream through the router, so TTFT and ITL are measured at the
+client):
+
+(a) **An RL step** (GRPO): B = 8 prompts x n = 8 samples, all 64 sent at once, 3 steps in a row;
+    the figure is the mean step's makespan (the last sample's end). Prompt and answer lengths are
+    log-normal, the long tail reasoning RL shows (a few answers run 5-10x the median; the prompts of
+    a step differ in length by 10x): prompts median 1,500 tokens (sigma 0.6, 200-6,000), answers
+    median 200 tokens (sigma 0.8, 16-1,200). A step opens prefill-bound (64 prompts, 8 distinct)
+    and ends in a decode tail.
+(b) **A serving trace whose mix shifts halfway**: 32 closed-loop clients, 160 requests of 4,000
+    prompt tokens and 16 out, then 160 of 100 and 300 out; the figure is goodput: requests within
+    TTFT <= 3 s and mean ITL <= 60 ms per second of the trace.
+(c) **A steady trace** (the second half's mix throughout, 240 requests): goodput again; the planner
+    should hold the best split and not lose to it.
+
+Each static split (1:3, 2:2, 3:1) is set with ``pdctl switch``; the planner starts from 2:2 in act
+mode (interval 2 s, cooldown 6 s, sustain 2). Goals (issue 58): on the shifting workloads the
+planner >= 1.1x the best static split; on the steady one >= 0.95x.
+
+    python benchmarks/planner.py   # writes benchmarks/results/planner.{json,md}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+PY = sys.executable
+NAME = "plbench"
+PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16}
+TTFT_SECS, ITL_SECS = 3.0, 0.060
+
+
+def pdctl(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run([PY, "-m", "pdctl", *args], env=env, capture_output=True, text=True, timeout=900)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"pdctl {' '.join(args)}: {res.stderr[-2000:]}")
+    return res
+
+
+def split_of(home: Path) -> dict[str, list[str]]:
+    engines = json.loads((home / NAME / "state.json").read_text())["plan"]["engines"]
+    out: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for e in engines:
+        out[e["role"]].append(e["id"])
+    return out
+
+
+def set_split(prefills: int, home: Path, env: dict) -> None:
+    while True:
+        now = split_of(home)
+        if len(now["prefill"]) == prefills:
+            return
+        if len(now["prefill"]) > prefills:
+            pdctl("switch", NAME, sorted(now["prefill"])[-1], "decode", env=env)
+        else:
+            pdctl("switch", NAME, sorted(now["decode"])[-1], "prefill", env=env)
+
+
+# -- the client ---------------------------------------------------------------------------------------
+async def one(session: aiohttp.ClientSession, url: str, ids: list[int], out: int) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": out}, "stream": True}
+    sent = time.monotonic()
+    first = None
+    tokens = 0
+    async with session.post(url + "/generate", json=body) as resp:
+        status = resp.status
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            if first is None:
+                first = time.monotonic()
+            tokens = json.loads(line[6:])["meta_info"]["completion_tokens"]
+    end = time.monotonic()
+    ttft = (first or end) - sent
+    itl = (end - (first or end)) / max(tokens - 1, 1)
+    return {"status": status, "ttft": ttft, "itl": itl, "end": end, "tokens": tokens}
+
+
+def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(rng.lognormvariate(0.0, sigma) * median)))
+
+
+async def rl_steps(url: str, seed: int, steps: int = 3) -> dict:
+    rng = random.Random(seed)
+    spans = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        for _ in range(steps):
+            calls = []
+            for _p in range(8):
+                prompt = [rng.randrange(256) for _ in range(lognormal(rng, 1500, 0.6, 200, 6000))]
+                calls += [one(session, url, prompt, lognormal(rng, 200, 0.8, 16, 1200)) for _ in range(8)]
+            start = time.monotonic()
+            done = await asyncio.gather(*calls)
+            assert all(d["status"] == 200 for d in done), [d["status"] for d in done]
+            spans.append(max(d["end"] for d in done) - start)
+    return {"makespan_s": sum(spans) / len(spans), "steps": spans}
+
+
+async def trace(url: str, seed: int, phases: list[tuple[int, int, int]], clients: int = 32) -> dict:
+    """Closed-loop ``clients`` over ``phases`` of (requests, prompt tokens, output tokens)."""
+    rng = random.Random(seed)
+    work = [(p, o) for n, p, o in phases for _ in range(n)]
+    work = [([rng.randrange(256) for _ in range(p)], o) for p, o in work]
+    results: list[dict] = []
+    queue = list(reversed(work))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+
+        async def client() -> None:
+            while queue:
+                ids, out = queue.pop()
+                results.append(await one(session, url, ids, out))
+
+        start = time.monotonic()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        took = time.monotonic() - start
+    good = [r for r in results if r["status"] == 200 and r["ttft"] <= TTFT_SECS and r["itl"] <= ITL_SECS]
+    failed = [r for r in results if r["status"] != 200]
+    return {
+        "goodput_rps": len(good) / took,
+        "secs": took,
+        "good": len(good),
+        "requests": len(results),
+        "failed": len(failed),
+    }
+
+
+SHIFT = [(160, 4000, 16), (160, 100, 300)]
+STEADY = [(240, 100, 300)]
+
+
+def workloads(url: str) -> dict:
+    return {
+        "rl_step": asyncio.run(rl_steps(url, seed=1)),
+        "shifting": asyncio.run(trace(url, seed=2, phases=SHIFT)),
+        "steady": asyncio.run(trace(url, seed=3, phases=STEADY)),
+    }
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="pdctl-planner-bench-"))
+    home = work / "home"
+    env = {**os.environ, "PDCTL_HOME": str(home)}
+    switchable = {"replicas": 2, "role_switch": True, "args": PROFILE}
+    topo = {
+        "name": NAME,
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(work / "runs")}],
+        "ports": {"base": 27500},
+        "prefill": switchable,
+        "decode": switchable,
+        "router": {"policy": "round_robin", "admission": {"worker_wait_secs": 120}},
+        "planner": {"mode": "off", "interval_secs": 2, "cooldown_secs": 6, "sustain": 2},
+    }
+    (work / "t.yaml").write_text(yaml.safe_dump(topo))
+    up = pdctl("up", str(work / "t.yaml"), env=env)
+    url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
+    rows: dict[str, dict] = {}
+    try:
+        for prefills in (1, 2, 3):
+            set_split(prefills, home, env)
+            name = f"static {prefills}:{4 - prefills}"
+            rows[name] = workloads(url)
+            print(name, json.dumps(rows[name]), flush=True)
+        set_split(2, home, env)
+        planner = subprocess.Popen(
+            [PY, "-m", "pdctl", "planner", NAME, "--mode", "act"],
+            env=env,
+            stdout=(work / "planner.log").open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            rows["planner"] = workloads(url)
+        finally:
+            planner.send_signal(signal.SIGINT)
+            planner.wait(timeout=300)
+        history = json.loads(pdctl("planner", NAME, "--history", env=env).stdout)
+        rows["planner"]["switches"] = [
+            f"{d['engine']} -> {d['to_role']}" for d in history if (d.get("outcome") or "").startswith("switched")
+        ]
+        print("planner", json.dumps(rows["planner"]), flush=True)
+    finally:
+        pdctl("down", NAME, env=env, check=False)
+    write(rows)
+
+
+def write(rows: dict[str, dict]) -> None:
+    statics = {k: v for k, v in rows.items() if k.startswith("static")}
+    best_rl = min(statics, key=lambda k: statics[k]["rl_step"]["makespan_s"])
+    best_shift = max(statics, key=lambda k: statics[k]["shifting"]["goodput_rps"])
+    best_steady = max(statics, key=lambda k: statics[k]["steady"]["goodput_rps"])
+    p = rows["planner"]
+    ratios = {
+        "rl_step": statics[best_rl]["rl_step"]["makespan_s"] / p["rl_step"]["makespan_s"],
+        "shifting": p["shifting"]["goodput_rps"] / statics[best_shift]["shifting"]["goodput_rps"],
+        "steady": p["steady"]["goodput_rps"] / statics[best_steady]["steady"]["goodput_rps"],
+    }
+    meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "planner.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=2) + "\n")
+    lines = [
+        "| configuration | RL step makespan (s) | shifting trace goodput (req/s) | steady trace goodput (req/s) "
+        "| failed |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        failed = r["shifting"]["failed"] + r["steady"]["failed"]
+        lines.append(
+            f"| {name} | {r['rl_step']['makespan_s']:.2f} | {r['shifting']['goodput_rps']:.2f} | "
+            f"{r['steady']['goodput_rps']:.2f} | {failed} |"
+        )
+    lines += [
+        "",
+        f"Planner against the best static split of each workload: RL step {ratios['rl_step']:.2f}x (best static: "
+        f"{best_rl}; goal >= 1.1x: {'met' if ratios['rl_step'] >= 1.1 else 'NOT met'}), shifting trace "
+        f"{ratios['shifting']:.2f}x ({best_shift}; goal >= 1.1x: {'met' if ratios['shifting'] >= 1.1 else 'NOT met'}),"
+        f" steady trace {ratios['steady']:.2f}x ({best_steady}; goal >= 0.95x: "
+        f"{'met' if ratios['steady'] >= 0.95 else 'NOT met'}).",
+        f"Planner switches: {', '.join(p.get('switches', [])) or 'none'}.",
+    ]
+    (RESULTS / "planner.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
