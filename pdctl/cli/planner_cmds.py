@@ -39,9 +39,9 @@ def planner(
     planner.cooldown_secs after each switch. Each decision is printed and kept in the cluster's
     planner.jsonl (`--history`, `pdctl status --json`). Settings: the topology's `planner:` section.
     """
+    from pdctl.cluster.planner_record import recent_decisions
     from pdctl.role_planner.config import PlannerMode
     from pdctl.role_planner.loop import PlannerLoop, planner_config
-    from pdctl.role_planner.record import recent_decisions
 
     store = StateStore()
     name = store.resolve_name(name)

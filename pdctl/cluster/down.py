@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from pdctl.agent_replies import StopReply
+from pdctl.cluster import planner_process
 from pdctl.cluster.mps import stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
-from pdctl.role_planner import daemon as planner_daemon
 from pdctl.roles import Role
 
 GRACE_SECS = 10.0
@@ -54,7 +54,7 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
         store.save(state)
         planner = bool(state.planner)
         if planner:  # first: it must not switch an engine that is being stopped
-            planner_daemon.stop(state)
+            planner_process.stop(state)
             events("planner", "stopped")
             store.save(state)
         try:

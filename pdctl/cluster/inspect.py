@@ -8,15 +8,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.cluster import planner_process
 from pdctl.cluster.journal import entry_of
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.mps import MpsStatus, daemon_status
 from pdctl.cluster.nodes import NodeSet
+from pdctl.cluster.planner_record import recent_decisions
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.remote import agent_api
-from pdctl.role_planner import daemon as planner_daemon
-from pdctl.role_planner.record import recent_decisions
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
 
@@ -96,7 +96,7 @@ class ClusterStatus:
     planner: list[dict[str, Any]] = field(default_factory=list)
     """The P:D planner's latest decisions (``pdctl planner``; pdctl.role_planner.loop), oldest first."""
     planner_process: dict[str, Any] | None = None
-    """The planner ``up`` started (pdctl.role_planner.daemon.describe), if any."""
+    """The planner ``up`` started (pdctl.cluster.planner_process.describe), if any."""
 
     @property
     def ok(self) -> bool:
@@ -186,8 +186,8 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
     result = ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
     result.step = _step(state)
     result.hold = hold
-    result.planner = recent_decisions(store, name, 5)  # (pdctl.role_planner.record)
-    result.planner_process = planner_daemon.describe(state)
+    result.planner = recent_decisions(store, name, 5)  # (pdctl.cluster.planner_record)
+    result.planner_process = planner_process.describe(state)
     return result
 
 

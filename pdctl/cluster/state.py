@@ -85,7 +85,7 @@ class ClusterState:
     """Per node, the CUDA MPS control daemon of a colocated cluster: pid, create_time,
     pipe_dir, log_dir, and ``started`` (false: it was already running; ``down`` leaves it)."""
     planner: dict[str, Any] = field(default_factory=dict)
-    """The P:D planner's supervisor on the control machine (pdctl.role_planner.daemon): pid,
+    """The P:D planner's supervisor on the control machine (pdctl.cluster.planner_process): pid,
     create_time, log, exit_file; empty when none runs."""
 
     def node_objects(self) -> dict[str, Node]:

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from pdctl.agent import RUN_ID_ENV
 from pdctl.agent_replies import SpawnReply, WaitReadyReply
+from pdctl.cluster import planner_process
 from pdctl.cluster.down import stop_processes
 from pdctl.cluster.journal import interrupts_deferred
 from pdctl.cluster.keys import ClusterKeys, load_keys, save_keys
@@ -33,7 +34,6 @@ from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
-from pdctl.role_planner import daemon as planner_daemon
 from pdctl.roles import Role
 from pdctl.signals import INTERRUPTS
 from pdctl.topology.model import Topology
@@ -118,7 +118,7 @@ def up(
         state.status = Phase.UP
         store.save(state)
         with interrupts_deferred():  # started and recorded whole: `down` must find what runs
-            if planner_daemon.start(state, store) is not None:
+            if planner_process.start(state, store) is not None:
                 events("planner", f"started (mode {state.plan['planner']['mode']}; log {state.planner['log']})")
                 store.save(state)
         return state

@@ -22,6 +22,7 @@ import aiohttp
 
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, quiet
+from pdctl.cluster.planner_record import append_decision
 from pdctl.cluster.sampling import EngineSample, Sample, Sampler
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.switch import switch
@@ -29,7 +30,6 @@ from pdctl.cluster.watch import quantile
 from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
 from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner
-from pdctl.role_planner.record import append_decision
 from pdctl.roles import Role
 
 log = logging.getLogger("pdctl.planner")

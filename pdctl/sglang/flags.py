@@ -15,7 +15,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from pdctl.sim.profiles import PROFILES
+from pdctl.gpu_profiles import PROFILES
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import sys
 import yaml
 
 from pdctl.errors import PdctlError
+from pdctl.gpu_profiles import describe_profiles, profile_named
 from pdctl.httputil import write_port_file
 from pdctl.nodeproc import redact
 from pdctl.signals import stop_event
@@ -19,7 +20,6 @@ from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_o
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, RemoteSource, SimConfig
 from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
-from pdctl.sim.profiles import describe_profiles, profile_named
 from pdctl.sim.server import SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdctl.gpu_profiles import SimProfile
     from pdctl.sim.multinode import NodeLayout
-    from pdctl.sim.profiles import SimProfile
 
 log = logging.getLogger("pdctl.sim.remote_instance")
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pdctl.gpu_profiles import SimProfile
 from pdctl.sim.model import BYTE_VOCAB, DTYPE, KVPool, SimModelConfig
 from pdctl.sim.prefix_cache import PrefixCache, _Node
-from pdctl.sim.profiles import SimProfile
 
 
 class NoKV(KVPool):

@@ -41,11 +41,11 @@ import torch
 
 from pdctl.choices import parse_choice
 from pdctl.errors import SimError
+from pdctl.gpu_profiles import SimProfile
 from pdctl.sglang.control import MEMORY_TAGS
 from pdctl.sglang.protocol import PauseMode
 from pdctl.sim.costed import CostedPool, Held, NoKV, StandInForward, wait_until
 from pdctl.sim.model import EOS_ID, KVPool, TinyLM, decode
-from pdctl.sim.profiles import SimProfile
 from pdctl.sim.sampling import SamplingOptions, sample
 
 log = logging.getLogger("pdctl.sim")

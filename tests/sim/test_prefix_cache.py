@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdctl.gpu_profiles import PROFILES
 from pdctl.sim.costed import CostedPool
 from pdctl.sim.prefix_cache import PrefixCache
-from pdctl.sim.profiles import PROFILES
 
 
 def test_a_shared_prefix_is_found_and_split_where_it_ends() -> None:

@@ -13,9 +13,9 @@ import urllib.request
 import aiohttp
 import pytest
 
-from pdctl.sim.profiles import PROFILES, Metric, SimProfile
+from pdctl.gpu_profiles import PROFILES, Metric, SimProfile
 from pdctl.topology import load_topology_text
-from tests.helpers import RouterProcess, SimProcess, eventually, get, pd_router_args, post, sims
+from tests.helpers import RouterProcess, SimProcess, eventually, eventually_async, get, pd_router_args, post, sims
 
 TOLERANCE = 0.15
 
@@ -111,15 +111,11 @@ def test_a_full_kv_pool_queues_requests_and_says_so(tmp_path) -> None:
 
                 tasks = [asyncio.ensure_future(one(i)) for i in range(3)]
 
-                async def queued() -> dict:
-                    while True:
-                        async with session.get(sim.url + "/v1/loads") as r:
-                            load = (await r.json())["loads"][0]
-                        if load["num_running_reqs"] == 2 and load["num_waiting_reqs"] == 1:
-                            return load
-                        await asyncio.sleep(0.02)
+                def queued() -> dict | None:
+                    load = get(sim.url + "/v1/loads")[1]["loads"][0]
+                    return load if load["num_running_reqs"] == 2 and load["num_waiting_reqs"] == 1 else None
 
-                load = await asyncio.wait_for(queued(), 60)
+                load = await eventually_async(queued, 60, interval=0.02, what="two running, one queued")
                 assert load["token_usage"] > 0.9, load
                 return await asyncio.gather(*tasks)
 
