@@ -168,7 +168,7 @@ def test_flush_cache_refused_while_busy_and_pause_modes(guarded) -> None:
     url = guarded.url
     _, ref = slow_request(url, 30)
     with cf.ThreadPoolExecutor(2) as pool:
-        fut = pool.submit(slow_request, url)
+        fut = pool.submit(slow_request, url, 500)  # 10 s of steps: still running at the flush on a loaded machine
         _wait_running(url, fut, auth)
         assert post(url + "/flush_cache", headers=auth)[0] == 400
         assert post(url + "/pause_generation", {"mode": "abort"}, headers=auth)[1]["status"] == "ok"
