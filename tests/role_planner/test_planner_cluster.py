@@ -126,7 +126,7 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
         assert split(home, name) == (2, 2)
         assert post(router + "/pdctl/release", {"txn": "t-held"}, headers=auth)[0] == 200
         # advise: three intervals under prefill-heavy load, the split as it was
-        advise = pdctl("planner", name, "--mode", "advise", "--intervals", "3", env=env)
+        advise = pdctl("planner", name, "--mode", "advise", "--intervals", "5", env=env)
         assert advise.returncode == 0, advise.stderr
         assert split(home, name) == (2, 2)
         advised = [d for d in decisions(env, name) if d["action"] == "switch"]
