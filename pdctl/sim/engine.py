@@ -446,8 +446,10 @@ class Engine:
         self._cond.notify_all()
 
     def busy(self) -> bool:
+        """Whether any request is queued, being prefilled, running or held (SGLang's
+        flush_cache refuses then)."""
         with self._cond:
-            return any(not r.finished for r in (*self._running, *self._waiting, *self._held))
+            return any(not r.finished for r in (*self._running, *self._admitting, *self._waiting, *self._held))
 
     def stats(self) -> dict[str, int]:
         """Counts for the metrics: requests, and KV tokens used of the total (a profile

@@ -5,6 +5,7 @@ queues requests its KV pool cannot hold."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import subprocess
 import sys
 import time
@@ -89,6 +90,28 @@ def test_a_profile_engine_waits_its_costs_and_reports_its_prefix_cache(tmp_path)
         load = get(sim.url + "/v1/loads")[1]["loads"][0]
         assert load["max_running_requests"] == profile.max_running_requests
         assert load["num_used_tokens"] > 4000 and load["cache_hit_rate"] > 0.4, load
+    finally:
+        sim.stop()
+
+
+def test_flush_cache_is_refused_while_a_request_is_still_prefilled(tmp_path) -> None:
+    """SGLang refuses a cache flush while any request is in the engine: one still in its
+    prefill counts (it is in ``num_running_reqs``), not only one that decodes."""
+    sim = SimProcess(tmp_path, "--sim-profile", "llama3-70b-h100-tp4").start()
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(generate, sim.url, [i % 250 for i in range(30_000)], 1)  # 2.5 s of prefill
+
+            def prefilling() -> bool:
+                assert not fut.done(), fut.result()
+                return get(sim.url + "/server_info")[1]["internal_states"][0]["num_running_reqs"] == 1
+
+            eventually(prefilling, 60, interval=0.01, what="the long prompt in its prefill")
+            status, _ = post(sim.url + "/flush_cache")
+            assert not fut.done()  # (still in its prefill at the flush: the check above means something)
+            assert status == 400
+            assert fut.result()[1]["meta_info"]["completion_tokens"] == 1
+        assert post(sim.url + "/flush_cache")[0] == 200
     finally:
         sim.stop()
 
