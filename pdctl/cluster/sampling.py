@@ -42,6 +42,8 @@ class EngineSample:
     """Its TTFT histogram: cumulative count per bucket bound (``le``), summed over label sets."""
     itl: dict[float, float] = field(default_factory=dict)
     """Its inter-token latency histogram, the same way."""
+    slots: float | None = None
+    """The most requests it runs at once (``max_running_requests`` of ``/v1/loads``, summed over DP ranks)."""
 
 
 @dataclass
@@ -70,41 +72,45 @@ class Sample:
     router: RouterSample | None
 
 
-def parse_engine_metrics(text: str) -> dict[str, float]:
-    """The figures ``top`` reads from an SGLang engine's ``/metrics``, each summed over label sets."""
-    wanted = {
-        "sglang:num_running_reqs": "running",
-        "sglang:num_queue_reqs": "queued",
-        "sglang:num_decode_prealloc_queue_reqs": "queued",
-        "sglang:token_usage": "kv_use",
-        "sglang:prompt_tokens_total": "prompt_tokens",
-        "sglang:generation_tokens_total": "generation_tokens",
-    }
-    also = {"sglang:num_decode_prealloc_queue_reqs": "prealloc", "sglang:num_decode_transfer_queue_reqs": "transfer"}
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for key in (wanted.get(sample.name), also.get(sample.name)):
-                if key is not None:
-                    out[key] = out.get(key, 0.0) + sample.value
-    return out
-
-
+ENGINE_GAUGES = {
+    "sglang:num_running_reqs": ("running",),
+    "sglang:num_queue_reqs": ("queued",),
+    "sglang:num_decode_prealloc_queue_reqs": ("queued", "prealloc"),
+    "sglang:num_decode_transfer_queue_reqs": ("transfer",),
+    "sglang:token_usage": ("kv_use",),
+    "sglang:prompt_tokens_total": ("prompt_tokens",),
+    "sglang:generation_tokens_total": ("generation_tokens",),
+}
+"""What ``top`` and the planner read from an engine's ``/metrics``: each sample adds to these fields
+(the prealloc queue is part of ``queued`` too)."""
 HISTOGRAMS = {
     "sglang:time_to_first_token_seconds_bucket": "ttft",
     "sglang:inter_token_latency_seconds_bucket": "itl",
 }
 
 
-def parse_engine_histograms(text: str, into: EngineSample) -> None:
-    """The TTFT and ITL histograms of an engine's ``/metrics`` into ``into``."""
+def parse_engine_metrics(text: str, into: EngineSample) -> None:
+    """An SGLang engine's ``/metrics`` into ``into`` in one pass: each gauge and counter summed over
+    label sets, the TTFT and ITL histograms as cumulative counts per bucket bound."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = HISTOGRAMS.get(sample.name)
-            if key is not None:
-                buckets = getattr(into, key)
+            for key in ENGINE_GAUGES.get(sample.name, ()):
+                setattr(into, key, (getattr(into, key) or 0.0) + sample.value)
+            bucket_of = HISTOGRAMS.get(sample.name)
+            if bucket_of is not None:
+                buckets = getattr(into, bucket_of)
                 bound = float(sample.labels["le"])
                 buckets[bound] = buckets.get(bound, 0.0) + sample.value
+
+
+def _slots(loads: Any) -> float | None:
+    """``max_running_requests`` summed over the DP ranks of a ``/v1/loads`` answer (None when an
+    older SGLang has no such route or a rank does not say)."""
+    if not isinstance(loads, list) or not loads:
+        return None
+    ranks = [load.get("max_running_requests") if isinstance(load, dict) else None for load in loads]
+    sizes = [float(r) for r in ranks if isinstance(r, int | float) and r > 0]
+    return sum(sizes) if len(sizes) == len(ranks) else None
 
 
 def parse_router_metrics(text: str, into: RouterSample) -> None:
@@ -167,16 +173,17 @@ class Sampler:
     async def _engine(self, rec: ProcessRecord) -> EngineSample:
         assert rec.url is not None
         key = self.keys.engine if self.keys else None
-        (reach, text), (_, info) = await asyncio.gather(
-            self._get(rec.url + "/metrics"), self._get(rec.url + Endpoint.MODEL_INFO.value, key)
+        (reach, text), (_, info), (_, loads) = await asyncio.gather(
+            self._get(rec.url + "/metrics"),
+            self._get(rec.url + Endpoint.MODEL_INFO.value, key),
+            self._get(rec.url + Endpoint.LOADS.value + "?include=core", key),
         )
         sample = EngineSample(reach)
         if text is not None:
-            for k, v in parse_engine_metrics(text).items():
-                setattr(sample, k, v)
-            parse_engine_histograms(text, sample)
+            parse_engine_metrics(text, sample)
         version = _json_field(info, "weight_version")
         sample.weight_version = None if version is None else str(version)
+        sample.slots = _slots(_json_field(loads, "loads"))
         return sample
 
     async def _router(self) -> RouterSample | None:

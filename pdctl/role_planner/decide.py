@@ -5,8 +5,11 @@ The throughput rule: a PD fleet's requests wait where its bottleneck is. Prompts
 prefills when prefill is short; requests wait for a KV slot or their transfer at the decodes
 (``num_queue_reqs`` plus the prealloc queue) when decode is short. A role whose engines hold
 ``backlog`` or more waiting requests each, while the other's hold less than half that, is the
-bottleneck; once it has been so for ``sustain`` intervals in a row, one engine of the other role
-moves to it, unless:
+bottleneck. Decodes are also the bottleneck without a queue when they run full: their running
+requests fill ``FULL`` or more of their slots (``max_running_requests``) over the interval while
+each prefill holds less than one request on average (a closed loop's clients all sit in decode
+batches that grow each step's time, and the prefills idle). Once a role has been the bottleneck
+for ``sustain`` intervals in a row, one engine of the other role moves to it, unless:
 
 - a weight update or a framework's transaction holds the fleet (it waits: engines are paused);
 - an engine is unhealthy, or a switch was made less than ``cooldown_secs`` ago;
@@ -42,6 +45,10 @@ BETTER_BY = 0.05
 """A split measured before is tried again only if it gave this much more output than now."""
 LATENCY_SPARE = 0.8
 """Under the latency objective a donor must meet its target at this share of it."""
+FULL = 0.85
+"""Decodes whose running requests fill this share of their slots run full."""
+IDLE = 1.0
+"""Prefills holding fewer requests than this each (running and queued, over the interval) idle part of the time."""
 
 
 class Action(str, Enum):
@@ -63,8 +70,11 @@ class EngineLoad:
     waiting: float
     """Requests queued at it (a decode: its queue plus its KV prealloc queue)."""
     running: float
+    """Requests it runs, the mean over the interval's samples."""
     tokens_per_s: float
     """Prompt tokens/s for a prefill, generated tokens/s for a decode, over the interval."""
+    slots: float | None = None
+    """The most requests it runs at once (SGLang's ``max_running_requests``), if it says."""
 
 
 @dataclass(frozen=True)
@@ -86,13 +96,21 @@ class RoleLoad:
     """Waiting requests per engine."""
     tokens_per_s: float
     """Tokens/s per engine."""
+    running: float = 0.0
+    """Running requests per engine (the interval's mean)."""
+    slot_use: float | None = None
+    """Running requests over slots, across the role's engines that say their slots."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "engines": self.engines,
             "waiting_per_engine": round(self.waiting, 2),
+            "running_per_engine": round(self.running, 2),
             "tokens_per_s_per_engine": round(self.tokens_per_s, 1),
         }
+        if self.slot_use is not None:
+            out["slot_use"] = round(self.slot_use, 3)
+        return out
 
 
 @dataclass(frozen=True)
@@ -209,6 +227,12 @@ class RolePlanner:
                     f"the {short.role}s hold the fleet back: {short.waiting:.1f} requests waiting per {short.role}, "
                     f"{spare.waiting:.1f} per {spare.role}"
                 )
+        full = decode.slot_use is not None and decode.slot_use >= FULL
+        if decode.engines and full and prefill.waiting < need / 2 and prefill.running + prefill.waiting < IDLE:
+            return Role.DECODE, (
+                f"the decodes run full ({decode.slot_use:.0%} of their slots) while the prefills idle "
+                f"({prefill.running + prefill.waiting:.2f} requests in each)"
+            )
         return None, (
             f"no role holds the fleet back ({prefill.waiting:.1f} waiting per prefill, {decode.waiting:.1f} per decode)"
         )
@@ -261,7 +285,16 @@ def _role_load(obs: Observation, role: Role) -> RoleLoad:
     n = len(mine)
     if not n:
         return RoleLoad(role, 0, 0.0, 0.0)
-    return RoleLoad(role, n, sum(e.waiting for e in mine) / n, sum(e.tokens_per_s for e in mine) / n)
+    sized = [e for e in mine if e.slots]
+    slot_use = sum(e.running for e in sized) / sum(e.slots or 0 for e in sized) if sized else None
+    return RoleLoad(
+        role,
+        n,
+        sum(e.waiting for e in mine) / n,
+        sum(e.tokens_per_s for e in mine) / n,
+        sum(e.running for e in mine) / n,
+        slot_use,
+    )
 
 
 def _split_of(obs: Observation) -> tuple[int, int]:

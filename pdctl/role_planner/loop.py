@@ -1,7 +1,8 @@
 """``pdctl planner``: the P:D planner's loop over a running cluster.
 
-Each interval: two samples of every engine's and the router's metrics (pdctl.cluster.sampling,
-``interval_secs`` apart) make an ``Observation``; ``RolePlanner.decide`` answers; in ``act`` mode a
+Each interval: ``SAMPLES`` samples of every engine's and the router's metrics (pdctl.cluster.sampling,
+spread over ``interval_secs``) make an ``Observation`` (rates from the first and last, running
+requests as their mean); ``RolePlanner.decide`` answers; in ``act`` mode a
 ``switch`` decision runs ``pdctl switch``'s own code (pdctl.cluster.switch: the router drains the
 engine, the journal covers a Ctrl-C, a refusal leaves it serving as it was). Every decision, with
 its reason and figures, is logged and appended to ``planner.jsonl`` beside the cluster's state
@@ -34,9 +35,13 @@ from pdctl.roles import Role
 
 log = logging.getLogger("pdctl.planner")
 
+SAMPLES = 5
+"""Samples per interval: a mean of running requests needs more than two instants."""
 
-def observe(state: ClusterState, before: Sample, after: Sample) -> Observation:
-    """The interval between two samples as the planner reads it."""
+
+def observe(state: ClusterState, samples: list[Sample]) -> Observation:
+    """The interval that ``samples`` (two or more, in time order) span, as the planner reads it."""
+    before, after = samples[0], samples[-1]
     dt = max(after.at - before.at, 1e-6)
     engines = {e["id"]: e for e in state.plan.get("engines", [])}
     loads = []
@@ -50,6 +55,7 @@ def observe(state: ClusterState, before: Sample, after: Sample) -> Observation:
         was = before.engines.get(pid, EngineSample("unknown"))
         counter = "prompt_tokens" if rec.role is Role.PREFILL else "generation_tokens"
         rate = _rate(getattr(was, counter), getattr(now, counter), dt)
+        running = [s.engines[pid].running or 0.0 for s in samples if pid in s.engines]
         loads.append(
             EngineLoad(
                 engine["id"],
@@ -57,8 +63,9 @@ def observe(state: ClusterState, before: Sample, after: Sample) -> Observation:
                 bool(engine.get("role_switch") and engine.get("switch_group")),
                 now.reach == "up",
                 waiting_at(rec.role, now),
-                now.running or 0.0,
+                sum(running) / len(running),
                 rate,
+                now.slots,
             )
         )
         if rec.role is Role.DECODE:
@@ -100,12 +107,14 @@ def _ms(secs: float | None) -> float | None:
 async def _interval(state: ClusterState, store: StateStore, secs: float, stop: threading.Event) -> Observation:
     async with aiohttp.ClientSession() as session:
         sampler = Sampler(state, load_keys(store, state.name), session)
-        before = await sampler.sample()
-        deadline = time.monotonic() + secs
-        while time.monotonic() < deadline and not stop.is_set():  # the interval, cut short by a stop
-            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        after = await sampler.sample()
-    return observe(state, before, after)
+        samples = [await sampler.sample()]
+        start = time.monotonic()
+        for k in range(1, SAMPLES):
+            due = start + secs * k / (SAMPLES - 1)
+            while time.monotonic() < due and not stop.is_set():  # the interval, cut short by a stop
+                await asyncio.sleep(min(0.2, max(0.0, due - time.monotonic())))
+            samples.append(await sampler.sample())
+    return observe(state, samples)
 
 
 class PlannerLoop:

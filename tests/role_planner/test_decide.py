@@ -132,3 +132,29 @@ def test_a_decode_whose_room_waits_for_prefills_is_not_the_bottleneck() -> None:
     full = EngineSample("up", running=16, queued=9, prealloc=8, transfer=0)
     assert waiting_at(D, full) == 9
     assert waiting_at(P, EngineSample("up", running=2, queued=7)) == 7
+
+
+def test_decodes_that_run_full_while_the_prefills_idle_take_a_prefill() -> None:
+    """No queue anywhere (a closed loop fits every request in the decodes' batches), but the
+    decodes run 15 of 16 slots each and the prefills hold a fifth of a request: decode is the
+    bottleneck. At 1:3 the same load fills 10 of 16 slots: it stays."""
+
+    def obs(at: float, prefill_running: float, decode_running: float, prefills: int = 2) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, 0, prefill_running, 3000) for i in range(prefills)]
+        engines += [
+            EngineLoad(f"decode-{i}", D, True, True, 0, decode_running, 500, slots=16) for i in range(4 - prefills)
+        ]
+        return Observation(at, tuple(engines))
+
+    planner = RolePlanner(PlannerConfig(sustain=2, cooldown_secs=0))
+    assert planner.decide(obs(0, 0.2, 15)).action is Action.STAY
+    moved = planner.decide(obs(10, 0.2, 15))
+    assert moved.action is Action.SWITCH and moved.to_role is D and "run full (94% of their slots)" in moved.reason
+    planner.switched(10)
+    for at in (20, 30, 40):
+        assert planner.decide(obs(at, 0.4, 10, prefills=1)).action is Action.STAY
+    busy_prefills = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    assert busy_prefills.decide(obs(0, 1.5, 15)).action is Action.STAY  # the prefills work too: no clear bottleneck
+    unsized = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    engines = tuple(EngineLoad(e.id, e.role, True, True, 0, e.running, 500) for e in obs(0, 0.2, 15).engines)
+    assert unsized.decide(Observation(0, engines)).action is Action.STAY  # no slots said: the queue rule only
