@@ -11,8 +11,9 @@ client):
     a step differ in length by 10x): prompts median 1,500 tokens (sigma 0.6, 200-6,000), answers
     median 200 tokens (sigma 0.8, 16-1,200). A step opens prefill-bound (64 prompts, 8 distinct)
     and ends in a decode tail.
-(b) **A serving trace whose mix shifts halfway**: 32 closed-loop clients, 160 requests of 4,000
-    prompt tokens and 16 out, then 160 of 100 and 300 out; the figure is goodput: requests within
+(b) **A serving trace whose mix shifts halfway**: 32 closed-loop clients, 320 requests of 4,000
+    prompt tokens and 16 out, then 320 of 100 and 300 out (each half about 40 s: several planner
+    intervals, as a serving day's shift is many); the figure is goodput: requests within
     TTFT <= 3 s and mean ITL <= 60 ms per second of the trace.
 (c) **A steady trace** (the second half's mix throughout, 240 requests): goodput again; the planner
     should hold the best split and not lose to it.
@@ -40,6 +41,9 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+
+from pdctl.cluster.keys import load_keys
+from pdctl.cluster.state import StateStore
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -99,15 +103,23 @@ def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int)
     return max(lo, min(hi, int(rng.lognormvariate(0.0, sigma) * median)))
 
 
-async def rl_steps(url: str, seed: int, steps: int = 3) -> dict:
+async def rl_steps(url: str, seed: int, control_key: str, steps: int = 3) -> dict:
+    """Each step is announced first, as a trainer does with ``pdctl.step_hint.announce_step``
+    (the same ``POST /pdctl/step``): its distinct prompts' tokens, which the prefills compute."""
     rng = random.Random(seed)
     spans = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         for _ in range(steps):
             calls = []
+            prompt_tokens = 0
             for _p in range(8):
                 prompt = [rng.randrange(256) for _ in range(lognormal(rng, 1500, 0.6, 200, 6000))]
+                prompt_tokens += len(prompt)
                 calls += [one(session, url, prompt, lognormal(rng, 200, 0.8, 16, 1200)) for _ in range(8)]
+            step = {"prompt_tokens": prompt_tokens, "requests": len(calls)}
+            headers = {"Authorization": f"Bearer {control_key}"}
+            async with session.post(url + "/pdctl/step", json=step, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
             start = time.monotonic()
             done = await asyncio.gather(*calls)
             assert all(d["status"] == 200 for d in done), [d["status"] for d in done]
@@ -143,13 +155,13 @@ async def trace(url: str, seed: int, phases: list[tuple[int, int, int]], clients
     }
 
 
-SHIFT = [(160, 4000, 16), (160, 100, 300)]
+SHIFT = [(320, 4000, 16), (320, 100, 300)]
 STEADY = [(240, 100, 300)]
 
 
-def workloads(url: str) -> dict:
+def workloads(url: str, control_key: str) -> dict:
     return {
-        "rl_step": asyncio.run(rl_steps(url, seed=1)),
+        "rl_step": asyncio.run(rl_steps(url, seed=1, control_key=control_key)),
         "shifting": asyncio.run(trace(url, seed=2, phases=SHIFT)),
         "steady": asyncio.run(trace(url, seed=3, phases=STEADY)),
     }
@@ -174,12 +186,13 @@ def main() -> None:
     (work / "t.yaml").write_text(yaml.safe_dump(topo))
     up = pdctl("up", str(work / "t.yaml"), env=env)
     url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
+    control_key = load_keys(StateStore(home), NAME).control
     rows: dict[str, dict] = {}
     try:
         for prefills in (1, 2, 3):
             set_split(prefills, home, env)
             name = f"static {prefills}:{4 - prefills}"
-            rows[name] = workloads(url)
+            rows[name] = workloads(url, control_key)
             print(name, json.dumps(rows[name]), flush=True)
         set_split(2, home, env)
         planner = subprocess.Popen(
@@ -189,7 +202,7 @@ def main() -> None:
             stderr=subprocess.STDOUT,
         )
         try:
-            rows["planner"] = workloads(url)
+            rows["planner"] = workloads(url, control_key)
         finally:
             planner.send_signal(signal.SIGINT)
             planner.wait(timeout=300)

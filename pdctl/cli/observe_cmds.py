@@ -17,6 +17,7 @@ import click
 from rich import box
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -207,6 +208,16 @@ def _print_frame(out: Console, f: Frame) -> None:
     t = f.trainer
     if t is not None:
         out.print(f"[bold]trainer[/]: {t.state} ({t.processes} process(es)), restarts {_num(t.restarts)}")
+    p = f.planner
+    if p is not None:
+        runs = {True: "running", False: "[red]not running[/]", None: "not started by up"}[p["alive"]]
+        last = p["last"]
+        said = ""
+        if last is not None:
+            outcome = f" -> {last['outcome']}" if last.get("outcome") else ""
+            said = f"; {last['secs_ago']:.0f} s ago ({last['mode']}): {last['action']}: {last['reason']}{outcome}"
+            said = escape(said)
+        out.print(f"[bold]planner[/]: {runs}{said}")
     if f.processes_error:
         out.print(f"[red]node agents: {f.processes_error}[/] (restarts and trainer as last known)")
 

@@ -319,10 +319,11 @@ class RouterControl:
         if isinstance(answer, CallFailure) and answer.status != 404:
             raise LifecycleError(f"the router at {self.url} did not remove {worker_url}: {answer}")
 
-    def refresh(self) -> None:
-        """A health round now (``/pdctl/refresh``): a worker just registered is checked at once
-        rather than at the router's next startup check. Best effort: the loop checks it anyway."""
-        self.client.post(self.url + "/pdctl/refresh", {})
+    def refresh(self, worker_url: str | None = None) -> None:
+        """A health round now (``/pdctl/refresh``), of every worker or of ``worker_url`` only: a
+        worker just registered is checked at once rather than at the router's next check. Best
+        effort: the loop checks it anyway."""
+        self.client.post(self.url + "/pdctl/refresh", {"url": worker_url} if worker_url else {})
 
     def worker(self, worker_url: str) -> dict[str, Any] | None:
         answer = self.client.get(self.url + "/workers")
@@ -365,3 +366,5 @@ def wait_routable(router: RouterControl, unit: str, url: str, timeout: float, ev
                 f"{unit} restarted but the router has not taken it back after {timeout:.0f}s: {worker}"
             )
         time.sleep(0.2)
+        if worker and not worker["is_healthy"]:
+            router.refresh(url)  # its next check now: healthy after the router's success threshold of them

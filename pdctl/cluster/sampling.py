@@ -62,6 +62,10 @@ class RouterSample:
     last_push: dict[str, Any] | None = None
     hold: str | None = None
     """What holds the router's requests now (a weight update, a framework's pause), in its words."""
+    steps: float = 0.0
+    """Step boundaries announced to it so far (``POST /pdctl/step``; pdctl.router.planner_api)."""
+    step_prompt_tokens: float = 0.0
+    """The prompt tokens the latest announced step said it will prefill (0: not said)."""
 
 
 @dataclass
@@ -128,6 +132,10 @@ def parse_router_metrics(text: str, into: RouterSample) -> None:
                 into.in_flight = s.value
             elif s.name == "pdctl_router_queued_requests":
                 into.queued = s.value
+            elif s.name == "pdctl_router_step_boundaries_total":
+                into.steps = s.value
+            elif s.name == "pdctl_router_step_prompt_tokens":
+                into.step_prompt_tokens = s.value
 
 
 class Sampler:

@@ -81,6 +81,8 @@ class Frame:
     """How old the supervisors' word (restarts, trainer, alive) is; None: not yet."""
     processes_error: str | None = None
     """Why the latest ask of the node agents failed (the frame keeps the answer before)."""
+    planner: dict[str, Any] | None = None
+    """The P:D planner: running or not, and its latest decision (action, reason, outcome, age)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,7 +148,29 @@ def make_frame(
         weights=_weights(new.router.last_push if new.router else None, now_wall),
         trainer=_trainer(state, procs) if status else _trainer_unknown(state),
         processes_checked_secs_ago=status_age_secs,
+        planner=_planner(status, now_wall),
     )
+
+
+def _planner(status: ClusterStatus | None, now_wall: float | None) -> dict[str, Any] | None:
+    """The planner's line: whether it runs (as the node agents' last answer said) and its latest
+    decision (from its record, as read with that answer)."""
+    if status is None or (status.planner_process is None and not status.planner):
+        return None
+    last = status.planner[-1] if status.planner else None
+    now = time.time() if now_wall is None else now_wall
+    return {
+        "alive": None if status.planner_process is None else bool(status.planner_process["alive"]),
+        "last": None
+        if last is None
+        else {
+            "action": last.get("action"),
+            "mode": last.get("mode"),
+            "reason": last.get("reason"),
+            "outcome": last.get("outcome"),
+            "secs_ago": max(0.0, now - float(last.get("at") or now)),
+        },
+    }
 
 
 def _restarts(procs: Mapping[str, ProcessStatus], ids: list[str]) -> int | None:

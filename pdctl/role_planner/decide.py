@@ -22,6 +22,13 @@ for ``sustain`` intervals in a row, one engine of the other role moves to it, un
   does not go back to a split it has tried, which is what stops it flapping between two splits
   that each leave one role the bottleneck.
 
+A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
+router, with the prompt tokens it will prefill) lets it move a decode to prefill ahead of the
+burst, without waiting ``sustain`` intervals: when the burst's prefill, at the prefills' learned
+capacity, would take ``STEP_WORTH`` intervals or more, the decodes are winding down (under half
+their slots, no queue) and none of the rules above forbids it. The usual rules move it back once
+the burst's answers fill the decodes.
+
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
 donor must meet its own target with 20% to spare.
@@ -29,7 +36,8 @@ donor must meet its own target with 20% to spare.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -45,10 +53,18 @@ BETTER_BY = 0.05
 """A split measured before is tried again only if it gave this much more output than now."""
 LATENCY_SPARE = 0.8
 """Under the latency objective a donor must meet its target at this share of it."""
+STEP_WORTH = 2
+"""A step's prefill worth a switch ahead lasts this many intervals at the current split (a
+shorter one ends before the usual rules would have moved an engine)."""
+WINDING_DOWN = 0.5
+"""Decodes under this share of their slots are done with most of the last step."""
 FULL = 0.85
 """Decodes whose running requests fill this share of their slots run full."""
 IDLE = 1.0
 """Prefills holding fewer requests than this each (running and queued, over the interval) idle part of the time."""
+
+
+PD = (Role.PREFILL, Role.DECODE)
 
 
 class Action(str, Enum):
@@ -86,6 +102,10 @@ class Observation:
     """Why the fleet is held (a weight update, a framework's pause), or None."""
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    steps: float = 0.0
+    """Step boundaries announced to the router so far."""
+    step_prompt_tokens: float = 0.0
+    """The prompt tokens the latest announced step will prefill (0: not said)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,19 @@ class RoleLoad:
     """Running requests per engine (the interval's mean)."""
     slot_use: float | None = None
     """Running requests over slots, across the role's engines that say their slots."""
+
+    @classmethod
+    def from_dict(cls, role: Role, raw: Mapping[str, Any]) -> RoleLoad:
+        """The inverse of ``to_dict`` (a recorded decision's figures)."""
+        slot_use = raw.get("slot_use")
+        return cls(
+            role,
+            int(raw["engines"]),
+            float(raw["waiting_per_engine"]),
+            float(raw["tokens_per_s_per_engine"]),
+            float(raw.get("running_per_engine", 0.0)),
+            None if slot_use is None else float(slot_use),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -152,9 +185,26 @@ class RolePlanner:
         self.streak: tuple[Role | None, int] = (None, 0)
         self.last_switch_at: float | None = None
         self.splits: dict[tuple[int, int], SplitRecord] = {}
+        self.steps_seen: float | None = None
 
     def minimum(self, role: Role) -> int:
         return self.config.min_prefill if role is Role.PREFILL else self.config.min_decode
+
+    def recall(self, entries: Sequence[Mapping[str, Any]], now_wall: float, now: float) -> None:
+        """Take back what an earlier run of this cluster's planner learned (its recorded decisions,
+        oldest first: pdctl.cluster.planner_record): each role's capacity and each split's
+        output, from the figures of its stay and switch decisions, and its last switch's time
+        (``now_wall`` and ``now``: the wall and monotonic clocks now), so that a planner restarted
+        after a crash keeps its cooldown and does not go back to a split it measured as no better."""
+        for entry in entries:
+            figures = entry.get("figures") or {}
+            if entry.get("action") == Action.WAIT.value or not all(r.value in figures for r in PD):
+                continue
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self._learn({r: RoleLoad.from_dict(r, figures[r.value]) for r in PD})
+            if str(entry.get("outcome") or "").startswith("switched"):
+                with contextlib.suppress(TypeError, ValueError):
+                    self.last_switch_at = now - max(0.0, now_wall - float(entry["at"]))
 
     def switched(self, at: float) -> None:
         """A switch was made at ``at`` (the loop tells it once the switch is done)."""
@@ -162,7 +212,7 @@ class RolePlanner:
         self.streak = (None, 0)
 
     def decide(self, obs: Observation) -> Decision:
-        loads = {role: _role_load(obs, role) for role in (Role.PREFILL, Role.DECODE)}
+        loads = {role: _role_load(obs, role) for role in PD}
         figures: dict[str, Any] = {r.value: loads[r].to_dict() for r in loads}
         if obs.ttft_ms is not None or obs.itl_ms is not None:
             figures["ttft_ms"], figures["itl_ms"] = obs.ttft_ms, obs.itl_ms
@@ -171,9 +221,14 @@ class RolePlanner:
         sick = [e.id for e in obs.engines if not e.healthy]
         if sick:
             return Decision(Action.WAIT, f"not every engine is healthy ({', '.join(sick)})", figures=figures)
-        self._learn(loads, obs)
+        self._learn(loads)
         split = (loads[Role.PREFILL].engines, loads[Role.DECODE].engines)
         figures["split"] = f"{split[0]}:{split[1]}"
+        new_step = self.steps_seen is not None and obs.steps > self.steps_seen
+        self.steps_seen = obs.steps
+        if new_step:
+            figures["step_prompt_tokens"] = obs.step_prompt_tokens
+            return self._ahead_of_step(loads, obs, figures)
         short, why = self._bottleneck(loads, obs)
         if short is None:
             self.streak = (None, 0)
@@ -206,7 +261,35 @@ class RolePlanner:
         return Decision(Action.SWITCH, f"{why}: {pick.id} moves to {short}", pick.id, short, figures)
 
     # -- the parts ------------------------------------------------------------------------------------
-    def _learn(self, loads: Mapping[Role, RoleLoad], obs: Observation) -> None:
+    def _ahead_of_step(self, loads: Mapping[Role, RoleLoad], obs: Observation, figures: dict[str, Any]) -> Decision:
+        """A step boundary was announced: move a decode to prefill ahead of its burst, or say why not."""
+        prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
+        tokens, capacity = obs.step_prompt_tokens, self.capacity.get(Role.PREFILL)
+        why = f"a step boundary ({tokens:.0f} prompt tokens)"
+        if tokens <= 0 or not capacity or not prefill.engines:
+            said = "no prompt tokens said" if tokens <= 0 else "no prefill capacity measured yet"
+            return Decision(Action.STAY, f"{why}: {said}; the usual rules follow its burst", figures=figures)
+        secs = tokens / (prefill.engines * capacity)
+        figures["step_prefill_secs"] = round(secs, 2)
+        why = f"{why} takes {secs:.1f} s on {prefill.engines} prefill(s) at {capacity:.0f} tokens/s each"
+        if secs < STEP_WORTH * self.config.interval_secs:
+            return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
+        if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
+            return Decision(Action.STAY, f"{why}; cooling down after the last switch", figures=figures)
+        if decode.engines - 1 < self.minimum(Role.DECODE):
+            return Decision(Action.STAY, f"{why}; the decodes are at their minimum", figures=figures)
+        busy = decode.waiting >= self.config.backlog / 2 or (decode.slot_use or 0.0) >= WINDING_DOWN
+        if busy:
+            return Decision(Action.STAY, f"{why}; the decodes are still busy with the last step", figures=figures)
+        movable = [e for e in obs.engines if e.role is Role.DECODE and e.switchable]
+        if not movable:
+            return Decision(Action.STAY, f"{why}; no decode may switch (role_switch groups only)", figures=figures)
+        pick = min(movable, key=lambda e: (e.running + e.waiting, e.id))
+        return Decision(
+            Action.SWITCH, f"{why}: {pick.id} moves to prefill ahead of the burst", pick.id, Role.PREFILL, figures
+        )
+
+    def _learn(self, loads: Mapping[Role, RoleLoad]) -> None:
         for role, load in loads.items():
             if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0:
                 self.capacity[role] = max(self.capacity.get(role, 0.0), load.tokens_per_s)

@@ -21,9 +21,9 @@ from typing import Any
 
 import aiohttp
 
-from pdctl.cluster.keys import load_keys
+from pdctl.cluster.keys import ClusterKeys, load_keys
 from pdctl.cluster.nodes import Events, quiet
-from pdctl.cluster.planner_record import append_decision
+from pdctl.cluster.planner_record import KEEP_DECISIONS, append_decision, recent_decisions
 from pdctl.cluster.sampling import EngineSample, Sample, Sampler
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.switch import switch
@@ -32,6 +32,7 @@ from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
 from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner
 from pdctl.roles import Role
+from pdctl.step_hint import PLANNER_PATH
 
 log = logging.getLogger("pdctl.planner")
 
@@ -73,7 +74,15 @@ def observe(state: ClusterState, samples: list[Sample]) -> Observation:
             _add_delta(itl, was.itl, now.itl)
     router = after.router
     hold = router.hold if router is not None else None
-    return Observation(after.at, tuple(loads), hold, _ms(quantile(0.5, ttft)), _ms(quantile(0.5, itl)))
+    return Observation(
+        after.at,
+        tuple(loads),
+        hold,
+        _ms(quantile(0.5, ttft)),
+        _ms(quantile(0.5, itl)),
+        steps=router.steps if router is not None else 0.0,
+        step_prompt_tokens=router.step_prompt_tokens if router is not None else 0.0,
+    )
 
 
 def waiting_at(role: Role, sample: EngineSample) -> float:
@@ -104,17 +113,18 @@ def _ms(secs: float | None) -> float | None:
     return None if secs is None else round(secs * 1000, 1)
 
 
-async def _interval(state: ClusterState, store: StateStore, secs: float, stop: threading.Event) -> Observation:
-    async with aiohttp.ClientSession() as session:
-        sampler = Sampler(state, load_keys(store, state.name), session)
-        samples = [await sampler.sample()]
-        start = time.monotonic()
-        for k in range(1, SAMPLES):
-            due = start + secs * k / (SAMPLES - 1)
-            while time.monotonic() < due and not stop.is_set():  # the interval, cut short by a stop
-                await asyncio.sleep(min(0.2, max(0.0, due - time.monotonic())))
-            samples.append(await sampler.sample())
-    return observe(state, samples)
+async def _interval(sampler: Sampler, secs: float, stop: threading.Event) -> list[Sample]:
+    """``SAMPLES`` samples spread over ``secs`` (fewer when ``stop`` is set meanwhile)."""
+    samples = [await sampler.sample()]
+    start = time.monotonic()
+    for k in range(1, SAMPLES):
+        due = start + secs * k / (SAMPLES - 1)
+        while time.monotonic() < due and not stop.is_set():  # the interval, cut short by a stop
+            await asyncio.sleep(min(0.2, max(0.0, due - time.monotonic())))
+        if stop.is_set():
+            break
+        samples.append(await sampler.sample())
+    return samples
 
 
 class PlannerLoop:
@@ -130,42 +140,82 @@ class PlannerLoop:
 
     def run(self, intervals: int | None = None, told: Callable[[Decision], None] | None = None) -> None:
         """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode."""
-        done = 0
-        while not self.stop.is_set() and (intervals is None or done < intervals):
-            state = self.store.load(self.name)
-            if state is None or state.status in (Phase.DOWN, Phase.STOPPING, Phase.FAILED):
-                log.info("cluster %s is %s: the planner stops", self.name, state.status if state else "gone")
-                return
-            if state.status != Phase.UP:  # (starting, or a day-2 command's status): decide when it is up
-                self.stop.wait(self.config.interval_secs)
-                continue
-            obs = asyncio.run(_interval(state, self.store, self.config.interval_secs, self.stop))
-            if self.stop.is_set():
-                return
-            decision = self.planner.decide(obs)
-            outcome = self._act(decision, obs) if decision.action is Action.SWITCH else None
-            self._record(decision, outcome)
-            if told is not None:
-                told(decision)
-            done += 1
+        asyncio.run(self._run(intervals, told))
 
-    def _act(self, decision: Decision, obs: Observation) -> str:
+    async def _run(self, intervals: int | None, told: Callable[[Decision], None] | None) -> None:
+        done = 0
+        recalled = False
+        async with aiohttp.ClientSession() as session:
+            while not self.stop.is_set() and (intervals is None or done < intervals):
+                state = self.store.load(self.name)
+                if state is None or state.status in (Phase.DOWN, Phase.STOPPING, Phase.FAILED):
+                    log.info("cluster %s is %s: the planner stops", self.name, state.status if state else "gone")
+                    return
+                if state.status != Phase.UP:  # (starting, or a day-2 command's status): decide when it is up
+                    await asyncio.to_thread(self.stop.wait, self.config.interval_secs)
+                    continue
+                if not recalled:  # what a planner of this run learned before a crash or a restart
+                    mine = [
+                        e
+                        for e in recent_decisions(self.store, self.name, KEEP_DECISIONS)
+                        if e.get("run") == state.run_id
+                    ]
+                    self.planner.recall(mine, time.time(), time.monotonic())
+                    recalled = True
+                keys = load_keys(self.store, state.name)
+                samples = await _interval(Sampler(state, keys, session), self.config.interval_secs, self.stop)
+                if self.stop.is_set() or len(samples) < 2:
+                    return
+                decision = self.planner.decide(observe(state, samples))
+                outcome, said = await self._act(decision) if decision.action is Action.SWITCH else ("none", None)
+                entry = self._entry(state, decision, said)
+                self._record(decision, said, entry)
+                await _report(session, state, keys, {**entry, "outcome": outcome})
+                if told is not None:
+                    told(decision)
+                done += 1
+
+    async def _act(self, decision: Decision) -> tuple[str, str]:
+        """(outcome: switched, refused or advised; what happened, in words)."""
         assert decision.engine is not None and decision.to_role is not None
         if self.config.mode is not PlannerMode.ACT:
-            return "advised (mode advise: nothing changed)"
+            return "advised", "advised (mode advise: nothing changed)"
         try:
-            new_id = switch(self.name, decision.engine, decision.to_role, store=self.store, events=self.events)
+            new_id = await asyncio.to_thread(
+                switch, self.name, decision.engine, decision.to_role, store=self.store, events=self.events
+            )
         except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
-            return f"not switched: {exc}"
+            return "refused", f"not switched: {exc}"
         self.planner.switched(time.monotonic())
-        return f"switched: {decision.engine} is {new_id}"
+        return "switched", f"switched: {decision.engine} is {new_id}"
 
-    def _record(self, decision: Decision, outcome: str | None) -> None:
-        entry = {"at": time.time(), "mode": self.config.mode.value, **decision.to_dict(), "outcome": outcome}
+    def _entry(self, state: ClusterState, decision: Decision, outcome: str | None) -> dict[str, Any]:
+        entry = {"at": time.time(), "run": state.run_id, "mode": self.config.mode.value, **decision.to_dict()}
+        return {**entry, "outcome": outcome}
+
+    def _record(self, decision: Decision, outcome: str | None, entry: dict[str, Any]) -> None:
         level = logging.INFO if decision.action is Action.SWITCH else logging.DEBUG
         log.log(level, "%s%s", decision.reason, f" -> {outcome}" if outcome else "")
         self.events("planner", f"{decision.action.value}: {decision.reason}" + (f" -> {outcome}" if outcome else ""))
         append_decision(self.store, self.name, entry)
+
+
+async def _report(
+    session: aiohttp.ClientSession, state: ClusterState, keys: ClusterKeys | None, entry: dict[str, Any]
+) -> None:
+    """Tell the router (``POST /pdctl/planner``: counted in ``pdctl_planner_decisions_total``).
+    A router that does not answer costs the metric one count, nothing else."""
+    if not state.router_url:
+        return
+    headers = {"Authorization": f"Bearer {keys.control}"} if keys is not None else {}
+    try:
+        async with session.post(
+            state.router_url + PLANNER_PATH, json=entry, headers=headers, timeout=aiohttp.ClientTimeout(total=5)
+        ) as resp:
+            if resp.status != 200:
+                log.warning("the router refused the planner's decision: HTTP %s", resp.status)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        log.warning("the router did not take the planner's decision: %s", exc or type(exc).__name__)
 
 
 def planner_config(state: ClusterState, overrides: dict[str, Any]) -> PlannerConfig:

@@ -38,6 +38,7 @@ from pdctl.router.fanout import WorkerAnswer, call_all
 from pdctl.router.health import HealthChecks
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
+from pdctl.router.planner_api import PlannerApi
 from pdctl.router.refit import WeightUpdates
 from pdctl.router.refit.gate import RefitGate
 from pdctl.router.refit.routes import HoldRoutes
@@ -90,6 +91,7 @@ class RouterServer:
         self.registry.on_hung.append(self._hung)
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count()
+        self.planner_api = PlannerApi(self.metrics)
         self.routes = self._routes()
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -170,6 +172,7 @@ class RouterServer:
         self.holds.add_routes(r)  # a pdctl.weights transaction's
         self.load_route.add_routes(r)  # pdctl weights load, run by the router
         self.worker_api.add_routes(r)
+        self.planner_api.add_routes(r)  # step hints and the planner's decisions
         r.add("GET", "/metrics", self.metrics_endpoint)
         return r
 

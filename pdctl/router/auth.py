@@ -40,6 +40,7 @@ from pdctl.router import errors
 from pdctl.router.reply import Reply
 from pdctl.sglang import Endpoint
 from pdctl.sglang.control import CONTROL_ROUTES
+from pdctl.step_hint import PLANNER_PATH, STEP_PATH
 
 log = logging.getLogger("pdctl.router")
 audit_log = logging.getLogger("pdctl.router.audit")
@@ -67,7 +68,12 @@ SGLANG_CONTROL = frozenset((method, endpoint.value) for method, endpoint in CONT
 OPENABLE = SGLANG_CONTROL | {("GET", "/workers"), ("POST", "/workers")}
 """What ``--control-plane-open-from`` admits without a key: what RL frameworks call."""
 CONTROL_READ_ROUTES = frozenset(
-    {("GET", "/workers"), ("GET", "/pdctl/weights"), ("GET", Endpoint.GET_WEIGHT_VERSION.value)}
+    {
+        ("GET", "/workers"),
+        ("GET", "/pdctl/weights"),
+        ("GET", PLANNER_PATH),
+        ("GET", Endpoint.GET_WEIGHT_VERSION.value),
+    }
 )
 CONTROL_READ_PREFIXES = (("GET", "/workers/"),)
 CONTROL_WRITE_ROUTES = frozenset(
@@ -78,6 +84,8 @@ CONTROL_WRITE_ROUTES = frozenset(
         ("POST", "/pdctl/load"),
         ("POST", "/pdctl/refresh"),
         ("POST", "/pdctl/cordon"),
+        ("POST", STEP_PATH),
+        ("POST", PLANNER_PATH),
     }
 ) | (SGLANG_CONTROL - {("GET", Endpoint.GET_WEIGHT_VERSION.value)})
 CONTROL_WRITE_PREFIXES = (("DELETE", "/workers/"), ("PUT", "/workers/"), ("PATCH", "/workers/"))

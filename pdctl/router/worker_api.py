@@ -1,5 +1,6 @@
 """The worker admin API: ``/workers`` (list, add, get, delete) as sglang-router and smg answer
-it, ``/pdctl/cordon`` (out of rotation, drained) and ``/pdctl/refresh`` (a health round now)."""
+it, ``/pdctl/cordon`` (out of rotation, drained) and ``/pdctl/refresh`` (a health round now, of
+every worker or of one)."""
 
 from __future__ import annotations
 
@@ -156,10 +157,25 @@ class WorkerApi:
         return json_reply({**worker.to_dict(), "drained": worker.load == 0})
 
     async def refresh(self, request: Request) -> Reply:
+        """A health round now: of every worker, or of the one ``{"url": ...}`` names (a command
+        waiting for an engine it just switched or restarted asks for its checks one by one, so
+        it is back after ``--health-success-threshold`` checks, not as many health intervals)."""
+        body, problem = json_object(request.body)
+        url = body.get("url")
+        if problem is None and url is not None and not isinstance(url, str):
+            problem = "url must be a string"
+        if problem is not None:
+            return errors.error_response(400, errors.BAD_REQUEST, problem)
         session = self.session()
         assert session is not None
-        await self.health.check_all(session)
-        return json_reply({"workers": [w.to_dict() for w in self.registry.workers.values()]})
+        if url is None:
+            await self.health.check_all(session)
+            return json_reply({"workers": [w.to_dict() for w in self.registry.workers.values()]})
+        worker = self.registry.find(url)
+        if worker is None:
+            return errors.error_response(404, errors.NOT_FOUND, f"no worker {url!r:.200}")
+        await self.health.check(session, worker)
+        return json_reply({"workers": [worker.to_dict()]})
 
 
 def worker_problem(body: dict[str, Any]) -> str | None:

@@ -158,3 +158,70 @@ def test_decodes_that_run_full_while_the_prefills_idle_take_a_prefill() -> None:
     unsized = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
     engines = tuple(EngineLoad(e.id, e.role, True, True, 0, e.running, 500) for e in obs(0, 0.2, 15).engines)
     assert unsized.decide(Observation(0, engines)).action is Action.STAY  # no slots said: the queue rule only
+
+
+def test_a_step_boundary_moves_a_winding_down_decode_to_prefill_ahead_of_a_long_burst() -> None:
+    """A trainer says a step of 200,000 prompt tokens is coming. Once the prefills' capacity is
+    known (4,000 tokens/s each, learned while they were backlogged), 200,000 tokens take 25 s on
+    2 prefills, over two 10 s intervals: an idle decode moves at once, no streak needed. A burst of
+    20,000 (2.5 s), busy decodes, or no measured capacity: it stays and says why."""
+
+    def obs(at: float, steps: float, tokens: float, decode_running: float = 2, prefill_wait: float = 0) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, prefill_wait, 1, 4000) for i in range(2)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 0, decode_running, 300, slots=16) for i in range(2)]
+        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens)
+
+    unknown = RolePlanner(PlannerConfig(cooldown_secs=0))
+    unknown.decide(obs(0, 0, 0))
+    assert "no prefill capacity measured yet" in unknown.decide(obs(10, 1, 200_000)).reason
+
+    planner = RolePlanner(PlannerConfig(cooldown_secs=0))
+    planner.decide(obs(0, 0, 0, prefill_wait=3))  # backlogged prefills: 4000 tokens/s is their capacity
+    short = planner.decide(obs(10, 1, 20_000))
+    assert short.action is Action.STAY and "too short to switch ahead" in short.reason
+    assert short.figures["step_prefill_secs"] == 2.5
+    busy = planner.decide(obs(20, 2, 200_000, decode_running=12))
+    assert busy.action is Action.STAY and "still busy" in busy.reason
+    assert planner.decide(obs(30, 2, 200_000)).action is Action.STAY  # no new step: the hint was spent
+    ahead = planner.decide(obs(40, 3, 200_000))
+    assert ahead.action is Action.SWITCH and ahead.to_role is P and "ahead of the burst" in ahead.reason
+    assert ahead.figures["step_prefill_secs"] == 25.0
+
+
+def test_a_restarted_planner_recalls_its_cooldown_capacity_and_splits_from_its_record() -> None:
+    """A planner killed after a switch comes back knowing what it knew: within the cooldown it
+    does not switch, the capacity it learned still refuses to overload a donor, and a split it
+    measured as no better is not tried again; a held interval's figures teach nothing."""
+    first = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=30))
+    record = []
+    for at, obs in (
+        (0, fleet(0, [(4, 1000), (4, 1000)], [(0, 100), (0, 100)])),
+        (10, fleet(10, [(0, 300), (0, 300)], [(5, 100), (5, 100)])),
+    ):
+        decision = first.decide(obs)
+        record.append({"at": 1000.0 + at, **decision.to_dict(), "outcome": None})
+    record[-1]["outcome"] = "switched: prefill-0 is decode-2"
+    record.append({"at": 1011.0, "action": "wait", "figures": {"prefill": {"engines": 9}}, "outcome": None})
+    again = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=30))
+    again.recall(record, now_wall=1020.0, now=500.0)  # 10 s after the switch, on another monotonic clock
+    assert again.capacity == first.capacity and again.capacity[P] == 1000
+    assert again.splits.keys() == first.splits.keys()
+    assert "cooling down" in again.decide(fleet(505, [(3, 600)], [(0, 80), (0, 80), (0, 80)])).reason
+    again.capacity.clear()  # (the capacity rule alone would refuse too: this checks the recalled splits)
+    back = again.decide(fleet(530, [(3, 600)], [(0, 80), (0, 80), (0, 80)]))
+    assert back.action is Action.STAY and "was measured on this workload" in back.reason
+
+
+def test_a_switch_the_engine_refused_is_decided_again_at_the_next_interval() -> None:
+    """The loop calls ``switched`` only for a switch made; after a refusal (busy) the streak and
+    the cooldown stand as they were, so the next interval decides the same switch again."""
+    planner = RolePlanner(PlannerConfig(sustain=2, cooldown_secs=30))
+    load = [(0, 900), (0, 500)], [(6, 400), (5, 400)]
+    planner.decide(fleet(0, *load))
+    refused = planner.decide(fleet(10, *load))
+    assert refused.action is Action.SWITCH  # ... and the engine said it was busy: no switched()
+    again = planner.decide(fleet(20, *load))
+    assert again.action is Action.SWITCH and again.engine == refused.engine
+    planner.switched(20)
+    after = planner.decide(fleet(30, *load))  # a switch made: the streak starts over
+    assert after.action is Action.STAY and "1 of 2" in after.reason

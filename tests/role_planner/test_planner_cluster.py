@@ -18,7 +18,7 @@ import pytest
 
 from tests.cluster.test_heal import _run_processes
 from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, eventually, free_port_base, post
+from tests.helpers import control_auth, eventually, free_port_base, get, post
 
 PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16}
 INTERVAL = 2
@@ -111,7 +111,7 @@ def fleet(tmp_path):
 
 
 def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) -> None:
-    """While a weight update holds the fleet, act waits; advise changes nothing and says what it
+    """While a weight update or a framework's pause holds the fleet, act waits; advise changes nothing and says what it
     would do; act moves an engine toward the bottleneck each time the load shifts, down to the
     minimum of the other role; no request fails."""
     env, home, name, router = fleet
@@ -125,6 +125,14 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
         assert [d["action"] for d in waits] == ["wait", "wait"] and "held by" in waits[0]["reason"], waits
         assert split(home, name) == (2, 2)
         assert post(router + "/pdctl/release", {"txn": "t-held"}, headers=auth)[0] == 200
+        # a framework's pause through the router's SGLang facade (AReaL's and slime's call): it waits too
+        assert post(router + "/pause_generation", {"mode": "in_place"}, headers=auth)[0] == 200
+        paused = pdctl("planner", name, "--mode", "act", "--intervals", "1", env=env)
+        assert paused.returncode == 0, paused.stderr
+        last = decisions(env, name)[-1]
+        assert last["action"] == "wait" and "held by" in last["reason"], last
+        assert post(router + "/continue_generation", {}, headers=auth)[0] == 200
+        assert split(home, name) == (2, 2)
         # advise: three intervals under prefill-heavy load, the split as it was
         advise = pdctl("planner", name, "--mode", "advise", "--intervals", "5", env=env)
         assert advise.returncode == 0, advise.stderr
@@ -158,6 +166,12 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
     assert all(d["figures"] and d["reason"] for d in switched)
     status = json.loads(pdctl("status", name, "--json", env=env).stdout)
     assert status["planner"] and status["planner"][-1]["reason"], status.get("planner")
+    frame = json.loads(pdctl("top", name, "--once", "--json", env=env).stdout)
+    assert frame["planner"]["last"]["reason"] == status["planner"][-1]["reason"], frame["planner"]
+    metrics = get(router + "/metrics")[1]  # each decision counted by the router (pdctl.router.planner_api)
+    assert 'pdctl_planner_decisions_total{action="switch",mode="act",outcome="switched"} 3.0' in metrics
+    assert 'pdctl_planner_decisions_total{action="wait",mode="act",outcome="none"} 3.0' in metrics
+    assert 'action="switch",mode="advise",outcome="advised"' in metrics
     failed = [a for a in load.answers if a[1] != 200]
     assert not failed and len(load.answers) > 100, (failed[:3], len(load.answers))
     print(f"reacted in {reacted:.1f} s; {len(load.answers)} requests")

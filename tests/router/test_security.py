@@ -259,6 +259,18 @@ def test_worker_registrations_are_validated(fleet) -> None:
     assert len(get(url + "/workers", headers=admin)[1]["workers"]) == 2, "nothing was registered"
 
 
+def test_a_health_round_of_one_worker_checks_that_worker_only(fleet) -> None:
+    url, admin = fleet.url, bearer(ADMIN)
+    workers = get(url + "/workers", headers=admin)[1]["workers"]
+    one = workers[0]["url"]
+    status, out = post(url + "/pdctl/refresh", {"url": one}, headers=admin)
+    assert status == 200 and [w["url"] for w in out["workers"]] == [one], out
+    assert post(url + "/pdctl/refresh", {"url": "http://127.0.0.1:1"}, headers=admin)[0] == 404
+    assert post(url + "/pdctl/refresh", {"url": 5}, headers=admin)[0] == 400
+    assert post(url + "/pdctl/refresh", {"url": one}, headers=bearer(READER))[0] == 403
+    assert len(post(url + "/pdctl/refresh", None, headers=admin)[1]["workers"]) == 2  # all of them
+
+
 def test_a_worker_url_that_cannot_be_requested_is_refused_and_could_not_stop_the_health_loop(fleet) -> None:
     """Found by a probe: a 64-character host label passed the checks, its health check raised
     UnicodeError, the health loop died and a release then failed, leaving the router held."""
@@ -363,3 +375,50 @@ def test_bodies_waiting_at_a_held_router_count_against_its_body_limit(tmp_path) 
         router.stop()
         prefill.stop()
         decode.stop()
+
+
+def test_the_planners_mailbox_takes_step_hints_and_decisions_from_the_control_plane_only(fleet) -> None:
+    """``POST /pdctl/step`` and ``POST /pdctl/planner`` need an admin key, take only what they
+    define (a caller cannot grow the metric's label sets), and are counted in ``/metrics``."""
+    url = fleet.url
+    step = {"prompt_tokens": 12000, "requests": 64}
+    assert post(url + "/pdctl/step", step)[0] == 401
+    assert post(url + "/pdctl/step", step, headers=bearer(CLIENT))[0] == 401
+    assert post(url + "/pdctl/step", step, headers=bearer(READER))[0] == 403
+    for bad in ({"prompt_tokens": -1}, {"requests": "64"}, {"prompt_tokens": True}, [1]):
+        status, out = post(url + "/pdctl/step", bad, headers=bearer(ADMIN))
+        assert status == 400, (bad, out)
+    assert post(url + "/pdctl/step", step, headers=bearer(ADMIN)) == (200, {"success": True, "steps": 1})
+    assert post(url + "/pdctl/step", None, headers=bearer(ADMIN))[1]["steps"] == 2  # nothing said: counted
+    decision = {"action": "switch", "mode": "act", "outcome": "switched", "reason": "the decodes run full"}
+    assert post(url + "/pdctl/planner", decision, headers=bearer(READER))[0] == 403
+    for key, value in (("action", "x" * 10), ("outcome", "switched: decode-1 is prefill-4"), ("mode", None)):
+        status, out = post(url + "/pdctl/planner", {**decision, key: value}, headers=bearer(ADMIN))
+        assert status == 400 and key in out["error"]["message"], out
+    assert post(url + "/pdctl/planner", decision, headers=bearer(ADMIN))[0] == 200
+    status, shown = get(url + "/pdctl/planner", headers=bearer(READER))
+    assert status == 200 and shown["last_step"]["prompt_tokens"] == 0 and shown["last_step"]["requests"] == 0
+    assert shown["last_decision"]["reason"] == "the decodes run full"
+    metrics = get(url + "/metrics")[1]
+    assert "pdctl_router_step_boundaries_total 2.0" in metrics
+    assert 'pdctl_planner_decisions_total{action="switch",mode="act",outcome="switched"} 1.0' in metrics
+    assert metrics.count("pdctl_planner_decisions_total{") == 1  # the refused ones made no series
+
+
+def test_a_trainer_announces_a_step_with_the_env_up_gives_it(fleet) -> None:
+    from pdctl.cluster.sampling import RouterSample, parse_router_metrics
+    from pdctl.errors import PdctlError
+    from pdctl.step_hint import announce_step
+
+    env = {"PDCTL_ROUTER_URL": fleet.url, "PDCTL_CONTROL_KEY": ADMIN}
+    assert announce_step(4096, 64, env=env) == 1
+    assert announce_step(env=env) == 2
+    assert get(fleet.url + "/pdctl/planner", headers=bearer(ADMIN))[1]["last_step"]["prompt_tokens"] == 0
+    announce_step(12000, env=env)
+    seen = RouterSample("up")  # as the planner's sampler reads the router
+    parse_router_metrics(get(fleet.url + "/metrics")[1], seen)
+    assert (seen.steps, seen.step_prompt_tokens) == (3, 12000)
+    with pytest.raises(PdctlError, match="refused the step boundary"):
+        announce_step(1, env={**env, "PDCTL_CONTROL_KEY": READER})
+    with pytest.raises(PdctlError, match="PDCTL_ROUTER_URL is not set"):
+        announce_step(1, env={})

@@ -1,0 +1,99 @@
+"""The P:D planner's mailbox on the router: a trainer or framework says a step boundary
+(``POST /pdctl/step``: a new batch is coming), the planner reports each decision (``POST
+/pdctl/planner``), and both are counted in the router's metrics, which the planner reads back
+and Prometheus scrapes (``pdctl_router_step_boundaries_total``, ``pdctl_planner_decisions_total``).
+``GET /pdctl/planner`` shows the latest of each. The router is the cluster's one HTTP face that
+always runs: the planner process serves nothing, and a trainer already holds the router's URL
+and control key (``PDCTL_ROUTER_URL``, ``PDCTL_CONTROL_KEY``). Writes need the control key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from pdctl.router import errors
+from pdctl.router.jsonutil import json_object
+from pdctl.router.metrics import RouterMetrics
+from pdctl.router.reply import Reply, json_reply
+from pdctl.router.server import Request, Routes
+from pdctl.step_hint import PLANNER_PATH, STEP_PATH
+
+DECISION_LABELS = {
+    "action": frozenset({"switch", "stay", "wait"}),
+    "mode": frozenset({"advise", "act"}),
+    "outcome": frozenset({"switched", "refused", "advised", "none"}),
+}
+"""The labels of a reported decision, each from a closed set (pdctl.role_planner's words): a
+caller cannot grow the metric's series."""
+
+
+class PlannerApi:
+    """Step hints in, the planner's decisions in, both counted (module docstring)."""
+
+    def __init__(self, metrics: RouterMetrics):
+        r = metrics.registry
+        self.steps = Counter(
+            "pdctl_router_step_boundaries",
+            "Step boundaries a trainer or framework announced (POST /pdctl/step: a new batch is coming)",
+            registry=r,
+        )
+        self.step_prompt_tokens = Gauge(
+            "pdctl_router_step_prompt_tokens",
+            "Prompt tokens the latest announced step will prefill (0: not said)",
+            registry=r,
+        )
+        self.step_requests = Gauge(
+            "pdctl_router_step_requests", "Requests the latest announced step will send (0: not said)", registry=r
+        )
+        self.decisions = Counter(
+            "pdctl_planner_decisions",
+            "The P:D planner's decisions, by action (switch, stay, wait), mode and outcome",
+            list(DECISION_LABELS),
+            registry=r,
+        )
+        self.step_count = 0
+        self.last_step: dict[str, Any] | None = None
+        self.last_decision: dict[str, Any] | None = None
+
+    def add_routes(self, r: Routes) -> None:
+        r.add("POST", STEP_PATH, self.step)
+        r.add("POST", PLANNER_PATH, self.decision)
+        r.add("GET", PLANNER_PATH, self.show)
+
+    async def step(self, request: Request) -> Reply:
+        """``{"prompt_tokens": N, "requests": M}``, both optional non-negative integers."""
+        body, problem = json_object(request.body)
+        said: dict[str, int] = {}
+        for key in ("prompt_tokens", "requests"):
+            value = body.get(key, 0)
+            if problem is None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                problem = f"{key} must be a non-negative integer, not {value!r}"
+            said[key] = value if problem is None else 0
+        if problem is not None:
+            return errors.error_response(400, errors.BAD_REQUEST, problem)
+        self.steps.inc()
+        self.step_count += 1
+        self.step_prompt_tokens.set(said["prompt_tokens"])
+        self.step_requests.set(said["requests"])
+        self.last_step = {"at": time.time(), **said}
+        return json_reply({"success": True, "steps": self.step_count})
+
+    async def decision(self, request: Request) -> Reply:
+        """``{"action", "mode", "outcome", ...}``: counted by the first three; the whole (reason,
+        figures) kept as the latest for ``GET``."""
+        body, problem = json_object(request.body)
+        labels = [body.get(key) for key in DECISION_LABELS]
+        for (key, allowed), value in zip(DECISION_LABELS.items(), labels, strict=True):
+            if problem is None and value not in allowed:
+                problem = f"{key} must be one of {', '.join(sorted(allowed))}, not {value!r}"
+        if problem is not None:
+            return errors.error_response(400, errors.BAD_REQUEST, problem)
+        self.decisions.labels(*labels).inc()
+        self.last_decision = {"received_at": time.time(), **body}
+        return json_reply({"success": True})
+
+    async def show(self, _: Request) -> Reply:
+        return json_reply({"last_step": self.last_step, "last_decision": self.last_decision})
