@@ -23,8 +23,8 @@ mode beside it: on this 2-core machine the planner's sampling (five samples of e
 interval) takes CPU the sim engines and the router need, which on GPUs it would not; an advise
 planner samples the same and changes nothing, so every row pays the same. The steady trace once
 more on a bare 1:3 shows what that costs here. The planner starts from 2:2 in act mode (interval
-2 s, cooldown 6 s, sustain 2) and goes on from wherever the last workload left it. Goals (issue 58): on the shifting workloads the
-planner >= 1.1x the best static split; on the steady one >= 0.95x.
+2 s, cooldown 6 s, sustain 2) and goes on from wherever the last workload left it. Goals (issue
+58): on the shifting workloads the planner >= 1.1x the best static split; on the steady one >= 0.95x.
 
     python benchmarks/planner.py   # writes benchmarks/results/planner.{json,md}
 """
@@ -275,7 +275,8 @@ def write(rows: dict[str, dict]) -> None:
         lines.append(
             f"Steady trace on static 1:3 with no planner beside it: {bare['goodput_rps']:.2f} req/s, against "
             f"{beside:.2f} with an advise planner sampling beside it (what sampling costs on this 2-core machine); "
-            f"the planner's steady figure against the bare one: {p['steady']['goodput_rps'] / bare['goodput_rps']:.2f}x."
+            f"the planner's steady figure against the bare one: "
+            f"{p['steady']['goodput_rps'] / bare['goodput_rps']:.2f}x."
         )
     (RESULTS / "planner.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
