@@ -30,14 +30,18 @@ def planner(
 ) -> None:
     """Run the P:D planner on cluster NAME: move engines between prefill and decode as the load shifts.
 
-    Every interval it samples each engine's queues and tokens/s and the router's hold, finds the
-    role that holds the fleet back (docs/planner.md), and in `act` mode switches the idlest engine
-    of the other role to it with `pdctl switch`'s own code (drained first; a Ctrl-C is safe). In
+    Every interval it samples each engine's queues, running requests, slots and tokens/s and the
+    router's hold, finds the role that holds the fleet back (a queue; or decodes that run full
+    while the prefills idle: docs/planner.md), and in `act` mode switches the idlest engine of the
+    other role to it with `pdctl switch`'s own code (drained first; a Ctrl-C is safe). A step
+    boundary a trainer announces (`pdctl.step_hint.announce_step`, POST /pdctl/step on the router)
+    may move a decode to prefill ahead of the burst. In
     `advise` mode it says what it would do and why, and changes nothing. Only engines of
     `role_switch` groups move; it never goes below the topology's planner.min_prefill/min_decode,
     never switches while a weight update or a framework's pause holds the fleet, and waits
     planner.cooldown_secs after each switch. Each decision is printed and kept in the cluster's
-    planner.jsonl (`--history`, `pdctl status --json`). Settings: the topology's `planner:` section.
+    planner.jsonl (`--history`, `pdctl status`, `pdctl top`) and counted by the router
+    (pdctl_planner_decisions_total). Settings: the topology's `planner:` section.
     """
     from pdctl.cluster.planner_record import recent_decisions
     from pdctl.role_planner.config import PlannerMode
