@@ -142,10 +142,21 @@ class Sampler:
     """Samples one cluster's endpoints; ``keys`` open the engines' ``/model_info`` and the
     router's control-plane reads (without them those columns stay empty)."""
 
-    def __init__(self, state: ClusterState, keys: ClusterKeys | None, session: aiohttp.ClientSession):
+    def __init__(
+        self,
+        state: ClusterState,
+        keys: ClusterKeys | None,
+        session: aiohttp.ClientSession,
+        *,
+        versions_and_workers: bool = True,
+    ):
+        """``versions_and_workers``: also ask each engine its weight version and the router its
+        workers (``top`` shows them; the planner, which samples five times an interval, does not
+        need them)."""
         self.state = state
         self.keys = keys
         self.session = session
+        self.versions_and_workers = versions_and_workers
         self.entrypoints = engine_entrypoints(state)
 
     def follow(self, state: ClusterState) -> None:
@@ -159,6 +170,25 @@ class Sampler:
             asyncio.gather(*(self._engine(self.entrypoints[i]) for i in ids)), self._router()
         )
         return Sample(at, dict(zip(ids, engines, strict=True)), router)
+
+    async def running(self) -> Sample:
+        """A light sample: each engine's running requests and slots from ``/v1/loads`` alone (no
+        ``/metrics`` to render and parse), no router. The planner's samples inside an interval."""
+        at = time.monotonic()
+        ids = list(self.entrypoints)
+        key = self.keys.engine if self.keys else None
+
+        async def one(rec: ProcessRecord) -> EngineSample:
+            reach, body = await self._get(f"{rec.url}{Endpoint.LOADS.value}?include=core", key)
+            sample = EngineSample(reach)
+            loads = _json_field(body, "loads")
+            if isinstance(loads, list):
+                sample.running = float(sum(_number(x, "num_running_reqs") for x in loads))
+                sample.slots = _slots(loads)
+            return sample
+
+        engines = await asyncio.gather(*(one(self.entrypoints[i]) for i in ids))
+        return Sample(at, dict(zip(ids, engines, strict=True)), None)
 
     async def _get(self, url: str, key: str | None = None) -> tuple[str, Any]:
         """(reach, body): body is the text of a 200, else None."""
@@ -181,10 +211,10 @@ class Sampler:
     async def _engine(self, rec: ProcessRecord) -> EngineSample:
         assert rec.url is not None
         key = self.keys.engine if self.keys else None
-        (reach, text), (_, info), (_, loads) = await asyncio.gather(
+        (reach, text), (_, loads), (_, info) = await asyncio.gather(
             self._get(rec.url + "/metrics"),
-            self._get(rec.url + Endpoint.MODEL_INFO.value, key),
             self._get(rec.url + Endpoint.LOADS.value + "?include=core", key),
+            self._get(rec.url + Endpoint.MODEL_INFO.value, key) if self.versions_and_workers else _skipped(),
         )
         sample = EngineSample(reach)
         if text is not None:
@@ -199,8 +229,10 @@ class Sampler:
         if not url:
             return None
         key = self.keys.control if self.keys else None
-        (reach, text), (_, workers), (_, weights) = await asyncio.gather(
-            self._get(url + "/metrics"), self._get(url + "/workers", key), self._get(url + "/pdctl/weights", key)
+        (reach, text), (_, weights), (_, workers) = await asyncio.gather(
+            self._get(url + "/metrics"),
+            self._get(url + "/pdctl/weights", key),
+            self._get(url + "/workers", key) if self.versions_and_workers else _skipped(),
         )
         sample = RouterSample(reach)
         if text is not None:
@@ -216,6 +248,15 @@ class Sampler:
         elif _json_field(weights, "held"):
             sample.hold = f"weight push {_json_field(weights, 'holder')} holds the router"
         return sample
+
+
+def _number(raw: Any, key: str) -> float:
+    value = raw.get(key) if isinstance(raw, dict) else None
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+async def _skipped() -> tuple[str, None]:
+    return "skipped", None
 
 
 def _json_field(body: str | None, key: str) -> Any:

@@ -56,7 +56,8 @@ def observe(state: ClusterState, samples: list[Sample]) -> Observation:
         was = before.engines.get(pid, EngineSample("unknown"))
         counter = "prompt_tokens" if rec.role is Role.PREFILL else "generation_tokens"
         rate = _rate(getattr(was, counter), getattr(now, counter), dt)
-        running = [s.engines[pid].running or 0.0 for s in samples if pid in s.engines]
+        running = [s.engines[pid].running for s in samples if pid in s.engines]
+        said = [r for r in running if r is not None]  # (an SGLang without /v1/loads says it in /metrics only)
         loads.append(
             EngineLoad(
                 engine["id"],
@@ -64,7 +65,7 @@ def observe(state: ClusterState, samples: list[Sample]) -> Observation:
                 bool(engine.get("role_switch") and engine.get("switch_group")),
                 now.reach == "up",
                 waiting_at(rec.role, now),
-                sum(running) / len(running),
+                sum(said) / len(said) if said else 0.0,
                 rate,
                 now.slots,
             )
@@ -114,7 +115,8 @@ def _ms(secs: float | None) -> float | None:
 
 
 async def _interval(sampler: Sampler, secs: float, stop: threading.Event) -> list[Sample]:
-    """``SAMPLES`` samples spread over ``secs`` (fewer when ``stop`` is set meanwhile)."""
+    """``SAMPLES`` samples spread over ``secs`` (fewer when ``stop`` is set meanwhile): a whole
+    one first and last, light ones (running requests only) between."""
     samples = [await sampler.sample()]
     start = time.monotonic()
     for k in range(1, SAMPLES):
@@ -123,7 +125,7 @@ async def _interval(sampler: Sampler, secs: float, stop: threading.Event) -> lis
             await asyncio.sleep(min(0.2, max(0.0, due - time.monotonic())))
         if stop.is_set():
             break
-        samples.append(await sampler.sample())
+        samples.append(await (sampler.sample() if k == SAMPLES - 1 else sampler.running()))
     return samples
 
 
@@ -163,7 +165,8 @@ class PlannerLoop:
                     self.planner.recall(mine, time.time(), time.monotonic())
                     recalled = True
                 keys = load_keys(self.store, state.name)
-                samples = await _interval(Sampler(state, keys, session), self.config.interval_secs, self.stop)
+                sampler = Sampler(state, keys, session, versions_and_workers=False)
+                samples = await _interval(sampler, self.config.interval_secs, self.stop)
                 if self.stop.is_set() or len(samples) < 2:
                     return
                 decision = self.planner.decide(observe(state, samples))
@@ -180,10 +183,8 @@ class PlannerLoop:
         assert decision.engine is not None and decision.to_role is not None
         if self.config.mode is not PlannerMode.ACT:
             return "advised", "advised (mode advise: nothing changed)"
-        try:
-            new_id = await asyncio.to_thread(
-                switch, self.name, decision.engine, decision.to_role, store=self.store, events=self.events
-            )
+        try:  # in this thread, blocking the loop (nothing else runs meanwhile): a Ctrl-C reaches switch's own handling
+            new_id = switch(self.name, decision.engine, decision.to_role, store=self.store, events=self.events)
         except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
             return "refused", f"not switched: {exc}"
         self.planner.switched(time.monotonic())

@@ -225,3 +225,20 @@ def test_a_switch_the_engine_refused_is_decided_again_at_the_next_interval() -> 
     planner.switched(20)
     after = planner.decide(fleet(30, *load))  # a switch made: the streak starts over
     assert after.action is Action.STAY and "1 of 2" in after.reason
+
+
+def test_requests_queued_at_half_empty_decodes_do_not_make_decode_the_bottleneck() -> None:
+    """17 requests queued per decode while they run none of their 16 slots (they wait for KV from
+    overloaded prefills, as a benchmark run showed): not a decode shortage. The same queue at
+    decodes running 12 of 16 is one."""
+
+    def obs(at: float, running: float) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, 0, 3, 20000) for i in range(2)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 17, running, 100, slots=16) for i in range(2)]
+        return Observation(at, tuple(engines))
+
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    idle = planner.decide(obs(0, 0))
+    assert idle.action is Action.STAY and "no role holds the fleet back" in idle.reason
+    busy = planner.decide(obs(10, 12))
+    assert busy.action is Action.SWITCH and busy.to_role is D

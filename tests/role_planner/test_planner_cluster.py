@@ -76,6 +76,11 @@ def split(home: Path, name: str) -> tuple[int, int]:
     return sum(e["role"] == "prefill" for e in engines), sum(e["role"] == "decode" for e in engines)
 
 
+def recorded(home: Path, name: str) -> list[dict]:
+    """Every decision in the planner's record (``--history`` shows the latest 50)."""
+    return [json.loads(line) for line in (home / name / "planner.jsonl").read_text().splitlines()]
+
+
 def decisions(env: dict, name: str) -> list[dict]:
     out = pdctl("planner", name, "--history", env=env)
     assert out.returncode == 0, out.stderr
@@ -111,9 +116,10 @@ def fleet(tmp_path):
 
 
 def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) -> None:
-    """While a weight update or a framework's pause holds the fleet, act waits; advise changes nothing and says what it
-    would do; act moves an engine toward the bottleneck each time the load shifts, down to the
-    minimum of the other role; no request fails."""
+    """While a weight update or a framework's pause holds the fleet, act waits; advise changes
+    nothing and says what it would do; act moves an engine toward the bottleneck each time the
+    load shifts, down to the minimum of the other role, then holds the split through 60 s of the
+    steady load; no request fails."""
     env, home, name, router = fleet
     auth = control_auth(name, env["PDCTL_HOME"])
     with ShiftingLoad(router) as load:
@@ -155,9 +161,13 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
             reacted = time.monotonic() - shifted
             load.shift()
             eventually(lambda: split(home, name) == (1, 3), 240, what=lambda: f"1:3 ({split(home, name)})")
-            # at 1 prefill (its minimum) the planner stays, whatever the decodes' queue says
-            kept = [d for d in decisions(env, name) if d["action"] == "stay"]
-            assert kept, decisions(env, name)
+            # settled on a steady load: no switch for 30 intervals (60 s), though it could still move a
+            # decode back to prefill (the prefills are at their minimum, the decodes are not)
+            settled = len(recorded(home, name))
+            eventually(lambda: len(recorded(home, name)) >= settled + 30, 240, what="30 more intervals")
+            steady = recorded(home, name)[settled:]
+            assert all(d["action"] != "switch" for d in steady), [d["reason"] for d in steady]
+            assert split(home, name) == (1, 3)
         finally:
             planner.send_signal(signal.SIGINT)
             assert planner.wait(timeout=120) == 0, (home / "planner.log").read_text()[-3000:]
