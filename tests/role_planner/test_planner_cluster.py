@@ -161,8 +161,13 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
             reacted = time.monotonic() - shifted
             load.shift()
             eventually(lambda: split(home, name) == (1, 3), 240, what=lambda: f"1:3 ({split(home, name)})")
+
             # settled on a steady load: no switch for 30 intervals (60 s), though it could still move a
             # decode back to prefill (the prefills are at their minimum, the decodes are not)
+            def switches() -> int:
+                return sum(1 for d in recorded(home, name) if str(d.get("outcome") or "").startswith("switched"))
+
+            eventually(lambda: switches() == 3, 60, what="the last switch's record")  # (written once it is done)
             settled = len(recorded(home, name))
             eventually(lambda: len(recorded(home, name)) >= settled + 30, 240, what="30 more intervals")
             steady = recorded(home, name)[settled:]
