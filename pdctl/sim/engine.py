@@ -84,6 +84,18 @@ def first_failure(requests: Iterable[Request]) -> tuple[str, int] | None:
     return next(filter(None, (failure_of(r.finish) for r in requests)), None)
 
 
+
+def _forward(gpu_free: float | None, modelled_ms: float) -> float:
+    """Wait out one modelled forward on a GPU that was busy until ``gpu_free`` (None: idle, it
+    starts now), and return when it ends. The scheduler's own CPU work between two forwards
+    overlaps the next one, as SGLang's overlap scheduler's does and as the published step times
+    include: a step costs the larger of the model and the work, not their sum. A GPU that fell
+    behind (the work took longer) starts its next forward when the work ends, owing nothing."""
+    now = time.monotonic()
+    end = max(gpu_free if gpu_free is not None else now, now - modelled_ms / 1000) + modelled_ms / 1000
+    wait_until(end)
+    return max(end, time.monotonic())
+
 class Mode(str, Enum):
     NORMAL = "normal"
     PREFILL = "prefill"  # PD prefill: run the prompt, publish KV under the room, return 1 token
@@ -494,9 +506,11 @@ class Engine:
             self.on_fatal(reason)
 
     def _run(self) -> None:
+        gpu_free: float | None = None  # when the modelled GPU ends its last forward (None: it idles)
         while True:
             with self._cond:
                 while not self._stopping and not self._has_work():
+                    gpu_free = None
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -537,12 +551,12 @@ class Engine:
                 step = bool(self._running) and not self._paused and not self._updating and not self._released
             with self._step_lock:
                 if self.costed is not None and admit:
-                    wait_until(time.monotonic() + self._prefill_ms(admit) / 1000)
+                    gpu_free = _forward(gpu_free, self._prefill_ms(admit))
                 for req in admit:
                     self._start(req)
                 if step:
                     if self.costed is not None:
-                        wait_until(time.monotonic() + self._decode_ms() / 1000)
+                        gpu_free = _forward(gpu_free, self._decode_ms())
                     self._step()
             self._progressed()
 
