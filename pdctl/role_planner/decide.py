@@ -71,6 +71,10 @@ IDLE = 1.0
 PD = (Role.PREFILL, Role.DECODE)
 
 
+OUTCOMES = ("switched", "refused", "advised", "none")
+"""What became of a decision: a switch made, refused by its engine, advised only; none for stay and wait."""
+
+
 class Action(str, Enum):
     SWITCH = "switch"
     WAIT = "wait"

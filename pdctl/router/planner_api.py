@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from pdctl.role_planner.config import PlannerMode
+from pdctl.role_planner.decide import OUTCOMES, Action
 from pdctl.router import errors
 from pdctl.router.jsonutil import json_object
 from pdctl.router.metrics import RouterMetrics
@@ -22,12 +24,12 @@ from pdctl.router.server import Request, Routes
 from pdctl.step_hint import PLANNER_PATH, STEP_PATH
 
 DECISION_LABELS = {
-    "action": frozenset({"switch", "stay", "wait"}),
-    "mode": frozenset({"advise", "act"}),
-    "outcome": frozenset({"switched", "refused", "advised", "none"}),
+    "action": frozenset(a.value for a in Action),
+    "mode": frozenset(m.value for m in PlannerMode if m is not PlannerMode.OFF),
+    "outcome": frozenset(OUTCOMES),
 }
-"""The labels of a reported decision, each from a closed set (pdctl.role_planner's words): a
-caller cannot grow the metric's series."""
+"""The labels of a reported decision, each from the planner's own closed sets: a caller cannot
+grow the metric's series."""
 
 
 class PlannerApi:

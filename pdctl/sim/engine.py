@@ -84,7 +84,6 @@ def first_failure(requests: Iterable[Request]) -> tuple[str, int] | None:
     return next(filter(None, (failure_of(r.finish) for r in requests)), None)
 
 
-
 def _forward(gpu_free: float | None, modelled_ms: float) -> float:
     """Wait out one modelled forward on a GPU that was busy until ``gpu_free`` (None: idle, it
     starts now), and return when it ends. The scheduler's own CPU work between two forwards
@@ -95,6 +94,7 @@ def _forward(gpu_free: float | None, modelled_ms: float) -> float:
     end = max(gpu_free if gpu_free is not None else now, now - modelled_ms / 1000) + modelled_ms / 1000
     wait_until(end)
     return max(end, time.monotonic())
+
 
 class Mode(str, Enum):
     NORMAL = "normal"
