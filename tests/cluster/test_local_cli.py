@@ -191,7 +191,13 @@ def test_logs_follow_sees_new_lines(tmp_path) -> None:
 def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_codes(tmp_path) -> None:
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     base = free_port_base()
-    crash = {"command": ["python", "-c", "import sys; print('trainer boom'); sys.exit(3)"], "nproc_per_node": 1}
+    # startup_secs 120, not the default 10: beside other jobs torchrun's own start has taken more
+    # than 10 s, and up rightly called a trainer that had not failed yet ready (CI, 2026-11-29).
+    crash = {
+        "command": ["python", "-c", "import sys; print('trainer boom'); sys.exit(3)"],
+        "nproc_per_node": 1,
+        "startup_secs": 120,
+    }
     topo = local_topology(
         tmp_path,
         "crash",
@@ -204,7 +210,7 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
         pdctl("down", "crash", env=env)
     assert up.returncode == 1 and "exited with code" in up.stderr and "trainer" in up.stderr, up.stderr
     # pdctl's own message comes first (no traceback of pdctl's); the trainer's log tail shows the cause.
-    assert "trainer.me did not become ready: it exited with code 1 within 10s of its start" in up.stderr, up.stderr
+    assert "trainer.me did not become ready: it exited with code 1 within 120s of its start" in up.stderr, up.stderr
     assert "trainer boom" in up.stderr
     # Everything that started was stopped: nothing of the cluster is alive.
     st = pdctl("status", "crash", "--json", env=env)

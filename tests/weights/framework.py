@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import urllib.error
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -135,6 +136,9 @@ class Load:
                     if status != 200:
                         self._failed((status, result))
                         continue
+            except urllib.error.HTTPError as exc:  # the router's refusal: keep its reason
+                self._failed((exc.code, exc.read().decode(errors="replace")))
+                continue
             except Exception as exc:  # a broken stream or connection is a failure too
                 self._failed(repr(exc))
                 continue
