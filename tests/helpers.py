@@ -455,3 +455,15 @@ def sglang_router(tmp: Path, prefills: list, decodes: list, *, expect_workers: i
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def wait_metric(proc: RouterProcess, line: str, sent, interval: float = 0.05) -> None:
+    """Until the router's /metrics shows ``line`` (the request ``sent`` must not have ended first)."""
+
+    def shown() -> bool:
+        if line in str(get(proc.url + "/metrics")[1]):
+            return True
+        assert not sent.done(), sent.result()
+        return False
+
+    eventually(shown, 60, interval=interval, what=f"{line!r} in the router's /metrics")

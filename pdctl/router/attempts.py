@@ -36,8 +36,15 @@ from pdctl.router.shaping import Headers
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import inject_bootstrap
 
-_NO_WORKER_YET = {errors.NO_PREFILL: Role.PREFILL, errors.NO_DECODE: Role.DECODE, errors.NO_WORKERS: Role.REGULAR}
-"""Selection's 503s that a wait may cure (``admission.worker_wait_secs``), and the role that had none."""
+_NO_WORKER_YET: dict[str, Role | None] = {
+    errors.NO_PREFILL: Role.PREFILL,
+    errors.NO_DECODE: Role.DECODE,
+    errors.NO_WORKERS: Role.REGULAR,
+    errors.VERSION_MISMATCH: None,
+}
+"""Selection's 503s that a wait may cure (``admission.worker_wait_secs``), and the role that had
+none; None: both roles have workers in rotation on different versions, which an update's
+relabelling, a reload or a restart pairs again."""
 
 
 class _SelectAgain:
@@ -203,9 +210,11 @@ class Attempts:
         by its supervisor costs its requests a wait rather than a 503 each. Nothing was sent,
         so no retry is counted."""
         wait = self.config.admission.worker_wait_secs
-        role = _NO_WORKER_YET.get(exc.code)
-        if role is None or wait <= 0 or not self.registry.may_return(role):
-            raise exc  # not for lack of a worker, no wait asked, or none of the role that may come back
+        if exc.code not in _NO_WORKER_YET or wait <= 0:
+            raise exc  # not for lack of a worker, or no wait asked
+        role = _NO_WORKER_YET[exc.code]
+        if role is not None and not self.registry.may_return(role):
+            raise exc  # none of the role that may come back
         if not self.gate.is_open:  # an update holds the fleet: the worker may be out until its release
             return _SELECT_AGAIN
         now = time.monotonic()  # the registry's clock (its waits are on the loop, not the retry policy's clock)

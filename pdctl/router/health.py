@@ -56,7 +56,9 @@ class HealthChecks:
         while True:
             await asyncio.sleep(interval)
             live = [w for w in self.registry.workers.values() if w.healthy]
+            relabels = self.registry.relabels
             results = await asyncio.gather(*(_model_info(session, w, interval) for w in live))
+            stale = self.registry.relabels != relabels  # an update relabelled engines meanwhile
             now = time.monotonic()
             hung_after = self.config.health.liveness_timeout_secs
             for worker, info in zip(live, results, strict=True):
@@ -67,7 +69,7 @@ class HealthChecks:
                 worker.last_answer = now
                 if info is _REFUSED and worker.healthy:
                     self.registry.lost(worker, "its port refuses connections")
-                elif isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
+                elif not stale and isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
                     worker.weight_version = info.get("weight_version")
                     if not self.registry.updating:
                         self.versions.apply(session, worker)
@@ -117,12 +119,13 @@ class HealthChecks:
             ok = False
         if ok:  # the version is extra: a worker without a JSON /model_info is still healthy
             held = worker.weight_version
+            relabels = self.registry.relabels
             try:
                 async with session.get(
                     worker.url + Endpoint.MODEL_INFO.value, timeout=timeout, headers=worker.auth
                 ) as resp:
                     info = await resp.json(content_type=None) if resp.status == 200 else None
-                if isinstance(info, dict):
+                if isinstance(info, dict) and self.registry.relabels == relabels:  # else it may predate a label
                     worker.weight_version = info.get("weight_version")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                 pass

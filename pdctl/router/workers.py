@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -125,8 +125,20 @@ class WorkerRegistry:
         """Made by a request that waits for a worker (``wait_for_rotation``), done when one may have come."""
         self.on_hung: list[Callable[[Worker, str], None]] = []
         """Told when a worker in rotation stopped answering (the router fails over what it runs)."""
+        self.relabels = 0
+        """How many times a weight update set engines' version labels (``relabelled``): a probe of a
+        version sent before the latest is stale (its answer may predate the label)."""
 
     # -- rotation ----------------------------------------------------------------------------
+    def relabelled(self, workers: Iterable[Worker], version: str) -> None:
+        """A weight update set ``version`` as the label of ``workers`` (each answered): the
+        registry holds it at once, for all of them together, so that selection never sees half
+        of a relabel, and probes sent before it cannot put an older label back."""
+        for worker in workers:
+            worker.weight_version = version
+        self.relabels += 1
+        self.rotation_changed()
+
     def rotation_changed(self) -> None:
         """A worker may have come into rotation (healthy again, added, out of quarantine or a
         cordon, its circuit closed, its version changed): wake the requests waiting for one."""

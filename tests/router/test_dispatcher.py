@@ -230,6 +230,31 @@ def test_a_request_that_finds_no_decode_in_rotation_waits_for_one(stream: bool) 
     run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600))
 
 
+def test_a_request_that_finds_prefill_and_decode_on_different_versions_waits_for_a_pair() -> None:
+    """A weight update relabels its engines one call at a time: a request that meets the prefill
+    relabelled and the decode not yet waits for the registry to pair them (``relabelled``), sends
+    nothing meanwhile, and is served; past the wait it gets the 503 that names both versions."""
+
+    async def scenario(f: Fleet) -> None:
+        prefill, decode = f.registry.workers[P1], f.registry.workers[D1]
+        f.registry.relabelled([prefill], "pdctl:updating:t1")
+        request = asyncio.ensure_future(f.generate())
+        await eventually_async(lambda: _waiting(f, request), what="the request waiting for a pair")
+        assert f.engines.bodies(P1) == [] and f.engines.bodies(D1) == []
+        f.registry.relabelled([decode], "pdctl:updating:t1")
+        assert (await request).status == 200 and len(f.engines.bodies(D1)) == 1
+
+    async def unpaired(f: Fleet) -> None:
+        f.registry.relabelled([f.registry.workers[P1]], "v2")
+        with pytest.raises(RouteError) as caught:
+            await f.generate()
+        assert caught.value.status == 503 and caught.value.code == "no_matching_weight_version"
+        assert "waited 0.05 s" in str(caught.value) and "v2" in str(caught.value)
+
+    run(Engines(), scenario, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=600))
+    run(Engines(), unpaired, admission=AdmissionConfig(request_timeout_secs=30, worker_wait_secs=0.05))
+
+
 def test_a_request_woken_during_an_interrupting_update_waits_for_its_release() -> None:
     """The decode comes back while an update holds the router in ``interrupt`` mode (its engines
     paused): the waiting request is not sent before the release."""

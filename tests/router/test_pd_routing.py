@@ -6,7 +6,7 @@ import concurrent.futures as cf
 import time
 import urllib.request
 
-from tests.helpers import RouterProcess, eventually, get, pd_router_args, post, sse
+from tests.helpers import RouterProcess, eventually, get, pd_router_args, post, sse, wait_metric
 
 
 def greedy(text, n=16, **extra):
@@ -141,10 +141,17 @@ def test_weight_versions_are_never_mixed(router, fleet) -> None:
         post(d2.url + "/update_weight_version", {"new_version": "v3", "abort_all_requests": False})
         post(router.url + "/pdctl/refresh")
         assert post(router.url + "/generate", greedy("v2 pair", 2))[1]["meta_info"]["weight_version"] == "v2"
+        # No pair at all: the request waits for one (an update relabels its engines one call at
+        # a time) and is served once a decode holds the prefill's version.
         post(prefill.url + "/update_weight_version", {"new_version": "v9", "abort_all_requests": False})
         post(router.url + "/pdctl/refresh")
-        status, out = post(router.url + "/generate", greedy("no pair", 2))
-        assert status == 503 and out["error"]["code"] == "no_matching_weight_version"
+        with cf.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, router.url + "/generate", greedy("no pair", 2))
+            wait_metric(router, "pdctl_router_requests_waiting_for_workers 1.0", answer)
+            post(d1.url + "/update_weight_version", {"new_version": "v9", "abort_all_requests": False})
+            post(router.url + "/pdctl/refresh")
+            status, out = answer.result()
+        assert status == 200 and out["meta_info"]["weight_version"] == "v9", out
     finally:
         for s in (prefill, d1, d2):
             post(s.url + "/update_weight_version", {"new_version": "default", "abort_all_requests": False})

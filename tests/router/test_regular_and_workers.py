@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.helpers import RouterProcess, eventually, get, http, pd_router_args, post
+from tests.helpers import RouterProcess, eventually, get, http, pd_router_args, post, wait_metric
 
 
 def greedy(text, n=6):
@@ -156,18 +156,6 @@ def test_a_drain_longer_than_the_lease_does_not_expire_the_push(tmp_path) -> Non
     finally:
         proc.stop()
         slow.stop()
-
-
-def wait_metric(proc: RouterProcess, line: str, sent, interval: float = 0.05) -> None:
-    """Until the router's /metrics shows ``line`` (the request ``sent`` must not have ended first)."""
-
-    def shown() -> bool:
-        if line in str(get(proc.url + "/metrics")[1]):
-            return True
-        assert not sent.done(), sent.result()
-        return False
-
-    eventually(shown, 60, interval=interval, what=f"{line!r} in the router's /metrics")
 
 
 def kill_until_out_of_rotation(engine, proc: RouterProcess) -> None:

@@ -246,6 +246,7 @@ class SGLangFacade:
                 Endpoint.UPDATE_WEIGHT_VERSION,
                 {"new_version": version, "abort_all_requests": abort_all},
             )
+            self.txns.registry.relabelled([a.worker for a in answers if a.ok], version)
             failed = [f"{label(a.worker)} {a.why()}" for a in answers if not a.ok]
             if not failed:
                 self.txns.updates.set_fleet_version(version)

@@ -302,8 +302,15 @@ class FleetTransactions:
         self._keep()
 
     async def _label(self, workers: Iterable[Worker], version: str) -> list[WorkerAnswer]:
-        """Set ``version`` as the weight version label of ``workers`` (no request is aborted)."""
-        return await self.call_all(workers, Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
+        """Set ``version`` as the weight version label of ``workers`` (no request is aborted); the
+        registry holds it for those that took it as soon as all answered."""
+        answers = await self._relabel(workers, version)
+        self.registry.relabelled([a.worker for a in answers if a.ok], version)
+        return answers
+
+    def _relabel(self, workers: Iterable[Worker], version: str) -> Awaitable[list[WorkerAnswer]]:
+        """The calls that set ``version`` on ``workers``, without telling the registry."""
+        return self.call_all(workers, Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version))
 
     async def receive(self, txn: FleetTxn, group: FleetGroup, update: sg.DistributedUpdate) -> None:
         """One update call to every member of ``group`` at once (they all take part in the driver's
@@ -527,17 +534,6 @@ class FleetTransactions:
         done = {w.url for w in complete}
         broken = [w for w in txn.engines if txn.may_have_changed(w.url) and w.url not in done]
         restore = [w for w in txn.engines if not txn.may_have_changed(w.url) and w.url in txn.prior]
-        with txn.timed("continue"):
-            relabels = [self._label(broken, PARTIAL_LABEL + txn.id)] if broken else []
-            for version, group in itertools.groupby(
-                sorted(restore, key=lambda w: str(txn.prior[w.url])), key=lambda w: txn.prior[w.url]
-            ):
-                if version is not None:
-                    relabels.append(self._label(list(group), version))
-            await asyncio.gather(*relabels)
-            for a in await self.call_all(txn.engines, Endpoint.CONTINUE_GENERATION, {}):
-                if not a.ok:
-                    log.warning("transaction %s: continue %s: %s", txn.id, label(a.worker), a.why())
         name = txn.version or txn.id
         reasons = {
             w.url: f"weight update {name} failed: {txn.why[w.url]}"
@@ -545,6 +541,22 @@ class FleetTransactions:
             else f"holds part of weight update {name}, which did not finish ({txn.failure or 'its end failed'})"
             for w in broken
         }
+        with txn.timed("continue"):
+            labels = [(PARTIAL_LABEL + txn.id, broken)] if broken else []
+            for version, group in itertools.groupby(
+                sorted(restore, key=lambda w: str(txn.prior[w.url])), key=lambda w: txn.prior[w.url]
+            ):
+                if version is not None:
+                    labels.append((version, list(group)))
+            answers = await asyncio.gather(*(self._relabel(group, version) for version, group in labels))
+            # All at once, the broken out of rotation with them: a retry never pairs half a relabel.
+            for url, reason in reasons.items():
+                self.registry.set_quarantine(url, reason)
+            for (version, _), took in zip(labels, answers, strict=True):
+                self.registry.relabelled([a.worker for a in took if a.ok], version)
+            for a in await self.call_all(txn.engines, Endpoint.CONTINUE_GENERATION, {}):
+                if not a.ok:
+                    log.warning("transaction %s: continue %s: %s", txn.id, label(a.worker), a.why())
         if txn.moved is not Moved.NOTHING:
             log.log(
                 logging.WARNING if reasons else logging.INFO,

@@ -1,0 +1,58 @@
+"""A health probe's answer that may predate a weight update's relabel never undoes it (in-process,
+one real aiohttp engine whose /model_info answers when the test lets it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from pdctl.router.config import RouterConfig
+from pdctl.router.health import HealthChecks
+from pdctl.router.versions import VersionRule
+from pdctl.router.workers import WorkerRegistry
+
+
+def test_a_version_read_before_a_relabel_does_not_overwrite_it() -> None:
+    """Found by a failed update under load: a probe sent before the update labelled its engines,
+    answered after, put the old label back on one engine; a request then found no prefill and
+    decode on one version and got a 503."""
+
+    async def run() -> list[str | None]:
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def model_info(_: web.Request) -> web.Response:
+            asked.set()
+            await answer.wait()
+            return web.json_response({"weight_version": "v1"})
+
+        app = web.Application()
+        app.router.add_get("/health", lambda _: web.Response(text="OK"))
+        app.router.add_get("/model_info", model_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        config = RouterConfig()
+        registry = WorkerRegistry(config)
+        health = HealthChecks(config, registry, VersionRule(config, registry))
+        worker = registry.add(f"http://127.0.0.1:{port}", "decode", healthy=True)
+        seen = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                check = asyncio.ensure_future(health.check(session, worker))
+                await asyncio.wait_for(asked.wait(), 60)
+                registry.relabelled([worker], "pdctl:updating:t1")  # the update's label, while the probe is out
+                answer.set()
+                await check
+                seen.append(worker.weight_version)
+                asked.clear()
+                await health.check(session, worker)  # a probe sent after the relabel is believed
+                seen.append(worker.weight_version)
+        finally:
+            await runner.cleanup()
+        return seen
+
+    assert asyncio.run(run()) == ["pdctl:updating:t1", "v1"]
