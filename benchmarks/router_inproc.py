@@ -12,6 +12,7 @@ them), so it is a part of the real figure, not a substitute for it.
 
     python benchmarks/router_inproc.py [--stream] [--requests 40000] [--rounds 5]
     python benchmarks/router_inproc.py --baseline REF   # this tree against git REF, interleaved
+    python benchmarks/router_inproc.py --workers 4,256,1024   # the cost per request as the fleet grows
 
 Prints the median over rounds of CPU microseconds per request (process time over the measured
 requests, at concurrency 64) and, with --baseline, the ratio this tree / REF.
@@ -95,8 +96,21 @@ class _Transport:
         return default
 
 
-async def measure(stream: bool, requests: int) -> float:
-    """CPU microseconds per request over ``requests`` requests at concurrency 64."""
+def fleet_argv(workers: int) -> list[str]:
+    """A PD router over ``workers`` engines, half prefills, half decodes (distinct ports: the
+    in-memory engine answers for all)."""
+    half = max(workers // 2, 1)
+    argv = ["--pd-disaggregation"]
+    for i in range(half):
+        argv += ["--prefill", f"http://127.0.0.1:{10000 + i}", str(20000 + i)]
+    for i in range(half):
+        argv += ["--decode", f"http://127.0.0.1:{30000 + i}"]
+    return argv
+
+
+async def measure(stream: bool, requests: int, workers: int = 2) -> float:
+    """CPU microseconds per request over ``requests`` requests at concurrency 64, over
+    ``workers`` engines."""
     from pdctl.router import errors
     from pdctl.router.app import RouterServer
     from pdctl.router.cli import _tune_gc, build_parser, config_from_args
@@ -111,7 +125,7 @@ async def measure(stream: bool, requests: int) -> float:
         # find, not in: CPython 3.11's bytes `in` first tries its operand as an int (a TypeError
         # raised and cleared), which counted the harness's 2 per request as the router's.
         if data.find(b'"stream":true') >= 0:
-            loop.call_soon(stream_from, conn, prefilled if conn.key[1] == 1 else streamed, 0)
+            loop.call_soon(stream_from, conn, prefilled if conn.key[1] < 30000 else streamed, 0)
         else:
             loop.call_soon(conn.data_received, whole)
 
@@ -129,8 +143,7 @@ async def measure(stream: bool, requests: int) -> float:
             return conn
 
     parser = build_parser()
-    argv = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "2", "--decode", "http://127.0.0.1:3"]
-    config = config_from_args(parser.parse_args([*argv, "--policy", "round_robin"]), parser)
+    config = config_from_args(parser.parse_args([*fleet_argv(workers), "--policy", "round_robin"]), parser)
     app = RouterServer(config, upstream=Pool())
     for worker in app.registry.workers.values():
         worker.healthy = worker.activated = True  # as after a health round that reached them
@@ -175,15 +188,16 @@ async def measure(stream: bool, requests: int) -> float:
     return used / requests * 1e6
 
 
-def worker(stream: bool, requests: int) -> None:
+def worker(stream: bool, requests: int, workers: int) -> None:
     import uvloop
 
-    print(json.dumps({"cpu_us": uvloop.run(measure(stream, requests))}))
+    print(json.dumps({"cpu_us": uvloop.run(measure(stream, requests, workers))}))
 
 
-def one(tree: Path, stream: bool, requests: int) -> float:
-    """CPU us per request of ``tree``'s router."""
+def one(tree: Path, stream: bool, requests: int, workers: int = 2) -> float:
+    """CPU us per request of ``tree``'s router over ``workers`` engines."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests)]
+    argv += ["--workers", str(workers)]
     env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [*argv, *(["--stream"] if stream else [])], capture_output=True, text=True, check=True, cwd=tree, env=env
@@ -197,10 +211,17 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=40000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", metavar="REF", help="also run the router as of this git ref, interleaved")
+    p.add_argument(
+        "--workers", default="2", help="engines behind the router (half prefills), or a list: 4,256,1024 (interleaved)"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.stream, args.requests)
+        worker(args.stream, args.requests, int(args.workers))
+        return
+    sizes = [int(n) for n in args.workers.split(",")]
+    if len(sizes) > 1:
+        by_size(args.stream, args.requests, args.rounds, sizes)
         return
     trees = {"this tree": ROOT.parent}
     tmp = checkout(args.baseline, Path(tempfile.mkdtemp()) / "baseline") if args.baseline else None
@@ -222,6 +243,25 @@ def main() -> None:
     finally:
         if tmp is not None:
             remove_checkout(tmp)
+
+
+def by_size(stream: bool, requests: int, rounds: int, sizes: list[int]) -> None:
+    """The cost per request at each fleet size, interleaved, and each as a ratio of the first."""
+    got: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(rounds):
+        for n in sizes:
+            got[n].append(one(ROOT.parent, stream, requests, n))
+    mode = "streamed" if stream else "plain"
+    first = sizes[0]
+    rows = []
+    for n, values in got.items():
+        ratios = [a / b for a, b in zip(values, got[first], strict=True)]
+        rows.append({"workers": n, "cpu_us": statistics.median(values), "ratio": statistics.median(ratios)})
+        print(
+            f"{mode} {n} workers: {statistics.median(values):.1f} us/request, {statistics.median(ratios):.3f}x "
+            f"of {first} (rounds {', '.join(f'{v:.1f}' for v in values)})"
+        )
+    print(json.dumps({"mode": mode, "rows": rows}))
 
 
 if __name__ == "__main__":

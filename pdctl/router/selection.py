@@ -30,6 +30,8 @@ class Selector:
         self.decode_policy = policy_class(config.decode_policy or config.policy).from_config(config)
         self.regular_policy = policy_class(config.policy).from_config(config)
         self.pd_needs_text = self.prefill_policy.needs_text or self.decode_policy.needs_text
+        self._pairing: tuple[list[Worker], list[Worker], _Pairing] | None = None
+        """The pairing of the last routable lists seen (the registry makes new lists on a change)."""
 
     def context(self, body: dict[str, Any], routing_key: str | None, *, pd: bool) -> RequestContext:
         """What the policies read of a request (its text only for those that hash or match it)."""
@@ -48,11 +50,14 @@ class Selector:
         decodes = self.registry.routable(DECODE)
         if not decodes:
             raise RouteError(503, errors.NO_DECODE, "No decode workers available" + self._why_none(Role.DECODE))
-        versions = set(map(_VERSION, decodes))  # (C calls: no comprehension frame per request)
-        if versions.issuperset(map(_VERSION, prefills)):
-            pairable = prefills
+        last = self._pairing
+        if last is not None and last[0] is prefills and last[1] is decodes:
+            pairing = last[2]
         else:
-            pairable = [p for p in prefills if p.weight_version in versions]
+            pairing = _Pairing(prefills, decodes)
+            if version is None:  # (a version's prefills are a new list each time: not kept)
+                self._pairing = (prefills, decodes, pairing)
+        versions, pairable = pairing.versions, pairing.prefills
         if not pairable:
             raise RouteError(
                 503,
@@ -62,7 +67,7 @@ class Selector:
                 f"decode {sorted(map(str, versions))})",
             )
         prefill = _chosen(self.prefill_policy.select(pairable, ctx), PREFILL)
-        same = decodes if len(versions) == 1 else [d for d in decodes if d.weight_version == prefill.weight_version]
+        same = decodes if len(versions) == 1 else pairing.decodes_on(prefill.weight_version)
         decode = _chosen(self.decode_policy.select(same, ctx), DECODE)
         self.metrics.selected(prefill, decode)
         return prefill, decode
@@ -81,6 +86,27 @@ class Selector:
         if held:
             return f" ({len(held)} out of rotation for their weights: {held[0].quarantined})"
         return " (none healthy)"
+
+
+class _Pairing:
+    """Which of ``prefills`` have a decode on their version, and each version's decodes."""
+
+    __slots__ = ("_by_version", "decodes", "prefills", "versions")
+
+    def __init__(self, prefills: list[Worker], decodes: list[Worker]):
+        self.decodes = decodes
+        self.versions = set(map(_VERSION, decodes))  # (C calls: no comprehension frame)
+        if self.versions.issuperset(map(_VERSION, prefills)):
+            self.prefills = prefills
+        else:
+            self.prefills = [p for p in prefills if p.weight_version in self.versions]
+        self._by_version: dict[str | None, list[Worker]] = {}
+
+    def decodes_on(self, version: str | None) -> list[Worker]:
+        found = self._by_version.get(version)
+        if found is None:
+            found = self._by_version[version] = [d for d in self.decodes if d.weight_version == version]
+        return found
 
 
 _NOTHING = RequestContext()

@@ -25,6 +25,33 @@ from pdctl.router.fleet_weights import STALE, FleetWeights
 from pdctl.router.state_file import RouterState
 
 log = logging.getLogger("pdctl.router")
+_NONE: list[Any] = []
+
+
+_ROTATION_CHANGES = [0]
+"""Bumped by every change of a field that decides rotation or pairing (``_InRotation``): a
+registry's routable lists are computed again only after one (selection reads them per request,
+and a scan of 1024 workers per request cost 3x the request's own work)."""
+
+
+class _InRotation:
+    """A Worker field that decides whether the worker is in rotation or whom it pairs with:
+    setting it (to anything) counts as a change (``_ROTATION_CHANGES``)."""
+
+    def __init__(self, default: Any):
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self.default  # what the dataclass takes as the field's default
+        return obj.__dict__[self.slot]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+        _ROTATION_CHANGES[0] += 1
 
 
 @dataclass(eq=False)
@@ -33,18 +60,18 @@ class Worker:
     role: Role
     bootstrap_port: int | None = None
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    healthy: bool = False
+    healthy: bool = _InRotation(False)  # type: ignore[assignment]
     """A worker enters rotation at its first passed health check (then thresholds apply)."""
     activated: bool = False
     load: int = 0
-    weight_version: str | None = None
+    weight_version: str | None = _InRotation(None)  # type: ignore[assignment]
     registered_at: float = field(default_factory=time.monotonic)
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     # circuit breaker
     cb_failures: int = 0
     cb_successes: int = 0
-    cb_open_until: float = 0.0
+    cb_open_until: float = _InRotation(0.0)  # type: ignore[assignment]
     cb_half_open: bool = False
     cb_window_start: float = 0.0
     cb_opens: int = 0
@@ -55,9 +82,9 @@ class Worker:
     """Times its process went away (``gone``) and a new one passed a health check."""
     last_answer: float = field(default_factory=time.monotonic)
     """When it last answered a probe or a health check (monotonic): a hung process stops answering."""
-    quarantined: str | None = None
+    quarantined: str | None = _InRotation(None)  # type: ignore[assignment]
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
-    cordoned: str | None = None
+    cordoned: str | None = _InRotation(None)  # type: ignore[assignment]
     """Why an operator took it out of rotation (``pdctl restart``, ``pdctl apply``): no new
     requests; those in flight finish (``drained`` is set when the last one does)."""
     drained: asyncio.Event | None = None
@@ -125,6 +152,9 @@ class WorkerRegistry:
         """Made by a request that waits for a worker (``wait_for_rotation``), done when one may have come."""
         self.on_hung: list[Callable[[Worker, str], None]] = []
         """Told when a worker in rotation stopped answering (the router fails over what it runs)."""
+        self._routable: dict[Role, list[Worker]] = {}
+        self._routable_at = -1  # the _ROTATION_CHANGES they were computed at
+        self._reopens_at = 0.0  # the first time an open circuit lets its worker back (0: none open)
         self.relabels = 0
         """How many times a weight update set engines' version labels (``relabelled``): a probe of a
         version sent before the latest is stale (its answer may predate the label)."""
@@ -202,6 +232,7 @@ class WorkerRegistry:
         worker.quarantined = self.quarantine.get(url)
         self.workers[url] = worker
         self._of_role.setdefault(role, []).append(worker)
+        _ROTATION_CHANGES[0] += 1
         log.info("registered %s worker %s", role, url)
         if healthy:
             self.rotation_changed()
@@ -233,6 +264,7 @@ class WorkerRegistry:
         if worker is not None:
             del self.workers[worker.url]
             self._of_role[worker.role].remove(worker)
+            _ROTATION_CHANGES[0] += 1
             log.info("removed %s worker %s", worker.role, worker.url)
         return worker
 
@@ -262,20 +294,29 @@ class WorkerRegistry:
             self.kept.write(self.config.state_file, self.config.worker_key)
 
     def routable(self, role: Role) -> list[Worker]:
-        """The workers of ``role`` in rotation: healthy, not quarantined or cordoned, circuit not open."""
-        out = []
-        now = 0.0  # read once, and only when a circuit has opened
+        """The workers of ``role`` in rotation: healthy, not quarantined or cordoned, circuit not
+        open. Computed again only after a change (``_InRotation``, membership) or when an open
+        circuit's time is up; the caller must not change the list."""
+        if self._routable_at != _ROTATION_CHANGES[0] or (self._reopens_at and time.monotonic() >= self._reopens_at):
+            self._compute_routable()
+        return self._routable.get(role, _NONE)
+
+    def _compute_routable(self) -> None:
+        self._routable_at = _ROTATION_CHANGES[0]
+        now = time.monotonic()
         breaker = not self.config.breaker.disabled
-        for w in self._of_role.get(role, ()):
-            if not w.healthy or w.quarantined or w.cordoned:
-                continue
-            if breaker and w.cb_open_until:
-                if not now:
-                    now = time.monotonic()
-                if w.cb_open_until > now:
+        reopens = 0.0
+        routable: dict[Role, list[Worker]] = {}
+        for role, workers in self._of_role.items():
+            out = routable[role] = []
+            for w in workers:
+                if not w.healthy or w.quarantined or w.cordoned:
                     continue
-            out.append(w)
-        return out
+                if breaker and w.cb_open_until > now:
+                    reopens = min(reopens or w.cb_open_until, w.cb_open_until)
+                    continue
+                out.append(w)
+        self._routable, self._reopens_at = routable, reopens
 
     # -- what health checks and requests learn of a worker (pdctl.router.health, pdctl.router.legs) --
     def hung(self, worker: Worker, silent_secs: float) -> None:

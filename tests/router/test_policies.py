@@ -269,3 +269,36 @@ def test_a_port_out_of_range_is_a_usage_error_not_another_port(argv: list[str], 
     with pytest.raises(SystemExit) as info:
         config_from_args(parser.parse_args(argv), parser)
     assert info.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_the_routable_lists_follow_every_change_and_an_open_circuits_time(monkeypatch) -> None:
+    """Selection reads the registry's routable lists per request; they are computed again only
+    after a change, so every kind of change must show at once, and an open circuit's worker
+    must be back when its time is up with no other change."""
+    import pdctl.router.workers as workers
+
+    now = [1000.0]
+    monkeypatch.setattr(workers.time, "monotonic", lambda: now[0])
+    reg = WorkerRegistry(RouterConfig())
+    a = reg.add("http://a:1", "decode", healthy=True)
+    b = reg.add("http://b:1", "decode", healthy=True)
+    p = reg.add("http://p:1", "prefill", None, healthy=True)
+    assert reg.routable(Role.DECODE) == [a, b] and reg.routable(Role.PREFILL) == [p]
+    first = reg.routable(Role.DECODE)
+    assert reg.routable(Role.DECODE) is first  # no change: the same list
+    for change, undo in (
+        (lambda: setattr(a, "healthy", False), lambda: setattr(a, "healthy", True)),
+        (lambda: setattr(a, "cordoned", "restart"), lambda: setattr(a, "cordoned", None)),
+        (lambda: reg.set_quarantine(a.url, "stale"), lambda: reg.set_quarantine(a.url, None)),
+        (lambda: reg.remove(a.url), lambda: reg.add(a.url, "decode", healthy=True)),
+    ):
+        change()
+        assert [w.url for w in reg.routable(Role.DECODE)] == [b.url]
+        undo()
+        assert sorted(w.url for w in reg.routable(Role.DECODE)) == [a.url, b.url]
+    b.cb_open_until = now[0] + 30
+    assert [w.url for w in reg.routable(Role.DECODE)] == [a.url]
+    now[0] += 29.9
+    assert [w.url for w in reg.routable(Role.DECODE)] == [a.url]
+    now[0] += 0.2  # its circuit's time is up: a trial request may go
+    assert sorted(w.url for w in reg.routable(Role.DECODE)) == [a.url, b.url]
