@@ -88,6 +88,11 @@ class RemoteError(PdctlError):
     """Running something on a node failed; the message names the node."""
 
 
+class NodeUnreachable(RemoteError):
+    """A node took no connection, or took one and never spoke SSH, within the connect bound: a
+    command asks it nothing more (pdctl.cluster.nodes)."""
+
+
 class LifecycleError(PdctlError):
     """up / down / status / logs could not complete."""
 

@@ -76,6 +76,7 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
             def now() -> tuple[ClusterState, ClusterStatus]:
                 current = load_state(store, state.name)
                 nodes.nodes.update(current.node_objects())  # a node an apply added
+                nodes.forget_unreachable()  # a node down at the last refresh may be back
                 return current, cluster_status(state.name, store=store, nodes=nodes)
 
             watch = Watch(state, Sampler(state, keys, session), now)

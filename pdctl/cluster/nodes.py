@@ -1,12 +1,18 @@
-"""Executors for every node of a cluster, used in parallel (one thread per node)."""
+"""Executors for every node of a cluster, used in parallel.
+
+At a thousand nodes: at most ``PARALLEL`` calls at once (each mostly waits on its node), at most
+``MAX_OPEN`` connections kept open between calls (the rest are closed after each call and made
+again at the next), and a node found unreachable is not asked again by the same command: its
+error is the answer at once (the connect bound is paid once per node, not once per phase)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from pdctl.errors import RemoteError
+from pdctl.errors import NodeUnreachable, RemoteError
 from pdctl.remote import Executor, executor_for
 from pdctl.topology.model import Node
 
@@ -19,16 +25,43 @@ def quiet(_: str, __: str) -> None:
     """The default Events sink."""
 
 
+PARALLEL = 256
+"""Node calls at once (threads that mostly wait on a socket)."""
+MAX_OPEN = 128
+"""Connections a NodeSet keeps open between calls."""
+
+
 class NodeSet:
     def __init__(self, nodes: Iterable[Node], factory: Callable[[Node], Executor] = executor_for):
         self.nodes = {n.name: n for n in nodes}
         self._factory = factory
         self.executors: dict[str, Executor] = {}
+        self.unreachable: dict[str, NodeUnreachable] = {}
+        """Nodes a call found unreachable, and why: later calls answer with it at once."""
+        self._lock = threading.Lock()
+        self._using: dict[str, int] = {}  # calls under way, by node
 
     def executor(self, name: str) -> Executor:
-        if name not in self.executors:
-            self.executors[name] = self._factory(self.nodes[name])
-        return self.executors[name]
+        with self._lock:
+            if name not in self.executors:
+                self.executors[name] = self._factory(self.nodes[name])
+            return self.executors[name]
+
+    def _call(self, name: str, fn: Callable[[Executor], T]) -> T:
+        """``fn`` on ``name``'s executor; past ``MAX_OPEN`` open, its connection is closed after
+        (unless another call on the node is under way)."""
+        with self._lock:
+            self._using[name] = self._using.get(name, 0) + 1
+        try:
+            return fn(self.executor(name))
+        finally:
+            with self._lock:
+                self._using[name] -= 1
+                idle = not self._using[name]
+                if idle:
+                    del self._using[name]
+            if idle and len(self.executors) > MAX_OPEN:
+                self._drop(name)
 
     def each(self, names: Iterable[str], fn: Callable[[Executor], T]) -> dict[str, T | RemoteError]:
         """Run ``fn`` on each node in parallel; a node's RemoteError is returned, not raised."""
@@ -37,12 +70,18 @@ class NodeSet:
             return {}
 
         def one(name: str) -> T | RemoteError:
+            known = self.unreachable.get(name)
+            if known is not None:
+                return known
             try:
-                return fn(self.executor(name))
+                return self._call(name, fn)
+            except NodeUnreachable as exc:
+                self.unreachable[name] = exc
+                return exc
             except RemoteError as exc:
                 return exc
 
-        pool = cf.ThreadPoolExecutor(max_workers=min(32, len(names)))
+        pool = cf.ThreadPoolExecutor(max_workers=min(PARALLEL, len(names)))
         try:
             return dict(zip(names, pool.map(one, names), strict=True))
         except BaseException:
@@ -53,10 +92,21 @@ class NodeSet:
         finally:
             pool.shutdown(wait=False)
 
-    def close(self) -> None:
-        for ex in self.executors.values():
+    def forget_unreachable(self) -> None:
+        """Ask the nodes found unreachable again at the next call (a live view's next refresh)."""
+        self.unreachable.clear()
+
+    def _drop(self, name: str) -> None:
+        with self._lock:
+            ex = self.executors.pop(name, None)
+        if ex is not None:
             ex.close()
-        self.executors.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            executors, self.executors = list(self.executors.values()), {}
+        for ex in executors:
+            ex.close()
 
     def __enter__(self) -> NodeSet:
         return self

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import paramiko
 
-from pdctl.errors import RemoteError
+from pdctl.errors import NodeUnreachable, RemoteError
 from pdctl.remote.base import Executor
 from pdctl.topology.model import Node
 
@@ -101,10 +101,12 @@ class SSHExecutor(Executor):
                         f"`ssh-keyscan -p {self.port} {self.hostname} >> {self.known_hosts}` after checking it, "
                         "or set ssh.accept_new_host_key: true"
                     ) from exc
+                if "banner" in str(exc):  # it took the connection and never spoke SSH
+                    raise NodeUnreachable(f"{self.where}: unreachable: SSH error: {exc}") from exc
                 raise RemoteError(f"{self.where}: SSH error: {exc}") from exc
             except (TimeoutError, OSError) as exc:
                 client.close()
-                raise RemoteError(f"{self.where}: unreachable: {_reason(exc)}") from exc
+                raise NodeUnreachable(f"{self.where}: unreachable: {_reason(exc)}") from exc
             self._client = client
 
     def _run(self, argv: list[str], stdin: bytes, timeout: float) -> tuple[int, bytes, bytes]:
