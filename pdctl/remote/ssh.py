@@ -93,6 +93,8 @@ class SSHExecutor(Executor):
                 client.close()
                 raise RemoteError(f"{self.where}: authentication failed ({exc}); check ssh.user and ssh.key") from exc
             except paramiko.SSHException as exc:
+                transport = client.get_transport()
+                spoke = transport is not None and bool(transport.remote_version)
                 client.close()
                 if "not found in known_hosts" in str(exc):
                     where = "" if self.known_hosts.is_file() else ", which does not exist"
@@ -101,8 +103,10 @@ class SSHExecutor(Executor):
                         f"`ssh-keyscan -p {self.port} {self.hostname} >> {self.known_hosts}` after checking it, "
                         "or set ssh.accept_new_host_key: true"
                     ) from exc
-                if "banner" in str(exc):  # it took the connection and never spoke SSH
-                    raise NodeUnreachable(f"{self.where}: unreachable: SSH error: {exc}") from exc
+                if not spoke:  # it took the connection and never sent an SSH banner
+                    raise NodeUnreachable(
+                        f"{self.where}: unreachable: it took the connection and never spoke SSH ({exc})"
+                    ) from exc
                 raise RemoteError(f"{self.where}: SSH error: {exc}") from exc
             except (TimeoutError, OSError) as exc:
                 client.close()
