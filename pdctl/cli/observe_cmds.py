@@ -10,7 +10,7 @@ import os
 import sys
 import termios
 import tty
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 import click
@@ -76,20 +76,25 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
             def now() -> tuple[ClusterState, ClusterStatus]:
                 current = load_state(store, state.name)
                 nodes.nodes.update(current.node_objects())  # a node an apply added
-                nodes.forget_unreachable()  # a node down at the last refresh may be back
                 return current, cluster_status(state.name, store=store, nodes=nodes)
 
             watch = Watch(state, Sampler(state, keys, session), now)
             try:
                 await watch.refresh_status()  # restarts and the trainer in the first frame already
                 await watch.frame()  # the first sample: rates need two
+
+                async def next_frame() -> Frame:
+                    nodes.forget_unreachable()  # a node down at the last frame may be back
+                    return await watch.frame()
+
                 if live_view:
-                    await _live(watch, interval_secs)
+                    await _live(next_frame, interval_secs)
                     return
                 shown = 0
                 while frames is None or shown < frames:
                     await asyncio.sleep(interval_secs)
-                    frame = await watch.frame()
+                    # the frame --once shows asks what the first sample asked
+                    frame = await (next_frame() if shown else watch.frame())
                     if as_json:
                         click.echo(json.dumps(frame.to_dict(), indent=2 if frames == 1 else None))
                     else:
@@ -100,7 +105,7 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
                 await watch.close()
 
 
-async def _live(watch: Watch, interval_secs: float) -> None:
+async def _live(next_frame: Callable[[], Awaitable[Frame]], interval_secs: float) -> None:
     quit_pressed = asyncio.Event()
     with (
         _keys_pressed(lambda key: quit_pressed.set() if key in ("q", "Q") else None),
@@ -111,7 +116,7 @@ async def _live(watch: Watch, interval_secs: float) -> None:
                 await asyncio.wait_for(quit_pressed.wait(), interval_secs)
             if quit_pressed.is_set():
                 return
-            frame = await watch.frame()
+            frame = await next_frame()
             live.update(_render(frame, live.console.width, live.console.is_terminal), refresh=True)
 
 

@@ -1,6 +1,6 @@
 """Executors for every node of a cluster, used in parallel.
 
-At a thousand nodes: at most ``PARALLEL`` calls at once (each mostly waits on its node), at most
+At a thousand nodes: at most ``PARALLEL`` calls at once (``parallel_calls``) (each mostly waits on its node), at most
 ``MAX_OPEN`` connections kept open between calls (the rest are closed after each call and made
 again at the next), and a node found unreachable is not asked again by the same command: its
 error is the answer at once (the connect bound is paid once per node, not once per phase)."""
@@ -8,6 +8,8 @@ error is the answer at once (the connect bound is paid once per node, not once p
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import resource
 import threading
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -25,10 +27,28 @@ def quiet(_: str, __: str) -> None:
     """The default Events sink."""
 
 
-PARALLEL = 256
-"""Node calls at once (threads that mostly wait on a socket)."""
+PARALLEL = 1024
+"""Node calls at once at most (threads that mostly wait on a socket), within the open-file limit
+(``parallel_calls``): a thousand hung nodes cost one connect bound, not four."""
+FILES_PER_CALL = 3
+"""Open files a node call may hold (its socket, paramiko's, a pipe): the limit's share per call."""
 MAX_OPEN = 128
 """Connections a NodeSet keeps open between calls."""
+
+
+def parallel_calls() -> int:
+    """How many node calls may run at once: ``PARALLEL``, or what the open-file limit leaves (its
+    soft limit raised to 4096, within the hard limit, when lower: a process-wide change, as
+    servers that open many sockets make)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if soft == resource.RLIM_INFINITY:
+        return PARALLEL
+    return max(16, min(PARALLEL, (soft - 256) // FILES_PER_CALL))
 
 
 class NodeSet:
@@ -81,7 +101,7 @@ class NodeSet:
             except RemoteError as exc:
                 return exc
 
-        pool = cf.ThreadPoolExecutor(max_workers=min(PARALLEL, len(names)))
+        pool = cf.ThreadPoolExecutor(max_workers=min(parallel_calls(), len(names)))
         try:
             return dict(zip(names, pool.map(one, names), strict=True))
         except BaseException:

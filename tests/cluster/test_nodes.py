@@ -47,7 +47,7 @@ class _Node(Executor):
         raise AssertionError("not used")
 
 
-@pytest.mark.parametrize("parallel", [nodes_module.PARALLEL])
+@pytest.mark.parametrize("parallel", [nodes_module.parallel_calls()])
 def test_a_thousand_nodes_with_a_quarter_down(parallel: int) -> None:
     names = [f"n{i:04d}" for i in range(COUNT)]
     down = set(names[::4])

@@ -63,7 +63,9 @@ def test_silent_and_refusing_nodes_are_asked_in_parallel_and_once_per_command(tm
     port = silent.getsockname()[1]
     nodes = [Node.from_dict({"name": f"s{i}", "host": "127.0.0.2", "ssh": {**ssh, "port": port}}) for i in range(64)]
     refused = free_port()
-    nodes += [Node.from_dict({"name": f"r{i}", "host": "127.0.0.3", "ssh": {**ssh, "port": refused}}) for i in range(64)]
+    nodes += [
+        Node.from_dict({"name": f"r{i}", "host": "127.0.0.3", "ssh": {**ssh, "port": refused}}) for i in range(64)
+    ]
     names = [n.name for n in nodes]
     try:
         with NodeSet(nodes) as ns:
