@@ -186,11 +186,12 @@ def test_switch_says_what_is_wrong_without_a_traceback(cluster) -> None:
         assert out.returncode in (1, 2) and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
 def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster, sig) -> None:
     """Ctrl-C (or kill, or a closed terminal) once `pdctl switch` waits for decode-0's requests:
     whatever the instant, status tells the truth, the router and the state agree on the engine's
-    role, and the command again (or its undo) goes through."""
+    role, and the command again (or its undo) goes through. (SIGTERM reaches the same handler:
+    tests/cluster/test_interrupts.py::test_the_three_stop_signals_reach_one_handler.)"""
     env, name, _ = cluster
     st = _status(env)
     router = next(p["url"] for p in st["processes"] if p["role"] == "router")
