@@ -5,6 +5,7 @@
     ├── AllocationError        the allocation-mode string is invalid; carries the column
     ├── PlanError              a plan invariant failed (a bug or an impossible topology)
     ├── RemoteError            SSH / local execution failed (unreachable, bad host key, ...)
+    │   └── NodeUnreachable    no connection, or no SSH banner, within the bound (pdctl.cluster.nodes)
     ├── LifecycleError         up/down/status could not do what was asked
     │   └── ReadinessError     a process did not become ready (pdctl.cluster.up)
     ├── RouterConfigError      a router setting is out of its range (names the flag)
