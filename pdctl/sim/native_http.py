@@ -133,6 +133,7 @@ class NativeRoutes:
 
     async def server_info(self, _: web.Request) -> web.Response:
         s, c = self.s, self.s.config
+        stats = s.engine.stats()  # (one reading: the totals and the counts agree)
         # The top level is the start-up configuration (a role switch shows in internal_states only).
         # A flag not given is reported at SGLang's default, as SGLang reports it (slime asserts
         # enable_memory_saver is False and a prefill's load_balance_method resolved from 'auto').
@@ -149,12 +150,12 @@ class NativeRoutes:
                 "disaggregation_bootstrap_port": s.bootstrap_port,
                 "weight_version": s.weight_version,
                 "launch_command": c.launch_command,
-                "max_total_num_tokens": s.engine.stats()["kv_total_tokens"],
+                "max_total_num_tokens": stats["kv_total_tokens"],
                 "max_req_input_len": s.engine.context - 1,
                 "internal_states": [
                     {
                         "last_gen_throughput": s.metrics.last_gen_throughput(),
-                        **s.engine.stats(),
+                        **stats,
                         "num_decode_prealloc_queue_reqs": s.prealloc_waiting,
                         **(
                             {

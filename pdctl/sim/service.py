@@ -89,7 +89,7 @@ class SimService:
     def idle(self) -> bool:
         """SGLang's ``is_fully_idle``: nothing running or queued, no decode request waiting for a
         KV slot or its KV (what ``/pd_role_switch`` requires)."""
-        stats = self.engine.stats()  # (running counts a prompt being admitted, which busy() does not)
+        stats = self.engine.stats()  # (what busy() counts, and the decode slots reserved for KV to come)
         waiting = stats["num_running_reqs"] or stats["num_queue_reqs"] or stats["num_reserved_decode_slots"]
         return not waiting and not self.engine.busy() and self.resolving == 0
 
