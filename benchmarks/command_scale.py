@@ -133,8 +133,15 @@ def main() -> None:
             secs = time.perf_counter() - started
             text = out.stdout + out.stderr
             named = sum(f"n{i} " in text or f'"n{i}"' in text for i in range(args.nodes))
-            rows.append({"command": label, "secs": round(secs, 2), "exit": out.returncode, "nodes_named": named})
-            print(f"{label:18} {secs:7.2f} s  exit {out.returncode}  names {named} of {args.nodes} nodes")
+            traceback = "Traceback" in text
+            rows.append(
+                {"command": label, "secs": round(secs, 2), "exit": out.returncode, "nodes_named": named,
+                 "traceback": traceback}
+            )  # fmt: skip
+            print(
+                f"{label:18} {secs:7.2f} s  exit {out.returncode}  names {named} of {args.nodes} nodes"
+                + ("  TRACEBACK" if traceback else "")
+            )
             print("   ", (out.stderr.strip().splitlines() or [""])[-1][:200])
         stop.set()
         for conn in held:
