@@ -20,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import yaml
@@ -63,29 +62,18 @@ def write_state(home: Path, raw: dict) -> str:
     """A cluster `up` would have recorded (every process started), without starting anything."""
     os.environ["PDCTL_HOME"] = str(home)
     from pdctl.cluster.keys import ClusterKeys, save_keys
-    from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, declared_of, node_to_dict
-    from pdctl.plan.planner import make_plan, run_dir
+    from pdctl.cluster.state import Phase, StateStore
+    from pdctl.cluster.up import process_record, starting_state
+    from pdctl.plan.planner import make_plan
     from pdctl.topology.load import load_topology_text
 
     top, _ = load_topology_text(yaml.safe_dump(raw))
     plan = make_plan(top)
     store = StateStore()  # under $PDCTL_HOME
-    state = ClusterState(
-        name=plan.name,
-        run_id=uuid.uuid4().hex,
-        status=Phase.UP,
-        nodes=[node_to_dict(n) for n in top.nodes],
-        router_url=plan.router_url,
-        run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
-        plan=plan.to_dict(),
-        declared=declared_of(top),
-    )
+    state = starting_state(top, plan)
+    state.status = Phase.UP
     for spec in plan.processes:
-        state.processes[spec.id] = ProcessRecord(
-            id=spec.id, role=spec.role, node=spec.node, pid=4_000_000, pgid=4_000_000, create_time=1.0,
-            log_path=spec.log_path, ports=dict(spec.ports), url=spec.url, health_path=spec.health_path,
-            engine_id=spec.engine_id, node_rank=spec.node_rank, exit_file=spec.log_path + ".exit",
-        )  # fmt: skip
+        state.processes[spec.id] = process_record(spec, 4_000_000, 4_000_000, 1.0)
     store.save(state)
     save_keys(store, plan.name, ClusterKeys.generate())
     return plan.name

@@ -1,7 +1,8 @@
 """Executors for every node of a cluster, used in parallel.
 
-At a thousand nodes: at most ``PARALLEL`` calls at once (``parallel_calls``) (each mostly waits on its node), at most
-``MAX_OPEN`` connections kept open between calls (the rest are closed after each call and made
+At a thousand nodes: up to ``PARALLEL`` calls at once, within the open-file limit
+(``parallel_calls``; each mostly waits on its node), at most ``MAX_OPEN`` connections kept open
+between calls (the rest are closed after each call and made
 again at the next), and a node found unreachable is not asked again by the same command: its
 error is the answer at once (the connect bound is paid once per node, not once per phase)."""
 

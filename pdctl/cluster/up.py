@@ -75,17 +75,7 @@ def up(
                 f"run `pdctl down {plan.name}` first"
             )
         _preflight(top, plan, nodes, events)
-        state = ClusterState(
-            name=plan.name,
-            run_id=uuid.uuid4().hex,
-            status=Phase.STARTING,
-            nodes=[node_to_dict(n) for n in top.nodes],
-            router_url=plan.router_url,
-            run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
-            plan=plan.to_dict(),
-            source=source,
-            declared=declared_of(top),
-        )
+        state = starting_state(top, plan, source)
         store.save(state)
         save_keys(store, plan.name, ClusterKeys.generate())  # a new engine and control key per up
         try:
@@ -257,25 +247,46 @@ def launch(
                         "the engine would serve without a key; install this pdctl version on the node"
                     )
                 info = res["started"][spec.id]
-                state.processes[spec.id] = ProcessRecord(
-                    id=spec.id,
-                    role=spec.role,
-                    node=spec.node,
-                    pid=info["pid"],
-                    pgid=info["pgid"],
-                    create_time=info["create_time"],
-                    log_path=spec.log_path,
-                    ports=dict(spec.ports),
-                    url=spec.url,
-                    health_path=spec.health_path,
-                    engine_id=spec.engine_id,
-                    node_rank=spec.node_rank,
-                    exit_file=_exit_file(spec),
-                )
+                state.processes[spec.id] = process_record(spec, info["pid"], info["pgid"], info["create_time"])
                 events(spec.id, f"started pid {info['pid']} on {node}")
         store.save(state)
     if errors:
         raise LifecycleError("launch failed: " + "; ".join(errors))
+
+
+def starting_state(top: Topology, plan: Plan, source: str = "") -> ClusterState:
+    """A new run of ``plan``'s cluster, nothing started yet: a new run id, its nodes, run
+    directories, plan and what ``apply`` may not change."""
+    return ClusterState(
+        name=plan.name,
+        run_id=uuid.uuid4().hex,
+        status=Phase.STARTING,
+        nodes=[node_to_dict(n) for n in top.nodes],
+        router_url=plan.router_url,
+        run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
+        plan=plan.to_dict(),
+        source=source,
+        declared=declared_of(top),
+    )
+
+
+def process_record(spec: LaunchSpec, pid: int, pgid: int, create_time: float) -> ProcessRecord:
+    """What the state keeps of ``spec``'s started process."""
+    return ProcessRecord(
+        id=spec.id,
+        role=spec.role,
+        node=spec.node,
+        pid=pid,
+        pgid=pgid,
+        create_time=create_time,
+        log_path=spec.log_path,
+        ports=dict(spec.ports),
+        url=spec.url,
+        health_path=spec.health_path,
+        engine_id=spec.engine_id,
+        node_rank=spec.node_rank,
+        exit_file=_exit_file(spec),
+    )
 
 
 def spawn_entry(

@@ -36,7 +36,8 @@ and a scan of 1024 workers per request cost 3x the request's own work)."""
 
 class _InRotation:
     """A Worker field that decides whether the worker is in rotation or whom it pairs with:
-    setting it (to anything) counts as a change (``_ROTATION_CHANGES``)."""
+    setting it to another value counts as a change (``_ROTATION_CHANGES``); health checks that
+    write the same value again do not."""
 
     def __init__(self, default: Any):
         self.default = default
@@ -50,8 +51,10 @@ class _InRotation:
         return obj.__dict__[self.slot]
 
     def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.slot] = value
-        _ROTATION_CHANGES[0] += 1
+        held = obj.__dict__
+        if self.slot not in held or held[self.slot] != value:
+            held[self.slot] = value
+            _ROTATION_CHANGES[0] += 1
 
 
 @dataclass(eq=False)
