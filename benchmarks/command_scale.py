@@ -33,6 +33,7 @@ COMMANDS = [
     ("top --once", ["top", "{name}", "--once", "--json"]),
     ("weights status", ["weights", "status", "{name}"]),
     ("metrics --targets", ["metrics", "{name}", "--targets"]),
+    ("apply --dry-run", ["apply", "{grown}", "--dry-run"]),  # the same file with one decode more
     ("down", ["down", "{name}"]),
 ]
 
@@ -111,9 +112,13 @@ def main() -> None:
         name = write_state(home, raw)
         setup = time.perf_counter() - t0
         env = {**os.environ, "PDCTL_HOME": str(home)}
+        grown = home / "grown.yaml"
+        grown.write_text(
+            yaml.safe_dump({**raw, "decode": {**raw["decode"], "replicas": raw["decode"]["replicas"] + 1}})
+        )
         rows = []
         for label, argv in COMMANDS:
-            argv = [a.format(name=name) for a in argv]
+            argv = [a.format(name=name, grown=grown) for a in argv]
             started = time.perf_counter()
             out = subprocess.run(
                 [sys.executable, "-m", "pdctl", *argv], capture_output=True, text=True, env=env, timeout=1200

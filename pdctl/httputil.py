@@ -11,10 +11,15 @@ async def start_site(app: web.Application, host: str, port: int, **runner_kwargs
     """Serve ``app`` on host:port (0 picks a free port); returns the runner and the bound port."""
     runner = web.AppRunner(app, access_log=None, **runner_kwargs)
     await runner.setup()
+    return runner, await add_site(runner, host, port)
+
+
+async def add_site(runner: web.AppRunner, host: str, port: int) -> int:
+    """Serve ``runner``'s app on one more host:port (0 picks a free port); returns the bound port."""
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     server = getattr(site, "_server", None)
-    return runner, bound_port(server) if server is not None and server.sockets else port
+    return bound_port(server) if server is not None and server.sockets else port
 
 
 def bound_port(server: Any) -> int:
@@ -23,7 +28,7 @@ def bound_port(server: Any) -> int:
     return int(server.sockets[0].getsockname()[1])
 
 
-def write_port_file(path: str | None, **ports: int | None) -> None:
+def write_port_file(path: str | None, **ports: int | list[int] | None) -> None:
     """Write the ports a server bound (port 0 picks any) to ``path`` as JSON, atomically (a reader
     never sees half a file), 0600: how tests and tools learn them, rather than from log text."""
     if not path:

@@ -3,14 +3,25 @@
 while one is starting or out of rotation; the liveness loop probes the workers in rotation
 (``/model_info``) between checks, to find a process gone or hung before requests do. What a
 check's outcome does to a worker is the registry's (``observe_health``, ``lost``, ``hung``);
-a changed weight version goes through the version rule (pdctl.router.versions)."""
+a changed weight version goes through the version rule (pdctl.router.versions).
+
+Both loops cost the router the same per request whatever the fleet's size (issue 59.3): at most
+``PROBES_AT_ONCE`` calls in flight, at most ``CHECKS_PER_SEC`` health checks and
+``PROBES_PER_SEC`` liveness probes begun per second. A fleet small enough for them (160 workers
+at the default 10 s interval; 64 for the 1 s liveness) is checked as it always was; in a larger
+one each worker is checked every N/16 s (64 s at 1024 workers; sglang-router checks every 60 s),
+starting and out-of-rotation workers first, and the liveness loop probes only workers that
+answered nothing (request or probe) for an interval, the longest silent first."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import aiohttp
 
@@ -20,6 +31,19 @@ from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import Endpoint
 
 log = logging.getLogger("pdctl.router")
+
+PROBES_AT_ONCE = 32
+"""Most health checks, or liveness probes, in flight at once: a round over a large fleet is spread
+over the event loop's turns rather than one burst that requests queue behind."""
+CHECKS_PER_SEC = 16
+"""Most health checks (``/health``, then ``/model_info``) begun per second, averaged over a round."""
+URGENT_CHECKS_PER_SEC = 64
+"""The same for workers starting or out of rotation (checked at the fast interval, first)."""
+PROBES_PER_SEC = 64
+"""Most liveness probes begun per second."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class HealthChecks:
@@ -50,54 +74,108 @@ class HealthChecks:
         generation, unlike ``/health``). A refused connection means its process is gone (a crash,
         a restart): it leaves rotation at once rather than after ``failure_threshold`` health
         checks. A changed weight version outside an update means a new process (one that
-        restarted between two probes): the version rule applies at once. A slow or silent
-        worker is left to the health checks' thresholds."""
+        restarted between two probes): the version rule applies at once. A worker that answers
+        none of its probes for ``liveness_timeout_secs`` is hung. In a fleet larger than
+        ``PROBES_PER_SEC`` allows, only workers that answered nothing for an interval are probed,
+        those already silent first."""
         interval = self.config.health.liveness_interval_secs
         while True:
             await asyncio.sleep(interval)
-            live = [w for w in self.registry.workers.values() if w.healthy]
-            relabels = self.registry.relabels
-            results = await asyncio.gather(*(_model_info(session, w, interval) for w in live))
-            stale = self.registry.relabels != relabels  # an update relabelled engines meanwhile
-            now = time.monotonic()
-            hung_after = self.config.health.liveness_timeout_secs
-            for worker, info in zip(live, results, strict=True):
-                if info is _SILENT:
-                    if hung_after and worker.healthy and now - worker.last_answer >= hung_after:
-                        self.registry.hung(worker, now - worker.last_answer)
-                    continue
-                worker.last_answer = now
-                if info is _REFUSED and worker.healthy:
-                    self.registry.lost(worker, "its port refuses connections")
-                elif not stale and isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
-                    worker.weight_version = info.get("weight_version")
-                    if not self.registry.updating:
-                        self.versions.apply(session, worker)
-                    self.registry.rotation_changed()
+            await self.liveness_round(session, interval)
+
+    async def liveness_round(self, session: aiohttp.ClientSession, interval: float) -> None:
+        """One round of the liveness loop (``interval``: its period, and each probe's limit)."""
+        sent = time.monotonic()
+        live = self._to_probe(sent, interval)
+        relabels = self.registry.relabels
+        results = await _each(live, lambda w: _model_info(session, w, interval))
+        stale = self.registry.relabels != relabels  # an update relabelled engines meanwhile
+        now = time.monotonic()
+        hung_after = self.config.health.liveness_timeout_secs
+        for worker, info in zip(live, results, strict=True):
+            if info is _SILENT:
+                # Silent since its answer before this probe, or an interval before it (a large
+                # fleet probes a worker seldom: its last answer may be long past).
+                worker.silent_since = worker.silent_since or max(worker.last_answer, sent - interval)
+                if hung_after and worker.healthy and now - worker.silent_since >= hung_after:
+                    self.registry.hung(worker, now - worker.silent_since)
+                continue
+            worker.last_answer, worker.silent_since = now, 0.0
+            if info is _REFUSED and worker.healthy:
+                self.registry.lost(worker, "its port refuses connections")
+            elif not stale and isinstance(info, dict) and info.get("weight_version") != worker.weight_version:
+                worker.weight_version = info.get("weight_version")
+                if not self.registry.updating:
+                    self.versions.apply(session, worker)
+                self.registry.rotation_changed()
+
+    def _to_probe(self, now: float, interval: float) -> list[Worker]:
+        """The workers a liveness round probes: every worker in rotation, or, in a fleet larger
+        than ``PROBES_PER_SEC`` allows, those that answered nothing (a request or a probe) for
+        an interval, the silent ones first, then the longest quiet."""
+        live = [w for w in self.registry.workers.values() if w.healthy]
+        budget = math.ceil(PROBES_PER_SEC * interval)
+        if len(live) <= budget:
+            return live
+        quiet = [w for w in live if w.silent_since or now - w.last_answer >= interval]
+        return sorted(quiet, key=lambda w: (not w.silent_since, w.last_answer))[:budget]
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
+        last_round = time.monotonic() - self.config.health.interval_secs
         while True:
-            # Poll fast while some worker has never answered (engines still starting) or is out of
-            # rotation (a restarted engine is back as soon as it answers); a worker lost in the
-            # meantime wakes the loop.
-            waiting = any(not w.activated or not w.healthy for w in self.registry.workers.values())
-            c = self.config
-            interval = (
-                min(c.health.startup_interval_secs, c.health.interval_secs) if waiting else c.health.interval_secs
-            )
+            now = time.monotonic()
+            due = self._due(now, now - last_round)
+            if due:
+                last_round = now
+                await _each(due, lambda w: self.check(session, w))
+            wait = self._wait(time.monotonic())
+            # A worker lost from here on wakes the loop (then checked at the fast interval).
             self.registry.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.registry.wake.wait(), interval)
-            await self.check_all(session)
+                await asyncio.wait_for(self.registry.wake.wait(), wait)
+
+    def _period(self) -> float:
+        """Seconds between two checks of a worker in rotation: ``interval_secs``, or longer in a
+        fleet too large to check at that interval within ``CHECKS_PER_SEC``."""
+        return max(self.config.health.interval_secs, len(self.registry.workers) / CHECKS_PER_SEC)
+
+    def _due(self, now: float, since_last: float) -> list[Worker]:
+        """The workers to check now, within the rates' budgets since the last round: those not
+        up yet (engines starting) or out of rotation (a restarted engine is back as soon as it
+        answers) first, then those in rotation unchecked for a period; the longest unchecked
+        first in each."""
+        c = self.config.health
+        fast = min(c.startup_interval_secs, c.interval_secs)
+        workers = list(self.registry.workers.values())
+        urgent = sorted((w for w in workers if not (w.activated and w.healthy)), key=lambda w: w.checked_at)
+        period = self._period()
+        routine = [w for w in workers if w.activated and w.healthy and now - w.checked_at >= period]
+        routine.sort(key=lambda w: w.checked_at)
+        return (
+            urgent[: math.ceil(URGENT_CHECKS_PER_SEC * max(since_last, fast))]
+            + routine[: math.ceil(CHECKS_PER_SEC * since_last)]
+        )
+
+    def _wait(self, now: float) -> float:
+        """Seconds until the next round: the fast interval while some worker is not up or out of
+        rotation, else until the next worker in rotation is due (at most ``interval_secs``)."""
+        c = self.config.health
+        workers = list(self.registry.workers.values())
+        if any(not (w.activated and w.healthy) for w in workers):
+            return min(c.startup_interval_secs, c.interval_secs)
+        if not workers:
+            return c.interval_secs
+        next_due = min(w.checked_at for w in workers) + self._period()
+        return min(c.interval_secs, max(next_due - now, 1.0 / CHECKS_PER_SEC))
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
-        workers = list(self.registry.workers.values())
-        if workers:
-            await asyncio.gather(*(self.check(session, w) for w in workers))
+        """Check every worker now (tests; the loop checks them at its rate)."""
+        await _each(list(self.registry.workers.values()), lambda w: self.check(session, w))
 
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One health check of ``worker``. Whatever goes wrong stays inside this worker's check
         (a failed check): one bad worker must not stop the health loop or a release."""
+        worker.checked_at = time.monotonic()
         try:
             await self._check(session, worker)
         except asyncio.CancelledError:
@@ -134,6 +212,19 @@ class HealthChecks:
             if worker.weight_version != held:
                 self.registry.rotation_changed()
         self.registry.observe_health(worker, ok)
+
+
+async def _each(items: Sequence[T], call: Callable[[T], Awaitable[R]]) -> list[R]:
+    """``call`` on every item, at most ``PROBES_AT_ONCE`` at a time; the results in order."""
+    if not items:
+        return []
+    limit = asyncio.Semaphore(PROBES_AT_ONCE)
+
+    async def one(item: T) -> R:
+        async with limit:
+            return await call(item)
+
+    return await asyncio.gather(*(one(item) for item in items))
 
 
 _REFUSED = object()

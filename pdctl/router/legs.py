@@ -30,6 +30,7 @@ callback is made per leg: they were most of the router's CPU per request.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,6 +114,8 @@ class Claim:
         """The leg's outcome for the breaker (``CircuitBreaker.record``)."""
         if not self.judged:
             self.judged = True
+            if ok:  # an answer tells liveness as much as a probe would (pdctl.router.health)
+                self.worker.last_answer, self.worker.silent_since = time.monotonic(), 0.0
             self.breaker.record(self.worker, ok, answered)
 
 

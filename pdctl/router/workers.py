@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -84,7 +85,12 @@ class Worker:
     restarts: int = 0
     """Times its process went away (``gone``) and a new one passed a health check."""
     last_answer: float = field(default_factory=time.monotonic)
-    """When it last answered a probe or a health check (monotonic): a hung process stops answering."""
+    """When it last answered a request, a probe or a health check (monotonic): a hung process
+    stops answering."""
+    silent_since: float = 0.0
+    """When the first liveness probe it left unanswered (since its last answer) was sent; 0: none."""
+    checked_at: float = -math.inf
+    """When its last health check began (monotonic; -inf: never)."""
     quarantined: str | None = _InRotation(None)  # type: ignore[assignment]
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
     cordoned: str | None = _InRotation(None)  # type: ignore[assignment]
@@ -343,7 +349,7 @@ class WorkerRegistry:
         if c.health.disabled:
             return  # always in rotation: nothing would bring it back
         if ok:
-            worker.last_answer = time.monotonic()
+            worker.last_answer, worker.silent_since = time.monotonic(), 0.0
             worker.consecutive_failures = 0
             worker.consecutive_successes += 1
             if not worker.activated:

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pdctl.httputil import start_site, write_port_file
+from pdctl.httputil import add_site, start_site, write_port_file
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, batch_size_of
 from pdctl.signals import stop_event
 
@@ -129,6 +129,9 @@ async def serve(args: argparse.Namespace) -> None:
     app = make_app(args.role, args.record, args.busy, args.stream_tokens)
     runner, port = await start_site(app, args.host, args.port)
     line = f"pdctl.sim.null ({args.role}) on http://{args.host}:{port}"
+    more = [await add_site(runner, args.host, 0) for _ in range(args.listen - 1)]
+    if more:
+        line += f" and {len(more)} more port(s)"
     bootstrap_port = None
     if args.role == "prefill" and args.bootstrap_port is not None:
         boot = web.Application()
@@ -136,7 +139,7 @@ async def serve(args: argparse.Namespace) -> None:
         _, bootstrap_port = await start_site(boot, args.host, args.bootstrap_port)
         line += f", bootstrap port {bootstrap_port}"
     print(line, flush=True)
-    write_port_file(args.port_file, port=port, bootstrap_port=bootstrap_port)
+    write_port_file(args.port_file, port=port, bootstrap_port=bootstrap_port, more_ports=more or None)
     await stop_event().wait()
     await runner.cleanup()
 
@@ -151,6 +154,13 @@ def main() -> None:
     p.add_argument("--busy", action="store_true", help="Answer every generation with 503 (a full queue).")
     p.add_argument("--stream-tokens", type=int, default=0, help="Streamed /generate: this many one-token chunks.")
     p.add_argument("--port-file", help="Once listening, write the bound ports here as JSON (port 0 picks any).")
+    p.add_argument(
+        "--listen",
+        type=int,
+        default=1,
+        help="Answer on this many ports, the others any free ones (one process as a fleet of workers: "
+        "router benchmarks at 1024 workers); the port file lists them as more_ports.",
+    )
     args = p.parse_args()
     try:
         import uvloop
