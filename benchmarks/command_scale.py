@@ -33,7 +33,7 @@ COMMANDS = [
     ("top --once", ["top", "{name}", "--once", "--json"]),
     ("weights status", ["weights", "status", "{name}"]),
     ("metrics --targets", ["metrics", "{name}", "--targets"]),
-    ("apply --dry-run", ["apply", "{grown}", "--dry-run"]),  # the same file with one decode more
+    ("apply --dry-run", ["apply", "{grown}", "--dry-run"]),  # the same file with one decode fewer
     ("down", ["down", "{name}"]),
 ]
 
@@ -114,7 +114,7 @@ def main() -> None:
         env = {**os.environ, "PDCTL_HOME": str(home)}
         grown = home / "grown.yaml"
         grown.write_text(
-            yaml.safe_dump({**raw, "decode": {**raw["decode"], "replicas": raw["decode"]["replicas"] + 1}})
+            yaml.safe_dump({**raw, "decode": {**raw["decode"], "replicas": raw["decode"]["replicas"] - 1}})
         )
         rows = []
         for label, argv in COMMANDS:
