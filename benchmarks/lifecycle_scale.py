@@ -1,16 +1,19 @@
-"""up + down wall time for 1, 2, 4 and 8 test hosts with 4 sim engines each (2 prefill + 2
-decode per host, router on the first), over real SSH to network-namespace hosts.
+"""up + down wall time for 1 to 32 test hosts with 4 engines each (2 prefill + 2 decode per
+host, router on the first), over real SSH to network-namespace hosts.
 
 Besides the totals, pdctl's own overhead is separated from the engines' start: overhead =
-(preflight until the first spawn) + (last engine healthy until up returns). The engines'
-start on this 2-core machine grows with their number (each sim imports torch), which is
-CPU contention, not pdctl; the overhead is what pdctl controls.
+(preflight until the first spawn) + (last engine healthy until up returns). With ``--engine
+sim`` every engine imports torch, and on this 2-core machine their start grows with their
+number (CPU contention, not pdctl); the null engine (``args: {sim-null: true}``, the default
+here) starts in a fraction of a second, so what grows is pdctl's.
 
-    sudo .venv/bin/python benchmarks/lifecycle_scale.py   # needs root (ip netns), sshd
+    sudo .venv/bin/python benchmarks/lifecycle_scale.py [--engine null|sim] [--sizes 1,2,4,8,16,32]
+        # needs root (ip netns), sshd; writes results/lifecycle_scale.{json,md} (sim: lifecycle_scale_sim)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -29,19 +32,20 @@ from pdctl.topology import load_topology_text  # noqa: E402
 from tests.netns import TestHosts, netns_unavailable  # noqa: E402
 
 RESULTS = ROOT / "results"
-SIZES = (1, 2, 4, 8)
+SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def measure(hosts: TestHosts, n: int, home: Path) -> dict:
+def measure(hosts: TestHosts, n: int, home: Path, engine: str) -> dict:
     names = [h.name for h in hosts.hosts[:n]]
+    args = {"sim-null": True} if engine == "null" else {}
     data = {
         "name": f"scale{n}",
         "model": {"path": "sim://tiny"},
         "engine": "sim",
         "nodes": [hosts.node(i) for i in range(n)],
         "ports": {"base": 25000},
-        "prefill": {"replicas": 2 * n, "tp": 1, "nodes": names},
-        "decode": {"replicas": 2 * n, "tp": 1, "nodes": names},
+        "prefill": {"replicas": 2 * n, "tp": 1, "nodes": names, "args": args},
+        "decode": {"replicas": 2 * n, "tp": 1, "nodes": names, "args": args},
         "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
     }
     top, _ = load_topology_text(yaml.safe_dump(data))
@@ -74,13 +78,18 @@ def measure(hosts: TestHosts, n: int, home: Path) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["null", "sim"], default="null")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
     reason = netns_unavailable()
     if reason:
         sys.exit(f"cannot run: {reason}")
     tmp = Path(tempfile.mkdtemp(prefix="pdctl-scale-"))
-    hosts = TestHosts(max(SIZES), tmp).start()
+    hosts = TestHosts(max(sizes), tmp).start()
     try:
-        rows = [measure(hosts, n, tmp / f"home{n}") for n in SIZES]
+        rows = [measure(hosts, n, tmp / f"home{n}", args.engine) for n in sizes]
     finally:
         hosts.close()
     base = rows[0]
@@ -88,8 +97,15 @@ def main() -> None:
         r["total_vs_1_host"] = r["total_s"] / base["total_s"]
         r["overhead_vs_1_host"] = r["pdctl_overhead_s"] / base["pdctl_overhead_s"]
     RESULTS.mkdir(exist_ok=True)
-    meta = {"machine": platform.machine(), "python": platform.python_version(), "note": "2 CPU cores for all hosts"}
-    (RESULTS / "lifecycle_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    meta = {
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "engine": args.engine,
+        "note": "2 CPU cores for all hosts",
+    }
+    null = args.engine == "null"
+    stem = "lifecycle_scale" if null else "lifecycle_scale_sim"
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [
         "| hosts | engines | up (s) | down (s) | total (s) | x 1 host | engines' start (s) | pdctl overhead (s) |",
         "|---|---|---|---|---|---|---|---|",
@@ -102,14 +118,16 @@ def main() -> None:
     last = rows[-1]
     lines += [
         "",
-        f"Goal 1 (1 -> 8 hosts grows < 1.5x): total {last['total_vs_1_host']:.2f}x, "
+        f"Engine: {args.engine}"
+        + (" (`args: {sim-null: true}`: no model, no torch)." if args.engine == "null" else "."),
+        f"Goal 1 (1 -> {last['hosts']} hosts grows < 1.5x): total {last['total_vs_1_host']:.2f}x, "
         f"pdctl overhead {last['overhead_vs_1_host']:.2f}x.",
         f"Goal 2 (pdctl overhead < 2 s beyond the slowest engine's start): max "
-        f"{max(r['pdctl_overhead_s'] for r in rows):.2f} s.",
-        "All hosts share this machine's 2 CPU cores, so the engines' start grows with their count "
-        "(every sim imports torch); on real nodes each host has its own CPUs.",
+        f"{max(r['pdctl_overhead_s'] for r in rows):.2f} s; `down` at most {max(r['down_s'] for r in rows):.1f} s.",
+        "All hosts share this machine's 2 CPU cores, so the engines' start grows with their count; on real "
+        "nodes each host has its own CPUs.",
     ]
-    (RESULTS / "lifecycle_scale.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -41,3 +41,24 @@ def write_port_file(path: str | None, **ports: int | list[int] | None) -> None:
     with os.fdopen(fd, "w") as out:
         json.dump({k: v for k, v in ports.items() if v is not None}, out)
     os.replace(tmp, path)
+
+
+def bearer_matches(header: str | None, key: str) -> bool:
+    """Whether ``header`` is ``Bearer <key>`` (scheme in any case), compared in constant time."""
+    import hmac
+
+    parts = (header or "").split(" ", 1)
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return False
+    # As bytes: SGLang's secrets.compare_digest on str raises for non-ASCII text (a 500 there).
+    return hmac.compare_digest(parts[1].encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
+
+
+def sglang_key_refusal(request: web.Request, key: str | None) -> web.Response | None:
+    """SGLang's API key check (utils/auth.py ``decide_request_auth``): health, readiness and
+    metrics (by prefix) and OPTIONS are open; everything else, unknown paths included, needs
+    ``Authorization: Bearer <key>``. The 401 to send, or None to go on."""
+    open_path = request.method == "OPTIONS" or request.path.startswith(("/health", "/ready", "/metrics"))
+    if key and not open_path and not bearer_matches(request.headers.get("Authorization"), key):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return None

@@ -18,9 +18,7 @@ from pdctl.nodeproc import redact
 from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_options
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, RemoteSource, SimConfig
-from pdctl.sim.hooks import parse_hook_specs
 from pdctl.sim.multinode import FAIL_EXIT_DELAY_SECS, NodeLayout, run_peer
-from pdctl.sim.server import SimServer, torch_threads
 
 log = logging.getLogger("pdctl.sim")
 
@@ -62,7 +60,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        hooks = parse_hook_specs(args.forward_hooks)
+        hooks = _forward_hooks(args.forward_hooks)
     except ValueError as exc:
         parser.error(str(exc))
     server_args = tuple((k, v) for k, v in sorted(vars(args).items()) if not k.startswith("sim_") and k != "api_key")
@@ -94,6 +92,7 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         weight_group_timeout_secs=sim.weight_group_timeout_secs,
         disk_load_ms=sim.disk_load_ms,
         profile=profile,
+        null=sim.null,
         prefix_cache=not args.disable_radix_cache,
         max_n=sim.max_n,
         max_sequences_per_request=sim.max_sequences_per_request,
@@ -111,6 +110,32 @@ def config_from_argv(argv: list[str]) -> SimConfig:
     )
 
 
+def _forward_hooks(text: str | list | None) -> tuple:
+    """``--forward-hooks`` parsed (torch is imported only when there are some)."""
+    if not text:
+        return ()
+    from pdctl.sim.hooks import parse_hook_specs
+
+    return parse_hook_specs(text)
+
+
+async def serve_null(config: SimConfig) -> int:
+    """``--sim-null``: the null engine on this engine's address, role, bootstrap port and key."""
+    from pdctl.sim.null import serve_null as serve
+
+    role = config.disaggregation_mode if config.disaggregation_mode in ("prefill", "decode") else "regular"
+    await serve(
+        config.host,
+        config.port,
+        role,
+        config.bootstrap_port if role == "prefill" else None,
+        config.port_file,
+        api_key=config.api_key,
+        weight_version=config.weight_version,
+    )
+    return 0
+
+
 async def serve(config: SimConfig) -> int:
     """Run until SIGTERM/SIGINT (0) or until the engine fails (1); the exit code."""
     layout = config.layout
@@ -123,6 +148,8 @@ async def serve(config: SimConfig) -> int:
             enable_metrics=config.enable_metrics,
             timeout_secs=config.dist_timeout_secs,
         )
+    from pdctl.sim.server import SimServer  # torch: imported once the flags are known good
+
     server = SimServer(config)
     stop = stop_event()
     stopped = asyncio.ensure_future(stop.wait())
@@ -161,11 +188,14 @@ def main(argv: list[str] | None = None) -> None:
     config = config_from_argv(sys.argv[1:] if argv is None else argv)
     level = getattr(logging, config.log_level, logging.INFO)
     logging.basicConfig(level=level, format="[%(asctime)s] %(name)s %(message)s")
-    torch_threads(config.torch_threads)
     if config.ignored_flags:
         log.info("accepted but ignored on CPU: %s", " ".join(config.ignored_flags))
+    if not config.null:
+        from pdctl.sim.server import torch_threads
+
+        torch_threads(config.torch_threads)
     try:
-        code = asyncio.run(serve(config))
+        code = asyncio.run(serve_null(config) if config.null else serve(config))
     except PdctlError as exc:
         log.error("%s", exc)
         sys.exit(1)

@@ -110,6 +110,7 @@ class SimOptions:
     weight_group_timeout_secs: float = 300.0
     disk_load_ms: float = 0.0
     profile: str | None = None
+    null: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Outputs then run to max_new_tokens from a stand-in forward pass.",
     )
     sim.add_argument("--list-profiles", action="store_true", help="List the profiles and exit.")
+    sim.add_argument(
+        "--sim-null",
+        action="store_true",
+        help="No model and no torch: answer every call at once with SGLang-shaped bodies (pdctl.sim.null), "
+        "the key checked as SGLang checks it. For lifecycle tests and benchmarks of many engines on one "
+        "machine: starts in a fraction of a second; weight updates, role switches and sampling are not served.",
+    )
     sim.add_argument("--sim-threads", type=int, default=1, help="torch CPU threads (default 1).")
     sim.add_argument(
         "--sim-port-file", help="Once serving, write the bound ports here as JSON (for --port 0; pdctl's own flag)."
@@ -210,6 +218,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
         args.sim_weight_group_timeout_secs,
         args.sim_disk_load_ms,
         args.sim_profile,
+        args.sim_null,
     )
 
 

@@ -32,7 +32,6 @@ from aiohttp import web
 
 from pdctl.errors import SimError
 from pdctl.httputil import start_site
-from pdctl.sim.weights import WeightGroupMember, run_command
 
 log = logging.getLogger("pdctl.sim")
 LINE_LIMIT = 64 * 1024 * 1024
@@ -307,6 +306,8 @@ async def run_peer(
             layout.node_rank,
         ),
     )
+    from pdctl.sim.weights import WeightGroupMember, run_command  # torch: a peer node holds TP ranks
+
     member = await asyncio.to_thread(WeightGroupMember, layout.tp_per_node)
     runner, bound = await start_site(health_app(enable_metrics), host, port)
     log.info("dummy health server on http://%s:%d", host, bound)

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pdctl.httputil import add_site, start_site, write_port_file
+from pdctl.httputil import add_site, sglang_key_refusal, start_site, write_port_file
 from pdctl.sglang import SPOKEN_VERSION, Endpoint, batch_size_of
 from pdctl.signals import stop_event
 
@@ -53,7 +53,17 @@ def _stream_events(n: int) -> list[bytes]:
     return [*out, b"data: [DONE]\n\n"]
 
 
-def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: int = 0) -> web.Application:
+def make_app(
+    role: str,
+    record: str | None,
+    busy: bool = False,
+    stream_tokens: int = 0,
+    *,
+    api_key: str | None = None,
+    weight_version: str = "default",
+) -> web.Application:
+    """The null engine's routes. ``api_key``: checked as SGLang checks its ``--api-key``;
+    ``weight_version``: what ``/model_info`` says it holds."""
     # A PD prefill runs the prompt and returns one token, streamed or not (SGLang's; the sim's
     # PREFILL mode too): its stream is that token's event and [DONE], not the decode's tokens.
     streamed = _stream_events(1 if role == "prefill" else stream_tokens) if stream_tokens else None
@@ -100,7 +110,7 @@ def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: i
         return web.json_response(
             {
                 "model_path": "null",
-                "weight_version": "default",
+                "weight_version": weight_version,
                 "disaggregation_mode": role,
                 "version": SPOKEN_VERSION,
                 "internal_states": [],
@@ -110,7 +120,12 @@ def make_app(role: str, record: str | None, busy: bool = False, stream_tokens: i
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "null", "object": "model", "owned_by": "pdctl"}]})
 
-    app = web.Application()
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        refused = sglang_key_refusal(request, api_key)
+        return refused if refused is not None else await handler(request)
+
+    app = web.Application(middlewares=[auth] if api_key else [])
     app.router.add_get("/v1/models", models)  # bench_serving waits for it
     for path in (Endpoint.GENERATE, Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
         app.router.add_post(path.value, generate)
@@ -126,20 +141,49 @@ async def _bootstrap_health(_: web.Request) -> web.Response:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    app = make_app(args.role, args.record, args.busy, args.stream_tokens)
-    runner, port = await start_site(app, args.host, args.port)
-    line = f"pdctl.sim.null ({args.role}) on http://{args.host}:{port}"
-    more = [await add_site(runner, args.host, 0) for _ in range(args.listen - 1)]
+    await serve_null(
+        args.host,
+        args.port,
+        args.role,
+        args.bootstrap_port,
+        args.port_file,
+        record=args.record,
+        busy=args.busy,
+        stream_tokens=args.stream_tokens,
+        listen=args.listen,
+    )
+
+
+async def serve_null(
+    host: str,
+    port: int,
+    role: str,
+    bootstrap_port: int | None,
+    port_file: str | None,
+    *,
+    record: str | None = None,
+    busy: bool = False,
+    stream_tokens: int = 0,
+    listen: int = 1,
+    api_key: str | None = None,
+    weight_version: str = "default",
+) -> None:
+    """Serve until SIGTERM/SIGINT (``make_app``'s routes; a prefill's bootstrap port too, when
+    given); the bound ports go to ``port_file`` once every one listens."""
+    app = make_app(role, record, busy, stream_tokens, api_key=api_key, weight_version=weight_version)
+    runner, port = await start_site(app, host, port)
+    line = f"pdctl.sim.null ({role}) on http://{host}:{port}"
+    more = [await add_site(runner, host, 0) for _ in range(listen - 1)]
     if more:
         line += f" and {len(more)} more port(s)"
-    bootstrap_port = None
-    if args.role == "prefill" and args.bootstrap_port is not None:
+    bound_bootstrap = None
+    if role == "prefill" and bootstrap_port is not None:
         boot = web.Application()
         boot.router.add_get("/health", _bootstrap_health)
-        _, bootstrap_port = await start_site(boot, args.host, args.bootstrap_port)
-        line += f", bootstrap port {bootstrap_port}"
+        _, bound_bootstrap = await start_site(boot, host, bootstrap_port)
+        line += f", bootstrap port {bound_bootstrap}"
     print(line, flush=True)
-    write_port_file(args.port_file, port=port, bootstrap_port=bootstrap_port, more_ports=more or None)
+    write_port_file(port_file, port=port, bootstrap_port=bound_bootstrap, more_ports=more or None)
     await stop_event().wait()
     await runner.cleanup()
 

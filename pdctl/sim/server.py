@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -19,7 +18,7 @@ import torch
 from aiohttp import web
 
 from pdctl.errors import SimError
-from pdctl.httputil import start_site
+from pdctl.httputil import sglang_key_refusal, start_site
 from pdctl.sglang import generate_error_body
 from pdctl.sim import native_http, openai, remote_instance, role_switch, weights_http
 from pdctl.sim.body import MAX_BODY_BYTES, ContractError, ValidationError
@@ -180,22 +179,9 @@ class SimServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """SGLang's API key check (utils/auth.py ``decide_request_auth``): health, readiness and
-        metrics (by prefix) and OPTIONS are open; everything else, unknown paths included, needs
-        ``Authorization: Bearer <key>`` (scheme in any case), compared in constant time."""
-        key = self.config.api_key
-        open_path = request.method == "OPTIONS" or request.path.startswith(("/health", "/ready", "/metrics"))
-        if key and not open_path and not bearer_matches(request.headers.get("Authorization"), key):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
-
-def bearer_matches(header: str | None, key: str) -> bool:
-    parts = (header or "").split(" ", 1)
-    if len(parts) != 2 or parts[0].lower() != "bearer":
-        return False
-    # As bytes: SGLang's secrets.compare_digest on str raises for non-ASCII text (a 500 there).
-    return hmac.compare_digest(parts[1].encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
+        """SGLang's API key check (``sglang_key_refusal``)."""
+        refused = sglang_key_refusal(request, self.config.api_key)
+        return refused if refused is not None else await handler(request)
 
 
 @web.middleware
