@@ -32,6 +32,7 @@ import hmac
 import http.client
 import json
 import logging
+import socketserver
 import threading
 import time
 import urllib.error
@@ -377,6 +378,15 @@ class _QuietServer(ThreadingHTTPServer):
     """One log line, not a traceback, for a connection that broke (a client gone, a slow one timed out)."""
 
     daemon_threads = True
+
+    def server_bind(self) -> None:
+        """Bind without http.server's reverse DNS lookup of the address (``socket.getfqdn``): on a
+        node whose resolver does not answer it blocks for the resolver's timeout, 12 s here in a
+        network namespace, and every engine start and restart waited for it (issue 59.2's
+        benchmark found it). ``server_name`` is only used for CGI's environment."""
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.info("seed relay: a connection from %s broke", client_address)

@@ -526,3 +526,23 @@ def test_two_engines_restarted_at_once_share_the_only_seed_one_after_the_other(t
             source.disarm(got["armed"])
         finally:
             relay.stop()
+
+
+def test_the_seed_relay_binds_without_a_reverse_dns_lookup(monkeypatch) -> None:
+    """http.server looks up the bound address's name (socket.getfqdn) as it binds: on a node whose
+    resolver does not answer that took 12 s, and every engine's start waited for it (found by
+    benchmarks/lifecycle_scale.py on network-namespace hosts). The relay binds without it."""
+    import socket
+    from http.server import BaseHTTPRequestHandler
+
+    from pdctl.peer_weights import _QuietServer
+
+    def no_dns(*_: object) -> str:
+        raise AssertionError("a reverse DNS lookup while binding")
+
+    monkeypatch.setattr(socket, "getfqdn", no_dns)
+    server = _QuietServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    try:
+        assert server.server_port == server.socket.getsockname()[1] and server.server_name == "127.0.0.1"
+    finally:
+        server.server_close()
