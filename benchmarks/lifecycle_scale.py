@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent
@@ -60,11 +62,11 @@ def measure(hosts: TestHosts, n: int, home: Path, engine: str) -> dict:
             marks["last_engine_healthy"] = now
 
     store = StateStore(home)
-    t0 = time.monotonic()
+    m0, c0, t0 = machine_cpu(), control_cpu(), time.monotonic()
     up(top, plan, store=store, events=events, ready_timeout_secs=600)
-    t1 = time.monotonic()
+    m1, c1, t1 = machine_cpu(), control_cpu(), time.monotonic()
     down(top.name, store=store, purge=True)
-    t2 = time.monotonic()
+    m2, c2, t2 = machine_cpu(), control_cpu(), time.monotonic()
     overhead = (marks["first_spawn"] - t0) + (t1 - marks["last_engine_healthy"])
     return {
         "hosts": n,
@@ -74,7 +76,25 @@ def measure(hosts: TestHosts, n: int, home: Path, engine: str) -> dict:
         "total_s": t2 - t0,
         "engines_start_s": marks["last_engine_healthy"] - marks["first_spawn"],
         "pdctl_overhead_s": overhead,
+        "control_cpu_up_s": c1 - c0,
+        "control_cpu_down_s": c2 - c1,
+        "machine_busy_up": (m1 - m0) / (t1 - t0),
+        "machine_busy_down": (m2 - m1) / (t2 - t1),
     }
+
+
+def machine_cpu() -> float:
+    """CPU seconds the whole machine spent (every process, every core): divided by the wall
+    time, how many cores were busy (the test hosts share this machine's)."""
+    times = psutil.cpu_times()
+    return times.user + times.system + getattr(times, "nice", 0.0)
+
+
+def control_cpu() -> float:
+    """CPU seconds of this process, every thread: what the control machine pays (SSH clients,
+    planning, state); the nodes' agents, supervisors and engines are other processes."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -107,13 +127,16 @@ def main() -> None:
     stem = "lifecycle_scale" if null else "lifecycle_scale_sim"
     (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [
-        "| hosts | engines | up (s) | down (s) | total (s) | x 1 host | engines' start (s) | pdctl overhead (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| hosts | engines | up (s) | down (s) | total (s) | x 1 host | engines' start (s) | pdctl overhead (s) "
+        "| control CPU up / down (s) | cores busy up / down |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['hosts']} | {r['engines']} | {r['up_s']:.1f} | {r['down_s']:.1f} | {r['total_s']:.1f} | "
-            f"{r['total_vs_1_host']:.2f} | {r['engines_start_s']:.1f} | {r['pdctl_overhead_s']:.2f} |"
+            f"{r['total_vs_1_host']:.2f} | {r['engines_start_s']:.1f} | {r['pdctl_overhead_s']:.2f} "
+            f"| {r['control_cpu_up_s']:.1f} / {r['control_cpu_down_s']:.1f} "
+            f"| {r['machine_busy_up']:.2f} / {r['machine_busy_down']:.2f} |"
         )
     last = rows[-1]
     lines += [
