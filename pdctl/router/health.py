@@ -5,18 +5,24 @@ while one is starting or out of rotation; the liveness loop probes the workers i
 check's outcome does to a worker is the registry's (``observe_health``, ``lost``, ``hung``);
 a changed weight version goes through the version rule (pdctl.router.versions).
 
-Both loops cost the router the same per request whatever the fleet's size (issue 59.3): at most
-``PROBES_AT_ONCE`` calls in flight, at most ``CHECKS_PER_SEC`` health checks and
-``PROBES_PER_SEC`` liveness probes begun per second. A fleet small enough for them (160 workers
-at the default 10 s interval; 64 for the 1 s liveness) is checked as it always was; in a larger
-one each worker is checked every N/16 s (64 s at 1024 workers; sglang-router checks every 60 s),
-starting and out-of-rotation workers first, and the liveness loop probes only workers that
-answered nothing (request or probe) for an interval, the longest silent first."""
+Both loops cost the router the same per request whatever the fleet's size (issue 59.3): the
+health loop begins at most ``CHECKS_PER_SEC`` checks a second on average (a bucket that fills
+between rounds, so a round that is due gets its whole budget), each in a task of its own (a
+worker that times out holds up no other), at most ``CHECKS_IN_FLIGHT`` at once; the liveness
+loop probes at most ``PROBES_PER_SEC`` workers a round. A fleet within the rates (160
+workers at the default 10 s interval, 160 starting at once, 64 for liveness) is checked as it
+always was; in a larger one each worker in rotation is checked every N/16 s (64 s at 1024
+workers; sglang-router checks every 60 s), the liveness loop probes only workers that answered
+nothing (a request or a probe) for an interval, silent ones first while a silence can make one
+hung, then the longest unprobed. A worker that keeps answering requests is not probed there: a
+process that restarted between two of its requests is found by its refused requests or by its
+next health check. ``check_all`` (the router's start, an update's end) checks every worker at once."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -32,15 +38,20 @@ from pdctl.sglang import Endpoint
 
 log = logging.getLogger("pdctl.router")
 
-PROBES_AT_ONCE = 32
-"""Most health checks, or liveness probes, in flight at once: a round over a large fleet is spread
-over the event loop's turns rather than one burst that requests queue behind."""
+PROBES_AT_ONCE = 64
+"""Most liveness probes of a round in flight at once."""
+CHECKS_IN_FLIGHT = 256
+"""Most health checks in flight at once (each in a task of its own, ended by its own timeout, so
+a worker that does not answer holds up no other worker's check): a round selects no more beyond
+it, workers starting or out of rotation first, so a partition cannot open a connection per worker."""
 CHECKS_PER_SEC = 16
-"""Most health checks (``/health``, then ``/model_info``) begun per second, averaged over a round."""
-URGENT_CHECKS_PER_SEC = 64
-"""The same for workers starting or out of rotation (checked at the fast interval, first)."""
+"""Health checks (``/health``, then ``/model_info``) of workers in rotation begun per second, on
+average; the budget fills up to ``interval_secs`` of it between rounds."""
+URGENT_CHECKS_PER_SEC = 320
+"""The same for workers starting or out of rotation, checked at the fast interval and first (160
+a round at the default 0.5 s: a fleet starting at once is checked whole at every round up to that)."""
 PROBES_PER_SEC = 64
-"""Most liveness probes begun per second."""
+"""Liveness probes a round may send: this many a second of the interval, and at least this many."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -53,6 +64,11 @@ class HealthChecks:
         self.versions = versions
         self._task: asyncio.Task | None = None
         self._liveness: asyncio.Task | None = None
+        self._checking: dict[Worker, asyncio.Task] = {}
+        """Health checks in flight, by worker (each in a task: a slow one holds no round)."""
+        self._last_round = time.monotonic()
+        self._budget = float(CHECKS_PER_SEC * config.health.interval_secs)
+        """Checks of workers in rotation the loop may begin now (``_due``)."""
 
     def start(self, session: aiohttp.ClientSession) -> None:
         if not self.config.health.disabled:
@@ -62,11 +78,12 @@ class HealthChecks:
 
     async def stop(self) -> None:
         """Stop the loops, and the loads of the fleet's weights they started."""
-        for task in (self._task, self._liveness):
+        for task in (self._task, self._liveness, *self._checking.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        self._checking.clear()
         await self.versions.stop()
 
     async def _liveness_loop(self, session: aiohttp.ClientSession) -> None:
@@ -76,8 +93,8 @@ class HealthChecks:
         checks. A changed weight version outside an update means a new process (one that
         restarted between two probes): the version rule applies at once. A worker that answers
         none of its probes for ``liveness_timeout_secs`` is hung. In a fleet larger than
-        ``PROBES_PER_SEC`` allows, only workers that answered nothing for an interval are probed,
-        those already silent first."""
+        ``PROBES_PER_SEC`` allows, only workers that answered nothing for an interval are probed
+        (``_to_probe``)."""
         interval = self.config.health.liveness_interval_secs
         while True:
             await asyncio.sleep(interval)
@@ -87,6 +104,8 @@ class HealthChecks:
         """One round of the liveness loop (``interval``: its period, and each probe's limit)."""
         sent = time.monotonic()
         live = self._to_probe(sent, interval)
+        for worker in live:
+            worker.probed_at = sent
         relabels = self.registry.relabels
         results = await _each(live, lambda w: _model_info(session, w, interval))
         stale = self.registry.relabels != relabels  # an update relabelled engines meanwhile
@@ -111,54 +130,69 @@ class HealthChecks:
 
     def _to_probe(self, now: float, interval: float) -> list[Worker]:
         """The workers a liveness round probes: every worker in rotation, or, in a fleet larger
-        than ``PROBES_PER_SEC`` allows, those that answered nothing (a request or a probe) for
-        an interval, the silent ones first, then the longest quiet."""
+        than the round's budget, those that answered nothing (a request or a probe) for an
+        interval: the silent ones first while a silence can make a worker hung (it then leaves
+        rotation), then the longest unprobed."""
         live = [w for w in self.registry.workers.values() if w.healthy]
-        budget = math.ceil(PROBES_PER_SEC * interval)
+        budget = max(PROBES_PER_SEC, math.ceil(PROBES_PER_SEC * interval))
         if len(live) <= budget:
             return live
         quiet = [w for w in live if w.silent_since or now - w.last_answer >= interval]
-        return sorted(quiet, key=lambda w: (not w.silent_since, w.last_answer))[:budget]
+        if self.config.health.liveness_timeout_secs:
+            quiet.sort(key=lambda w: (not w.silent_since, w.probed_at))
+        else:  # no silence ends in "hung": silent workers take their turn with the others
+            quiet.sort(key=lambda w: w.probed_at)
+        return quiet[:budget]
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
-        last_round = time.monotonic() - self.config.health.interval_secs
         while True:
-            now = time.monotonic()
-            due = self._due(now, now - last_round)
-            if due:
-                last_round = now
-                await _each(due, lambda w: self.check(session, w))
+            for worker in self._due(time.monotonic()):
+                task = asyncio.ensure_future(self.check(session, worker))
+                self._checking[worker] = task
+                task.add_done_callback(functools.partial(self._checked, worker))
             wait = self._wait(time.monotonic())
             # A worker lost from here on wakes the loop (then checked at the fast interval).
             self.registry.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.registry.wake.wait(), wait)
 
+    def _checked(self, worker: Worker, _: asyncio.Future) -> None:
+        self._checking.pop(worker, None)
+
     def _period(self) -> float:
         """Seconds between two checks of a worker in rotation: ``interval_secs``, or longer in a
         fleet too large to check at that interval within ``CHECKS_PER_SEC``."""
         return max(self.config.health.interval_secs, len(self.registry.workers) / CHECKS_PER_SEC)
 
-    def _due(self, now: float, since_last: float) -> list[Worker]:
-        """The workers to check now, within the rates' budgets since the last round: those not
-        up yet (engines starting) or out of rotation (a restarted engine is back as soon as it
-        answers) first, then those in rotation unchecked for a period; the longest unchecked
-        first in each."""
+    def _due(self, now: float) -> list[Worker]:
+        """The workers to check now (stamped ``checked_at``), none whose check is in flight, within
+        ``CHECKS_IN_FLIGHT``:
+        those not up yet (engines starting) or out of rotation (a restarted engine is back as
+        soon as it answers) first, up to ``URGENT_CHECKS_PER_SEC``; then those in rotation
+        unchecked for a period, the longest unchecked first, as far as the budget goes."""
         c = self.config.health
         fast = min(c.startup_interval_secs, c.interval_secs)
-        workers = list(self.registry.workers.values())
+        since, self._last_round = now - self._last_round, now
+        self._budget = min(CHECKS_PER_SEC * c.interval_secs, self._budget + CHECKS_PER_SEC * since)
+        room = CHECKS_IN_FLIGHT - len(self._checking)
+        workers = [w for w in self.registry.workers.values() if w not in self._checking]
         urgent = sorted((w for w in workers if not (w.activated and w.healthy)), key=lambda w: w.checked_at)
+        urgent = urgent[: min(room, math.ceil(URGENT_CHECKS_PER_SEC * max(since, fast)))]
         period = self._period()
-        routine = [w for w in workers if w.activated and w.healthy and now - w.checked_at >= period]
-        routine.sort(key=lambda w: w.checked_at)
-        return (
-            urgent[: math.ceil(URGENT_CHECKS_PER_SEC * max(since_last, fast))]
-            + routine[: math.ceil(CHECKS_PER_SEC * since_last)]
+        routine = sorted(
+            (w for w in workers if w.activated and w.healthy and now - w.checked_at >= period),
+            key=lambda w: w.checked_at,
         )
+        routine = routine[: max(0, min(room - len(urgent), int(self._budget)))]
+        self._budget -= len(routine)
+        for worker in (*urgent, *routine):
+            worker.checked_at = now
+        return urgent + routine
 
     def _wait(self, now: float) -> float:
         """Seconds until the next round: the fast interval while some worker is not up or out of
-        rotation, else until the next worker in rotation is due (at most ``interval_secs``)."""
+        rotation, else until the next worker in rotation is due (at most ``interval_secs``), or
+        until the budget has room for the next check."""
         c = self.config.health
         workers = list(self.registry.workers.values())
         if any(not (w.activated and w.healthy) for w in workers):
@@ -169,13 +203,17 @@ class HealthChecks:
         return min(c.interval_secs, max(next_due - now, 1.0 / CHECKS_PER_SEC))
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
-        """Check every worker now (tests; the loop checks them at its rate)."""
-        await _each(list(self.registry.workers.values()), lambda w: self.check(session, w))
+        """Check every worker now, all at once (the router's start, the end of an update, whose
+        release waits for it: no rate)."""
+        workers = list(self.registry.workers.values())
+        now = time.monotonic()
+        for worker in workers:
+            worker.checked_at = now
+        await asyncio.gather(*(self.check(session, w) for w in workers))
 
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One health check of ``worker``. Whatever goes wrong stays inside this worker's check
         (a failed check): one bad worker must not stop the health loop or a release."""
-        worker.checked_at = time.monotonic()
         try:
             await self._check(session, worker)
         except asyncio.CancelledError:

@@ -90,7 +90,9 @@ class Worker:
     silent_since: float = 0.0
     """When the first liveness probe it left unanswered (since its last answer) was sent; 0: none."""
     checked_at: float = -math.inf
-    """When its last health check began (monotonic; -inf: never)."""
+    """When its last health check was begun (monotonic; -inf: never)."""
+    probed_at: float = -math.inf
+    """When its last liveness probe was sent (monotonic; -inf: never)."""
     quarantined: str | None = _InRotation(None)  # type: ignore[assignment]
     """Why the worker is out of rotation for its weights (a weight push it did not complete)."""
     cordoned: str | None = _InRotation(None)  # type: ignore[assignment]

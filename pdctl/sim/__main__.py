@@ -59,6 +59,11 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         layout = NodeLayout.parse(args.dist_init_addr, args.nnodes or 1, args.node_rank or 0, args.tp_size or 1)
     except ValueError as exc:
         parser.error(str(exc))
+    if sim.null:  # the null engine has no model to hook, cost or spread over nodes
+        for flag, given in (("--forward-hooks", args.forward_hooks), ("--sim-profile", sim.profile),
+                            ("--nnodes", (args.nnodes or 1) > 1)):  # fmt: skip
+            if given:
+                parser.error(f"--sim-null serves no model: {flag} needs the sim proper")
     try:
         hooks = _forward_hooks(args.forward_hooks)
     except ValueError as exc:

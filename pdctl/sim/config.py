@@ -86,9 +86,9 @@ class SimConfig:
     disk_load_ms: float = 0.0
     """``--sim-disk-load-ms``: added to each load from disk, before the model is touched."""
     profile: SimProfile | None = None
+    """``--sim-profile``: the GPU cost model the engine follows (pdctl.sim.costed); None: the plain sim."""
     null: bool = False
     """``--sim-null``: the null engine (pdctl.sim.null) on this engine's port, role and key."""
-    """``--sim-profile``: the GPU cost model the engine follows (pdctl.sim.costed); None: the plain sim."""
     prefix_cache: bool = True
     """A profile engine's prefix cache (off: ``--disable-radix-cache``)."""
     max_n: int = DEFAULT_MAX_N

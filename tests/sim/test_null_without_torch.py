@@ -61,3 +61,12 @@ def test_a_bad_sim_flag_is_refused_before_torch_is_imported() -> None:
     argv = [sys.executable, "-c", SIM_WITHOUT_TORCH, "--model-path", "sim://tiny", "--no-such-flag"]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--no-such-flag" in res.stderr, res.stderr[-2000:]
+
+
+def test_the_null_engine_refuses_what_needs_a_model() -> None:
+    hooks = '[{"name": "h", "target_modules": ["model.layers.0"], "hook_factory": "m:f"}]'
+    for extra in (["--nnodes", "2", "--tp-size", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:5000"],
+                  ["--sim-profile", "llama3-8b-h100"], ["--forward-hooks", hooks]):  # fmt: skip
+        argv = [sys.executable, "-c", SIM_WITHOUT_TORCH, "--sim-null", "--model-path", "sim://tiny", *extra]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and f"{extra[0]} needs the sim proper" in res.stderr, (extra, res.stderr[-2000:])
