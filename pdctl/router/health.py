@@ -173,7 +173,11 @@ class HealthChecks:
         c = self.config.health
         fast = min(c.startup_interval_secs, c.interval_secs)
         since, self._last_round = now - self._last_round, now
-        self._budget = min(CHECKS_PER_SEC * c.interval_secs, self._budget + CHECKS_PER_SEC * since)
+        # A fleet checked whole each interval keeps its interval's budget (all due together are
+        # checked together); a larger one gets a second's at most: a steady rate, no bursts.
+        whole = CHECKS_PER_SEC * c.interval_secs
+        cap = whole if len(self.registry.workers) <= whole else CHECKS_PER_SEC
+        self._budget = min(cap, self._budget + CHECKS_PER_SEC * since)
         room = CHECKS_IN_FLIGHT - len(self._checking)
         workers = [w for w in self.registry.workers.values() if w not in self._checking]
         urgent = sorted((w for w in workers if not (w.activated and w.healthy)), key=lambda w: w.checked_at)
@@ -200,7 +204,11 @@ class HealthChecks:
         if not workers:
             return c.interval_secs
         next_due = min(w.checked_at for w in workers) + self._period()
-        return min(c.interval_secs, max(next_due - now, 1.0 / CHECKS_PER_SEC))
+        # A fleet checked whole each interval waits for its next due worker; a larger one, whose
+        # workers come due one after another, takes them a second's budget at a time (a round
+        # reads every worker: 16 rounds a second cost more than its checks).
+        soonest = 1.0 / CHECKS_PER_SEC if len(workers) <= CHECKS_PER_SEC * c.interval_secs else 1.0
+        return min(c.interval_secs, max(next_due - now, soonest))
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         """Check every worker now, all at once (the router's start, the end of an update, whose

@@ -75,6 +75,10 @@ def test_a_large_fleet_is_checked_within_the_rate_longest_unchecked_first_out_of
     assert routine == [w for w in workers if w not in (restarting, in_flight)][:CHECKS_PER_SEC]
     assert checks._wait(now) == pytest.approx(0.5)  # the fast interval while one is out
 
+    checks, workers = fleet(1024)  # every worker due after a long pause: a second's worth, no burst
+    checks._last_round = now - 100.0
+    assert len(checks._due(now)) == CHECKS_PER_SEC
+
 
 def test_a_check_that_never_answers_holds_up_no_other_check() -> None:
     """Each check runs in a task of its own: 35 workers whose checks hang (a partition, until
