@@ -165,11 +165,11 @@ class HealthChecks:
         return max(self.config.health.interval_secs, len(self.registry.workers) / CHECKS_PER_SEC)
 
     def _due(self, now: float) -> list[Worker]:
-        """The workers to check now (stamped ``checked_at``), none whose check is in flight, within
-        ``CHECKS_IN_FLIGHT``:
-        those not up yet (engines starting) or out of rotation (a restarted engine is back as
-        soon as it answers) first, up to ``URGENT_CHECKS_PER_SEC``; then those in rotation
-        unchecked for a period, the longest unchecked first, as far as the budget goes."""
+        """The workers to check now (stamped ``checked_at``), none whose check is in flight, at
+        most ``CHECKS_IN_FLIGHT`` in flight: those not up yet (engines starting) or out of
+        rotation (a restarted engine is back as soon as it answers) first, up to
+        ``URGENT_CHECKS_PER_SEC``; then those in rotation unchecked for a period, the longest
+        unchecked first, as far as the budget goes."""
         c = self.config.health
         fast = min(c.startup_interval_secs, c.interval_secs)
         since, self._last_round = now - self._last_round, now

@@ -126,10 +126,10 @@ def _forward_hooks(text: str | list | None) -> tuple:
 
 async def serve_null(config: SimConfig) -> int:
     """``--sim-null``: the null engine on this engine's address, role, bootstrap port and key."""
-    from pdctl.sim.null import serve_null as serve
+    from pdctl.sim import null
 
     role = config.disaggregation_mode if config.disaggregation_mode in ("prefill", "decode") else "regular"
-    await serve(
+    await null.serve_null(
         config.host,
         config.port,
         role,
