@@ -27,12 +27,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdctl.choices import parse_choice
+from pdctl.choices import Choice, parse_choice
 
 HOLD_PATH = "/pdctl/hold"
 RELEASE_PATH = "/pdctl/release"
 LOAD_PATH = "/pdctl/load"
 """``pdctl weights load``, run by the router itself (pdctl.router.transaction.routes)."""
+TXN_HEADER = "X-Pdctl-Txn"
+"""The header a push's driver sends on its calls to SGLang's routes on the router: while a push
+holds the fleet, only calls that name it may act on the fleet."""
+PUSH_OPEN_PATH = "/pdctl/push/open"
+PUSH_RENEW_PATH = "/pdctl/push/renew"
+PUSH_REDO_PATH = "/pdctl/push/redo"
+PUSH_COMMIT_PATH = "/pdctl/push/commit"
+PUSH_ABORT_PATH = "/pdctl/push/abort"
+"""A trainer's push, run by the router as its fleet transaction (pdctl.router.transaction.routes):
+open (hold and pause), the update calls through SGLang's own routes on the router, then commit
+(verify, version, continue, release) or abort; redo starts the update again on the survivors."""
+PUSH_PATHS = (PUSH_OPEN_PATH, PUSH_RENEW_PATH, PUSH_REDO_PATH, PUSH_COMMIT_PATH, PUSH_ABORT_PATH)
 DEFAULT_LEASE_SECS = 30.0
 """How long the router waits for a silent transaction (its trainer died) before it gives up on it."""
 DEFAULT_HOLD_TIMEOUT_SECS = 300.0
@@ -51,6 +63,19 @@ def in_flux(version: object) -> bool:
     """Whether a weight version label says the engine's weights are moving or incomplete (pdctl's
     own ``pdctl:`` labels: an update under way or failed, a transfer from a peer)."""
     return isinstance(version, str) and version.startswith("pdctl:")
+
+
+class VerifyMode(Choice):
+    """How the engines' checksums of updated tensors are checked after a push."""
+
+    AUTO = "auto"
+    """Every engine that answers per-tensor checksums (pdctl's sim) against the source's; SGLang
+    engines are not compared (their ``/weights_checker`` hashes each TP rank's shard)."""
+    SAMPLE = "sample"
+    """Every engine, hashing the shape and evenly spaced elements of each tensor."""
+    FULL = "full"
+    """Every engine, hashing every element."""
+    OFF = "off"
 
 
 class RefitMode(str, enum.Enum):

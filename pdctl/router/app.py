@@ -46,7 +46,7 @@ from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_repl
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
 from pdctl.router.transaction import FleetTransactions
-from pdctl.router.transaction.routes import LoadRoute
+from pdctl.router.transaction.routes import LoadRoute, PushRoutes
 from pdctl.router.upstream import Upstream
 from pdctl.router.versions import VersionRule
 from pdctl.router.worker_api import WorkerApi
@@ -84,6 +84,7 @@ class RouterServer:
         )
         self.facade = SGLangFacade(config, self.transactions)
         self.load_route = LoadRoute(self.transactions)
+        self.push_routes = PushRoutes(self.transactions)
         self.holds = HoldRoutes(self.updates, self.registry, admission, self._client, self.transactions.hold_state)
         self.worker_api = WorkerApi(
             config, self.registry, self.health_checks, self._client, self.transactions.hold_state
@@ -171,6 +172,7 @@ class RouterServer:
         self.facade.add_routes(r)  # SGLang's control routes, for the whole fleet
         self.holds.add_routes(r)  # a pdctl.weights transaction's
         self.load_route.add_routes(r)  # pdctl weights load, run by the router
+        self.push_routes.add_routes(r)  # a trainer's push, run by the router
         self.worker_api.add_routes(r)
         self.planner_api.add_routes(r)  # step hints and the planner's decisions
         r.add("GET", "/metrics", self.metrics_endpoint)

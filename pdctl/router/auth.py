@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pdctl.errors import RouterConfigError
+from pdctl.refit import LOAD_PATH, PUSH_PATHS
 from pdctl.router import errors
 from pdctl.router.reply import Reply
 from pdctl.sglang import Endpoint
@@ -81,7 +82,8 @@ CONTROL_WRITE_ROUTES = frozenset(
         ("POST", "/workers"),
         ("POST", "/pdctl/hold"),
         ("POST", "/pdctl/release"),
-        ("POST", "/pdctl/load"),
+        ("POST", LOAD_PATH),
+        *(("POST", path) for path in PUSH_PATHS),
         ("POST", "/pdctl/refresh"),
         ("POST", "/pdctl/cordon"),
         ("POST", STEP_PATH),

@@ -28,6 +28,8 @@ class CallFailure:
     message: str
     transport: bool
     status: int | None = None
+    body: Any = None
+    """The parsed answer, when one came (the router's names what failed on which engine)."""
 
     def __str__(self) -> str:
         return f"{self.message} (HTTP {self.status})" if self.status else self.message
@@ -43,6 +45,9 @@ class JsonClient:
         self.api_key = api_key
         self.keys = {origin.rstrip("/"): key for origin, key in (keys or {}).items()}
         self.timeout_secs = timeout_secs
+        self.extra: dict[str, dict[str, str]] = {}
+        """``"http://host:port"`` -> more headers for every call to that server (a push's
+        ``X-Pdctl-Txn`` on its calls to the router while it is open)."""
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdctl-weights-http")
 
     def call(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
@@ -66,9 +71,11 @@ class JsonClient:
     def _headers(self, url: str) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         parts = urlsplit(url)
-        key = self.keys.get(f"{parts.scheme}://{parts.netloc}", self.api_key)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        key = self.keys.get(origin, self.api_key)
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        headers.update(self.extra.get(origin, {}))
         return headers
 
     def post(self, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
@@ -110,7 +117,7 @@ def _answer(url: str, raw: bytes, status: int) -> Any:
     """The parsed body of a successful answer, else a CallFailure with the engine's message."""
     parsed = _parse(raw)
     if status >= 400 or (isinstance(parsed, dict) and parsed.get("success") is False):
-        return CallFailure(url, f"{url} answered: {_message(parsed)}", transport=False, status=status)
+        return CallFailure(url, f"{url} answered: {_message(parsed)}", transport=False, status=status, body=parsed)
     return parsed
 
 

@@ -1,10 +1,10 @@
 """The engines and the router as a weight transaction sees them; no torch here.
 
 ``Fleet`` is what a push and a load from disk share: probing the engines (``/server_info``),
-fan-out calls to all of them at once, and the router's side of a transaction (``hold`` with a
-lease renewed while it runs, ``release`` naming the engines that got the version and those
-that did not). ``WeightSync`` (torch) adds the broadcast group; ``pdctl weights load`` (the
-control machine, which has no torch) uses ``Fleet.load_from_disk`` directly.
+fan-out calls to all of them at once, and reading what the router's transaction did
+(``take_outcome``): with a router, the router runs every transaction (pdctl.router.transaction;
+a push's side of it is pdctl.weights.routed). ``WeightSync`` (torch) adds the broadcast group;
+``pdctl weights load`` (the control machine, which has no torch) uses ``Fleet.load_from_disk``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import contextlib
 import http.client
 import json
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +25,8 @@ from pdctl.errors import WeightSyncError
 from pdctl.refit import (
     DEFAULT_HOLD_TIMEOUT_SECS,
     DEFAULT_LEASE_SECS,
-    HOLD_PATH,
     LOAD_PATH,
-    RELEASE_PATH,
-    Hold,
-    HoldAnswer,
     RefitMode,
-    Release,
 )
 from pdctl.sglang import (
     Endpoint,
@@ -135,9 +128,7 @@ class Fleet:
         self.max_staleness = max_staleness
         self.follow_router = follow_router and self.router_url is not None
         self.holding: str | None = None
-        """The txn of this fleet's own transaction while it holds the router."""
-        self.lease: _Lease | None = None
-        """Its lease meanwhile."""
+        """The txn of this fleet's own push while the router runs it (pdctl.weights.routed)."""
         self.progress: Callable[[str], None] | None = None
         """Told what a transaction is doing, step by step (``pdctl weights load`` prints it)."""
         # The engines get the engine key (else the router's key, for engines that share it); the
@@ -234,45 +225,6 @@ class Fleet:
         """The /pause_generation body for a transaction in ``refit`` mode."""
         return pause_generation_body(PauseMode.ABORT if refit is RefitMode.INTERRUPT else self.pause_mode)
 
-    @contextlib.contextmanager
-    def held(
-        self,
-        report: PushReport,
-        group: Mapping[str, Any] | None = None,
-        refit: RefitMode | None = None,
-        source: str | None = None,
-    ) -> Iterator[None]:
-        """Hold the router (drain, a lease renewed meanwhile) around the body, then release naming
-        the engines that hold ``report.version`` and those that do not. If the body raises, every
-        engine not known to hold it leaves rotation. ``group`` (name, world size, each engine's
-        ranks) is kept by the router for ``pdctl weights status``; ``source``, a load's checkpoint
-        path, lets the router load it into engines that come back later. Without a router, just
-        the body."""
-        if not self.router_url:
-            yield
-            return
-        lease = _Lease(self)
-        with report.phase(Phase.HOLD):  # a hold that fails touched nothing
-            try:
-                lease.hold([e.url for e in self.engines], report.version, group, refit or self.refit, source)
-            except BaseException:  # Ctrl-C while the router drains: it lets requests in again at once
-                lease.abort({})
-                raise
-        try:
-            yield
-            with report.phase(Phase.RELEASE):
-                lease.release(self.complete_urls(report), self.failed_urls(report), report.phases)
-        except BaseException:
-            lease.abort(self.failed_urls(report, everyone=True))
-            raise
-        finally:
-            lease.stop()
-
-    def mark_moved(self) -> None:
-        """Weights begin to move in the transaction that holds the router (if one does)."""
-        if self.lease is not None:
-            self.lease.mark_moved()
-
     def raise_if_failed(self, report: PushReport, what: str) -> None:
         if not report.failed and not report.refused:
             return
@@ -292,23 +244,32 @@ class Fleet:
             report=report,
         )
 
-    def complete_urls(self, report: PushReport) -> list[str]:
-        by_id = {e.id: e.url for e in self.engines}
-        return [by_id[i] for i in report.engines]
+    def engine_id(self, url: str) -> str:
+        """The id of the engine at ``url`` (one added since the trainer started has none: its URL)."""
+        return next((e.id for e in self.engines if e.url == url), None) or _engine_id(url)
 
-    def failed_urls(self, report: PushReport, everyone: bool = False) -> dict[str, str]:
-        by_id = {e.id: e for e in self.engines}
-        out = {by_id[i].url: f"missed weight push {report.version} (not answering)" for i in report.skipped}
-        out.update({by_id[i].url: f"weight push {report.version} failed: {why}" for i, why in report.failed.items()})
-        if everyone:  # the transaction stopped half way: only engines known to be complete stay in rotation
-            out.update(
-                {
-                    e.url: f"weight push {report.version} did not finish"
-                    for e in self.engines
-                    if e.id not in report.engines
-                }
-            )
-        return out
+    def blame(self, failure: CallFailure) -> dict[str, str]:
+        """Engine id -> what went wrong there, from the router's failed answer to a call it
+        forwarded to the engines; the router itself when it names none (it refused, or did not
+        answer)."""
+        named = failure.body.get("engines") if isinstance(failure.body, dict) else None
+        if not isinstance(named, dict) or not named:
+            return {"router": str(failure)}
+        return {self.engine_id(url): str(why) for url, why in named.items()}
+
+    def take_outcome(self, report: PushReport, outcome: Mapping[str, Any], *, retry: bool = False) -> None:
+        """What the router's transaction did (``FleetTransactions.outcome``, by engine URL) into
+        ``report`` (by engine id); failures already recorded there keep their first reason."""
+        steps = outcome.get("steps") or {}
+        report.engines = [self.engine_id(u) for u in outcome.get("complete", [])]
+        for u, why in (outcome.get("refused") or {}).items():  # they kept their weights: not failed
+            engine = self.engine_id(u)
+            first = report.failed.pop(engine, None)
+            report.refused.setdefault(engine, first or Failure(engine, Phase.TRANSFER, str(why), retry))
+        for u, why in (outcome.get("failed") or {}).items():
+            engine = self.engine_id(u)
+            if engine not in report.failed:
+                report.failed[engine] = Failure(engine, Phase(steps.get(u, "transfer")), str(why), retry)
 
     # -- fan-outs ----------------------------------------------------------------------------------------
     def fanout(self, members: Sequence[Member], phase: Phase, endpoint: Endpoint, body: Any) -> dict[str, Any]:
@@ -392,16 +353,12 @@ class Fleet:
             conn.close()
         if not isinstance(outcome, dict):
             raise WeightSyncError(f"the router's load of {model_path} ended with no outcome", phase=Phase.RELEASE)
-        ids = {e.url: e.id for e in self.engines}
-        named = lambda u: ids.get(u) or _engine_id(u)  # noqa: E731 - an engine added since has no id here
-        report.engines = [named(u) for u in outcome.get("complete", [])]
-        for u, why in (outcome.get("refused") or {}).items():
-            report.refused[named(u)] = Failure(named(u), Phase.TRANSFER, why)
-        for u, why in (outcome.get("failed") or {}).items():
-            if "no answer" in why:  # not answering (restarting): the router loads it once it answers
-                report.skipped.append(named(u))
-            else:
-                report.failed[named(u)] = Failure(named(u), Phase.TRANSFER, why)
+        absent = {u for u, why in (outcome.get("failed") or {}).items() if "no answer" in why}
+        # not answering (restarting): the router loads it once it answers; skipped, not failed
+        report.skipped.extend(self.engine_id(u) for u in absent)
+        self.take_outcome(
+            report, {**outcome, "failed": {u: w for u, w in outcome["failed"].items() if u not in absent}}
+        )
         report.phases.update({k: float(v) for k, v in (outcome.get("phases") or {}).items()})
         return report
 
@@ -411,132 +368,39 @@ class Fleet:
         with report.phase(Phase.PROBE):
             live, infos = self.probe(report)
         members = tuple(Member.of(e, 0, infos[e.id]) for e in live)
-        with self.held(report, refit=mode, source=model_path):
-            try:
-                with report.phase(Phase.PAUSE):
-                    self.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, self.pause_body(mode))
-                with report.phase(Phase.TRANSFER):
-                    self.tell(f"loading {model_path} on {len(members)} engine(s)")
-                    self.mark_moved()
-                    body = update_weights_from_disk_body(model_path)
-                    futures = {
-                        m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, body)
-                        for m in members
-                    }
-                    answers = {i: f.result() for i, f in futures.items()}
-                for engine_id, answer in answers.items():
-                    if isinstance(answer, CallFailure) and answer.transport:
-                        report.failed[engine_id] = Failure(engine_id, Phase.TRANSFER, f"load: {answer}")
-                    elif isinstance(answer, CallFailure):
-                        report.refused[engine_id] = Failure(engine_id, Phase.TRANSFER, f"load: {answer}")
-                loaded = tuple(m for m in members if not isinstance(answers[m.id], CallFailure))
-                with report.phase(Phase.VERSION):
-                    body = update_weight_version_body(version)
-                    self.fanout(loaded, Phase.VERSION, Endpoint.UPDATE_WEIGHT_VERSION, body)
-                report.engines = [m.id for m in loaded]
-            except EngineFault as fault:
-                report.failed.update(fault.failures())
-                report.engines = []
-                if fault.phase is Phase.VERSION:  # they hold the new weights under the old version's name
-                    for m in loaded:
-                        report.failed.setdefault(
-                            m.id, Failure(m.id, Phase.VERSION, "loaded but the version was not set everywhere")
-                        )
-            finally:
-                with report.phase(Phase.CONTINUE):
-                    self.fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
+        try:
+            with report.phase(Phase.PAUSE):
+                self.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, self.pause_body(mode))
+            with report.phase(Phase.TRANSFER):
+                self.tell(f"loading {model_path} on {len(members)} engine(s)")
+                body = update_weights_from_disk_body(model_path)
+                futures = {
+                    m.id: self.client.submit("POST", m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISK.value, body)
+                    for m in members
+                }
+                answers = {i: f.result() for i, f in futures.items()}
+            for engine_id, answer in answers.items():
+                if isinstance(answer, CallFailure) and answer.transport:
+                    report.failed[engine_id] = Failure(engine_id, Phase.TRANSFER, f"load: {answer}")
+                elif isinstance(answer, CallFailure):
+                    report.refused[engine_id] = Failure(engine_id, Phase.TRANSFER, f"load: {answer}")
+            loaded = tuple(m for m in members if not isinstance(answers[m.id], CallFailure))
+            with report.phase(Phase.VERSION):
+                body = update_weight_version_body(version)
+                self.fanout(loaded, Phase.VERSION, Endpoint.UPDATE_WEIGHT_VERSION, body)
+            report.engines = [m.id for m in loaded]
+        except EngineFault as fault:
+            report.failed.update(fault.failures())
+            report.engines = []
+            if fault.phase is Phase.VERSION:  # they hold the new weights under the old version's name
+                for m in loaded:
+                    report.failed.setdefault(
+                        m.id, Failure(m.id, Phase.VERSION, "loaded but the version was not set everywhere")
+                    )
+        finally:
+            with report.phase(Phase.CONTINUE):
+                self.fanout_quiet(members, Endpoint.CONTINUE_GENERATION, {})
         return report
-
-
-class _Lease:
-    """The router side of a transaction: hold (drain) with a lease renewed while it runs, then
-    release naming the engines that got the version and those that did not."""
-
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
-        self.txn = f"{os.getpid()}-{time.monotonic_ns()}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._renewal: Hold | None = None
-        self.moved = False
-        """Weights have begun to move: until then a lost lease or an interruption leaves every
-        engine in rotation (nothing of theirs changed)."""
-
-    def _call(self, path: str, body: dict[str, Any], timeout: float) -> Any:
-        return self.fleet.client.post(f"{self.fleet.router_url}{path}", body, timeout_secs=timeout)
-
-    def hold(
-        self,
-        engines: list[str],
-        version: str,
-        group: Mapping[str, Any] | None,
-        refit: RefitMode,
-        source: str | None = None,
-    ) -> None:
-        hold = Hold(
-            source=source,
-            txn=self.txn,
-            version=version,
-            engines=tuple(engines),
-            lease_secs=self.fleet.lease_secs,
-            timeout_secs=self.fleet.hold_timeout_secs,
-            refit=refit,
-            max_staleness=self.fleet.max_staleness,
-            group=group,
-        )
-        if refit is RefitMode.DRAIN:
-            self.fleet.tell(f"holding the router at {self.fleet.router_url}: draining the requests in flight")
-        else:
-            self.fleet.tell(f"holding the router at {self.fleet.router_url}")
-        result = self._call(HOLD_PATH, hold.to_json(), self.fleet.hold_timeout_secs + 10)
-        answer = None if isinstance(result, CallFailure) else HoldAnswer.from_json(result)
-        if answer is None or not answer.ready:
-            if not (isinstance(result, CallFailure) and result.status == 409):  # 409: another push holds it
-                self._call(RELEASE_PATH, Release(txn=self.txn).to_json(), 30)
-            what = "drain" if refit is RefitMode.DRAIN else "hold"
-            raise WeightSyncError(
-                f"the router at {self.fleet.router_url} did not {what} for the push: {result}", phase=Phase.HOLD
-            )
-        self.fleet.holding = self.txn
-        self.fleet.lease = self
-        self._renewal = hold.renewal()
-        self._thread = threading.Thread(target=self._renew, name="pdctl-weights-lease", daemon=True)
-        self._thread.start()
-
-    def mark_moved(self) -> None:
-        """Weights begin to move: the router hears it at once (a renewal that says so)."""
-        if self.moved or self._renewal is None:
-            return
-        self.moved = True
-        result = self._call(HOLD_PATH, self._renewal.renewal(moved=True).to_json(), 10)
-        if isinstance(result, CallFailure):
-            log.warning("weights: could not tell the router that weights move: %s", result)
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.fleet.lease_secs / 3):
-            assert self._renewal is not None
-            result = self._call(HOLD_PATH, self._renewal.renewal(moved=self.moved).to_json(), 10)
-            if isinstance(result, CallFailure):
-                log.warning("weights: could not renew the router's hold: %s", result)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.fleet.holding = None
-        self.fleet.lease = None
-
-    def release(self, complete: list[str], failed: dict[str, str], phases: Mapping[str, float]) -> None:
-        self._stop.set()
-        result = self._call(RELEASE_PATH, Release(self.txn, tuple(complete), failed, dict(phases)).to_json(), 60)
-        if isinstance(result, CallFailure):
-            raise WeightSyncError(f"the router did not resume after the push: {result}", phase=Phase.RELEASE)
-
-    def abort(self, failed: dict[str, str]) -> None:
-        """The transaction stopped (an error, Ctrl-C): engines not known whole leave rotation, or
-        none does when no weights had moved yet."""
-        self._stop.set()
-        release = Release(self.txn, (), failed) if self.moved else Release(self.txn, moved=False)
-        with contextlib.suppress(Exception):
-            self._call(RELEASE_PATH, release.to_json(), 30)
 
 
 def refit_mode(value: RefitMode | str) -> RefitMode:

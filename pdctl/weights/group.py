@@ -76,6 +76,13 @@ class BroadcastGroup:
         self.drop()
         self.fleet.refuse_if_held()  # another transaction's open sessions on the engines are not ours to close
         # This trainer's old group, or whatever an earlier trainer left open: a session (it died mid-push), its group.
+        if self.fleet.router_url:  # the router forgets the groups it joined for this trainer
+            for stale in {self.group_name, self.name}:
+                self.fleet.client.post(
+                    self.fleet.router_url + Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP.value,
+                    destroy_weights_update_group_body(stale),
+                    timeout_secs=30,
+                )
         self.fleet.fanout_quiet(live, Endpoint.END_WEIGHT_UPDATE, {})
         for stale in {self.group_name, self.name}:
             self.fleet.fanout_quiet(
@@ -91,21 +98,34 @@ class BroadcastGroup:
         name = self.group_name if not self._abandoned else f"{self.group_name}-{len(self._abandoned)}"
         self.name = name
         client = self.fleet.client
-        engines = {
-            client.submit(
-                "POST",
-                m.url + Endpoint.INIT_WEIGHTS_UPDATE_GROUP.value,
-                init_weights_update_group_body(
-                    master_address=self.master_address,
-                    master_port=port,
-                    rank_offset=m.rank_offset,
-                    world_size=world_size,
-                    group_name=name,
-                    backend=self.backend,
-                ),
-            ): m.id
-            for m in members
-        }
+        router = self.fleet.router_url
+        if router:  # the router joins them (its weight order), as for a framework: it forwards the updates
+            body = init_weights_update_group_body(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=1,
+                world_size=world_size,
+                group_name=name,
+                backend=self.backend,
+            )
+            body["pdctl_engines"] = [m.url for m in members]
+            engines = {client.submit("POST", router + Endpoint.INIT_WEIGHTS_UPDATE_GROUP.value, body): "router"}
+        else:
+            engines = {
+                client.submit(
+                    "POST",
+                    m.url + Endpoint.INIT_WEIGHTS_UPDATE_GROUP.value,
+                    init_weights_update_group_body(
+                        master_address=self.master_address,
+                        master_port=port,
+                        rank_offset=m.rank_offset,
+                        world_size=world_size,
+                        group_name=name,
+                        backend=self.backend,
+                    ),
+                ): m.id
+                for m in members
+            }
         rank0 = client.pool.submit(
             init_custom_process_group,
             backend=self.backend,
@@ -146,6 +166,12 @@ class BroadcastGroup:
                 if isinstance(answer, CallFailure):
                     self._abandoned.append(rank0)  # its rendezvous times out on its own
                     engine = engines[future]
+                    if engine == "router":
+                        engine = next(iter(self.fleet.blame(answer)))
+                    if engine == "router":
+                        raise WeightSyncError(
+                            f"the router did not join the engines to the weight group: {answer}", phase=Phase.CONNECT
+                        )
                     raise WeightSyncError(
                         f"engine {engine} did not join the weight group: {answer}", engine=engine, phase=Phase.CONNECT
                     )
@@ -181,8 +207,15 @@ class BroadcastGroup:
         }
 
     def destroy_on_engines(self) -> None:
-        if self.members:
-            body = destroy_weights_update_group_body(self.name)
+        """The group goes from the engines (through the router, which joined them, if there is one)."""
+        if not self.members:
+            return
+        body = destroy_weights_update_group_body(self.name)
+        if self.fleet.router_url:
+            self.fleet.client.post(
+                self.fleet.router_url + Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP.value, body, timeout_secs=30
+            )
+        else:
             self.fleet.fanout_quiet(self.members, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, body)
 
     def drop(self) -> None:

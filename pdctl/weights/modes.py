@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from pdctl.choices import Choice
+from pdctl.refit import VerifyMode
 
-
-class VerifyMode(Choice):
-    """How the engines' checksums of pushed tensors are compared with the trainer's."""
-
-    AUTO = "auto"
-    """``sample`` when every engine is a sim, else ``off``."""
-    SAMPLE = "sample"
-    FULL = "full"
-    OFF = "off"
+__all__ = ["LoadFormat", "VerifyMode"]
 
 
 class LoadFormat(Choice):

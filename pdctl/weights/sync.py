@@ -49,6 +49,7 @@ from pdctl.weights.group import BroadcastGroup
 from pdctl.weights.modes import LoadFormat, VerifyMode
 from pdctl.weights.phase import EngineFault, Failure, Phase
 from pdctl.weights.report import PushReport
+from pdctl.weights.routed import RouterPush
 from pdctl.weights.transaction import NamedTensors, Transaction
 
 log = logging.getLogger("pdctl.weights")
@@ -254,7 +255,9 @@ class WeightSync:
                     exc.report = report
                     raise
         members = self.group.members
-        with self.fleet.held(report, self.group.info(), refit=mode):
+        if self.fleet.router_url:
+            self._push_through_router(members, source if reusable else None, source, report, mode)
+        else:
             try:
                 self.transaction.run(members, source, version, report)
             except EngineFault as fault:
@@ -271,6 +274,69 @@ class WeightSync:
         )
         return report
 
+    def _push_through_router(
+        self,
+        members: tuple[Member, ...],
+        again: Callable[[], NamedTensors] | None,
+        source: Callable[[], NamedTensors],
+        report: PushReport,
+        refit: RefitMode,
+    ) -> None:
+        """The push as the router's fleet transaction (pdctl.weights.routed). ``again``: the
+        tensors once more, for a redo on the engines that survive a failure (None: an iterator)."""
+        push = RouterPush(self.fleet, report, refit)
+        push.open()
+        try:
+            try:
+                self.transaction.run_routed(members, source, report, push)
+            except EngineFault as fault:
+                self._redo(fault, members, again, report, push)
+        except BaseException as exc:  # an error or a Ctrl-C here: the router ends it as failed
+            push.abort(f"the trainer's push stopped: {type(exc).__name__}: {exc}"[:500])
+            raise
+        finally:
+            push.close()
+
+    def _redo(
+        self,
+        fault: EngineFault,
+        members: tuple[Member, ...],
+        source: Callable[[], NamedTensors] | None,
+        report: PushReport,
+        push: RouterPush,
+    ) -> None:
+        """After ``fault`` in a push the router runs: record the culprits, then, within the same
+        hold, redo the push on the survivors over a group built again, or abort it."""
+        for engine, failure in fault.failures().items():
+            report.failed[engine] = failure
+            log.error("weights %s: engine %s failed in %s: %s", report.version, engine, failure.phase, failure.reason)
+        self.group.abandon()  # a bucket failed: the group is unusable on every rank
+        culprits = ", ".join(fault.culprits)
+        survivors = {m.id for m in members if m.id not in fault.culprits}
+        if not (self.recover and survivors and source is not None and "router" not in fault.culprits):
+            push.abort(f"{culprits} failed in {fault.phase}")
+            return
+        report.retried = True
+        try:
+            live, infos = self.fleet.probe(report)
+            alive = [e for e in live if e.id in survivors]
+            if not alive:
+                push.abort(f"{culprits} failed in {fault.phase}; no other engine answers")
+                return
+            push.redo([e.url for e in alive])
+            self.group.build(alive, infos)
+            self.transaction.run_routed(self.group.members, source, report, push)
+        except EngineFault as failed:
+            for engine, failure in failed.failures(retry=True).items():
+                report.failed.setdefault(engine, failure)
+            self.group.abandon()
+            push.abort(f"{culprits} failed in {fault.phase}, then {', '.join(failed.culprits)} in the redo")
+        except WeightSyncError as failed:
+            engine = failed.engine or "rank 0"
+            report.failed.setdefault(engine, Failure(engine, Phase(failed.phase or Phase.CONNECT), str(failed), True))
+            self.group.abandon()
+            push.abort(f"{culprits} failed in {fault.phase}, then the redo: {failed}")
+
     def _recover(
         self,
         fault: EngineFault,
@@ -279,7 +345,8 @@ class WeightSync:
         version: str,
         report: PushReport,
     ) -> None:
-        """After ``fault``: record the culprits, then get the survivors to a complete version if possible."""
+        """After ``fault`` in a push with no router: record the culprits, then get the survivors
+        to a complete version if possible."""
         for engine, failure in fault.failures().items():
             report.failed[engine] = failure
             log.error("weights %s: engine %s failed in %s: %s", version, engine, failure.phase, failure.reason)

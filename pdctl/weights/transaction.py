@@ -43,10 +43,21 @@ from pdctl.weights.group import BroadcastGroup
 from pdctl.weights.modes import LoadFormat, VerifyMode
 from pdctl.weights.phase import EngineFault, Phase
 from pdctl.weights.report import PushReport
+from pdctl.weights.routed import RouterPush
 
 log = logging.getLogger("pdctl.weights")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BucketCalls:
+    """Where each bucket's update call goes: id -> URL, each engine's (no router), or the
+    router's one, which it forwards to every engine; ``blame`` names the engines at fault from
+    the router's failed answer."""
+
+    urls: dict[str, str]
+    blame: Callable[[CallFailure], dict[str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,8 @@ class Transaction:
         self, members: tuple[Member, ...], source: Callable[[], NamedTensors], version: str, report: PushReport
     ) -> None:
         """pause -> begin -> buckets -> end -> version -> verify -> continue over ``members`` (the
-        group's); fills ``report``; raises EngineFault naming the engines that failed and the phase."""
+        group's), calling each engine from here (a fleet with no router); fills ``report``;
+        raises EngineFault naming the engines that failed and the phase."""
         with report.phase(Phase.PAUSE):
             body = self.fleet.pause_body(RefitMode(report.refit))
             self.fleet.fanout(members, Phase.PAUSE, Endpoint.PAUSE_GENERATION, body)
@@ -95,6 +107,38 @@ class Transaction:
         with report.phase(Phase.BEGIN):
             if sessions:
                 self.fleet.fanout(tuple(sessions), Phase.BEGIN, Endpoint.BEGIN_WEIGHT_UPDATE, {"selector": "all"})
+        endpoint = Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value
+        sums = self.transfer(members, source, report, BucketCalls({m.id: m.url + endpoint for m in members}))
+        with report.phase(Phase.END):
+            if sessions:
+                self.fleet.fanout(tuple(sessions), Phase.END, Endpoint.END_WEIGHT_UPDATE, {})
+        with report.phase(Phase.VERSION):
+            self.fleet.fanout(
+                members, Phase.VERSION, Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version)
+            )
+        with report.phase(Phase.VERIFY):
+            if sums:
+                self._verify(members, sums, report.verify)
+        with report.phase(Phase.CONTINUE):
+            self.fleet.fanout(members, Phase.CONTINUE, Endpoint.CONTINUE_GENERATION, {})
+        report.engines = [m.id for m in members]
+
+    def run_routed(
+        self, members: tuple[Member, ...], source: Callable[[], NamedTensors], report: PushReport, push: RouterPush
+    ) -> None:
+        """The buckets of a push the router runs (pdctl.weights.routed; it has held and paused the
+        fleet), each one update call to the router, which forwards it to every member; then its
+        commit (end, verify against the checksums taken here, version, continue, release).
+        Raises EngineFault naming the engines that failed a bucket (the push stays open)."""
+        url = push.router + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value
+        sums = self.transfer(members, source, report, BucketCalls({"router": url}, push.blame))
+        push.commit(sums, self.verify)
+
+    def transfer(
+        self, members: tuple[Member, ...], source: Callable[[], NamedTensors], report: PushReport, calls: BucketCalls
+    ) -> dict[str, str]:
+        """Every bucket of ``source``: its update calls (``calls``) and its broadcast over the
+        group of ``members``; returns the checksums of what was sent (none when verify is off)."""
         # auto: one broadcast per tensor over gloo, where a flatten would be one more full copy on the
         # cores that carry the broadcast and the per-call cost is small (benchmarks/weight_push.py);
         # flattened buckets over NCCL, where per-call latency dominates and copies run at HBM speed.
@@ -110,7 +154,6 @@ class Transaction:
         report.bytes = report.tensors = report.buckets = 0
         checksum_secs = 0.0
         with report.phase(Phase.TRANSFER):
-            self.fleet.mark_moved()
             answering: InFlight | None = None
             for bucket in buckets(source(), self.bucket_bytes):
                 # Flatten this bucket while the engines still load the previous one: the staging
@@ -121,8 +164,8 @@ class Transaction:
                     else list(bucket.tensors)
                 )
                 if answering is not None:
-                    self._await_answers(answering)
-                answering = self._send_bucket(members, bucket, tensors, flattened, report)
+                    self._await_answers(answering, calls)
+                answering = self._send_bucket(calls, bucket, tensors, flattened, report)
                 if verify != "off":
                     started = time.perf_counter()
                     sums.update(
@@ -130,26 +173,14 @@ class Transaction:
                     )
                     checksum_secs += time.perf_counter() - started
             if answering is not None:
-                self._await_answers(answering)
+                self._await_answers(answering, calls)
         report.phases[Phase.TRANSFER.value] -= checksum_secs  # the trainer's checksums count as verify time
         report.phases[Phase.VERIFY.value] = report.phases.get(Phase.VERIFY.value, 0.0) + checksum_secs
-        with report.phase(Phase.END):
-            if sessions:
-                self.fleet.fanout(tuple(sessions), Phase.END, Endpoint.END_WEIGHT_UPDATE, {})
-        with report.phase(Phase.VERSION):
-            self.fleet.fanout(
-                members, Phase.VERSION, Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(version)
-            )
-        with report.phase(Phase.VERIFY):
-            if verify != "off":
-                self._verify(members, sums, verify)
-        with report.phase(Phase.CONTINUE):
-            self.fleet.fanout(members, Phase.CONTINUE, Endpoint.CONTINUE_GENERATION, {})
-        report.engines = [m.id for m in members]
+        return sums
 
     def _send_bucket(
         self,
-        members: tuple[Member, ...],
+        calls: BucketCalls,
         bucket: Bucket,
         tensors: list[torch.Tensor],
         flattened: bool,
@@ -168,22 +199,22 @@ class Transaction:
         )
         # Connect to every engine before the broadcast starts: gloo relays a broadcast through
         # other ranks, so one dead engine would leave the live ones waiting inside it.
-        urls = {m.id: m.url + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value for m in members}
+        urls = calls.urls
         conns = {i: self.fleet.client.pool.submit(self.fleet.client.connect, url) for i, url in urls.items()}
         answers = {i: f.result() for i, f in conns.items()}
         opened = {i: c for i, c in answers.items() if not isinstance(c, CallFailure)}
-        refused = {i: c.message for i, c in answers.items() if isinstance(c, CallFailure)}
+        refused = {i: c for i, c in answers.items() if isinstance(c, CallFailure)}
         if refused:
             for conn in opened.values():
                 conn.close()
-            raise EngineFault(Phase.TRANSFER, refused)
+            raise EngineFault(Phase.TRANSFER, {i: str(c) for i, c in refused.items()})
         sent = InFlight(
             futures={i: self.fleet.client.pool.submit(self.fleet.client.send, opened[i], urls[i], body) for i in urls},
             deadline=time.monotonic() + self.timeout_secs,
         )
         assert self.group.process_group is not None
         works = [dist.broadcast(t, src=0, group=self.group.process_group, async_op=True) for t in tensors]
-        self._await_broadcast(works, sent)
+        self._await_broadcast(works, sent, calls)
         report.bytes += bucket.nbytes
         report.tensors += len(bucket.names)
         report.buckets += 1
@@ -191,7 +222,7 @@ class Transaction:
         report.http_calls += len(sent.futures)
         return sent
 
-    def _await_broadcast(self, works: list[Any], sent: InFlight) -> None:
+    def _await_broadcast(self, works: list[Any], sent: InFlight, calls: BucketCalls) -> None:
         """Wait for the broadcasts. An engine that fails before they complete would leave them
         pending (a live rank that never receives): stop waiting after a short grace and abandon
         the group.
@@ -214,7 +245,7 @@ class Transaction:
             until = sent.deadline if failed_since is None else min(sent.deadline, failed_since + 1.0)
             if now >= until:
                 self.group.pending = works
-                raise EngineFault(Phase.TRANSFER, self._culprits(sent.futures, sent.deadline))
+                raise EngineFault(Phase.TRANSFER, self._culprits(sent.futures, sent.deadline, calls))
             wake.wait(min(until - now, 1.0))
         error: Exception | None = None
         for work in works:
@@ -223,20 +254,25 @@ class Transaction:
             except Exception as exc:  # a peer died: the engines' answers say which
                 error = exc
         if error is not None:
-            raise EngineFault(Phase.TRANSFER, self._culprits(sent.futures, sent.deadline, error))
+            raise EngineFault(Phase.TRANSFER, self._culprits(sent.futures, sent.deadline, calls, error))
 
-    def _await_answers(self, sent: InFlight) -> None:
+    def _await_answers(self, sent: InFlight, calls: BucketCalls) -> None:
         """Wait for every engine's answer to a bucket whose broadcast has completed."""
         failed = failures(sent.futures, wait_until=sent.deadline)
         if failed or not all(f.done() for f in sent.futures.values()):  # a failure, or silence past the deadline
-            raise EngineFault(Phase.TRANSFER, self._culprits(sent.futures, sent.deadline))
+            raise EngineFault(Phase.TRANSFER, self._culprits(sent.futures, sent.deadline, calls))
 
-    def _culprits(self, futures: dict[str, Future], deadline: float, error: Exception | None = None) -> dict[str, str]:
+    def _culprits(
+        self, futures: dict[str, Future], deadline: float, calls: BucketCalls, error: Exception | None = None
+    ) -> dict[str, str]:
         """Who is at fault: engines that gave no answer (dead, hung) before engines that answered
-        with an error (the others fail with 'connection closed by peer' when one dies)."""
+        with an error (the others fail with 'connection closed by peer' when one dies). Through
+        the router, its answer names them (it put them in that order)."""
         grace = min(deadline, time.monotonic() + 5.0)
         failed = failures(futures, wait_until=grace)
         silent = {i: f"no answer within {self.timeout_secs:.0f}s" for i, f in futures.items() if not f.done()}
+        if calls.blame is not None and failed and not silent:
+            return {i: why for f in failed.values() for i, why in calls.blame(f).items()}
         transport = {i: f.message for i, f in failed.items() if f.transport}
         if transport or silent:
             return {**transport, **silent}

@@ -85,10 +85,17 @@ def test_a_wrong_tensor_is_refused_and_named(fleet):
 
         sync.push([("model.no_such.weight", torch.zeros(4))], version="bad")
     assert err.value.phase == "transfer" and err.value.engine in {"e0", "e1", "e2"}
-    # Every engine refused the same unknown name: none holds "bad"; they are out of rotation...
+    # Every engine refused the same unknown name before it touched its model: none holds "bad",
+    # each keeps its weights and serves on (the fleet transaction's one rule, as for a framework).
+    report = err.value.report
+    assert set(report.refused) == {"e0", "e1", "e2"} and not report.failed and not report.engines
+    assert "kept their previous weights and serve on" in str(err.value)
     workers = get(router.url + "/workers")[1]["workers"]
-    assert all(w["quarantined"] for w in workers)
-    # ...until a good push brings them back.
+    assert not any(w["quarantined"] for w in workers)
+    assert all(w["weight_version"] != "bad" for w in workers)
+    status, _ = post(router.url + "/generate", {"text": "still up", **GREEDY})
+    assert status == 200
+    # A good push reaches them all.
     trainer = model(seed=3)
     with sync_for(procs, router) as sync:
         report = sync.push(dict(trainer.named_parameters()), version="good")

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pdctl.refit import TXN_HEADER
 from pdctl.router.config import RouterConfig
 from pdctl.router.fanout import call_all
 from pdctl.router.jsonutil import loads
@@ -87,6 +88,8 @@ class SGLangFacade:
         except ValueError as exc:
             return _error(400, str(exc))
         async with self._lock:
+            if foreign := self.txns.foreign(_caller(request)):
+                return _error(409, foreign)
             await self._end_implicit()
             txn = self.txns.current
             try:
@@ -103,8 +106,7 @@ class SGLangFacade:
         """Ends the transaction (pdctl.router.transaction ``end``); with none open, every engine
         is continued (SGLang's continue of an engine that is not paused does nothing)."""
         async with self._lock:
-            foreign = self.txns.foreign()
-            if foreign is not None:
+            if foreign := self.txns.foreign(_caller(request)):
                 return _error(409, foreign)
             txn = self.txns.current
             if txn is None:
@@ -153,6 +155,8 @@ class SGLangFacade:
         except ValueError as exc:
             return _error(400, str(exc))
         async with self._lock:
+            if foreign := self.txns.foreign(_caller(request)):
+                return _error(409, foreign)
             await self._end_implicit()
             try:
                 txn = self.txns.current or await self.txns.open(Opener.MEMORY, None)
@@ -174,8 +178,7 @@ class SGLangFacade:
         except ValueError as exc:
             return _error(400, str(exc))
         async with self._lock:
-            foreign = self.txns.foreign()
-            if foreign is not None:
+            if foreign := self.txns.foreign(_caller(request)):
                 return _error(409, foreign)
             txn = self.txns.current
             if txn is None:
@@ -231,8 +234,7 @@ class SGLangFacade:
             return _fail(400, str(exc))
         async with self._lock:
             await self._end_implicit()
-            foreign = self.txns.foreign()
-            if foreign is not None:
+            if foreign := self.txns.foreign(_caller(request)):
                 return _fail(409, foreign)
             txn = self.txns.current
             if txn is not None and txn.moved is not Moved.NOTHING:
@@ -264,6 +266,8 @@ class SGLangFacade:
         except ValueError as exc:
             return _fail(400, f"update_weights_from_disk: {exc}", num_paused_requests=0)
         async with self._lock:
+            if foreign := self.txns.foreign(_caller(request)):
+                return _fail(409, foreign, num_paused_requests=0)
             txn = self.txns.current
             if txn is not None and txn.moved is Moved.DISTRIBUTED:
                 if txn.opener is not Opener.UPDATE:
@@ -294,18 +298,24 @@ class SGLangFacade:
         answered when they all have joined, which is when the framework's own rank 0 has (bounded
         by the engines' rendezvous timeout and ``--request-timeout-secs``)."""
         try:
-            spec = sg.InitGroup.from_body(_body(request))
+            body = _body(request)
+            spec = sg.InitGroup.from_body(body)
+            only = _engine_urls(body)
         except ValueError as exc:
             return _fail(400, f"init_weights_update_group: {exc}")
         async with self._lock:
+            if pushing := self.txns.pushing(_caller(request)):
+                return _fail(409, pushing)
             await self._end_implicit()
             txn = self.txns.current
         if txn is None:
-            return await self._init_group(spec)
+            return await self._init_group(spec, only)
         async with self.txns.call(txn):  # the framework's rendezvous may take a while: no lapse under it
-            return await self._init_group(spec)
+            return await self._init_group(spec, only)
 
-    async def _init_group(self, spec: sg.InitGroup) -> Reply:
+    async def _init_group(self, spec: sg.InitGroup, only: frozenset[str] | None) -> Reply:
+        """``only``: the engines (URLs) to join, every engine of the router when None (a push
+        leaves out those that do not answer, as ``pdctl.weights`` has always done)."""
         old = self.book.pop(spec.group_name)
         if old is not None:
             # A framework that joins a name again has left the old group (AReaL retries a failed
@@ -315,6 +325,11 @@ class SGLangFacade:
                 (m.worker for m in old.members), Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": spec.group_name}
             )
         engines = self.txns.engines()
+        if only is not None:
+            unknown = sorted(only - {w.url for w in engines})
+            if unknown:
+                return _fail(400, f"Failed to initialize custom process group: not engines of this router: {unknown}")
+            engines = [w for w in engines if w.url in only]
         infos = await call_all(self.txns.session, engines, "GET", Endpoint.SERVER_INFO.value, None, INFO_SECS)
         silent = [f"{label(a.worker)} {a.why()}" for a in infos if not (a.ok and isinstance(a.body, dict))]
         if silent:
@@ -348,7 +363,11 @@ class SGLangFacade:
         if failed:
             joined = [a.worker for a in flat if a.ok]
             await self.txns.call_all(joined, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": spec.group_name})
-            return _fail(400, f"Failed to initialize custom process group on {'; '.join(failed)}")
+            return _fail(
+                400,
+                f"Failed to initialize custom process group on {'; '.join(failed)}",
+                engines={a.worker.url: a.why() for a in flat if not a.ok},
+            )
         self.book.add(FleetGroup(spec, members))
         return json_reply({"success": True, "message": sg.GROUP_INITIALIZED})
 
@@ -360,6 +379,8 @@ class SGLangFacade:
         except (ValueError, LayoutError) as exc:
             return _fail(400, str(exc))
         async with self._lock:
+            if pushing := self.txns.pushing(_caller(request)):
+                return _fail(409, pushing)
             await self._end_implicit()
             group = self.book.pop(name)
         if group is None:
@@ -388,6 +409,8 @@ class SGLangFacade:
         except (ValueError, LayoutError) as exc:
             return _fail(400, f"update_weights_from_distributed: {exc}")
         async with self._lock:
+            if foreign := self.txns.foreign(_caller(request)):
+                return _fail(409, foreign)
             group = self.book.groups.get(name)
             if group is None:
                 return _fail(400, sg.missing_group(name, list(self.book.groups)))
@@ -411,7 +434,7 @@ class SGLangFacade:
                 if exc.left:  # their ranks left the group: no later broadcast over it can complete
                     self.book.broke(name, f"{', '.join(self.txns_label(u) for u in exc.left)} left it")
                 log.warning("update_weights_from_distributed over %s: %s", name, exc)
-                return _fail(400, f"Failed to update parameter online: {exc}")
+                return _fail(400, f"Failed to update parameter online: {exc}", engines=exc.engines, left=list(exc.left))
         return json_reply({"success": True, "message": sg.UPDATED_ONLINE})
 
 
@@ -420,6 +443,24 @@ def _moved_already(txn: FleetTxn) -> str:
         f"weights already moved {txn.moved.value} in this transaction ({txn.id}); "
         "/continue_generation ends it before another kind of update"
     )
+
+
+def _caller(request: Request) -> str | None:
+    """The push a call says it belongs to (``TXN_HEADER``), if any."""
+    return request.headers.get(_TXN_HEADER)
+
+
+_TXN_HEADER = TXN_HEADER.lower()
+
+
+def _engine_urls(body: Any) -> frozenset[str] | None:
+    """``pdctl_engines``, pdctl's addition to ``/init_weights_update_group``: the engines to join."""
+    urls = body.get("pdctl_engines") if isinstance(body, dict) else None
+    if urls is None:
+        return None
+    if not isinstance(urls, list) or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError("pdctl_engines must be a list of engine URLs")
+    return frozenset(u.rstrip("/") for u in urls)
 
 
 def _body(request: Request) -> Any:

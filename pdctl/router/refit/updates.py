@@ -304,7 +304,7 @@ class WeightUpdates:
         if self._holder is not holder:
             return
         holder.lease = None
-        if holder.driver is Driver.FRAMEWORK and holder.txn is not None:
+        if holder.txn is not None:
             # The router's own transaction (pdctl.router.transaction) ends it: memory given back
             # and engines continued before a request may reach them.
             for told in list(self.on_lapse):
@@ -349,7 +349,7 @@ class WeightUpdates:
             self.metrics.weight_update_ended("abandoned", {}, self.held_secs())
         self.registry.updating = False
         self.gate.open()
-        if holder.driver is Driver.FRAMEWORK and txn is not None:
+        if txn is not None:
             return  # its listeners heard it above and none took it
         for told in list(self.on_lapse):
             try:

@@ -1,13 +1,30 @@
-"""``POST /pdctl/load``: ``pdctl weights load`` as a transaction the router runs itself, a thin
-adapter over ``FleetTransactions.load_for_pdctl``.
+"""The routes of the transactions pdctl's own drivers ask the router to run, thin adapters over
+``FleetTransactions``:
 
-Body: ``{"model_path", "version", "refit"?, "max_staleness"?}`` (``refit``: drain or interrupt;
-absent: the router's own settings; ``max_staleness`` null: unbounded).
-The answer streams one JSON object per line (``application/x-ndjson``): ``{"step": "holding",
-"drain"}``, ``{"step": "loading", "path", "engines"}``, then ``{"result": {...}}`` or ``{"error",
-"status"}``. The transaction runs in a task of its own: a client that goes away (a Ctrl-C) while
-requests drain cancels it with nothing changed; after the hold's answer it runs to its end, so the
-fleet ends on one version either way and ``pdctl weights status`` tells which.
+``POST /pdctl/load`` (``pdctl weights load``). Body: ``{"model_path", "version", "refit"?,
+"max_staleness"?}`` (``refit``: drain or interrupt; absent: the router's own settings;
+``max_staleness`` null: unbounded). The answer streams one JSON object per line
+(``application/x-ndjson``): ``{"step": "holding", "drain"}``, ``{"step": "loading", "path",
+"engines"}``, then ``{"result": {...}}`` or ``{"error", "status"}``. The transaction runs in a task
+of its own: a client that goes away (a Ctrl-C) while requests drain cancels it with nothing
+changed; after the hold's answer it runs to its end, so the fleet ends on one version either way
+and ``pdctl weights status`` tells which.
+
+A push (``pdctl.weights.WeightSync``), in steps its driver takes one at a time:
+
+- ``POST /pdctl/push/open`` ``{"version"?, "refit"?, "max_staleness"?, "lease_secs"?,
+  "timeout_secs"?}``: hold (drain: answered once requests in flight are done) and pause;
+  answers ``{"txn", "engines"}``. Its driver then sends SGLang's own
+  ``/init_weights_update_group`` and ``/update_weights_from_distributed`` to the router with
+  the ``X-Pdctl-Txn`` header, as a framework does (pdctl.router.facade).
+- ``POST /pdctl/push/renew`` ``{"txn"}``: its driver is alive between calls.
+- ``POST /pdctl/push/redo`` ``{"txn", "engines"}``: after a failed update call, the update starts
+  again on these engines (its driver builds their group again first).
+- ``POST /pdctl/push/commit`` ``{"txn", "version"?, "checksums"?, "verify"?}``: end, verify,
+  version, continue, release; answers the outcome (``FleetTransactions.outcome``).
+- ``POST /pdctl/push/abort`` ``{"txn", "why"}``: the update stopped; answers the outcome.
+
+A commit or abort runs to its end whether or not its client waits for the answer.
 """
 
 from __future__ import annotations
@@ -16,13 +33,24 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from pdctl.refit import LOAD_PATH, RefitMode, parse_staleness
+from pdctl.refit import (
+    LOAD_PATH,
+    PUSH_ABORT_PATH,
+    PUSH_COMMIT_PATH,
+    PUSH_OPEN_PATH,
+    PUSH_REDO_PATH,
+    PUSH_RENEW_PATH,
+    RefitMode,
+    VerifyMode,
+    parse_staleness,
+)
 from pdctl.router import errors
 from pdctl.router.jsonutil import dumps, json_object
-from pdctl.router.refit import Conflict
-from pdctl.router.reply import Reply, StreamReply, started
+from pdctl.router.refit import Conflict, Driver
+from pdctl.router.reply import Reply, StreamReply, json_reply, started
 from pdctl.router.server import Request, Routes
 from pdctl.router.transaction.runner import UNSET, FleetTransactions
+from pdctl.router.transaction.state import FleetTxn, Opener
 from pdctl.sglang import control as sg
 
 
@@ -77,3 +105,116 @@ class LoadRoute:
                 abandoned.set()  # (after the end, too: nothing waits for it then)
 
         return StreamReply(200, None, await started(lines()), "application/x-ndjson")
+
+
+class PushRoutes:
+    """A push's steps (module docstring)."""
+
+    def __init__(self, txns: FleetTransactions):
+        self.txns = txns
+
+    def add_routes(self, r: Routes) -> None:
+        r.add("POST", PUSH_OPEN_PATH, self.open)
+        r.add("POST", PUSH_RENEW_PATH, self.renew)
+        r.add("POST", PUSH_REDO_PATH, self.redo)
+        r.add("POST", PUSH_COMMIT_PATH, self.commit)
+        r.add("POST", PUSH_ABORT_PATH, self.abort)
+
+    async def open(self, request: Request) -> Reply:
+        raw, problem = json_object(request.body)
+        try:
+            if problem is not None:
+                raise ValueError(problem)
+            version = None if raw.get("version") is None else sg.text(raw, "version")
+            refit = None if raw.get("refit") is None else RefitMode.parse(raw["refit"])
+            staleness = parse_staleness(raw["max_staleness"]) if "max_staleness" in raw else UNSET
+            lease = _seconds(raw, "lease_secs")
+            timeout = _seconds(raw, "timeout_secs")
+        except ValueError as exc:
+            return errors.error_response(400, errors.BAD_REQUEST, f"bad push: {exc}")
+        abandoned = asyncio.Event()
+        opening = self.txns.spawn(
+            self.txns.open(
+                Opener.PUSH, None, Driver.PDCTL, refit=refit, max_staleness=staleness, abandoned=abandoned,
+                lease_secs=lease, version=version, **({} if timeout is None else {"timeout_secs": timeout}),
+            )
+        )  # fmt: skip
+        try:
+            txn = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # its driver went away: a drain ends with nothing changed
+            abandoned.set()
+            raise
+        except Conflict as exc:
+            return errors.error_response(409, errors.BAD_REQUEST, str(exc))
+        return json_reply({"txn": txn.id, "engines": [w.url for w in txn.engines]})
+
+    def _txn(self, raw: dict[str, Any]) -> FleetTxn:
+        """The open push ``raw`` names; Conflict when it is not the one open."""
+        txn = self.txns.current
+        named = raw.get("txn")
+        if txn is None or txn.id != named or txn.opener is not Opener.PUSH:
+            raise Conflict(f"push {named} is not open" + (f" ({txn.id} is)" if txn is not None else ""))
+        return txn
+
+    async def renew(self, request: Request) -> Reply:
+        return await self._step(request, self._renew)
+
+    async def redo(self, request: Request) -> Reply:
+        return await self._step(request, self._redo)
+
+    async def commit(self, request: Request) -> Reply:
+        return await self._step(request, self._commit)
+
+    async def abort(self, request: Request) -> Reply:
+        return await self._step(request, self._abort)
+
+    async def _renew(self, txn: FleetTxn, raw: dict[str, Any]) -> dict[str, Any]:
+        self.txns.renew(txn)
+        return {"txn": txn.id}
+
+    async def _redo(self, txn: FleetTxn, raw: dict[str, Any]) -> dict[str, Any]:
+        urls = raw.get("engines")
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ValueError("engines must be a list of engine URLs")
+        async with self.txns.call(txn):
+            await self.txns.redo(txn, urls)
+        return {"txn": txn.id}
+
+    async def _commit(self, txn: FleetTxn, raw: dict[str, Any]) -> dict[str, Any]:
+        sums = raw.get("checksums")
+        if sums is not None and not (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())):
+            raise ValueError("checksums must map tensor names to checksums")
+        verify = VerifyMode(raw.get("verify") or VerifyMode.AUTO)
+        if raw.get("version") is not None:
+            txn.version = sg.text(raw, "version")
+        await self.txns.end(txn, sums, verify)
+        return self.txns.outcome(txn)
+
+    async def _abort(self, txn: FleetTxn, raw: dict[str, Any]) -> dict[str, Any]:
+        await self.txns.fail(txn, str(raw.get("why") or "its driver stopped it"))
+        return self.txns.outcome(txn)
+
+    async def _step(self, request: Request, step: Any) -> Reply:
+        """Run ``step`` on the push the body names, to its end even if the client goes away."""
+        raw, problem = json_object(request.body)
+        if problem is not None:
+            return errors.error_response(400, errors.BAD_REQUEST, f"bad push step: {problem}")
+
+        async def run() -> Reply:
+            try:
+                return json_reply(await step(self._txn(raw), raw))
+            except Conflict as exc:
+                return errors.error_response(409, errors.BAD_REQUEST, str(exc))
+            except ValueError as exc:
+                return errors.error_response(400, errors.BAD_REQUEST, f"bad push step: {exc}")
+
+        return await asyncio.shield(self.txns.spawn(run()))
+
+
+def _seconds(raw: dict[str, Any], key: str) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
+        raise ValueError(f"{key} must be a number of seconds in (0, 86400]")
+    return float(value)

@@ -34,12 +34,20 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
 
-from pdctl.refit import DEFAULT_HOLD_TIMEOUT_SECS, PARTIAL_LABEL, UPDATING_LABEL, Hold, RefitMode, Release
+from pdctl.refit import (
+    DEFAULT_HOLD_TIMEOUT_SECS,
+    PARTIAL_LABEL,
+    UPDATING_LABEL,
+    Hold,
+    RefitMode,
+    Release,
+    VerifyMode,
+)
 from pdctl.router.config import RouterConfig
 from pdctl.router.fanout import WorkerAnswer, call_all, unreachable
 from pdctl.router.refit import Conflict, Driver, WeightUpdates
@@ -88,13 +96,15 @@ UNSET = Unset()
 
 
 class UpdateFailed(Exception):
-    """An update call failed: the transaction has ended (``FleetTransactions.fail``); the message
-    says what happened to every engine. ``left``: engines that left the weight group (dead, or no
-    answer), over which no later broadcast can complete."""
+    """An update call failed. The transaction has ended (``FleetTransactions.fail``), unless it is
+    redoable (a push: its driver redoes or aborts it); the message says what happened to every
+    engine. ``left``: engines that left the weight group (dead, or no answer), over which no later
+    broadcast can complete; ``engines``: URL -> what went wrong there."""
 
-    def __init__(self, message: str, left: tuple[str, ...] = ()):
+    def __init__(self, message: str, left: tuple[str, ...] = (), engines: Mapping[str, str] | None = None):
         super().__init__(message)
         self.left = left
+        self.engines = dict(engines or {})
 
 
 class FleetTransactions:
@@ -160,12 +170,24 @@ class FleetTransactions:
         state["reason"] = f"held by {state['by']} since {since} ({state['secs']:.0f} s)"
         return state
 
-    def foreign(self) -> str | None:
-        """Why a call that acts on paused engines is refused: another transaction (a
-        ``pdctl.weights`` push) holds the router and its engines."""
+    def foreign(self, caller: str | None = None) -> str | None:
+        """Why a call that acts on the fleet is refused: another transaction holds the router and
+        its engines (a bare ``/pdctl/hold``, or a push whose driver is not ``caller``, the
+        transaction its call names in ``TXN_HEADER``)."""
         holder = self.updates.holder
-        if holder is not None and (self.current is None or self.current.id != holder):
+        txn = self.current
+        if holder is not None and (txn is None or txn.id != holder):
             return f"weight push {holder} holds the router"
+        if txn is not None and txn.opener is Opener.PUSH and caller != txn.id:
+            return f"weight push {txn.id} holds the router"
+        return None
+
+    def pushing(self, caller: str | None) -> str | None:
+        """Why a call that changes the fleet's weight groups is refused: another driver's push is
+        open (a bare hold, or a framework's pause, leaves groups to whoever calls)."""
+        txn = self.current
+        if txn is not None and txn.opener is Opener.PUSH and caller != txn.id:
+            return f"weight push {txn.id} holds the router"
         return None
 
     async def stop(self) -> None:
@@ -196,6 +218,9 @@ class FleetTransactions:
         refit: RefitMode | None = None,
         max_staleness: int | Unset | None = UNSET,
         abandoned: asyncio.Event | None = None,
+        lease_secs: float | None = None,
+        timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
+        version: str | None = None,
     ) -> FleetTxn:
         """Hold the router and pause every engine. ``pause``: the driver's own pause mode (requests
         wait at the router; those in flight get what that mode gives them); None: the refit mode
@@ -203,7 +228,10 @@ class FleetTransactions:
         then pause in ``retract``; interrupt: pause in ``abort`` at once). Raises Conflict when
         another transaction holds the router, a drain did not finish, or ``abandoned`` was set
         while the drain waited (its driver went away: nothing had changed, requests flow at once).
-        Once the hold is answered it runs to its end whatever its caller does."""
+        Once the hold is answered it runs to its end whatever its caller does. ``lease_secs``:
+        how long it may go without a call (default ``--framework-lease-secs``); ``timeout_secs``:
+        how long the drain may take; ``version``: the version it stamps unless its driver names
+        another."""
         holder = self.updates.holder
         if holder is not None:
             raise Conflict(f"weight push {holder} holds the router")
@@ -214,12 +242,14 @@ class FleetTransactions:
         else:
             gate = refit
             engine_mode = PauseMode.ABORT if refit is RefitMode.INTERRUPT else PauseMode.RETRACT
-        txn = FleetTxn(f"framework-{time.time_ns():x}", opener, engine_mode, tuple(self.engines()), driver)
+        kind = "push" if opener is Opener.PUSH else "framework"
+        txn = FleetTxn(f"{kind}-{time.time_ns():x}", opener, engine_mode, tuple(self.engines()), driver)
+        txn.lease_secs, txn.version = lease_secs, version
         hold = Hold(
             txn=txn.id,
             engines=tuple(w.url for w in txn.engines),
-            lease_secs=self.lease_secs,
-            timeout_secs=DEFAULT_HOLD_TIMEOUT_SECS,
+            lease_secs=self._lease(txn),
+            timeout_secs=timeout_secs,
             refit=gate,
             max_staleness=self.config.max_staleness if isinstance(max_staleness, Unset) else max_staleness,
         )
@@ -241,9 +271,7 @@ class FleetTransactions:
             _, ready = await holding
             if not ready:
                 await self.updates.release(Release(txn=txn.id), self._session())
-                raise Conflict(
-                    f"requests in flight did not finish within {DEFAULT_HOLD_TIMEOUT_SECS:.0f}s (refit drain)"
-                )
+                raise Conflict(f"requests in flight did not finish within {timeout_secs:.0f}s (refit drain)")
         self.current = txn
         self._keep()  # before the pause: a router killed from here on continues them when it starts
         with txn.timed("pause"):
@@ -270,7 +298,14 @@ class FleetTransactions:
             yield
         finally:
             if not txn.ended:
-                self.updates.renew(txn.id, self.lease_secs)
+                self.updates.renew(txn.id, self._lease(txn))
+
+    def renew(self, txn: FleetTxn) -> None:
+        """Its driver is alive (a call, or a renewal between calls): its lease starts again."""
+        self.updates.renew(txn.id, self._lease(txn))
+
+    def _lease(self, txn: FleetTxn) -> float:
+        return txn.lease_secs if txn.lease_secs is not None else self.lease_secs
 
     # -- moving -------------------------------------------------------------------------------------
     async def _move(self, txn: FleetTxn, moved: Moved) -> None:
@@ -327,8 +362,7 @@ class FleetTransactions:
             for url, why in dead.items():  # one that took nothing yet changed nothing: its restart decides
                 txn.mark(url, Mark.GONE if txn.marks.get(url) is Mark.TAKING else Mark.REFUSED, why)
             named = "; ".join(f"{self._label_of(url)}: {why}" for url, why in dead.items())
-            outcome = await self.fail(txn, f"{named}; nothing was sent to the other engines")
-            raise UpdateFailed(outcome, tuple(dead))
+            await self._failed(txn, f"{named}; nothing was sent to the other engines", tuple(dead), dead)
         body = update.to_body(flush_cache=False, weight_version=None, group_name=group.name)
         txn.sending.update(w.url for w in workers)
         with txn.timed("transfer"):
@@ -346,8 +380,26 @@ class FleetTransactions:
         failed = [a for a in answers if not a.ok]
         if failed:
             named = "; ".join(f"{label(a.worker)} {a.why()}" for a in failed)
-            outcome = await self.fail(txn, f"{len(failed)} of {len(answers)} engine(s) failed it: {named}")
-            raise UpdateFailed(outcome, tuple(a.worker.url for a in failed if not a.reached))
+            await self._failed(
+                txn,
+                f"{len(failed)} of {len(answers)} engine(s) failed it: {named}",
+                tuple(a.worker.url for a in failed if not a.reached),
+                {a.worker.url: a.why() for a in failed},
+            )
+
+    async def _failed(self, txn: FleetTxn, why: str, left: tuple[str, ...], engines: Mapping[str, str]) -> None:
+        """An update call failed: raises UpdateFailed, the transaction ended first unless its
+        driver may redo it (``FleetTxn.redoable``)."""
+        if txn.redoable:
+            raise UpdateFailed(f"{why}; the push stays open for its driver to redo or abort", left, engines)
+        raise UpdateFailed(await self.fail(txn, why), left, engines)
+
+    async def redo(self, txn: FleetTxn, survivors: Iterable[str]) -> None:
+        """Its driver sends the update again from the first tensor to ``survivors`` (URLs) only,
+        over a group it builds again (``FleetTxn.redo``); their update sessions start again."""
+        await self._end_sessions(txn)
+        txn.redo(frozenset(survivors))
+        self._keep()
 
     async def _begin_sessions(self, txn: FleetTxn, group: FleetGroup) -> None:
         """SGLang 0.5.21+ takes distributed updates only inside a weight-update session, which
@@ -413,17 +465,32 @@ class FleetTransactions:
             Opener.LOAD, None, Driver.PDCTL, refit=mode, max_staleness=max_staleness, abandoned=abandoned
         )
 
-        async def whole() -> dict[str, Any]:
-            tell({"step": "loading", "path": disk.model_path, "engines": len(txn.engines)})
-            problems = await self.load(txn, disk)
-            await self.end(txn)
-            refused = {u: txn.why[u] for u, m in txn.marks.items() if m is Mark.REFUSED}
-            complete = [w.url for w in txn.engines if txn.marks.get(w.url) is Mark.LOADED and w.url not in txn.why]
-            failed = {u: why for u, why in problems.items() if u not in refused}
-            return {"version": txn.version, "complete": complete, "refused": refused, "failed": failed,
-                    "phases": dict(txn.phases), "txn": txn.id}  # fmt: skip
+        tell({"step": "loading", "path": disk.model_path, "engines": len(txn.engines)})
+        await self.load(txn, disk)
+        await self.end(txn)
+        return self.outcome(txn)
 
-        return await whole()
+    @staticmethod
+    def outcome(txn: FleetTxn) -> dict[str, Any]:
+        """What an ended transaction did, for its driver (by engine URL): ``complete`` (hold its
+        version, in rotation), ``refused`` (kept their weights, in rotation), ``failed`` (out of
+        rotation until a whole update; ``steps`` says in which step each went wrong), its
+        version, phases and id."""
+        refused = {u: txn.why[u] for u, m in txn.marks.items() if m is Mark.REFUSED and u in txn.why}
+        whole = (Mark.TAKING, Mark.LOADED)
+        complete = (
+            []
+            if txn.failure
+            else [w.url for w in txn.engines if txn.marks.get(w.url) in whole and w.url not in txn.why]
+        )
+        failed = {u: why for u, why in txn.why.items() if u not in refused}
+        failed.update(
+            {u: f"holds part of it ({txn.failure})" for u in txn.changed() if u not in failed and u not in complete}
+        )
+        return {
+            "version": txn.version, "complete": complete, "refused": refused, "failed": failed,
+            "steps": {u: txn.phase_of.get(u, "transfer") for u in failed}, "phases": dict(txn.phases), "txn": txn.id,
+        }  # fmt: skip
 
     # -- memory -----------------------------------------------------------------------------------------
     async def release_memory(self, txn: FleetTxn, tags: list[str] | None) -> list[WorkerAnswer]:
@@ -475,24 +542,25 @@ class FleetTransactions:
                 log.warning("transaction %s: resume_memory_occupation %s %s", txn.id, label(worker), a.why())
 
     # -- the end --------------------------------------------------------------------------------------
-    async def end(self, txn: FleetTxn) -> None:
+    async def end(
+        self, txn: FleetTxn, source: Mapping[str, str] | None = None, verify: VerifyMode = VerifyMode.AUTO
+    ) -> None:
         """End ``txn`` as its driver meant it to end: memory given back, sessions closed, the
-        engines that took every update verified and stamped with the version, every engine
-        continued, the router released (engines that missed the version out of rotation)."""
+        engines that took every update verified (module docstring: against ``source``, the
+        driver's checksums by tensor name, when it sent them) and stamped with the version, every
+        engine continued, the router released (engines that missed the version out of rotation)."""
         await self._resume_all(txn)
         complete: list[Worker] = []
         if txn.moved is Moved.DISTRIBUTED:
             with txn.timed("end"):
                 for a in await self._end_sessions(txn):
                     if not a.ok:
-                        txn.mark(a.worker.url, Mark.PARTIAL, f"end_weight_update {a.why()}")
-            takers = txn.engines_marked(Mark.TAKING)
-            members = {m.url: m for g in txn.groups.values() for m in g.members}
-            sims = [w for w in takers if w.url in members and members[w.url].is_sim]
-            if sims and len(sims) == len(takers) and txn.names:
+                        txn.mark(a.worker.url, Mark.PARTIAL, f"end_weight_update {a.why()}", "end")
+            checked = self._to_verify(txn, source is not None, verify)
+            if checked and txn.names:
                 with txn.timed("verify"):
-                    for url, why in (await self._verify(sims, txn.names)).items():
-                        txn.mark(url, Mark.PARTIAL, why)
+                    for url, why in (await self._verify(checked, txn.names, source, verify)).items():
+                        txn.mark(url, Mark.PARTIAL, why, "verify")
             txn.version = txn.version or new_version()
             self.updates.name_version(txn.id, txn.version)
             with txn.timed("version"):
@@ -500,7 +568,7 @@ class FleetTransactions:
                     if a.ok:
                         complete.append(a.worker)
                     else:
-                        txn.mark(a.worker.url, Mark.PARTIAL, f"update_weight_version {a.why()}")
+                        txn.mark(a.worker.url, Mark.PARTIAL, f"update_weight_version {a.why()}", "version")
         elif txn.moved is Moved.DISK:
             complete = [w for w in txn.engines_marked(Mark.LOADED) if w.url not in txn.why]
         await self._close(txn, complete)
@@ -578,9 +646,28 @@ class FleetTransactions:
         ended = Release(txn.id, tuple(done), reasons, dict(txn.phases), moved=txn.moved is not Moved.NOTHING)
         await self.updates.release(ended, self._session())
 
-    async def _verify(self, workers: list[Worker], names: list[str]) -> dict[str, str]:
-        """Engines whose checksums of ``names`` differ from the strict majority's (module docstring)."""
-        body = {"action": "checksum", "names": list(dict.fromkeys(names)), "mode": "sample"}
+    @staticmethod
+    def _to_verify(txn: FleetTxn, sourced: bool, verify: VerifyMode) -> list[Worker]:
+        """The engines whose checksums the one rule compares (module docstring): none when off;
+        every taker when the driver asked for a mode; else the sims among them, and without
+        the source's checksums only when every taker is a sim (a majority of all of them)."""
+        takers = txn.engines_marked(Mark.TAKING)
+        if verify is VerifyMode.OFF:
+            return []
+        if verify is not VerifyMode.AUTO:
+            return takers
+        members = {m.url: m for g in txn.groups.values() for m in g.members}
+        sims = [w for w in takers if w.url in members and members[w.url].is_sim]
+        return sims if sourced or len(sims) == len(takers) else []
+
+    async def _verify(
+        self, workers: list[Worker], names: list[str], source: Mapping[str, str] | None, verify: VerifyMode
+    ) -> dict[str, str]:
+        """Engines whose checksums of ``names`` differ from ``source``'s, or without it from the
+        strict majority's (module docstring)."""
+        mode = "full" if verify is VerifyMode.FULL else "sample"
+        wanted = list(dict.fromkeys(names))
+        body = {"action": "checksum", "names": wanted, "mode": mode}
         answers = await self.call_all(
             workers, Endpoint.WEIGHTS_CHECKER, body, secs=self.config.admission.request_timeout_secs
         )
@@ -590,8 +677,12 @@ class FleetTransactions:
             checksums = a.body.get("checksums") if a.ok and isinstance(a.body, dict) else None
             if not isinstance(checksums, dict):
                 failed[a.worker.url] = f"verify: {a.why()}"
-                continue
-            sums.setdefault(repr(sorted(checksums.items())), []).append(a.worker.url)
+            elif source is not None:
+                bad = [n for n in wanted if checksums.get(n) != source.get(n)]
+                if bad:
+                    failed[a.worker.url] = f"checksum differs for {len(bad)} tensor(s), first {bad[0]}"
+            else:
+                sums.setdefault(repr(sorted(checksums.items())), []).append(a.worker.url)
         if len(sums) > 1:
             sides = sorted(sums.values(), key=len, reverse=True)
             best = sides[0] if len(sides[0]) > len(sides[1]) else []

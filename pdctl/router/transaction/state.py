@@ -54,6 +54,9 @@ class Opener(Choice):
     """``/release_memory_occupation`` with no pause: ends when every tag is resumed."""
     LOAD = "pdctl weights load"
     """A load from disk that ``pdctl weights load`` asked of the router: ends when it is done."""
+    PUSH = "a pdctl.weights push"
+    """A trainer's push (``/pdctl/push/open``): ends at its commit or abort. A failed update call
+    leaves it open: its driver redoes the update on the engines that survived, or aborts."""
 
 
 LEFT_OPEN = {
@@ -61,6 +64,7 @@ LEFT_OPEN = {
     Opener.UPDATE: "an update with no end",
     Opener.MEMORY: "memory released and not resumed",
     Opener.LOAD: "a load from disk with no end",
+    Opener.PUSH: "a push with no commit",
 }
 """How a transaction that lapsed was left, by what opened it (its driver's last word)."""
 
@@ -164,6 +168,10 @@ class FleetTxn:
     failure: str | None = None
     """Why it failed (it ends at once when a call fails)."""
     phases: dict[str, float] = field(default_factory=dict)
+    lease_secs: float | None = None
+    """How long it may go without a call from its driver (None: the router's framework lease)."""
+    phase_of: dict[str, str] = field(default_factory=dict)
+    """URL -> the step in which it went wrong there (``transfer``, ``end``, ``verify``, ``version``)."""
     opened_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -195,13 +203,37 @@ class FleetTxn:
             self.moved = moved
         self.state = to
 
-    def mark(self, url: str, mark: Mark, why: str | None = None) -> None:
+    @property
+    def redoable(self) -> bool:
+        """A failed update call leaves it open for its driver to redo or abort (a push), rather
+        than ending it at once (a framework may never come back: AReaL raises without a continue)."""
+        return self.opener is Opener.PUSH
+
+    def mark(self, url: str, mark: Mark, why: str | None = None, step: str = "transfer") -> None:
         before = self.marks.get(url, Mark.UNTOUCHED)
         if mark not in _MARK_NEXT[before]:
             raise StateError(f"transaction {self.id}: engine {url} {before} -> {mark} is not a step it can take")
         self.marks[url] = mark
-        if why is not None:
-            self.why.setdefault(url, why)
+        if why is not None and url not in self.why:
+            self.why[url] = why
+            self.phase_of[url] = step
+
+    def redo(self, survivors: frozenset[str]) -> None:
+        """Its driver sends the update again from its first tensor to ``survivors`` only, within
+        the same hold: their failures are forgotten and an engine that took part of it counts as
+        taking it (whole only if it takes every call again); every other engine keeps its mark,
+        an engine still taking leaves as partial. The first attempt's groups and names go."""
+        if self.state is not TxnState.MOVING or self.moved is not Moved.DISTRIBUTED:
+            raise StateError(f"transaction {self.id}: nothing to redo ({self.state}, moved {self.moved})")
+        for url, mark in list(self.marks.items()):
+            if url in survivors:
+                self.why.pop(url, None)
+                self.phase_of.pop(url, None)
+                self.marks[url] = Mark.TAKING if mark.changed else Mark.UNTOUCHED
+            elif mark is Mark.TAKING:
+                self.mark(url, Mark.PARTIAL, "left out of the redo of the update")
+        self.names.clear()
+        self.groups.clear()
 
     def may_have_changed(self, url: str) -> bool:
         """Whether ``url``'s weights may differ from what it held before the transaction: its mark
