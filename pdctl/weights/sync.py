@@ -1,25 +1,27 @@
 """``WeightSync``: trainer rank 0 pushes weights into every prefill and decode engine.
 
-Three parts: the flat broadcast group (``pdctl.weights.group``), one transaction over it
-(``pdctl.weights.transaction``: pause, begin, buckets, end, version, verify, continue) and, around
-them here, what a push is as a whole:
+Three parts: the flat broadcast group (``pdctl.weights.group``), the buckets over it
+(``pdctl.weights.transaction``) and, around them here, what a push is as a whole:
 
     probe     GET /server_info on every engine; rebuild the group if the engine set changed
-    hold      the router stops admitting (drain: and waits for in-flight requests; interrupt: the
-              transaction aborts them and the router continues them after the release), with a
-              lease the trainer renews
-    ...       the transaction
-    release   the router re-reads versions and resumes; engines that did not get the whole
-              version stay out of its rotation until a later push reaches them
+    ...       the transaction: with a router, the router's own fleet transaction
+              (pdctl.weights.routed: open, buckets through the router, commit), the one that RL
+              frameworks' updates and ``pdctl weights load`` run through too; without one,
+              pause, begin, buckets, end, version, verify, continue from here
 
-Failure: an engine that dies or refuses, or does not answer within ``timeout_secs``, ends the
-transaction with ``WeightSyncError`` naming it and the phase. Before raising, when the tensors
-can be read again (a list, a dict's items, anything that is not a one-shot iterator), the push
-is redone on the surviving engines over a rebuilt group, so the fleet keeps serving a complete
-version; the failed engine stays out of rotation until a later push (which rebuilds the group
-to take it back in). A trainer killed mid-push stops renewing the router's lease: the router
-then takes every engine of the push out of rotation, and the next trainer's ``connect`` clears
-what the dead one left open on the engines (session, group).
+With a router: the push holds new requests (drain: once those in flight are done; interrupt: the
+router aborts them and continues them after the update), with a lease the trainer renews; at its
+end, engines that did not get the whole version stay out of rotation until a later push reaches
+them, engines it never changed serve on.
+
+Failure: an engine that dies or refuses, or does not answer within ``timeout_secs``, fails the
+push with ``WeightSyncError`` naming it and the phase. Before raising, when the tensors can be
+read again (a list, a dict's items, anything that is not a one-shot iterator), the push is redone
+on the surviving engines over a rebuilt group, within the same hold, so the fleet keeps serving a
+complete version; the failed engine stays out of rotation until a later push (which rebuilds the
+group to take it back in). An exception or a Ctrl-C in the trainer aborts the push at once. A
+trainer killed mid-push stops renewing the lease: the router then ends the push as failed, and
+the next trainer's ``connect`` clears what the dead one left open on the engines (session, group).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""One weight transaction over a built group, every phase timed in the ``PushReport``:
+"""A push's buckets over a built group and, for engines with no router, the whole transaction,
+every phase timed in the ``PushReport``. With a router, the router runs the transaction
+(pdctl.weights.routed): here only the buckets, each one call to the router (``run_routed``).
+With none (``run``):
 
     pause     /pause_generation (drain: ``pause_mode``, retract by default, nothing is lost;
               interrupt: abort, the router continues what it stops) and /flush_cache

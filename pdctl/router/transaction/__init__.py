@@ -1,7 +1,8 @@
-"""The fleet transaction the router runs for drivers that update weights through it (RL
-frameworks through SGLang's control routes, ``pdctl weights load``): its explicit states
-(state.py), the weight groups the fleet joined (groups.py) and the one implementation of hold,
-pause, move, verify, version, continue and release (runner.py)."""
+"""The fleet transaction the router runs for every driver that updates weights through it (a
+trainer's push, RL frameworks through SGLang's control routes, ``pdctl weights load``): its
+explicit states (state.py), the weight groups the fleet joined (groups.py), the one
+implementation of hold, pause, move, verify, version, continue and release (runner.py), and the
+routes of pdctl's own drivers (routes.py)."""
 
 from pdctl.router.transaction.runner import FleetTransactions, UpdateFailed, new_version
 from pdctl.router.transaction.state import FleetTxn, Mark, Moved, Opener, TxnState

@@ -1,5 +1,6 @@
-"""The fleet transaction the router runs for whoever updates the fleet's weights through it: RL
-frameworks through SGLang's control routes (pdctl.router.facade) and ``pdctl weights load``.
+"""The fleet transaction the router runs for whoever updates the fleet's weights through it: a
+trainer's push (``pdctl.weights``, its steps at ``/pdctl/push/*``), RL frameworks through SGLang's
+control routes (pdctl.router.facade) and ``pdctl weights load``.
 
 One implementation of hold, pause, move (receive updates, or load from disk), verify, version,
 continue, release, with one rule for what a failure leaves:
@@ -13,18 +14,22 @@ continue, release, with one rule for what a failure leaves:
   (pdctl.router.transaction.state).
 - **end** (the driver's continue): sessions closed, the engines that took every update verified
   and stamped with the version, every engine continued, the router released.
-- **fail** (a call failed, so the update cannot be whole): it ends at once. Engines whose weights
+- **fail** (a call failed, so the update cannot be whole): it ends at once, unless its driver
+  can redo it (a push: the trainer sends the update again to the engines that survived, over a
+  group built again, within the same hold, or aborts; ``FleetTxn.redo``). Engines whose weights
   may have changed leave rotation, labelled ``pdctl:partial:<txn>``, until a whole update reaches
   them; engines it never changed get their label back, are continued and serve on.
 - **lapse** (no call for ``--framework-lease-secs``): the same as a failure, plus released memory
   given back.
 
 Verification, the one rule: after a complete distributed update, every engine that took it must
-hold the same checksums of the updated tensors; without the source's own checksums (a framework
-sends none) the agreeing strict majority is the reference and a tie fails everyone. Only engines
-that answer per-tensor checksums are compared (pdctl's sim: ``/weights_checker`` with ``names``);
-SGLang's ``/weights_checker`` hashes each TP rank's shard, which differs across TP layouts and from
-the full tensor, so real engines are not compared (as ``pdctl.weights`` does not: ``verify: auto``).
+hold the checksums of the updated tensors that the source holds: the trainer's own (a push sends
+them with its commit), or, without them (a framework sends none), those of the agreeing strict
+majority, where a tie fails everyone. By default (``verify: auto``) only engines that answer
+per-tensor checksums of the full tensor are compared (pdctl's sim: ``/weights_checker`` with
+``names``): SGLang's ``/weights_checker`` hashes each TP rank's shard, which differs across TP
+layouts and from the full tensor, so an SGLang engine would fail a right update. A driver that
+asks for ``sample`` or ``full`` has every engine compared.
 """
 
 from __future__ import annotations
@@ -244,7 +249,7 @@ class FleetTransactions:
             engine_mode = PauseMode.ABORT if refit is RefitMode.INTERRUPT else PauseMode.RETRACT
         kind = "push" if opener is Opener.PUSH else "framework"
         txn = FleetTxn(f"{kind}-{time.time_ns():x}", opener, engine_mode, tuple(self.engines()), driver)
-        txn.lease_secs, txn.version = lease_secs, version
+        txn.lease_secs, txn.version, txn.refit = lease_secs, version, gate
         hold = Hold(
             txn=txn.id,
             engines=tuple(w.url for w in txn.engines),
@@ -317,7 +322,7 @@ class FleetTransactions:
         if not first:
             return
         self.updates.moving(txn.id)
-        self.updates.start_record(txn.id, txn.version, txn.source, self.config.refit, None, txn.driver)
+        self.updates.start_record(txn.id, txn.version, txn.source, txn.refit, None, txn.driver)
         with txn.timed("pause"):
             for w in txn.engines:
                 txn.prior[w.url] = w.weight_version

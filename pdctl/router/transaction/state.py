@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdctl.choices import Choice
+from pdctl.refit import RefitMode
 from pdctl.router.fanout import WorkerAnswer
 from pdctl.router.refit import Driver
 from pdctl.router.transaction.groups import FleetGroup, Member
@@ -168,6 +169,8 @@ class FleetTxn:
     failure: str | None = None
     """Why it failed (it ends at once when a call fails)."""
     phases: dict[str, float] = field(default_factory=dict)
+    refit: RefitMode = RefitMode.DRAIN
+    """How the hold treated requests in flight (drained, or interrupted and continued after)."""
     lease_secs: float | None = None
     """How long it may go without a call from its driver (None: the router's framework lease)."""
     phase_of: dict[str, str] = field(default_factory=dict)
