@@ -14,6 +14,7 @@ from tests.helpers import eventually, free_port, get, post
 from tests.weights.conftest import targets
 
 GREEDY = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+JOIN = {"rank_offset": 1, "world_size": 7}
 
 
 def model(seed: int) -> TinyLM:
@@ -60,7 +61,7 @@ def test_an_open_push_refuses_every_other_driver_and_its_abort_changes_nothing(f
             ("/pause_generation", {"mode": "abort"}),
             ("/continue_generation", {}),
             ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}),
-            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 7}),
+            ("/init_weights_update_group", {"master_address": "::1", "master_port": 1, **JOIN}),
             ("/update_weights_from_disk", {"model_path": "sim://tiny?seed=1"}),
             ("/release_memory_occupation", {"tags": ["kv_cache"]}),
         ]:
