@@ -85,9 +85,9 @@ class RouterServer:
         self.facade = SGLangFacade(config, self.transactions)
         self.load_route = LoadRoute(self.transactions)
         self.push_routes = PushRoutes(self.transactions)
-        self.holds = HoldRoutes(self.updates, self.registry, admission, self._client, self.transactions.hold_state)
+        self.holds = HoldRoutes(self.updates, self.registry, admission, self._client, self.transactions.holder.state)
         self.worker_api = WorkerApi(
-            config, self.registry, self.health_checks, self._client, self.transactions.hold_state
+            config, self.registry, self.health_checks, self._client, self.transactions.holder.state
         )
         self.registry.on_hung.append(self._hung)
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"
@@ -283,7 +283,7 @@ class RouterServer:
 
     async def readiness(self, _: Request) -> Reply:
         ready, in_rotation, why = self._ready()
-        hold = self.transactions.hold_state()
+        hold = self.transactions.holder.state()
         if hold is not None:  # requests wait: the router cannot serve one now, whatever its workers
             ready, why = False, hold["reason"]
         body: dict[str, Any] = {
@@ -299,7 +299,7 @@ class RouterServer:
 
     async def health_generate(self, _: Request) -> Reply:
         ready, _count, why = self._ready()
-        hold = self.transactions.hold_state()
+        hold = self.transactions.holder.state()
         if hold is not None:
             ready, why = False, hold["reason"]
         if ready:

@@ -38,7 +38,7 @@ class WorkerApi:
         hold_state: Callable[[], dict[str, Any] | None] = lambda: None,
     ):
         """``session``: the router's client session (made when it starts); ``hold_state``: what
-        holds new requests now (pdctl.router.transaction ``hold_state``)."""
+        holds new requests now (``FleetHolder.state``, pdctl.router.transaction.holder)."""
         self.config = config
         self.registry = registry
         self.health = health

@@ -250,15 +250,18 @@ class Fleet:
 
     def blame(self, failure: CallFailure) -> dict[str, str]:
         """Engine id -> what went wrong there, from the router's failed answer to a call it
-        forwarded to the engines; the router itself when it names none (it refused, or did not
-        answer)."""
-        named = failure.body.get("engines") if isinstance(failure.body, dict) else None
+        forwarded to the engines: those that gave no answer (``left``: dead, hung) when any did,
+        since the others then fail because of them; else every engine it names; the router
+        itself when it names none (it refused, or did not answer)."""
+        body = failure.body if isinstance(failure.body, dict) else {}
+        named = body.get("engines")
         if not isinstance(named, dict) or not named:
             return {"router": str(failure)}
-        return {self.engine_id(url): str(why) for url, why in named.items()}
+        left = [url for url in body.get("left") or [] if url in named]
+        return {self.engine_id(url): str(named[url]) for url in (left or named)}
 
     def take_outcome(self, report: PushReport, outcome: Mapping[str, Any], *, retry: bool = False) -> None:
-        """What the router's transaction did (``FleetTransactions.outcome``, by engine URL) into
+        """What the router's transaction did (``FleetTxn.outcome``, by engine URL) into
         ``report`` (by engine id); failures already recorded there keep their first reason."""
         steps = outcome.get("steps") or {}
         report.engines = [self.engine_id(u) for u in outcome.get("complete", [])]

@@ -36,6 +36,8 @@ from pdctl.weights.report import PushReport
 
 log = logging.getLogger("pdctl.weights")
 
+COMMIT_SECS = 600.0
+"""The least a commit's answer is awaited (it runs to its end at the router either way)."""
 ROUTER_STEPS = ("pause", "begin", "end", "verify", "version", "continue")
 """The router's own phases that a push's report takes as they are (the router timed them)."""
 
@@ -69,6 +71,8 @@ class RouterPush:
             "max_staleness": fleet.max_staleness,
             "lease_secs": fleet.lease_secs,
             "timeout_secs": fleet.hold_timeout_secs,
+            "call_secs": fleet.timeout_secs,
+            "pause_mode": fleet.pause_mode.value,
         }
         started = time.perf_counter()
         answer = fleet.client.post(self.router + PUSH_OPEN_PATH, body, timeout_secs=fleet.hold_timeout_secs + 10)
@@ -87,6 +91,10 @@ class RouterPush:
     def _renew(self) -> None:
         while not self._stop.wait(self.fleet.lease_secs / 3):
             result = self.fleet.client.post(self.router + PUSH_RENEW_PATH, {"txn": self.txn}, timeout_secs=10)
+            if isinstance(result, CallFailure) and result.status == 409:  # it ended: the next call says why
+                if not self._stop.is_set():
+                    log.error("weights: push %s is no longer open at the router: %s", self.txn, result)
+                return
             if isinstance(result, CallFailure):
                 log.warning("weights: could not renew the push's lease at the router: %s", result)
 
@@ -101,7 +109,9 @@ class RouterPush:
         body = {"txn": self.txn, "version": self.report.version, "checksums": dict(checksums) or None,
                 "verify": verify.value}  # fmt: skip
         started = time.perf_counter()
-        outcome = self.fleet.client.post(self.router + PUSH_COMMIT_PATH, body)
+        # The router verifies, versions, continues and reads every worker's health: give it time.
+        limit = max(self.fleet.timeout_secs, COMMIT_SECS)
+        outcome = self.fleet.client.post(self.router + PUSH_COMMIT_PATH, body, timeout_secs=limit)
         self.ended = True
         if isinstance(outcome, CallFailure) or not isinstance(outcome, dict):
             raise WeightSyncError(

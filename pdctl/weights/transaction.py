@@ -51,6 +51,9 @@ from pdctl.weights.routed import RouterPush
 log = logging.getLogger("pdctl.weights")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+ROUTER_GRACE_SECS = 10.0
+"""How much longer than the engines' limit a bucket's answer from the router is awaited: the
+router gives up on a silent engine at the same limit and then answers which engine it was."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class BucketCalls:
 
     urls: dict[str, str]
     blame: Callable[[CallFailure], dict[str, str]] | None = None
+    grace: float = 0.0
+    """Seconds past the engines' own limit to wait for an answer (the router's, which names them)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class Transaction:
         commit (end, verify against the checksums taken here, version, continue, release).
         Raises EngineFault naming the engines that failed a bucket (the push stays open)."""
         url = push.router + Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value
-        sums = self.transfer(members, source, report, BucketCalls({"router": url}, push.blame))
+        sums = self.transfer(members, source, report, BucketCalls({"router": url}, push.blame, ROUTER_GRACE_SECS))
         push.commit(sums, self.verify)
 
     def transfer(
@@ -213,7 +218,7 @@ class Transaction:
             raise EngineFault(Phase.TRANSFER, {i: str(c) for i, c in refused.items()})
         sent = InFlight(
             futures={i: self.fleet.client.pool.submit(self.fleet.client.send, opened[i], urls[i], body) for i in urls},
-            deadline=time.monotonic() + self.timeout_secs,
+            deadline=time.monotonic() + self.timeout_secs + calls.grace,
         )
         assert self.group.process_group is not None
         works = [dist.broadcast(t, src=0, group=self.group.process_group, async_op=True) for t in tensors]
@@ -270,7 +275,7 @@ class Transaction:
     ) -> dict[str, str]:
         """Who is at fault: engines that gave no answer (dead, hung) before engines that answered
         with an error (the others fail with 'connection closed by peer' when one dies). Through
-        the router, its answer names them (it put them in that order)."""
+        the router, its answer names them (``Fleet.blame``)."""
         grace = min(deadline, time.monotonic() + 5.0)
         failed = failures(futures, wait_until=grace)
         silent = {i: f"no answer within {self.timeout_secs:.0f}s" for i, f in futures.items() if not f.done()}

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pdctl.sim import weights_checksum
-from pdctl.sim.model import PRESETS, TinyLM
-from pdctl.weights import WeightSync, WeightSyncError
-from tests.helpers import eventually, free_port, get, post
+from pdctl.sim.model import PRESETS, TinyLM, resolve_model, save_checkpoint
+from pdctl.weights import Fleet, WeightSync, WeightSyncError
+from tests.helpers import RouterProcess, eventually, free_port, get, pd_router_args, post, sims
 from tests.weights.conftest import targets
 
 GREEDY = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -64,6 +64,8 @@ def test_an_open_push_refuses_every_other_driver_and_its_abort_changes_nothing(f
             ("/init_weights_update_group", {"master_address": "::1", "master_port": 1, **JOIN}),
             ("/update_weights_from_disk", {"model_path": "sim://tiny?seed=1"}),
             ("/release_memory_occupation", {"tags": ["kv_cache"]}),
+            ("/flush_cache", {}),
+            ("/abort_request", {"abort_all": True}),
         ]:
             status, answer = post(router.url + path, body)
             assert status == 409 and txn in str(answer), (path, status, answer)
@@ -79,6 +81,11 @@ def test_an_open_push_refuses_every_other_driver_and_its_abort_changes_nothing(f
     assert not any(w["quarantined"] for w in workers(router).values())
     assert post(router.url + "/generate", {"text": "after", **GREEDY})[0] == 200
     assert post(router.url + "/pdctl/push/commit", {"txn": txn})[0] == 409  # it has ended
+    # A late call of the ended push (its trainer's bucket still in a pool thread) starts nothing.
+    late = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
+    status, answer = post(router.url + "/update_weights_from_distributed", late, headers={"X-Pdctl-Txn": txn})
+    assert status == 409 and "not open" in str(answer), answer
+    assert not held(router)
 
 
 def test_a_silent_push_ends_at_its_lease_and_requests_flow(fleet):
@@ -133,3 +140,25 @@ def test_the_router_verifies_against_the_trainers_checksums(fleet, monkeypatch):
     assert all(w["quarantined"] for w in workers(router).values())
     monkeypatch.undo()
     push_whole(procs, router, seed=44)
+
+
+def test_a_load_longer_than_the_framework_lease_ends_whole(tmp_path):
+    """The router drives ``pdctl weights load`` itself: no lease runs out under it, however long
+    the engines take to load (here 2.5 s each against a 1 s framework lease)."""
+    checkpoint = tmp_path / "ckpt"
+    save_checkpoint(resolve_model("sim://tiny?seed=9", "auto", None), checkpoint)
+    slow = ("--sim-disk-load-ms", "2500")
+    specs = [("--disaggregation-mode", role, *slow) for role in ("prefill", "decode")]
+    with sims(tmp_path, *specs) as procs:
+        lease = ("--framework-lease-secs", "1")
+        router = RouterProcess(tmp_path, *pd_router_args(procs[:1], procs[1:], *lease)).start("/readiness")
+        try:
+            report = Fleet([p.url for p in procs], router_url=router.url).load_from_disk(str(checkpoint), "slow")
+            assert len(report.engines) == 2 and not report.failed and not report.skipped, report
+            assert not held(router)
+            assert {w["weight_version"] for w in workers(router).values()} == {"slow"}
+            assert not any(w["quarantined"] for w in workers(router).values())
+            status, out = post(router.url + "/generate", {"text": "loaded", **GREEDY})
+            assert status == 200 and out["meta_info"]["weight_version"] == "slow", out
+        finally:
+            router.stop()

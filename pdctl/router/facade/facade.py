@@ -42,13 +42,12 @@ INFO_SECS = 10.0
 
 class SGLangFacade:
     """SGLang's control routes for the whole fleet (module docstring). One call that changes the
-    transaction runs at a time (SGLang's model update lock)."""
+    transaction runs at a time (``FleetTransactions.lock``: SGLang's model update lock)."""
 
     def __init__(self, config: RouterConfig, txns: FleetTransactions):
         self.config = config
         self.txns = txns
         self.book = GroupBook()
-        self._lock = asyncio.Lock()
 
     def add_routes(self, routes: Routes) -> None:
         handlers: dict[Endpoint, Callable[[Request], Awaitable[Reply]]] = {
@@ -87,8 +86,8 @@ class SGLangFacade:
             mode = sg.pause_mode(_body(request))
         except ValueError as exc:
             return _error(400, str(exc))
-        async with self._lock:
-            if foreign := self.txns.foreign(_caller(request)):
+        async with self.txns.lock:
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _error(409, foreign)
             await self._end_implicit()
             txn = self.txns.current
@@ -105,8 +104,8 @@ class SGLangFacade:
     async def continue_generation(self, request: Request) -> Reply:
         """Ends the transaction (pdctl.router.transaction ``end``); with none open, every engine
         is continued (SGLang's continue of an engine that is not paused does nothing)."""
-        async with self._lock:
-            if foreign := self.txns.foreign(_caller(request)):
+        async with self.txns.lock:
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _error(409, foreign)
             txn = self.txns.current
             if txn is None:
@@ -119,11 +118,13 @@ class SGLangFacade:
     # -- caches, aborts, memory ---------------------------------------------------------------------------
     async def flush_cache(self, request: Request) -> Reply:
         """200 only when every engine flushed (SGLang's 400 while requests are running)."""
-        async with self._lock:
+        async with self.txns.lock:
+            if pushing := self.txns.holder.pushing(_caller(request)):
+                return _error(409, pushing)
             await self._end_implicit()
             txn = self.txns.current
             if txn is not None:
-                self.txns.updates.renew(txn.id, self.txns.lease_secs)
+                self.txns.renew(txn)
             answers = await call_all(
                 self.txns.session, self.txns.engines(), request.method, Endpoint.FLUSH_CACHE.value, None
             )
@@ -139,6 +140,8 @@ class SGLangFacade:
             body = dict(sg.as_object(_body(request)))
         except ValueError as exc:
             return _error(400, str(exc))
+        if pushing := self.txns.holder.pushing(_caller(request)):
+            return _error(409, pushing)
         answers = await self.txns.call_all(self.txns.engines(), Endpoint.ABORT_REQUEST, body)
         if answers and not any(a.reached for a in answers):
             return _error(502, "no engine answered: " + "; ".join(f"{label(a.worker)} {a.why()}" for a in answers))
@@ -154,8 +157,8 @@ class SGLangFacade:
             tags = sg.memory_tags(_body(request), required=True)
         except ValueError as exc:
             return _error(400, str(exc))
-        async with self._lock:
-            if foreign := self.txns.foreign(_caller(request)):
+        async with self.txns.lock:
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _error(409, foreign)
             await self._end_implicit()
             try:
@@ -164,7 +167,7 @@ class SGLangFacade:
                 return _error(409, str(exc))
             async with self.txns.call(txn):
                 try:
-                    answers = await self.txns.release_memory(txn, tags)
+                    answers = await self.txns.on_engines.release_memory(txn, tags)
                 except ValueError as exc:
                     return _error(400, str(exc))
         failed = [f"{label(a.worker)} {a.why()}" for a in answers if a.status != 200]
@@ -177,15 +180,15 @@ class SGLangFacade:
             tags = sg.memory_tags(_body(request), required=True)
         except ValueError as exc:
             return _error(400, str(exc))
-        async with self._lock:
-            if foreign := self.txns.foreign(_caller(request)):
+        async with self.txns.lock:
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _error(409, foreign)
             txn = self.txns.current
             if txn is None:
                 return _error(400, "nothing to resume: no memory of this fleet is released")
             async with self.txns.call(txn):
                 try:
-                    answers = await self.txns.resume_memory(txn, tags)
+                    answers = await self.txns.on_engines.resume_memory(txn, tags)
                 except ValueError as exc:
                     return _error(400, str(exc))
                 if txn.opener is Opener.MEMORY and not txn.released and txn.moved is Moved.NOTHING:
@@ -200,7 +203,7 @@ class SGLangFacade:
         """``{"weight_version"}`` when every engine that answers agrees (read from their
         ``/model_info``: SGLang 0.5.18 and later have no ``/get_weight_version``); 409 with each
         engine's version when they differ."""
-        async with self._lock:
+        async with self.txns.lock:
             await self._end_implicit()
         answers = await call_all(
             self.txns.session, self.txns.engines(), "GET", Endpoint.MODEL_INFO.value, None, INFO_SECS
@@ -232,14 +235,14 @@ class SGLangFacade:
             abort_all = sg.flag(body, "abort_all_requests", True)
         except ValueError as exc:
             return _fail(400, str(exc))
-        async with self._lock:
+        async with self.txns.lock:
             await self._end_implicit()
-            if foreign := self.txns.foreign(_caller(request)):
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _fail(409, foreign)
             txn = self.txns.current
             if txn is not None and txn.moved is not Moved.NOTHING:
                 txn.version = version  # stamped at its end, on the engines that took it whole
-                self.txns.updates.renew(txn.id, self.txns.lease_secs)
+                self.txns.renew(txn)
                 return json_reply(
                     {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
                 )
@@ -265,8 +268,8 @@ class SGLangFacade:
             disk = sg.DiskUpdate.from_body(_body(request))
         except ValueError as exc:
             return _fail(400, f"update_weights_from_disk: {exc}", num_paused_requests=0)
-        async with self._lock:
-            if foreign := self.txns.foreign(_caller(request)):
+        async with self.txns.lock:
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _fail(409, foreign, num_paused_requests=0)
             txn = self.txns.current
             if txn is not None and txn.moved is Moved.DISTRIBUTED:
@@ -303,8 +306,8 @@ class SGLangFacade:
             only = _engine_urls(body)
         except ValueError as exc:
             return _fail(400, f"init_weights_update_group: {exc}")
-        async with self._lock:
-            if pushing := self.txns.pushing(_caller(request)):
+        async with self.txns.lock:
+            if pushing := self.txns.holder.pushing(_caller(request)):
                 return _fail(409, pushing)
             await self._end_implicit()
             txn = self.txns.current
@@ -378,8 +381,8 @@ class SGLangFacade:
             name = self.book.resolve(sg.named_group(_body(request)))
         except (ValueError, LayoutError) as exc:
             return _fail(400, str(exc))
-        async with self._lock:
-            if pushing := self.txns.pushing(_caller(request)):
+        async with self.txns.lock:
+            if pushing := self.txns.holder.pushing(_caller(request)):
                 return _fail(409, pushing)
             await self._end_implicit()
             group = self.book.pop(name)
@@ -402,14 +405,16 @@ class SGLangFacade:
         """One update call sent to every engine of the group at once (they all take part in the
         framework's one broadcast), answered when all have answered. The first opens the fleet
         transaction if the framework did not pause first. A failure ends the transaction at once
-        (pdctl.router.transaction ``fail``) and the answer says what each engine holds."""
+        (pdctl.router.transaction ``fail``; a push's stays open for its trainer to redo or abort)
+        and the answer says what each engine holds (``engines``: URL -> why; ``left``: those that
+        gave no answer, the likely cause of the others' failures)."""
         try:
             update = sg.DistributedUpdate.from_body(_body(request))
             name = self.book.resolve(update.group_name)
         except (ValueError, LayoutError) as exc:
             return _fail(400, f"update_weights_from_distributed: {exc}")
-        async with self._lock:
-            if foreign := self.txns.foreign(_caller(request)):
+        async with self.txns.lock:
+            if foreign := self.txns.holder.foreign(_caller(request)):
                 return _fail(409, foreign)
             group = self.book.groups.get(name)
             if group is None:

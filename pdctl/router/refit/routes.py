@@ -34,7 +34,7 @@ class HoldRoutes:
         hold_state: Callable[[], dict[str, Any] | None] = lambda: None,
     ):
         """``session``: the router's client session (made when it starts); ``hold_state``: what
-        holds new requests now, in words (pdctl.router.transaction ``hold_state``)."""
+        holds new requests now, in words (``FleetHolder.state``, pdctl.router.transaction.holder)."""
         self.updates = updates
         self.registry = registry
         self.admission = admission

@@ -13,7 +13,9 @@ and ``pdctl weights status`` tells which.
 A push (``pdctl.weights.WeightSync``), in steps its driver takes one at a time:
 
 - ``POST /pdctl/push/open`` ``{"version"?, "refit"?, "max_staleness"?, "lease_secs"?,
-  "timeout_secs"?}``: hold (drain: answered once requests in flight are done) and pause;
+  "timeout_secs"?, "call_secs"?, "pause_mode"?}``: hold (drain: answered once requests in flight
+  are done, within ``timeout_secs``) and pause (drain: in ``pause_mode``, retract by default;
+  interrupt: abort); each engine's answer to an update call is awaited ``call_secs``;
   answers ``{"txn", "engines"}``. Its driver then sends SGLang's own
   ``/init_weights_update_group`` and ``/update_weights_from_distributed`` to the router with
   the ``X-Pdctl-Txn`` header, as a framework does (pdctl.router.facade).
@@ -21,7 +23,7 @@ A push (``pdctl.weights.WeightSync``), in steps its driver takes one at a time:
 - ``POST /pdctl/push/redo`` ``{"txn", "engines"}``: after a failed update call, the update starts
   again on these engines (its driver builds their group again first).
 - ``POST /pdctl/push/commit`` ``{"txn", "version"?, "checksums"?, "verify"?}``: end, verify,
-  version, continue, release; answers the outcome (``FleetTransactions.outcome``).
+  version, continue, release; answers the outcome (``FleetTxn.outcome``).
 - ``POST /pdctl/push/abort`` ``{"txn", "why"}``: the update stopped; answers the outcome.
 
 A commit or abort runs to its end whether or not its client waits for the answer.
@@ -30,9 +32,10 @@ A commit or abort runs to its end whether or not its client waits for the answer
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from pdctl.choices import parse_choice
 from pdctl.refit import (
     LOAD_PATH,
     PUSH_ABORT_PATH,
@@ -49,8 +52,9 @@ from pdctl.router.jsonutil import dumps, json_object
 from pdctl.router.refit import Conflict, Driver
 from pdctl.router.reply import Reply, StreamReply, json_reply, started
 from pdctl.router.server import Request, Routes
-from pdctl.router.transaction.runner import UNSET, FleetTransactions
+from pdctl.router.transaction.runner import UNSET, FleetTransactions, Unset
 from pdctl.router.transaction.state import FleetTxn, Opener
+from pdctl.sglang import PauseMode
 from pdctl.sglang import control as sg
 
 
@@ -82,7 +86,7 @@ class LoadRoute:
 
         async def run() -> None:
             try:
-                result = await self.txns.load_for_pdctl(disk, refit, staleness, steps.put_nowait, abandoned)
+                result = await self._load(disk, refit, staleness, steps.put_nowait, abandoned)
             except Conflict as exc:
                 steps.put_nowait({"error": str(exc), "status": 409})
             except Exception as exc:  # a bug: said to the client, and the router's log has it
@@ -105,6 +109,31 @@ class LoadRoute:
                 abandoned.set()  # (after the end, too: nothing waits for it then)
 
         return StreamReply(200, None, await started(lines()), "application/x-ndjson")
+
+    async def _load(
+        self,
+        disk: sg.DiskUpdate,
+        refit: RefitMode | None,
+        max_staleness: int | Unset | None,
+        tell: Callable[[dict[str, Any]], None],
+        abandoned: asyncio.Event,
+    ) -> dict[str, Any]:
+        """The load as one transaction of its own, told step by step. Its driver going away while
+        requests drain cancels it (nothing changed); from the hold's answer on, it runs to its end
+        (the fleet ends on one version whether or not anyone waits for the answer). The outcome
+        per engine URL: ``complete``, ``refused`` (kept their weights, in rotation), ``failed``
+        (out of rotation; the router loads the checkpoint into each once it answers again)."""
+        txns = self.txns
+        mode = refit or txns.config.refit
+        tell({"step": "holding", "drain": mode is RefitMode.DRAIN})
+        txn = await txns.open(
+            Opener.LOAD, None, Driver.PDCTL, refit=mode, max_staleness=max_staleness, abandoned=abandoned
+        )
+        tell({"step": "loading", "path": disk.model_path, "engines": len(txn.engines)})
+        async with txns.call(txn):  # the router itself drives it: no lease runs out under it
+            await txns.load(txn, disk)
+            await txns.end(txn)
+        return txn.outcome()
 
 
 class PushRoutes:
@@ -130,13 +159,16 @@ class PushRoutes:
             staleness = parse_staleness(raw["max_staleness"]) if "max_staleness" in raw else UNSET
             lease = _seconds(raw, "lease_secs")
             timeout = _seconds(raw, "timeout_secs")
+            call_secs = _seconds(raw, "call_secs")
+            pause = parse_choice(PauseMode, raw.get("pause_mode") or PauseMode.RETRACT.value, "pause_mode")
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, f"bad push: {exc}")
         abandoned = asyncio.Event()
         opening = self.txns.spawn(
             self.txns.open(
                 Opener.PUSH, None, Driver.PDCTL, refit=refit, max_staleness=staleness, abandoned=abandoned,
-                lease_secs=lease, version=version, **({} if timeout is None else {"timeout_secs": timeout}),
+                lease_secs=lease, version=version, call_secs=call_secs, drain_pause=pause,
+                **({} if timeout is None else {"timeout_secs": timeout}),
             )
         )  # fmt: skip
         try:
@@ -176,7 +208,7 @@ class PushRoutes:
         urls = raw.get("engines")
         if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
             raise ValueError("engines must be a list of engine URLs")
-        async with self.txns.call(txn):
+        async with self.txns.lock, self.txns.call(txn):
             await self.txns.redo(txn, urls)
         return {"txn": txn.id}
 
@@ -187,12 +219,15 @@ class PushRoutes:
         verify = VerifyMode(raw.get("verify") or VerifyMode.AUTO)
         if raw.get("version") is not None:
             txn.version = sg.text(raw, "version")
-        await self.txns.end(txn, sums, verify)
-        return self.txns.outcome(txn)
+        async with self.txns.lock, self.txns.call(txn):
+            await self.txns.end(txn, sums, verify)
+        return txn.outcome()
 
     async def _abort(self, txn: FleetTxn, raw: dict[str, Any]) -> dict[str, Any]:
-        await self.txns.fail(txn, str(raw.get("why") or "its driver stopped it"))
-        return self.txns.outcome(txn)
+        # Not under the lock: an update call may wait on a broadcast its trainer never finishes.
+        async with self.txns.call(txn):
+            await self.txns.fail(txn, str(raw.get("why") or "its driver stopped it"))
+        return txn.outcome()
 
     async def _step(self, request: Request, step: Any) -> Reply:
         """Run ``step`` on the push the body names, to its end even if the client goes away."""

@@ -46,7 +46,6 @@ import aiohttp
 
 from pdctl.refit import (
     DEFAULT_HOLD_TIMEOUT_SECS,
-    PARTIAL_LABEL,
     UPDATING_LABEL,
     Hold,
     RefitMode,
@@ -57,6 +56,9 @@ from pdctl.router.config import RouterConfig
 from pdctl.router.fanout import WorkerAnswer, call_all, unreachable
 from pdctl.router.refit import Conflict, Driver, WeightUpdates
 from pdctl.router.transaction.groups import FleetGroup, label, weight_order
+from pdctl.router.transaction.holder import FleetHolder
+from pdctl.router.transaction.on_engines import OnEngines
+from pdctl.router.transaction.recovery import end_left_open
 from pdctl.router.transaction.state import (
     LEFT_OPEN,
     FleetTxn,
@@ -67,12 +69,12 @@ from pdctl.router.transaction.state import (
     mark_of_load,
     mark_of_update,
 )
+from pdctl.router.transaction.verify import checksum_body, differing, engines_to_verify
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import (
     Endpoint,
     PauseMode,
     pause_generation_body,
-    supports_weight_update_session,
     update_weight_version_body,
 )
 from pdctl.sglang import control as sg
@@ -114,7 +116,9 @@ class UpdateFailed(Exception):
 
 class FleetTransactions:
     """The one owner of the router's own fleet transactions (module docstring). At most one is
-    open (``current``); its driver's calls are made one at a time by the caller (the facade's lock)."""
+    open (``current``); its driver's calls are made one at a time under ``lock`` (the facade's
+    routes and a push's steps take it; a push's abort does not wait for it, and an update call
+    under way stops before it sends when the transaction ended meanwhile)."""
 
     def __init__(
         self,
@@ -134,12 +138,11 @@ class FleetTransactions:
         self._idle = idle
         self._in_flight = in_flight
         self.current: FleetTxn | None = None
+        self.lock = asyncio.Lock()
+        self.on_engines = OnEngines(self.call_all, self._keep, updates)
+        self.holder = FleetHolder(updates, lambda: self.current)
         self._tasks: set[asyncio.Task] = set()
         updates.on_lapse.append(self._lapsed)
-
-    @property
-    def lease_secs(self) -> float:
-        return self.config.admission.framework_lease_secs
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -155,45 +158,6 @@ class FleetTransactions:
         self, workers: Iterable[Worker], endpoint: Endpoint, body: Any = None, *, secs: float = CONTROL_SECS
     ) -> list[WorkerAnswer]:
         return await call_all(self.session, list(workers), "POST", endpoint.value, body, secs)
-
-    def hold_state(self) -> dict[str, Any] | None:
-        """What holds the router now, if anything (``WeightUpdates.hold_state`` with ``by``, in
-        words: whose transaction, and what opened it), for every health surface to say."""
-        state = self.updates.hold_state()
-        if state is None:
-            return None
-        txn = self.current
-        if state["ending"]:
-            state["by"] = f"the end of weight update {state['txn']} (every worker's health read again)"
-        elif txn is not None and txn.id == state["txn"]:
-            state["by"] = f"{'memory released by a framework' if txn.released else txn.opener} ({txn.id})"
-        elif state["txn"] is not None:
-            state["by"] = f"weight push {state['txn']}"
-        else:
-            state["by"] = "a hold with no transaction"
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state["since"]))
-        state["reason"] = f"held by {state['by']} since {since} ({state['secs']:.0f} s)"
-        return state
-
-    def foreign(self, caller: str | None = None) -> str | None:
-        """Why a call that acts on the fleet is refused: another transaction holds the router and
-        its engines (a bare ``/pdctl/hold``, or a push whose driver is not ``caller``, the
-        transaction its call names in ``TXN_HEADER``)."""
-        holder = self.updates.holder
-        txn = self.current
-        if holder is not None and (txn is None or txn.id != holder):
-            return f"weight push {holder} holds the router"
-        if txn is not None and txn.opener is Opener.PUSH and caller != txn.id:
-            return f"weight push {txn.id} holds the router"
-        return None
-
-    def pushing(self, caller: str | None) -> str | None:
-        """Why a call that changes the fleet's weight groups is refused: another driver's push is
-        open (a bare hold, or a framework's pause, leaves groups to whoever calls)."""
-        txn = self.current
-        if txn is not None and txn.opener is Opener.PUSH and caller != txn.id:
-            return f"weight push {txn.id} holds the router"
-        return None
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -226,6 +190,8 @@ class FleetTransactions:
         lease_secs: float | None = None,
         timeout_secs: float = DEFAULT_HOLD_TIMEOUT_SECS,
         version: str | None = None,
+        call_secs: float | None = None,
+        drain_pause: PauseMode = PauseMode.RETRACT,
     ) -> FleetTxn:
         """Hold the router and pause every engine. ``pause``: the driver's own pause mode (requests
         wait at the router; those in flight get what that mode gives them); None: the refit mode
@@ -236,7 +202,8 @@ class FleetTransactions:
         Once the hold is answered it runs to its end whatever its caller does. ``lease_secs``:
         how long it may go without a call (default ``--framework-lease-secs``); ``timeout_secs``:
         how long the drain may take; ``version``: the version it stamps unless its driver names
-        another."""
+        another; ``call_secs``: the limit on each engine's answer to an update call (default
+        ``--request-timeout-secs``); ``drain_pause``: the engines' pause mode after a drain."""
         holder = self.updates.holder
         if holder is not None:
             raise Conflict(f"weight push {holder} holds the router")
@@ -246,10 +213,10 @@ class FleetTransactions:
             engine_mode = pause
         else:
             gate = refit
-            engine_mode = PauseMode.ABORT if refit is RefitMode.INTERRUPT else PauseMode.RETRACT
+            engine_mode = PauseMode.ABORT if refit is RefitMode.INTERRUPT else drain_pause
         kind = "push" if opener is Opener.PUSH else "framework"
         txn = FleetTxn(f"{kind}-{time.time_ns():x}", opener, engine_mode, tuple(self.engines()), driver)
-        txn.lease_secs, txn.version, txn.refit = lease_secs, version, gate
+        txn.lease_secs, txn.version, txn.refit, txn.call_secs = lease_secs, version, gate, call_secs
         hold = Hold(
             txn=txn.id,
             engines=tuple(w.url for w in txn.engines),
@@ -310,7 +277,7 @@ class FleetTransactions:
         self.updates.renew(txn.id, self._lease(txn))
 
     def _lease(self, txn: FleetTxn) -> float:
-        return txn.lease_secs if txn.lease_secs is not None else self.lease_secs
+        return txn.lease_secs if txn.lease_secs is not None else self.config.admission.framework_lease_secs
 
     # -- moving -------------------------------------------------------------------------------------
     async def _move(self, txn: FleetTxn, moved: Moved) -> None:
@@ -356,24 +323,28 @@ class FleetTransactions:
         """One update call to every member of ``group`` at once (they all take part in the driver's
         one broadcast), answered when all have answered. An engine whose port takes no connection
         is found before anything is sent, so the others never enter a broadcast that cannot
-        complete. Raises UpdateFailed, the transaction ended, when any engine failed."""
-        await self._move(txn, Moved.DISTRIBUTED)
-        if group.name not in txn.groups:
-            txn.groups[group.name] = group
-            await self._begin_sessions(txn, group)
+        complete. Raises UpdateFailed when any engine failed (the transaction ended, unless its
+        driver may redo it), or when it ended meanwhile (a push's abort does not wait for this
+        call: until it is sent its engines count as receiving, so such an end takes them out)."""
         workers = [m.worker for m in group.members]
+        txn.sending.update(w.url for w in workers)
+        await self._move(txn, Moved.DISTRIBUTED)
+        if group.name not in txn.groups and not txn.ended:
+            txn.groups[group.name] = group
+            await self.on_engines.begin_sessions(txn, group)
         dead = await unreachable(workers)
+        if txn.ended:
+            raise UpdateFailed(f"transaction {txn.id} ended while this update call waited: {txn.failure}")
         if dead:
+            txn.sending.difference_update(w.url for w in workers)  # nothing was sent to any of them
             for url, why in dead.items():  # one that took nothing yet changed nothing: its restart decides
                 txn.mark(url, Mark.GONE if txn.marks.get(url) is Mark.TAKING else Mark.REFUSED, why)
             named = "; ".join(f"{self._label_of(url)}: {why}" for url, why in dead.items())
             await self._failed(txn, f"{named}; nothing was sent to the other engines", tuple(dead), dead)
         body = update.to_body(flush_cache=False, weight_version=None, group_name=group.name)
-        txn.sending.update(w.url for w in workers)
+        secs = txn.call_secs or self.config.admission.request_timeout_secs
         with txn.timed("transfer"):
-            answers = await self.call_all(
-                workers, Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, secs=self.config.admission.request_timeout_secs
-            )
+            answers = await self.call_all(workers, Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, secs=secs)
         txn.sending.difference_update(w.url for w in workers)
         txn.names.extend(update.names)
         if update.weight_version is not None:
@@ -402,28 +373,8 @@ class FleetTransactions:
     async def redo(self, txn: FleetTxn, survivors: Iterable[str]) -> None:
         """Its driver sends the update again from the first tensor to ``survivors`` (URLs) only,
         over a group it builds again (``FleetTxn.redo``); their update sessions start again."""
-        await self._end_sessions(txn)
+        await self.on_engines.end_sessions(txn)
         txn.redo(frozenset(survivors))
-        self._keep()
-
-    async def _begin_sessions(self, txn: FleetTxn, group: FleetGroup) -> None:
-        """SGLang 0.5.21+ takes distributed updates only inside a weight-update session, which
-        frameworks written for older SGLang never open: opened here for them."""
-        last = self.updates.last
-        if last is not None and last.txn == txn.id and last.group is None:
-            self.updates.describe_group(txn.id, group.to_json())
-        due = [
-            m for m in group.members if m.url not in txn.sessions and supports_weight_update_session(m.sglang_version)
-        ]
-        if not due:
-            return
-        with txn.timed("begin"):
-            answers = await self.call_all((m.worker for m in due), Endpoint.BEGIN_WEIGHT_UPDATE, {"selector": "all"})
-        for m, a in zip(due, answers, strict=True):
-            if a.ok:
-                txn.sessions[m.url] = m
-            else:  # its next update is refused before its receive (no session): the failure says so
-                log.warning("transaction %s: begin_weight_update %s %s", txn.id, label(m.worker), a.why())
         self._keep()
 
     async def load(self, txn: FleetTxn, disk: sg.DiskUpdate) -> dict[str, str]:
@@ -449,103 +400,6 @@ class FleetTransactions:
                     txn.why.setdefault(a.worker.url, f"loaded, but update_weight_version {a.why()}")
         return {url: txn.why[url] for url in txn.marks if url in txn.why}
 
-    async def load_for_pdctl(
-        self,
-        disk: sg.DiskUpdate,
-        refit: RefitMode | None,
-        max_staleness: int | Unset | None,
-        tell: Callable[[dict[str, Any]], None],
-        abandoned: asyncio.Event,
-    ) -> dict[str, Any]:
-        """``pdctl weights load``: a load from disk as one transaction of its own, told step by
-        step. Its driver going away while requests drain cancels it (nothing changed); from the
-        hold's answer on, it runs to its end (the fleet ends on one version whether or not anyone
-        waits for the answer). The outcome per engine URL: ``complete``, ``refused`` (kept their
-        weights, in rotation), ``failed`` (out of rotation; the router loads the checkpoint into
-        each once it answers again)."""
-        mode = refit or self.config.refit
-        draining = mode is RefitMode.DRAIN
-        tell({"step": "holding", "drain": draining})
-        txn = await self.open(
-            Opener.LOAD, None, Driver.PDCTL, refit=mode, max_staleness=max_staleness, abandoned=abandoned
-        )
-
-        tell({"step": "loading", "path": disk.model_path, "engines": len(txn.engines)})
-        await self.load(txn, disk)
-        await self.end(txn)
-        return self.outcome(txn)
-
-    @staticmethod
-    def outcome(txn: FleetTxn) -> dict[str, Any]:
-        """What an ended transaction did, for its driver (by engine URL): ``complete`` (hold its
-        version, in rotation), ``refused`` (kept their weights, in rotation), ``failed`` (out of
-        rotation until a whole update; ``steps`` says in which step each went wrong), its
-        version, phases and id."""
-        refused = {u: txn.why[u] for u, m in txn.marks.items() if m is Mark.REFUSED and u in txn.why}
-        whole = (Mark.TAKING, Mark.LOADED)
-        complete = (
-            []
-            if txn.failure
-            else [w.url for w in txn.engines if txn.marks.get(w.url) in whole and w.url not in txn.why]
-        )
-        failed = {u: why for u, why in txn.why.items() if u not in refused}
-        failed.update(
-            {u: f"holds part of it ({txn.failure})" for u in txn.changed() if u not in failed and u not in complete}
-        )
-        return {
-            "version": txn.version, "complete": complete, "refused": refused, "failed": failed,
-            "steps": {u: txn.phase_of.get(u, "transfer") for u in failed}, "phases": dict(txn.phases), "txn": txn.id,
-        }  # fmt: skip
-
-    # -- memory -----------------------------------------------------------------------------------------
-    async def release_memory(self, txn: FleetTxn, tags: list[str] | None) -> list[WorkerAnswer]:
-        """``/release_memory_occupation`` on every engine of ``txn`` (paused: SGLang releases only
-        an idle engine). Raises ValueError, sending nothing, for a tag an engine has released
-        already (SGLang's memory saver ends the engine's process on a second release)."""
-        wanted = frozenset(tags or sg.MEMORY_TAGS)
-        twice = {
-            label(w): sorted(txn.released[w.url] & wanted)
-            for w in txn.engines
-            if txn.released.get(w.url, frozenset()) & wanted
-        }
-        if twice:
-            raise ValueError(f"already released: {twice}; resume_memory_occupation first")
-        answers = await self.call_all(txn.engines, Endpoint.RELEASE_MEMORY_OCCUPATION, {"tags": tags})
-        for a in answers:
-            if a.status == 200:
-                txn.memory(a.worker.url, txn.released.get(a.worker.url, frozenset()) | wanted)
-        self._keep()
-        return answers
-
-    async def resume_memory(self, txn: FleetTxn, tags: list[str] | None) -> list[WorkerAnswer]:
-        """``/resume_memory_occupation`` on the engines that released ``tags``. Raises ValueError,
-        sending nothing, when none did (SGLang's scheduler ends the engine on a resume of a tag
-        it did not release)."""
-        wanted = frozenset(tags) if tags else None
-        due = [w for w in txn.engines if txn.released.get(w.url) and (wanted is None or wanted <= txn.released[w.url])]
-        if not due:
-            held = {label(w): sorted(txn.released[w.url]) for w in txn.engines if w.url in txn.released}
-            asked = sorted(wanted) if wanted else "no tag"
-            raise ValueError(f"nothing to resume: {asked} is not released (released: {held or 'none'})")
-        answers = await self.call_all(due, Endpoint.RESUME_MEMORY_OCCUPATION, {"tags": tags})
-        for a in answers:
-            if a.status == 200:
-                txn.memory(a.worker.url, frozenset() if wanted is None else txn.released[a.worker.url] - wanted)
-        self._keep()
-        return answers
-
-    async def _resume_all(self, txn: FleetTxn) -> None:
-        """Give back whatever memory ``txn`` still holds released (an engine cannot serve without it)."""
-        for url, tags in list(txn.released.items()):
-            worker = next((w for w in txn.engines if w.url == url), None)
-            if worker is None:
-                continue
-            (a,) = await self.call_all([worker], Endpoint.RESUME_MEMORY_OCCUPATION, {"tags": sorted(tags)})
-            if a.status == 200:
-                txn.memory(url, frozenset())
-            else:
-                log.warning("transaction %s: resume_memory_occupation %s %s", txn.id, label(worker), a.why())
-
     # -- the end --------------------------------------------------------------------------------------
     async def end(
         self, txn: FleetTxn, source: Mapping[str, str] | None = None, verify: VerifyMode = VerifyMode.AUTO
@@ -553,18 +407,25 @@ class FleetTransactions:
         """End ``txn`` as its driver meant it to end: memory given back, sessions closed, the
         engines that took every update verified (module docstring: against ``source``, the
         driver's checksums by tensor name, when it sent them) and stamped with the version, every
-        engine continued, the router released (engines that missed the version out of rotation)."""
-        await self._resume_all(txn)
+        engine continued, the router released (engines that missed the version out of rotation).
+        Nothing when it has ended already (its lease ran out, or its driver aborted it)."""
+        if txn.ended:
+            return
+        await self.on_engines.give_back_memory(txn)
         complete: list[Worker] = []
         if txn.moved is Moved.DISTRIBUTED:
             with txn.timed("end"):
-                for a in await self._end_sessions(txn):
+                for a in await self.on_engines.end_sessions(txn):
                     if not a.ok:
                         txn.mark(a.worker.url, Mark.PARTIAL, f"end_weight_update {a.why()}", "end")
-            checked = self._to_verify(txn, source is not None, verify)
+            checked = engines_to_verify(txn, source is not None, verify)
             if checked and txn.names:
                 with txn.timed("verify"):
-                    for url, why in (await self._verify(checked, txn.names, source, verify)).items():
+                    answers = await self.call_all(
+                        checked, Endpoint.WEIGHTS_CHECKER, checksum_body(txn.names, verify),
+                        secs=self.config.admission.request_timeout_secs,
+                    )  # fmt: skip
+                    for url, why in differing(answers, txn.names, source).items():
                         txn.mark(url, Mark.PARTIAL, why, "verify")
             txn.version = txn.version or new_version()
             self.updates.name_version(txn.id, txn.version)
@@ -581,9 +442,11 @@ class FleetTransactions:
     async def fail(self, txn: FleetTxn, why: str) -> str:
         """A call of ``txn`` failed: the update cannot be whole, so it ends now (its driver may
         never continue: AReaL raises without). Returns what happened, for the driver's answer."""
+        if txn.ended:
+            return f"the update had ended already ({txn.failure or 'its end'})"
         txn.failure = txn.failure or why
-        await self._resume_all(txn)
-        await self._end_sessions(txn)
+        await self.on_engines.give_back_memory(txn)
+        await self.on_engines.end_sessions(txn)
         await self._close(txn, [])
         changed = [self._label_of(url) for url in txn.changed()]
         kept = [self._label_of(url) for url in txn.unchanged()]
@@ -594,33 +457,16 @@ class FleetTransactions:
             outcome += f"; {', '.join(kept)} never changed and serve on"
         return outcome
 
-    async def _end_sessions(self, txn: FleetTxn) -> list[WorkerAnswer]:
-        if not txn.sessions:
-            return []
-        answers = await self.call_all((m.worker for m in txn.sessions.values()), Endpoint.END_WEIGHT_UPDATE, {})
-        txn.sessions.clear()
-        return answers
-
     async def _close(self, txn: FleetTxn, complete: list[Worker]) -> None:
         """The end every transaction shares: labels made true, every engine continued, the router
-        released: ``complete`` engines hold the version, changed ones that are not leave rotation."""
+        released: ``complete`` engines hold the version, changed ones that are not leave rotation.
+        Once only (a lapse and its driver's late end may both reach here)."""
+        if txn.ended:
+            return
         done = {w.url for w in complete}
-        broken = [w for w in txn.engines if txn.may_have_changed(w.url) and w.url not in done]
-        restore = [w for w in txn.engines if not txn.may_have_changed(w.url) and w.url in txn.prior]
-        name = txn.version or txn.id
-        reasons = {
-            w.url: f"weight update {name} failed: {txn.why[w.url]}"
-            if w.url in txn.why
-            else f"holds part of weight update {name}, which did not finish ({txn.failure or 'its end failed'})"
-            for w in broken
-        }
+        closing = txn.closing(done)
+        reasons, restore, labels = closing.reasons, closing.restore, closing.labels
         with txn.timed("continue"):
-            labels = [(PARTIAL_LABEL + txn.id, broken)] if broken else []
-            for version, group in itertools.groupby(
-                sorted(restore, key=lambda w: str(txn.prior[w.url])), key=lambda w: txn.prior[w.url]
-            ):
-                if version is not None:
-                    labels.append((version, list(group)))
             answers = await asyncio.gather(*(self._relabel(group, version) for version, group in labels))
             # All at once, the broken out of rotation with them: a retry never pairs half a relabel.
             for url, reason in reasons.items():
@@ -651,57 +497,13 @@ class FleetTransactions:
         ended = Release(txn.id, tuple(done), reasons, dict(txn.phases), moved=txn.moved is not Moved.NOTHING)
         await self.updates.release(ended, self._session())
 
-    @staticmethod
-    def _to_verify(txn: FleetTxn, sourced: bool, verify: VerifyMode) -> list[Worker]:
-        """The engines whose checksums the one rule compares (module docstring): none when off;
-        every taker when the driver asked for a mode; else the sims among them, and without
-        the source's checksums only when every taker is a sim (a majority of all of them)."""
-        takers = txn.engines_marked(Mark.TAKING)
-        if verify is VerifyMode.OFF:
-            return []
-        if verify is not VerifyMode.AUTO:
-            return takers
-        members = {m.url: m for g in txn.groups.values() for m in g.members}
-        sims = [w for w in takers if w.url in members and members[w.url].is_sim]
-        return sims if sourced or len(sims) == len(takers) else []
-
-    async def _verify(
-        self, workers: list[Worker], names: list[str], source: Mapping[str, str] | None, verify: VerifyMode
-    ) -> dict[str, str]:
-        """Engines whose checksums of ``names`` differ from ``source``'s, or without it from the
-        strict majority's (module docstring)."""
-        mode = "full" if verify is VerifyMode.FULL else "sample"
-        wanted = list(dict.fromkeys(names))
-        body = {"action": "checksum", "names": wanted, "mode": mode}
-        answers = await self.call_all(
-            workers, Endpoint.WEIGHTS_CHECKER, body, secs=self.config.admission.request_timeout_secs
-        )
-        failed: dict[str, str] = {}
-        sums: dict[str, list[str]] = {}
-        for a in answers:
-            checksums = a.body.get("checksums") if a.ok and isinstance(a.body, dict) else None
-            if not isinstance(checksums, dict):
-                failed[a.worker.url] = f"verify: {a.why()}"
-            elif source is not None:
-                bad = [n for n in wanted if checksums.get(n) != source.get(n)]
-                if bad:
-                    failed[a.worker.url] = f"checksum differs for {len(bad)} tensor(s), first {bad[0]}"
-            else:
-                sums.setdefault(repr(sorted(checksums.items())), []).append(a.worker.url)
-        if len(sums) > 1:
-            sides = sorted(sums.values(), key=len, reverse=True)
-            best = sides[0] if len(sides[0]) > len(sides[1]) else []
-            for side in sides:
-                if side is not best:
-                    for url in side:
-                        failed[url] = (
-                            f"its weights differ from {len(best) or 'every other'} engine(s)' after the update"
-                        )
-        return failed
-
     def _label_of(self, url: str) -> str:
         worker = self.registry.workers.get(url)
         return label(worker) if worker is not None else url
+
+    async def recover(self) -> None:
+        """At the router's start: end what a transaction of a killed predecessor left (recovery.py)."""
+        await end_left_open(self.registry, self.session, CONTROL_SECS)
 
     # -- when the driver is gone -------------------------------------------------------------------------
     def _lapsed(self, txn_id: str | None, moved: bool, engines: tuple[str, ...], driver: Driver) -> bool:
@@ -712,7 +514,7 @@ class FleetTransactions:
         if txn is None or txn.id != txn_id:
             return False
         left = "memory released and not resumed" if txn.released else LEFT_OPEN[txn.opener]
-        txn.failure = f"nothing came for {self.lease_secs:.0f}s after its driver's last call ({left})"
+        txn.failure = f"nothing came for {self._lease(txn):.0f}s after its driver's last call ({left})"
         self.current = None
         log.error(
             "transaction %s: %s; its engines are continued%s",
@@ -722,37 +524,12 @@ class FleetTransactions:
         )
 
         async def finish() -> None:
-            await self._resume_all(txn)
-            await self._end_sessions(txn)
+            await self.on_engines.give_back_memory(txn)
+            await self.on_engines.end_sessions(txn)
             await self._close(txn, [])
 
         self.spawn(finish())
         return True
-
-    async def recover(self) -> None:
-        """At the router's start: end what a transaction of a killed predecessor left (its
-        engines paused, their update sessions open, memory released). Engines it may have
-        changed carry its ``pdctl:`` label, which keeps them out of rotation (pdctl.router.versions)."""
-        record = self.registry.kept.transaction
-        if not record:
-            return
-        urls = [str(u) for u in record.get("engines") or []]
-        workers = [self.registry.workers[u] for u in urls if u in self.registry.workers]
-        log.warning(
-            "transaction %s (%s) was open when the previous router stopped: ending it on %d engine(s)",
-            record.get("txn"), record.get("opener"), len(workers),
-        )  # fmt: skip
-        released = record.get("released") or {}
-        for url, tags in released.items() if isinstance(released, dict) else ():
-            if url in self.registry.workers:
-                await self.call_all([self.registry.workers[url]], Endpoint.RESUME_MEMORY_OCCUPATION, {"tags": tags})
-        sessions = [self.registry.workers[u] for u in record.get("sessions") or [] if u in self.registry.workers]
-        if sessions:
-            await self.call_all(sessions, Endpoint.END_WEIGHT_UPDATE, {})
-        for a in await self.call_all(workers, Endpoint.CONTINUE_GENERATION, {}):
-            if not a.ok:
-                log.warning("continuing %s after the previous router: %s", label(a.worker), a.why())
-        self.registry.keep_transaction(None)
 
 
 async def _nothing() -> list[WorkerAnswer]:

@@ -14,12 +14,14 @@ leave rotation, the others keep their weights and version and serve on.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdctl.choices import Choice
-from pdctl.refit import RefitMode
+from pdctl.refit import PARTIAL_LABEL, RefitMode
 from pdctl.router.fanout import WorkerAnswer
 from pdctl.router.refit import Driver
 from pdctl.router.transaction.groups import FleetGroup, Member
@@ -135,6 +137,18 @@ def mark_of_load(answer: WorkerAnswer) -> Mark:
     return Mark.REFUSED if answer.reached else Mark.GONE
 
 
+@dataclass(frozen=True)
+class Closing:
+    """What the end of a transaction does to labels and rotation (``FleetTxn.closing``)."""
+
+    reasons: dict[str, str]
+    """URL -> why it leaves rotation (it may hold part of the update)."""
+    restore: list[Worker]
+    """Engines it never changed: they keep their weights and get their prior labels back."""
+    labels: list[tuple[str, list[Worker]]]
+    """Each label to set, on which engines (the partial label, then each prior version)."""
+
+
 @dataclass
 class FleetTxn:
     """One fleet transaction: its state, its engines and what it did to each. Changed only
@@ -167,10 +181,12 @@ class FleetTxn:
     version: str | None = None
     source: str | None = None
     failure: str | None = None
-    """Why it failed (it ends at once when a call fails)."""
+    """Why it failed (it ends at once when a call fails, unless its driver may redo it)."""
     phases: dict[str, float] = field(default_factory=dict)
     refit: RefitMode = RefitMode.DRAIN
     """How the hold treated requests in flight (drained, or interrupted and continued after)."""
+    call_secs: float | None = None
+    """The limit on each engine's answer to an update call (None: the router's request timeout)."""
     lease_secs: float | None = None
     """How long it may go without a call from its driver (None: the router's framework lease)."""
     phase_of: dict[str, str] = field(default_factory=dict)
@@ -259,6 +275,47 @@ class FleetTxn:
             self.released[url] = released
         else:
             self.released.pop(url, None)
+
+    def outcome(self) -> dict[str, Any]:
+        """What it did, once ended, for its driver (by engine URL): ``complete`` (hold its
+        version, in rotation), ``refused`` (kept their weights, in rotation), ``failed`` (out of
+        rotation until a whole update; ``steps`` says in which step each went wrong), its
+        version, phases and id."""
+        refused = {u: self.why[u] for u, m in self.marks.items() if m is Mark.REFUSED and u in self.why}
+        whole = (Mark.TAKING, Mark.LOADED)
+        complete = (
+            []
+            if self.failure
+            else [w.url for w in self.engines if self.marks.get(w.url) in whole and w.url not in self.why]
+        )
+        failed = {u: why for u, why in self.why.items() if u not in refused}
+        failed.update(
+            {u: f"holds part of it ({self.failure})" for u in self.changed() if u not in failed and u not in complete}
+        )
+        return {
+            "version": self.version, "complete": complete, "refused": refused, "failed": failed,
+            "steps": {u: self.phase_of.get(u, "transfer") for u in failed}, "phases": dict(self.phases), "txn": self.id,
+        }  # fmt: skip
+
+    def closing(self, done: set[str]) -> Closing:
+        """How it ends, ``done`` being the engines that hold its version: engines it may have
+        changed and that are not done leave rotation labelled partial, the ones it never changed
+        get their prior labels back."""
+        broken = [w for w in self.engines if self.may_have_changed(w.url) and w.url not in done]
+        restore = [w for w in self.engines if not self.may_have_changed(w.url) and w.url in self.prior]
+        name = self.version or self.id
+        reasons = {
+            w.url: f"weight update {name} failed: {self.why[w.url]}"
+            if w.url in self.why
+            else f"holds part of weight update {name}, which did not finish ({self.failure or 'its end failed'})"
+            for w in broken
+        }
+        labels: list[tuple[str, list[Worker]]] = [(PARTIAL_LABEL + self.id, broken)] if broken else []
+        prior = sorted(restore, key=lambda w: str(self.prior[w.url]))
+        for version, group in itertools.groupby(prior, key=lambda w: self.prior[w.url]):
+            if version is not None:
+                labels.append((version, list(group)))
+        return Closing(reasons, restore, labels)
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
