@@ -440,13 +440,13 @@ def main() -> None:
 
 @contextmanager
 def _mps(on: bool) -> Iterator[dict[str, str]]:
-    """The environment of a client of a fresh MPS daemon (pdctl.mps), or nothing."""
+    """The environment of a client of a fresh MPS daemon (pdctl.node.mps), or nothing."""
     if not on:
         yield {}
         return
     import tempfile
 
-    from pdctl import mps
+    from pdctl.node import mps
 
     with tempfile.TemporaryDirectory() as tmp:
         req = {"pipe_dir": f"{tmp}/pipe", "log_dir": f"{tmp}/log"}

@@ -159,7 +159,7 @@ def topology(tmp: Path, name: str, decodes: int, base: int, hosts=None) -> Path:
 
 def supervisors_cpu(run_dirs: Path, secs: float) -> float:
     """The supervisors' CPU over ``secs`` of idling, as a fraction of one core (all of them together)."""
-    procs = [p for p in psutil.process_iter(["cmdline"]) if "pdctl.supervise" in " ".join(p.info["cmdline"] or [])]
+    procs = [p for p in psutil.process_iter(["cmdline"]) if "pdctl.node.supervise" in " ".join(p.info["cmdline"] or [])]
     procs = [p for p in procs if str(run_dirs) in " ".join(p.info["cmdline"] or [])]
     before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
     time.sleep(secs)  # a measuring window, not a wait for an event

@@ -41,7 +41,7 @@ def engine_role(value: object) -> Role:
 
 class RestartPolicy(Choice):
     """The topology's ``restart:`` on engine groups, the router and the trainer (systemd's words);
-    the node's supervisor (pdctl.supervise) applies it."""
+    the node's supervisor (pdctl.node.supervise) applies it."""
 
     ON_FAILURE = "on-failure"
     NEVER = "never"

@@ -182,6 +182,17 @@ def test_the_request_path_never_reaches_the_http_server() -> None:
     assert "pdctl.router.server" in reachable(graph, "pdctl.router.app")  # the check can see an import
 
 
+def test_the_node_side_never_reaches_the_control_plane_or_the_router() -> None:
+    """What runs on a node (pdctl.node) needs nothing of the control plane or the router: a node
+    runs it without their imports, and neither half can lean on the other's internals."""
+    graph = import_graph()
+    rooms = ("pdctl.cluster", "pdctl.plan", "pdctl.topology", "pdctl.router", "pdctl.cli", "pdctl.role_planner")
+    for module in (m for m in graph if m.startswith("pdctl.node")):
+        foreign = sorted(m for m in reachable(graph, module) if m.startswith(rooms))
+        assert not foreign, (module, foreign)
+    assert "pdctl.node.supervise" in reachable(graph, "pdctl.node.agent")  # the check can see an import
+
+
 def _members(cls: ast.ClassDef) -> tuple[set[str], set[str]]:
     """A class's declared names, and those of them that are data (fields, class attributes,
     properties, ``__slots__`` entries and attributes ``__init__`` sets), dunders aside."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pdctl.agent_replies import StopReply
 from pdctl.cluster import planner_process
 from pdctl.cluster.mps import stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.node.replies import StopReply
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
 from pdctl.roles import Role

@@ -37,14 +37,14 @@ class ProcessStatus:
     exit_code: int | None = None
     """For a process that has exited and whose status was kept (trainers)."""
     restarts: int | None = None
-    """How often its node's supervisor restarted it (pdctl.supervise); None: unknown."""
+    """How often its node's supervisor restarted it (pdctl.node.supervise); None: unknown."""
     last_exit: dict[str, Any] | None = None
     """Its last exit: ``{"code": N (negative: killed by signal -N), "at": epoch seconds}``."""
     supervisor: str | None = None
     """running, backoff (restarting), exited, gave_up (left down: ``reason`` says why)."""
     reason: str | None = None
     peer: dict[str, Any] | None = None
-    """Its last start's weights from a peer (pdctl.peer_weights): ``state`` and ``detail``."""
+    """Its last start's weights from a peer (pdctl.node.peer_weights): ``state`` and ``detail``."""
     supervisor_pid: int | None = None
     """The recorded process: its supervisor (``pid`` is the supervised process)."""
     kept_args: dict[str, list[Any]] | None = None

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdctl.agent_replies import MpsStartReply, MpsStopReply
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.node.replies import MpsStartReply, MpsStopReply
 from pdctl.plan import Plan
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor

@@ -3,7 +3,7 @@ advise or act), ``down`` stops it, its supervisor restarts it when it fails.
 
 It runs on the control machine (it reads the cluster's state and switches engines as
 ``pdctl switch`` does, over the same SSH connections), as ``pdctl planner NAME`` under
-``pdctl.supervise`` (restart on failure, the story in ``planner.exit``), in a session of its own
+``pdctl.node.supervise`` (restart on failure, the story in ``planner.exit``), in a session of its own
 so that the command that started it may end. It carries the cluster's run id in its environment,
 as every process of the cluster does, so ``down``'s sweep finds it too. Its output goes to
 ``planner.log`` beside the state (0600).
@@ -21,8 +21,8 @@ from typing import Any
 
 import psutil
 
-from pdctl.agent import RUN_ID_ENV
 from pdctl.cluster.state import ClusterState, StateStore
+from pdctl.node.agent import RUN_ID_ENV
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
 
 STOP_GRACE_SECS = 10.0
@@ -46,7 +46,7 @@ def start(state: ClusterState, store: StateStore) -> dict[str, Any] | None:
     log_path, exit_file = home / "planner.log", home / "planner.exit"
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     env = {**os.environ, "PDCTL_HOME": str(store.root), RUN_ID_ENV: state.run_id}
-    argv = [sys.executable, "-m", "pdctl.supervise", str(exit_file), "--restart", "on-failure", "--"]
+    argv = [sys.executable, "-m", "pdctl.node.supervise", str(exit_file), "--restart", "on-failure", "--"]
     argv += [sys.executable, "-m", "pdctl", "planner", state.name]
     with os.fdopen(fd, "a") as log:
         proc = subprocess.Popen(

@@ -60,7 +60,7 @@ class ProcessRecord:
     node_rank: int = 0
     exit_file: str | None = None
     """Where the process's supervisor writes its story: restarts, last exit, exit status
-    (``pdctl.supervise``)."""
+    (``pdctl.node.supervise``)."""
 
 
 @dataclass

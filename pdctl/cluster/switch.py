@@ -4,7 +4,7 @@
 An engine of a ``role_switch`` group is planned with a bootstrap port in either role, so a switch
 changes no port: the router cordons it and answers once its requests have finished (SGLang
 switches only an idle engine), the engine switches, its supervisor learns the command it restarts
-with from now on (``pdctl.agent retarget``: a crash must bring it back in its new role), the
+with from now on (``pdctl.node.agent retarget``: a crash must bring it back in its new role), the
 router re-types it (a new prefill's bootstrap port), and it takes its new id in the state (the
 ``switch_group``'s next free index for ``pdctl switch``; the edited file's id for ``pdctl
 apply``), keeping its pid and its log. An engine that refuses (busy, its backend cannot switch)

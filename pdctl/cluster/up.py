@@ -20,8 +20,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from pdctl.agent import RUN_ID_ENV
-from pdctl.agent_replies import SpawnReply, WaitReadyReply
 from pdctl.cluster import planner_process
 from pdctl.cluster.down import stop_processes
 from pdctl.cluster.journal import interrupts_deferred
@@ -30,6 +28,8 @@ from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, declared_of, node_to_dict
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.node.agent import RUN_ID_ENV
+from pdctl.node.replies import SpawnReply, WaitReadyReply
 from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
 from pdctl.remote import agent_api
@@ -292,7 +292,7 @@ def process_record(spec: LaunchSpec, pid: int, pgid: int, create_time: float) ->
 def spawn_entry(
     spec: LaunchSpec, state: ClusterState, keys: ClusterKeys | None, secrets: dict[str, str], *, key_file: bool
 ) -> dict[str, Any]:
-    """What the node agent starts for ``spec`` (pdctl.agent ``spawn``): its command, environment,
+    """What the node agent starts for ``spec`` (pdctl.node.agent ``spawn``): its command, environment,
     log, supervisor story and, for an engine, its key (``key_file``: in a ``--config`` file)."""
     env = {**spec.env, RUN_ID_ENV: state.run_id, "PDCTL_CLUSTER": state.name, "PDCTL_PROCESS": spec.id}
     if spec.role in (Role.ROUTER, Role.TRAINER):  # the trainer's weight pushes call the router

@@ -48,11 +48,11 @@ class LaunchSpec:
     """True for the one process per engine that serves HTTP requests (and the router)."""
     health_path: str | None = None
     restart: str = "never"
-    """on-failure: its node's supervisor restarts it when it fails (pdctl.supervise)."""
+    """on-failure: its node's supervisor restarts it when it fails (pdctl.node.supervise)."""
     liveness_secs: float | None = None
     """Its supervisor kills it when its HTTP port has answered nothing this long (once it first did)."""
     peer_weights: Mapping[str, Any] | None = None
-    """An engine's part in weights from a peer (pdctl.peer_weights ``PeerPlan.to_dict()``): its
+    """An engine's part in weights from a peer (pdctl.node.peer_weights ``PeerPlan.to_dict()``): its
     supervisor starts it from a peer that holds the fleet's weights, and relays its own seed side."""
 
     @property
@@ -190,7 +190,7 @@ class WeightGroup:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MpsDaemon:
-    """The CUDA MPS control daemon a colocated plan needs on one node (pdctl/mps.py)."""
+    """The CUDA MPS control daemon a colocated plan needs on one node (pdctl/node/mps.py)."""
 
     node: str
     pipe_dir: str

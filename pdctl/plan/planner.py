@@ -15,7 +15,7 @@ from typing import Any
 
 from pdctl.colocate.env import DATA_PLANE_ENV, DataPlaneSpec, EngineRanks
 from pdctl.errors import Issue, PlanError, TopologyError
-from pdctl.peer_weights import PeerPlan, SeedSide
+from pdctl.node.peer_weights import PeerPlan, SeedSide
 from pdctl.plan.argv import compact_json, engine_argv, router_argv, trainer_argv
 from pdctl.plan.gpus import EnginePlacement, GpuLayout, Slices, place_gpus
 from pdctl.plan.model import EngineSpec, LaunchSpec, MpsDaemon, Plan, WeightGroup, url_host
@@ -138,7 +138,7 @@ def _plan_peer_weights(
     """Each engine that can seed and receive SGLang's engine-to-engine transfer (one node, no DP,
     no PP: SGLang's seed routes need one DP rank and pair TP rank to TP rank) gets a relay port
     and one group port per TP rank on its node, taken after every other port so that no other
-    port moves, and the list of its peers: the others of its TP size (pdctl.peer_weights)."""
+    port moves, and the list of its peers: the others of its TP size (pdctl.node.peer_weights)."""
     groups = {g.name: g for g in top.groups}
     by_id = {p.id: p for p in processes}
     sides: dict[str, SeedSide] = {}

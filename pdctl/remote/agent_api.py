@@ -1,12 +1,12 @@
 """Typed calls of the node agent: one function per command, each returning the reply type
-``pdctl.agent`` builds (``pdctl.agent_replies``). The cluster code calls the agent only here."""
+``pdctl.node.agent`` builds (``pdctl.node.replies``). The cluster code calls the agent only here."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from pdctl.agent_replies import (
+from pdctl.node.replies import (
     MpsStartReply,
     MpsStatusReply,
     MpsStopReply,

@@ -10,7 +10,7 @@ from typing import Any
 from pdctl.errors import RemoteError
 from pdctl.topology.model import Node
 
-AGENT_MODULE = "pdctl.agent"
+AGENT_MODULE = "pdctl.node.agent"
 
 
 class Executor(ABC):
@@ -18,7 +18,7 @@ class Executor(ABC):
         self.node = node
 
     def agent(self, command: str, request: dict[str, Any] | None = None, *, timeout: float = 120) -> dict[str, Any]:
-        """Run ``python -m pdctl.agent COMMAND`` on the node with ``request`` as JSON on stdin.
+        """Run ``python -m pdctl.node.agent COMMAND`` on the node with ``request`` as JSON on stdin.
 
         Raises RemoteError naming the node on transport failures or an agent error.
         """

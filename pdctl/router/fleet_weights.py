@@ -1,7 +1,7 @@
 """The fleet's current weight version, as the router last released it, and where it came from.
 
 The router is the one place that sees every weight update end (``/pdctl/release``), so it keeps
-the rule for engines that come back (a restart by their node's supervisor, pdctl.supervise): an
+the rule for engines that come back (a restart by their node's supervisor, pdctl.node.supervise): an
 engine enters rotation only when it holds this version. When the version was loaded from disk
 (``source``: the checkpoint path, read on each engine's node) the router loads it into the engine
 itself; when a trainer pushed it, the engine waits out of rotation for the next push.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdctl.peer_weights import PENDING
+from pdctl.node.peer_weights import PENDING
 from pdctl.refit import PARTIAL_LABEL, UPDATING_LABEL
 
 STALE = "stale weights"

@@ -25,7 +25,7 @@ from pdctl.router.config import WorkerSpec
 from pdctl.router.fleet_weights import FleetWeights
 
 log = logging.getLogger("pdctl.router")
-RUN_ID_ENV = "PDCTL_RUN_ID"  # pdctl.agent's, which the router must not import
+RUN_ID_ENV = "PDCTL_RUN_ID"  # pdctl.node.agent's, which the router must not import
 
 
 @dataclass

@@ -14,7 +14,7 @@ import yaml
 from pdctl.errors import PdctlError
 from pdctl.gpu_profiles import describe_profiles, profile_named
 from pdctl.httputil import write_port_file
-from pdctl.nodeproc import redact
+from pdctl.node.proc import redact
 from pdctl.signals import stop_event
 from pdctl.sim.args import build_parser, ignored_flags, merge_config_file, sim_options
 from pdctl.sim.config import DEFAULT_BOOTSTRAP_PORT, RemoteSource, SimConfig

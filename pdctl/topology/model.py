@@ -118,10 +118,10 @@ class ServerGroup:
     path: str = ""
     """Where the group is written (``decode``, ``prefill[1]``, ``allocation``), for messages."""
     restart: RestartPolicy = RestartPolicy.ON_FAILURE
-    """Restart policy of its processes on their nodes (pdctl.supervise): on-failure or never."""
+    """Restart policy of its processes on their nodes (pdctl.node.supervise): on-failure or never."""
     liveness_timeout_secs: float | None = 30.0
     """Its supervisor kills (then restarts by policy) an engine silent this long on its HTTP port
-    once it first answered; None: never (pdctl.supervise)."""
+    once it first answered; None: never (pdctl.node.supervise)."""
     role_switch: bool = False
     """Its engines may switch PD role live (SGLang's ``/pd_role_switch``, ``--enable-pd-role-switch``):
     ``pdctl apply`` moves engines between a prefill and a decode group that both allow it, and
@@ -274,7 +274,7 @@ class WeightsConfig:
     max_staleness: int | None = None
     """``interrupt``: the most updates one request may be continued across (None: no bound)."""
     from_peer: bool = True
-    """A restarted or added engine takes the fleet's weights from a peer (pdctl.peer_weights)."""
+    """A restarted or added engine takes the fleet's weights from a peer (pdctl.node.peer_weights)."""
 
 
 class DataPlaneBackend(Choice):

@@ -1,6 +1,6 @@
 """In-memory nodes for the cluster code: ``FakeExecutor`` answers the node agent's commands from
 a ``FakeNode`` (a process table), so up/down/status rules run in milliseconds with no process,
-SSH or port. The agent's replies are built to ``pdctl.agent_replies``' types and go through
+SSH or port. The agent's replies are built to ``pdctl.node.replies``' types and go through
 ``Executor.agent``'s own JSON parsing and error handling, as real replies do.
 
 A test scripts a node: ports already taken, processes that die right after they start (with an
@@ -16,7 +16,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdctl.agent_replies import (
+from pdctl.cluster.nodes import NodeSet
+from pdctl.errors import RemoteError
+from pdctl.node.replies import (
     PreflightReply,
     ReadReply,
     RmReply,
@@ -25,8 +27,6 @@ from pdctl.agent_replies import (
     StopReply,
     WaitReadyReply,
 )
-from pdctl.cluster.nodes import NodeSet
-from pdctl.errors import RemoteError
 from pdctl.remote.base import Executor
 from pdctl.topology.model import Node
 

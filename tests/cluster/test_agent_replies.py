@@ -1,6 +1,6 @@
-"""What the node agent sends is what pdctl.agent_replies declares (the types mypy checks both
+"""What the node agent sends is what pdctl.node.replies declares (the types mypy checks both
 sides against): every required key present, nothing undeclared. Real commands, through the
-real agent process (LocalExecutor runs ``python -m pdctl.agent``)."""
+real agent process (LocalExecutor runs ``python -m pdctl.node.agent``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from pdctl import agent_replies as r
+from pdctl.node import replies as r
 from pdctl.remote import agent_api
 from pdctl.remote.local import LocalExecutor
 from pdctl.topology.model import Node
@@ -85,7 +85,7 @@ def test_a_supervisor_still_finishing_reports_the_code_it_wrote(tmp_path) -> Non
 
     import psutil
 
-    from pdctl import agent
+    from pdctl.node import agent
 
     exit_file = tmp_path / "trainer.log.exit"
     story = {"state": "exited", "restart": "never", "pid": None, "create_time": None, "restarts": 0}

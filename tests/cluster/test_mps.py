@@ -14,10 +14,10 @@ import psutil
 import pytest
 import yaml
 
-from pdctl import mps
 from pdctl.cluster import down, status, up
 from pdctl.cluster.state import StateStore
 from pdctl.errors import LifecycleError
+from pdctl.node import mps
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
 from tests.helpers import eventually, free_port_base
@@ -39,7 +39,7 @@ def environ(pid: int) -> dict[str, str]:
     return eventually(lambda: psutil.Process(pid).environ(), 10, interval=0.01, what=f"pid {pid}'s environment")
 
 
-# -- the node side: pdctl.mps as the agent runs it ----------------------------------------------------
+# -- the node side: pdctl.node.mps as the agent runs it ----------------------------------------------------
 @pytest.fixture
 def dirs(tmp_path):
     req = {"pipe_dir": str(tmp_path / "pipe"), "log_dir": str(tmp_path / "log"), "env": {"PATH": PATH}}
@@ -242,7 +242,7 @@ def test_mps_on_two_ssh_hosts_with_a_quit_that_hangs(clean_hosts, pdctl_home, mo
 def test_the_agent_expands_the_mps_directories_in_a_process_env(tmp_path, monkeypatch) -> None:
     """The planner writes them under the node's workdir as the topology spells it (``~/...``);
     the CUDA driver reads them literally, so the agent expands them as it does cwd and log paths."""
-    from pdctl import agent
+    from pdctl.node import agent
 
     monkeypatch.setenv("HOME", str(tmp_path))
     env = {"CUDA_MPS_PIPE_DIRECTORY": "~/run/mps/pipe", "CUDA_MPS_LOG_DIRECTORY": "~/run/mps/log", "OTHER": "~/x"}

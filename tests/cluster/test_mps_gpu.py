@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from pdctl import mps
+from pdctl.node import mps
 
 pytestmark = pytest.mark.gpu
 

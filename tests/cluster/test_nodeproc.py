@@ -1,4 +1,4 @@
-"""Waiting for processes that are not ours to end (pdctl.nodeproc.wait_gone, the agent's stop)."""
+"""Waiting for processes that are not ours to end (pdctl.node.proc.wait_gone, the agent's stop)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import psutil
 
-from pdctl.nodeproc import wait_gone
+from pdctl.node.proc import wait_gone
 
 PARENT = "import subprocess, sys; c = subprocess.Popen(sys.argv[1:]); print(c.pid, flush=True); sys.stdin.read()"
 """Starts a child, prints its pid and never reaps it: once the child exits it stays a zombie."""

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed
 
-from pdctl.peer_weights import (
+from pdctl.node.peer_weights import (
     ARM_ROUTE,
     DISARM_ROUTE,
     INIT_ROUTE,
@@ -152,7 +152,7 @@ def test_a_seed_relay_passes_on_only_an_armed_transfer_on_its_own_ports(tmp_path
 def test_an_arm_whose_receiver_stops_asking_lapses_and_frees_the_seed(tmp_path, monkeypatch) -> None:
     """A receiver's supervisor that dies (a Ctrl-C'd apply stopped it, a kill -9) must not keep
     the seed reserved: its arm lapses once it stops asking for the outcome; one that asks keeps it."""
-    import pdctl.peer_weights as peer_weights
+    import pdctl.node.peer_weights as peer_weights
 
     monkeypatch.setattr(peer_weights, "ARM_IDLE_SECS", 1.0)
     relay = SeedRelay(SeedSide("seed", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (1,)), KEY)
@@ -208,7 +208,7 @@ def test_a_send_that_comes_before_its_inits_answer_goes_on_once_that_answer_come
     then goes on. Found by CI: the init's answer did not wake the waiting send, which slept out
     the arm's idle time (30 s) and held a restarted engine out of rotation that long. With that
     time made an hour here, a lost wake-up would hang the send instead of passing."""
-    import pdctl.peer_weights as peer_weights
+    import pdctl.node.peer_weights as peer_weights
 
     monkeypatch.setattr(peer_weights, "ARM_IDLE_SECS", 3600.0)
     engine = _HeldSeed()
@@ -301,7 +301,7 @@ def test_a_failed_transfer_ends_the_receiver_which_then_loads_from_disk_and_says
         plan = PeerPlan(me, (replace(relay.me, url=peer.url),))  # versions from the live peer, relay to nothing
         (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))
         story = tmp_path / "me.exit"
-        cmd = [sys.executable, "-m", "pdctl.supervise", str(story), "--restart", "on-failure",
+        cmd = [sys.executable, "-m", "pdctl.node.supervise", str(story), "--restart", "on-failure",
                "--peers", str(tmp_path / "plan.json"), "--",
                sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", "--host", "127.0.0.1",
                "--port", str(port), "--api-key", KEY]  # fmt: skip
@@ -336,7 +336,7 @@ def test_a_receiver_stopped_while_it_waits_for_its_weights_frees_its_seed_at_onc
         story = tmp_path / "me.exit"
         # an engine that waits for weights that never come (it sends no trigger): the arm stays
         waits = "import time\nwhile True: time.sleep(3600)"
-        cmd = [sys.executable, "-m", "pdctl.supervise", str(story), "--restart", "on-failure",
+        cmd = [sys.executable, "-m", "pdctl.node.supervise", str(story), "--restart", "on-failure",
                "--peers", str(tmp_path / "plan.json"), "--", sys.executable, "-c", waits, "--api-key", KEY]  # fmt: skip
         proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -493,7 +493,7 @@ def test_a_seed_that_dies_before_its_checksum_is_vouched_for_by_another_engine_a
         dead = SeedSide("seed", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
         other = SeedSide("peer", peer.url, "127.0.0.1", free_port(), (free_port(),))
         mine = SeedSide("me", me.url, "127.0.0.1", free_port(), (free_port(),))
-        from pdctl.peer_weights import Armed
+        from pdctl.node.peer_weights import Armed
 
         alone = PeerSource(PeerPlan(mine, (dead,)), KEY)
         ok, detail = alone.verify_and_stamp(Armed(dead, "B"), lambda: True)
@@ -515,7 +515,7 @@ def test_two_engines_restarted_at_once_share_the_only_seed_one_after_the_other(t
             second = SeedSide("second", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
             source = PeerSource(PeerPlan(second, (relay.me,)), KEY)
             got: dict = {}
-            caplog.set_level(logging.INFO, logger="pdctl.peer_weights")
+            caplog.set_level(logging.INFO, logger="pdctl.node.peer_weights")
             asking = threading.Thread(target=lambda: got.update(armed=source.arm()[0]))
             asking.start()
             # refused as busy, it asks again (it returned at once with no seed before, to load from disk)
@@ -535,7 +535,7 @@ def test_the_seed_relay_binds_without_a_reverse_dns_lookup(monkeypatch) -> None:
     import socket
     from http.server import BaseHTTPRequestHandler
 
-    from pdctl.peer_weights import _QuietServer
+    from pdctl.node.peer_weights import _QuietServer
 
     def no_dns(*_: object) -> str:
         raise AssertionError("a reverse DNS lookup while binding")

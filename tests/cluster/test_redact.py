@@ -3,7 +3,7 @@ never show an engine's key, in either spelling of the flag."""
 
 from __future__ import annotations
 
-from pdctl.nodeproc import redact
+from pdctl.node.proc import redact
 from tests.helpers import SimProcess, get
 
 

@@ -1,4 +1,4 @@
-"""pdctl.supervise, the wrapper every cluster process runs under on its node: what it restarts,
+"""pdctl.node.supervise, the wrapper every cluster process runs under on its node: what it restarts,
 what it leaves alone, and what it writes down. Real processes, real signals."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdctl.supervise import MAX_RESTARTS, failed
+from pdctl.node.supervise import MAX_RESTARTS, failed
 from tests.helpers import eventually
 
 CHILD = """
@@ -28,7 +28,7 @@ def _supervise(tmp: Path, code: int, restart: str = "on-failure") -> tuple[subpr
     runs, story = tmp / "runs", tmp / "story.json"
     script = tmp / "child.py"
     script.write_text(CHILD)
-    argv = [sys.executable, "-m", "pdctl.supervise", str(story), "--restart", restart, "--"]
+    argv = [sys.executable, "-m", "pdctl.node.supervise", str(story), "--restart", restart, "--"]
     proc = subprocess.Popen(
         [*argv, sys.executable, str(script), str(runs), str(code)], start_new_session=True, stderr=subprocess.PIPE
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdctl import mps
+from pdctl.node import mps
 from tests.conftest import REPO
 from tests.helpers import free_port
 

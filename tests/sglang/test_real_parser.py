@@ -166,10 +166,10 @@ def test_a_switchable_engines_argv_parses(parser) -> None:
 
 
 def test_a_receivers_argv_parses_as_a_complete_remote_instance_load(parser) -> None:
-    """The command an engine's supervisor starts a receiver with (pdctl.peer_weights): SGLang's
+    """The command an engine's supervisor starts a receiver with (pdctl.node.peer_weights): SGLang's
     parser reads a remote_instance load with every setting its loader needs (an incomplete one
     would silently load from disk), the seed relay as the service port, and the pending version."""
-    from pdctl.peer_weights import PENDING, Armed, PeerPlan, PeerSource, SeedSide
+    from pdctl.node.peer_weights import PENDING, Armed, PeerPlan, PeerSource, SeedSide
 
     top, _ = load_topology(next(p for p in TOPOLOGIES if p.name == "2node-hetero-tp.yaml"))
     plan = make_plan(top)

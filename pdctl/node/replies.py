@@ -1,4 +1,4 @@
-"""The node agent's replies, defined once: ``pdctl.agent`` and ``pdctl.mps`` build them, the
+"""The node agent's replies, defined once: ``pdctl.node.agent`` and ``pdctl.node.mps`` build them, the
 cluster code reads them (through ``pdctl.remote.agent_api``). JSON on the wire; TypedDicts here
 so that a key spelled differently on the two sides is a type error, not a KeyError on a node.
 Light on purpose: the agent imports this on every call.
@@ -62,11 +62,11 @@ class ProcessState(TypedDict, total=False):
     rss_mb: float | None
     healthy: bool  # when a health URL was given
     info: Any  # the JSON of the info URL, None when it did not answer
-    restarts: int  # from the supervisor's file (pdctl.supervise), when it has written one
+    restarts: int  # from the supervisor's file (pdctl.node.supervise), when it has written one
     last_exit: dict[str, Any] | None  # {"code": N (negative: a signal), "at": epoch seconds}
     supervisor: str | None  # running, backoff, exited, gave_up
     reason: str | None  # why it was left down
-    peer: dict[str, Any]  # its last start's weights from a peer (pdctl.peer_weights), when it has one
+    peer: dict[str, Any]  # its last start's weights from a peer (pdctl.node.peer_weights), when it has one
     child_pid: int  # the supervised process itself (the recorded pid is its supervisor)
 
 

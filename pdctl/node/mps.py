@@ -26,8 +26,8 @@ from typing import Any
 
 import psutil
 
-from pdctl.agent_replies import MpsStartReply, MpsStatusReply, MpsStopReply
-from pdctl.nodeproc import expand, running, same_process
+from pdctl.node.proc import expand, running, same_process
+from pdctl.node.replies import MpsStartReply, MpsStatusReply, MpsStopReply
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 SERVER_BINARY = "nvidia-cuda-mps-server"

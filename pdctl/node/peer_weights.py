@@ -1,7 +1,7 @@
 """Weights from a peer engine: a (re)started engine takes the fleet's weights from a serving engine
 of the same TP layout over SGLang's engine-to-engine transfer (sglang-protocol.md 7.3), instead of
 waiting out of rotation for the trainer's next push. Runs in the engines' supervisors
-(pdctl.supervise), on the nodes, so it heals while no pdctl command runs.
+(pdctl.node.supervise), on the nodes, so it heals while no pdctl command runs.
 
 SGLang's receiver (``--load-format remote_instance``) drives the transfer itself: at load, its TP
 rank 0 POSTs ``/init_weights_send_group_for_remote_instance`` and then
@@ -47,7 +47,7 @@ import yaml
 
 from pdctl.refit import in_flux
 
-log = logging.getLogger("pdctl.peer_weights")
+log = logging.getLogger("pdctl.node.peer_weights")
 
 PENDING = "pdctl:receiving-from-peer"
 """The version a receiver starts with: the fleet never holds it, so the router keeps it out."""
@@ -113,7 +113,7 @@ class PeerPlan:
 
 
 def engine_key(argv: list[str]) -> str | None:
-    """The engine key of an engine command: ``api-key`` of its ``--config`` file (pdctl.agent
+    """The engine key of an engine command: ``api-key`` of its ``--config`` file (pdctl.node.agent
     writes it 0600), or an ``--api-key=K`` word."""
     for i, word in enumerate(argv):
         if word.startswith("--api-key="):

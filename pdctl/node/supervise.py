@@ -1,4 +1,4 @@
-"""``python -m pdctl.supervise FILE [--restart on-failure|never] -- ARGV...``: run ARGV, restart it
+"""``python -m pdctl.node.supervise FILE [--restart on-failure|never] -- ARGV...``: run ARGV, restart it
 when it fails, and keep its story in FILE.
 
 The node agent starts every process of a cluster through this wrapper, as the leader of the
@@ -20,10 +20,10 @@ Rules (systemd's ``Restart=on-failure``, with its clean signals):
   process: ``kill -STOP``, a wedged GPU) is SIGKILLed with its descendants, and its restart policy
   applies (``last_exit`` says why).
 
-FILE.argv, when present (a JSON list, written by pdctl.agent's ``retarget``), is the command from
+FILE.argv, when present (a JSON list, written by pdctl.node.agent's ``retarget``), is the command from
 the next restart on: an engine that switched its PD role comes back in its new role.
 
-With ``--peers PLAN`` (an engine's pdctl.peer_weights ``PeerPlan``, JSON) the wrapper relays the
+With ``--peers PLAN`` (an engine's pdctl.node.peer_weights ``PeerPlan``, JSON) the wrapper relays the
 engine's seed side of SGLang's engine-to-engine transfer, and starts the engine, each time, from a
 peer that holds weights past the boot version when there is one (FILE's ``peer`` says how it went);
 after a start from a peer that failed, the next start loads from disk.
@@ -55,8 +55,8 @@ from typing import Any
 import psutil
 
 from pdctl.choices import Choice
-from pdctl.nodeproc import expand
-from pdctl.peer_weights import Armed, PeerPlan, PeerSource, SeedRelay, engine_key
+from pdctl.node.peer_weights import Armed, PeerPlan, PeerSource, SeedRelay, engine_key
+from pdctl.node.proc import expand
 from pdctl.roles import RestartPolicy
 
 MAX_RESTARTS = 5
@@ -327,7 +327,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def command_file(story_path: str) -> str:
-    """Where a command to run from the next (re)start on is kept: beside the story (pdctl.agent
+    """Where a command to run from the next (re)start on is kept: beside the story (pdctl.node.agent
     writes it when an engine switched its PD role, so that a restart comes back in its new role)."""
     return story_path + ".argv"
 
@@ -390,7 +390,7 @@ def main(argv: list[str]) -> int:
     liveness = None
     peers = None
     usage = (
-        "usage: python -m pdctl.supervise FILE [--restart on-failure|never] [--liveness URL SECS] [--peers PLAN] "
+        "usage: python -m pdctl.node.supervise FILE [--restart on-failure|never] [--liveness URL SECS] [--peers PLAN] "
         "-- ARGV..."
     )
     if len(argv) >= 2 and argv[1] == "--restart":

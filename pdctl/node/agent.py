@@ -1,4 +1,4 @@
-"""The node agent: ``python -m pdctl.agent COMMAND`` runs on a node (over SSH or locally).
+"""The node agent: ``python -m pdctl.node.agent COMMAND`` runs on a node (over SSH or locally).
 
 It is the only code that touches node processes, so local and SSH nodes behave the same.
 Input is JSON on stdin (environment values can be secret: they never go on a command
@@ -6,7 +6,7 @@ line); output is one JSON object on stdout. Imports stay light (no torch) so it 
 
 Commands:
     preflight   python/pdctl/sglang importable, GPUs visible, which planned ports are busy (and by whom)
-    spawn       start processes, each in its own session under pdctl.supervise (restarts by policy),
+    spawn       start processes, each in its own session under pdctl.node.supervise (restarts by policy),
                 stdout+stderr to its log file; an engine's secret flags (its key) go in a 0600
                 SGLang --config file beside the log, never on its command line
     wait-ready  poll local health URLs until 200, failing fast when a process dies
@@ -15,7 +15,7 @@ Commands:
     read        a log file's bytes from an offset (for `pdctl logs` and `-f`)
     rm          remove a run directory (`down --purge`)
     retarget    the command a supervised process restarts with from now on (an engine's PD role switch)
-    mps-start   make sure a CUDA MPS control daemon serves a pipe directory (pdctl.mps)
+    mps-start   make sure a CUDA MPS control daemon serves a pipe directory (pdctl.node.mps)
     mps-stop    stop one that this cluster started (quit, then force)
     mps-status  whether it still runs
 """
@@ -39,7 +39,8 @@ from typing import Any
 
 import psutil
 
-from pdctl.agent_replies import (
+from pdctl.node.proc import expand, redact, same_process, wait_gone
+from pdctl.node.replies import (
     PreflightReply,
     ProcessState,
     ReadReply,
@@ -51,8 +52,7 @@ from pdctl.agent_replies import (
     StopReply,
     WaitReadyReply,
 )
-from pdctl.nodeproc import expand, redact, same_process, wait_gone
-from pdctl.supervise import command_file, peers_file
+from pdctl.node.supervise import command_file, peers_file
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
 PATH_VALUED_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
@@ -165,7 +165,7 @@ def _command(proc: dict[str, Any], log_path: Path) -> list[str]:
 
 def retarget(req: dict[str, Any]) -> RetargetReply:
     """The command a running supervised process restarts with from now on (its PD role switched
-    live: a restart must come back in the new role, pdctl.supervise). Written 0600, replaced
+    live: a restart must come back in the new role, pdctl.node.supervise). Written 0600, replaced
     atomically; the running process is not touched."""
     proc = req["process"]
     exit_file = expand(proc["exit_file"])
@@ -201,7 +201,7 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
         argv = _command(proc, log_path)
         if proc.get("config"):
             configured.append(proc["id"])
-        if proc.get("exit_file"):  # supervised: restarted by its policy, its story kept (pdctl.supervise)
+        if proc.get("exit_file"):  # supervised: restarted by its policy, its story kept (pdctl.node.supervise)
             exit_file = expand(proc["exit_file"])
             Path(exit_file).unlink(missing_ok=True)
             Path(command_file(exit_file)).unlink(missing_ok=True)  # a command kept by an earlier run's switch
@@ -212,7 +212,7 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
                 watch = ["--liveness", str(liveness["url"]), str(float(liveness["timeout_secs"]))]
             if proc.get("peer_weights"):
                 watch += ["--peers", str(_write_config(Path(peers_file(exit_file)), proc["peer_weights"]))]
-            argv = [sys.executable, "-m", "pdctl.supervise", exit_file, "--restart", restart, *watch, "--", *argv]
+            argv = [sys.executable, "-m", "pdctl.node.supervise", exit_file, "--restart", restart, *watch, "--", *argv]
         if log_path.exists():  # each run its own log; the previous one stays as PROC.log.1
             log_path.replace(log_path.with_name(log_path.name + ".1"))
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -358,7 +358,7 @@ def _process_status(proc: dict[str, Any], timeout: float) -> ProcessState:
 
 
 def _story(path: str | None) -> dict[str, Any] | None:
-    """What a process's supervisor wrote (pdctl.supervise), if anything yet."""
+    """What a process's supervisor wrote (pdctl.node.supervise), if anything yet."""
     if not path:
         return None
     try:
@@ -474,7 +474,7 @@ def rm(req: dict[str, Any]) -> RmReply:
 
 def _mps(command: str):
     def run(req: dict[str, Any]) -> dict[str, Any]:
-        from pdctl import mps
+        from pdctl.node import mps
 
         try:
             return getattr(mps, command)(req)
@@ -502,7 +502,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] not in COMMANDS:
-        print(json.dumps({"error": f"usage: python -m pdctl.agent {{{','.join(COMMANDS)}}} < request.json"}))
+        print(json.dumps({"error": f"usage: python -m pdctl.node.agent {{{','.join(COMMANDS)}}} < request.json"}))
         sys.exit(2)
     raw = sys.stdin.read()
     try:
