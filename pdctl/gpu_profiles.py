@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+
+from pdctl.choices import Choice
 
 
-class Metric(str, Enum):
+class Metric(Choice):
     """What a published figure measured, as the profile computes it."""
 
     DECODE_STEP_MS = "decode_step_ms"

@@ -22,7 +22,6 @@ Refit modes (``weights.refit`` in the topology):
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +77,7 @@ class VerifyMode(Choice):
     OFF = "off"
 
 
-class RefitMode(str, enum.Enum):
+class RefitMode(Choice):
     DRAIN = "drain"
     INTERRUPT = "interrupt"
 

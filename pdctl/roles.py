@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
-
 from pdctl.choices import Choice
 
 
-class Role(str, Enum):
+class Role(Choice):
     """What a process is. ``prefill``/``decode`` are PD engines, ``regular`` a non-PD engine.
 
     A ``str`` enum: it compares equal to, and serializes as, its value (state files, the
@@ -18,9 +16,6 @@ class Role(str, Enum):
     REGULAR = "regular"
     ROUTER = "router"
     TRAINER = "trainer"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def is_engine(self) -> bool:

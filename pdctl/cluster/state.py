@@ -15,10 +15,10 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from pdctl.choices import Choice
 from pdctl.cluster.scrape import Target, write_targets
 from pdctl.errors import LifecycleError
 from pdctl.roles import Role
@@ -31,7 +31,7 @@ def state_root() -> Path:
     return Path(os.environ.get("PDCTL_HOME") or Path.home() / ".pdctl")
 
 
-class Phase(str, Enum):
+class Phase(Choice):
     """Where a cluster is in its life (a ``str`` enum: state files hold the value)."""
 
     STARTING = "starting"
@@ -39,9 +39,6 @@ class Phase(str, Enum):
     FAILED = "failed"
     STOPPING = "stopping"
     DOWN = "down"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from enum import Enum
 from typing import Any
+
+from pdctl.choices import Choice
 
 DATA_PLANE_ENV = "PDCTL_DATA_PLANE"
 HOOK_FACTORY = "pdctl.colocate.engine:hook_factory"
@@ -21,7 +22,7 @@ HOOK_FACTORY = "pdctl.colocate.engine:hook_factory"
 DEFAULT_GROUP_NAME = "pdctl_data_plane"
 
 
-class Tap(str, Enum):
+class Tap(Choice):
     """What one forward hook of the data plane reads from its module."""
 
     INPUT_IDS = "input_ids"

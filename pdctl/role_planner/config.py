@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from pdctl.choices import Choice
 
-class PlannerMode(str, Enum):
+
+class PlannerMode(Choice):
     OFF = "off"
     ADVISE = "advise"
     """Decide and log what it would do and why; change nothing."""
@@ -16,7 +17,7 @@ class PlannerMode(str, Enum):
     """Decide and switch engines (the same code as ``pdctl switch``)."""
 
 
-class Objective(str, Enum):
+class Objective(Choice):
     THROUGHPUT = "throughput"
     """Move engines to the role whose queue holds the fleet back."""
     LATENCY = "latency"

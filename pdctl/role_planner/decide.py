@@ -42,9 +42,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+from pdctl.choices import Choice
 from pdctl.role_planner.config import Objective, PlannerConfig
 from pdctl.roles import Role
 
@@ -75,7 +75,7 @@ OUTCOMES = ("switched", "refused", "advised", "none")
 """What became of a decision: a switch made, refused by its engine, advised only; none for stay and wait."""
 
 
-class Action(str, Enum):
+class Action(Choice):
     SWITCH = "switch"
     WAIT = "wait"
     """Something keeps it from deciding (a hold, an unhealthy engine): it decides again later."""

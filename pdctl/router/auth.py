@@ -33,8 +33,8 @@ import ipaddress
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from enum import Enum
 
+from pdctl.choices import Choice
 from pdctl.errors import RouterConfigError
 from pdctl.refit import LOAD_PATH, PUSH_PATHS
 from pdctl.router import errors
@@ -49,13 +49,13 @@ audit_log = logging.getLogger("pdctl.router.audit")
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 
 
-class ControlRole(str, Enum):
+class ControlRole(Choice):
     ADMIN = "admin"
     USER = "user"
     """Reads the control plane (GET /workers, /pdctl/weights); changes nothing."""
 
 
-class Door(str, Enum):
+class Door(Choice):
     """What a route needs."""
 
     OPEN = "open"

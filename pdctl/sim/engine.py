@@ -34,12 +34,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
-from pdctl.choices import parse_choice
+from pdctl.choices import Choice, parse_choice
 from pdctl.errors import SimError
 from pdctl.gpu_profiles import SimProfile
 from pdctl.sglang.control import MEMORY_TAGS
@@ -96,7 +95,7 @@ def _forward(gpu_free: float | None, modelled_ms: float) -> float:
     return max(end, time.monotonic())
 
 
-class Mode(str, Enum):
+class Mode(Choice):
     NORMAL = "normal"
     PREFILL = "prefill"  # PD prefill: run the prompt, publish KV under the room, return 1 token
     DECODE = "decode"  # PD decode: start from KV fetched from a prefill

@@ -8,11 +8,12 @@ in which phase, why), never as a string to be parsed back.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from pdctl.choices import Choice
 
-class Phase(str, enum.Enum):
+
+class Phase(Choice):
     CONNECT = "connect"
     PROBE = "probe"
     HOLD = "hold"
@@ -24,9 +25,6 @@ class Phase(str, enum.Enum):
     VERIFY = "verify"
     CONTINUE = "continue"
     RELEASE = "release"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
