@@ -64,7 +64,7 @@ class Change:
     why: str
     was: str | None = None
     """A switch: the running engine that becomes ``unit`` (pdctl.cluster.switch)."""
-    to_role: str | None = None
+    to_role: Role | None = None
     """A switch: the role it takes."""
     keeps: dict[str, list[str | None]] = field(default_factory=dict)
     """A switch: the flags the switched process keeps from its old group until its next restart,
@@ -117,11 +117,11 @@ def diff(state: ClusterState, top: Topology, plan: Plan, switches: Mapping[str, 
             continue
         if unit in switches:
             planned = next(iter(procs.values()))
-            role = planned["role"]
+            role = Role(planned["role"])
             running = next(iter(old.get(switches[unit], {}).values()), None)
             keeps: dict[str, list[str | None]] = {}
             if running is not None:
-                derived = switch.switched_spec(running, unit, Role(role))
+                derived = switch.switched_spec(running, unit, role)
                 keeps, _ = switch.kept_args(derived["argv"], list(planned["argv"]))
             why = "no restart: same process, GPUs and ports"
             if keeps:

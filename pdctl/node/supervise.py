@@ -90,7 +90,7 @@ class Story:
     """What FILE says about the supervised process."""
 
     path: str
-    restart: str
+    restart: RestartPolicy
     state: SupervisedState = SupervisedState.RUNNING
     pid: int | None = None
     create_time: float | None = None
@@ -413,7 +413,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--" or restart not in {p.value for p in RestartPolicy}:
         print(usage, file=sys.stderr)
         return 2
-    return Supervisor(Story(expand(argv[0]), restart), argv[2:], liveness, peers).run()
+    return Supervisor(Story(expand(argv[0]), RestartPolicy(restart)), argv[2:], liveness, peers).run()
 
 
 if __name__ == "__main__":

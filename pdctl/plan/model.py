@@ -12,7 +12,7 @@ from typing import Any
 
 from pdctl.colocate.env import DataPlaneSpec
 from pdctl.errors import Issue
-from pdctl.roles import Role
+from pdctl.roles import RestartPolicy, Role
 
 
 def url_host(host: str) -> str:
@@ -47,7 +47,7 @@ class LaunchSpec:
     entrypoint: bool = False
     """True for the one process per engine that serves HTTP requests (and the router)."""
     health_path: str | None = None
-    restart: str = "never"
+    restart: RestartPolicy = RestartPolicy.NEVER
     """on-failure: its node's supervisor restarts it when it fails (pdctl.node.supervise)."""
     liveness_secs: float | None = None
     """Its supervisor kills it when its HTTP port has answered nothing this long (once it first did)."""
@@ -110,7 +110,7 @@ class LaunchSpec:
             node_rank=raw.get("node_rank", 0),
             entrypoint=raw.get("entrypoint", False),
             health_path=raw.get("health_path"),
-            restart=raw.get("restart", "never"),
+            restart=RestartPolicy(raw.get("restart", RestartPolicy.NEVER.value)),
             liveness_secs=raw.get("liveness_secs"),
             peer_weights=raw.get("peer_weights"),
         )
