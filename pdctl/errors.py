@@ -51,6 +51,8 @@ class Issue:
     hint: str = ""
 
     def format(self, filename: str) -> str:
+        """The issue as one line for a user: ``file:line:col: path: message``, with the severity when it
+        is not an error and the hint when there is one."""
         where = f"{filename}:{self.line}:{self.col}" if self.line else filename
         text = f"{where}: {self.path or '<root>'}: {self.message}"
         if self.severity != "error":

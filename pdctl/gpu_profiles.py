@@ -54,6 +54,10 @@ class Figure:
 
 @dataclass(frozen=True)
 class SimProfile:
+    """The cost model of one model on one GPU setup: what prefill forwards, decode steps and KV transfers cost, and the
+    KV pool and limits an SGLang engine there has. ``figures`` are the published measurements it reproduces within
+    15%."""
+
     name: str
     model: str
     hardware: str

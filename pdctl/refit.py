@@ -78,6 +78,8 @@ class VerifyMode(Choice):
 
 
 class RefitMode(Choice):
+    """Words for ``weights.refit``: how a weight update treats requests in flight (module docstring)."""
+
     DRAIN = "drain"
     INTERRUPT = "interrupt"
 
@@ -141,6 +143,7 @@ class Hold:
     whose lease runs out before then just ends, its engines continued and left in rotation."""
 
     def to_json(self) -> dict[str, Any]:
+        """The request body, which ``from_json`` reads back; ``txn``, ``group`` and ``moved`` only when set."""
         body: dict[str, Any] = {
             "version": self.version,
             "source": self.source,
@@ -216,11 +219,13 @@ class HoldAnswer:
     refit: RefitMode
 
     def to_json(self) -> dict[str, Any]:
+        """The answer body; ``ready`` goes as ``drained``, the field's name for older trainers."""
         # "drained" is the field's name since the first protocol; kept for older trainers.
         return {"held": self.held, "drained": self.ready, "in_flight": self.in_flight, "refit": self.refit.value}
 
     @classmethod
     def from_json(cls, body: Any) -> HoldAnswer:
+        """Parse the router's answer; ValueError when it is not a JSON object."""
         if not isinstance(body, dict):
             raise ValueError(f"the router's hold answer is not a JSON object: {body!r}")
         return cls(
@@ -247,6 +252,7 @@ class Release:
     rotation, and the push record says it was cancelled."""
 
     def to_json(self) -> dict[str, Any]:
+        """The request body, which ``from_json`` reads back; optional fields only when set."""
         body: dict[str, Any] = {"complete": list(self.complete), "failed": dict(self.failed)}
         if self.txn is not None:
             body["txn"] = self.txn
@@ -258,6 +264,7 @@ class Release:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Release:
+        """Raises ValueError naming the field that is wrong."""
         failed = body.get("failed") or {}
         if not isinstance(failed, dict) or not all(isinstance(v, str) for v in failed.values()):
             raise ValueError("failed must map worker URLs to reasons (strings)")

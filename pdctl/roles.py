@@ -19,6 +19,7 @@ class Role(Choice):
 
     @property
     def is_engine(self) -> bool:
+        """True for the engine roles: prefill, decode and regular."""
         return self in ENGINE_ROLES
 
 

@@ -25,6 +25,8 @@ _PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v
 
 @dataclass
 class RequestResult:
+    """One request's outcome and timings as the client saw them; times are in seconds."""
+
     start: float
     """Monotonic send time (seconds)."""
     input_len: int
@@ -44,6 +46,7 @@ class RequestResult:
 
     @property
     def end(self) -> float:
+        """Monotonic time the answer ended."""
         return self.start + self.e2e
 
     @property

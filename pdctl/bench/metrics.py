@@ -28,6 +28,7 @@ class Slo:
     e2e_ms: float | None = None
 
     def met(self, r: RequestResult) -> bool:
+        """Whether ``r`` succeeded within every threshold that is set."""
         if not r.ok:
             return False
         if self.ttft_ms is not None and r.ttft * 1000 > self.ttft_ms:
@@ -39,6 +40,7 @@ class Slo:
 
     @property
     def any(self) -> bool:
+        """True when any threshold is set."""
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
 
 

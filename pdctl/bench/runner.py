@@ -33,16 +33,23 @@ class BenchError(PdctlError):
 
 @dataclass(frozen=True)
 class LoadPoint:
+    """One load level: Poisson arrivals at ``request_rate`` per second (inf: all at once), at most
+    ``max_concurrency`` in flight (None: no cap)."""
+
     request_rate: float = math.inf
     max_concurrency: int | None = None
 
     def label(self) -> str:
+        """A short text for reports and progress: ``rate=... concurrency=...``."""
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
         return f"rate={rate} concurrency={self.max_concurrency or 'unbounded'}"
 
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """One benchmark: the server, the requests, the load points, and what else to measure (server
+    view, goodput SLO, weight reloads)."""
+
     url: str
     requests: tuple[BenchRequest, ...]
     points: tuple[LoadPoint, ...] = (LoadPoint(),)

@@ -48,6 +48,9 @@ def parse(text: str) -> tuple[dict[str, float], dict[str, float]]:
 
 
 class ServerView:
+    """Samples the servers' ``/metrics`` once a second between ``start`` and ``stop``; ``targets``
+    are (role, base URL) pairs."""
+
     def __init__(self, session: aiohttp.ClientSession, targets: Sequence[tuple[str, str]]):
         self.session = session
         self.targets = list(targets)
@@ -56,11 +59,13 @@ class ServerView:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Take a first sample, then keep sampling in the background; nothing when there are no targets."""
         if self.targets:
             await self._sample()
             self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> dict[str, Any] | None:
+        """Stop sampling, take a last sample and return ``report``; None when sampling never started."""
         if self._task is None:
             return None
         self._task.cancel()
@@ -97,6 +102,8 @@ class ServerView:
             return None
 
     def report(self) -> dict[str, Any]:
+        """Per role: the sample count, each gauge's mean and max and each counter's increase;
+        ``unreachable`` lists the URLs that failed to answer at least once."""
         out: dict[str, Any] = {}
         roles = {role for sample in self.samples for role in sample}
         for role in sorted(roles):

@@ -22,6 +22,8 @@ class WorkloadError(PdctlError):
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request of a workload: its prompt and the prompt and output lengths asked for."""
+
     prompt: str
     output_len: int
     input_len: int

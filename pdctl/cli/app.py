@@ -22,6 +22,7 @@ class PdctlGroup(click.Group):
     `pdctl switch` does not pay for the bench client's aiohttp, and `--version` for none."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        """Every command's name, loaded or not, sorted."""
         return sorted({*COMMAND_MODULES, *self.commands})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
@@ -43,6 +44,8 @@ class PdctlGroup(click.Group):
         self.commands.update((command.name, command) for command in commands if command.name)
 
     def invoke(self, ctx: click.Context) -> Any:
+        """Run the command: a PdctlError prints ``error: ...`` and exits 1, Ctrl-C exits 130, any other
+        exception prints a one-line internal error and exits 1 (``--debug`` shows the traceback)."""
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):

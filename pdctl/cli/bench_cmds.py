@@ -63,6 +63,7 @@ class BenchGroup(click.Group):
     ``bench`` (a NAME, options) is ``run``'s, so ``pdctl bench NAME --sweep ...`` keeps working."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Arguments that do not start with a subcommand (or help) are parsed as ``run``'s."""
         if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help")):
             args = ["run", *args]
         return super().parse_args(ctx, args)

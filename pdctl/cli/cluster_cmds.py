@@ -38,6 +38,8 @@ class Progress:
         self.shown = False
 
     def event(self, process: str, message: str) -> None:
+        """Show ``message`` as ``process``'s state: its row in the live table, or a log line when it has
+        no row or the console is not a terminal. Safe to call from any thread."""
         if not console.is_terminal:  # piped or logged: one plain line per event, no redrawn table
             console.log(f"{process}: {message}")
             return
@@ -52,6 +54,7 @@ class Progress:
         self.live.update(self.render())
 
     def render(self) -> Table:
+        """The table of every process's state now, titled with the seconds since it started."""
         table = Table(title=f"pdctl up ({time.monotonic() - self.started:.1f}s)", expand=False)
         table.add_column("process")
         table.add_column("state")

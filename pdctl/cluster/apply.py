@@ -58,6 +58,9 @@ WORKER_FLAGS = {Flag.PREFILL: 2, Flag.DECODE: 1}
 
 @dataclass(frozen=True)
 class Change:
+    """One step of an apply: a unit (an engine, or the router) to add, replace, switch or remove, the
+    processes it touches, and why."""
+
     kind: ChangeKind
     unit: str  # an engine id, or "router"
     processes: tuple[str, ...]
@@ -73,6 +76,10 @@ class Change:
 
 @dataclass
 class ApplyPlan:
+    """What ``apply`` would do to a cluster: its changes in the order they run, the fields it refuses
+    to change live, and notes for the user. Empty changes and refusals mean the cluster already
+    matches."""
+
     name: str
     changes: list[Change] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
@@ -80,10 +87,13 @@ class ApplyPlan:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (``pdctl apply --json``)."""
         changes = [{**asdict(c), "kind": c.kind.value} for c in self.changes]
         return {"name": self.name, "changes": changes, "refused": self.refused, "notes": self.notes}
 
     def text(self) -> str:
+        """The plan as lines for a person: one per change, refusal and note, or one line saying there
+        is nothing to do."""
         if not self.changes and not self.refused:
             return f"cluster {self.name!r} already matches the file; nothing to do"
         lines = [f"cluster {self.name!r}:"]

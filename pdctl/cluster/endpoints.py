@@ -23,6 +23,9 @@ _ORDER = {Role.PREFILL.value: 0, Role.DECODE.value: 1, Role.REGULAR.value: 2}
 
 @dataclass(frozen=True)
 class EngineEndpoint:
+    """One engine as a framework sees it: id, role, URL, TP, bootstrap port (``None`` when it has none)
+    and its first rank in the facade's weight group."""
+
     id: str
     role: str
     url: str
@@ -38,6 +41,8 @@ class EngineEndpoint:
 
 @dataclass(frozen=True)
 class Endpoints:
+    """A running cluster's router and engines, in the facade's weight-group order (``endpoints``)."""
+
     cluster: str
     router_url: str
     engines: tuple[EngineEndpoint, ...]
@@ -49,6 +54,7 @@ class Endpoints:
 
     @property
     def router_address(self) -> str:
+        """The router's ``host:port`` (no scheme)."""
         return self.router_url.split("://", 1)[-1]
 
     def settings(self) -> dict[str, dict[str, str]]:
@@ -80,6 +86,8 @@ class Endpoints:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything ``pdctl endpoints`` prints: router, ranks, world size (ranks + the trainer's rank
+        0), engines and per-framework settings, as JSON-ready data."""
         return {
             "cluster": self.cluster,
             "router": self.router_url,

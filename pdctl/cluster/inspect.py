@@ -23,6 +23,9 @@ from pdctl.sglang import Endpoint
 
 @dataclass
 class ProcessStatus:
+    """One recorded process as ``pdctl status`` reports it: what its node says of it now (alive,
+    health, supervisor's story) and, for an engine, the weight version it serves."""
+
     id: str
     role: str
     node: str
@@ -58,6 +61,7 @@ class ProcessStatus:
 
     @property
     def ok(self) -> bool:
+        """Alive and not known to be unhealthy, or a trainer that completed."""
         return (bool(self.alive) and self.healthy is not False) or self.completed
 
 
@@ -79,6 +83,9 @@ class EngineStatus:
 
 @dataclass
 class ClusterStatus:
+    """A cluster's status as ``pdctl status`` reports it: its phase, every process, every engine as a
+    unit, the router's workers and hold, MPS daemons, an unfinished day-2 step and the planner."""
+
     name: str
     status: Phase
     router_url: str | None
@@ -120,6 +127,7 @@ class ClusterStatus:
         return bool(trainers) and all(p.completed for p in trainers)
 
     def to_dict(self) -> dict[str, Any]:
+        """The status as JSON-ready data, with ``ok`` and ``completed`` added."""
         from dataclasses import asdict
 
         return {**asdict(self), "ok": self.ok, "completed": self.completed}

@@ -56,6 +56,9 @@ class StepPhase(Choice):
 
 @dataclass(frozen=True)
 class Entry:
+    """The journal's one entry: which command (restart or apply) was changing which engine, how, and
+    how far it got, with the pid and time of its last write."""
+
     command: str  # restart | apply
     unit: str
     kind: ChangeKind
@@ -66,10 +69,12 @@ class Entry:
     at: float
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as ``state.journal`` holds it (JSON-ready data)."""
         return {**asdict(self), "kind": self.kind.value, "phase": self.phase.value, "processes": list(self.processes)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Entry:
+        """The entry that ``to_json`` wrote; raises ``KeyError`` or ``ValueError`` on a malformed one."""
         return cls(
             command=str(raw["command"]),
             unit=str(raw["unit"]),
@@ -103,16 +108,20 @@ class Journal:
         self.state, self.store, self.command = state, store, command
 
     def begin(self, unit: str, kind: ChangeKind, url: str | None, processes: tuple[str, ...]) -> None:
+        """Record a new step on ``unit``, in phase ``BEGUN``, and save the state before the step acts."""
         entry = Entry(self.command, unit, kind, StepPhase.BEGUN, url, processes, os.getpid(), time.time())
         self.state.journal = entry.to_json()
         self.store.save(self.state)
 
     def phase(self, phase: StepPhase) -> None:
+        """Record that the step under way reached ``phase``, and save the state; a step must have
+        begun."""
         assert self.state.journal is not None, "a step has begun"
         self.state.journal = {**self.state.journal, "phase": phase.value, "at": time.time()}
         self.store.save(self.state)
 
     def end(self) -> None:
+        """Clear the journal (the step is done or fully undone) and save the state."""
         self.state.journal = None
         self.store.save(self.state)
 

@@ -29,11 +29,15 @@ CONTROL_KEY_ID = "pdctl"
 
 @dataclass(frozen=True)
 class ClusterKeys:
+    """A cluster's engine key and control-plane admin key (module docstring); its repr never shows
+    them."""
+
     engine: str
     control: str
 
     @classmethod
     def generate(cls) -> ClusterKeys:
+        """A new pair of random keys (256 bits each, hex)."""
         return cls(engine=secrets.token_hex(32), control=secrets.token_hex(32))
 
     def env(self) -> dict[str, str]:

@@ -25,6 +25,9 @@ QUIT_GRACE_SECS = 10.0
 
 @dataclass
 class MpsStatus:
+    """One node's CUDA MPS control daemon as ``pdctl status`` reports it; ``error`` says why the node
+    could not be asked."""
+
     node: str
     pid: int
     started: bool

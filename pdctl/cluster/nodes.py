@@ -53,6 +53,9 @@ def parallel_calls() -> int:
 
 
 class NodeSet:
+    """The nodes of one command, with one executor per node, opened on first use and shared by the
+    command's calls; close it (or use it as a context manager) to close their connections."""
+
     def __init__(self, nodes: Iterable[Node], factory: Callable[[Node], Executor] = executor_for):
         self.nodes = {n.name: n for n in nodes}
         self._factory = factory
@@ -63,6 +66,7 @@ class NodeSet:
         self._using: dict[str, int] = {}  # calls under way, by node
 
     def executor(self, name: str) -> Executor:
+        """The node's executor, made on first use; raises ``KeyError`` for a node not in the set."""
         with self._lock:
             if name not in self.executors:
                 self.executors[name] = self._factory(self.nodes[name])
@@ -124,6 +128,7 @@ class NodeSet:
             ex.close()
 
     def close(self) -> None:
+        """Close every open executor; the set opens new ones if used again."""
         with self._lock:
             executors, self.executors = list(self.executors.values()), {}
         for ex in executors:

@@ -298,6 +298,8 @@ class RouterControl:
         self.url = state.router_url or ""
 
     def cordon(self, worker_url: str, on: bool) -> dict[str, Any]:
+        """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises
+        ``LifecycleError`` when the router does not do it."""
         body = {"url": worker_url, "cordon": on, "reason": "pdctl restart", "timeout_secs": DRAIN_TIMEOUT_SECS}
         answer = self.client.post(self.url + CORDON_PATH, body)
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):
@@ -307,6 +309,8 @@ class RouterControl:
         return answer
 
     def add(self, worker_url: str, role: Role, bootstrap_port: int | None) -> None:
+        """Register the engine with the router in ``role`` (with the engine key, when the cluster has
+        keys); raises ``LifecycleError`` when the router does not take it."""
         body: dict[str, Any] = {"url": worker_url, "worker_type": role.value, "bootstrap_port": bootstrap_port}
         if self.keys is not None:  # what the router sends the new engine (a worker added live gets no key unasked)
             body["api_key"] = self.keys.engine
@@ -315,6 +319,8 @@ class RouterControl:
             raise LifecycleError(f"the router at {self.url} did not register {worker_url}: {answer}")
 
     def remove(self, worker_url: str) -> None:
+        """Unregister the worker; one the router does not know is fine. Raises ``LifecycleError`` when
+        the router does not remove it."""
         answer = self.client.call("DELETE", self.url + "/workers/" + quote(worker_url, safe=""))
         if isinstance(answer, CallFailure) and answer.status != 404:
             raise LifecycleError(f"the router at {self.url} did not remove {worker_url}: {answer}")
@@ -326,6 +332,8 @@ class RouterControl:
         self.client.post(self.url + "/pdctl/refresh", {"url": worker_url} if worker_url else {})
 
     def worker(self, worker_url: str) -> dict[str, Any] | None:
+        """The router's record of the worker, or ``None`` when it does not list it or could not be
+        asked."""
         answer = self.client.get(self.url + "/workers")
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):
             return None

@@ -25,6 +25,9 @@ HTTP_TIMEOUT_SECS = 0.8
 
 @dataclass
 class EngineSample:
+    """One engine at one moment, from its ``/metrics`` (and its weight version and loads, when asked):
+    ``None`` for what it did not say or could not be reached for."""
+
     reach: str
     """``up``; ``refused`` (nothing listens: its process is gone); ``no answer`` (timed out);
     or the error."""
@@ -48,6 +51,9 @@ class EngineSample:
 
 @dataclass
 class RouterSample:
+    """The router at one moment: its answers, latency, retries, load, hold, last push and step
+    announcements, and (when asked) its workers; ``reach`` as for an engine."""
+
     reach: str
     requests: dict[int, float] = field(default_factory=dict)
     """Answers so far by status (summed over routes)."""
@@ -70,6 +76,9 @@ class RouterSample:
 
 @dataclass
 class Sample:
+    """Every engine and the router at one moment (``at``: monotonic seconds); ``router`` is ``None``
+    when the cluster has no router or the sample did not ask it."""
+
     at: float
     engines: dict[str, EngineSample]
     """By the engine's entrypoint process id."""
@@ -164,6 +173,8 @@ class Sampler:
         self.state, self.entrypoints = state, engine_entrypoints(state)
 
     async def sample(self) -> Sample:
+        """A full sample: every engine's metrics and the router's, taken at once; an engine or router
+        that does not answer is sampled with its ``reach`` saying why, not raised."""
         at = time.monotonic()
         ids = list(self.entrypoints)
         engines, router = await asyncio.gather(

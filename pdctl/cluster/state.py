@@ -43,6 +43,9 @@ class Phase(Choice):
 
 @dataclass
 class ProcessRecord:
+    """One process of a running cluster as ``down`` and ``status`` need it: where it runs, the pid,
+    process group and create time that identify it on its node, its log, ports and URLs."""
+
     id: str
     role: Role
     node: str
@@ -62,6 +65,9 @@ class ProcessRecord:
 
 @dataclass
 class ClusterState:
+    """Everything recorded about one cluster, saved as its state file: its phase, how to reach its
+    nodes, its processes, run directories and plan; enough for ``down`` without the YAML."""
+
     name: str
     run_id: str
     status: Phase
@@ -86,6 +92,7 @@ class ClusterState:
     create_time, log, exit_file; empty when none runs."""
 
     def node_objects(self) -> dict[str, Node]:
+        """The recorded nodes as ``Node`` objects, keyed by node name."""
         out = {}
         for raw in self.nodes:
             raw = dict(raw)
@@ -108,6 +115,8 @@ class ClusterState:
 
     @classmethod
     def from_json(cls, text: str) -> ClusterState:
+        """The state read back from ``to_json``'s text; raises (``ValueError``, ``TypeError``,
+        ``KeyError``) on text that does not hold a state."""
         data = json.loads(text)
         data["processes"] = {
             k: ProcessRecord(**{**v, "role": Role(v["role"])}) for k, v in data.get("processes", {}).items()
@@ -155,16 +164,23 @@ def node_to_dict(node: Node) -> dict[str, Any]:
 
 
 class StateStore:
+    """The clusters' state files under one root (``state_root`` unless given): one directory per
+    cluster name."""
+
     def __init__(self, root: Path | None = None):
         self.root = root or state_root()
 
     def dir(self, name: str) -> Path:
+        """The cluster's directory (it may not exist)."""
         return self.root / name
 
     def path(self, name: str) -> Path:
+        """The cluster's state file (it may not exist)."""
         return self.dir(name) / "state.json"
 
     def load(self, name: str) -> ClusterState | None:
+        """The cluster's saved state; ``None`` when it has none. Raises ``LifecycleError`` when the
+        file cannot be read or parsed."""
         path = self.path(name)
         if not path.exists():
             return None
@@ -188,11 +204,13 @@ class StateStore:
         write_targets(directory, state.name, state.scrape_targets())  # Prometheus' file_sd list follows every change
 
     def names(self) -> list[str]:
+        """The names of the clusters that have a state file, sorted."""
         if not self.root.is_dir():
             return []
         return sorted(p.parent.name for p in self.root.glob("*/state.json"))
 
     def remove(self, name: str) -> None:
+        """Delete the cluster's directory (state, lock, target list); a missing one is fine."""
         import shutil
 
         shutil.rmtree(self.dir(name), ignore_errors=True)

@@ -377,6 +377,8 @@ def router_client_key(state: ClusterState) -> str | None:
 
 
 class ReadinessError(LifecycleError):
+    """A process did not become ready in time, or exited first (``process_id`` names it); the message says why."""
+
     def __init__(self, process_id: str, reason: str):
         super().__init__(f"{process_id} did not become ready: {reason}")
         self.process_id = process_id

@@ -30,6 +30,9 @@ LATENCY_WINDOW_SECS = 10.0
 # -- one frame --------------------------------------------------------------------------------------
 @dataclass
 class EngineRow:
+    """One engine's line of a frame: health, weight version, load and token rates; ``None`` where the
+    samples do not tell."""
+
     engine: str
     role: str
     node: str
@@ -46,6 +49,9 @@ class EngineRow:
 
 @dataclass
 class RouterRow:
+    """The router's line of a frame: health, request and error rates, latency percentiles, retries,
+    load and open circuit breakers; ``None`` where the samples do not tell."""
+
     health: str
     requests_per_s: float | None
     errors_per_s: float | None
@@ -61,6 +67,8 @@ class RouterRow:
 
 @dataclass
 class TrainerRow:
+    """The trainer's line of a frame, from its supervisors' word."""
+
     state: str
     """running, completed, exited N, restarting, left down, not running, unknown."""
     processes: int
@@ -69,6 +77,9 @@ class TrainerRow:
 
 @dataclass
 class Frame:
+    """One screen of ``pdctl top``: the cluster's engines, router, weights, trainer and planner at one
+    moment."""
+
     cluster: str
     status: str
     interval_secs: float
@@ -85,6 +96,7 @@ class Frame:
     """The P:D planner: running or not, and its latest decision (action, reason, outcome, age)."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The frame as JSON-ready data."""
         return asdict(self)
 
 
@@ -346,6 +358,8 @@ class Watch:
             self._status_task = asyncio.ensure_future(self.refresh_status())
 
     async def frame(self) -> Frame:
+        """A new frame: takes a sample now and, when due, starts a fresh ask of the node agents in the
+        background (the frame shows the latest answer, not waiting for it)."""
         self._status_due()
         sample = await self.sampler.sample()
         self.history.append(sample)
@@ -357,6 +371,7 @@ class Watch:
         return frame
 
     async def close(self) -> None:
+        """Cancel a background ask of the node agents still under way."""
         if self._status_task is not None:
             self._status_task.cancel()
             try:

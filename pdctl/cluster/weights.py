@@ -27,6 +27,9 @@ from pdctl.weights.report import PushReport
 
 @dataclass
 class EngineWeights:
+    """One engine's weights as ``pdctl weights`` reports them: the version it serves (``error`` when it
+    did not answer), its planned and latest-push ranks, and why the router keeps it out, if it does."""
+
     id: str
     role: str
     url: str
@@ -42,6 +45,9 @@ class EngineWeights:
 
 @dataclass
 class WeightsStatus:
+    """A cluster's weights as ``pdctl weights`` reports them: the planned group, the router's latest
+    push and hold, and each engine's version and ranks."""
+
     name: str
     router_url: str | None
     group: dict[str, Any] | None
@@ -62,6 +68,7 @@ class WeightsStatus:
         return engines_ok and len(versions) == 1 and self.hold is None
 
     def to_dict(self) -> dict[str, Any]:
+        """The status as JSON-ready data, with ``ok`` added."""
         return {**asdict(self), "ok": self.ok}
 
 

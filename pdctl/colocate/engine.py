@@ -124,6 +124,7 @@ class Producer:
 
     # -- hooks -----------------------------------------------------------------------------
     def hook(self, tap: Tap) -> Hook:
+        """The forward hook for ``tap``; any tap but INPUT_IDS, POSITIONS and AUX gets the final-states hook."""
         if tap is Tap.INPUT_IDS:
             return self._on_input_ids
         if tap is Tap.POSITIONS:

@@ -45,6 +45,7 @@ class EngineRanks:
 
     @property
     def ranks(self) -> range:
+        """Its union ranks."""
         return range(self.first_rank, self.first_rank + self.tp)
 
 
@@ -70,9 +71,11 @@ class DataPlaneSpec:
 
     @property
     def world_size(self) -> int:
+        """The union world's size: every trainer rank plus every engine's TP ranks."""
         return self.trainer_ranks + sum(e.tp for e in self.engines)
 
     def engine(self, engine_id: str) -> EngineRanks:
+        """The engine called ``engine_id``; KeyError naming the known ones."""
         for engine in self.engines:
             if engine.id == engine_id:
                 return engine
@@ -87,9 +90,11 @@ class DataPlaneSpec:
         raise KeyError(f"trainer rank {trainer_rank} has no engine rank (world {self.world_size})")
 
     def trainer_of(self, engine: EngineRanks, tp_rank: int) -> int:
+        """The trainer rank that TP rank ``tp_rank`` of ``engine`` sends to (``pair_of_trainer``'s inverse)."""
         return engine.first_rank + tp_rank - self.trainer_ranks
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with ``world_size`` added."""
         out = asdict(self)
         out["engines"] = [asdict(e) for e in self.engines]
         out["aux_layers"] = list(self.aux_layers)
@@ -97,6 +102,7 @@ class DataPlaneSpec:
         return out
 
     def to_json(self) -> str:
+        """Compact JSON with sorted keys, as ``$PDCTL_DATA_PLANE`` carries it; ``from_json`` reads it."""
         return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
 
     @classmethod

@@ -50,6 +50,7 @@ class Handle:
     event_sync_required: bool
 
     def encode(self) -> bytes:
+        """Compact JSON bytes, which ``decode`` reads back."""
         fields = {
             "gpu_uuid": self.gpu_uuid,
             "nbytes": self.nbytes,

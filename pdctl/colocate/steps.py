@@ -73,6 +73,7 @@ class StepCutter:
         return done
 
     def clear(self) -> None:
+        """Drop whatever the step being gathered holds and start the next one empty."""
         self.in_step = 0
         self._shards = {j: [] for j in self.tp_ranks}
 

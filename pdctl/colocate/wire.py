@@ -69,6 +69,8 @@ def dtype_named(name: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class Header:
+    """One step's header on the wire: its number, sizes, dtype and ``status``."""
+
     step: int
     n_seqs: int
     n_tokens: int
@@ -78,12 +80,14 @@ class Header:
     status: int = FOLLOWS
 
     def encode(self) -> torch.Tensor:
+        """As an int64 tensor of 8 values, the magic first."""
         code = DTYPES.index(self.dtype)
         fields = [MAGIC, self.step, self.n_seqs, self.n_tokens, self.hidden, self.n_aux, code, self.status]
         return torch.tensor(fields, dtype=torch.int64)
 
     @classmethod
     def decode(cls, raw: torch.Tensor) -> Header:
+        """The header ``raw`` holds; ValueError when it is not one (magic, dtype code, sizes or status)."""
         magic, step, n_seqs, n_tokens, hidden, n_aux, code, status = (int(v) for v in raw.tolist())
         if (
             magic != MAGIC
@@ -96,6 +100,7 @@ class Header:
 
     @property
     def meta_len(self) -> int:
+        """int64 values of the step's meta (``pack_meta``): ids, lengths and loss mask."""
         return 2 * self.n_tokens + self.n_seqs
 
 
@@ -128,10 +133,12 @@ class IpcReady:
     handle_len: int
 
     def encode(self) -> torch.Tensor:
+        """As an int64 tensor of 4 values."""
         return torch.tensor([self.step, self.generation, self.capacity, self.handle_len], dtype=torch.int64)
 
     @classmethod
     def decode(cls, raw: torch.Tensor) -> IpcReady:
+        """The message ``raw`` holds; ValueError when a value is negative."""
         step, generation, capacity, handle_len = (int(v) for v in raw.tolist())
         if min(step, generation, capacity, handle_len) < 0:
             raise ValueError(f"not a data plane ready: {raw.tolist()}")
@@ -149,6 +156,7 @@ class IpcLayout:
 
     @classmethod
     def of(cls, header: Header) -> IpcLayout:
+        """The layout of ``header``'s step."""
         block = header.n_tokens * header.hidden * header.dtype.itemsize
         meta_offset = _aligned(block) * (1 + header.n_aux)
         return cls(block, meta_offset, _aligned(meta_offset + header.meta_len * 8))

@@ -82,15 +82,19 @@ class SeedSide:
 
     @property
     def relay_url(self) -> str:
+        """The base URL of the engine's seed relay (an IPv6 host in brackets)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.relay_port}"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SeedSide:
+        """The seed side that ``to_dict`` wrote; raises ``KeyError`` or ``ValueError`` on a malformed
+        one."""
         return cls(str(raw["engine_id"]), str(raw["url"]), str(raw["host"]), int(raw["relay_port"]),
                    tuple(int(p) for p in raw["ports"]))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form of the seed side, as ``from_dict`` reads it."""
         return {"engine_id": self.engine_id, "url": self.url, "host": self.host, "relay_port": self.relay_port,
                 "ports": list(self.ports)}  # fmt: skip
 
@@ -105,10 +109,13 @@ class PeerPlan:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PeerPlan:
+        """The plan that ``to_dict`` wrote (a ``--peers`` file); ``boot_version`` defaults to
+        ``default``."""
         return cls(SeedSide.from_dict(raw["me"]), tuple(SeedSide.from_dict(p) for p in raw["peers"]),
                    str(raw.get("boot_version", "default")))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form of the plan, as ``from_dict`` reads it."""
         return {"me": self.me.to_dict(), "peers": [p.to_dict() for p in self.peers], "boot_version": self.boot_version}
 
 
@@ -172,12 +179,18 @@ class SeedRelay:
         self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> None:
+        """Serve the relay on the engine's host and relay port, on a daemon thread; raises ``OSError``
+        when the port cannot be bound."""
         relay = self
 
         class Handler(BaseHTTPRequestHandler):
+            """The relay's HTTP side: POST bodies of JSON objects, passed to ``SeedRelay.handle``."""
+
             timeout = RELAY_READ_SECS  # a client that sends its request slowly does not hold a thread
 
             def do_POST(self) -> None:
+                """Answer one POST with ``SeedRelay.handle``'s status and JSON; a body that is not a
+                JSON object, or is over 64 KiB, is refused with 400 or 413."""
                 try:
                     length = int(self.headers.get("Content-Length") or 0)
                 except ValueError:
@@ -210,12 +223,14 @@ class SeedRelay:
                     pass
 
             def log_message(self, fmt: str, *args: Any) -> None:
+                """Log nothing per request (http.server writes each one to stderr)."""
                 pass
 
         self._server = _QuietServer((self.me.host, self.me.relay_port), Handler)
         threading.Thread(target=self._server.serve_forever, name="pdctl-seed-relay", daemon=True).start()
 
     def stop(self) -> None:
+        """Stop serving and close the relay's socket; nothing to do when it was never started."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -227,6 +242,9 @@ class SeedRelay:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.key.encode())
 
     def handle(self, path: str, body: dict[str, Any], auth: str | None) -> tuple[int, dict[str, Any]]:
+        """One relay request's status and JSON answer. Arm, wait and disarm need the engine key (401
+        otherwise); a receiver's init and send are passed on to the engine only when they fit the
+        current arm (403 otherwise, 502 when the engine did not succeed); any other path is 404."""
         if path in (ARM_ROUTE, WAIT_ROUTE, DISARM_ROUTE):
             if not self._authorized(auth):
                 return 401, {"error": "Unauthorized"}
@@ -395,6 +413,8 @@ class _QuietServer(ThreadingHTTPServer):
 # -- the receiver's side --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Armed:
+    """A seed armed for this engine's next start, and the weight version it reported when chosen."""
+
     seed: SeedSide
     version: str
 
@@ -551,6 +571,8 @@ class PeerSource:
         return True, f"took {armed.version!r} from {armed.seed.engine_id} (checksums equal{checked})"
 
     def disarm(self, armed: Armed) -> None:
+        """Release the seed's arm for this engine; when the relay cannot be reached, the arm lapses on
+        its own."""
         try:
             _call(armed.seed.relay_url + DISARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
         except (OSError, ValueError):

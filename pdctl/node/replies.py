@@ -10,6 +10,9 @@ from typing import Any, TypedDict
 
 
 class BusyPort(TypedDict):
+    """A port the plan needs that is taken on the node: its number and, when the agent could tell, the
+    owning process's pid and name (``None`` when unknown)."""
+
     port: int
     pid: int | None
     name: str | None
@@ -25,10 +28,19 @@ class _PreflightBase(TypedDict):
 
 
 class PreflightReply(_PreflightBase, total=False):
+    """What the control plane checks before a launch: which Python and pdctl the agent ran under,
+    whether sglang and torch import there, the planned ports already taken (``busy_ports``, empty
+    when all are free), and the kernel's ephemeral port range (``None`` when unreadable). ``gpus``,
+    the visible GPU count, is present only when the request asked for a GPU check."""
+
     gpus: int  # only when asked to check GPUs
 
 
 class Started(TypedDict):
+    """One process the agent started: its pid, its process group (the same number: each starts a new
+    session) and create time, the identity ``status`` and ``stop`` check so that a reused pid is
+    never mistaken for it."""
+
     pid: int
     pgid: int
     create_time: float
@@ -39,6 +51,10 @@ class _SpawnBase(TypedDict):
 
 
 class SpawnReply(_SpawnBase, total=False):
+    """Every process of the request was started: ``started`` maps each process id to its ``Started``
+    record; ``configured`` lists those whose secret flags went into a --config file (an older agent
+    leaves it out, and the control machine then refuses the launch)."""
+
     # the processes whose secret flags went into a --config file (an agent older than that
     # leaves this out: the control machine then refuses the launch)
     configured: list[str]
@@ -50,12 +66,21 @@ class _WaitReadyBase(TypedDict):
 
 
 class WaitReadyReply(_WaitReadyBase, total=False):
+    """The outcome of waiting for the node's targets: ``ready`` is true only when every target answered
+    its health URL; ``ready_ids`` lists those that did. Otherwise ``failed`` names the first target
+    not ready and ``reason`` says why (deadline passed, a process exited, or the caller went away);
+    ``died`` is set when a target or watched process exited."""
+
     failed: str  # the first target that did not become ready
     reason: str
     died: str  # a target or watched process that exited
 
 
 class ProcessState(TypedDict, total=False):
+    """What the node knows of one recorded process now. Only ``alive`` is always present; a supervised
+    process that waits for a restart counts as not alive. The other keys appear when they apply, as
+    their comments say."""
+
     alive: bool  # always present
     exit_code: int | None  # a dead process with an exit file (None: killed before it wrote)
     uptime_secs: float
@@ -71,30 +96,48 @@ class ProcessState(TypedDict, total=False):
 
 
 class StatusReply(TypedDict):
+    """Each requested process's state, keyed by process id."""
+
     processes: dict[str, ProcessState]
 
 
 class StopReply(TypedDict):
+    """The outcome of stopping a run's processes: how many exited after SIGTERM, how many had to be
+    killed, and the pids still running afterwards (empty when all are gone)."""
+
     terminated: int
     killed: int
     left: list[int]
 
 
 class ReadReply(TypedDict, total=False):
+    """A piece of a file on the node, decoded as text. ``size`` is the offset to read from next (the
+    file's size when the last lines were asked for); ``error`` is set, with empty ``data``, when the
+    file could not be read."""
+
     size: int  # always present
     data: str  # always present
     error: str  # the file could not be read
 
 
 class RmReply(TypedDict):
+    """The paths that existed and were removed (paths already absent are left out)."""
+
     removed: list[str]
 
 
 class RetargetReply(TypedDict):
+    """Where the supervised process's new restart command was written; the running process is untouched
+    until it next restarts."""
+
     written: str
 
 
 class MpsStartReply(TypedDict):
+    """An MPS control daemon serves ``pipe_dir``: its pid and create time, and whether this call
+    started it. When ``started`` is false the daemon was already there and ``down`` must leave it
+    running."""
+
     pid: int
     create_time: float
     started: bool  # False: a daemon already served the pipe directory (down leaves it)
@@ -102,11 +145,16 @@ class MpsStartReply(TypedDict):
 
 
 class MpsStopReply(TypedDict, total=False):
+    """The MPS daemon is stopped or was already gone. ``forced`` is true when it outlived ``quit`` and
+    was killed; ``detail`` says what happened; ``left`` lists pids that survived the kill."""
+
     forced: bool  # always present
     detail: str  # always present
     left: list[int]
 
 
 class MpsStatusReply(TypedDict):
+    """Whether the recorded MPS daemon still runs and its control pipe still exists."""
+
     running: bool
     control_pipe: bool

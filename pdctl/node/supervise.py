@@ -105,6 +105,8 @@ class Story:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def write(self) -> None:
+        """Replace FILE with the story as it stands now (0600, atomically); safe to call from any
+        thread."""
         with self.lock:
             self._write()
 
@@ -130,11 +132,16 @@ class Story:
 
 @dataclass(frozen=True)
 class Liveness:
+    """The ``--liveness`` probe: the URL a started child must keep answering, and how long it may go
+    without an answer before it is killed as hung."""
+
     url: str
     timeout_secs: float
 
     @property
     def period_secs(self) -> float:
+        """How often the URL is probed, and each probe's timeout: a fifth of the timeout, at most one
+        second."""
         return min(1.0, self.timeout_secs / 5)
 
     def answers(self) -> bool:
@@ -149,6 +156,9 @@ class Liveness:
 
 
 class Supervisor:
+    """Runs one command under its restart policy and keeps its story in FILE (module docstring); with a
+    ``PeerPlan`` it also relays the engine's seed side and starts it from a peer when it can."""
+
     def __init__(
         self, story: Story, command: list[str], liveness: Liveness | None = None, peers: PeerPlan | None = None
     ):
@@ -165,6 +175,9 @@ class Supervisor:
         """The last start from a peer failed: the next one loads from disk."""
 
     def run(self) -> int:
+        """Run the command until it stops cleanly, it may not be restarted, the wrapper is told to
+        stop, or it fails too often; write the final story and return the wrapper's exit status (the
+        child's status, 128 + N for signal N)."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._stop)
         if self.relay is not None:

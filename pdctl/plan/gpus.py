@@ -26,11 +26,15 @@ class EnginePlacement:
 
     @property
     def engine_id(self) -> str:
+        """The engine's id: its group's name and its index in the group (``decode-0``)."""
         return f"{self.group.name}-{self.index}"
 
 
 @dataclass(frozen=True)
 class GpuLayout:
+    """Where every engine and the trainer run: each engine's placement, in declaration order, and the
+    trainer's GPUs."""
+
     engines: tuple[EnginePlacement, ...]
     trainer: tuple[tuple[str, tuple[int, ...]], ...]
     """(node, gpu_ids) per trainer node, node rank order."""

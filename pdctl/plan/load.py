@@ -19,6 +19,9 @@ from pdctl.topology.model import Topology
 
 @dataclass(frozen=True)
 class Planned:
+    """A topology file that checked and planned cleanly: the topology, its plan, and the warnings of
+    both steps."""
+
     topology: Topology
     plan: Plan
     warnings: list[Issue]

@@ -57,6 +57,7 @@ class LaunchSpec:
 
     @property
     def url(self) -> str | None:
+        """The process's HTTP URL when it is an entrypoint with an ``http`` port, else ``None``."""
         port = self.ports.get("http")
         return f"http://{url_host(self.host)}:{port}" if port and self.entrypoint else None
 
@@ -69,6 +70,7 @@ class LaunchSpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as JSON-ready data (``url`` included), as ``from_dict`` reads it back."""
         return {
             "id": self.id,
             "role": self.role.value,
@@ -142,6 +144,7 @@ class EngineSpec:
         return self.bootstrap_port if self.role is Role.PREFILL else None
 
     def to_dict(self) -> dict[str, Any]:
+        """The engine as JSON-ready data."""
         return {
             "id": self.id,
             "group": self.group,
@@ -171,6 +174,7 @@ class WeightGroup:
     max_staleness: int | None = None
 
     def to_dict(self, engines: tuple[EngineSpec, ...]) -> dict[str, Any]:
+        """The group as JSON-ready data, with each of ``engines`` that has a rank in it."""
         return {
             "master_address": self.master_address,
             "master_port": self.master_port,
@@ -197,6 +201,7 @@ class MpsDaemon:
     log_dir: str
 
     def to_dict(self) -> dict[str, Any]:
+        """The daemon as JSON-ready data."""
         return {"node": self.node, "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
 
 
@@ -230,6 +235,7 @@ class Plan:
     """The topology's ``planner:`` section (``pdctl planner`` reads it from the state)."""
 
     def process(self, process_id: str) -> LaunchSpec:
+        """The process with this id; raises ``KeyError`` when the plan has none."""
         for spec in self.processes:
             if spec.id == process_id:
                 return spec
@@ -237,6 +243,7 @@ class Plan:
 
     @property
     def router(self) -> LaunchSpec:
+        """The router's process."""
         return self.process(self.router_id)
 
     @property
@@ -245,6 +252,7 @@ class Plan:
         return self.router.url or ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data: what ``pdctl plan --json`` prints and the state file keeps."""
         return {
             "name": self.name,
             "engine": self.engine,

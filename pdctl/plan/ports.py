@@ -19,6 +19,8 @@ DIST_INIT_BASE_BLOCK = 30
 
 
 class PortOverflowError(Exception):
+    """A node's ports would run past 65535; ``node`` names it."""
+
     def __init__(self, node: str, wanted: int, at: int):
         super().__init__(f"node {node}: needs {wanted} more port(s) from {at}, past {MAX_PORT}")
         self.node = node
@@ -48,6 +50,9 @@ class PortCursors:
         self.highest[node] = max(self.highest[node], port)
 
     def take(self, node: str, count: int = 1, key: str | None = None) -> int:
+        """The first of ``count`` consecutive ports on ``node``: the ports kept for ``key`` when it
+        keeps that many on that node, else the next block past the cursor that avoids reserved ports
+        (the cursor moves past it). Raises ``PortOverflowError`` when no block fits below 65536."""
         kept = self.keep.get(key) if key is not None else None
         if kept is not None and kept[0] == node and kept[2] == count:
             return kept[1]

@@ -14,6 +14,9 @@ AGENT_MODULE = "pdctl.node.agent"
 
 
 class Executor(ABC):
+    """Runs the node agent on one node (module docstring). Subclasses supply ``_run``; an executor may
+    hold a connection open between calls until ``close`` (or the end of a ``with`` block)."""
+
     def __init__(self, node: Node):
         self.node = node
 

@@ -9,6 +9,9 @@ from pdctl.remote.base import Executor
 
 
 class LocalExecutor(Executor):
+    """The executor of a node on this machine: each agent call is a subprocess here, with nothing to
+    connect or close."""
+
     def _run(self, argv: list[str], stdin: bytes, timeout: float) -> tuple[int, bytes, bytes]:
         try:
             res = subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout, check=False)

@@ -35,6 +35,10 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
 
 
 class SSHExecutor(Executor):
+    """The executor of a remote node: one SSH connection, opened on first use and reused by every call
+    (module docstring for the host-key policy). Raises ``RemoteError`` when the node's configured
+    key file does not exist."""
+
     def __init__(self, node: Node):
         super().__init__(node)
         self._client: paramiko.SSHClient | None = None
@@ -55,9 +59,13 @@ class SSHExecutor(Executor):
 
     @property
     def where(self) -> str:
+        """The node and its SSH address, for messages."""
         return f"node {self.node.name} ({self.user + '@' if self.user else ''}{self.hostname}:{self.port})"
 
     def connect(self) -> None:
+        """Open the connection unless one is open. Raises ``NodeUnreachable`` when the host cannot be
+        reached or never speaks SSH, and ``RemoteError`` for a host key that is unknown or changed,
+        failed authentication or another SSH error."""
         with self._lock:
             if self._client is not None:
                 return
@@ -131,6 +139,7 @@ class SSHExecutor(Executor):
         return code, out, err
 
     def close(self) -> None:
+        """Close the connection, if open; the next call opens a new one."""
         with self._lock:
             if self._client is not None:
                 self._client.close()

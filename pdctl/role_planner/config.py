@@ -10,6 +10,8 @@ from pdctl.choices import Choice
 
 
 class PlannerMode(Choice):
+    """Words for ``planner.mode``: off, advise only, or act."""
+
     OFF = "off"
     ADVISE = "advise"
     """Decide and log what it would do and why; change nothing."""
@@ -18,6 +20,8 @@ class PlannerMode(Choice):
 
 
 class Objective(Choice):
+    """Words for ``planner.objective``: what the planner moves engines for."""
+
     THROUGHPUT = "throughput"
     """Move engines to the role whose queue holds the fleet back."""
     LATENCY = "latency"
@@ -26,6 +30,9 @@ class Objective(Choice):
 
 @dataclass(frozen=True)
 class PlannerConfig:
+    """The ``planner:`` section (pdctl.role_planner): mode, objective and latency targets, each
+    role's minimum engine count, and the pace of decisions."""
+
     mode: PlannerMode = PlannerMode.ADVISE
     objective: Objective = Objective.THROUGHPUT
     ttft_ms: float | None = None
@@ -45,6 +52,7 @@ class PlannerConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> PlannerConfig:
+        """Build from the ``planner:`` section; None or a missing key takes the default."""
         raw = raw or {}
         return cls(
             mode=PlannerMode(raw.get("mode", PlannerMode.ADVISE.value)),
@@ -60,6 +68,7 @@ class PlannerConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as plain JSON values, which ``from_dict`` reads back."""
         return {
             "mode": self.mode.value,
             "objective": self.objective.value,

@@ -76,6 +76,8 @@ OUTCOMES = ("switched", "refused", "advised", "none")
 
 
 class Action(Choice):
+    """Words for what a decision says: switch an engine, wait, or stay."""
+
     SWITCH = "switch"
     WAIT = "wait"
     """Something keeps it from deciding (a hold, an unhealthy engine): it decides again later."""
@@ -103,6 +105,9 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class Observation:
+    """The fleet over one interval, as the planner reads it: each engine's load, any hold, the
+    latencies and the step boundaries announced so far."""
+
     at: float
     """Seconds on a monotonic clock."""
     engines: tuple[EngineLoad, ...]
@@ -118,6 +123,8 @@ class Observation:
 
 @dataclass(frozen=True)
 class RoleLoad:
+    """One role's load over one interval: its engine count and per-engine means."""
+
     role: Role
     engines: int
     waiting: float
@@ -143,6 +150,7 @@ class RoleLoad:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The figures as a decision records them (rounded); ``from_dict`` reads them back."""
         out = {
             "engines": self.engines,
             "waiting_per_engine": round(self.waiting, 2),
@@ -156,6 +164,9 @@ class RoleLoad:
 
 @dataclass(frozen=True)
 class Decision:
+    """One interval's outcome: the action and why; for a switch, the engine and the role it moves to.
+    ``figures`` are the loads it was decided on."""
+
     action: Action
     reason: str
     engine: str | None = None
@@ -163,6 +174,7 @@ class Decision:
     figures: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``action``, ``engine``, ``to_role``, ``reason`` and ``figures``."""
         return {
             "action": self.action.value,
             "engine": self.engine,
@@ -174,6 +186,8 @@ class Decision:
 
 @dataclass
 class SplitRecord:
+    """The output tokens/s one prefill:decode split was measured to give, and under which workload mix."""
+
     output_tokens_per_s: float
     mix: float
     """Prompt tokens per output token."""
@@ -196,6 +210,7 @@ class RolePlanner:
         self.steps_seen: float | None = None
 
     def minimum(self, role: Role) -> int:
+        """The fewest engines ``role`` may keep (``min_prefill`` for prefill, else ``min_decode``)."""
         return self.config.min_prefill if role is Role.PREFILL else self.config.min_decode
 
     def recall(self, entries: Sequence[Mapping[str, Any]], now_wall: float, now: float) -> None:
@@ -220,6 +235,9 @@ class RolePlanner:
         self.streak = (None, 0)
 
     def decide(self, obs: Observation) -> Decision:
+        """Decide for one interval: SWITCH (an engine and its new role), STAY or WAIT, each with its
+        reason and figures. Updates the state kept across intervals but switches nothing: the caller
+        makes the switch and reports it with ``switched``."""
         loads = {role: _role_load(obs, role) for role in PD}
         figures: dict[str, Any] = {r.value: loads[r].to_dict() for r in loads}
         if obs.ttft_ms is not None or obs.itl_ms is not None:

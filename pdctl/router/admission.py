@@ -54,9 +54,11 @@ class Admission:
         self.active += 1
 
     def leave(self) -> None:
+        """A request left flight (its answer ended); ``idle`` is set when none is left."""
         self.active -= 1
         if self.active == 0:
             self.idle.set()
 
     def in_flight(self) -> int:
+        """How many requests are in flight now (between ``enter`` and ``leave``)."""
         return self.active

@@ -97,6 +97,9 @@ class RouterServer:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
+        """End what a predecessor's transaction left open, run one health round, start the health loops and listen (the
+        main port, and the Prometheus port when configured). Raises OSError, with everything started stopped again, when
+        a port cannot be bound."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         # A predecessor killed during a transaction of its own left engines paused: continued first.
@@ -133,8 +136,10 @@ class RouterServer:
             raise OSError(f"cannot listen on {self.config.host}:{port}: {exc.strerror or exc}") from exc
 
     async def stop(self) -> None:
+        """Stop the holds, transactions, health loops, servers, client session and dispatcher; safe after a failed
+        ``start``."""
         await self.holds.stop()
-        await self.transactions.stop()
+        await self.transactions.tasks.stop()
         await self.health_checks.stop()
         for server in reversed(self._servers):
             await server.stop()
@@ -152,6 +157,7 @@ class RouterServer:
 
     @property
     def url(self) -> str:
+        """The router's base URL (a wildcard host given as ``127.0.0.1``); valid once ``start`` bound the port."""
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
@@ -258,6 +264,7 @@ class RouterServer:
 
     # -- info routes ---------------------------------------------------------------------------------------
     async def health(self, _: Request) -> Reply:
+        """``GET /health``: 200 ``OK`` while the router's process serves, whatever its workers."""
         return text_reply("OK")
 
     def _ready(self) -> tuple[bool, int, str]:
@@ -282,6 +289,8 @@ class RouterServer:
         return True, count, ""
 
     async def readiness(self, _: Request) -> Reply:
+        """``GET /readiness``: 200 when the router can serve a request now, else 503 with the reason (and the hold,
+        while a weight update holds requests); both give worker counts."""
         ready, in_rotation, why = self._ready()
         hold = self.transactions.holder.state()
         if hold is not None:  # requests wait: the router cannot serve one now, whatever its workers
@@ -298,6 +307,8 @@ class RouterServer:
         return json_reply(body, 200 if ready else 503)
 
     async def health_generate(self, _: Request) -> Reply:
+        """``GET /health_generate``: 200 when the router can serve a request now, else 503 with why not; sends no
+        request to a worker."""
         ready, _count, why = self._ready()
         hold = self.transactions.holder.state()
         if hold is not None:
@@ -307,6 +318,9 @@ class RouterServer:
         return errors.error_response(503, errors.NO_WORKERS, f"the router cannot serve: {why}")
 
     async def proxy_get(self, request: Request) -> Reply:
+        """A GET passed on to one worker in rotation (a prefill or regular one, else a decode) with the worker's key,
+        and its answer returned as is; 503 with no worker in rotation, 502 when the worker fails, 404 for a model id
+        with a dot segment."""
         assert self.session is not None
         role = Role.PREFILL if self.config.pd_disaggregation else Role.REGULAR
         workers = self.registry.routable(role) or self.registry.routable(Role.DECODE)
@@ -353,6 +367,7 @@ class RouterServer:
         return await call_all(self.session, self.registry.workers.values(), method, path)
 
     async def metrics_endpoint(self, _: Request) -> Reply:
+        """``GET /metrics``: every router metric in the Prometheus text format."""
         return Reply(200, self.metrics.render(self.registry), "text/plain; version=0.0.4; charset=utf-8")
 
 

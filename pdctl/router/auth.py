@@ -50,6 +50,8 @@ OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 
 
 class ControlRole(Choice):
+    """What a control-plane key may do: ``admin`` reads and changes, ``user`` only reads."""
+
     ADMIN = "admin"
     USER = "user"
     """Reads the control plane (GET /workers, /pdctl/weights); changes nothing."""
@@ -121,6 +123,8 @@ class ControlKey:
 
     @classmethod
     def parse(cls, entry: str) -> ControlKey:
+        """The key of one ``id:name:role:key`` entry (role case-insensitive); RouterConfigError for a malformed entry or
+        an unknown role."""
         parts = entry.split(":", 3)
         if len(parts) != 4 or not all(parts):
             raise RouterConfigError("--control-plane-api-keys entries are 'id:name:role:key' (none of them empty)")

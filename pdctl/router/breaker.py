@@ -14,6 +14,9 @@ log = logging.getLogger("pdctl.router")
 
 
 class CircuitBreaker:
+    """Each worker's circuit breaker (module docstring), configured by ``BreakerConfig``; its state lives on the
+    workers."""
+
     def __init__(self, config: BreakerConfig):
         self.config = config
 

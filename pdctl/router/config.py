@@ -30,6 +30,9 @@ def _check(ok: bool, flag: str, value: object, rule: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
+    """A worker as configured (command line, state file, ``pdctl apply``): its URL, engine role, a prefill's bootstrap
+    port and the key the router sends it."""
+
     url: str
     role: Role  # an engine role: regular, prefill or decode
     bootstrap_port: int | None = None
@@ -39,6 +42,8 @@ class WorkerSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class HealthConfig:
+    """Health checks and liveness probes (pdctl.router.health); raises RouterConfigError for a value out of range."""
+
     interval_secs: float = setting(
         10.0, "--health-check-interval-secs", "Seconds between health checks of each worker."
     )
@@ -88,6 +93,8 @@ class HealthConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RetryConfig:
+    """Retries and their backoff (pdctl.router.retry); raises RouterConfigError for a value out of range."""
+
     max_retries: int = setting(
         5,
         "--retry-max-retries",
@@ -115,6 +122,8 @@ class RetryConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class BreakerConfig:
+    """Each worker's circuit breaker (pdctl.router.breaker); raises RouterConfigError for a value out of range."""
+
     failure_threshold: int = setting(
         10, "--cb-failure-threshold", "Failures within the window that open a worker's circuit breaker."
     )
@@ -134,6 +143,9 @@ class BreakerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AdmissionConfig:
+    """What the router admits and how long things may wait: concurrency, queue, body sizes, timeouts, holds and leases.
+    Raises RouterConfigError for a value out of range."""
+
     max_concurrent_requests: int = setting(-1, "--max-concurrent-requests", "Requests served at once; -1: no limit.")
     queue_size: int = setting(
         100,
@@ -236,6 +248,9 @@ GROUPS: dict[str, type] = {
 
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig:
+    """Every setting of one router: binding, workers, policies, keys, weight-update behaviour, files, and the setting
+    groups (``GROUPS``). Frozen; raises RouterConfigError for a port or bound out of range."""
+
     host: str = "127.0.0.1"
     port: int = 30000
     prometheus_port: int | None = None
@@ -331,6 +346,7 @@ class Setting:
 
     @property
     def dest(self) -> str:
+        """The argparse destination of the setting's flag: ``group.name``."""
         return f"{self.group}.{self.name}"
 
 

@@ -23,11 +23,17 @@ STALE = "stale weights"
 
 @dataclass(frozen=True)
 class FleetWeights:
+    """The fleet's weight version, and the checkpoint it was loaded from (None: pushed). Frozen; kept in the router's
+    state file."""
+
     version: str
     source: str | None = None
     """The checkpoint path of a load from disk; None for a trainer's push."""
 
     def stale_reason(self, held: str | None, *, updating: bool = False) -> str:
+        """The quarantine reason (beginning with ``STALE``) of an engine that holds ``held`` rather than the fleet's
+        version, saying what brings it back: the update under way (``updating``), its supervisor's load, a load from
+        disk or the next push."""
         if updating:
             then = "until the weight update under way ends"
         elif held == PENDING:

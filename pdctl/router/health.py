@@ -58,6 +58,9 @@ R = TypeVar("R")
 
 
 class HealthChecks:
+    """The health and liveness loops over the registry's workers (module docstring). What a check finds is handed to the
+    registry and, for a changed weight version, to the version rule."""
+
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, versions: VersionRule):
         self.config = config
         self.registry = registry
@@ -71,6 +74,8 @@ class HealthChecks:
         """Checks of workers in rotation the loop may begin now (``_due``)."""
 
     def start(self, session: aiohttp.ClientSession) -> None:
+        """Start the health loop, and the liveness loop when ``liveness_interval_secs`` is set, on ``session``; nothing
+        with health checks off."""
         if not self.config.health.disabled:
             self._task = asyncio.create_task(self._health_loop(session), name="pdctl-router-health")
             if self.config.health.liveness_interval_secs > 0:

@@ -75,6 +75,7 @@ class Leg:
 
     @property
     def server_failed(self) -> bool:
+        """Whether the leg failed on the server's side: no answer (``error``) or a 5xx."""
         return self.error is not None or self.status >= 500
 
     @property
@@ -84,6 +85,7 @@ class Leg:
         return self.server_failed or self.status >= 400 or aborted(self.body)
 
     def reply(self, headers: Headers) -> Reply:
+        """The leg's answer as the client's reply, with ``headers``."""
         return Reply(self.status, self.body, self.content_type, headers)
 
 
@@ -137,6 +139,7 @@ class Legs:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        """The running event loop, looked up once and cached."""
         # Cached: on Python 3.11 every asyncio.get_running_loop() (inside create_task too) is a
         # getpid() syscall, which was 6% of the router's CPU in a native profile.
         if self._loop is None:
@@ -241,6 +244,7 @@ class Legs:
             self._grace_timer = self.loop.call_later(self.grace_secs, self._end_grace)
 
     def ungrace(self, pair: PairAttempt) -> None:
+        """``pair``'s prefill is no longer cancelled when its grace is over; no effect if it had none."""
         self._graced.pop(pair, None)
 
     def _end_grace(self) -> None:
@@ -349,11 +353,13 @@ class PairAttempt:
     # The answers as Legs, made when a verdict needs them (the common case reads the Response).
     @property
     def p_leg(self) -> Leg | None:
+        """The prefill's answer as a Leg; None until it has one."""
         got = self.p_got
         return None if got is None else Leg.of(got, self.epoch)
 
     @property
     def d_leg(self) -> Leg | None:
+        """The decode's answer as a Leg; None until it has one."""
         got = self.d_got
         return got if got is None or isinstance(got, Leg) else Leg.of(got, self.epoch)
 
@@ -471,6 +477,8 @@ class PairAttempt:
             self.cancel_prefill()
 
     def cancel_prefill(self) -> None:
+        """Cancel the prefill's send if it still runs (the engine sees the client go away) and release its claim;
+        calling it again does nothing more."""
         sending, self._p_send = self._p_send, None
         if sending is not None:
             sending.cancel()  # the engine sees the client go away
@@ -582,11 +590,15 @@ class StreamLeg:
 
     # -- StreamSink --------------------------------------------------------------------------------
     def head(self, response: Response) -> None:
+        """``StreamSink.head``: keep the answer's status; an error status's body is then read whole instead of as a
+        stream."""
         self.response = response
         if response.status >= 400:
             self._body = []  # not a stream: an error's body, read whole
 
     def data(self, chunk: bytes, end: bool) -> None:
+        """``StreamSink.data``: pass on whole events only (what follows the last boundary waits for more), to the reader
+        once one is attached, kept until then, or as the first block that opens the leg."""
         if end:
             self._ended()
         if self._body is not None:
@@ -620,6 +632,8 @@ class StreamLeg:
             self._opened(Leg(error=UpstreamError("the stream ended before its first event"), epoch=self.epoch))
 
     def failed(self, error: BaseException) -> None:
+        """``StreamSink.failed``: the stream ended early; before it opened, the leg opens as a failed Leg, after it the
+        reader hears it now or when it attaches."""
         self._ended()
         if self._on_open is not None:
             self._opened(Leg(error=error, epoch=self.epoch))
@@ -663,10 +677,12 @@ class StreamLeg:
             reader.broke(self._error)
 
     def pause(self) -> None:
+        """Stop reading from the engine until ``resume``; nothing once the stream is over."""
         if not self.over:
             self.streaming.pause()
 
     def resume(self) -> None:
+        """Read from the engine again after ``pause``; nothing once the stream is over."""
         if not self.over:
             self.streaming.resume()
 
@@ -704,6 +720,7 @@ class Live:
             self.pair.keep_prefill()
 
     def close(self) -> None:
+        """Cancel the stream (its claim released) and close its pair's legs, if it has a pair."""
         self.leg.cancel()
         if self.pair is not None:
             self.pair.close()

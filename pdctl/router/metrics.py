@@ -23,6 +23,9 @@ from pdctl.router.workers import Worker, WorkerRegistry
 
 
 class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of their own (``registry``). The per-request counts live in
+    ``hot`` and are read only at scrape time."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._children: dict[tuple, object] = {}
@@ -77,6 +80,7 @@ class RouterMetrics:
         return found
 
     def selected(self, prefill: Worker, decode: Worker) -> None:
+        """Count one pick of each of ``prefill`` and ``decode`` (``pdctl_router_worker_selection``)."""
         picks = self.hot.picks
         picks[prefill] += 1
         picks[decode] += 1
@@ -92,6 +96,7 @@ class RouterMetrics:
         latency[-1] += seconds
 
     def retried(self, reason: str) -> None:
+        """Count one retry for ``reason`` (one of ``RETRY_REASONS``, or any other label)."""
         self.child(self.retries, reason).inc()
 
     def weight_update_ended(self, outcome: str, phases: dict[str, float], held_secs: float | None) -> None:
@@ -104,6 +109,7 @@ class RouterMetrics:
             self.refit_held.observe(held_secs)
 
     def render(self, workers: WorkerRegistry) -> bytes:
+        """Every metric in the Prometheus text format, with the per-worker series read from ``workers`` now."""
         self.fleet.workers = workers
         return generate_latest(self.registry)
 
@@ -130,6 +136,8 @@ class FleetCollector(Collector):
         self.workers: WorkerRegistry | None = None
 
     def collect(self) -> Iterator[Metric]:
+        """The per-worker series (health, load, circuit, restarts, weight version) of every worker registered now; none
+        before ``workers`` is set."""
         labels = ["worker", "worker_type"]  # not "role": a scrape's target label (pdctl metrics) is
         healthy = GaugeMetricFamily("pdctl_router_worker_healthy", "1 if the worker is in rotation", labels=labels)
         load = GaugeMetricFamily("pdctl_router_worker_load", "Requests the router has in flight on it", labels=labels)
@@ -172,6 +180,7 @@ class HotCounters(Collector):
         """Per worker object (a counter per pick, no key to build); labelled by URL and role at scrape."""
 
     def collect(self) -> Iterator[Metric]:
+        """The request counts, latency histograms and worker picks, as Prometheus metric families."""
         requests = CounterMetricFamily("pdctl_router_requests", "Requests", labels=["route", "status"])
         for (route, status), n in sorted(self.requests.items()):
             requests.add_metric([route, str(status)], n)

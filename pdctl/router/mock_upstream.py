@@ -41,6 +41,8 @@ from pdctl.router.upstream import (
 
 @dataclass(frozen=True)
 class UpstreamRequest:
+    """A request the router sent to a mock engine, as recorded (``MockUpstream.requests``)."""
+
     url: str
     body: bytes
     headers: Mapping[str, str]
@@ -54,14 +56,18 @@ class UpstreamRequest:
 
     @property
     def path(self) -> str:
+        """The URL's path, without its query."""
         return urlsplit(self.url).path
 
     def json(self) -> Any:
+        """The body parsed as JSON; raises ValueError when it is not JSON."""
         return loads(self.body)
 
 
 @dataclass
 class MockReply:
+    """What a mock engine answers: a status, and a body given as JSON, bytes or chunks."""
+
     status: int = 200
     json: Any = None
     """Sent JSON-encoded unless ``body`` or ``chunks`` is given."""
@@ -72,6 +78,7 @@ class MockReply:
     headers: dict[bytes, bytes] = field(default_factory=dict)
 
     def body_parts(self) -> AsyncIterator[bytes]:
+        """The body's parts: ``chunks`` when given, else ``body`` (or ``json`` encoded) in one part."""
         if self.chunks is not None:
             return self.chunks
         return _once(self.body if self.body is not None else dumps(self.json))
@@ -115,11 +122,14 @@ class MockUpstream:
     def send(
         self, url: str, body: bytes, headers: dict[str, str], answered: Answered, *, timeout: float | None = None
     ) -> Sending:
+        """See ``Upstream.send``: the handler's whole answer, recorded in ``requests``, failed by ``fail_host`` or the
+        timeout."""
         return Posting(self._post(url, body, headers, timeout), answered)
 
     def stream(
         self, url: str, body: bytes, headers: dict[str, str], sink: StreamSink, *, timeout: float | None = None
     ) -> Streaming:
+        """See ``Upstream.stream``: the handler's answer fed to ``sink``, recorded in ``requests`` and ``streams``."""
         request = UpstreamRequest(url, body, dict(headers), True)
         self.requests.append(request)
         stream = _Stream(self.handler(request), sink, timeout)
@@ -144,6 +154,7 @@ class MockUpstream:
         return Response(reply.status, head, body, reply.content_type)
 
     def close(self) -> None:
+        """Mark the upstream closed (``closed``); requests in flight are not ended."""
         self.closed = True
 
 

@@ -38,9 +38,11 @@ class StreamLog:
     blocks: list[bytes] = field(default_factory=list)
 
     def add(self, block: bytes) -> None:
+        """Note a block as the client got it."""
         self.blocks.append(block)
 
     def events(self) -> list[dict[str, Any]]:
+        """The JSON objects of every event the client got, in order (``[DONE]`` and non-object data left out)."""
         out = []
         for block in self.blocks:
             for event in events_of(block):
@@ -107,6 +109,7 @@ class OpenAIResume:
 
     @property
     def spent(self) -> bool:
+        """Whether nothing is left to continue: the client has its finish reason, or as many tokens as it asked for."""
         budget = self.budget
         return self.finished is not None or (budget is not None and self.tokens >= budget)
 

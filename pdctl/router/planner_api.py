@@ -61,6 +61,8 @@ class PlannerApi:
         self.last_decision: dict[str, Any] | None = None
 
     def add_routes(self, r: Routes) -> None:
+        """Register the step hint (``POST`` ``STEP_PATH``) and the planner's routes (``POST`` and ``GET``
+        ``PLANNER_PATH``)."""
         r.add("POST", STEP_PATH, self.step)
         r.add("POST", PLANNER_PATH, self.decision)
         r.add("GET", PLANNER_PATH, self.show)
@@ -98,4 +100,5 @@ class PlannerApi:
         return json_reply({"success": True})
 
     async def show(self, _: Request) -> Reply:
+        """The latest step hint and planner decision as received (``last_step``, ``last_decision``; None before any)."""
         return json_reply({"last_step": self.last_step, "last_decision": self.last_decision})

@@ -59,6 +59,8 @@ class Relay:
 
     # -- the current stream's blocks (the engine connection's callbacks) ----------------------------
     def block(self, block: bytes, end: bool) -> None:
+        """``StreamReader.block``: pass the current stream's block on to the client, shaped (logprobs prefix, a caught
+        interruption) and logged for an OpenAI stream; at ``end`` the current stream has ended."""
         if block.find(b"data: {") >= 0:  # (find, not in: see shaping.ABORT)
             self.last = block
         rule = self.rule
@@ -81,6 +83,7 @@ class Relay:
         self._settle(None)
 
     def broke(self, error: BaseException) -> None:
+        """``StreamReader.broke``: the current stream ended before it was complete, with ``error``."""
         self._settle(error)
 
     def _settle(self, error: BaseException | None) -> None:
@@ -90,10 +93,12 @@ class Relay:
 
     # -- flow control (the outlet's) ------------------------------------------------------------------
     def pause(self) -> None:
+        """``Flow.pause``: the client stopped reading; stop reading the current stream."""
         if self.current is not None:
             self.current.leg.pause()
 
     def resume(self) -> None:
+        """``Flow.resume``: the client reads again; read the current stream again."""
         if self.current is not None:
             self.current.leg.resume()
 

@@ -23,6 +23,9 @@ _VERSION = operator.attrgetter("weight_version")
 
 
 class Selector:
+    """Picks the workers for a request: a prefill and a decode on one weight version for PD, or a regular worker, each
+    by its role's policy among the workers in rotation."""
+
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics):
         self.registry = registry
         self.metrics = metrics

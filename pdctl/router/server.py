@@ -61,6 +61,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 @dataclass(slots=True)
 class Request:
+    """One HTTP request as the server parsed it, its body read whole."""
+
     method: str
     path: str  # percent-decoding is left to the handler (only /workers/{key} needs it)
     query: str
@@ -92,9 +94,13 @@ class Routes:
     prefixes: list[tuple[str, str, Handler]] = field(default_factory=list)
 
     def add(self, method: str, path: str, handler: Handler) -> None:
+        """Route ``method`` ``path`` exactly to ``handler`` (replacing any handler it had)."""
         self.exact[(method, path)] = handler
 
     def add_prefix(self, method: str, prefix: str, handler: Handler) -> None:
+        """Route ``method`` on any path longer than ``prefix`` that begins with it to ``handler``; the rest of the path
+        reaches it percent-decoded as ``Request.tail``. Exact routes win; the first matching prefix wins among prefixes.
+        """
         self.prefixes.append((method, prefix, handler))
 
     def find(self, request: Request) -> Handler | bool | None:
@@ -149,6 +155,7 @@ class HttpServer:
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
+        """Listen on ``host``:``port``; the port bound (a free one for 0). Raises OSError when it cannot bind."""
         loop = asyncio.get_running_loop()
 
         def connection() -> asyncio.Protocol:
@@ -159,6 +166,7 @@ class HttpServer:
         return self.port
 
     async def stop(self) -> None:
+        """Stop listening and close every connection; nothing when not started."""
         if self._server is None:
             return
         self.stopping = True

@@ -30,6 +30,9 @@ RUN_ID_ENV = "PDCTL_RUN_ID"  # pdctl.node.agent's, which the router must not imp
 
 @dataclass
 class RouterState:
+    """What the router keeps across its restarts (module docstring): the fleet's version, its workers and its open
+    transaction, tagged with the run."""
+
     fleet: FleetWeights | None = None
     workers: tuple[WorkerSpec, ...] | None = None
     """None: the command line's workers."""
@@ -39,6 +42,8 @@ class RouterState:
 
     @classmethod
     def read(cls, path: str | None, engine_key: str | None = None) -> RouterState:
+        """The state kept in ``path`` for this run; an empty state when there is no path or file, the file is another
+        run's, or it cannot be read or parsed (logged). Workers marked as using the engine key get ``engine_key``."""
         state = cls()
         if not path:
             return state
@@ -76,6 +81,8 @@ class RouterState:
         return state
 
     def write(self, path: str | None, engine_key: str | None = None) -> None:
+        """Replace ``path`` atomically with this state (0600, no keys written); nothing without a path. A failure is
+        logged, not raised."""
         if not path:
             return
         body: dict[str, Any] = {"run": self.run}

@@ -54,6 +54,8 @@ class Interrupted:
     over: bool = False
 
     def catches(self, event: bytes) -> bool:
+        """Whether ``event`` is caught rather than forwarded: an asked-for abort while ``armed`` (kept in ``caught``; a
+        one-answer stream is then ``over``), or the engine's [DONE] once something was caught (then ``over``)."""
         if event == DONE and self.caught:
             self.over = True
             return True
@@ -96,6 +98,8 @@ class Continued:
     pieces: dict[int, Piece]
 
     def rewrite(self, event: bytes) -> bytes:
+        """The continuation's ``event`` as the client's stream shows it (under the client's answer and index, behind
+        what it has so far); [DONE], errors and events without ``meta_info`` pass unchanged."""
         data = sse_data(event)
         if data is None or not isinstance(data.get("meta_info"), dict):
             return event  # [DONE] and errors pass

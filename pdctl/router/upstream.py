@@ -60,6 +60,8 @@ class StreamSink(Protocol):
 
 @dataclass(slots=True)
 class Response:
+    """An engine's answer: its status, headers, body (empty for a stream's head) and media type."""
+
     status: int
     headers: dict[bytes, bytes]
     """As the engine sent them (names not case-folded); a repeated header keeps its last value."""
@@ -150,6 +152,8 @@ class Posting:
         answered(task.result() if exc is None else exc)
 
     def cancel(self) -> None:
+        """See ``Sending.cancel``: ``answered`` is not called, and the posting task is cancelled (closing its
+        connection)."""
         self.answered = None
         self.task.cancel()  # post closes its connection when cancelled
 
@@ -473,6 +477,8 @@ class UpstreamPool:
         return cast(_Conn, conn)
 
     def release(self, conn: _Conn) -> None:
+        """Take back ``conn`` once its request is done: kept idle for reuse when its answer was complete and it may be
+        kept alive (up to ``max_idle`` per server), else closed."""
         keep = conn.complete and conn.keep_alive and not conn.closed
         if keep and len(self._idle[conn.key]) < self.max_idle:
             self._idle[conn.key].append(conn)
@@ -572,6 +578,7 @@ class UpstreamPool:
                 conn.close()
 
     def close(self) -> None:
+        """Close every idle pooled connection; connections in use are not closed here."""
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

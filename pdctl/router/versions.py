@@ -22,6 +22,9 @@ log = logging.getLogger("pdctl.router")
 
 
 class VersionRule:
+    """The fleet's weight-version rule for workers (pdctl.router.fleet_weights): a worker off the fleet's version stays
+    out of rotation, and the router loads the fleet's checkpoint into it when the version came from disk."""
+
     def __init__(self, config: RouterConfig, registry: WorkerRegistry):
         self.config = config
         self.registry = registry
@@ -93,6 +96,7 @@ class VersionRule:
             self.registry.set_quarantine(worker.url, None)
 
     async def stop(self) -> None:
+        """Cancel the loads of the fleet's weights under way and wait for them to end."""
         for task in list(self.registry.loading.values()):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

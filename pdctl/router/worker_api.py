@@ -46,6 +46,7 @@ class WorkerApi:
         self.hold_state = hold_state
 
     def add_routes(self, r: Routes) -> None:
+        """Register the worker API (``/workers``, ``/workers/{id}``), ``/pdctl/cordon`` and ``/pdctl/refresh``."""
         r.add("GET", "/workers", self.list_workers)
         r.add("POST", "/workers", self.add_worker)
         r.add_prefix("DELETE", "/workers/", self.delete_worker)
@@ -115,6 +116,8 @@ class WorkerApi:
         return json_reply(worker.to_dict())
 
     async def delete_worker(self, request: Request) -> Reply:
+        """``DELETE /workers/{id or URL}``: unregister the worker now and keep the new set; 202 as sglang-router
+        answers, 404 for an unknown worker."""
         worker = self.registry.remove(request.tail)
         if worker is None:
             return errors.error_response(404, errors.NOT_FOUND, f"no worker {request.tail}")

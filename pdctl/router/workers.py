@@ -60,6 +60,10 @@ class _InRotation:
 
 @dataclass(eq=False)
 class Worker:
+    """One engine the router sends requests to, and everything the router knows of it: its role, load, health, circuit,
+    weight version and why it may be out of rotation. Fields marked ``_InRotation`` count as a rotation change when they
+    take another value."""
+
     url: str
     role: Role
     bootstrap_port: int | None = None
@@ -124,6 +128,8 @@ class Worker:
             self.drained.set()
 
     def to_dict(self) -> dict:
+        """The worker as the worker API lists it (SGLang router's field names, plus pdctl's ``weight_version``,
+        ``circuit_open``, ``quarantined`` and ``cordoned``)."""
         return {
             "id": self.id,
             "url": self.url,
@@ -141,6 +147,10 @@ class Worker:
 
 
 class WorkerRegistry:
+    """The router's workers by URL, and what decides which of them are in rotation: health, quarantine, cordons,
+    circuits and the fleet's weight version. Membership, the fleet's version and an open transaction are kept in the
+    router's state file across a restart."""
+
     def __init__(self, config: RouterConfig):
         self.config = config
         self.workers: dict[str, Worker] = {}
@@ -271,6 +281,7 @@ class WorkerRegistry:
         return next((w for url, w in self.workers.items() if key in (w.id, url)), None)
 
     def remove(self, key: str) -> Worker | None:
+        """Unregister the worker with id or URL ``key``; the worker removed, or None when none matched."""
         worker = self.find(key)
         if worker is not None:
             del self.workers[worker.url]
@@ -280,6 +291,7 @@ class WorkerRegistry:
         return worker
 
     def of_role(self, role: Role) -> list[Worker]:
+        """Every registered worker of ``role``, in or out of rotation (a new list)."""
         return [w for w in self.workers.values() if w.role == role]
 
     def set_quarantine(self, url: str, reason: str | None) -> None:
@@ -347,6 +359,10 @@ class WorkerRegistry:
         log.warning("worker %s is out of rotation: %s", worker.url, why)
 
     def observe_health(self, worker: Worker, ok: bool) -> None:
+        """Count one health check's outcome for ``worker``: a first pass puts it in rotation, a process back after going
+        away returns at once, otherwise ``success_threshold`` passes or ``failure_threshold`` failures move it in or
+        out. Does nothing with health checks off; failures during the cold-start grace (``first_wait_secs``) do not
+        count."""
         c = self.config
         if c.health.disabled:
             return  # always in rotation: nothing would bring it back

@@ -155,6 +155,7 @@ class InitGroup:
 
     @classmethod
     def from_body(cls, body: Any) -> InitGroup:
+        """Parse a request body; ValueError naming what is wrong."""
         b = as_object(body)
         spec = cls(
             master_address=text(b, "master_address"),
@@ -202,6 +203,7 @@ class DistributedUpdate:
 
     @classmethod
     def from_body(cls, body: Any) -> DistributedUpdate:
+        """Parse a request body in either form; ValueError naming what is wrong."""
         b = as_object(body)
         single = "names" not in b and "name" in b  # the one-parameter form
         lists: dict[str, Any] = {}
@@ -262,6 +264,7 @@ class DiskUpdate:
 
     @classmethod
     def from_body(cls, body: Any) -> DiskUpdate:
+        """Parse a request body; ValueError naming what is wrong."""
         b = as_object(body)
         return cls(
             model_path=text(b, "model_path"),
@@ -272,6 +275,7 @@ class DiskUpdate:
         )
 
     def to_body(self, weight_version: str | None) -> dict[str, Any]:
+        """The body for an engine, with ``weight_version`` as the version."""
         return {
             "model_path": self.model_path,
             "load_format": self.load_format,

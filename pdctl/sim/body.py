@@ -34,6 +34,7 @@ class ValidationError(SimError):
     """SGLang's pydantic stage refused the body (a FastAPI ``RequestValidationError``)."""
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI-style error body SGLang's validation handler answers with (400, ``type`` ``Bad Request``)."""
         return openai_error_body(str(self), err_type="Bad Request")
 
 
@@ -41,6 +42,7 @@ class ContractError(SimError):
     """``/generate``'s JSON contract refused the body."""
 
     def body(self) -> dict[str, Any]:
+        """``{"error": "<text>"}``, as ``/generate``'s JSON contract answers."""
         return {"error": str(self)}
 
 

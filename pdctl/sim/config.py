@@ -55,6 +55,10 @@ class RemoteSource:
 
 @dataclass(frozen=True)
 class SimConfig:
+    """Everything one sim engine is started with: SGLang's flags as ``args.py`` parsed them, plus the sim's own
+    ``--sim-*`` settings. Frozen: a running engine's current state (its role, its weight version) lives on SimService
+    and Engine, not here."""
+
     model_path: str
     host: str = "127.0.0.1"
     port: int = 30000
@@ -117,4 +121,5 @@ class SimConfig:
 
     @property
     def served_name(self) -> str:
+        """The model name the engine reports: ``--served-model-name``, else ``--model-path``."""
         return self.served_model_name or self.model_path

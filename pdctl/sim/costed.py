@@ -36,9 +36,11 @@ class NoKV(KVPool):
         self.k = self.v = torch.zeros(0, dtype=DTYPE)
 
     def write(self, slot: int, kv: torch.Tensor) -> None:
+        """Store nothing (a profile engine keeps no KV tensors)."""
         pass
 
     def move(self, src: int, dst: int, length: int) -> None:
+        """Move nothing (a profile engine keeps no KV tensors)."""
         pass
 
 
@@ -54,9 +56,12 @@ class StandInForward:
         self._empty_kv = torch.zeros((config.layers, 2, config.heads, 0, config.head_dim), dtype=DTYPE)
 
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits for every prompt position, read from the fixed table, and an empty KV (zero positions)."""
         return self._table[torch.tensor(ids, dtype=torch.long)], self._empty_kv
 
     def decode_step(self, ids: torch.Tensor, positions: torch.Tensor, pool: object) -> torch.Tensor:
+        """Logits for the next token of each request in ``ids``, read from the fixed table; ``positions`` and ``pool``
+        are ignored."""
         return self._table[ids]
 
 
@@ -101,6 +106,7 @@ class CostedPool:
 
     @property
     def used(self) -> int:
+        """KV tokens in use: every running request's reserve plus the tokens the prefix cache holds."""
         return self.reserved + (self.cache.tokens if self.cache else 0)
 
     def admit(self, ids: list[int], max_new: int, *, prefill: bool, use_cache: bool) -> Held | None:
@@ -147,6 +153,7 @@ class CostedPool:
 
     @property
     def hit_rate(self) -> float:
+        """The share of prefilled prompt tokens found in the prefix cache since start; 0.0 before any prefill."""
         return self.cached_hits / self.prompt_tokens if self.prompt_tokens else 0.0
 
 

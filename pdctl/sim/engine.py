@@ -96,6 +96,9 @@ def _forward(gpu_free: float | None, modelled_ms: float) -> float:
 
 
 class Mode(Choice):
+    """What a request does in the engine: a whole request (``normal``), or one leg of a PD pair (``prefill`` publishes
+    its KV under the bootstrap room; ``decode`` starts from KV fetched from a prefill)."""
+
     NORMAL = "normal"
     PREFILL = "prefill"  # PD prefill: run the prompt, publish KV under the room, return 1 token
     DECODE = "decode"  # PD decode: start from KV fetched from a prefill
@@ -116,6 +119,10 @@ class KVPayload:
 
 @dataclass(eq=False)
 class Request:
+    """One sequence in the engine: its prompt, sampling options and PD leg, and the output, logprobs and finish reason
+    the scheduler fills in. ``emit`` is told of each new token and of the end; once ``finish`` is set the request is
+    never stepped again."""
+
     rid: str
     input_ids: list[int]
     sampling: SamplingOptions
@@ -154,6 +161,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        """True once the request has a finish reason (it stopped, was aborted or failed)."""
         return self.finish is not None
 
     @property
@@ -241,9 +249,11 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
+        """Start the scheduler thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Ask the scheduler thread to stop and wait up to 10 seconds for it to exit."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -251,6 +261,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def new_rid(self) -> str:
+        """A request id unique within this engine (hex, growing with time)."""
         return f"{time.time_ns():x}{next(self._ids):04x}"
 
     def submit(self, req: Request) -> None:
@@ -278,6 +289,7 @@ class Engine:
             return True
 
     def release_slot(self) -> None:
+        """Give back a capacity reservation made by ``reserve_slot`` (thread-safe); ``on_capacity`` is told."""
         with self._cond:
             self._reserved -= 1
             self._cond.notify_all()
@@ -361,6 +373,9 @@ class Engine:
         self._command(act)
 
     def resume(self) -> None:
+        """Undo a pause, as SGLang's /continue_generation does; returns once the scheduler has acted. Raises SimError
+        when the scheduler does not answer within 60 seconds."""
+
         def act() -> None:
             self._paused = False
 
@@ -405,6 +420,9 @@ class Engine:
             raise SimError(failure[0])
 
     def resume_memory(self, tags: list[str] | None) -> None:
+        """``/resume_memory_occupation``: give back ``tags`` (None: every memory tag); scheduling restarts once no tag
+        is released. Returns once the scheduler has acted."""
+
         def act() -> None:
             self._released.difference_update(tags or MEMORY_TAGS)
 

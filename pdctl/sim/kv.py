@@ -100,6 +100,8 @@ class KVStore:
         self.waiters: dict[int, asyncio.Event] = {}
 
     def put_threadsafe(self, room: int, payload: KVPayload | str) -> None:
+        """Store ``payload`` (KV, or the abort message for the decode) under ``room`` from any thread, waking a ``take``
+        waiting for it. Entries older than SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT are dropped."""
         self.loop.call_soon_threadsafe(self._put, room, payload)
 
     def _put(self, room: int, payload: KVPayload | str) -> None:
@@ -115,6 +117,8 @@ class KVStore:
             del self.entries[room]
 
     async def take(self, room: int, wait_secs: float) -> KVPayload | str | None:
+        """Remove and return ``room``'s entry, waiting up to ``wait_secs`` for it to be put; None when it does not come
+        in time. An entry is returned once only."""
         if room not in self.entries:
             event = self.waiters.setdefault(room, asyncio.Event())
             try:
@@ -169,9 +173,11 @@ class Heartbeats:
         return self._lost.get((host, port))
 
     def mark_lost(self, host: str, port: int, why: str) -> None:
+        """Give ``host:port`` up for ``why``: rooms waiting on it then fail after one more failed check."""
         self._lost[(host, port)] = why
 
     def mark_alive(self, host: str, port: int) -> None:
+        """Forget that ``host:port`` was lost (it answered again)."""
         self._lost.pop((host, port), None)
 
 

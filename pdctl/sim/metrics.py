@@ -14,6 +14,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 
 class SimMetrics:
+    """One engine's Prometheus metrics under SGLang's ``sglang:`` names, labelled with the served model name, in a
+    registry of its own (several sims may share a process). Thread-safe: the scheduler thread and the HTTP handlers
+    both record."""
+
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -52,6 +56,7 @@ class SimMetrics:
         self._window: collections.deque[tuple[float, int]] = collections.deque()
 
     def requests_started(self, n: int) -> None:
+        """Count ``n`` more requests (``sglang:num_requests``)."""
         self._requests.labels(self.model_name).inc(n)
 
     def observe_finished(self, req: Request) -> None:
@@ -75,6 +80,8 @@ class SimMetrics:
                 window.popleft()
 
     def last_gen_throughput(self) -> float:
+        """Output tokens per second over the requests that finished in the last 10 seconds (the span counted as at least
+        one second); 0.0 when none did."""
         with self._lock:
             if not self._window:
                 return 0.0
@@ -82,14 +89,19 @@ class SimMetrics:
             return sum(k for _, k in self._window) / span
 
     def transfer_failed(self) -> None:
+        """Count one failed KV transfer (``sglang:num_transfer_failed_reqs``)."""
         self._transfer_failed.labels(self.model_name).inc()
 
     def kv_transferred(self, secs: float, nbytes: int) -> None:
+        """Record one KV transfer of ``nbytes`` that took ``secs``: its latency, and its speed in GB/s when ``secs`` is
+        positive."""
         self._kv_ms.labels(self.model_name).observe(secs * 1000)
         if secs > 0:
             self._kv_speed.labels(self.model_name).set(nbytes / secs / 1e9)
 
     def render(self, stats: dict[str, int]) -> bytes:
+        """The Prometheus text exposition of every metric, after setting the gauges from ``stats`` (the engine's
+        ``stats()``: running, queued and KV token counts)."""
         m = self.model_name
         self._running.labels(m).set(stats["num_running_reqs"])
         self._queued.labels(m).set(stats["num_queue_reqs"])

@@ -31,6 +31,9 @@ DTYPE = torch.float64
 
 @dataclass(frozen=True)
 class SimModelConfig:
+    """The shape of the sim's tiny model (a ``sim://`` preset or a checkpoint's config.json) and the context it
+    serves."""
+
     vocab_size: int = 260
     hidden: int = 64
     layers: int = 2
@@ -47,10 +50,12 @@ class SimModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head: ``hidden // heads``."""
         return self.hidden // self.heads
 
     @property
     def context(self) -> int:
+        """Positions a request may hold: ``context_length``, else ``max_positions``."""
         return self.context_length or self.max_positions
 
 
@@ -71,15 +76,22 @@ def decode(ids: list[int]) -> str:
 
 
 class RMSNorm(nn.Module):
+    """RMS normalization with a learned scale (epsilon 1e-6), as in Llama-style models."""
+
     def __init__(self, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` normalized over its last dimension and scaled by ``weight``."""
         return F.rms_norm(x, self.weight.shape, self.weight, 1e-6)
 
 
 class Block(nn.Module):
+    """One pre-norm transformer layer, with Llama's parameter names (``self_attn.*_proj``,
+    ``mlp.gate_proj``/``up_proj``/``down_proj``, the two layernorms) so weight updates address it as they would a
+    real model."""
+
     def __init__(self, c: SimModelConfig, index: int):
         super().__init__()
         self.index = index
@@ -107,6 +119,7 @@ class Block(nn.Module):
         return x + self.mlp_out(x)
 
     def mlp_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP's output for the residual stream ``x`` (normed first); not yet added to ``x``."""
         h = self.post_attention_layernorm(x)
         return self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
 

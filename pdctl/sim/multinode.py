@@ -71,13 +71,16 @@ class NodeLayout:
 
     @property
     def tp_per_node(self) -> int:
+        """TP ranks on each node: ``tp_size // nnodes``."""
         return self.tp_size // self.nnodes
 
     @property
     def first_tp_rank(self) -> int:
+        """This node's first TP rank."""
         return self.node_rank * self.tp_per_node
 
     def hello(self, model_path: str) -> dict[str, Any]:
+        """The first message a peer node sends node 0: what node 0 checks before it accepts the peer."""
         return {
             "hello": "pdctl-sim",
             "node_rank": self.node_rank,
@@ -115,10 +118,14 @@ class RemotePeer:
         self.lost: str | None = None
 
     def send(self, command: dict[str, Any]) -> None:
+        """Send ``command`` to the peer node from a worker thread, waiting up to 30 seconds for it to be written;
+        nothing is sent once the peer is lost."""
         if self.lost is None:
             asyncio.run_coroutine_threadsafe(self._write(command), self._loop).result(30)
 
     def recv(self) -> tuple[bool, Any]:
+        """The peer's next reply as ``(ok, value)``, blocking the calling worker thread until it comes; ``(False,
+        reason)`` once the peer is lost."""
         return asyncio.run_coroutine_threadsafe(self._replies.get(), self._loop).result()
 
     def close(self) -> None:
@@ -129,9 +136,12 @@ class RemotePeer:
         await self._writer.drain()
 
     def reply(self, message: dict[str, Any]) -> None:
+        """Queue a reply message read from the peer's link, for ``recv`` (event loop only)."""
         self._replies.put_nowait((bool(message.get("ok")), message.get("value") or message.get("error")))
 
     def mark_lost(self, reason: str) -> None:
+        """Record that the peer went away for ``reason``: later sends do nothing and a waiting ``recv`` fails with the
+        reason."""
         self.lost = reason
         self._replies.put_nowait((False, reason))  # a command waiting on this peer fails now
 

@@ -46,6 +46,9 @@ def add_routes(app: web.Application, service: SimService) -> None:
 
 
 class NativeRoutes:
+    """The handlers of SGLang's native routes over one SimService; each answers as SGLang 0.5.23 does
+    (sglang-protocol.md sections 2 and 5)."""
+
     def __init__(self, service: SimService):
         self.s = service
         self.limits = Limits.of(service.config, service.model.config.vocab_size, service.engine.context)
@@ -55,6 +58,9 @@ class NativeRoutes:
         return generate_output(req, tokens, self.s.weight_version, pd_decode=req.mode is Mode.DECODE)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /generate``: one prompt or a batch, as one JSON answer or an SSE stream. A refused body gets SGLang's
+        400 for its stage; a request that fails gets its status with SGLang's error body (in a stream, an output
+        event ending in an abort)."""
         raw = await read_json(request)
         try:
             body = parse_generate(raw, self.limits)
@@ -98,6 +104,8 @@ class NativeRoutes:
         return await stream.close()
 
     async def health(self, _: web.Request) -> web.Response:
+        """``GET /health`` and ``/health_generate``: 200 once a one-token generation completes, 503 while the server is
+        not up or when that generation fails or times out, as SGLang's shared handler answers."""
         if self.s.status != "up":
             return web.Response(status=503)
         try:
@@ -107,10 +115,13 @@ class NativeRoutes:
         return web.Response(status=200)
 
     async def ready(self, _: web.Request) -> web.Response:
+        """``GET /ready``: 200 ``{"status": "ready"}`` once up, else 503 with the current status."""
         status = 200 if self.s.status == "up" else 503
         return web.json_response({"status": "ready" if status == 200 else self.s.status}, status=status)
 
     async def model_info(self, _: web.Request) -> web.Response:
+        """``GET /model_info`` (and ``/get_model_info``): SGLang's model info fields, with the current weight version
+        and role."""
         c = self.s.config
         return web.json_response(
             {
@@ -132,6 +143,8 @@ class NativeRoutes:
         )
 
     async def server_info(self, _: web.Request) -> web.Response:
+        """``GET /server_info`` (and ``/get_server_info``): every server arg at its start-up value (flags not given at
+        SGLang's default), scheduler figures, and ``internal_states`` with the current load and role."""
         s, c = self.s, self.s.config
         stats = s.engine.stats()  # (one reading: the totals and the counts agree)
         # The top level is the start-up configuration (a role switch shows in internal_states only).
@@ -176,6 +189,8 @@ class NativeRoutes:
         return web.json_response(info)
 
     async def flush_cache(self, _: web.Request) -> web.Response:
+        """``/flush_cache``: SGLang's ``Cache flushed.`` text, or 400 while requests are running or waiting. The sim has
+        no cache to flush."""
         if self.s.engine.busy():
             return web.Response(
                 status=400,
@@ -188,6 +203,8 @@ class NativeRoutes:
         )
 
     async def pause_generation(self, request: web.Request) -> web.Response:
+        """``POST /pause_generation``: pause in the body's ``mode`` (default ``abort``) and answer SGLang's success body
+        once the scheduler has acted; 400 for an unknown mode."""
         body = await read_object(request, default={})
         mode = str(body.get("mode", "abort"))
         try:
@@ -199,10 +216,13 @@ class NativeRoutes:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, _: web.Request) -> web.Response:
+        """``POST /continue_generation``: undo a pause and answer SGLang's success body."""
         self.s.engine.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        """``POST /abort_request``: abort the request ``rid``, or every request with ``abort_all``; always 200 with an
+        empty body, as SGLang answers."""
         body = await read_object(request, default={})
         if body.get("abort_all"):
             self.s.abort_epoch += 1
@@ -219,6 +239,7 @@ class NativeRoutes:
         return web.Response(body=b"null", content_type="application/json")
 
     async def resume_memory(self, request: web.Request) -> web.Response:
+        """``/resume_memory_occupation``: 200 with ``null`` as SGLang answers; 400 with its error body for bad tags."""
         try:
             tags = memory_tags(await read_json(request, default={}))
             await asyncio.to_thread(self.s.engine.resume_memory, tags)
@@ -264,6 +285,8 @@ class NativeRoutes:
         )
 
     async def metrics(self, _: web.Request) -> web.Response:
+        """``GET /metrics``: the Prometheus text of SGLang's ``sglang:`` metrics; 404 unless ``--enable-metrics``, as in
+        SGLang."""
         if not self.s.config.enable_metrics:
             return web.json_response({"detail": "Not Found"}, status=404)
         stats = {

@@ -229,6 +229,9 @@ PD_FIELDS = ("host", "port", "room")
 
 
 class OpenAIRoutes:
+    """The handlers of SGLang's OpenAI-compatible routes over one SimService: bodies checked as SGLang 0.5.23 checks
+    them, errors in its OpenAI ``ErrorResponse`` shape."""
+
     def __init__(self, service: SimService):
         self.s = service
         self.limits = Limits.of(service.config, service.model.config.vocab_size, service.engine.context)
@@ -246,9 +249,11 @@ class OpenAIRoutes:
         }
 
     async def models(self, _: web.Request) -> web.Response:
+        """``GET /v1/models``: a list holding the one served model's card, as SGLang answers."""
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: the served model's card; 404 ``model_not_found`` for any other name."""
         if request.match_info["model"] != self.s.config.served_name:
             body = openai_error_body(
                 f"The model '{request.match_info['model']}' does not exist", status=404, err_type="NotFoundError"
@@ -274,6 +279,8 @@ class OpenAIRoutes:
         return items
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``: text or token-id prompts, streamed or not; a refused body is a 400 before any
+        stream starts."""
         try:
             req = parse(await read_openai_json(request), _COMPLETION)
             prompt = req["prompt"]
@@ -289,6 +296,8 @@ class OpenAIRoutes:
         return await self._respond(request, req, items, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``: the messages rendered with the sim's chat template, streamed or not; a refused
+        body is a 400 before any stream starts."""
         try:
             req = parse(await read_openai_json(request), _CHAT)
             if not req["messages"]:

@@ -43,6 +43,7 @@ class PrefixCache:
 
     @property
     def evictable_tokens(self) -> int:
+        """Cached tokens no running request holds: what ``evict`` can free."""
         return self.tokens - self.locked_tokens
 
     def match(self, ids: list[int] | tuple[int, ...]) -> tuple[int, _Node]:
@@ -71,6 +72,7 @@ class PrefixCache:
             node = node.parent
 
     def unlock(self, node: _Node) -> None:
+        """Undo one ``lock`` of ``node``'s path; once no request holds a node it may be evicted."""
         while node is not self._root:
             node.locks -= 1
             if node.locks == 0:

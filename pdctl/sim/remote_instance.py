@@ -117,6 +117,9 @@ def add_routes(app: web.Application, service: SimService) -> None:
 
 
 class SeedRoutes:
+    """A seed engine's side of SGLang's remote-instance weight loading: the init and send routes, run one at a time with
+    the engine's batches stalled, as SGLang's scheduler runs them."""
+
     def __init__(self, service: SimService):
         self.s = service
         self.groups: dict[str, dist.ProcessGroup] = {}
@@ -134,6 +137,9 @@ class SeedRoutes:
         return web.json_response({"error": {"message": reason}}, status=500)
 
     async def init(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_send_group_for_remote_instance``: join the receiver's group (blocks until the receiver
+        joins). 400 for a bad body or a failed rendezvous; a port count other than the TP size ends the engine with a
+        500, as SGLang's assert ends the seed."""
         body = await read_object(request)
         try:
             ports = [int(p) for p in str(body["ports"]).split(",")]
@@ -167,6 +173,9 @@ class SeedRoutes:
         return web.json_response({"success": True, "message": message})
 
     async def send(self, request: web.Request) -> web.Response:
+        """``POST /send_weights_to_remote_instance``: broadcast every parameter in order, then destroy the group. 400
+        for a bad body or a failed broadcast; a send with no init ends the engine with a 500, as SGLang's KeyError
+        ends the seed."""
         body = await read_object(request)
         try:
             ports = [int(p) for p in str(body["ports"]).split(",")]

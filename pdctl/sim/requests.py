@@ -62,6 +62,8 @@ class Limits:
 
     @classmethod
     def of(cls, config: SimConfig, vocab_size: int, context: int) -> Limits:
+        """The limits of an engine with ``config``'s ``--sim-max-*`` bounds, the model's vocabulary and ``context``
+        positions."""
         return cls(
             vocab_size,
             context,
@@ -123,6 +125,9 @@ class ItemSpec:
 
 @dataclass(frozen=True)
 class GenerateBody:
+    """A checked ``/generate`` body: one ``ItemSpec`` per sequence, whether the answer is a list (a batch) and whether
+    it streams."""
+
     items: list[ItemSpec]
     is_batch: bool
     stream: bool

@@ -59,6 +59,9 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 @dataclass(frozen=True)
 class SamplingOptions:
+    """One request's checked sampling parameters, with SGLang's defaults (``max_new_tokens`` 128, temperature 1.0, no
+    top-p/top-k/min-p cut)."""
+
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
     temperature: float = 1.0
@@ -73,6 +76,7 @@ class SamplingOptions:
 
     @property
     def greedy(self) -> bool:
+        """True when sampling reduces to the most likely token (temperature near 0 or ``top_k`` 1)."""
         return self.temperature <= 1e-6 or self.top_k == 1
 
     @classmethod

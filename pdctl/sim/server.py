@@ -57,24 +57,33 @@ class SimServer:
 
     @property
     def status(self) -> str:
+        """``starting``, ``up``, ``stopping`` or ``failed``: the service's status once started, before that ``failed``
+        if the engine already cannot serve."""
         if self.service is not None:
             return self.service.status
         return "failed" if self.failed.is_set() else "starting"
 
     @property
     def port(self) -> int:
+        """The HTTP port: the bound one once started (port 0 binds a free one), else the configured one."""
         return self.service.port if self.service is not None else self.config.port
 
     @property
     def bootstrap_port(self) -> int:
+        """The PD bootstrap server's port: the bound one once started, else the configured one."""
         return self.service.bootstrap_port if self.service is not None else self.config.bootstrap_port
 
     @property
     def url(self) -> str:
+        """The HTTP API's base URL, ``http://host:port``."""
         return f"http://{self.config.host}:{self.port}"
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        """Bring the engine up as SGLang's launch does: rendezvous TP peer nodes, load the model (or receive it from a
+        seed instance), start the scheduler, the bootstrap server when the role needs one and the HTTP API, then warm
+        up with a one-token request unless ``skip_server_warmup``. Raises SimError when the seed's weights cannot be
+        received."""
         c = self.config
         peers: list = []
         if c.layout is not None:  # every TP rank rendezvouses before anything loads, as in SGLang
@@ -140,6 +149,8 @@ class SimServer:
         log.info(READY_LINE)
 
     async def stop(self) -> None:
+        """Close the HTTP and bootstrap sites, the client session, the scheduler, the TP helpers and the peer hub,
+        whichever were started."""
         if self.service is not None:
             self.service.status = "stopping"
         for runner in reversed(self._runners):
@@ -169,6 +180,8 @@ class SimServer:
 
     # -- app ---------------------------------------------------------------------------
     def app(self, service: SimService) -> web.Application:
+        """The aiohttp application serving ``service``: native, OpenAI, weight, role-switch and remote-instance routes
+        behind the API key check, with unhandled SimErrors answered in SGLang's error shape."""
         app = web.Application(middlewares=[self._auth, _sim_errors], client_max_size=MAX_BODY_BYTES)
         native_http.add_routes(app, service)
         openai.add_routes(app, service)

@@ -40,6 +40,10 @@ class Running:
 
 
 class SimService:
+    """One started engine as its routes see it: the config, model, scheduler, weight group, metrics and the engine's
+    current role and status. It submits request items to the engine (resolving PD legs first), reports their progress
+    and aborts what a route leaves unfinished. Built on the event loop, once the model is loaded."""
+
     def __init__(
         self,
         config: SimConfig,
@@ -95,6 +99,7 @@ class SimService:
 
     @property
     def weight_version(self) -> str:
+        """The engine's current weight version."""
         return self.engine.weight_version
 
     # -- submitting --------------------------------------------------------------------------------

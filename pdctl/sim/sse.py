@@ -18,14 +18,17 @@ class EventStream:
 
     @classmethod
     async def open(cls, request: web.Request) -> EventStream:
+        """Start a ``text/event-stream`` answer to ``request`` (the 200 head is sent now)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         return cls(response)
 
     async def send(self, event: Any) -> None:
+        """Write ``event`` as one ``data: <json>`` event."""
         await self.response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
     async def close(self) -> web.StreamResponse:
+        """Write ``data: [DONE]``, end the body and return the response for the handler to return."""
         await self.response.write(DONE)
         await self.response.write_eof()
         return self.response

@@ -36,6 +36,9 @@ log = logging.getLogger("pdctl.sim.weights")
 
 @dataclass(frozen=True)
 class GroupSpec:
+    """An ``/init_weights_update_group`` body: where the group's rendezvous is, this engine's first rank, the world
+    size, the group's name and backend."""
+
     master_address: str
     master_port: int
     rank_offset: int
@@ -45,6 +48,8 @@ class GroupSpec:
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> GroupSpec:
+        """The spec in ``body`` (``group_name`` and ``backend`` default to SGLang's). Raises SimError for a missing or
+        malformed field, and for backend ``nccl`` without CUDA."""
         try:
             spec = cls(
                 master_address=str(body["master_address"]),
@@ -188,6 +193,7 @@ class Digest:
         self._total = 0
 
     def update(self, name: str, tensor: torch.Tensor) -> None:
+        """Fold ``name`` and ``tensor``'s bytes into the digest; the order of updates matters."""
         data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
         crc = zlib.crc32(f"{name}:{data.size}".encode(), self._crc)
         crc = zlib.crc32(data[:EDGE_BYTES].tobytes(), crc)
@@ -204,6 +210,7 @@ class Digest:
         self._total = (self._total + int(aligned.sum(dtype=np.uint64))) % 2**64
 
     def hexdigest(self) -> str:
+        """The digest so far, as 24 hex digits; equal on ranks that fed equal tensors in the same order."""
         return f"{self._crc:08x}{self._total:016x}"
 
 
@@ -269,15 +276,18 @@ class HelperProcess:
         self._proc.start()
 
     def send(self, command: dict[str, Any]) -> None:
+        """Send ``command`` to the helper process."""
         self._conn.send(command)
 
     def recv(self) -> tuple[bool, Any]:
+        """The helper's next ``(ok, value)`` reply; ``(False, message)`` when the process died."""
         try:
             return self._conn.recv()
         except (EOFError, OSError):
             return False, f"TP helper process {self._proc.pid} died"
 
     def close(self) -> None:
+        """Ask the helper to exit and wait up to 5 seconds, then kill it if it is still alive."""
         with contextlib.suppress(OSError, BrokenPipeError):
             self._conn.send({"op": "exit"})
         self._proc.join(timeout=5)
@@ -383,6 +393,8 @@ class WeightGroupMember:
         return received
 
     def destroy(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """Leave ``group_name`` on every rank of this engine. Raises SimError when no such group was joined (SGLang's
+        message) or when another rank fails to leave."""
         if group_name not in self.groups:
             raise SimError(NO_GROUP_TO_DESTROY)
         group, _ = self.groups.pop(group_name)
@@ -392,6 +404,7 @@ class WeightGroupMember:
         self._collect("destroy")
 
     def close(self) -> None:
+        """Close every peer: helper processes exit; a remote node's link stays with the hub."""
         for peer in self._peers:
             peer.close()
 

@@ -113,10 +113,15 @@ def _misfit(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], params: dict[
 
 
 class WeightRoutes:
+    """The handlers of SGLang's weight-update routes over one SimService (0.5.21+ semantics). Each answers ``{"success",
+    "message"}`` with SGLang's messages, 400 on failure; blocking work runs in a thread."""
+
     def __init__(self, service: SimService):
         self.s = service
 
     async def init_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group``: join the group on every TP rank of this engine; returns once all ranks
+        joined, 400 when the body is bad or the rendezvous fails."""
         try:
             spec = GroupSpec.from_body(await _body(request))
             await asyncio.to_thread(self.s.members.init, spec)
@@ -125,6 +130,8 @@ class WeightRoutes:
         return _ok(GROUP_INITIALIZED)
 
     async def destroy_group(self, request: web.Request) -> web.Response:
+        """``POST /destroy_weights_update_group``: leave the named group (default SGLang's); 400 when no such group was
+        joined or leaving fails."""
         try:
             name = group_name(await read_json(request, default={}))
         except (SimError, ValueError) as exc:
@@ -138,18 +145,24 @@ class WeightRoutes:
         return _ok(GROUP_DESTROYED)
 
     async def begin(self, request: web.Request) -> web.Response:
+        """``POST /begin_weight_update``: open a weight-update session; 400 when one is already open."""
         if self.s.weight_session_open:
             return _fail("a weight-update session is already open")
         self.s.weight_session_open = True
         return _ok("Weight update session opened.")
 
     async def end(self, request: web.Request) -> web.Response:
+        """``POST /end_weight_update``: close the weight-update session; 400 when none is open."""
         if not self.s.weight_session_open:
             return _fail("no weight-update session is open")
         self.s.weight_session_open = False
         return _ok("Weight update session closed.")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed``: receive the named tensors over the group, under the engine's
+        writer lock, and load them; set ``weight_version`` when given. 400 outside a session, for an unknown group,
+        for a name or shape the model lacks (the model left untouched), for a failed receive, or when ``flush_cache``
+        is asked while requests still run (the weights are then updated)."""
         try:
             body = await _body(request)
             specs = tensor_specs(body)
@@ -199,6 +212,8 @@ class WeightRoutes:
         return _ok(UPDATED_ONLINE)
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_disk``: load the checkpoint at ``model_path`` under the engine's writer lock and
+        set ``weight_version`` when given; 400 with the old weights kept when it cannot be read."""
         engine, model = self.s.engine, self.s.model
         try:
             body = await _body(request)
@@ -224,6 +239,8 @@ class WeightRoutes:
         return _ok(f"Succeeded to update model weights from {path}.", num_paused_requests=0)
 
     async def update_version(self, request: web.Request) -> web.Response:
+        """``POST /update_weight_version``: set ``new_version``, aborting every request first unless
+        ``abort_all_requests`` is false."""
         engine = self.s.engine
         try:
             body = await _body(request)
@@ -237,6 +254,8 @@ class WeightRoutes:
         return _ok(f"Weight version updated to {version}", new_version=version)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """``GET|POST /get_weights_by_name``: the named parameter's values as (nested) lists, cut to the first
+        ``truncate_size`` (default 100) along its first dimension; 400 for an unknown name."""
         model = self.s.model
         try:
             body = await _body(request) if request.method == "POST" else dict(request.query)
@@ -250,6 +269,9 @@ class WeightRoutes:
         return web.json_response(params[name][:truncate].tolist())
 
     async def checker(self, request: web.Request) -> web.Response:
+        """``POST /weights_checker`` (action ``checksum`` only): without ``names`` or ``mode``, sha256 of every
+        parameter in SGLang's per-rank shape; else the named tensors' checksums as pdctl.weights computes the
+        trainer's. 400 for another action or an unknown name."""
         model = self.s.model
         try:
             body = await _body(request)

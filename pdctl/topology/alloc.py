@@ -46,6 +46,7 @@ class Dims:
 
     @property
     def world_size(self) -> int:
+        """GPUs one instance takes: ``d * t * p * c``."""
         return self.d * self.t * self.p * self.c
 
     def __str__(self) -> str:
@@ -61,6 +62,7 @@ class MoEDims:
 
     @property
     def world_size(self) -> int:
+        """The attention dims' world size; the FFN dims are not counted."""
         return self.attn.world_size
 
 
@@ -75,10 +77,12 @@ class Component:
 
     @property
     def is_inference(self) -> bool:
+        """True for an inference backend (``sglang``, ``vllm``)."""
         return self.backend in INFERENCE_BACKENDS
 
     @property
     def world_size(self) -> int:
+        """Its dims' world size."""
         return self.dims.world_size
 
     @property
@@ -101,6 +105,7 @@ class Allocation:
 
     @property
     def components(self) -> tuple[Component, ...]:
+        """Every component of every pool, in order."""
         return tuple(c for pool in self.pools for c in pool)
 
     @property

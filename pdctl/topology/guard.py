@@ -38,6 +38,8 @@ class Loader(_BaseLoader):  # type: ignore[misc,valid-type]  # a base chosen at 
     own raise ValueError or AttributeError for values such as ``!!int x`` or ``!!timestamp ''``."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False):
+        """PyYAML's, except that a Python error from a constructor is raised as a ConstructorError
+        at the node's position."""
         try:
             return super().construct_object(node, deep=deep)
         except yaml.YAMLError:

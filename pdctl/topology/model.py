@@ -69,6 +69,8 @@ class Node:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Node:
+        """Build from one schema-valid ``nodes`` entry. A local node defaults to this interpreter and,
+        under ``$PDCTL_HOME``, to that home's runs directory."""
         host = raw["host"]
         default_python = sys.executable if host in LOCAL_HOSTS else "python3"
         # A node on this machine keeps its runs under this machine's pdctl home ($PDCTL_HOME), so
@@ -88,6 +90,9 @@ class Node:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
+    """The ``model:`` section: the checkpoint ``path`` the engines load, with optional served name,
+    tokenizer and dtype."""
+
     path: str
     served_name: str | None = None
     tokenizer: str | None = None
@@ -137,10 +142,12 @@ class ServerGroup:
 
     @property
     def gpus_per_engine(self) -> int:
+        """GPUs one engine takes: ``tp * pp * dp``."""
         return self.tp * self.pp * self.dp
 
     @property
     def total_gpus(self) -> int:
+        """GPUs the whole group takes, every replica's."""
         return self.gpus_per_engine * self.replicas
 
     @property
@@ -150,6 +157,7 @@ class ServerGroup:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, role: Role, default_name: str, path: str) -> ServerGroup:
+        """Build from one schema-valid group section of ``role``; ``path`` is where the file writes it."""
         return cls(
             path=path,
             name=raw.get("name", default_name),
@@ -172,6 +180,8 @@ class ServerGroup:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RouterSpec:
+    """The ``router:`` section: where the router runs, its policies, its keys and its own settings."""
+
     node: str | None = None
     """Node that runs the router; None = the first node."""
     host: str = "127.0.0.1"
@@ -196,6 +206,8 @@ class RouterSpec:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RouterSpec:
+        """Build from the schema-valid ``router:`` section. Group settings and the flat keys of earlier
+        files (``LEGACY_ROUTER_KEYS``) both end up in ``settings``; a group's own key wins over a flat one."""
         r = dict(raw)
         settings: dict[str, dict[str, Any]] = {}
         for group in ROUTER_GROUPS:
@@ -224,6 +236,9 @@ LEGACY_ROUTER_KEYS = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
+    """The ``trainer:`` section: the training command, the nodes and ranks it runs on, and its
+    restart policy."""
+
     command: tuple[str, ...]
     nproc_per_node: int | None = None
     """None = every GPU of the node (or world size / nodes from ``allocation``)."""
@@ -258,6 +273,8 @@ class WeightBackend(Choice):
 
 
 class PlacementMode(Choice):
+    """Words for ``placement.mode``: whether the trainer and the engines share GPUs."""
+
     SEPARATE = "separate"
     """Engines and trainer on disjoint GPUs."""
     COLOCATE = "colocate"
@@ -266,6 +283,9 @@ class PlacementMode(Choice):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightsConfig:
+    """The ``weights:`` section: the trainer's flat weight group to the engines, and how an update
+    treats requests in flight."""
+
     backend: WeightBackend = WeightBackend.NCCL
     bucket_mb: int = DEFAULT_BUCKET_MB
     group_name: str = "weight_update_group"
@@ -309,6 +329,7 @@ class DataPlaneConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DataPlaneConfig:
+        """Build from the schema-valid ``placement.data_plane`` section; ``aux_layers`` come back sorted."""
         fields = dict(raw)
         if fields.get("backend") is not None:
             fields["backend"] = DataPlaneBackend(fields["backend"])
@@ -332,6 +353,7 @@ class Placement:
 
     @property
     def colocate(self) -> bool:
+        """True in ``colocate`` mode."""
         return self.mode is PlacementMode.COLOCATE
 
     @property
@@ -341,6 +363,7 @@ class Placement:
 
     @classmethod
     def from_dict(cls, raw: str | Mapping[str, Any]) -> Placement:
+        """Build from ``placement:``, either a mode word or a schema-valid mapping."""
         if isinstance(raw, str):
             return cls(mode=PlacementMode(raw))
         fields = {k: v for k, v in raw.items() if k != "mps_active_thread_percentage"}
@@ -385,6 +408,7 @@ class Topology:
 
     @property
     def is_pd(self) -> bool:
+        """True when any group is a prefill or decode group."""
         return any(g.role in (Role.PREFILL, Role.DECODE) for g in self.groups)
 
     def node(self, name: str) -> Node:
@@ -396,6 +420,8 @@ class Topology:
 
     @property
     def router_node(self) -> Node:
+        """The node that runs the router: ``router.node``, else the first node; KeyError for an
+        unknown name."""
         return self.node(self.router.node) if self.router.node else self.nodes[0]
 
     @classmethod

@@ -98,6 +98,7 @@ class SourceMap:
         return Issue(issue.path, issue.message, line, col, issue.severity, issue.hint)
 
     def issue(self, path: Path, message: str, *, hint: str = "", severity: str = "error") -> Issue:
+        """An Issue at ``path``, positioned at it or at its deepest ancestor found in the file."""
         line, col = self.locate(path)
         return Issue(path=dotted(path), message=message, line=line, col=col, hint=hint, severity=severity)
 

@@ -20,11 +20,14 @@ SAMPLE_POINTS = 64
 
 @dataclass(frozen=True)
 class Bucket:
+    """Tensors of one dtype that go in one update call, with their names, in the caller's order."""
+
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all its tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     @property
@@ -34,6 +37,7 @@ class Bucket:
 
     @property
     def shapes(self) -> list[list[int]]:
+        """Each tensor's shape as a list, as the update body wants them."""
         return [list(t.shape) for t in self.tensors]
 
     def flat(self, staging: torch.Tensor | None = None) -> torch.Tensor:

@@ -79,9 +79,11 @@ class JsonClient:
         return headers
 
     def post(self, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
+        """``call`` with POST; a None body is sent as ``{}``."""
         return self.call("POST", url, body if body is not None else {}, timeout_secs)
 
     def get(self, url: str, timeout_secs: float | None = None) -> Any:
+        """``call`` with GET."""
         return self.call("GET", url, None, timeout_secs)
 
     def connect(self, url: str) -> http.client.HTTPConnection | CallFailure:
@@ -107,9 +109,11 @@ class JsonClient:
         return _answer(url, raw, status)
 
     def submit(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Future:
+        """``call`` on the client's thread pool; a Future of what it returns."""
         return self.pool.submit(self.call, method, url, body, timeout_secs)
 
     def close(self) -> None:
+        """Shut the thread pool down without waiting; calls not yet started are cancelled."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -35,6 +35,9 @@ that long for every engine, and the router, to be ready."""
 
 @dataclass(frozen=True)
 class WeightGroupEnv:
+    """What ``$PDCTL_WEIGHT_GROUP`` holds: the flat weight group ``pdctl up`` gives the trainer,
+    read by ``WeightSync.from_env``."""
+
     master_address: str
     master_port: int
     engines: tuple[Mapping[str, Any], ...]

@@ -52,6 +52,8 @@ class EngineTarget:
 
     @classmethod
     def coerce(cls, value: EngineTarget | Mapping[str, Any] | str, index: int) -> EngineTarget:
+        """An EngineTarget from one ``engines`` entry: a target, a URL, or a mapping with ``url`` and
+        optional ``id`` and ``gpus`` (or ``tp``). ``index`` names an entry without an id."""
         if isinstance(value, EngineTarget):
             return value
         if isinstance(value, str):
@@ -74,14 +76,17 @@ class Member:
 
     @classmethod
     def of(cls, target: EngineTarget, rank_offset: int, server_info: dict[str, Any]) -> Member:
+        """A member from the engine's ``/server_info`` answer (its SGLang version, whether it is the sim)."""
         return cls(target, rank_offset, str(server_info.get("version", "0")), server_info.get("engine") == "pdctl-sim")
 
     @property
     def id(self) -> str:
+        """The engine's id."""
         return self.target.id
 
     @property
     def url(self) -> str:
+        """The engine's base URL."""
         return self.target.url
 
 
@@ -137,9 +142,11 @@ class Fleet:
         self.client = JsonClient(api_key=engine_key or api_key, timeout_secs=timeout_secs, keys=router_keys)
 
     def close(self) -> None:
+        """Shut down the HTTP client's threads."""
         self.client.close()
 
     def tell(self, what: str) -> None:
+        """Pass ``what`` to ``progress``, when one is set."""
         if self.progress is not None:
             self.progress(what)
 
@@ -226,6 +233,8 @@ class Fleet:
         return pause_generation_body(PauseMode.ABORT if refit is RefitMode.INTERRUPT else self.pause_mode)
 
     def raise_if_failed(self, report: PushReport, what: str) -> None:
+        """Raise WeightSyncError naming the first engine in ``report.failed`` or ``report.refused`` and
+        which engines hold the version; ``what`` names the operation. Returns when none failed."""
         if not report.failed and not report.refused:
             return
         engine, failure = next(iter({**report.failed, **report.refused}.items()))

@@ -68,6 +68,8 @@ class BroadcastGroup:
         return tuple((e.url, infos[e.id].get("startup_time")) for e in live)
 
     def is_current(self, live: list[EngineTarget], infos: dict[str, dict[str, Any]]) -> bool:
+        """Whether a group is built and was built for ``live`` as they answer now (same engines, none
+        restarted)."""
         return self.process_group is not None and self.signature(live, infos) == self._signature
 
     def build(self, live: list[EngineTarget], infos: dict[str, dict[str, Any]]) -> None:
@@ -219,6 +221,8 @@ class BroadcastGroup:
             self.fleet.fanout_quiet(self.members, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, body)
 
     def drop(self) -> None:
+        """Destroy this side's process group, ignoring errors, and forget the members; the engines are
+        not told."""
         if self.process_group is not None:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.process_group)

@@ -14,6 +14,8 @@ from pdctl.choices import Choice
 
 
 class Phase(Choice):
+    """The steps of a weight transaction, as failures and a report's timings name them."""
+
     CONNECT = "connect"
     PROBE = "probe"
     HOLD = "hold"
@@ -50,4 +52,5 @@ class EngineFault(Exception):
         self.culprits = culprits
 
     def failures(self, *, retry: bool = False) -> dict[str, Failure]:
+        """One Failure per culprit, in this phase; ``retry`` marks them as failures of a redone push."""
         return {engine: Failure(engine, self.phase, reason, retry) for engine, reason in self.culprits.items()}

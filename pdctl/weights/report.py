@@ -47,6 +47,7 @@ class PushReport:
 
     @property
     def seconds(self) -> float:
+        """Seconds over every phase."""
         return sum(self.phases.values())
 
     @property
@@ -61,6 +62,7 @@ class PushReport:
         return self.bytes / secs / 1e9 if secs else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: failures as strings, plus ``seconds``, ``overhead_seconds`` and ``transfer_gbps``."""
         return {
             **asdict(self),
             "failed": {engine: str(f) for engine, f in self.failed.items()},

@@ -133,6 +133,8 @@ class RouterPush:
         self._take(outcome, 0.0)
 
     def close(self) -> None:
+        """Stop renewing the lease and stop naming the push on calls to the router. Does not end the push
+        at the router: ``commit`` or ``abort`` does."""
         self._stop.set()
         self.fleet.client.extra.pop(self._origin, None)
         self.fleet.holding = None
@@ -151,4 +153,5 @@ class RouterPush:
         report.phases[Phase.RELEASE.value] = report.phases.get(Phase.RELEASE.value, 0.0) + max(0.0, secs - inside)
 
     def blame(self, failure: CallFailure) -> dict[str, str]:
+        """Engine id -> what went wrong there, from the router's failed answer (see ``Fleet.blame``)."""
         return self.fleet.blame(failure)

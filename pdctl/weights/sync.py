@@ -182,6 +182,7 @@ class WeightSync:
 
     @property
     def is_pusher(self) -> bool:
+        """True on trainer rank 0, the only rank that talks to the engines."""
         return self.rank == 0
 
     @property

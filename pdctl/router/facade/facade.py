@@ -30,7 +30,7 @@ from pdctl.router.refit import Conflict
 from pdctl.router.reply import Reply, json_reply
 from pdctl.router.server import Request, Routes
 from pdctl.router.transaction import FleetTransactions, FleetTxn, Moved, Opener, UpdateFailed
-from pdctl.router.transaction.groups import FleetGroup, GroupBook, LayoutError, label, layout
+from pdctl.router.transaction.groups import FleetGroup, GroupBook, LayoutError, label, label_of, layout
 from pdctl.sglang import Endpoint
 from pdctl.sglang import control as sg
 
@@ -50,6 +50,7 @@ class SGLangFacade:
         self.book = GroupBook()
 
     def add_routes(self, routes: Routes) -> None:
+        """Register every SGLang control route (``sg.CONTROL_ROUTES``) on ``routes``, each audited."""
         handlers: dict[Endpoint, Callable[[Request], Awaitable[Reply]]] = {
             Endpoint.PAUSE_GENERATION: self.pause_generation,
             Endpoint.CONTINUE_GENERATION: self.continue_generation,
@@ -66,10 +67,6 @@ class SGLangFacade:
         }
         for method, endpoint in sg.CONTROL_ROUTES:
             routes.add(method, endpoint.value, _audited(method, endpoint.value, handlers[endpoint]))
-
-    @property
-    def txn(self) -> FleetTxn | None:
-        return self.txns.current
 
     async def _end_implicit(self) -> None:
         """The framework moved on to another kind of call: a transaction the router opened for an
@@ -136,6 +133,8 @@ class SGLangFacade:
         )
 
     async def abort_request(self, request: Request) -> Reply:
+        """Pass the body's abort on to every engine; 200 with an empty body when at least one was reached, 502 when none
+        answered, 409 while a push holds the router, 400 for a body that is not an object."""
         try:
             body = dict(sg.as_object(_body(request)))
         except ValueError as exc:
@@ -176,6 +175,9 @@ class SGLangFacade:
         return Reply(200, b"null")
 
     async def resume_memory(self, request: Request) -> Reply:
+        """Every engine resumes the tags' memory; a transaction the router opened for a memory release ends once
+        no memory is left released and no weights moved. 400 with no transaction open, for a bad body or when an
+        engine failed; 409 while another driver holds the router."""
         try:
             tags = sg.memory_tags(_body(request), required=True)
         except ValueError as exc:
@@ -286,15 +288,11 @@ class SGLangFacade:
                 if txn.implicit and not txn.released:
                     await self.txns.end(txn)
         if problems:
-            named = "; ".join(f"{self.txns_label(u)}: {why}" for u, why in problems.items())
+            named = "; ".join(f"{label_of(self.txns.registry, u)}: {why}" for u, why in problems.items())
             return _fail(
                 400, f"Failed to update model weights on {len(problems)} engine(s): {named}", num_paused_requests=0
             )
         return json_reply({"success": True, "message": sg.UPDATED_FROM_DISK, "num_paused_requests": 0})
-
-    def txns_label(self, url: str) -> str:
-        worker = self.txns.registry.workers.get(url)
-        return label(worker) if worker is not None else url
 
     async def init_group(self, request: Request) -> Reply:
         """Every engine joins ``group_name``, engine j at R0 + the ranks of the engines before it;
@@ -437,7 +435,7 @@ class SGLangFacade:
                     await self.txns.receive(txn, group, update)
             except UpdateFailed as exc:
                 if exc.left:  # their ranks left the group: no later broadcast over it can complete
-                    self.book.broke(name, f"{', '.join(self.txns_label(u) for u in exc.left)} left it")
+                    self.book.broke(name, f"{', '.join(label_of(self.txns.registry, u) for u in exc.left)} left it")
                 log.warning("update_weights_from_distributed over %s: %s", name, exc)
                 return _fail(400, f"Failed to update parameter online: {exc}", engines=exc.engines, left=list(exc.left))
         return json_reply({"success": True, "message": sg.UPDATED_ONLINE})

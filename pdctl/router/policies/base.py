@@ -21,6 +21,9 @@ class RequestContext:
 
 
 class Policy(ABC):
+    """How the router picks one worker among candidates of one role. ``name`` is the policy's setting (``--policy``);
+    ``needs_text`` says whether ``select`` reads the request's text, which the router then extracts."""
+
     name: ClassVar[str]
     needs_text: ClassVar[bool] = False
 

@@ -23,6 +23,9 @@ RECENT_PER_WORKER = 256
 
 
 class CacheAwarePolicy(Policy):
+    """``cache_aware`` (module docstring): the worker whose recent prompts share the longest prefix with the request,
+    unless load is imbalanced or the match is too short."""
+
     name = "cache_aware"
     needs_text = True
 
@@ -36,9 +39,13 @@ class CacheAwarePolicy(Policy):
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> CacheAwarePolicy:
+        """The policy with the thresholds of the router's ``cache`` settings."""
         return cls(config.cache.cache_threshold, config.cache.balance_abs_threshold, config.cache.balance_rel_threshold)
 
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
+        """The least loaded of ``workers`` when load is imbalanced, the request has no text or no prefix match covers
+        ``cache_threshold`` of it; else the best-matching worker. The prompt is remembered for the worker chosen. Never
+        None."""
         least = min(workers, key=lambda w: w.load)
         most = max(workers, key=lambda w: w.load)
         imbalanced = most.load - least.load > self.abs_threshold and most.load > self.rel_threshold * max(least.load, 1)

@@ -60,9 +60,13 @@ class _RingPolicy(Policy):
 
 
 class ConsistentHashingPolicy(_RingPolicy):
+    """``consistent_hashing``: a routing key always goes to the same worker while the candidates stay the same; a worker
+    leaving moves only its own keys."""
+
     name = "consistent_hashing"
 
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
+        """The worker the ring gives ``ctx.routing_key``, or a random one without a key; never None."""
         if not ctx.routing_key:
             return self._rng.choice(workers)
         by_url = {w.url: w for w in workers}
@@ -82,6 +86,8 @@ class PrefixHashPolicy(_RingPolicy):
         self.load_factor = load_factor
 
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
+        """The first worker clockwise from the prompt prefix's point that is not overloaded, else the least loaded; the
+        least loaded when the request has no text. Never None."""
         if ctx.text is None:
             return min(workers, key=lambda w: w.load)
         by_url = {w.url: w for w in workers}
@@ -103,6 +109,8 @@ class ManualPolicy(Policy):
         self.max_keys = max_keys
 
     def select(self, workers: list[Worker], ctx: RequestContext) -> Worker | None:
+        """The worker ``ctx.routing_key`` was given before while it is still a candidate, else a random one that the key
+        keeps from now; a random one without a key. Never None."""
         key = ctx.routing_key
         if not key:
             return self._rng.choice(workers)

@@ -15,6 +15,9 @@ from pdctl.refit import RefitMode
 
 
 class RefitGate:
+    """The admission gate for weight updates (module docstring): open while requests may go on, closed while a weight
+    transaction holds the router; ``epoch`` counts the interrupt holds begun."""
+
     def __init__(self) -> None:
         self._open = asyncio.Event()
         self._open.set()
@@ -38,6 +41,7 @@ class RefitGate:
                 self.epoch += 1
 
     def open(self) -> None:
+        """Let requests go on again and wake every waiter; the epoch stays."""
         self._open.set()
         self.is_open = True
         self.mode = None
@@ -50,6 +54,7 @@ class RefitGate:
         return self.mode is RefitMode.INTERRUPT and not self.is_open
 
     def interrupted_since(self, epoch: int) -> bool:
+        """Whether an interrupt hold has begun since ``epoch`` was read."""
         return self.epoch != epoch
 
     async def wait_open(self, timeout_secs: float) -> bool:

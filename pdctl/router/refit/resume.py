@@ -43,6 +43,7 @@ class Job:
 
     @classmethod
     def of(cls, path: str, body: dict[str, Any]) -> Job | None:
+        """The job of a ``/generate`` body at ``path``; None when the request cannot be continued (module docstring)."""
         if path != GENERATE:
             return None
         text, ids = body.get("text"), body.get("input_ids")
@@ -87,6 +88,7 @@ class Job:
 
     @property
     def answers(self) -> int:
+        """How many answers the request asks for: prompts x ``n``."""
         return len(self.prompts) * self.n
 
     @property
@@ -95,10 +97,12 @@ class Job:
         return self.answers == 1 and not isinstance(self.body.get("text"), list) and not _batched_ids(self.body)
 
     def wanted(self, k: int) -> int:
+        """The ``max_new_tokens`` answer ``k`` asked for (SGLang's default when unset)."""
         value = self.samplings[k // self.n].get("max_new_tokens")
         return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
 
     def remaining(self, k: int, done: Piece) -> int:
+        """The tokens answer ``k`` is still owed once it has ``done`` (negative when it has more than it asked for)."""
         return self.wanted(k) - done.tokens
 
     def continuation(self, items: list[tuple[int, Piece]]) -> dict[str, Any]:
@@ -170,6 +174,7 @@ class Piece:
 
     @property
     def version(self) -> str | None:
+        """The weight version of the last span of output, or None with no output yet."""
         return self.spans[-1]["version"] if self.spans else None
 
     def view(self, item: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,6 @@ through SGLang's own control routes (pdctl.router.facade)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,6 +17,7 @@ from pdctl.router.jsonutil import json_object
 from pdctl.router.refit.updates import Conflict, Driver, WeightUpdates
 from pdctl.router.reply import Reply, json_reply
 from pdctl.router.server import Request, Routes
+from pdctl.router.tasks import Tasks
 from pdctl.router.workers import WorkerRegistry
 from pdctl.sglang import Endpoint
 
@@ -40,17 +40,18 @@ class HoldRoutes:
         self.admission = admission
         self.session = session
         self.hold_state = hold_state
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = Tasks()
         updates.on_lapse.append(self._lapsed)
 
     def add_routes(self, r: Routes) -> None:
+        """Register ``POST /pdctl/hold``, ``POST /pdctl/release`` and ``GET /pdctl/weights`` on ``r``."""
         r.add("POST", "/pdctl/hold", self.hold)
         r.add("POST", "/pdctl/release", self.release)
         r.add("GET", "/pdctl/weights", self.weights_state)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        """Cancel the tasks these routes started and wait for them to end."""
+        await self.tasks.stop()
 
     async def hold(self, request: Request) -> Reply:
         """Stop admitting requests; in ``drain`` mode also wait for in-flight ones to finish
@@ -111,9 +112,7 @@ class HoldRoutes:
         if driver is not Driver.PDCTL or not engines or session is None:
             return
         workers = [self.registry.workers[url] for url in engines if url in self.registry.workers]
-        task = asyncio.ensure_future(call_all(session, workers, "POST", Endpoint.CONTINUE_GENERATION.value, {}))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.spawn(call_all(session, workers, "POST", Endpoint.CONTINUE_GENERATION.value, {}))
 
 
 T = TypeVar("T")

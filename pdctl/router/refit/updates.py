@@ -73,9 +73,12 @@ class PushRecord:
 
     @property
     def ended(self) -> bool:
+        """Whether the update has ended (``ended_at`` is set)."""
         return self.ended_at is not None
 
     def to_json(self) -> dict[str, Any]:
+        """The record as ``GET /pdctl/weights`` answers it; its outcome (complete, failed engines, phases, end) only
+        once it has ended."""
         body: dict[str, Any] = {
             "txn": self.txn,
             "version": self.version,
@@ -119,6 +122,10 @@ closed until then."""
 
 
 class WeightUpdates:
+    """The one owner of a weight update's life in the router (module docstring): the gate it closes, the hold and its
+    lease, and the latest push record (``last``). At most one transaction holds the router; a clashing call raises
+    Conflict."""
+
     def __init__(self, registry: WorkerRegistry, health: HealthChecks, metrics: RouterMetrics, gate: RefitGate):
         """``health``: the router's health checks (a release re-reads every worker's health and
         version; a worker off the fleet's version meets the version rule)."""
@@ -139,6 +146,7 @@ class WeightUpdates:
 
     @property
     def holder_driver(self) -> Driver | None:
+        """The driver of the transaction that holds the router; None when none does or the hold names no txn."""
         return self._holder.driver if self._holder is not None and self._holder.txn is not None else None
 
     def hold_state(self) -> dict[str, Any] | None:

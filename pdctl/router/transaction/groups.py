@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdctl.roles import Role
-from pdctl.router.workers import Worker
+from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang.control import DP_REFUSED, InitGroup
 from pdctl.sglang.protocol import DEFAULT_GROUP_NAME
 
@@ -27,7 +27,14 @@ class LayoutError(ValueError):
 
 
 def label(worker: Worker) -> str:
+    """How messages name an engine: its role and URL."""
     return f"{worker.role} {worker.url}"
+
+
+def label_of(registry: WorkerRegistry, url: str) -> str:
+    """How messages name the engine at ``url``: its label while registered, else the URL."""
+    worker = registry.workers.get(url)
+    return label(worker) if worker is not None else url
 
 
 def weight_order(workers: Iterable[Worker]) -> list[Worker]:
@@ -47,6 +54,7 @@ class Member:
 
     @property
     def url(self) -> str:
+        """The member engine's URL."""
         return self.worker.url
 
 
@@ -59,6 +67,7 @@ class FleetGroup:
 
     @property
     def name(self) -> str:
+        """The group's name, as the framework gave it (``group_name``)."""
         return self.spec.group_name
 
     def to_json(self) -> dict[str, Any]:
@@ -145,13 +154,16 @@ class GroupBook:
         )
 
     def add(self, group: FleetGroup) -> None:
+        """Record ``group`` as joined under its name (replacing one of that name), no longer broken."""
         self.groups[group.name] = group
         self.broken.pop(group.name, None)
 
     def pop(self, name: str) -> FleetGroup | None:
+        """Forget the group ``name`` (and why it broke); the group, or None when it was not joined."""
         self.broken.pop(name, None)
         return self.groups.pop(name, None)
 
     def broke(self, name: str, why: str) -> None:
+        """Mark the joined group ``name`` unable to carry updates, for ``why``; nothing for a group not joined."""
         if name in self.groups:
             self.broken[name] = why

@@ -65,9 +65,12 @@ class LoadRoute:
         self.txns = txns
 
     def add_routes(self, r: Routes) -> None:
+        """Register ``POST /pdctl/load`` on ``r``."""
         r.add("POST", LOAD_PATH, self.load)
 
     async def load(self, request: Request) -> Reply | StreamReply:
+        """``POST /pdctl/load``: 400 for a bad body; else a 200 NDJSON stream of the load's steps, ending in its
+        ``result`` or an ``error`` with its status (409 when another transaction holds the router)."""
         raw, problem = json_object(request.body)
         try:
             if problem is not None:
@@ -95,7 +98,7 @@ class LoadRoute:
             else:
                 steps.put_nowait({"result": result})
 
-        self.txns.spawn(run())
+        self.txns.tasks.spawn(run())
 
         async def lines() -> AsyncGenerator[bytes, None]:
             yield b""
@@ -143,6 +146,7 @@ class PushRoutes:
         self.txns = txns
 
     def add_routes(self, r: Routes) -> None:
+        """Register the push's steps (``/pdctl/push/open``, ``renew``, ``redo``, ``commit``, ``abort``) on ``r``."""
         r.add("POST", PUSH_OPEN_PATH, self.open)
         r.add("POST", PUSH_RENEW_PATH, self.renew)
         r.add("POST", PUSH_REDO_PATH, self.redo)
@@ -150,6 +154,9 @@ class PushRoutes:
         r.add("POST", PUSH_ABORT_PATH, self.abort)
 
     async def open(self, request: Request) -> Reply:
+        """``POST /pdctl/push/open``: open a push and answer ``{"txn", "engines"}``; 400 for a bad body, 409 when
+        another transaction holds the router or the drain did not finish. A client gone during the drain ends it with
+        nothing changed."""
         raw, problem = json_object(request.body)
         try:
             if problem is not None:
@@ -164,7 +171,7 @@ class PushRoutes:
         except ValueError as exc:
             return errors.error_response(400, errors.BAD_REQUEST, f"bad push: {exc}")
         abandoned = asyncio.Event()
-        opening = self.txns.spawn(
+        opening = self.txns.tasks.spawn(
             self.txns.open(
                 Opener.PUSH, None, Driver.PDCTL, refit=refit, max_staleness=staleness, abandoned=abandoned,
                 lease_secs=lease, version=version, call_secs=call_secs, drain_pause=pause,
@@ -189,15 +196,22 @@ class PushRoutes:
         return txn
 
     async def renew(self, request: Request) -> Reply:
+        """``POST /pdctl/push/renew``: restart the open push's lease; 409 when ``txn`` is not the open push."""
         return await self._step(request, self._renew)
 
     async def redo(self, request: Request) -> Reply:
+        """``POST /pdctl/push/redo``: start the failed update again on ``engines``; 400 for a bad list, 409 when ``txn``
+        is not the open push."""
         return await self._step(request, self._redo)
 
     async def commit(self, request: Request) -> Reply:
+        """``POST /pdctl/push/commit``: end the push (verify, version, continue, release) and answer its outcome; runs
+        to its end even if the client goes away."""
         return await self._step(request, self._commit)
 
     async def abort(self, request: Request) -> Reply:
+        """``POST /pdctl/push/abort``: fail the push for ``why`` and answer its outcome; does not wait for the
+        transaction's lock."""
         return await self._step(request, self._abort)
 
     async def _renew(self, txn: FleetTxn, raw: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +257,7 @@ class PushRoutes:
             except ValueError as exc:
                 return errors.error_response(400, errors.BAD_REQUEST, f"bad push step: {exc}")
 
-        return await asyncio.shield(self.txns.spawn(run()))
+        return await asyncio.shield(self.txns.tasks.spawn(run()))
 
 
 def _seconds(raw: dict[str, Any], key: str) -> float | None:

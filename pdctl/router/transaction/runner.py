@@ -55,7 +55,8 @@ from pdctl.refit import (
 from pdctl.router.config import RouterConfig
 from pdctl.router.fanout import WorkerAnswer, call_all, unreachable
 from pdctl.router.refit import Conflict, Driver, WeightUpdates
-from pdctl.router.transaction.groups import FleetGroup, label, weight_order
+from pdctl.router.tasks import Tasks
+from pdctl.router.transaction.groups import FleetGroup, label, label_of, weight_order
 from pdctl.router.transaction.holder import FleetHolder
 from pdctl.router.transaction.on_engines import OnEngines
 from pdctl.router.transaction.recovery import end_left_open
@@ -66,6 +67,7 @@ from pdctl.router.transaction.state import (
     Moved,
     Opener,
     TxnState,
+    hold_modes,
     mark_of_load,
     mark_of_update,
 )
@@ -141,11 +143,13 @@ class FleetTransactions:
         self.lock = asyncio.Lock()
         self.on_engines = OnEngines(self.call_all, self._keep, updates)
         self.holder = FleetHolder(updates, lambda: self.current)
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = Tasks()
+        """Its tasks that outlive a call (an end its client stopped waiting for, a lapse's cleanup)."""
         updates.on_lapse.append(self._lapsed)
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """The router's client session; valid only once the router has started."""
         session = self._session()
         assert session is not None, "the router has started"
         return session
@@ -157,20 +161,9 @@ class FleetTransactions:
     async def call_all(
         self, workers: Iterable[Worker], endpoint: Endpoint, body: Any = None, *, secs: float = CONTROL_SECS
     ) -> list[WorkerAnswer]:
+        """POST ``body`` to ``endpoint`` on every one of ``workers`` at once, each answer awaited at most ``secs``; one
+        answer per worker, in order, failures included."""
         return await call_all(self.session, list(workers), "POST", endpoint.value, body, secs)
-
-    async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
-        """Run ``coro`` in a task of the router's own, kept until it ends (cancelled when the router stops)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     def _keep(self) -> None:
         """Write what a restarted router must undo of the open transaction (nothing once it ended)."""
@@ -208,12 +201,7 @@ class FleetTransactions:
         if holder is not None:
             raise Conflict(f"weight push {holder} holds the router")
         refit = refit or self.config.refit
-        if pause is not None:
-            gate = RefitMode.INTERRUPT if refit is RefitMode.INTERRUPT and pause is PauseMode.ABORT else RefitMode.DRAIN
-            engine_mode = pause
-        else:
-            gate = refit
-            engine_mode = PauseMode.ABORT if refit is RefitMode.INTERRUPT else drain_pause
+        gate, engine_mode = hold_modes(refit, pause, drain_pause)
         kind = "push" if opener is Opener.PUSH else "framework"
         txn = FleetTxn(f"{kind}-{time.time_ns():x}", opener, engine_mode, tuple(self.engines()), driver)
         txn.lease_secs, txn.version, txn.refit, txn.call_secs = lease_secs, version, gate, call_secs
@@ -339,7 +327,7 @@ class FleetTransactions:
             txn.sending.difference_update(w.url for w in workers)  # nothing was sent to any of them
             for url, why in dead.items():  # one that took nothing yet changed nothing: its restart decides
                 txn.mark(url, Mark.GONE if txn.marks.get(url) is Mark.TAKING else Mark.REFUSED, why)
-            named = "; ".join(f"{self._label_of(url)}: {why}" for url, why in dead.items())
+            named = "; ".join(f"{label_of(self.registry, url)}: {why}" for url, why in dead.items())
             await self._failed(txn, f"{named}; nothing was sent to the other engines", tuple(dead), dead)
         body = update.to_body(flush_cache=False, weight_version=None, group_name=group.name)
         secs = txn.call_secs or self.config.admission.request_timeout_secs
@@ -448,8 +436,8 @@ class FleetTransactions:
         await self.on_engines.give_back_memory(txn)
         await self.on_engines.end_sessions(txn)
         await self._close(txn, [])
-        changed = [self._label_of(url) for url in txn.changed()]
-        kept = [self._label_of(url) for url in txn.unchanged()]
+        changed = [label_of(self.registry, url) for url in txn.changed()]
+        kept = [label_of(self.registry, url) for url in txn.unchanged()]
         outcome = f"the update stopped ({why}); it is over"
         if changed:
             outcome += f": {', '.join(changed)} may hold part of it and are out of rotation until a whole update"
@@ -483,10 +471,10 @@ class FleetTransactions:
                 txn.id,
                 txn.version,
                 len(complete),
-                f"; out of rotation: {', '.join(f'{self._label_of(u)} ({r})' for u, r in reasons.items())}"
+                f"; out of rotation: {', '.join(f'{label_of(self.registry, u)} ({r})' for u, r in reasons.items())}"
                 if reasons
                 else "",
-                f"; kept their weights and serve on: {', '.join(self._label_of(w.url) for w in restore)}"
+                f"; kept their weights and serve on: {', '.join(label_of(self.registry, w.url) for w in restore)}"
                 if reasons and restore
                 else "",
             )
@@ -496,10 +484,6 @@ class FleetTransactions:
         self._keep()
         ended = Release(txn.id, tuple(done), reasons, dict(txn.phases), moved=txn.moved is not Moved.NOTHING)
         await self.updates.release(ended, self._session())
-
-    def _label_of(self, url: str) -> str:
-        worker = self.registry.workers.get(url)
-        return label(worker) if worker is not None else url
 
     async def recover(self) -> None:
         """At the router's start: end what a transaction of a killed predecessor left (recovery.py)."""
@@ -528,7 +512,7 @@ class FleetTransactions:
             await self.on_engines.end_sessions(txn)
             await self._close(txn, [])
 
-        self.spawn(finish())
+        self.tasks.spawn(finish())
         return True
 
 

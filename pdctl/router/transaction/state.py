@@ -31,6 +31,9 @@ from pdctl.sglang.control import left_untouched
 
 
 class TxnState(Choice):
+    """Where a fleet transaction stands: ``HELD``, then ``MOVING`` (any number of times), then ``ENDED``; ``HELD`` may
+    end at once."""
+
     HELD = "held"
     """The router holds new requests and the engines are paused; no weight has moved."""
     MOVING = "moving"
@@ -112,6 +115,18 @@ _MARK_NEXT: Mapping[Mark, frozenset[Mark]] = {
     Mark.PARTIAL: frozenset({Mark.PARTIAL, Mark.GONE}),
     Mark.GONE: frozenset({Mark.GONE}),
 }
+
+
+def hold_modes(refit: RefitMode, pause: PauseMode | None, drain_pause: PauseMode) -> tuple[RefitMode, PauseMode]:
+    """How a transaction holds the router, and the mode its engines are paused in: with the
+    driver's own ``pause``, requests wait at the router and those in flight get what that mode
+    gives them (an ``abort`` on an ``interrupt`` router is continued after the update); without
+    one, ``refit`` decides (drain: wait for requests in flight, then ``drain_pause``; interrupt:
+    ``abort`` at once, continued after)."""
+    if pause is not None:
+        interrupt = refit is RefitMode.INTERRUPT and pause is PauseMode.ABORT
+        return (RefitMode.INTERRUPT if interrupt else RefitMode.DRAIN), pause
+    return refit, (PauseMode.ABORT if refit is RefitMode.INTERRUPT else drain_pause)
 
 
 class StateError(RuntimeError):
@@ -204,6 +219,7 @@ class FleetTxn:
 
     @property
     def ended(self) -> bool:
+        """Whether the transaction has ended (``TxnState.ENDED``)."""
         return self.state is TxnState.ENDED
 
     def adopt(self, pause: PauseMode) -> None:
@@ -229,6 +245,8 @@ class FleetTxn:
         return self.opener is Opener.PUSH
 
     def mark(self, url: str, mark: Mark, why: str | None = None, step: str = "transfer") -> None:
+        """Set engine ``url``'s mark; the first ``why`` given for it is kept, with the ``step`` it went wrong in. Raises
+        StateError for a step its mark cannot take."""
         before = self.marks.get(url, Mark.UNTOUCHED)
         if mark not in _MARK_NEXT[before]:
             raise StateError(f"transaction {self.id}: engine {url} {before} -> {mark} is not a step it can take")
@@ -264,9 +282,11 @@ class FleetTxn:
         return [url for url in self.marks if self.may_have_changed(url)]
 
     def unchanged(self) -> list[str]:
+        """Engines whose weights are as they were before the transaction (the complement of ``changed``)."""
         return [url for url in self.marks if not self.may_have_changed(url)]
 
     def engines_marked(self, *marks: Mark) -> list[Worker]:
+        """The transaction's engines whose mark is one of ``marks``, in the transaction's order."""
         return [w for w in self.engines if self.marks.get(w.url) in marks]
 
     def memory(self, url: str, released: frozenset[str]) -> None:
@@ -319,6 +339,7 @@ class FleetTxn:
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
+        """Add the time spent in the ``with`` block to ``phase`` (also when it raises)."""
         started = time.monotonic()
         try:
             yield
