@@ -9,7 +9,12 @@ ends quietly too.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pdctl.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from pdctl.cli.app import cli
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,12 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="pdctl", standalone_mode=True)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "cli":  # the click group, for tests and embedding
-        from pdctl.cli.app import cli
-
-        return cli
-    raise AttributeError(name)
+__getattr__ = lazy_exports(__name__, {"cli": "pdctl.cli.app"})  # the click group, for tests and embedding
 
 
 __all__ = ["cli", "main"]

@@ -10,7 +10,9 @@ Nothing here imports torch until it is used: the planner reads ``env`` on the co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pdctl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pdctl.colocate.trainer import DataPlane, Step
@@ -18,9 +20,4 @@ if TYPE_CHECKING:
 __all__ = ["DataPlane", "Step"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from pdctl.colocate import trainer
-
-        return getattr(trainer, name)
-    raise AttributeError(f"module 'pdctl.colocate' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, "pdctl.colocate.trainer"))

@@ -5,11 +5,15 @@ not local, so commands on a localhost cluster start without it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from pdctl.lazy import lazy_exports
 from pdctl.remote.base import Executor
 from pdctl.remote.local import LocalExecutor
 from pdctl.topology.model import Node
+
+if TYPE_CHECKING:
+    from pdctl.remote.ssh import SSHExecutor
 
 
 def executor_for(node: Node) -> Executor:
@@ -21,12 +25,7 @@ def executor_for(node: Node) -> Executor:
     return SSHExecutor(node)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "SSHExecutor":
-        from pdctl.remote.ssh import SSHExecutor
-
-        return SSHExecutor
-    raise AttributeError(name)
+__getattr__ = lazy_exports(__name__, {"SSHExecutor": "pdctl.remote.ssh"})
 
 
 __all__ = [

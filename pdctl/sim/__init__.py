@@ -7,8 +7,9 @@ router benchmarks use) runs where torch is not installed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pdctl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pdctl.sim.config import SimConfig
@@ -29,10 +30,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'pdctl.sim' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _HOMES)
 
 
 __all__ = [

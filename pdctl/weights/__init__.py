@@ -13,9 +13,10 @@ disk) that the control machine uses. ``WeightSync`` and ``full_tensors`` import 
 use, so ``pdctl.weights.fleet`` works where torch is not installed.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdctl.errors import WeightSyncError
+from pdctl.lazy import lazy_exports
 from pdctl.weights.fleet import EngineTarget, Fleet
 from pdctl.weights.memory import apply_memory_fraction
 from pdctl.weights.report import PushReport
@@ -35,13 +36,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "WeightSync":
-        from pdctl.weights.sync import WeightSync
-
-        return WeightSync
-    if name == "full_tensors":
-        from pdctl.weights.fsdp import full_tensors
-
-        return full_tensors
-    raise AttributeError(f"module 'pdctl.weights' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {"WeightSync": "pdctl.weights.sync", "full_tensors": "pdctl.weights.fsdp"})
