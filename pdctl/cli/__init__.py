@@ -8,7 +8,6 @@ ends quietly too.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 from pdctl.lazy import lazy_exports
@@ -19,14 +18,13 @@ if TYPE_CHECKING:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
-    from pdctl.signals import interrupt_on_every_stop_signal
+    from pdctl.signals import exit_interrupted, interrupt_on_every_stop_signal
 
     interrupt_on_every_stop_signal()  # kill and a closed terminal stop a command as Ctrl-C does
     try:
         from pdctl.cli.app import cli
     except KeyboardInterrupt:
-        print("pdctl: interrupted", file=sys.stderr)
-        sys.exit(130)
+        exit_interrupted()
     cli.main(args=argv, prog_name="pdctl", standalone_mode=True)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import sys
@@ -13,6 +12,7 @@ import click
 
 from pdctl import __version__
 from pdctl.errors import PdctlError
+from pdctl.signals import exit_interrupted
 
 
 class PdctlGroup(click.Group):
@@ -39,8 +39,7 @@ class PdctlGroup(click.Group):
         try:  # click parses (and prints --help, which loads every module) before invoke's boundary
             commands = importlib.import_module(f"pdctl.cli.{module}").COMMANDS
         except KeyboardInterrupt:
-            print("pdctl: interrupted", file=sys.stderr)
-            sys.exit(130)
+            exit_interrupted()
         self.commands.update((command.name, command) for command in commands if command.name)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -56,9 +55,7 @@ class PdctlGroup(click.Group):
             click.secho(f"error: {exc}", fg="red", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) takes stderr with it
-                click.secho("interrupted", fg="red", err=True)
-            sys.exit(130)
+            exit_interrupted()
         except Exception as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
