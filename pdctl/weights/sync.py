@@ -310,9 +310,7 @@ class WeightSync:
     ) -> None:
         """After ``fault`` in a push the router runs: record the culprits, then, within the same
         hold, redo the push on the survivors over a group built again, or abort it."""
-        for engine, failure in fault.failures().items():
-            report.failed[engine] = failure
-            log.error("weights %s: engine %s failed in %s: %s", report.version, engine, failure.phase, failure.reason)
+        _record_culprits(fault, report)
         self.group.abandon()  # a bucket failed: the group is unusable on every rank
         culprits = ", ".join(fault.culprits)
         survivors = {m.id for m in members if m.id not in fault.culprits}
@@ -329,16 +327,10 @@ class WeightSync:
             push.redo([e.url for e in alive])
             self.group.build(alive, infos)
             self.transaction.run_routed(self.group.members, source, report, push)
-        except EngineFault as failed:
-            for engine, failure in failed.failures(retry=True).items():
-                report.failed.setdefault(engine, failure)
+        except (EngineFault, WeightSyncError) as failed:
+            _record_retry_failure(failed, report)
             self.group.abandon()
-            push.abort(f"{culprits} failed in {fault.phase}, then {', '.join(failed.culprits)} in the redo")
-        except WeightSyncError as failed:
-            engine = failed.engine or "rank 0"
-            report.failed.setdefault(engine, Failure(engine, Phase(failed.phase or Phase.CONNECT), str(failed), True))
-            self.group.abandon()
-            push.abort(f"{culprits} failed in {fault.phase}, then the redo: {failed}")
+            push.abort(f"{culprits} failed in {fault.phase}, then in the redo: {failed}")
 
     def _recover(
         self,
@@ -350,9 +342,7 @@ class WeightSync:
     ) -> None:
         """After ``fault`` in a push with no router: record the culprits, then get the survivors
         to a complete version if possible."""
-        for engine, failure in fault.failures().items():
-            report.failed[engine] = failure
-            log.error("weights %s: engine %s failed in %s: %s", version, engine, failure.phase, failure.reason)
+        _record_culprits(fault, report)
         survivors = [m for m in members if m.id not in fault.culprits]
         if fault.phase in (Phase.VERIFY, Phase.CONTINUE):  # every bucket is in: the survivors hold the version
             self.fleet.fanout_quiet(survivors, Endpoint.CONTINUE_GENERATION, {})
@@ -370,13 +360,8 @@ class WeightSync:
                     self.group.build(alive, infos)
                     self.transaction.run(self.group.members, source, version, report)
                     return
-            except EngineFault as again:
-                for engine, failure in again.failures(retry=True).items():
-                    report.failed.setdefault(engine, failure)
-                self.group.abandon()
-            except WeightSyncError as again:
-                engine = again.engine or "rank 0"
-                report.failed.setdefault(engine, Failure(engine, Phase(again.phase or Phase.CONNECT), str(again), True))
+            except (EngineFault, WeightSyncError) as again:
+                _record_retry_failure(again, report)
                 self.group.abandon()
         for m in survivors:  # their weights may be partial: out of rotation until a later push
             report.failed.setdefault(
@@ -393,6 +378,24 @@ class WeightSync:
         if not self.is_pusher:
             return PushReport(version=version, pushed=False)
         return self.fleet.load_from_disk(model_path, version, refit)
+
+
+def _record_culprits(fault: EngineFault, report: PushReport) -> None:
+    """The engines ``fault`` names go into ``report.failed`` (and the log), whatever they had before."""
+    for engine, failure in fault.failures().items():
+        report.failed[engine] = failure
+        log.error("weights %s: engine %s failed in %s: %s", report.version, engine, failure.phase, failure.reason)
+
+
+def _record_retry_failure(failed: EngineFault | WeightSyncError, report: PushReport) -> None:
+    """What failed the redo on the survivors goes into ``report.failed``, unless an engine already
+    failed before it (its first reason stands)."""
+    if isinstance(failed, EngineFault):
+        for engine, failure in failed.failures(retry=True).items():
+            report.failed.setdefault(engine, failure)
+        return
+    engine = failed.engine or "rank 0"
+    report.failed.setdefault(engine, Failure(engine, Phase(failed.phase or Phase.CONNECT), str(failed), True))
 
 
 def _tensor_source(named_tensors: NamedTensors | Callable[[], NamedTensors]) -> tuple[Callable[[], NamedTensors], bool]:
