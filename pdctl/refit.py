@@ -16,7 +16,7 @@ Refit modes (``weights.refit`` in the topology):
   released continues it on the new weights (prompt plus the tokens so far, for the remaining
   budget) as one response whose ``meta_info`` says which tokens came from which version.
   ``max_staleness`` caps how many updates one request may be continued across. What can be
-  continued is pdctl.router.refit.resume's to say (``/generate``; not the OpenAI routes, streamed
+  continued is pdctl.router.resume's to say (``/generate``; not the OpenAI routes, streamed
   batches or streams on a regular router, which end with SGLang's abort).
 """
 

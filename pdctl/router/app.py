@@ -3,7 +3,7 @@ its head to its answer (request ids, admission, the refit gate, then the dispatc
 
 The parts: ``Keys`` (auth.py, checked on each request's head), ``Admission`` (admission.py),
 the ``Dispatcher`` (dispatch.py: the request path), the ``WorkerRegistry`` (workers.py),
-``WeightUpdates`` (refit/: a weight update's owner) with its routes (refit/routes.py) and the
+``WeightUpdates`` (updates/: a weight update's owner) with its hold routes (updates/holds.py) and the
 SGLang control facade (facade/), the worker admin API (worker_api.py) and the metrics.
 
 ``RouterServer`` has ``start()``/``stop()`` and ``async with``; port 0 binds a free port.
@@ -35,18 +35,18 @@ from pdctl.router.dispatch import Dispatcher
 from pdctl.router.errors import RouteError
 from pdctl.router.facade import SGLangFacade
 from pdctl.router.fanout import WorkerAnswer, call_all
+from pdctl.router.gate import RefitGate
 from pdctl.router.health import HealthChecks
 from pdctl.router.jsonutil import loads
 from pdctl.router.metrics import RouterMetrics
 from pdctl.router.planner_api import PlannerApi
-from pdctl.router.refit import WeightUpdates
-from pdctl.router.refit.gate import RefitGate
-from pdctl.router.refit.routes import HoldRoutes
 from pdctl.router.reply import Answer, Reply, StreamReply, json_reply, text_reply
 from pdctl.router.server import HttpServer, Request, Routes
 from pdctl.router.shaping import Headers
 from pdctl.router.transaction import FleetTransactions
 from pdctl.router.transaction.routes import LoadRoute, PushRoutes
+from pdctl.router.updates import WeightUpdates
+from pdctl.router.updates.holds import HoldRoutes
 from pdctl.router.upstream import Upstream
 from pdctl.router.versions import VersionRule
 from pdctl.router.worker_api import WorkerApi

@@ -1,7 +1,7 @@
 """The attempt loop: a request's attempts on freshly selected workers until one answers, under
 the one retry policy (pdctl.router.retry). Everything that tries again goes through ``run``: a
 client's request (pdctl.router.dispatch), and its continuation after a weight update
-interrupted it or its decode died (pdctl.router.refit.continuation).
+interrupted it or its decode died (pdctl.router.continuation).
 
     select (pdctl.router.selection) -> legs (pdctl.router.legs: PairAttempt owns a PD
     attempt's two legs) -> an outcome: an answer, an open stream (``Live``), or a ``Retry`` /
@@ -24,10 +24,10 @@ from pdctl.router import errors
 from pdctl.router.admission import Admission
 from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
+from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps
 from pdctl.router.legs import Legs, Live, Outcome, PairAttempt, StreamLeg
 from pdctl.router.metrics import RouterMetrics
-from pdctl.router.refit.gate import RefitGate
 from pdctl.router.reply import Reply
 from pdctl.router.request import ClientRequest
 from pdctl.router.retry import Retry, RetryPolicy, Stop, Tries

@@ -3,7 +3,7 @@
     ClientRequest (pdctl.router.request) -> the attempt loop (pdctl.router.attempts: select,
     legs, retry) -> a Reply, or an open stream whose body is a ``Relay`` (pdctl.router.relay)
     -> continued when a weight update interrupted it or its decode died
-    (pdctl.router.refit.continuation)
+    (pdctl.router.continuation)
 
 The dispatcher returns a ``Reply`` or a ``StreamReply`` (pdctl.router.reply) and never touches
 the client's socket: the HTTP server writes what it returns. A non-streamed answer a weight
@@ -18,10 +18,10 @@ from typing import Any
 from pdctl.router.admission import Admission
 from pdctl.router.attempts import Attempts, Interrupt
 from pdctl.router.config import RouterConfig
+from pdctl.router.continuation import Continuation
+from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Legs, Live
 from pdctl.router.metrics import RouterMetrics
-from pdctl.router.refit.continuation import Continuation
-from pdctl.router.refit.gate import RefitGate
 from pdctl.router.relay import Relay
 from pdctl.router.reply import Answer, StreamReply
 from pdctl.router.request import ClientRequest

@@ -37,7 +37,7 @@ from typing import Protocol
 
 from pdctl.router import errors
 from pdctl.router.breaker import CircuitBreaker
-from pdctl.router.refit.gate import RefitGate
+from pdctl.router.gate import RefitGate
 from pdctl.router.reply import Reply
 from pdctl.router.retry import Retry, Stop
 from pdctl.router.shaping import Headers, aborted, first_input_logprobs, merged_logprobs, names_bootstrap, server_abort

@@ -22,13 +22,13 @@ import contextlib
 import functools
 import logging
 
+from pdctl.router.continuation import Continuation
 from pdctl.router.legs import Live
 from pdctl.router.openai_resume import ROUTES as OPENAI_ROUTES
 from pdctl.router.openai_resume import OpenAIResume, StreamLog
-from pdctl.router.refit.continuation import Continuation
-from pdctl.router.refit.resume import GENERATE, Piece
 from pdctl.router.reply import Flow, Outlet
 from pdctl.router.request import ClientRequest
+from pdctl.router.resume import GENERATE, Piece
 from pdctl.router.retry import Tries
 from pdctl.router.shaping import ABORT, prepend_logprobs, with_input_logprobs
 from pdctl.router.streaming import Continued, Interrupted, Transform, error_event, last_data, shaped

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.router.policies import RequestContext
-from pdctl.router.refit.resume import Job
+from pdctl.router.resume import Job
 from pdctl.router.shaping import Headers
 
 

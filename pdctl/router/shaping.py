@@ -10,7 +10,7 @@ import contextlib
 from typing import Any
 
 from pdctl.router.jsonutil import dumps, loads, sse_data, sse_event
-from pdctl.router.refit.resume import Piece, asked_abort
+from pdctl.router.resume import Piece, asked_abort
 
 ROUTING_KEY = "x-smg-routing-key"
 FORWARDED = frozenset({"x-correlation-id", "traceparent", "tracestate", ROUTING_KEY})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.router.jsonutil import dumps, sse_data, sse_event
-from pdctl.router.refit.resume import Job, Piece, asked_abort
+from pdctl.router.resume import Job, Piece, asked_abort
 
 DONE = b"data: [DONE]\n\n"
 Transform = Callable[[bytes], bytes]

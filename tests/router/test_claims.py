@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from pdctl.roles import Role
 from pdctl.router.config import RouterConfig
+from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Legs, PairAttempt, StreamLeg
 from pdctl.router.mock_upstream import MockReply, MockUpstream, UpstreamRequest
-from pdctl.router.refit.gate import RefitGate
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import UpstreamError
 from pdctl.router.workers import WorkerRegistry

@@ -9,9 +9,9 @@ import asyncio
 
 from pdctl.roles import Role
 from pdctl.router.config import RouterConfig
+from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Legs, PairAttempt
 from pdctl.router.mock_upstream import MockReply, MockUpstream, UpstreamRequest
-from pdctl.router.refit.gate import RefitGate
 from pdctl.router.reply import Reply
 from pdctl.router.retry import Retry
 from pdctl.router.shaping import Headers

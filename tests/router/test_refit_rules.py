@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 import tests.router.test_failure_rules as rules
+from pdctl.router import gate
 from pdctl.router.app import RouterServer
-from pdctl.router.refit import gate
 from tests.helpers import eventually_async
 from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
 

@@ -13,8 +13,8 @@ import pytest
 
 from pdctl.roles import Role
 from pdctl.router.config import RouterConfig
+from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Leg, Legs, StreamLeg
-from pdctl.router.refit.gate import RefitGate
 from pdctl.router.shaping import Headers
 from pdctl.router.upstream import Response, UpstreamPool, UpstreamTimeout
 from pdctl.router.workers import WorkerRegistry

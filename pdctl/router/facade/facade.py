@@ -26,11 +26,11 @@ from pdctl.refit import TXN_HEADER
 from pdctl.router.config import RouterConfig
 from pdctl.router.fanout import call_all
 from pdctl.router.jsonutil import loads
-from pdctl.router.refit import Conflict
 from pdctl.router.reply import Reply, json_reply
 from pdctl.router.server import Request, Routes
 from pdctl.router.transaction import FleetTransactions, FleetTxn, Moved, Opener, UpdateFailed
 from pdctl.router.transaction.groups import FleetGroup, GroupBook, LayoutError, label, label_of, layout
+from pdctl.router.updates import Conflict
 from pdctl.sglang import Endpoint
 from pdctl.sglang import control as sg
 

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdctl.router.refit import WeightUpdates
 from pdctl.router.transaction.state import FleetTxn, Opener
+from pdctl.router.updates import WeightUpdates
 
 
 class FleetHolder:

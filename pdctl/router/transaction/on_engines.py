@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from pdctl.router.fanout import WorkerAnswer
-from pdctl.router.refit import WeightUpdates
 from pdctl.router.transaction.groups import FleetGroup, label
 from pdctl.router.transaction.state import FleetTxn
+from pdctl.router.updates import WeightUpdates
 from pdctl.router.workers import Worker
 from pdctl.sglang import Endpoint, supports_weight_update_session
 from pdctl.sglang import control as sg

@@ -49,11 +49,11 @@ from pdctl.refit import (
 )
 from pdctl.router import errors
 from pdctl.router.jsonutil import dumps, json_object
-from pdctl.router.refit import Conflict, Driver
 from pdctl.router.reply import Reply, StreamReply, json_reply, started
 from pdctl.router.server import Request, Routes
 from pdctl.router.transaction.runner import UNSET, FleetTransactions, Unset
 from pdctl.router.transaction.state import FleetTxn, Opener
+from pdctl.router.updates import Conflict, Driver
 from pdctl.sglang import PauseMode
 from pdctl.sglang import control as sg
 

@@ -54,7 +54,6 @@ from pdctl.refit import (
 )
 from pdctl.router.config import RouterConfig
 from pdctl.router.fanout import WorkerAnswer, call_all, unreachable
-from pdctl.router.refit import Conflict, Driver, WeightUpdates
 from pdctl.router.tasks import Tasks
 from pdctl.router.transaction.groups import FleetGroup, label, label_of, weight_order
 from pdctl.router.transaction.holder import FleetHolder
@@ -72,6 +71,7 @@ from pdctl.router.transaction.state import (
     mark_of_update,
 )
 from pdctl.router.transaction.verify import checksum_body, differing, engines_to_verify
+from pdctl.router.updates import Conflict, Driver, WeightUpdates
 from pdctl.router.workers import Worker, WorkerRegistry
 from pdctl.sglang import (
     Endpoint,

@@ -23,8 +23,8 @@ from typing import Any
 from pdctl.choices import Choice
 from pdctl.refit import PARTIAL_LABEL, RefitMode
 from pdctl.router.fanout import WorkerAnswer
-from pdctl.router.refit import Driver
 from pdctl.router.transaction.groups import FleetGroup, Member
+from pdctl.router.updates import Driver
 from pdctl.router.workers import Worker
 from pdctl.sglang import PauseMode
 from pdctl.sglang.control import left_untouched

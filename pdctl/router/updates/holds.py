@@ -14,10 +14,10 @@ from pdctl.router import errors
 from pdctl.router.admission import Admission
 from pdctl.router.fanout import call_all
 from pdctl.router.jsonutil import json_object
-from pdctl.router.refit.updates import Conflict, Driver, WeightUpdates
 from pdctl.router.reply import Reply, json_reply
 from pdctl.router.server import Request, Routes
 from pdctl.router.tasks import Tasks
+from pdctl.router.updates.owner import Conflict, Driver, WeightUpdates
 from pdctl.router.workers import WorkerRegistry
 from pdctl.sglang import Endpoint
 

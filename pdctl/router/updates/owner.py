@@ -23,9 +23,9 @@ import aiohttp
 from pdctl.choices import Choice
 from pdctl.refit import Hold, HoldAnswer, RefitMode, Release
 from pdctl.router.fleet_weights import FleetWeights
+from pdctl.router.gate import RefitGate
 from pdctl.router.health import HealthChecks
 from pdctl.router.metrics import RouterMetrics
-from pdctl.router.refit.gate import RefitGate
 from pdctl.router.workers import WorkerRegistry
 
 log = logging.getLogger("pdctl.router")

@@ -22,9 +22,9 @@ from pdctl.router.errors import RouteError
 from pdctl.router.jsonutil import dumps
 from pdctl.router.legs import Live
 from pdctl.router.openai_resume import OpenAIResume
-from pdctl.router.refit.resume import Job, Piece, asked_abort, settle
 from pdctl.router.reply import Reply
 from pdctl.router.request import ClientRequest
+from pdctl.router.resume import Job, Piece, asked_abort, settle
 from pdctl.router.retry import Retry, Tries
 from pdctl.router.shaping import interrupted_answer, items
 from pdctl.router.streaming import DONE, Continued, Interrupted, error_event
