@@ -31,14 +31,13 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from pdctl.jsonhttp import call_json, exchange
 from pdctl.node.proc import expand, redact, same_process, wait_gone
 from pdctl.node.replies import (
     PreflightReply,
@@ -293,19 +292,19 @@ def _exited(target: dict[str, Any]) -> str | None:
 
 
 def _http_ok(url: str, timeout: float) -> bool:
+    """Whether ``url`` answers GET with 200 within ``timeout`` seconds."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+        return exchange("GET", url, timeout_secs=timeout).status == 200
+    except (OSError, ValueError):
         return False
 
 
 def _http_json(url: str, timeout: float, key: str | None = None) -> Any:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    """The JSON ``url`` answers GET with (the key as a bearer token), or None when it answers no JSON
+    with a 2xx status."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
+        return call_json(url, key=key, timeout_secs=timeout)
+    except (OSError, ValueError):
         return None
 
 

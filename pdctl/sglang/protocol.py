@@ -53,6 +53,10 @@ class Endpoint(Choice):
     WEIGHTS_CHECKER = "/weights_checker"
     GET_WEIGHT_VERSION = "/get_weight_version"  # gone since 0.5.18 (404); pdctl's router answers it
     PD_ROLE_SWITCH = "/pd_role_switch"
+    INIT_WEIGHTS_SEND_GROUP_FOR_REMOTE_INSTANCE = "/init_weights_send_group_for_remote_instance"
+    """A seed's side of engine-to-engine weights (sglang-protocol.md 7.3): join a receiver's pair group."""
+    SEND_WEIGHTS_TO_REMOTE_INSTANCE = "/send_weights_to_remote_instance"
+    """A seed's side of engine-to-engine weights: broadcast its weights over that group, then destroy it."""
     RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
     RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
     METRICS = "/metrics"
@@ -196,6 +200,7 @@ def update_weight_version_body(version: str) -> dict[str, Any]:
 
 
 def destroy_weights_update_group_body(group_name: str = DEFAULT_GROUP_NAME) -> dict[str, Any]:
+    """Body of ``POST /destroy_weights_update_group``."""
     return {"group_name": group_name}
 
 

@@ -26,18 +26,17 @@ rank 0 carries the whole model; the port count is still checked against ``--tp-s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
-import urllib.error
-import urllib.request
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from pdctl.jsonhttp import exchange
+from pdctl.sglang import Endpoint
 from pdctl.sglang.group import destroy_group, init_custom_process_group
 from pdctl.sim.body import read_object
 from pdctl.sim.config import RemoteSource
@@ -45,8 +44,6 @@ from pdctl.sim.service import SimService
 
 log = logging.getLogger("pdctl.sim.remote_instance")
 
-INIT_ROUTE = "/init_weights_send_group_for_remote_instance"
-SEND_ROUTE = "/send_weights_to_remote_instance"
 SIM_BACKEND = "gloo"
 """The sim's groups on CPU, whatever backend a body names."""
 
@@ -72,7 +69,8 @@ def receive_from_seed(model: torch.nn.Module, source: RemoteSource, timeout_secs
         "group_name": group_name,
         "backend": "nccl",
     }
-    threading.Thread(target=_post_unchecked, args=(url + INIT_ROUTE, init_body), daemon=True).start()
+    init_url = url + Endpoint.INIT_WEIGHTS_SEND_GROUP_FOR_REMOTE_INSTANCE
+    threading.Thread(target=_post_unchecked, args=(init_url, init_body), daemon=True).start()
     group = init_custom_process_group(
         backend=SIM_BACKEND,
         master_address=source.seed_ip,
@@ -85,7 +83,8 @@ def receive_from_seed(model: torch.nn.Module, source: RemoteSource, timeout_secs
     try:
         dist.barrier(group=group)  # as SGLang's receiver (RemoteInstanceClient.build_group) and its seed
         send_body = {"master_address": source.seed_ip, "ports": ports, "group_name": group_name}
-        threading.Thread(target=_post_unchecked, args=(url + SEND_ROUTE, send_body), daemon=True).start()
+        send_url = url + Endpoint.SEND_WEIGHTS_TO_REMOTE_INSTANCE
+        threading.Thread(target=_post_unchecked, args=(send_url, send_body), daemon=True).start()
         with torch.no_grad():
             for _, tensor in model.named_parameters():
                 dist.broadcast(tensor.data, src=0, group=group)
@@ -97,23 +96,22 @@ def receive_from_seed(model: torch.nn.Module, source: RemoteSource, timeout_secs
 def _post_unchecked(url: str, body: dict[str, Any]) -> None:
     """SGLang's ``requests.post`` of the receiver's triggers: no key, no timeout, the answer
     unread; a failure is logged (the group then waits for a seed that never joins)."""
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+    headers = {"Content-Type": "application/json"}
     try:
-        with urllib.request.urlopen(request) as resp:
-            resp.read()
-    except urllib.error.HTTPError as exc:
-        log.info("%s answered %d (unread, as SGLang's receiver leaves it)", url, exc.code)
+        answer = exchange("POST", url, body, headers=headers, timeout_secs=None)
     except (OSError, ValueError) as exc:
         log.error("Failed to trigger %s: %s.", url, exc)
+        return
+    if not answer.ok:
+        log.info("%s answered %d (unread, as SGLang's receiver leaves it)", url, answer.status)
 
 
 # -- the seed -------------------------------------------------------------------------------------
 def add_routes(app: web.Application, service: SimService) -> None:
+    """Serve ``service``'s seed side: SGLang's remote-instance init and send routes."""
     seed = SeedRoutes(service)
-    app.router.add_post(INIT_ROUTE, seed.init)
-    app.router.add_post(SEND_ROUTE, seed.send)
+    app.router.add_post(Endpoint.INIT_WEIGHTS_SEND_GROUP_FOR_REMOTE_INSTANCE.value, seed.init)
+    app.router.add_post(Endpoint.SEND_WEIGHTS_TO_REMOTE_INSTANCE.value, seed.send)
 
 
 class SeedRoutes:

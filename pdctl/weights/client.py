@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from pdctl.jsonhttp import exchange
 
 
 @dataclass(frozen=True)
@@ -51,18 +51,16 @@ class JsonClient:
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdctl-weights-http")
 
     def call(self, method: str, url: str, body: Any = None, timeout_secs: float | None = None) -> Any:
-        """The parsed JSON (or text) of a 2xx answer whose ``success`` is not false, else a CallFailure."""
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data=data, method=method, headers=self._headers(url))
+        """The parsed JSON (or text) of a 2xx answer whose ``success`` is not false, else a CallFailure
+        (through pdctl.jsonhttp, the one synchronous client)."""
         try:
-            with urllib.request.urlopen(request, timeout=timeout_secs or self.timeout_secs) as resp:
-                raw, status = resp.read(), resp.status
-        except urllib.error.HTTPError as exc:
-            raw, status = exc.read(), exc.code
-        except (TimeoutError, urllib.error.URLError, OSError) as exc:
+            answer = exchange(
+                method, url, body, headers=self._headers(url), timeout_secs=timeout_secs or self.timeout_secs
+            )
+        except OSError as exc:  # refused, reset, timed out (urllib's URLError says why in ``reason``)
             reason = getattr(exc, "reason", exc)
             return CallFailure(url, f"no answer from {url}: {reason}", transport=True)
-        return _answer(url, raw, status)
+        return _answer(url, answer.raw, answer.status)
 
     def headers_for(self, url: str) -> dict[str, str]:
         """The headers a call to ``url`` carries: JSON, and the key for its server."""
