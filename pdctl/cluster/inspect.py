@@ -16,6 +16,7 @@ from pdctl.cluster.nodes import NodeSet
 from pdctl.cluster.planner_record import recent_decisions
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError, RemoteError
+from pdctl.node.seed_states import PeerState
 from pdctl.remote import agent_api
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
@@ -264,7 +265,7 @@ def _engines(
         if router_workers is not None and engine.get("url") and problem is None and not paused:
             rotation = rotation_of(listed.get(engine["url"]))
             peer = by_id[ids[0]].peer if ids and ids[0] in by_id else None
-            if rotation and peer and peer.get("state") != "done":  # why no peer brought the fleet's weights
+            if rotation and peer and peer.get("state") != PeerState.DONE:  # why no peer brought the fleet's weights
                 rotation += f"; weights from a peer: {peer.get('state')}: {peer.get('detail')}"
         out.append(EngineStatus(engine["id"], engine["role"], ids, problem is None, problem, rotation))
     return out

@@ -11,7 +11,8 @@ relay** on a planned port of the engine's host: it passes the receiver's two cal
 engine with the engine key, only while a transfer is **armed** (by the receiver's supervisor, with
 the engine key) and only for the seed's own planned group ports. The seed's scheduler stalls from
 the receiver's init to the end of the broadcast (SGLang runs both handlers in it); the relay
-makes that window the transfer itself, not the receiver's whole start.
+makes that window the transfer itself, not the receiver's whole start. The relay's states, and the
+only moves it makes between them, are pdctl.node.seed_states's ``RelayState`` and ``RELAY_MOVES``.
 
 The receiver's side (``PeerSource``), before each start of its engine:
 1. ask every planned peer its weight version; peers past the boot weights (not ``boot_version``,
@@ -29,15 +30,13 @@ The receiver's side (``PeerSource``), before each start of its engine:
 from __future__ import annotations
 
 import hmac
-import http.client
 import json
 import logging
 import socketserver
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,14 +44,17 @@ from typing import Any
 
 import yaml
 
+from pdctl.jsonhttp import StatusError, call_json
+from pdctl.node.seed_states import RELAY_MOVES, Machine, RelayState
 from pdctl.refit import in_flux
+from pdctl.sglang import Endpoint, update_weight_version_body
 
 log = logging.getLogger("pdctl.node.peer_weights")
 
 PENDING = "pdctl:receiving-from-peer"
 """The version a receiver starts with: the fleet never holds it, so the router keeps it out."""
-INIT_ROUTE = "/init_weights_send_group_for_remote_instance"
-SEND_ROUTE = "/send_weights_to_remote_instance"
+INIT_ROUTE = Endpoint.INIT_WEIGHTS_SEND_GROUP_FOR_REMOTE_INSTANCE
+SEND_ROUTE = Endpoint.SEND_WEIGHTS_TO_REMOTE_INSTANCE
 ARM_ROUTE = "/pdctl/seed/arm"
 WAIT_ROUTE = "/pdctl/seed/wait"
 DISARM_ROUTE = "/pdctl/seed/disarm"
@@ -138,40 +140,62 @@ def engine_key(argv: list[str]) -> str | None:
     return None
 
 
-def _call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float | None = PROBE_SECS) -> Any:
-    """POST ``body`` (GET when None) with the key; the JSON answer. Raises OSError (HTTPError
-    included) or ValueError."""
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
-    except http.client.HTTPException as exc:  # a broken answer (BadStatusLine, IncompleteRead): no answer
-        raise OSError(f"{url}: {type(exc).__name__}: {exc}") from exc
-
-
 # -- the seed's side ------------------------------------------------------------------------------
+NO_ARM = "no transfer is armed on this seed"
+ONE_GROUP = "one pair group per transfer: world_size 2, the seed at rank 0, nccl"
+ONE_SEND = "one send per transfer, of the group its init made"
+ARMED_STATES = frozenset({RelayState.ARMED, RelayState.JOINING, RelayState.JOINED, RelayState.SENDING})
+"""The relay is armed for a receiver: its transfer has not ended."""
+IN_FLIGHT = frozenset({RelayState.JOINING, RelayState.SENDING, RelayState.DRAINING})
+"""The engine is answering a receiver's init or send: no new arm, and a send waits."""
+
+
+@dataclass(frozen=True)
+class RelayAnswer:
+    """A relay request's answer: the HTTP status and the JSON body."""
+
+    status: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SeedOutcome:
+    """How a receiver's transfer ended, kept for that receiver's supervisor to ask (``wait``)."""
+
+    receiver: str
+    success: bool
+    message: str
+
+
+@dataclass
+class _Transfer:
+    """The relay's one transfer, from its arm until the engine's last answer to it."""
+
+    receiver: str
+    armed_until: float
+    """When the arm lapses unless the receiver's supervisor asks for the outcome again (monotonic)."""
+    group: str | None = None
+    """The group its one init made (set once: a second init, or a send of another group, is refused)."""
+
+
 class SeedRelay:
-    """The relay of one engine (see the module's docstring); ``start`` serves it on a thread."""
+    """The relay of one engine (see the module's docstring); ``start`` serves it on a thread.
+
+    Its state is a ``RelayState`` (pdctl.node.seed_states draws the moves), moved only through its
+    table and only under ``_lock``, a Condition that a receiver's long poll (``wait``) and a send
+    that came before its init's answer wait on. With the state go the transfer (``_Transfer``,
+    from its arm until the engine's last answer), the last transfer's outcome, and why the engine
+    cannot seed (``LEFT_OPEN``, or ``DRAINING`` towards it)."""
 
     def __init__(self, me: SeedSide, key: str | None):
         self.me = me
         self.key = key
         self._lock = threading.Condition()
-        self._armed_until = 0.0
-        self._armed_for: str | None = None
-        self._group: str | None = None
-        """The group of the arm's one init (set once: a second init, or a send of another group, is refused)."""
-        self._sent = False
-        """The arm's one send was passed on (a second would end an SGLang seed: its group is gone)."""
-        self._in_flight: str | None = None
-        """The receiver whose init or send the engine is answering now: no new arm meanwhile, and
-        the outcome is this receiver's whatever happened to its arm."""
-        self._outcome: dict[str, Any] | None = None
-        self._outcome_for: str | None = None
+        self._state = Machine("seed relay", RELAY_MOVES, RelayState.IDLE)
+        self._transfer: _Transfer | None = None
+        """Set in every state but IDLE and LEFT_OPEN."""
+        self._outcome: SeedOutcome | None = None
+        """The last transfer's end, for its receiver (cleared by the next arm)."""
         self._left_open: str | None = None
         """Why this engine cannot seed until it restarts: an arm ended after its init made a group
         and before a send used it. SGLang keeps such a group, and its port, for the process's
@@ -208,8 +232,8 @@ class SeedRelay:
                 if not isinstance(body, dict):
                     self._answer(400, {"error": "the body must be a JSON object"})
                     return
-                status, answer = relay.handle(self.path, body, self.headers.get("Authorization"))
-                self._answer(status, answer)
+                answer = relay.handle(self.path, body, self.headers.get("Authorization"))
+                self._answer(answer.status, answer.body)
 
             def _answer(self, status: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
@@ -235,161 +259,193 @@ class SeedRelay:
             self._server.shutdown()
             self._server.server_close()
 
+    @property
+    def state(self) -> RelayState:
+        """Where the relay stands now (a snapshot: another thread may move it next)."""
+        with self._lock:
+            return self._state.state
+
     def _authorized(self, header: str | None) -> bool:
         if not self.key:  # an engine with no key: nobody may arm it (the triggers would be anyone's)
             return False
         scheme, _, token = (header or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.key.encode())
 
-    def handle(self, path: str, body: dict[str, Any], auth: str | None) -> tuple[int, dict[str, Any]]:
-        """One relay request's status and JSON answer. Arm, wait and disarm need the engine key (401
-        otherwise); a receiver's init and send are passed on to the engine only when they fit the
-        current arm (403 otherwise, 502 when the engine did not succeed); any other path is 404."""
+    def handle(self, path: str, body: dict[str, Any], auth: str | None) -> RelayAnswer:
+        """One relay request's answer. Arm, wait and disarm need the engine key (401 otherwise); a
+        receiver's init and send are passed on to the engine only when they fit the current arm
+        (403 otherwise, 502 when the engine did not succeed); any other path is 404."""
         if path in (ARM_ROUTE, WAIT_ROUTE, DISARM_ROUTE):
             if not self._authorized(auth):
-                return 401, {"error": "Unauthorized"}
+                return RelayAnswer(401, {"error": "Unauthorized"})
             if path == ARM_ROUTE:
                 return self._arm(str(body.get("receiver", "")))
             if path == WAIT_ROUTE:
                 try:
                     wait = min(max(float(body.get("timeout_secs", 5.0)), 0.0), ARM_IDLE_SECS / 2)
                 except (TypeError, ValueError):
-                    return 400, {"error": "timeout_secs must be a number"}
-                return 200, self._wait(str(body.get("receiver", "")), wait)
+                    return RelayAnswer(400, {"error": "timeout_secs must be a number"})
+                return RelayAnswer(200, self._wait(str(body.get("receiver", "")), wait))
             return self._disarm(str(body.get("receiver", "")))
         if path in (INIT_ROUTE, SEND_ROUTE):
             return self._forward(path, body)
-        return 404, {"error": f"unknown path {path}"}
+        return RelayAnswer(404, {"error": f"unknown path {path}"})
 
     def engine_started(self) -> None:
         """A new engine process: it holds no group of an earlier one, and may seed again."""
         with self._lock:
             self._left_open = None
+            if self._state.state is RelayState.LEFT_OPEN:
+                self._move(RelayState.IDLE)
+
+    # Everything below runs with the lock held, or takes it.
+    def _move(self, to: RelayState) -> None:
+        """Move the state (caller holds the lock); the transfer ends with IDLE and LEFT_OPEN. A move
+        the table refuses is a bug of the relay: logged, and the state stays."""
+        refused = self._state.move(to)
+        if refused is not None:
+            log.error("bug: %s", refused)
+            return
+        if to in (RelayState.IDLE, RelayState.LEFT_OPEN):
+            self._transfer = None
+
+    def _armed_for(self) -> str | None:
+        """The receiver the relay is armed for, if any (caller holds the lock)."""
+        if self._state.state in ARMED_STATES and self._transfer is not None:
+            return self._transfer.receiver
+        return None
+
+    def _lapsed(self) -> bool:
+        """The arm's receiver stopped asking for its outcome (caller holds the lock)."""
+        return self._transfer is not None and time.monotonic() >= self._transfer.armed_until
 
     def _end_arm(self) -> None:
         """The arm ends (caller holds the lock); an init it passed that no send used leaves its group open."""
-        if self._group is not None and not self._sent:
-            self._left_open = f"its engine holds the group {self._group!r} that {self._armed_for} made and never used"
+        state, transfer = self._state.state, self._transfer
+        if state in (RelayState.JOINING, RelayState.JOINED) and transfer is not None:
+            self._left_open = (
+                f"its engine holds the group {transfer.group!r} that {transfer.receiver} made and never used"
+            )
             log.warning("%s: it seeds again once its engine restarts", self._left_open)
-        self._armed_for, self._group = None, None
+        if state is RelayState.ARMED:
+            self._move(RelayState.IDLE)
+        elif state is RelayState.JOINED:
+            self._move(RelayState.LEFT_OPEN)
+        elif state in (RelayState.JOINING, RelayState.SENDING):  # its engine still answers
+            self._move(RelayState.DRAINING)
 
-    def _arm(self, receiver: str) -> tuple[int, dict[str, Any]]:
+    def _arm(self, receiver: str) -> RelayAnswer:
         with self._lock:
-            if self._in_flight is not None or (self._armed_for is not None and time.monotonic() < self._armed_until):
-                return 409, {"error": f"seeding {self._in_flight or self._armed_for} already"}
-            if self._armed_for is not None:  # lapsed
+            state, transfer = self._state.state, self._transfer
+            if transfer is not None and (state in IN_FLIGHT or not self._lapsed()):
+                return RelayAnswer(409, {"error": f"seeding {transfer.receiver} already"})
+            if transfer is not None:  # an arm that lapsed
                 self._end_arm()
-            if self._left_open is not None:
-                return 409, {"error": f"cannot seed: {self._left_open} (until it restarts)"}
-            self._armed_for, self._armed_until = receiver, time.monotonic() + ARM_IDLE_SECS
-            self._group, self._sent, self._outcome = None, False, None
+            if self._state.state is RelayState.LEFT_OPEN:
+                return RelayAnswer(409, {"error": f"cannot seed: {self._left_open} (until it restarts)"})
+            self._move(RelayState.ARMED)
+            self._transfer = _Transfer(receiver, time.monotonic() + ARM_IDLE_SECS)
+            self._outcome = None
         log.info("armed to seed %s", receiver)
-        return 200, {"armed": receiver}
+        return RelayAnswer(200, {"armed": receiver})
 
-    def _disarm(self, receiver: str) -> tuple[int, dict[str, Any]]:
+    def _disarm(self, receiver: str) -> RelayAnswer:
         with self._lock:
-            if self._armed_for == receiver:
+            if self._armed_for() == receiver:
                 self._end_arm()
                 self._lock.notify_all()
-        return 200, {"disarmed": receiver}
+        return RelayAnswer(200, {"disarmed": receiver})
 
     def _wait(self, receiver: str, timeout_secs: float) -> dict[str, Any]:
         """Long poll of ``receiver``'s supervisor: its transfer's outcome once there is one
         (``done`` false at the timeout, to be asked again); each call keeps its arm alive."""
         with self._lock:
-            if self._armed_for == receiver and self._outcome is None:
-                self._armed_until = time.monotonic() + ARM_IDLE_SECS
-            self._lock.wait_for(lambda: self._outcome is not None or self._armed_for != receiver, timeout_secs)
-            if self._outcome is not None and self._outcome_for == receiver:
-                return {"done": True, **self._outcome}
-            if self._armed_for != receiver:
+            if self._armed_for() == receiver and self._outcome is None and self._transfer is not None:
+                self._transfer.armed_until = time.monotonic() + ARM_IDLE_SECS
+            self._lock.wait_for(lambda: self._outcome is not None or self._armed_for() != receiver, timeout_secs)
+            outcome = self._outcome
+            if outcome is not None and outcome.receiver == receiver:
+                return {"done": True, "success": outcome.success, "message": outcome.message}
+            if self._armed_for() != receiver:
                 return {"done": True, "success": False, "message": "this seed is not armed for it (its arm lapsed)"}
             return {"done": False}
 
-    def _finish(self, receiver: str | None, success: bool, message: str) -> None:
-        """``receiver``'s transfer ended: its outcome kept for it, the seed free for another."""
-        with self._lock:
-            self._outcome, self._outcome_for = {"success": success, "message": message}, receiver
-            if self._armed_for == receiver:
-                self._end_arm()
-            self._in_flight = None
-            self._lock.notify_all()
+    def _finish(self, receiver: str, success: bool, message: str) -> None:
+        """``receiver``'s transfer ended (caller holds the lock): its outcome kept for it, the arm
+        ended, and those who wait told."""
+        self._outcome = SeedOutcome(receiver, success, message)
+        if self._armed_for() == receiver:
+            self._end_arm()
+        self._lock.notify_all()
 
-    def _forward(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """A receiver's trigger, passed on to the engine with its key when it fits the arm: the
-        seed's own host and ports (a port count that is not its tp would end an SGLang seed), a
-        pair group of SGLang's receiver (world 2, the seed at rank 0, nccl, ``send_weights_*``),
-        one init and then one send of that group per arm (a send with no group ends an SGLang
-        seed). Checked and recorded under one lock, so two triggers cannot both pass."""
+    def _refusal(self, path: str, body: dict[str, Any]) -> str | None:
+        """Why a receiver's trigger does not fit the seed and its arm (caller holds the lock), or
+        None: the seed's own host and ports (a port count that is not its tp would end an SGLang
+        seed), a pair group of SGLang's receiver (world 2, the seed at rank 0, nccl,
+        ``send_weights_*``), and a send of the group its init made. One init and then one send
+        per arm is the table's to hold."""
+        transfer = self._transfer
+        if self._state.state not in (RelayState.ARMED, RelayState.JOINED) or transfer is None or self._lapsed():
+            return NO_ARM
         ports = ",".join(str(p) for p in self.me.ports)
+        if str(body.get("ports")) != ports or str(body.get("master_address")) != self.me.host:
+            return f"this seed sends from {self.me.host} on ports {ports}"
         name = body.get("group_name")
+        if not (isinstance(name, str) and name.startswith("send_weights_") and len(name) < 256):
+            return "a receiver's group is send_weights_<its address>"
+        if path == INIT_ROUTE:
+            pair = body.get("group_rank") == 0 and body.get("world_size") == 2
+            return None if pair and body.get("backend", "nccl") == "nccl" else ONE_GROUP
+        return None if transfer.group == name else ONE_SEND
+
+    def _forward(self, path: str, body: dict[str, Any]) -> RelayAnswer:
+        """A receiver's trigger, passed on to the engine with its key when it fits the arm
+        (``_refusal``) and the table allows the move it makes (ARMED to JOINING for an init,
+        JOINED to SENDING for a send). Checked and moved under one lock, so two triggers cannot
+        both pass. A refused send ends its transfer (its receiver then loads from disk)."""
+        init = path == INIT_ROUTE
         with self._lock:
-            if path == SEND_ROUTE:  # SGLang's receiver sends as soon as it joined: its init may still be
+            if not init:  # SGLang's receiver sends as soon as it joined: its init may still be
                 # on its way back from the engine (whose scheduler takes the two in order)
-                self._lock.wait_for(lambda: self._in_flight is None, ARM_IDLE_SECS)
-            receiver = self._armed_for
-            problem = None
-            if receiver is None or time.monotonic() >= self._armed_until or self._in_flight is not None:
-                problem = "no transfer is armed on this seed"
-            elif str(body.get("ports")) != ports or str(body.get("master_address")) != self.me.host:
-                problem = f"this seed sends from {self.me.host} on ports {ports}"
-            elif not (isinstance(name, str) and name.startswith("send_weights_") and len(name) < 256):
-                problem = "a receiver's group is send_weights_<its address>"
-            elif path == INIT_ROUTE and (
-                self._group is not None
-                or body.get("group_rank") != 0
-                or body.get("world_size") != 2
-                or body.get("backend", "nccl") != "nccl"
-            ):
-                problem = "one pair group per transfer: world_size 2, the seed at rank 0, nccl"
-            elif path == SEND_ROUTE and (self._group != name or self._sent):
-                problem = "one send per transfer, of the group its init made"
-            if problem is None:
-                self._in_flight = receiver
-                if path == INIT_ROUTE:
-                    self._group = name
-                else:
-                    self._sent = True
-        if problem is not None:
-            log.warning("refused %s: %s", path, problem)
-            if receiver is not None and path == SEND_ROUTE and self._in_flight is None:
-                self._finish(receiver, False, f"send refused: {problem}")
-            return 403, {"success": False, "message": problem}
+                self._lock.wait_for(lambda: self._state.state not in IN_FLIGHT, ARM_IDLE_SECS)
+            problem = self._refusal(path, body)
+            if problem is None and self._state.move(RelayState.JOINING if init else RelayState.SENDING) is not None:
+                problem = ONE_GROUP if init else ONE_SEND
+            if problem is not None:
+                log.warning("refused %s: %s", path, problem)
+                armed_for = self._armed_for()
+                if armed_for is not None and not init and self._state.state not in IN_FLIGHT:
+                    self._finish(armed_for, False, f"send refused: {problem}")
+                return RelayAnswer(403, {"success": False, "message": problem})
+            transfer = self._transfer
+            assert transfer is not None  # (for the type checker: _refusal passed an armed transfer)
+            receiver = transfer.receiver
+            if init:
+                transfer.group = str(body["group_name"])
         try:
-            answer = _call(self.me.url + path, self.key, body, timeout=None)
-        except urllib.error.HTTPError as exc:
-            answer = {"success": False, "message": f"the seed answered {exc.code}: {_body_of(exc)}"}
+            answer = call_json(self.me.url + path, body, key=self.key, timeout_secs=None)
+        except StatusError as exc:
+            answer = {"success": False, "message": f"the seed answered {exc.status}: {exc.text}"}
         except (OSError, ValueError) as exc:
             answer = {"success": False, "message": f"the seed did not answer: {exc}"}
         ok = isinstance(answer, dict) and bool(answer.get("success"))
         message = str(answer.get("message", "")) if isinstance(answer, dict) else repr(answer)
-        if path == INIT_ROUTE and not ok:
-            with self._lock:  # the engine made no group to leave open (its init failed)
-                self._group = None
-        if path == SEND_ROUTE or not ok:
-            self._finish(receiver, ok, message if ok or path == SEND_ROUTE else f"init: {message}")
-        else:
-            with self._lock:  # the receiver's send may already wait for this answer (above)
-                self._in_flight = None
-                self._lock.notify_all()
-        return (200 if ok else 502), (answer if isinstance(answer, dict) else {"success": False})
+        self._answered(receiver, init, ok, message if ok or not init else f"init: {message}")
+        return RelayAnswer(200 if ok else 502, answer if isinstance(answer, dict) else {"success": False})
 
-
-def _error_of(exc: urllib.error.HTTPError) -> str:
-    """The relay's ``error`` in a refusal, else its status and body."""
-    body = _body_of(exc)
-    try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        error = None
-    return error if isinstance(error, str) else f"{exc.code} {body}"
-
-
-def _body_of(exc: urllib.error.HTTPError) -> str:
-    try:
-        return exc.read(2000).decode(errors="replace")
-    except OSError:
-        return ""
+    def _answered(self, receiver: str, init: bool, ok: bool, message: str) -> None:
+        """The engine answered ``receiver``'s init or send: the move that answer makes, and the
+        transfer's outcome when it ended (a send, or an init that failed)."""
+        with self._lock:
+            if self._state.state is RelayState.DRAINING:  # its arm ended meanwhile
+                self._move(RelayState.LEFT_OPEN if self._left_open is not None else RelayState.IDLE)
+            elif init and ok:
+                self._move(RelayState.JOINED)  # the receiver's send may already wait for this (above)
+            else:
+                self._move(RelayState.IDLE)  # a send answered, or an init that made no group
+            if not init or not ok:
+                self._outcome = SeedOutcome(receiver, ok, message)
+            self._lock.notify_all()
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -407,6 +463,7 @@ class _QuietServer(ThreadingHTTPServer):
         self.server_name, self.server_port = str(host), int(port)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
+        """Log, at info, that a connection broke (http.server prints a traceback to stderr)."""
         log.info("seed relay: a connection from %s broke", client_address)
 
 
@@ -419,6 +476,25 @@ class Armed:
     version: str
 
 
+@dataclass(frozen=True)
+class ArmResult:
+    """``PeerSource.arm``'s answer: the seed armed for this engine (``armed``), or None and
+    ``detail`` says why not; ``busy`` when a peer refused only because it seeds another engine now."""
+
+    armed: Armed | None
+    detail: str
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """How a step of a start from a peer went (``PeerSource.wait_sent``, ``verify_and_stamp``): ``ok``,
+    and ``detail`` for the supervisor's story."""
+
+    ok: bool
+    detail: str
+
+
 class PeerSource:
     """What one engine's supervisor does to start it from a peer (see the module's docstring)."""
 
@@ -426,26 +502,26 @@ class PeerSource:
         self.plan = plan
         self.key = key
 
-    def arm(self, stopping: Any = lambda: False) -> tuple[Armed | None, str]:
+    def arm(self, stopping: Callable[[], bool] = lambda: False) -> ArmResult:
         """A seed armed for this engine and the version it holds, or None and why not. While every
         peer that holds the fleet's weights is busy seeding another engine (two engines restarted
         at once), it asks again once one may be free (a seed is busy for its transfer, or until
         its arm lapses), and a peer that healed meanwhile is a seed too; ``stopping()`` ends the wait."""
         delay = 0.1
         while True:
-            armed, detail, busy = self._arm()
-            if armed is not None or not busy or stopping():
-                return armed, detail
-            log.info("every seed is busy (%s): asking again", detail)
+            result = self._arm()
+            if result.armed is not None or not result.busy or stopping():
+                return result
+            log.info("every seed is busy (%s): asking again", result.detail)
             time.sleep(delay)  # a poll with backoff: the relays tell no one when they are free
             delay = min(delay * 2, 2.0)
 
-    def _arm(self) -> tuple[Armed | None, str, bool]:
-        """One round of ``arm``: and whether a peer refused only because it seeds another engine now."""
+    def _arm(self) -> ArmResult:
+        """One round of ``arm``."""
 
         def version_of(peer: SeedSide) -> str | None:
             try:
-                info = _call(peer.url + "/model_info", self.key)
+                info = call_json(peer.url + Endpoint.MODEL_INFO, key=self.key, timeout_secs=PROBE_SECS)
             except (OSError, ValueError):
                 return None
             version = info.get("weight_version") if isinstance(info, dict) else None
@@ -461,7 +537,7 @@ class PeerSource:
         versions = {peer: v for peer, v in zip(self.plan.peers, held_by, strict=True) if v is not None}
         if not versions:
             none = f"no peer of this TP layout holds weights past the boot version {self.plan.boot_version!r}"
-            return None, none, False
+            return ArmResult(None, none)
         ranked = [v for v, _ in Counter(versions.values()).most_common()]
         refusals = []
         busy = False
@@ -470,18 +546,19 @@ class PeerSource:
                 if held != version:
                     continue
                 try:
-                    _call(peer.relay_url + ARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
-                except urllib.error.HTTPError as exc:  # busy seeding another engine, or cannot seed
-                    why = _error_of(exc)
+                    call_json(peer.relay_url + ARM_ROUTE, {"receiver": self.plan.me.engine_id}, key=self.key,
+                              timeout_secs=PROBE_SECS)  # fmt: skip
+                except StatusError as exc:  # busy seeding another engine, or cannot seed
+                    why = exc.error()
                     busy = busy or why.startswith("seeding ")
                     refusals.append(f"{peer.engine_id}: {why}")
                     continue
                 except (OSError, ValueError) as exc:  # its supervisor is gone
                     refusals.append(f"{peer.engine_id}: {exc}")
                     continue
-                return Armed(peer, version), f"from {peer.engine_id} at {version!r}", False
+                return ArmResult(Armed(peer, version), f"from {peer.engine_id} at {version!r}")
         refused = "every peer that holds the fleet's weights is busy or unreachable (" + "; ".join(refusals) + ")"
-        return None, refused, busy
+        return ArmResult(None, refused, busy)
 
     def command(self, argv: list[str], armed: Armed) -> list[str]:
         """``argv`` as a receiver from ``armed.seed`` (SGLang's flags; later words win)."""
@@ -495,43 +572,47 @@ class PeerSource:
             "--weight-version", PENDING,
         ]  # fmt: skip
 
-    def wait_sent(self, armed: Armed, alive: Any) -> tuple[bool, str]:
-        """Wait for the armed transfer's outcome while ``alive()`` (the engine process runs)."""
+    def wait_sent(self, armed: Armed, alive: Callable[[], bool]) -> StepResult:
+        """Wait for the armed transfer's outcome while ``alive()`` (the engine process runs): the
+        relay's outcome, or why none came."""
         lost_since: float | None = None
         while alive():
             try:
                 body = {"receiver": self.plan.me.engine_id, "timeout_secs": 1.0}
-                answer = _call(armed.seed.relay_url + WAIT_ROUTE, self.key, body, timeout=30.0)
+                answer = call_json(armed.seed.relay_url + WAIT_ROUTE, body, key=self.key, timeout_secs=30.0)
                 lost_since = None
             except (OSError, ValueError) as exc:  # one lost answer is not a lost relay: its arm outlives it
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since >= ARM_IDLE_SECS:
-                    return False, f"the seed's relay went away: {exc}"
+                    return StepResult(False, f"the seed's relay went away: {exc}")
                 time.sleep(1.0)
                 continue
             if isinstance(answer, dict) and answer.get("done"):
-                return bool(answer.get("success")), str(answer.get("message", ""))
-        return False, "the engine exited before its weights arrived"
+                return StepResult(bool(answer.get("success")), str(answer.get("message", "")))
+        return StepResult(False, "the engine exited before its weights arrived")
 
-    def verify_and_stamp(self, armed: Armed, alive: Any) -> tuple[bool, str]:
-        """Once the engine answers: its checksum against the seed's, then the seed's version."""
+    def verify_and_stamp(self, armed: Armed, alive: Callable[[], bool]) -> StepResult:
+        """Once the engine answers (while ``alive()``): its checksum against the seed's (or, the seed
+        gone, another peer's at the same version), then the seed's version stamped on it; ``ok``
+        only when both were done."""
         me = self.plan.me
         while alive():
             try:
-                _call(me.url + "/model_info", self.key)
+                call_json(me.url + Endpoint.MODEL_INFO, key=self.key, timeout_secs=PROBE_SECS)
                 break
             except (OSError, ValueError):
                 time.sleep(0.05)  # a poll of one local call: the engine is in its last second of start
         else:
-            return False, "the engine exited before it answered"
+            return StepResult(False, "the engine exited before it answered")
 
         def checksum(url: str) -> Any:
-            return _call(url + "/weights_checker", self.key, {"action": "checksum"}, timeout=600.0)
+            return call_json(url + Endpoint.WEIGHTS_CHECKER, {"action": "checksum"}, key=self.key, timeout_secs=600.0)
 
         def reference(peer: SeedSide) -> tuple[Any, str]:
             """A peer's checksum and the version it holds after hashing (a push meanwhile moves it)."""
             theirs = checksum(peer.url)
-            return theirs, str(_call(peer.url + "/model_info", self.key).get("weight_version"))
+            info = call_json(peer.url + Endpoint.MODEL_INFO, key=self.key, timeout_secs=PROBE_SECS)
+            return theirs, str(info.get("weight_version"))
 
         # The seed first, then any peer of this TP layout at the same version (the seed may have died
         # since it sent: another engine at that version holds the same weights). Both hashes at once:
@@ -542,7 +623,7 @@ class PeerSource:
             try:
                 mine = mine_call.result()
             except (OSError, ValueError) as exc:
-                return False, f"could not read its own checksum: {exc}"
+                return StepResult(False, f"could not read its own checksum: {exc}")
             compared, problems = None, []
             for peer, answer in [(armed.seed, first), *((p, None) for p in others)]:
                 try:
@@ -556,25 +637,28 @@ class PeerSource:
                 compared = (peer, theirs)
                 break
         if compared is None:
-            return False, f"could not compare checksums with any engine at {armed.version!r}: {'; '.join(problems)}"
+            return StepResult(
+                False, f"could not compare checksums with any engine at {armed.version!r}: {'; '.join(problems)}"
+            )
         peer, theirs = compared
         mine_sum = mine.get("per_engine_checksum") if isinstance(mine, dict) else None
         theirs_sum = theirs.get("per_engine_checksum") if isinstance(theirs, dict) else None
         if mine_sum is None or mine_sum != theirs_sum:
-            return False, f"its checksum differs from {peer.engine_id}'s"
+            return StepResult(False, f"its checksum differs from {peer.engine_id}'s")
         try:
-            _call(me.url + "/update_weight_version", self.key,
-                  {"new_version": armed.version, "abort_all_requests": False})  # fmt: skip
+            call_json(me.url + Endpoint.UPDATE_WEIGHT_VERSION, update_weight_version_body(armed.version), key=self.key,
+                      timeout_secs=PROBE_SECS)  # fmt: skip
         except (OSError, ValueError) as exc:
-            return False, f"could not stamp {armed.version!r}: {exc}"
+            return StepResult(False, f"could not stamp {armed.version!r}: {exc}")
         checked = "" if peer == armed.seed else f", checked against {peer.engine_id}"
-        return True, f"took {armed.version!r} from {armed.seed.engine_id} (checksums equal{checked})"
+        return StepResult(True, f"took {armed.version!r} from {armed.seed.engine_id} (checksums equal{checked})")
 
     def disarm(self, armed: Armed) -> None:
         """Release the seed's arm for this engine; when the relay cannot be reached, the arm lapses on
         its own."""
         try:
-            _call(armed.seed.relay_url + DISARM_ROUTE, self.key, {"receiver": self.plan.me.engine_id})
+            call_json(armed.seed.relay_url + DISARM_ROUTE, {"receiver": self.plan.me.engine_id}, key=self.key,
+                      timeout_secs=PROBE_SECS)  # fmt: skip
         except (OSError, ValueError):
             pass  # its lease ends it
 

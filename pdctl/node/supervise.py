@@ -45,8 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,8 +53,10 @@ from typing import Any
 import psutil
 
 from pdctl.choices import Choice
+from pdctl.jsonhttp import exchange
 from pdctl.node.peer_weights import Armed, PeerPlan, PeerSource, SeedRelay, engine_key
 from pdctl.node.proc import expand
+from pdctl.node.seed_states import PEER_MOVES, Machine, PeerState, Refusal
 from pdctl.roles import RestartPolicy
 
 MAX_RESTARTS = 5
@@ -85,9 +85,31 @@ class SupervisedState(Choice):
     """It failed too often: left down (``reason`` says why)."""
 
 
+@dataclass(frozen=True)
+class PeerStory:
+    """How the last start took its weights from a peer: FILE's ``peer``. ``seed``, ``version`` and
+    ``secs`` (how long the transfer and its check took) once a transfer ended (done or failed)."""
+
+    state: PeerState
+    detail: str
+    seed: str | None = None
+    version: str | None = None
+    secs: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """FILE's ``peer``: ``state`` and ``detail``, then ``seed``, ``version`` and ``secs`` when a
+        transfer ended."""
+        out: dict[str, Any] = {"state": self.state.value, "detail": self.detail}
+        if self.seed is not None:
+            out.update(seed=self.seed, version=self.version, secs=self.secs)
+        return out
+
+
 @dataclass
 class Story:
-    """What FILE says about the supervised process."""
+    """What FILE says about the supervised process. The main loop writes its fields; a start's
+    receive from a peer, on its own thread, moves ``peer`` (``set_peer``) and writes FILE too,
+    both under ``lock``."""
 
     path: str
     restart: RestartPolicy
@@ -98,11 +120,25 @@ class Story:
     last_exit: dict[str, Any] | None = None
     reason: str | None = None
     exit_code: int | None = None
-    peer: dict[str, Any] | None = None
-    """The last start's weights from a peer: ``state`` (receiving, done, failed, none), ``detail``."""
+    peer: PeerStory | None = None
+    """The last start's weights from a peer (None before the first start, and without ``--peers``);
+    moved only by ``set_peer``."""
     recent: deque[float] = field(default_factory=deque)
     """When the restarts within the window happened (monotonic)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _peer_state: Machine[PeerState] = field(
+        default_factory=lambda: Machine("weights from a peer", PEER_MOVES, PeerState.NONE), init=False, repr=False
+    )
+
+    def set_peer(self, peer: PeerStory) -> Refusal | None:
+        """Make ``peer`` the story's when ``PEER_MOVES`` holds the move to its state (None); otherwise
+        keep the story as it is and return the ``Refusal``. Safe to call from any thread; FILE is
+        written by the next ``write``."""
+        with self.lock:
+            refused = self._peer_state.move(peer.state)
+            if refused is None:
+                self.peer = peer
+            return refused
 
     def write(self) -> None:
         """Replace FILE with the story as it stands now (0600, atomically); safe to call from any
@@ -119,7 +155,7 @@ class Story:
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "reason": self.reason,
-            "peer": self.peer,
+            "peer": self.peer.to_dict() if self.peer is not None else None,
         }
         if self.exit_code is not None:
             body["exit_code"] = self.exit_code
@@ -145,14 +181,50 @@ class Liveness:
         return min(1.0, self.timeout_secs / 5)
 
     def answers(self) -> bool:
-        """Whether ``url`` answers at all (any HTTP status) within a period."""
+        """Whether ``url`` answers at all (any HTTP status: 503 while starting is an answer) within a
+        period."""
         try:
-            with urllib.request.urlopen(self.url, timeout=self.period_secs):
-                return True
-        except urllib.error.HTTPError:
-            return True  # an answer all the same (503 while starting)
+            exchange("GET", self.url, timeout_secs=self.period_secs)
         except (OSError, ValueError):
             return False
+        return True
+
+
+class RestartNotes:
+    """What the supervisor's threads (a start's receive from a peer, the liveness watch) tell its main
+    loop about the child they killed and its next start, under one lock; the main loop takes each
+    note once.
+
+        notes.killed("weights from decode-1 failed: ...")  # a watching thread, before it kills
+        notes.take_killed_for()                            # the main loop, once the child exited
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._killed_for: str | None = None
+        self._from_disk_next = False
+
+    def killed(self, why: str) -> None:
+        """The child is being killed, and why (its ``last_exit.why``)."""
+        with self._lock:
+            self._killed_for = why
+
+    def take_killed_for(self) -> str | None:
+        """Why the child was killed, if a thread killed it; cleared."""
+        with self._lock:
+            why, self._killed_for = self._killed_for, None
+            return why
+
+    def load_from_disk_next(self) -> None:
+        """The next start loads from disk (a start from a peer failed)."""
+        with self._lock:
+            self._from_disk_next = True
+
+    def take_from_disk_next(self) -> bool:
+        """Whether the next start loads from disk; cleared."""
+        with self._lock:
+            from_disk, self._from_disk_next = self._from_disk_next, False
+            return from_disk
 
 
 class Supervisor:
@@ -167,12 +239,11 @@ class Supervisor:
         self.liveness = liveness
         self.child: subprocess.Popen | None = None
         self.stopping = False
-        self.killed_for: str | None = None
+        """A stop signal came (set only on the main thread, where signal handlers run)."""
+        self.notes = RestartNotes()
         key = engine_key(command) if peers is not None else None
         self.peer_source = PeerSource(peers, key) if peers is not None else None
         self.relay = SeedRelay(peers.me, key) if peers is not None else None
-        self.from_disk_next = False
-        """The last start from a peer failed: the next one loads from disk."""
 
     def run(self) -> int:
         """Run the command until it stops cleanly, it may not be restarted, the wrapper is told to
@@ -189,8 +260,9 @@ class Supervisor:
             code = self._run_once()
             story = self.story
             story.last_exit = {"code": code, "at": time.time()}
-            if self.killed_for is not None:
-                story.last_exit["why"], self.killed_for = self.killed_for, None
+            why = self.notes.take_killed_for()
+            if why is not None:
+                story.last_exit["why"] = why
             if self.stopping or story.restart == RestartPolicy.NEVER or not failed(code):
                 return self._done(SupervisedState.EXITED, code)
             now = time.monotonic()
@@ -221,19 +293,23 @@ class Supervisor:
         if self.relay is not None:  # a new process holds no group an earlier one left open
             self.relay.engine_started()
         if self.peer_source is not None:
-            if self.from_disk_next:
-                self.from_disk_next = False
-                story.peer = {"state": "none", "detail": "loads from disk: the last start from a peer failed"}
+            if self.notes.take_from_disk_next():
+                self._set_peer(PeerStory(PeerState.NONE, "loads from disk: the last start from a peer failed"))
             else:
-                armed, detail = self.peer_source.arm(lambda: self.stopping)
-                story.peer = {"state": "receiving" if armed else "none", "detail": detail}
+                result = self.peer_source.arm(lambda: self.stopping)
+                armed = result.armed
+                self._set_peer(PeerStory(PeerState.RECEIVING if armed else PeerState.NONE, result.detail))
                 if armed is not None:
                     command = self.peer_source.command(self.command, armed)
-                    _say(f"starting from a peer: {detail}")
+                    _say(f"starting from a peer: {result.detail}")
         try:
             self.child = subprocess.Popen(command, preexec_fn=_die_with(os.getpid()))
         except OSError as exc:  # as a shell does: 127 for a program that cannot be run
             _say(f"cannot run {self.command[0]}: {exc.strerror or exc}")
+            if armed is not None and self.peer_source is not None:  # no engine to receive: the seed is free
+                self.peer_source.disarm(armed)
+                self._set_peer(PeerStory(PeerState.FAILED, f"cannot run {self.command[0]}", armed.seed.engine_id,
+                                         armed.version, 0.0))  # fmt: skip
             return 127
         if self.stopping:  # a stop signal came while it started: its handler may have missed it
             self.child.terminate()
@@ -269,33 +345,46 @@ class Supervisor:
         sent, detail = False, "not started"
         unchecked = False
         try:
-            sent, detail = source.wait_sent(armed, alive)
+            step = source.wait_sent(armed, alive)
+            sent, detail = step.ok, step.detail
             if sent:
-                sent, detail = source.verify_and_stamp(armed, alive)
+                step = source.verify_and_stamp(armed, alive)
+                sent, detail = step.ok, step.detail
                 # Its weights came but nothing could vouch for them (the seed died before its checksum,
                 # no other engine holds that version): an engine left at the receiving label would stay
                 # out for good; it starts again, from a peer (one may hold the version by then).
                 unchecked = not sent and detail.startswith("could not compare checksums") and alive()
                 if unchecked:
-                    self.killed_for = f"weights from {armed.seed.engine_id} unchecked: {detail}"
-                    _say(f"{self.killed_for}: killing it, to start from a peer again")
-                    _kill_tree(child.pid)
+                    self._kill(child, f"weights from {armed.seed.engine_id} unchecked: {detail}",
+                               "to start from a peer again")  # fmt: skip
             elif alive():
-                self.killed_for = f"weights from {armed.seed.engine_id} failed: {detail}"
-                _say(f"{self.killed_for}: killing it, to load from disk")
-                self.from_disk_next = True
-                _kill_tree(child.pid)
+                self.notes.load_from_disk_next()
+                self._kill(child, f"weights from {armed.seed.engine_id} failed: {detail}", "to load from disk")
         except Exception as exc:  # a bug must not leave the story saying "receiving" for ever
             sent, detail = False, f"{type(exc).__name__}: {exc}"
         finally:
             source.disarm(armed)
         if not sent and not self.stopping and not unchecked:  # its next start does not try a peer again
-            self.from_disk_next = True
-        state = "done" if sent else "failed"
-        self.story.peer = {"state": state, "detail": detail, "seed": armed.seed.engine_id, "version": armed.version,
-                           "secs": round(time.monotonic() - started, 3)}  # fmt: skip
+            self.notes.load_from_disk_next()
+        state = PeerState.DONE if sent else PeerState.FAILED
+        secs = round(time.monotonic() - started, 3)
+        self._set_peer(PeerStory(state, detail, armed.seed.engine_id, armed.version, secs))
         _say(f"weights from a peer: {state}: {detail}")
         self.story.write()
+
+    def _set_peer(self, peer: PeerStory) -> None:
+        """Move the story's peer (``Story.set_peer``); a move ``PEER_MOVES`` refuses is a bug of the
+        supervisor: said in the log, and the story keeps its peer."""
+        refused = self.story.set_peer(peer)
+        if refused is not None:
+            _say(f"bug: {refused} ({peer.detail})")
+
+    def _kill(self, child: subprocess.Popen, why: str, then: str) -> None:
+        """Kill ``child`` and its descendants from a watching thread, ``why`` noted for its
+        ``last_exit`` first (the main loop reads it once the child exited)."""
+        self.notes.killed(why)
+        _say(f"{why}: killing it{', ' + then if then else ''}")
+        _kill_tree(child.pid)
 
     def _watch(self, child: subprocess.Popen, liveness: Liveness) -> None:
         """Kill ``child`` once it has answered and then stays silent for the timeout."""
@@ -306,9 +395,7 @@ class Supervisor:
                 last = time.monotonic()
             elif last is not None and time.monotonic() - last >= liveness.timeout_secs:
                 why = f"answered nothing on {liveness.url} for {time.monotonic() - last:.0f}s (liveness)"
-                _say(f"{why}: killing it")
-                self.killed_for = why
-                _kill_tree(child.pid)
+                self._kill(child, why, "")
                 return
             time.sleep(max(0.0, liveness.period_secs - (time.monotonic() - started)))
 
@@ -399,6 +486,9 @@ def _say(message: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Run the wrapper's command line (``FILE [--restart ...] [--liveness URL SECS] [--peers PLAN] --
+    ARGV...``, the module's docstring); its exit status: 2 for a command line it cannot read, else
+    ``Supervisor.run``'s."""
     restart = "never"
     liveness = None
     peers = None

@@ -277,7 +277,8 @@ def test_a_seed_whose_receiver_left_between_init_and_send_seeds_no_more_until_it
             auth = {"Authorization": f"Bearer {KEY}"}
             assert post(seed.url + "/update_weight_version", {"new_version": "B"}, headers=auth)[0] == 200
             receiver = SeedSide("next", f"http://127.0.0.1:{free_port()}", "127.0.0.1", free_port(), (free_port(),))
-            armed, detail = PeerSource(PeerPlan(receiver, (me,)), KEY).arm()
+            got = PeerSource(PeerPlan(receiver, (me,)), KEY).arm()
+            armed, detail = got.armed, got.detail
             assert armed is None and "seed: cannot seed" in detail and "never used" in detail, detail
             # why: the engine's next init fails at once (the left group holds its port)
             code, out = post(seed.url + INIT_ROUTE, init, headers=auth, timeout=120)
@@ -469,10 +470,12 @@ def test_no_engine_seeds_while_a_fleet_update_moves_its_weights_or_after_one_lef
             source = PeerSource(PeerPlan(receiver, (relay.me,)), KEY)
             for label in ("pdctl:updating:framework-1", "pdctl:partial:framework-1"):
                 assert post(seed.url + "/update_weight_version", {"new_version": label}, headers=auth)[0] == 200
-                armed, detail = source.arm()
+                got = source.arm()
+                armed, detail = got.armed, got.detail
                 assert armed is None and "no peer of this TP layout holds weights past" in detail, (label, detail)
             assert post(seed.url + "/update_weight_version", {"new_version": "fw-2"}, headers=auth)[0] == 200
-            armed, detail = source.arm()
+            got = source.arm()
+            armed, detail = got.armed, got.detail
             assert armed is not None and armed.version == "fw-2", detail
             source.disarm(armed)
         finally:
@@ -496,10 +499,12 @@ def test_a_seed_that_dies_before_its_checksum_is_vouched_for_by_another_engine_a
         from pdctl.node.peer_weights import Armed
 
         alone = PeerSource(PeerPlan(mine, (dead,)), KEY)
-        ok, detail = alone.verify_and_stamp(Armed(dead, "B"), lambda: True)
+        step = alone.verify_and_stamp(Armed(dead, "B"), lambda: True)
+        ok, detail = step.ok, step.detail
         assert not ok and detail.startswith("could not compare checksums with any engine at 'B'"), detail
         source = PeerSource(PeerPlan(mine, (dead, other)), KEY)
-        ok, detail = source.verify_and_stamp(Armed(dead, "B"), lambda: True)
+        step = source.verify_and_stamp(Armed(dead, "B"), lambda: True)
+        ok, detail = step.ok, step.detail
         assert ok and "checked against peer" in detail, detail
         assert get(me.url + "/model_info", headers=auth)[1]["weight_version"] == "B"
 
@@ -516,7 +521,7 @@ def test_two_engines_restarted_at_once_share_the_only_seed_one_after_the_other(t
             source = PeerSource(PeerPlan(second, (relay.me,)), KEY)
             got: dict = {}
             caplog.set_level(logging.INFO, logger="pdctl.node.peer_weights")
-            asking = threading.Thread(target=lambda: got.update(armed=source.arm()[0]))
+            asking = threading.Thread(target=lambda: got.update(armed=source.arm().armed))
             asking.start()
             # refused as busy, it asks again (it returned at once with no seed before, to load from disk)
             eventually(lambda: "asking again" in caplog.text, 30, what="the second receiver refused as busy")
