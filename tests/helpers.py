@@ -17,7 +17,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # at run time imported where used, as this module's other imports of pdctl are
+    from hypothesis.strategies import SearchStrategy
+
+    from pdctl.topology import Topology
 
 T = TypeVar("T")
 
@@ -467,3 +472,104 @@ def wait_metric(proc: RouterProcess, line: str, sent, interval: float = 0.05) ->
         return False
 
     eventually(shown, 60, interval=interval, what=f"{line!r} in the router's /metrics")
+
+
+def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``python -m pdctl ARGS`` under ``env``; its completed process (output captured as text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pdctl", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def local_topology(tmp_path, name: str, base: int, **sections) -> str:
+    """A one-node localhost sim topology with a prefill and a decode; ``sections`` override."""
+    import yaml
+
+    topo = tmp_path / f"{name}.yaml"
+    body = {
+        "name": name,
+        "model": {"path": "sim://tiny"},
+        "engine": "sim",
+        "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
+        "ports": {"base": base},
+        "prefill": {},
+        "decode": {},
+        **sections,
+    }
+    topo.write_text(yaml.safe_dump(body))
+    return str(topo)
+
+
+def run_processes(run_id: str) -> list[int]:
+    """Every process on this machine whose environment carries the cluster's run id."""
+    import psutil
+
+    out = []
+    needle = f"PDCTL_RUN_ID={run_id}".encode()
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if needle in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0") and p.status() != "zombie":
+                out.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def checked(text: str, filename: str = "<topology>") -> tuple[Topology, list]:
+    """What `pdctl validate` checks: the file, then whether it plans (load_plan_text)."""
+    from pdctl.plan import load_plan_text
+
+    planned = load_plan_text(text, filename)
+    return planned.topology, planned.warnings
+
+
+def errors_of(text: str) -> list[str]:
+    """The error messages `pdctl validate` gives for the topology ``text`` (it must fail)."""
+    import pytest
+
+    from pdctl.errors import TopologyError
+    from tests.conftest import yaml_text
+
+    with pytest.raises(TopologyError) as info:
+        checked(yaml_text(text), "f.yaml")
+    return [i.format("f.yaml") for i in info.value.issues if i.severity == "error"]
+
+
+def one_error(text: str, *needles: str) -> str:
+    """The first error of the topology ``text`` that contains every needle (there must be one)."""
+    errs = errors_of(text)
+    hits = [e for e in errs if all(n in e for n in needles)]
+    assert hits, f"no error with {needles} in {errs}"
+    return hits[0]
+
+
+def topologies() -> SearchStrategy[dict]:
+    """A hypothesis strategy of random topologies (1-6 nodes, a prefill and a decode group, maybe a trainer)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def topology(draw):
+        gpn = draw(st.sampled_from([1, 2, 4, 8]))
+        n_nodes = draw(st.integers(1, 6))
+        nodes = [{"name": f"n{i}", "host": f"10.1.0.{i + 1}", "gpus": gpn} for i in range(n_nodes)]
+        total = gpn * n_nodes
+        tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn or t % gpn == 0]
+        p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+        budget = total
+        p_rep = draw(st.integers(1, max(1, budget // (2 * p_tp))))
+        d_rep = draw(st.integers(1, max(1, (budget - p_rep * p_tp) // d_tp or 1)))
+        data = {
+            "name": "prop",
+            "model": {"path": "/m"},
+            "engine": draw(st.sampled_from(["sglang", "sim"])),
+            "nodes": nodes,
+            "ports": {"base": draw(st.integers(10000, 30000))},
+            "prefill": {"replicas": p_rep, "tp": p_tp},
+            "decode": {"replicas": d_rep, "tp": d_tp, "attn_dp": draw(st.sampled_from([1, d_tp]))},
+            "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
+        }
+        if draw(st.booleans()):
+            data["trainer"] = {"command": ["python", "t.py"], "nodes": [nodes[-1]["name"]], "nproc_per_node": 1}
+        return data
+
+    return topology()

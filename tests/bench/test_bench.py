@@ -16,8 +16,16 @@ import pytest
 from pdctl.bench import BenchConfig, LoadPoint, run_bench
 from pdctl.bench.workloads import fixed_workload
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
-from tests.cluster.test_local_cli import local_topology
-from tests.helpers import RouterProcess, free_port, free_port_base, pd_router_args, sglang_router, sims
+from tests.helpers import (
+    RouterProcess,
+    free_port,
+    free_port_base,
+    local_topology,
+    pd_router_args,
+    pdctl,
+    sglang_router,
+    sims,
+)
 
 PREFILL_MS_PER_TOKEN = 1.0
 DECODE_MS_PER_STEP = 30.0
@@ -153,8 +161,6 @@ def test_bad_input_is_a_clear_error(tmp_path, pd_pair) -> None:
 
 
 def test_cluster_server_view_and_weight_reloads(tmp_path) -> None:
-    from tests.cluster.test_local_cli import pdctl
-
     topo = local_topology(tmp_path, "bn", free_port_base())
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     save_checkpoint(TinyLM(replace(PRESETS["tiny"], seed=5)), tmp_path / "ckpt")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,90 +18,10 @@ import pytest
 import yaml
 
 from pdctl.sim.model import resolve_model, save_checkpoint
-from tests.cluster.test_heal import _run_processes
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, eventually, free_port_base, get, post
+from tests.cluster.local_cluster import interrupted, pdctl_status, settle
+from tests.helpers import control_auth, eventually, free_port_base, get, local_topology, pdctl, post, run_processes
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def interrupted(
-    *args: str, at: str, env: dict, timeout: float = 180, sig: signal.Signals = signal.SIGINT
-) -> tuple[int, str]:
-    """Run ``pdctl ARGS``; send it ``sig`` (SIGINT: a Ctrl-C) once a progress line containing ``at``
-    appears (its exit code and output). Fails when the command ends before that line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdctl", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    seen: list[str] = []
-    sent = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            if at in line and not sent.is_set():
-                proc.send_signal(sig)
-                sent.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join()
-    output = "".join(seen)
-    assert sent.is_set(), f"pdctl {' '.join(args)} never printed {at!r}:\n{output}"
-    return code, output
-
-
-def status(env: dict) -> tuple[int, dict]:
-    st = pdctl("status", "--json", env=env)
-    return st.returncode, json.loads(st.stdout)
-
-
-def truth(env: dict, name: str) -> bool:
-    """What is really so, asked of the processes themselves: every planned engine answers and
-    the router routes to it."""
-    _, st = status(env)
-    router = next(p for p in st["processes"] if p["role"] == "router")["url"]
-    workers = {
-        w["url"]: w
-        for w in get(router + "/workers", timeout=10, headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
-    }
-    for engine in st["engines"]:
-        url = next((p["url"] for p in st["processes"] if p["id"] in engine["processes"] and p["url"]), None)
-        if url is None:  # stopped, none of its processes runs
-            return False
-        w = workers.get(url)
-        try:
-            healthy = get(url + "/health", timeout=10)[0] == 200
-        except OSError:
-            healthy = False
-        if not (healthy and w and w["is_healthy"] and not w["cordoned"] and not w["quarantined"]):
-            return False
-    return True
-
-
-def settle(env: dict, name: str, deadline_secs: float = 90) -> tuple[int, dict]:
-    """Status once what the last command left has settled (a started engine passing its checks):
-    its claim must match the truth. Returns the final status."""
-    deadline = time.monotonic() + deadline_secs
-    while True:
-        code, st = status(env)
-        real = truth(env, name)  # after status: while things settle they only get better, so a status
-        # that says ok must find the truth ok right after it
-        left = st.get("step") and not str(st["step"]).startswith("in progress")
-        # settled: true and ok; or true and not ok with a step left in the journal (nothing changes that
-        # but the next command: waiting out the deadline for it cost 90 s a test)
-        if (code == 0) == real and (real or left or time.monotonic() > deadline):
-            return code, st
-        assert not (code == 0 and not real), f"status says ok while an engine does not serve: {st}"
-        if time.monotonic() > deadline:
-            return code, st
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +47,7 @@ def cluster(tmp_path_factory) -> Iterator[tuple[dict, str, str]]:
         state = json.loads((tmp / "home" / "intr" / "state.json").read_text())
         down = pdctl("down", "intr", env=env)
         assert down.returncode == 0, down.stderr
-        assert _run_processes(state["run_id"]) == [], "down left processes of the cluster running"
+        assert run_processes(state["run_id"]) == [], "down left processes of the cluster running"
 
 
 @pytest.mark.parametrize(
@@ -154,7 +72,7 @@ def test_a_restart_interrupted_at_every_phase_leaves_no_process_the_state_does_n
     env, name, _ = cluster
     code, out = interrupted("restart", name, "decode-0", at=phase, env=env, sig=sig)
     assert code == 130 and "Traceback" not in out, out
-    _, st = status(env)
+    _, st = pdctl_status(env)
     assert _strays(env, name, st) == [], "processes of the cluster the state does not know"
     code, st = settle(env, name)
     if code != 0:  # what it left is named, with what to do
@@ -196,7 +114,7 @@ def _strays(env: dict, name: str, st: dict) -> list[str]:
     run_id = json.loads((Path(env["PDCTL_HOME"]) / name / "state.json").read_text())["run_id"]
     known = {p["pid"] for p in st["processes"]} | {p.get("supervisor_pid") for p in st["processes"]}
     strays = []
-    for pid in _run_processes(run_id):
+    for pid in run_processes(run_id):
         try:
             proc = psutil.Process(pid)
             lineage = {proc.pid, *(a.pid for a in proc.parents())}
@@ -258,7 +176,7 @@ def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) ->
     once, leaves every engine in rotation (no weights moved), and the next load succeeds."""
     env, name, _ = cluster
     save_checkpoint(resolve_model("sim://tiny?seed=5", "auto", None), tmp_path / "ckpt")
-    code, st = status(env)
+    code, st = pdctl_status(env)
     router = next(p for p in st["processes"] if p["role"] == "router")["url"]
     long = {"text": "a long one", "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
     answers: list = []
@@ -293,7 +211,7 @@ def test_ctrl_c_once_a_load_moves_weights_leaves_the_fleet_on_the_new_version(cl
     648 requests got 503 until another load). Clients keep sending throughout and none fails."""
     env, name, _ = cluster
     save_checkpoint(resolve_model("sim://tiny?seed=6", "auto", None), tmp_path / "ckpt6")
-    _, st = status(env)
+    _, st = pdctl_status(env)
     router = next(p for p in st["processes"] if p["role"] == "router")["url"]
     stop = threading.Event()
     answers: list = []
@@ -336,7 +254,7 @@ def test_a_load_while_the_only_prefill_restarts_fails_no_request(cluster, tmp_pa
     the router loads the checkpoint into it once it answers, and requests wait for it meanwhile."""
     env, name, _ = cluster
     save_checkpoint(resolve_model("sim://tiny?seed=9", "auto", None), tmp_path / "ckpt9")
-    _, st = status(env)
+    _, st = pdctl_status(env)
     router = next(p for p in st["processes"] if p["role"] == "router")["url"]
     prefill = next(p for p in st["processes"] if p["id"] == "prefill-0")
     stop = threading.Event()
@@ -390,7 +308,7 @@ def test_restart_of_an_engine_only_an_update_can_bring_back_says_so_at_once(clus
     peer transfer, no load): restart used to wait its whole 900 s for it in silence. It says at
     once that the engine is up and what brings it back."""
     env, name, _ = cluster
-    _, st = status(env)
+    _, st = pdctl_status(env)
     router = next(p for p in st["processes"] if p["role"] == "router")["url"]
     decode = next(p for p in st["processes"] if p["id"] == "decode-1")["url"]
     auth = control_auth(name, env["PDCTL_HOME"])

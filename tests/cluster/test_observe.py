@@ -33,8 +33,7 @@ from pdctl.cluster.watch import make_frame, quantile
 from pdctl.refit import Release
 from pdctl.roles import Role
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import eventually, free_port_base, get, post
+from tests.helpers import eventually, free_port_base, get, local_topology, pdctl, post
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "pdctl-fleet.json"

@@ -31,9 +31,16 @@ from pdctl.node.peer_weights import (
 )
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import PRESETS, TinyLM
-from tests.cluster.test_heal import PACED, Clients, _router, _status, _wait_back, _wait_in_rotation, _workers
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import engine_auth, eventually, free_port, free_port_base, get, post, sims
+from tests.cluster.local_cluster import (
+    PACED,
+    Clients,
+    router_url,
+    router_workers,
+    status_by_process,
+    wait_back,
+    wait_in_rotation,
+)
+from tests.helpers import engine_auth, eventually, free_port, free_port_base, get, local_topology, pdctl, post, sims
 
 PUSH_B = (
     "from dataclasses import replace\n"
@@ -74,7 +81,7 @@ def _story(tmp_path, name: str, proc: str) -> dict:
 
 def _pushed(env: dict, name: str) -> None:
     def exited() -> dict | None:
-        trainer = next(p for p in _status(env).values() if p.get("role") == "trainer")
+        trainer = next(p for p in status_by_process(env).values() if p.get("role") == "trainer")
         return trainer if trainer.get("exit_code") is not None else None
 
     trainer = eventually(exited, 120, interval=0.3, what="the trainer's push and exit")
@@ -370,17 +377,17 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
     assert up.returncode == 0, up.stderr
     try:
         _pushed(env, "peer")
-        router = _router(env, "peer")
-        status = _status(env)
+        router = router_url(env, "peer")
+        status = status_by_process(env)
         urls = {i: status[i]["url"] for i in ("prefill-0", "decode-0", "decode-1")}
         for url in urls.values():
-            _wait_in_rotation(router, url, "B")
+            wait_in_rotation(router, url, "B")
         with Clients(router) as clients:
             # 1. kill -9 of a decode: its supervisor starts it from a peer at B, with no push.
-            old = _status(env)["decode-0"]
+            old = status_by_process(env)["decode-0"]
             os.kill(old["pid"], signal.SIGKILL)
-            _wait_back(env, "decode-0", old["pid"], 1)
-            _wait_in_rotation(router, urls["decode-0"], "B")
+            wait_back(env, "decode-0", old["pid"], 1)
+            wait_in_rotation(router, urls["decode-0"], "B")
             story = _story(tmp_path, "peer", "decode-0")
             assert story["peer"]["state"] == "done", story
             assert story["peer"]["seed"] in ("prefill-0", "decode-1") and story["peer"]["version"] == "B"
@@ -390,37 +397,37 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
             grown = _topology(tmp_path, "peer", base, decodes=3)
             applied = pdctl("apply", grown, env=env, timeout=600)
             assert applied.returncode == 0, applied.stderr
-            added = _status(env)["decode-2"]
-            _wait_in_rotation(router, added["url"], "B")
+            added = status_by_process(env)["decode-2"]
+            wait_in_rotation(router, added["url"], "B")
             assert _story(tmp_path, "peer", "decode-2")["peer"]["state"] == "done"
             assert _checksums(added["url"], "peer", env) == EXPECTED
 
             # 3. `pdctl restart` of an engine: its new process takes B from a peer too, and the roll
             #    goes on (it stopped before, for an engine that had to wait for a push).
-            before = _status(env)["decode-1"]
+            before = status_by_process(env)["decode-1"]
             restarted = pdctl("restart", "peer", "decode-1", env=env, timeout=600)
             assert restarted.returncode == 0, restarted.stderr
-            assert _status(env)["decode-1"]["pid"] != before["pid"]
+            assert status_by_process(env)["decode-1"]["pid"] != before["pid"]
             assert _story(tmp_path, "peer", "decode-1")["peer"]["state"] == "done"
             assert _checksums(urls["decode-1"], "peer", env) == EXPECTED
 
             # 4. two decodes killed at once, the trainer long gone: both take B from a peer (one
             #    found its seed busy with the other, loaded from disk and waited for a push that
             #    never came: now it asks again once a seed is free).
-            first, second = _status(env)["decode-0"], _status(env)["decode-2"]
+            first, second = status_by_process(env)["decode-0"], status_by_process(env)["decode-2"]
             os.kill(first["pid"], signal.SIGKILL)
             os.kill(second["pid"], signal.SIGKILL)
-            _wait_back(env, "decode-0", first["pid"], 2)
-            _wait_back(env, "decode-2", second["pid"], 1)
+            wait_back(env, "decode-0", first["pid"], 2)
+            wait_back(env, "decode-2", second["pid"], 1)
             for proc, url in (("decode-0", urls["decode-0"]), ("decode-2", added["url"])):
-                _wait_in_rotation(router, url, "B")
+                wait_in_rotation(router, url, "B")
                 assert _story(tmp_path, "peer", proc)["peer"]["state"] == "done", _story(tmp_path, "peer", proc)
                 assert _checksums(url, "peer", env) == EXPECTED
             eventually(clients.answered_lately, 60, what="answers after the apply")
         assert not clients.failed(), clients.failed()[:3]
         versions = {a[2] for a in clients.answers}
         assert versions == {"B"}, versions  # no answer from an engine's initial weights
-        workers = _workers(router)
+        workers = router_workers(router)
         assert all(w["weight_version"] == "B" and not w["quarantined"] for w in workers.values()), workers
         assert pdctl("status", "peer", env=env).returncode == 0
     finally:
@@ -435,15 +442,15 @@ def test_without_a_peer_of_its_tp_layout_a_killed_decode_waits_for_the_next_push
     assert up.returncode == 0, up.stderr
     try:
         _pushed(env, "lone")
-        router = _router(env, "lone")
-        url = _status(env)["decode-0"]["url"]
-        _wait_in_rotation(router, url, "B")
-        old = _status(env)["decode-0"]
+        router = router_url(env, "lone")
+        url = status_by_process(env)["decode-0"]["url"]
+        wait_in_rotation(router, url, "B")
+        old = status_by_process(env)["decode-0"]
         os.kill(old["pid"], signal.SIGKILL)
-        _wait_back(env, "decode-0", old["pid"], 1)
+        wait_back(env, "decode-0", old["pid"], 1)
 
         def kept_out() -> dict | None:
-            w = _workers(router).get(url)
+            w = router_workers(router).get(url)
             return w if w and w["is_healthy"] and w["quarantined"] else None
 
         worker = eventually(kept_out, 120, interval=0.2, ignore=(OSError,), what="the decode back and kept out")

@@ -14,10 +14,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.test_heal import PACED, Clients, _run_processes, _wait_back
-from tests.cluster.test_interrupts import interrupted, settle
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, engine_auth, eventually, free_port_base, get, post
+from tests.cluster.local_cluster import PACED, Clients, interrupted, settle, wait_back
+from tests.helpers import (
+    control_auth,
+    engine_auth,
+    eventually,
+    free_port_base,
+    get,
+    local_topology,
+    pdctl,
+    post,
+    run_processes,
+)
 
 
 def _status(env: dict) -> dict:
@@ -75,7 +83,7 @@ def cluster(tmp_path_factory):
         state = json.loads((tmp / "home" / "sw" / "state.json").read_text())
         down = pdctl("down", "sw", env=env)
         assert down.returncode == 0, down.stderr
-        assert _run_processes(state["run_id"]) == [], "down left processes of the cluster running"
+        assert run_processes(state["run_id"]) == [], "down left processes of the cluster running"
 
 
 def test_apply_moves_the_split_both_ways_under_load_without_a_restart(cluster) -> None:
@@ -163,7 +171,7 @@ def test_a_switched_engine_restarts_in_its_new_role(cluster) -> None:
     assert done.returncode == 0, done.stderr
     assert "decode-1 is prefill prefill-2" in done.stdout, done.stdout
     os.kill(decode["pid"], signal.SIGKILL)
-    back = _wait_back(env, "prefill-2", decode["pid"], 1)
+    back = wait_back(env, "prefill-2", decode["pid"], 1)
     assert back["ports"] == decode["ports"]
     info = get(decode["url"] + "/model_info", headers=engine_auth(name, env["PDCTL_HOME"]))[1]
     assert info["disaggregation_mode"] == "prefill"

@@ -10,9 +10,8 @@ import os
 import psutil
 import yaml
 
-from tests.cluster.test_local_cli import pdctl
 from tests.conftest import REPO
-from tests.helpers import free_port_base
+from tests.helpers import free_port_base, pdctl
 
 
 def test_the_draft_head_learns_from_the_data_plane_and_down_leaves_nothing(tmp_path) -> None:

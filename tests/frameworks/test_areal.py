@@ -9,25 +9,13 @@ import json
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import resolve_model
+from tests.conftest import REPO
 from tests.helpers import RouterProcess, SimProcess, eventually, get, pd_router_args, post, sims
-
-ROOT = Path(__file__).resolve().parents[2]
-AREAL_PYTHON = ROOT / ".venv-areal" / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def areal_python() -> Path:
-    """.venv-areal's interpreter, made (or found current) by scripts/areal-venv.sh."""
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "areal-venv.sh")], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.fail(f"scripts/areal-venv.sh failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
-    return AREAL_PYTHON
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +40,9 @@ def fleet(tmp_path_factory):
 def test_areal_drives_the_fleet_through_the_router(areal_python, fleet, tmp_path):
     procs, router = fleet
     addr = router.url.removeprefix("http://")
-    env = {**os.environ, "AREAL_CACHE_DIR": str(tmp_path / "areal-cache"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "AREAL_CACHE_DIR": str(tmp_path / "areal-cache"), "PYTHONPATH": str(REPO)}
     run = subprocess.run(
-        [str(areal_python), str(ROOT / "tests" / "frameworks" / "areal_driver.py"), addr, "sglang:d1t5", str(tmp_path)],
+        [str(areal_python), str(REPO / "tests" / "frameworks" / "areal_driver.py"), addr, "sglang:d1t5", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -107,9 +95,9 @@ def test_areal_through_a_decode_killed_between_its_buckets(areal_python, tmp_pat
         router = RouterProcess(tmp_path, *pd_router_args(procs[:1], procs[1:], "--health-check-interval-secs", "1"))
         router.start("/readiness")
         try:
-            env = {**os.environ, "AREAL_CACHE_DIR": str(tmp_path / "areal-cache"), "PYTHONPATH": str(ROOT)}
+            env = {**os.environ, "AREAL_CACHE_DIR": str(tmp_path / "areal-cache"), "PYTHONPATH": str(REPO)}
             driver = subprocess.Popen(
-                [str(areal_python), str(ROOT / "tests" / "frameworks" / "areal_kill_driver.py"),
+                [str(areal_python), str(REPO / "tests" / "frameworks" / "areal_kill_driver.py"),
                  router.url.removeprefix("http://"), "sglang:d1t4", str(tmp_path)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             )  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 
 from pdctl.sim import weights_checksum
 from pdctl.sim.model import resolve_model, save_checkpoint
-from tests.frameworks.test_areal import AREAL_PYTHON, ROOT, areal_python  # noqa: F401  (the venv's fixture)
+from tests.conftest import REPO
 from tests.helpers import RouterProcess, SimProcess, get, pd_router_args, post, sims
 from tests.weights.framework import Load
 
@@ -40,12 +40,12 @@ def fleet(tmp_path):
             router.stop()
 
 
-def test_skyrl_train_syncs_weights_through_the_router(areal_python, fleet, tmp_path):  # noqa: F811
+def test_skyrl_train_syncs_weights_through_the_router(areal_python, fleet, tmp_path):
     procs, router = fleet
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'frameworks'}"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'frameworks'}"}
     with Load(router.url, max_new_tokens=16) as load:
         run = subprocess.run(
-            [str(areal_python), str(ROOT / "tests" / "frameworks" / "skyrl_driver.py"),
+            [str(areal_python), str(REPO / "tests" / "frameworks" / "skyrl_driver.py"),
              router.url.removeprefix("http://"), "5", str(SEED), str(tmp_path)],
             capture_output=True, text=True, env=env, timeout=600,
         )  # fmt: skip

@@ -10,32 +10,7 @@ from hypothesis import strategies as st
 from pdctl.errors import PdctlError, TopologyError
 from pdctl.plan import check_invariants, load_plan_text
 from tests.conftest import TOPOLOGIES
-
-
-@st.composite
-def topologies(draw):
-    gpn = draw(st.sampled_from([1, 2, 4, 8]))
-    n_nodes = draw(st.integers(1, 6))
-    nodes = [{"name": f"n{i}", "host": f"10.1.0.{i + 1}", "gpus": gpn} for i in range(n_nodes)]
-    total = gpn * n_nodes
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn or t % gpn == 0]
-    p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
-    budget = total
-    p_rep = draw(st.integers(1, max(1, budget // (2 * p_tp))))
-    d_rep = draw(st.integers(1, max(1, (budget - p_rep * p_tp) // d_tp or 1)))
-    data = {
-        "name": "prop",
-        "model": {"path": "/m"},
-        "engine": draw(st.sampled_from(["sglang", "sim"])),
-        "nodes": nodes,
-        "ports": {"base": draw(st.integers(10000, 30000))},
-        "prefill": {"replicas": p_rep, "tp": p_tp},
-        "decode": {"replicas": d_rep, "tp": d_tp, "attn_dp": draw(st.sampled_from([1, d_tp]))},
-        "router": {"host": "0.0.0.0", "allow_unauthenticated": True},
-    }
-    if draw(st.booleans()):
-        data["trainer"] = {"command": ["python", "t.py"], "nodes": [nodes[-1]["name"]], "nproc_per_node": 1}
-    return data
+from tests.helpers import topologies
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_heal import _run_processes
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import control_auth, eventually, free_port_base, get, post
+from tests.helpers import control_auth, eventually, free_port_base, get, local_topology, pdctl, post, run_processes
 
 PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16}
 INTERVAL = 2
@@ -112,7 +110,7 @@ def fleet(tmp_path):
         run_id = json.loads((home / "pdp" / "state.json").read_text())["run_id"]
         down = pdctl("down", "pdp", env=env)
         assert down.returncode == 0, down.stderr
-        assert _run_processes(run_id) == [], "down left processes of the cluster running"
+        assert run_processes(run_id) == [], "down left processes of the cluster running"
 
 
 def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) -> None:

@@ -7,9 +7,7 @@ import json
 import os
 import signal
 
-from tests.cluster.test_heal import _run_processes
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import eventually, free_port_base
+from tests.helpers import eventually, free_port_base, local_topology, pdctl, run_processes
 
 
 def _status(env: dict) -> dict:
@@ -57,7 +55,7 @@ def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path)
         down = pdctl("down", "pln", env=env)
         assert down.returncode == 0, down.stderr
     assert "and its planner" in down.stdout, down.stdout
-    assert _run_processes(run_id) == [], "down left processes of the cluster running (the planner?)"
+    assert run_processes(run_id) == [], "down left processes of the cluster running (the planner?)"
     assert json.loads((home / "pln" / "state.json").read_text())["planner"] == {}
     again = pdctl("down", "pln", env=env)
     assert again.returncode == 0 and "already down" in again.stdout + again.stderr

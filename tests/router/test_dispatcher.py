@@ -1,6 +1,6 @@
 """The dispatcher through its seam, in-process: no HTTP server, no sockets.
 
-A ``Dispatcher`` over the toy PD fleet of test_failure_rules (a ``MockUpstream``) answers with
+A ``Dispatcher`` over the toy PD fleet of tests/router/mock_fleet.py (a ``MockUpstream``) answers with
 a ``Reply`` or a ``StreamReply`` whose body the test reads (or abandons) itself, as the server
 would. The retry policy runs on a fake clock: its sleeps are recorded, never slept, so that the
 budget and the backoff are checked exactly.
@@ -28,7 +28,7 @@ from pdctl.router.shaping import Headers
 from pdctl.router.upstream import UpstreamError
 from pdctl.router.workers import WorkerRegistry
 from tests.helpers import eventually_async
-from tests.router.test_failure_rules import (
+from tests.router.mock_fleet import (
     D1,
     D2,
     P1,

@@ -1,7 +1,7 @@
 """The router tells the truth about what it can serve, and a weight update that moved nothing never
 takes the fleet down (day 2 under fire): readiness from the workers in rotation, a hold whose
 driver went away before its answer, a lease that runs out before any weights moved. In-process:
-a real RouterServer over the toy engines of test_failure_rules."""
+a real RouterServer over the toy engines of tests/router/mock_fleet.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import contextlib
 from pdctl.refit import Hold, Release
 from pdctl.router.mock_upstream import MockReply
 from tests.helpers import eventually_async
-from tests.router.test_failure_rules import D1, P1, Engines, Run, continuation, output, run
+from tests.router.mock_fleet import D1, P1, Engines, Run, continuation, output, run
 
 
 async def ready(r: Run) -> tuple[int, dict]:

@@ -1,4 +1,4 @@
-"""The refit gate's rules in-process (the MockUpstream fleet of test_failure_rules): the failure
+"""The refit gate's rules in-process (the MockUpstream fleet of tests/router/mock_fleet.py): the failure
 rules hold after interrupts have happened, a drain is not blocked by retries, and a request
 stopped before its first token is not stale."""
 
@@ -8,17 +8,18 @@ import asyncio
 
 import pytest
 
-import tests.router.test_failure_rules as rules
 from pdctl.router import gate
 from pdctl.router.app import RouterServer
+from pdctl.router.mock_upstream import MockReply
 from tests.helpers import eventually_async
-from tests.router.test_failure_rules import Engines, MockReply, decode_ok, run
+from tests.router import mock_fleet
+from tests.router.mock_fleet import Engines, decode_ok, run
 
 
 @pytest.fixture
 def after_an_interrupt(monkeypatch):
-    """Every router the rules make starts as after an earlier interrupt transaction (epoch 1,
-    released), set on each router's own gate."""
+    """Every router the rules make (mock_fleet.run) starts as after an earlier interrupt transaction
+    (epoch 1, released), set on each router's own gate."""
     made: list[RouterServer] = []
 
     def at_epoch_1(*args, **kwargs) -> RouterServer:
@@ -27,7 +28,7 @@ def after_an_interrupt(monkeypatch):
         made.append(server)
         return server
 
-    monkeypatch.setattr(rules, "RouterServer", at_epoch_1)
+    monkeypatch.setattr(mock_fleet, "RouterServer", at_epoch_1)
     yield
     assert made and all(server.dispatcher.gate is server.gate for server in made), "no router at epoch 1"
 
@@ -35,12 +36,12 @@ def after_an_interrupt(monkeypatch):
 @pytest.mark.parametrize(
     "rule",
     [
-        lambda: rules.test_a_decode_that_fails_after_its_prefill_answered_takes_the_blame(True),
-        lambda: rules.test_a_decode_that_fails_after_its_prefill_answered_takes_the_blame(False),
-        lambda: rules.test_a_decode_that_never_answers_is_a_504_and_not_retried(True),
-        lambda: rules.test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(True),
-        lambda: rules.test_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(False),
-        rules.test_a_streamed_server_abort_is_retried_and_a_client_abort_is_the_answer,
+        lambda: mock_fleet.check_a_decode_that_fails_after_its_prefill_answered_takes_the_blame(True),
+        lambda: mock_fleet.check_a_decode_that_fails_after_its_prefill_answered_takes_the_blame(False),
+        lambda: mock_fleet.check_a_decode_that_never_answers_is_a_504_and_not_retried(True),
+        lambda: mock_fleet.check_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(True),
+        lambda: mock_fleet.check_a_decode_that_lost_its_prefill_blames_the_prefill_not_itself(False),
+        mock_fleet.check_a_streamed_server_abort_is_retried_and_a_client_abort_is_the_answer,
     ],
 )
 def test_the_failure_rules_hold_after_an_interrupt(after_an_interrupt, rule) -> None:

@@ -17,8 +17,7 @@ from pdctl.plan import load_plan_text, make_plan
 from pdctl.sglang import server_flags
 from pdctl.topology import load_topology
 from tests.conftest import TOPOLOGIES
-from tests.helpers import triton_stub
-from tests.plan.test_properties import topologies
+from tests.helpers import topologies, triton_stub
 
 pytestmark = pytest.mark.sglang
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdctl.errors import TopologyError
-from pdctl.plan import load_plan, load_plan_text
-from pdctl.topology import Topology
+from pdctl.plan import load_plan
 from tests.conftest import TOPOLOGIES, yaml_text
+from tests.helpers import checked, errors_of, one_error
 
 BASE = """\
 name: t
@@ -16,25 +16,6 @@ nodes:
   - {name: n0, host: 10.0.0.1, gpus: 8}
   - {name: n1, host: 10.0.0.2, gpus: 8}
 """
-
-
-def checked(text: str, filename: str = "<topology>") -> tuple[Topology, list]:
-    """What `pdctl validate` checks: the file, then whether it plans (load_plan_text)."""
-    planned = load_plan_text(text, filename)
-    return planned.topology, planned.warnings
-
-
-def errors_of(text: str) -> list[str]:
-    with pytest.raises(TopologyError) as info:
-        checked(yaml_text(text), "f.yaml")
-    return [i.format("f.yaml") for i in info.value.issues if i.severity == "error"]
-
-
-def one_error(text: str, *needles: str) -> str:
-    errs = errors_of(text)
-    hits = [e for e in errs if all(n in e for n in needles)]
-    assert hits, f"no error with {needles} in {errs}"
-    return hits[0]
 
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)

@@ -10,8 +10,7 @@ from dataclasses import replace
 
 from pdctl.sim.model import PRESETS, TinyLM, save_checkpoint
 from pdctl.weights.buckets import tensor_checksum
-from tests.cluster.test_local_cli import local_topology, pdctl
-from tests.helpers import engine_auth, eventually, free_port_base, post
+from tests.helpers import engine_auth, eventually, free_port_base, local_topology, pdctl, post
 
 KEY_ENV = "PDCTL_TEST_ROUTER_KEY"
 

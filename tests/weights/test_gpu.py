@@ -11,7 +11,7 @@ import torch
 
 from pdctl.sim import weights_checksum
 from tests.helpers import post
-from tests.weights.test_push import model, sync_for
+from tests.weights.conftest import model, sync_for
 
 pytestmark = pytest.mark.gpu
 

@@ -11,30 +11,11 @@ import sys
 import pytest
 
 from pdctl.sim import weights_checksum
-from pdctl.sim.model import PRESETS, TinyLM
 from pdctl.weights import WeightSync, WeightSyncError
 from tests.helpers import SimProcess, free_port, get, post
-from tests.weights.conftest import targets
+from tests.weights.conftest import model, sync_for, targets
 
 GREEDY = {"sampling_params": {"max_new_tokens": 24, "temperature": 0}}
-
-
-def model(seed: int) -> TinyLM:
-    from dataclasses import replace
-
-    return TinyLM(replace(PRESETS["tiny"], seed=seed))
-
-
-def sync_for(procs, router, **kw) -> WeightSync:
-    return WeightSync(
-        targets(procs),
-        master_address="127.0.0.1",
-        master_port=free_port(),
-        backend="gloo",
-        router_url=router.url,
-        timeout_secs=60,
-        **kw,
-    )
 
 
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "names"])
