@@ -202,7 +202,7 @@ def _config(name: str | None, opts: dict) -> tuple[BenchConfig, Reloader | None]
         if not state.router_url:
             raise BenchError(f"cluster {state.name!r} has no router")
         url = state.router_url
-        key_env = key_env or (state.plan.get("router") or {}).get("api_key_env")  # the cluster's client key
+        key_env = key_env or state.plan.api_key_env  # the cluster's client key
         if opts["server_metrics"]:
             metrics = _metrics_urls(state)
         if opts["weights_reload_every"] is not None:

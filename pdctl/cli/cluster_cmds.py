@@ -267,7 +267,7 @@ def logs(args: tuple[str, ...], follow: bool, lines: int) -> None:
 
 def _has_process(store: StateStore, name: str, proc: str) -> bool:
     state = store.load(name)
-    return state is not None and any(p["id"] == proc for p in state.plan.get("processes", []))
+    return state is not None and any(p.id == proc for p in state.plan.processes)
 
 
 @click.command()

@@ -25,6 +25,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from pdctl.cluster import switch
@@ -41,10 +42,11 @@ from pdctl.cluster.restart import (
     wait_routable,
 )
 from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
+from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import launch, up, wait_ready
 from pdctl.errors import LifecycleError, RemoteError, TopologyError
 from pdctl.plan import LaunchSpec, Plan, make_plan
-from pdctl.plan.model import EngineSpec
+from pdctl.plan.model import EngineSpec, KeptArgs
 from pdctl.remote import agent_api
 from pdctl.roles import Role
 from pdctl.router.config import Flag
@@ -120,19 +122,19 @@ def diff(state: ClusterState, top: Topology, plan: Plan, switches: Mapping[str, 
     for key, value in declared_of(top).items():
         if key in was and was[key] != value:
             out.refused.append(f"{key}: {was[key]!r} -> {value!r} cannot change on a running cluster (use --recreate)")
-    old = _units({raw["id"]: raw for raw in state.plan.get("processes", [])})
-    new = _units({spec.id: spec.to_dict() for spec in plan.processes})
+    old = _units(state.plan.processes)
+    new = _units(plan.processes)
     for unit, procs in new.items():
         if unit.startswith("trainer"):
             continue
         if unit in switches:
             planned = next(iter(procs.values()))
-            role = Role(planned["role"])
+            role = planned.role
             running = next(iter(old.get(switches[unit], {}).values()), None)
             keeps: dict[str, list[str | None]] = {}
             if running is not None:
                 derived = switch.switched_spec(running, unit, role)
-                keeps, _ = switch.kept_args(derived["argv"], list(planned["argv"]))
+                keeps, _ = switch.kept_args(list(derived.argv), list(planned.argv))
             why = "no restart: same process, GPUs and ports"
             if keeps:
                 kept = ", ".join(f"{flag} {mine} (its new group's: {theirs})" for flag, (mine, theirs) in keeps.items())
@@ -157,33 +159,42 @@ def diff(state: ClusterState, top: Topology, plan: Plan, switches: Mapping[str, 
     return out
 
 
-def _units(processes: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+def _units(processes: tuple[LaunchSpec, ...]) -> dict[str, dict[str, LaunchSpec]]:
     """Processes grouped by lifecycle unit: engine id, ``router``, ``trainer``."""
-    units: dict[str, dict[str, dict[str, Any]]] = {}
-    for pid, raw in processes.items():
-        unit = raw.get("engine_id") or ("router" if raw["role"] == Role.ROUTER.value else "trainer")
-        units.setdefault(unit, {})[pid] = raw
+    units: dict[str, dict[str, LaunchSpec]] = {}
+    for spec in processes:
+        unit = spec.engine_id or ("router" if spec.role is Role.ROUTER else "trainer")
+        units.setdefault(unit, {})[spec.id] = spec
     return units
 
 
-def _difference(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]], *, router: bool) -> str:
+def _difference(old: dict[str, LaunchSpec], new: dict[str, LaunchSpec], *, router: bool) -> str:
+    """Why unit ``old`` (as it runs) must be replaced to become ``new`` (as planned); empty when it need not."""
     if set(old) != set(new):
         return f"processes {sorted(old)} -> {sorted(new)}"
-    for pid, raw in new.items():
+    for pid, spec in new.items():
         for key in COMPARED:
-            a, b = old[pid].get(key), raw.get(key)
+            a, b = _compared(old[pid], key), _compared(spec, key)
             if key == "argv" and router:
-                a, b = _router_settings(a or []), _router_settings(b or [])
-            if key == "argv" and old[pid].get("switched") and a != b:
+                a, b = _router_settings(a), _router_settings(b)
+            if key == "argv" and old[pid].switched and a != b:
                 # A switched engine runs its old group's soft flags until its next restart (SGLang keeps
                 # a process's args across a switch): only a flag that changes its tensors or parallelism
                 # is a reason to restart it.
-                _, hard = switch.kept_args(list(a or []), list(b or []))
+                _, hard = switch.kept_args(a, b)
                 if not hard:
                     continue
             if a != b:
                 return f"{pid}: {key} changed" + (f" ({a} -> {b})" if key in ("gpu_ids", "ports", "node") else "")
     return ""
+
+
+def _compared(spec: LaunchSpec, key: str) -> Any:
+    """Field ``key`` of ``spec`` as plain data (lists and dicts), as a change's reason prints it."""
+    value = getattr(spec, key)
+    if isinstance(value, tuple):
+        return list(value)
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _router_settings(argv: list[str]) -> list[str]:
@@ -204,10 +215,10 @@ def _router_settings(argv: list[str]) -> list[str]:
 def keep_ports(state: ClusterState) -> dict[str, tuple[str, int, int]]:
     """The running processes' ports, for the planner (``PROCESS:NAME`` -> node, port, count)."""
     out = {}
-    for raw in state.plan.get("processes", []):
-        for name, port in (raw.get("ports") or {}).items():
-            count = raw.get("dist_init_block", 0) if name == "dist_init" else 1
-            out[f"{raw['id']}:{name}"] = (raw["node"], int(port), max(1, count))
+    for spec in state.plan.processes:
+        for name, port in spec.ports.items():
+            count = spec.dist_init_block if name == "dist_init" else 1
+            out[f"{spec.id}:{name}"] = (spec.node, int(port), max(1, count))
     return out
 
 
@@ -265,7 +276,7 @@ def _planned(state: ClusterState, top: Topology) -> tuple[Plan, ApplyPlan]:
     changes = diff(state, top, plan)
     removed = [c.unit for c in changes.changes if c.kind is ChangeKind.REMOVE]
     added = {c.unit for c in changes.changes if c.kind is ChangeKind.ADD}
-    pairs = switch.candidates(state, removed, {e.id: e.to_dict() for e in plan.engines if e.id in added})
+    pairs = switch.candidates(state, removed, {e.id: e for e in plan.engines if e.id in added})
     unswitchable: dict[str, str] = {}
     while pairs:  # (twice at most: the pairs that hold on their new GPUs and ports)
         alias_ports, alias_gpus = switch.aliases(state, pairs, ports)
@@ -273,7 +284,7 @@ def _planned(state: ClusterState, top: Topology) -> tuple[Plan, ApplyPlan]:
             aliased = make_plan(top, alias_ports, alias_gpus)
         except TopologyError:
             break
-        held, why = switch.confirmed(state, pairs, {p.id: p.to_dict() for p in aliased.processes})
+        held, why = switch.confirmed(state, pairs, aliased.process_map())
         unswitchable.update(why)
         if held == pairs:
             result = diff(state, top, aliased, {new: old for old, new in pairs})
@@ -307,7 +318,7 @@ def _apply(
     recover(state, store, nodes, router, events, ready_timeout)
     specs = {s.id: s for s in plan.processes}
     engines = {e.id: e for e in plan.engines}
-    old_engines = {e["id"]: e for e in state.plan.get("engines", [])}
+    old_engines = state.plan.engine_map()
     _check_switches(state, store, changes, engines, old_engines)
     for change in changes.changes:
         unit_specs = unclaimed_logs(state, [specs[p] for p in change.processes if p in specs])
@@ -321,21 +332,23 @@ def _apply(
             replace_engine(state, store, nodes, router, change.unit, unit_specs, events, ready_timeout, journal)
         elif change.kind is ChangeKind.SWITCH:
             assert change.was is not None
-            engine, spec = engines[change.unit].to_dict(), specs[change.unit].to_dict()
+            spec = specs[change.unit]
             if change.keeps:  # what `status` shows until its next restart (its supervisor restarts it as planned)
                 pid = switch.serving_pid(state, nodes, change.was)
-                spec["kept_args"] = {"pid": pid, "args": dict(change.keeps)}
-            switch.switch_engine(state, store, nodes, router, journal, change.was, engine, spec, events, ready_timeout)
+                args = {flag: (mine, theirs) for flag, (mine, theirs) in change.keeps.items()}
+                spec = replace(spec, kept_args=KeptArgs(pid=pid, args=MappingProxyType(args)))
+            step = StepContext(state, store, nodes, router, journal, events, ready_timeout)
+            switch.switch_engine(step, change.was, engines[change.unit], spec)
             continue  # the switch wrote the state's plan
         else:
-            _remove(state, store, nodes, router, journal, change, old_engines[change.unit]["url"], events)
+            _remove(state, store, nodes, router, journal, change, old_engines[change.unit].url, events)
         state.plan = _merged_plan(state, plan, change)
         if state.journal is not None:  # an add: done once the plan names it
             journal.end()
         else:
             store.save(state)
     changed = {c.unit for c in changes.changes}
-    state.plan = plan.to_dict() | {"processes": _running_specs(state, plan, changed)}
+    state.plan = replace(plan, processes=_running_specs(state, plan, changed))
     state.declared = declared_of(top)
     store.save(state)
 
@@ -345,7 +358,7 @@ def _check_switches(
     store: StateStore,
     changes: ApplyPlan,
     engines: dict[str, EngineSpec],
-    old_engines: dict[str, dict[str, Any]],
+    old_engines: dict[str, EngineSpec],
 ) -> None:
     """Refuse, before any step, an apply whose switches cannot be made: an engine to switch that
     does not answer (dead, or being restarted by its supervisor), or a step after which a PD fleet
@@ -353,23 +366,23 @@ def _check_switches(
     dead = [
         c.was
         for c in changes.changes
-        if c.kind is ChangeKind.SWITCH and c.was and engine_role(state, store, old_engines[c.was]["url"]) is None
+        if c.kind is ChangeKind.SWITCH and c.was and engine_role(state, store, old_engines[c.was].url) is None
     ]
     if dead:
         raise LifecycleError(
             f"{', '.join(dead)} does not answer: a switch needs the engine running, and nothing was changed; once "
             f"its supervisor has brought it back (`pdctl status {state.name}`), or after `pdctl restart`, apply again"
         )
-    counts = Counter(e["role"] for e in old_engines.values())
+    counts = Counter(e.role.value for e in old_engines.values())
     if not counts[Role.PREFILL.value] or not counts[Role.DECODE.value]:
         return  # not a PD fleet (or not one yet): nothing to keep
     for change in changes.changes:
         if change.kind is ChangeKind.ADD:
             counts[engines[change.unit].role.value] += 1
         elif change.kind is ChangeKind.REMOVE:
-            counts[old_engines[change.unit]["role"]] -= 1
+            counts[old_engines[change.unit].role.value] -= 1
         elif change.kind is ChangeKind.SWITCH and change.was:
-            counts[old_engines[change.was]["role"]] -= 1
+            counts[old_engines[change.was].role.value] -= 1
             counts[engines[change.unit].role.value] += 1
         empty = [r for r in (Role.PREFILL.value, Role.DECODE.value) if counts[r] <= 0]
         if empty:
@@ -451,43 +464,39 @@ def _remove(
         journal.end()
 
 
-def _merged_plan(state: ClusterState, plan: Plan, change: Change) -> dict[str, Any]:
+def _merged_plan(state: ClusterState, plan: Plan, change: Change) -> Plan:
     """The state's plan once ``change`` is done (engines and processes as they now run)."""
-    merged = dict(state.plan)
-    new_procs = {p.id: p.to_dict() for p in plan.processes}
-    procs = [p for p in merged.get("processes", []) if p["id"] not in change.processes]
+    planned = plan.process_map()
+    processes = [p for p in state.plan.processes if p.id not in change.processes]
     if change.kind is not ChangeKind.REMOVE:
-        procs += [new_procs[p] for p in change.processes if p in new_procs]
-    merged["processes"] = procs
-    new_engines = {e.id: e.to_dict() for e in plan.engines}
-    engines = [e for e in merged.get("engines", []) if e["id"] != change.unit]
+        processes += [planned[p] for p in change.processes if p in planned]
+    engines = [e for e in state.plan.engines if e.id != change.unit]
+    new_engines = plan.engine_map()
     if change.kind is not ChangeKind.REMOVE and change.unit in new_engines:
         engines.append(new_engines[change.unit])
-    merged["engines"] = engines
-    return merged
+    return replace(state.plan, processes=tuple(processes), engines=tuple(engines))
 
 
-def _running_specs(state: ClusterState, plan: Plan, changed: set[str]) -> list[dict[str, Any]]:
+def _running_specs(state: ClusterState, plan: Plan, changed: set[str]) -> tuple[LaunchSpec, ...]:
     """The new plan's processes, except a trainer that kept running as it was, and a switched
     engine this apply did not change (it runs its own flags until its next restart)."""
-    running = {p["id"]: p for p in state.plan.get("processes", [])}
+    running = state.plan.process_map()
     out = []
     for spec in plan.processes:
+        old = running.get(spec.id)
         kept_running = spec.role is Role.TRAINER or (
-            running.get(spec.id, {}).get("switched") and (spec.engine_id or spec.id) not in changed
+            old is not None and old.switched and (spec.engine_id or spec.id) not in changed
         )
-        if kept_running and spec.id in running:
-            out.append(running[spec.id])
-        else:
-            raw = spec.to_dict()
-            record = state.processes.get(spec.id)
-            if record is not None and record.log_path != spec.log_path:  # a switched engine keeps its log
-                raw["log_path"] = record.log_path
-            kept = running.get(spec.id, {}).get("kept_args")
-            if kept:  # a switched engine's own args (`status` shows them while that process runs)
-                raw["kept_args"] = kept
-            out.append(raw)
-    return out
+        if kept_running and old is not None:
+            out.append(old)
+            continue
+        record = state.processes.get(spec.id)
+        if record is not None and record.log_path != spec.log_path:  # a switched engine keeps its log
+            spec = replace(spec, log_path=record.log_path)
+        if old is not None and old.kept_args:  # a switched engine's own args (`status` shows them while it runs)
+            spec = replace(spec, kept_args=old.kept_args)
+        out.append(spec)
+    return tuple(out)
 
 
 def unclaimed_logs(state: ClusterState, specs: list[LaunchSpec]) -> list[LaunchSpec]:

@@ -102,12 +102,12 @@ def endpoints(state: ClusterState) -> Endpoints:
     """The cluster's engines in the facade's weight-group order, with their rank offsets."""
     if not state.router_url:
         raise LifecycleError(f"cluster {state.name} has no router")
-    raw = [e for e in state.plan.get("engines", []) if e.get("url")]
-    ordered = sorted(enumerate(raw), key=lambda ie: (_ORDER.get(ie[1].get("role"), 3), ie[0]))
+    served = [e for e in state.plan.engines if e.url]
+    ordered = sorted(enumerate(served), key=lambda ie: (_ORDER.get(ie[1].role.value, 3), ie[0]))
     engines = []
     offset = 1
     for _, e in ordered:
-        tp = int(e.get("tp") or e.get("gpus") or 1)
-        engines.append(EngineEndpoint(str(e["id"]), str(e["role"]), str(e["url"]), tp, e.get("bootstrap_port"), offset))
+        tp = e.tp or e.gpus or 1
+        engines.append(EngineEndpoint(e.id, e.role.value, e.url, tp, e.bootstrap_port, offset))
         offset += tp
     return Endpoints(state.name, state.router_url, tuple(engines))

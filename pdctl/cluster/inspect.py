@@ -184,12 +184,13 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
                 else:
                     ps.weight_version = info.get("weight_version")
         out.append(ps)
-    planned = {raw["id"]: raw for raw in state.plan.get("processes", [])}
+    planned = state.plan.process_map()
     for ps in out:
-        kept = planned.get(ps.id, {}).get("kept_args")
-        if isinstance(kept, dict) and kept.get("pid") == ps.pid and ps.alive:
-            ps.kept_args = dict(kept.get("args") or {})
-    order = {rec["id"]: i for i, rec in enumerate(state.plan.get("processes", []))}
+        spec = planned.get(ps.id)
+        kept = spec.kept_args if spec is not None else None
+        if kept is not None and kept.pid == ps.pid and ps.alive:
+            ps.kept_args = {flag: list(pair) for flag, pair in kept.args.items()}
+    order = state.plan.order()
     out.sort(key=lambda p: order.get(p.id, len(order)))  # plan order: prefill, decode, router, trainer
     engines, daemons = _engines(state, out, router_workers, hold), daemon_status(state, nodes)
     result = ClusterStatus(state.name, state.status, state.router_url, out, router_workers, engines, daemons)
@@ -243,8 +244,8 @@ def _engines(
     by_id = {p.id: p for p in processes}
     listed = {w.get("url"): w for w in router_workers or [] if isinstance(w, dict)}
     out = []
-    for engine in state.plan.get("engines", []):
-        ids = list(engine["process_ids"])
+    for engine in state.plan.engines:
+        ids = list(engine.process_ids)
         problem = None
         paused = False
         for pid in ids:
@@ -253,7 +254,7 @@ def _engines(
                 problem = f"{pid} is not running"
             elif p.alive is None:
                 problem = f"{pid} cannot be reached ({p.error})"
-            elif p.healthy is False and hold is not None and (listed.get(engine.get("url")) or {}).get("is_healthy"):
+            elif p.healthy is False and hold is not None and (listed.get(engine.url) or {}).get("is_healthy"):
                 # Paused by the update that holds the router: SGLang's /health (a generation) waits
                 # while paused; the router, which reads /model_info meanwhile, says it is alive.
                 paused = True
@@ -262,12 +263,12 @@ def _engines(
             if problem:
                 break
         rotation = f"paused: the router is {hold.get('reason')}" if paused and hold is not None else None
-        if router_workers is not None and engine.get("url") and problem is None and not paused:
-            rotation = rotation_of(listed.get(engine["url"]))
+        if router_workers is not None and engine.url and problem is None and not paused:
+            rotation = rotation_of(listed.get(engine.url))
             peer = by_id[ids[0]].peer if ids and ids[0] in by_id else None
             if rotation and peer and peer.get("state") != PeerState.DONE:  # why no peer brought the fleet's weights
                 rotation += f"; weights from a peer: {peer.get('state')}: {peer.get('detail')}"
-        out.append(EngineStatus(engine["id"], engine["role"], ids, problem is None, problem, rotation))
+        out.append(EngineStatus(engine.id, engine.role.value, ids, problem is None, problem, rotation))
     return out
 
 
@@ -291,10 +292,10 @@ def _log_source(state: ClusterState, process: str) -> LogSource:
     if process in state.processes:
         rec = state.processes[process]
         return LogSource(rec.node, rec.log_path)
-    for raw in state.plan.get("processes", []):
-        if raw["id"] == process:  # stopped, but its log is still on the node
-            return LogSource(raw["node"], raw["log_path"])
-    known = ", ".join(p["id"] for p in state.plan.get("processes", [])) or "none"
+    for spec in state.plan.processes:
+        if spec.id == process:  # stopped, but its log is still on the node
+            return LogSource(spec.node, spec.log_path)
+    known = ", ".join(p.id for p in state.plan.processes) or "none"
     raise LifecycleError(f"no process {process!r} in cluster {state.name!r}; processes: {known}")
 
 

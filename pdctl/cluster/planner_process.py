@@ -30,10 +30,10 @@ STOP_GRACE_SECS = 10.0
 
 def wanted(state: ClusterState) -> PlannerConfig | None:
     """The cluster's planner settings when its topology runs one (mode advise or act)."""
-    raw = state.plan.get("planner")
+    raw = state.plan.planner
     if not raw:
         return None
-    config = PlannerConfig.from_dict(raw)
+    config = PlannerConfig.from_dict(dict(raw))
     return None if config.mode is PlannerMode.OFF else config
 
 

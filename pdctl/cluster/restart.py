@@ -64,7 +64,7 @@ def restart(
 
 def _units(state: ClusterState, targets: list[str] | None) -> list[tuple[str, list[LaunchSpec]]]:
     """What to restart, in plan order: (engine id or ``router``, its processes)."""
-    specs = [LaunchSpec.from_dict(raw) for raw in state.plan.get("processes", [])]
+    specs = state.plan.processes
     engines: dict[str, list[LaunchSpec]] = {}
     for spec in specs:
         if spec.engine_id is not None:
@@ -122,7 +122,7 @@ def relaunch(
     """Stop ``specs``' processes and start them again from the plan; wait until healthy."""
     stop_records(state, nodes, [state.processes[s.id] for s in specs if s.id in state.processes], events=events)
     store.save(state)
-    secrets = secret_env(state.plan.get("router", {}).get("api_key_env")) if router_secrets else {}
+    secrets = secret_env(state.plan.api_key_env) if router_secrets else {}
     launch(specs, state, store, nodes, secrets, events)
     _wait_started(state, nodes, specs, events, ready_timeout)
 
@@ -156,7 +156,7 @@ def replace_engine(
     url = entry.url or ""
     # Its address as the router knows it: moved to a node with another address (apply), the old
     # worker goes and the new one is registered.
-    old_url = next((e.get("url") for e in state.plan.get("engines", []) if e.get("id") == engine_id), None) or url
+    old_url = next((e.url for e in state.plan.engines if e.id == engine_id), None) or url
     journal.begin(engine_id, ChangeKind.REPLACE, old_url, tuple(s.id for s in specs))
     try:
         events(engine_id, "out of rotation; waiting for its requests to finish")
@@ -231,7 +231,7 @@ def recover(
         return
     journal = Journal(state, store, entry.command)
     events(entry.unit, f"finishing what was left: {entry.describe()}")
-    specs = [LaunchSpec.from_dict(raw) for raw in state.plan.get("processes", []) if raw["id"] in entry.processes]
+    specs = [spec for spec in state.plan.processes if spec.id in entry.processes]
     mine = [rec for rec in state.processes.values() if rec.id in entry.processes or rec.engine_id == entry.unit]
     if entry.kind is ChangeKind.SWITCH:
         record = state.processes.get(entry.unit)
@@ -258,7 +258,7 @@ def recover(
             router.cordon(entry.url, False)
             wait_routable(router, entry.unit, entry.url, ready_timeout, events)
     else:  # an add that never finished, or a removal: the engine goes
-        planned = any(e.get("id") == entry.unit for e in state.plan.get("engines", []))
+        planned = any(e.id == entry.unit for e in state.plan.engines)
         if entry.kind is ChangeKind.ADD and planned:
             journal.end()  # it had joined: nothing to undo
             return
@@ -281,10 +281,7 @@ def engine_role(state: ClusterState, store: StateStore, url: str) -> Role | None
 
 def drop_unit(state: ClusterState, unit: str) -> None:
     """The state's plan without engine ``unit`` and its processes."""
-    plan = dict(state.plan)
-    plan["processes"] = [p for p in plan.get("processes", []) if (p.get("engine_id") or p["id"]) != unit]
-    plan["engines"] = [e for e in plan.get("engines", []) if e.get("id") != unit]
-    state.plan = plan
+    state.plan = state.plan.without_unit(unit)
 
 
 class RouterControl:

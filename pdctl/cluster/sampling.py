@@ -282,6 +282,6 @@ def _json_field(body: str | None, key: str) -> Any:
 
 def engine_entrypoints(state: ClusterState) -> dict[str, ProcessRecord]:
     """Each engine's HTTP entrypoint (node rank 0 of a multi-node engine), by process id, in plan order."""
-    order = {p["id"]: i for i, p in enumerate(state.plan.get("processes", []))}
+    order = state.plan.order()
     recs = [r for r in state.processes.values() if r.role.is_engine and r.url]
     return {r.id: r for r in sorted(recs, key=lambda r: order.get(r.id, len(order)))}

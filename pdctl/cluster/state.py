@@ -21,6 +21,7 @@ from typing import Any
 from pdctl.choices import Choice
 from pdctl.cluster.scrape import Target, write_targets
 from pdctl.errors import LifecycleError
+from pdctl.plan.model import Plan
 from pdctl.roles import Role
 from pdctl.topology.model import Node, SSHConfig, Topology
 
@@ -75,7 +76,8 @@ class ClusterState:
     router_url: str | None = None
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     run_dirs: dict[str, str] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: Plan = field(default_factory=Plan)
+    """What runs now, as planned (read once from the file into its types): a day-2 step replaces it."""
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     source: str = ""
@@ -102,15 +104,16 @@ class ClusterState:
 
     def scrape_targets(self) -> list[Target]:
         """Its running processes as Prometheus may scrape them, in plan order."""
-        order = {p["id"]: i for i, p in enumerate(self.plan.get("processes", []))}
+        order = self.plan.order()
         records = sorted(self.processes.values(), key=lambda r: order.get(r.id, len(order)))
         return [Target(r.id, r.role, r.node, r.url, r.ports.get("metrics")) for r in records]
 
     def to_json(self) -> str:
-        """The state file's text. The plan is written as it is held (``asdict`` deep-copied it, and
-        an indented dump runs json's Python encoder: 1024 nodes' state took seconds per save)."""
+        """The state file's text: compact JSON (an indented dump runs json's Python encoder, and
+        ``asdict`` deep-copies: 1024 nodes' state took seconds per save)."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["processes"] = {k: asdict(v) for k, v in self.processes.items()}
+        data["plan"] = self.plan.to_dict()
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -122,6 +125,7 @@ class ClusterState:
             k: ProcessRecord(**{**v, "role": Role(v["role"])}) for k, v in data.get("processes", {}).items()
         }
         data["status"] = Phase(data["status"])
+        data["plan"] = Plan.from_dict(data.get("plan") or {})
         return cls(**data)
 
 
@@ -186,7 +190,7 @@ class StateStore:
             return None
         try:
             return ClusterState.from_json(path.read_text())
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, KeyError) as exc:
             raise LifecycleError(f"state file {path} is unreadable: {exc}") from exc
 
     def save(self, state: ClusterState) -> None:

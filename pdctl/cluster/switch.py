@@ -25,11 +25,12 @@ from typing import Any
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.restart import BACK_TIMEOUT_SECS, RouterControl, drop_unit, engine_role, recover, wait_routable
+from pdctl.cluster.restart import BACK_TIMEOUT_SECS, RouterControl, engine_role, recover, wait_routable
 from pdctl.cluster.state import ClusterState, Phase, StateStore
+from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import spawn_entry
 from pdctl.errors import LifecycleError, RemoteError
-from pdctl.plan import LaunchSpec
+from pdctl.plan import EngineSpec, LaunchSpec
 from pdctl.plan.gpus import Slices
 from pdctl.remote import agent_api
 from pdctl.roles import Role
@@ -47,44 +48,41 @@ graphs on a first flip to decode): seconds, not a model load."""
 def keep_gpus(state: ClusterState) -> dict[str, Slices]:
     """The GPUs of the running engines (by engine id) and trainer, for the planner."""
     per_unit: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
-    for raw in state.plan.get("processes", []):
-        if not raw.get("gpu_ids"):
+    for spec in state.plan.processes:
+        if not spec.gpu_ids:
             continue
-        unit = raw.get("engine_id") or ("trainer" if raw["role"] == Role.TRAINER.value else None)
+        unit = spec.engine_id or ("trainer" if spec.role is Role.TRAINER else None)
         if unit is not None:
-            per_unit.setdefault(unit, []).append((int(raw.get("node_rank") or 0), raw["node"], tuple(raw["gpu_ids"])))
+            per_unit.setdefault(unit, []).append((spec.node_rank, spec.node, spec.gpu_ids))
     return {unit: tuple((node, ids) for _, node, ids in sorted(parts)) for unit, parts in per_unit.items()}
 
 
-def switched_spec(raw: Mapping[str, Any], new_id: str, role: Role) -> dict[str, Any]:
-    """The running process ``raw`` (a plan entry) as it runs after switching to ``role`` under
-    ``new_id``: its command says the new role; its ports, GPUs and log stay."""
-    argv = list(raw["argv"])
+def switched_spec(spec: LaunchSpec, new_id: str, role: Role) -> LaunchSpec:
+    """The running process ``spec`` as it runs after switching to ``role`` under ``new_id``: its
+    command says the new role; its ports, GPUs and log stay."""
+    argv = list(spec.argv)
     at = argv.index(MODE_FLAG)
     argv[at + 1] = role.value
-    return {**raw, "id": new_id, "engine_id": new_id, "role": role.value, "argv": argv}
+    return replace(spec, id=new_id, engine_id=new_id, role=role, argv=tuple(argv))
 
 
-def candidates(
-    state: ClusterState, removed: list[str], added: Mapping[str, Mapping[str, Any]]
-) -> list[tuple[str, str]]:
+def candidates(state: ClusterState, removed: list[str], added: Mapping[str, EngineSpec]) -> list[tuple[str, str]]:
     """Pairs (running engine that leaves, engine of the other role that enters) that a switch
     may make: both allow switching, same tp, one process each; in id order."""
-    running = {e["id"]: e for e in state.plan.get("engines", [])}
+    running = state.plan.engine_map()
     pairs, taken = [], set()
     for old_id in sorted(removed):
         old = running.get(old_id)
-        if not old or not old.get("role_switch") or len(old.get("process_ids") or []) != 1:
+        if not old or not old.role_switch or len(old.process_ids) != 1:
             continue
         for new_id in sorted(added):
             new = added[new_id]
             if (
                 new_id not in taken
-                and new.get("role_switch")
-                and new["role"] != old["role"]
-                and {new["role"], old["role"]} == {r.value for r in PD_ROLES}
-                and new.get("tp") == old.get("tp")
-                and len(new.get("process_ids") or []) == 1
+                and new.role_switch
+                and {new.role, old.role} == set(PD_ROLES)
+                and new.tp == old.tp
+                and len(new.process_ids) == 1
             ):
                 pairs.append((old_id, new_id))
                 taken.add(new_id)
@@ -163,21 +161,22 @@ def kept_args(running: list[str], planned: list[str]) -> tuple[dict[str, list[st
 
 
 def confirmed(
-    state: ClusterState, pairs: list[tuple[str, str]], planned: Mapping[str, Mapping[str, Any]]
+    state: ClusterState, pairs: list[tuple[str, str]], planned: Mapping[str, LaunchSpec]
 ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """The pairs whose new engine, planned on the old one's GPUs and ports, the old one can become
     by a switch: the same place (node, GPUs, ports, environment, directory) and the same hard flags
     (``HARD_ARGS``); soft flags may differ (it keeps its own until its next restart). Also why each
     pair that cannot is not a switch (old engine id -> why: it is then added and removed)."""
-    running = {p["id"]: p for p in state.plan.get("processes", [])}
+    running = state.plan.process_map()
     out, why = [], {}
     for old_id, new_id in pairs:
         old, new = running.get(old_id), planned.get(new_id)
-        if old is None or new is None or MODE_FLAG not in old.get("argv", []):
+        if old is None or new is None or MODE_FLAG not in old.argv:
             continue
-        derived = switched_spec(old, new_id, Role(new["role"]))
-        moved = [k for k in ("env", "node", "host", "gpu_ids", "ports", "cwd") if derived.get(k) != new.get(k)]
-        _, hard = kept_args(derived["argv"], list(new.get("argv", [])))
+        derived = switched_spec(old, new_id, new.role)
+        place = ("env", "node", "host", "gpu_ids", "ports", "cwd")
+        moved = [k for k in place if getattr(derived, k) != getattr(new, k)]
+        _, hard = kept_args(list(derived.argv), list(new.argv))
         if moved or hard:
             reasons = [f"its {k} differs" for k in moved]
             reasons += [f"{h} (a flag that changes its tensors or parallelism)" for h in hard]
@@ -204,28 +203,17 @@ def serving_pid(state: ClusterState, nodes: NodeSet, process_id: str) -> int | N
 
 
 # -- doing ------------------------------------------------------------------------------------------
-def switch_engine(
-    state: ClusterState,
-    store: StateStore,
-    nodes: NodeSet,
-    router: RouterControl,
-    journal: Journal,
-    old_id: str,
-    new_engine: Mapping[str, Any],
-    new_process: Mapping[str, Any],
-    events: Events,
-    ready_timeout: float,
-) -> None:
-    """Switch running engine ``old_id`` into ``new_engine`` (its id, role, group; ``new_process``
-    its plan entry). Raises LifecycleError when the engine refuses (it serves on as it was)."""
+def switch_engine(step: StepContext, old_id: str, engine: EngineSpec, process: LaunchSpec) -> None:
+    """Switch running engine ``old_id`` into ``engine`` (its id, role, group; ``process`` its plan
+    entry). Raises LifecycleError when the engine refuses (it serves on as it was)."""
+    state, store, router, journal, events = step.state, step.store, step.router, step.journal, step.events
     record = state.processes.get(old_id)
     if record is None or not record.url:
         raise LifecycleError(f"{old_id} is not running: nothing to switch")
     url = record.url
-    role = Role(new_engine["role"])
-    new_id = str(new_engine["id"])
+    role, new_id = engine.role, engine.id
     was = record.role
-    if was in PD_ROLES and not any(e["role"] == was.value and e["id"] != old_id for e in state.plan.get("engines", [])):
+    if was in PD_ROLES and not any(e.role is was and e.id != old_id for e in state.plan.engines):
         raise LifecycleError(
             f"{old_id} is the fleet's only {was}: as a {role} it would leave the fleet with no {was}, and a PD fleet "
             f"serves nothing without one; add a {was} first (`pdctl apply` a file with one more), then switch"
@@ -256,35 +244,30 @@ def switch_engine(
             events(old_id, f"it runs as a {role} already: finishing the switch")
         else:
             events(old_id, f"idle: asking it to switch to {role}")
-            answer = _ask_switch(state, store, url, role, new_engine.get("tp"))
+            answer = _ask_switch(state, store, url, role, engine.tp)
             if isinstance(answer, CallFailure):
                 _not_switched(state, store, router, journal, old_id, url, role, was, answer)
         # its log and story stay where they are; "switched": it runs what it ran before but its role
-        new_process = {**new_process, "log_path": record.log_path, "switched": True}
-        spec = LaunchSpec.from_dict(dict(new_process))
+        process = replace(process, log_path=record.log_path, switched=True)
         keys = load_keys(store, state.name)
-        entry = spawn_entry(spec, state, keys, {}, key_file=keys is not None and not keys.engine.startswith("-"))
+        entry = spawn_entry(process, state, keys, {}, key_file=keys is not None and not keys.engine.startswith("-"))
         entry.update(log_path=record.log_path, exit_file=record.exit_file)  # its story stays where it is
         reply = (
-            nodes.each([record.node], lambda ex: agent_api.retarget(ex, entry))[record.node]
+            step.nodes.each([record.node], lambda ex: agent_api.retarget(ex, entry))[record.node]
             if record.exit_file
             else None
         )
         if isinstance(reply, RemoteError):
             events(old_id, f"its supervisor did not learn its new command ({reply}): a crash brings it back as {was}")
         router.remove(url)
-        router.add(url, role, new_engine.get("bootstrap_port") if role is Role.PREFILL else None)
+        router.add(url, role, engine.bootstrap_port if role is Role.PREFILL else None)
         del state.processes[old_id]
         state.processes[new_id] = replace(record, id=new_id, role=role, engine_id=new_id)
-        drop_unit(state, old_id)
-        plan = dict(state.plan)
-        plan["processes"] = [*plan.get("processes", []), dict(new_process)]
-        plan["engines"] = [*plan.get("engines", []), dict(new_engine)]
-        state.plan = plan
+        state.plan = state.plan.with_unit(engine, (process,), replacing=old_id)
         journal.end()
     events(new_id, f"switched from {old_id}: same process, GPUs and ports")
     router.refresh()  # its first check now: it serves already (a switch starts nothing)
-    wait_routable(router, new_id, url, ready_timeout, events)
+    wait_routable(router, new_id, url, step.ready_timeout, events)
 
 
 def _not_switched(
@@ -339,10 +322,10 @@ def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp
 
 def _decode_graph_gb(client: JsonClient, state: ClusterState, tp: int | None) -> float | None:
     """What a running decode of the same tp says its decode CUDA graphs take (``/server_info``)."""
-    for engine in state.plan.get("engines", []):
-        if engine.get("role") != Role.DECODE.value or not engine.get("url") or engine.get("tp") != tp:
+    for engine in state.plan.engines:
+        if engine.role is not Role.DECODE or not engine.url or engine.tp != tp:
             continue
-        info = client.get(engine["url"] + Endpoint.SERVER_INFO.value, timeout_secs=10)
+        info = client.get(engine.url + Endpoint.SERVER_INFO.value, timeout_secs=10)
         if isinstance(info, dict):
             for internal in info.get("internal_states") or []:
                 value = internal.get("decode_cuda_graph_memory_gb") if isinstance(internal, dict) else None
@@ -376,32 +359,31 @@ def switch(
             raise LifecycleError(f"no cluster {name!r} in {store.root}")
         if state.status != Phase.UP:
             raise LifecycleError(f"cluster {name!r} is {state.status}; switch works on a cluster that is up")
-        engines = {e["id"]: e for e in state.plan.get("engines", [])}
+        engines = state.plan.engine_map()
         engine = engines.get(engine_id)
         if engine is None:
             raise LifecycleError(f"no engine {engine_id!r} in cluster {name!r} (engines: {', '.join(sorted(engines))})")
-        if engine["role"] == role.value:
+        if engine.role is role:
             raise LifecycleError(f"{engine_id} is a {role} already")
-        if not engine.get("role_switch") or not engine.get("switch_group"):
+        if not engine.role_switch or not engine.switch_group:
             raise LifecycleError(
                 f"{engine_id} may not switch roles: its group needs role_switch: true, beside a group of the "
                 "other role with role_switch and the same tp (then `pdctl apply` the file, which restarts it)"
             )
-        group = str(engine["switch_group"])
+        group = engine.switch_group
         used = {e.split("-")[-1] for e in engines if e.rsplit("-", 1)[0] == group}
         new_id = next(f"{group}-{i}" for i in range(len(engines) + 1) if str(i) not in used)
-        raw = next(p for p in state.plan.get("processes", []) if p["id"] == engine_id)
-        new_process = switched_spec(raw, new_id, role)
-        new_engine = {**engine, "id": new_id, "group": group, "role": role.value, "process_ids": [new_id]}
-        new_engine["switch_group"] = engine.get("group")
-        router = RouterControl(state, store)
-        journal = Journal(state, store, "switch")
+        new_process = switched_spec(state.plan.process(engine_id), new_id, role)
+        new_engine = replace(
+            engine, id=new_id, group=group, role=role, process_ids=(new_id,), switch_group=engine.group
+        )
         with contextlib.ExitStack() as stack:
             if nodes is None:
                 nodes = stack.enter_context(NodeSet(state.node_objects().values()))
+            router = RouterControl(state, store)
+            step = StepContext(state, store, nodes, router, Journal(state, store, "switch"), events, ready_timeout_secs)
             left = entry_of(state)
             if left is not None and not (left.kind is ChangeKind.SWITCH and left.unit == engine_id):
                 recover(state, store, nodes, router, events, ready_timeout_secs)  # another step left half done
-            switch_engine(state, store, nodes, router, journal, engine_id, new_engine, new_process, events,
-                          ready_timeout_secs)  # fmt: skip
+            switch_engine(step, engine_id, new_engine, new_process)
     return new_id

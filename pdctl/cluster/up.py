@@ -109,7 +109,7 @@ def up(
         store.save(state)
         with interrupts_deferred():  # started and recorded whole: `down` must find what runs
             if planner_process.start(state, store) is not None:
-                events("planner", f"started (mode {state.plan['planner']['mode']}; log {state.planner['log']})")
+                events("planner", f"started (mode {(plan.planner or {}).get('mode')}; log {state.planner['log']})")
                 store.save(state)
         return state
 
@@ -264,7 +264,7 @@ def starting_state(top: Topology, plan: Plan, source: str = "") -> ClusterState:
         nodes=[node_to_dict(n) for n in top.nodes],
         router_url=plan.router_url,
         run_dirs={n.name: run_dir(n, plan.name) for n in top.nodes},
-        plan=plan.to_dict(),
+        plan=plan,
         source=source,
         declared=declared_of(top),
     )
@@ -322,7 +322,7 @@ def spawn_entry(
 
 def keyed(state: ClusterState) -> bool:
     """Whether the cluster's engines take the engine key (``engine_auth: key``, the default)."""
-    return state.plan.get("engine_auth", "key") != "none"
+    return state.plan.engine_auth != "none"
 
 
 def _exit_file(spec: LaunchSpec) -> str:
@@ -373,7 +373,7 @@ def secret_env(name: str | None) -> dict[str, str]:
 
 def router_client_key(state: ClusterState) -> str | None:
     """The router's client key (from the variable ``router.api_key_env`` names), or None."""
-    return next(iter(secret_env((state.plan.get("router") or {}).get("api_key_env")).values()), None)
+    return next(iter(secret_env(state.plan.api_key_env).values()), None)
 
 
 class ReadinessError(LifecycleError):

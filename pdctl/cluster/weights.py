@@ -74,7 +74,7 @@ class WeightsStatus:
 
 def fleet_of(state: ClusterState, timeout_secs: float = 30.0, store: StateStore | None = None) -> Fleet:
     """The cluster's HTTP engines and router as a ``Fleet``, with the cluster's keys."""
-    engines = state.plan.get("engines") or []
+    engines = state.plan.engines
     if not engines:
         raise LifecycleError(f"cluster {state.name!r} has no engines")
     keys = load_keys(store or StateStore(), state.name)
@@ -83,19 +83,18 @@ def fleet_of(state: ClusterState, timeout_secs: float = 30.0, store: StateStore 
     if keys is not None:
         api_key, engine_key = keys.control, keys.engine
     else:  # a cluster brought up before pdctl made keys: the router's client key for both
-        key_env = (state.plan.get("router") or {}).get("api_key_env")
+        key_env = state.plan.api_key_env
         api_key, engine_key = os.environ.get(key_env) if key_env else None, None
         if key_env and not api_key:
             raise LifecycleError(f"the router needs its API key: set ${key_env} on this machine")
-    refit = state.plan.get("refit") or {}  # the topology's weights.refit and max_staleness
     return Fleet(
-        [{"id": e["id"], "url": e["url"], "gpus": e["gpus"]} for e in engines],
+        [{"id": e.id, "url": e.url, "gpus": e.gpus} for e in engines],
         router_url=state.router_url,
         api_key=api_key,
         engine_key=engine_key,
         timeout_secs=timeout_secs,
-        refit=refit.get("mode") or RefitMode.DRAIN,
-        max_staleness=refit.get("max_staleness"),
+        refit=state.plan.refit or RefitMode.DRAIN,  # the topology's weights.refit and max_staleness
+        max_staleness=state.plan.max_staleness,
     )
 
 
@@ -104,12 +103,12 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
     state = _load(store, name)
     fleet = fleet_of(state, timeout_secs=10, store=store)
     try:
-        planned = {e["url"]: e for e in (state.plan.get("weight_group") or {}).get("engines", [])}
-        group = state.plan.get("weight_group")
+        planned = {e.url: e for e in state.plan.engines if e.rank_offset is not None}
+        group = state.plan.weight_group
         result = WeightsStatus(
             state.name,
             state.router_url,
-            {k: v for k, v in group.items() if k != "engines"} if group else None,
+            {k: v for k, v in group.to_dict(()).items() if k != "engines"} if group else None,
             None,
         )
         router: dict[str, Any] = {}
@@ -125,7 +124,7 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
         quarantine = router.get("quarantine") or {}
         workers = {w.get("url"): w for w in router.get("workers") or [] if isinstance(w, dict)}
         futures = {e.id: fleet.client.submit("GET", e.url + Endpoint.MODEL_INFO.value) for e in fleet.engines}
-        roles = {e["id"]: e.get("role", "?") for e in state.plan.get("engines", [])}
+        roles = {e.id: e.role.value for e in state.plan.engines}
         for engine in fleet.engines:
             info = futures[engine.id].result()
             row = EngineWeights(engine.id, roles.get(engine.id, "?"), engine.url)
@@ -133,9 +132,9 @@ def weights_status(name: str, *, store: StateStore | None = None) -> WeightsStat
                 row.error = str(info)
             elif isinstance(info, dict):
                 row.version = info.get("weight_version")
-            if engine.url in planned:
-                first = int(planned[engine.url]["rank_offset"])
-                row.planned_ranks = (first, first + int(planned[engine.url]["gpus"]) - 1)
+            spec = planned.get(engine.url)
+            if spec is not None and spec.rank_offset is not None:
+                row.planned_ranks = (spec.rank_offset, spec.rank_offset + spec.gpus - 1)
             if engine.url in used:
                 first_rank, last_rank = used[engine.url]
                 row.group_ranks = (int(first_rank), int(last_rank))

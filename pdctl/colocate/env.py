@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -106,26 +107,30 @@ class DataPlaneSpec:
         return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
 
     @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DataPlaneSpec:
+        """The spec ``to_dict`` wrote; raises ``KeyError``, ``TypeError`` or ``ValueError`` on data
+        that does not hold one."""
+        return cls(
+            master_address=str(data["master_address"]),
+            master_port=int(data["master_port"]),
+            trainer_ranks=int(data["trainer_ranks"]),
+            engines=tuple(
+                EngineRanks(id=str(e["id"]), tp=int(e["tp"]), first_rank=int(e["first_rank"])) for e in data["engines"]
+            ),
+            backend=_backend(data.get("backend", "gloo")),
+            batch_size=int(data.get("batch_size", 8)),
+            aux_layers=tuple(int(k) for k in data.get("aux_layers", ())),
+            dtype=data.get("dtype"),
+            timeout_secs=float(data.get("timeout_secs", 300.0)),
+            join_timeout_secs=float(data.get("join_timeout_secs", 900.0)),
+            group_name=str(data.get("group_name", DEFAULT_GROUP_NAME)),
+        )
+
+    @classmethod
     def from_json(cls, raw: str) -> DataPlaneSpec:
         """Raises ValueError naming what is wrong."""
         try:
-            data = json.loads(raw)
-            return cls(
-                master_address=str(data["master_address"]),
-                master_port=int(data["master_port"]),
-                trainer_ranks=int(data["trainer_ranks"]),
-                engines=tuple(
-                    EngineRanks(id=str(e["id"]), tp=int(e["tp"]), first_rank=int(e["first_rank"]))
-                    for e in data["engines"]
-                ),
-                backend=_backend(data.get("backend", "gloo")),
-                batch_size=int(data.get("batch_size", 8)),
-                aux_layers=tuple(int(k) for k in data.get("aux_layers", ())),
-                dtype=data.get("dtype"),
-                timeout_secs=float(data.get("timeout_secs", 300.0)),
-                join_timeout_secs=float(data.get("join_timeout_secs", 900.0)),
-                group_name=str(data.get("group_name", DEFAULT_GROUP_NAME)),
-            )
+            return cls.from_dict(json.loads(raw))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{DATA_PLANE_ENV} is not a data plane spec: {type(exc).__name__}: {exc}") from None
 

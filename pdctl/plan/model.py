@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -20,6 +20,26 @@ def url_host(host: str) -> str:
     if host == "localhost":
         return "127.0.0.1"
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeptArgs:
+    """What a switched engine's process keeps from its old group until its next restart (SGLang keeps a
+    process's args across a role switch): ``args`` is ``{flag: [its value, its new group's value]}``,
+    true while process ``pid`` runs (``pdctl status`` shows them then)."""
+
+    pid: int | None
+    args: Mapping[str, tuple[str | None, str | None]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, as ``from_dict`` reads it back."""
+        return {"pid": self.pid, "args": {flag: list(pair) for flag, pair in self.args.items()}}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> KeptArgs:
+        """The record ``to_dict`` wrote."""
+        args = raw.get("args") or {}
+        return cls(pid=raw.get("pid"), args=MappingProxyType({f: (v[0], v[1]) for f, v in args.items()}))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +74,11 @@ class LaunchSpec:
     peer_weights: Mapping[str, Any] | None = None
     """An engine's part in weights from a peer (pdctl.node.peer_weights ``PeerPlan.to_dict()``): its
     supervisor starts it from a peer that holds the fleet's weights, and relays its own seed side."""
+    switched: bool = False
+    """In a running cluster's plan only: the process took this role by a live switch (pdctl.cluster.switch)
+    and runs its old group's soft flags until its next restart."""
+    kept_args: KeptArgs | None = None
+    """In a running cluster's plan only: the soft flags a switched process kept (``status`` shows them)."""
 
     @property
     def url(self) -> str | None:
@@ -91,6 +116,8 @@ class LaunchSpec:
             "liveness_secs": self.liveness_secs,
             "peer_weights": None if self.peer_weights is None else dict(self.peer_weights),
             "url": self.url,
+            **({"switched": True} if self.switched else {}),
+            **({"kept_args": self.kept_args.to_dict()} if self.kept_args is not None else {}),
         }
 
     @classmethod
@@ -115,6 +142,8 @@ class LaunchSpec:
             restart=RestartPolicy(raw.get("restart", RestartPolicy.NEVER.value)),
             liveness_secs=raw.get("liveness_secs"),
             peer_weights=raw.get("peer_weights"),
+            switched=bool(raw.get("switched", False)),
+            kept_args=KeptArgs.from_dict(raw["kept_args"]) if raw.get("kept_args") else None,
         )
 
 
@@ -159,6 +188,23 @@ class EngineSpec:
             "switch_group": self.switch_group,
         }
 
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> EngineSpec:
+        """The engine ``to_dict`` wrote (a state file's plan)."""
+        return cls(
+            id=raw["id"],
+            group=raw["group"],
+            role=Role(raw["role"]),
+            tp=int(raw["tp"]),
+            gpus=int(raw["gpus"]),
+            process_ids=tuple(raw["process_ids"]),
+            url=raw["url"],
+            bootstrap_port=raw.get("bootstrap_port"),
+            rank_offset=raw.get("rank_offset"),
+            role_switch=bool(raw.get("role_switch", False)),
+            switch_group=raw.get("switch_group"),
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightGroup:
@@ -191,6 +237,20 @@ class WeightGroup:
             ],
         }
 
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> WeightGroup:
+        """The group ``to_dict`` wrote; its engine list is the plan's (``to_dict`` derives it)."""
+        return cls(
+            master_address=raw["master_address"],
+            master_port=int(raw["master_port"]),
+            world_size=int(raw["world_size"]),
+            group_name=raw["group_name"],
+            backend=raw["backend"],
+            bucket_mb=int(raw["bucket_mb"]),
+            refit=raw.get("refit", "drain"),
+            max_staleness=raw.get("max_staleness"),
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MpsDaemon:
@@ -204,26 +264,35 @@ class MpsDaemon:
         """The daemon as JSON-ready data."""
         return {"node": self.node, "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
 
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> MpsDaemon:
+        """The daemon ``to_dict`` wrote."""
+        return cls(node=raw["node"], pipe_dir=raw["pipe_dir"], log_dir=raw["log_dir"])
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """Everything ``up`` will do. Pure data; deterministic for a given topology."""
+    """Everything ``up`` will do. Pure data; deterministic for a given topology.
 
-    name: str
-    engine: str
-    processes: tuple[LaunchSpec, ...]
-    engines: tuple[EngineSpec, ...]
-    router_id: str
-    weight_group: WeightGroup | None
+    A running cluster's state holds its plan as it runs now (``ClusterState.plan``): a day-2 step
+    (``apply``, ``switch``, ``restart``) builds a new one (``with_unit``, ``without_unit``) rather than
+    editing it. ``Plan()`` is the empty plan of a state that has none yet."""
+
+    name: str = ""
+    engine: str = ""
+    processes: tuple[LaunchSpec, ...] = ()
+    engines: tuple[EngineSpec, ...] = ()
+    router_id: str = ""
+    weight_group: WeightGroup | None = None
     warnings: tuple[Issue, ...] = ()
     api_key_env: str | None = None
     """The variable holding the router's API key on the control machine (the name only; never the key)."""
     mps: tuple[MpsDaemon, ...] = ()
     """Colocate with MPS: one daemon per node with GPU processes, started before any of them."""
     trainer_first: bool = False
+    """Colocate: the trainer starts first, so it claims its memory share before engines size their pools."""
     trainer_startup_secs: float = 10.0
     """How long ``up`` watches the trainer after its start (``trainer.startup_secs``)."""
-    """Colocate: the trainer starts first, so it claims its memory share before engines size their pools."""
     refit: str = "drain"
     """``weights.refit``: how updates (a trainer's push, ``pdctl weights load``) treat requests in flight."""
     max_staleness: int | None = None
@@ -241,6 +310,41 @@ class Plan:
                 return spec
         raise KeyError(f"no process {process_id!r} in plan {self.name!r}")
 
+    def process_map(self) -> dict[str, LaunchSpec]:
+        """Its processes by id, in plan order (one pass: a caller that looks up many builds it once)."""
+        return {spec.id: spec for spec in self.processes}
+
+    def engine_map(self) -> dict[str, EngineSpec]:
+        """Its engines by id, in plan order."""
+        return {engine.id: engine for engine in self.engines}
+
+    def order(self) -> dict[str, int]:
+        """Each process id's place in plan order (prefill, decode, router, trainer), for sorting."""
+        return {spec.id: i for i, spec in enumerate(self.processes)}
+
+    def unit_processes(self, unit: str) -> tuple[LaunchSpec, ...]:
+        """The processes of lifecycle unit ``unit`` (an engine id, or a process's own id)."""
+        return tuple(spec for spec in self.processes if (spec.engine_id or spec.id) == unit)
+
+    def without_unit(self, unit: str) -> Plan:
+        """This plan without engine ``unit`` and its processes."""
+        return replace(
+            self,
+            processes=tuple(p for p in self.processes if (p.engine_id or p.id) != unit),
+            engines=tuple(e for e in self.engines if e.id != unit),
+        )
+
+    def with_unit(self, engine: EngineSpec | None, processes: tuple[LaunchSpec, ...], *, replacing: str) -> Plan:
+        """This plan with unit ``replacing`` (and its processes) gone, then ``processes`` and ``engine``
+        (when given) added at the end: what runs once a step has started, replaced or switched it."""
+        rest = self.without_unit(replacing)
+        ids = {p.id for p in processes}
+        return replace(
+            rest,
+            processes=(*(p for p in rest.processes if p.id not in ids), *processes),
+            engines=(*rest.engines, engine) if engine is not None else rest.engines,
+        )
+
     @property
     def router(self) -> LaunchSpec:
         """The router's process."""
@@ -253,10 +357,11 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data: what ``pdctl plan --json`` prints and the state file keeps."""
+        router_url = self.router.url if self.router_id else None
         return {
             "name": self.name,
             "engine": self.engine,
-            "router": {"id": self.router_id, "url": self.router.url, "api_key_env": self.api_key_env},
+            "router": {"id": self.router_id, "url": router_url, "api_key_env": self.api_key_env},
             "processes": [p.to_dict() for p in self.processes],
             "engines": [e.to_dict() for e in self.engines],
             "weight_group": self.weight_group.to_dict(self.engines) if self.weight_group else None,
@@ -269,3 +374,31 @@ class Plan:
             "engine_auth": self.engine_auth,
             "planner": dict(self.planner) if self.planner is not None else None,
         }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Plan:
+        """The plan ``to_dict`` wrote (a state file's), read once into its types; ``{}`` is ``Plan()``.
+        Raises ``KeyError``, ``TypeError`` or ``ValueError`` on data that does not hold a plan."""
+        if not raw:
+            return cls()
+        router = raw.get("router") or {}
+        refit = raw.get("refit") or {}
+        group, data_plane = raw.get("weight_group"), raw.get("data_plane")
+        return cls(
+            name=raw["name"],
+            engine=raw["engine"],
+            processes=tuple(LaunchSpec.from_dict(p) for p in raw.get("processes", ())),
+            engines=tuple(EngineSpec.from_dict(e) for e in raw.get("engines", ())),
+            router_id=router.get("id", ""),
+            weight_group=WeightGroup.from_dict(group) if group else None,
+            warnings=tuple(Issue(path=w["path"], message=w["message"]) for w in raw.get("warnings", ())),
+            api_key_env=router.get("api_key_env"),
+            mps=tuple(MpsDaemon.from_dict(d) for d in raw.get("mps", ())),
+            trainer_first=bool(raw.get("trainer_first", False)),
+            trainer_startup_secs=float(raw.get("trainer_startup_secs", 10.0)),
+            refit=refit.get("mode", "drain"),
+            max_staleness=refit.get("max_staleness"),
+            data_plane=DataPlaneSpec.from_dict(data_plane) if data_plane else None,
+            engine_auth=raw.get("engine_auth", "key"),
+            planner=MappingProxyType(dict(raw["planner"])) if raw.get("planner") is not None else None,
+        )

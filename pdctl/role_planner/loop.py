@@ -44,7 +44,7 @@ def observe(state: ClusterState, samples: list[Sample]) -> Observation:
     """The interval that ``samples`` (two or more, in time order) span, as the planner reads it."""
     before, after = samples[0], samples[-1]
     dt = max(after.at - before.at, 1e-6)
-    engines = {e["id"]: e for e in state.plan.get("engines", [])}
+    engines = state.plan.engine_map()
     loads = []
     ttft: dict[float, float] = {}
     itl: dict[float, float] = {}
@@ -60,9 +60,9 @@ def observe(state: ClusterState, samples: list[Sample]) -> Observation:
         said = [r for r in running if r is not None]  # (an SGLang without /v1/loads says it in /metrics only)
         loads.append(
             EngineLoad(
-                engine["id"],
+                engine.id,
                 rec.role,
-                bool(engine.get("role_switch") and engine.get("switch_group")),
+                bool(engine.role_switch and engine.switch_group),
                 now.reach == "up",
                 waiting_at(rec.role, now),
                 sum(said) / len(said) if said else 0.0,
@@ -221,6 +221,6 @@ async def _report(
 
 def planner_config(state: ClusterState, overrides: dict[str, Any]) -> PlannerConfig:
     """The cluster's ``planner:`` section (from its plan), with ``overrides`` (the command's flags) on top."""
-    raw = dict(state.plan.get("planner") or {})
+    raw = dict(state.plan.planner or {})
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return PlannerConfig.from_dict(raw)

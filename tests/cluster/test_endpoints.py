@@ -23,9 +23,7 @@ from tests.conftest import REPO
 def state_of(topology: str) -> ClusterState:
     top, _ = load_topology(REPO / "topologies" / topology)
     plan = make_plan(top)
-    return ClusterState(
-        "rl-frameworks", "run", Phase.UP, [], plan.router.url if plan.router else None, plan=plan.to_dict()
-    )
+    return ClusterState("rl-frameworks", "run", Phase.UP, [], plan.router.url if plan.router else None, plan=plan)
 
 
 def test_rank_offsets_follow_the_facades_order_for_mixed_tp() -> None:
@@ -48,10 +46,10 @@ def test_the_router_gives_the_same_offsets() -> None:
     exactly as ``pdctl endpoints`` prints it."""
     state = state_of("rl-frameworks-sim.yaml")
     registry = WorkerRegistry(RouterConfig(pd_disaggregation=True))
-    decodes_first = sorted(state.plan["engines"], key=lambda e: e["role"] != "decode")  # order given: decode first
+    decodes_first = sorted(state.plan.engines, key=lambda e: e.role != "decode")  # order given: decode first
     for e in decodes_first:
-        registry.add(e["url"], e["role"], e.get("bootstrap_port"))
-    infos = {e["url"]: {"tp_size": e["tp"]} for e in state.plan["engines"]}
+        registry.add(e.url, e.role.value, e.bootstrap_port)
+    infos = {e.url: {"tp_size": e.tp} for e in state.plan.engines}
     spec = InitGroup(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=6)
     laid = {m.url: m.rank_offset for m in layout(spec, registry.workers.values(), infos)}
     assert laid == {e.url: e.rank_offset for e in endpoints(state).engines}

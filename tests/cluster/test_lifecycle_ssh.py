@@ -327,14 +327,14 @@ def test_apply_moves_an_engine_to_a_host_with_another_address(clean_hosts, pdctl
     top = topology(clean_hosts, name="mv")
     state = up(top, make_plan(top), ready_timeout_secs=120)
     try:
-        old = next(e["url"] for e in state.plan["engines"] if e["id"] == "decode-0")
+        old = next(e.url for e in state.plan.engines if e.id == "decode-0")
         moved = topology(clean_hosts, name="mv", decode_node="h0")
         changes = apply(moved, ready_timeout_secs=120)
         assert [(c.kind, c.unit) for c in changes.changes] == [("replace", "decode-0")], changes.text()
         st = status("mv")
         assert st.ok, st
         urls = {w["url"] for w in st.router_workers}
-        new = next(e["url"] for e in StateStore().load("mv").plan["engines"] if e["id"] == "decode-0")
+        new = next(e.url for e in StateStore().load("mv").plan.engines if e.id == "decode-0")
         assert new != old and new in urls and old not in urls, (old, new, urls)
         code, out = post(state.router_url + "/generate", {"text": "moved", "sampling_params": {"max_new_tokens": 4}})
         assert code == 200, out

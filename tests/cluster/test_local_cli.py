@@ -10,32 +10,8 @@ import sys
 from pathlib import Path
 
 import psutil
-import yaml
 
-from tests.helpers import engine_auth, eventually, free_port_base, get, post
-
-
-def pdctl(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pdctl", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def local_topology(tmp_path, name: str, base: int, **sections) -> str:
-    """A one-node localhost sim topology with a prefill and a decode; ``sections`` override."""
-    topo = tmp_path / f"{name}.yaml"
-    body = {
-        "name": name,
-        "model": {"path": "sim://tiny"},
-        "engine": "sim",
-        "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}],
-        "ports": {"base": base},
-        "prefill": {},
-        "decode": {},
-        **sections,
-    }
-    topo.write_text(yaml.safe_dump(body))
-    return str(topo)
+from tests.helpers import engine_auth, eventually, free_port_base, get, local_topology, pdctl, post
 
 
 def test_local_cli_round_trip(tmp_path) -> None:
@@ -151,6 +127,8 @@ def test_ctrl_c_during_up_stops_everything(tmp_path) -> None:
 
 def test_logs_follow_sees_new_lines(tmp_path) -> None:
     from pdctl.cluster import ClusterState, StateStore, logs
+    from pdctl.plan import LaunchSpec, Plan
+    from pdctl.roles import Role
 
     log = tmp_path / "runs" / "p.log"
     log.parent.mkdir(parents=True)
@@ -171,7 +149,20 @@ def test_logs_follow_sees_new_lines(tmp_path) -> None:
             run_id="r",
             status="up",
             nodes=[node],
-            plan={"processes": [{"id": "p", "node": "me", "log_path": str(log)}]},
+            plan=Plan(
+                processes=(
+                    LaunchSpec(
+                        id="p",
+                        role=Role.DECODE,
+                        node="me",
+                        host="127.0.0.1",
+                        argv=(),
+                        env={},
+                        cwd=str(tmp_path),
+                        log_path=str(log),
+                    ),
+                )
+            ),
         )
     )
     polls = []

@@ -12,7 +12,7 @@ from pdctl.cluster.state import ClusterState, Phase, declared_of
 from pdctl.plan import make_plan
 from pdctl.topology import load_topology_text
 from tests.conftest import yaml_text
-from tests.topology.test_validate import one_error
+from tests.helpers import one_error
 
 HEAD = (
     "name: c\nmodel: {path: sim://tiny}\nengine: sim\nnodes: [{name: n0, host: 127.0.0.1, gpus: 4}]\n"
@@ -73,9 +73,7 @@ def test_apply_refuses_to_change_the_union_world_of_a_running_cluster() -> None:
     trainer in a world its new engines can never join."""
     running, _ = load_topology_text(yaml_text(HEAD + "regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 4}"))
     plan = make_plan(running)
-    state = ClusterState(
-        name="c", run_id="r", status=Phase.UP, nodes=[], plan=plan.to_dict(), declared=declared_of(running)
-    )
+    state = ClusterState(name="c", run_id="r", status=Phase.UP, nodes=[], plan=plan, declared=declared_of(running))
     json.dumps(state.declared)  # (kept in the state file)
     for change in ("regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 8}",
                    "regular: {replicas: 2, tp: 2}\n" + COLO % "{batch_size: 4, aux_layers: [1]}",
