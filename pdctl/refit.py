@@ -48,6 +48,9 @@ DEFAULT_LEASE_SECS = 30.0
 """How long the router waits for a silent transaction (its trainer died) before it gives up on it."""
 DEFAULT_HOLD_TIMEOUT_SECS = 300.0
 """How long a drain may take before the hold answers 504."""
+DEFAULT_BUCKET_MB = 1024
+"""The one home of ``weights.bucket_mb``'s default (bytes per update call, in MiB): the topology
+(pdctl.topology.model, its schema) and ``pdctl.weights`` read it from here."""
 
 UPDATING_LABEL = "pdctl:updating:"
 """The weight version label an engine carries while a fleet transaction moves its weights

@@ -43,9 +43,9 @@ def planner(
     planner.jsonl (`--history`, `pdctl status`, `pdctl top`) and counted by the router
     (pdctl_planner_decisions_total). Settings: the topology's `planner:` section.
     """
+    from pdctl.cluster.planner_loop import PlannerLoop, planner_config
     from pdctl.cluster.planner_record import recent_decisions
     from pdctl.role_planner.config import PlannerMode
-    from pdctl.role_planner.loop import PlannerLoop, planner_config
 
     store = StateStore()
     name = store.resolve_name(name)

@@ -102,7 +102,7 @@ class ClusterStatus:
     """What holds the router's new requests now (a framework's pause, a push), as the router says:
     ``reason`` in words, ``since`` (epoch seconds), ``secs``."""
     planner: list[dict[str, Any]] = field(default_factory=list)
-    """The P:D planner's latest decisions (``pdctl planner``; pdctl.role_planner.loop), oldest first."""
+    """The P:D planner's latest decisions (``pdctl planner``; pdctl.cluster.planner_loop), oldest first."""
     planner_process: dict[str, Any] | None = None
     """The planner ``up`` started (pdctl.cluster.planner_process.describe), if any."""
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pdctl.choices import Choice
-from pdctl.refit import RefitMode
+from pdctl.refit import DEFAULT_BUCKET_MB, RefitMode
 from pdctl.role_planner.config import PlannerConfig
 from pdctl.roles import RestartPolicy, Role
 
@@ -251,9 +251,6 @@ class TrainerConfig:
     """How long ``up`` watches it after its start: an exit with an error in that time fails ``up``."""
 
 
-DEFAULT_BUCKET_MB = 1024
-"""The one home of ``weights.bucket_mb``'s default: the schema (pdctl.topology.schema) and
-``pdctl.weights`` read it from here."""
 
 
 class EngineAuth(Choice):

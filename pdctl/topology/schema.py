@@ -32,8 +32,8 @@ def topology_schema() -> dict[str, Any]:
     """The topology JSON Schema (draft 2020-12), shipped as package data, with ``router``'s
     setting groups (``retry``, ``breaker``, ``admission``, ``health``, ``cache``) added from the
     router's own settings table (pdctl.router.config.SETTINGS): one definition, one set of defaults."""
+    from pdctl.refit import DEFAULT_BUCKET_MB
     from pdctl.router.config import SETTINGS
-    from pdctl.topology.model import DEFAULT_BUCKET_MB
 
     text = resources.files("pdctl").joinpath("schemas/topology.schema.json").read_text()
     schema = json.loads(text)

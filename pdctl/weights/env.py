@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdctl.refit import RefitMode, parse_staleness
+from pdctl.refit import DEFAULT_BUCKET_MB, RefitMode, parse_staleness
 from pdctl.sglang import DEFAULT_GROUP_NAME
-from pdctl.topology.model import DEFAULT_BUCKET_MB
 
 WEIGHT_GROUP_ENV = "PDCTL_WEIGHT_GROUP"
 ROUTER_URL_ENV = "PDCTL_ROUTER_URL"

@@ -124,8 +124,8 @@ def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
 def test_a_decode_whose_room_waits_for_prefills_is_not_the_bottleneck() -> None:
     """Room held by requests whose KV has not come (the transfer queue) is the prefills'
     shortage: a decode's prealloc queue counts only in the share of its room that decodes."""
+    from pdctl.cluster.planner_loop import waiting_at
     from pdctl.cluster.sampling import EngineSample
-    from pdctl.role_planner.loop import waiting_at
 
     starved = EngineSample("up", running=1, queued=8, prealloc=8, transfer=15)
     assert waiting_at(D, starved) == 0.5
