@@ -121,8 +121,8 @@ class DataPlaneSpec:
             batch_size=int(data.get("batch_size", 8)),
             aux_layers=tuple(int(k) for k in data.get("aux_layers", ())),
             dtype=data.get("dtype"),
-            timeout_secs=float(data.get("timeout_secs", 300.0)),
-            join_timeout_secs=float(data.get("join_timeout_secs", 900.0)),
+            timeout_secs=_secs(data.get("timeout_secs", 300.0)),
+            join_timeout_secs=_secs(data.get("join_timeout_secs", 900.0)),
             group_name=str(data.get("group_name", DEFAULT_GROUP_NAME)),
         )
 
@@ -144,6 +144,14 @@ class DataPlaneSpec:
 
 
 BACKENDS = ("cuda_ipc", "gloo")
+
+
+def _secs(value: object) -> float:
+    """A number of seconds as written (an int stays an int, so a spec read back writes the same
+    bytes); anything else through ``float`` (ValueError or TypeError when it is no number)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value
+    return float(value)  # type: ignore[arg-type]
 
 
 def _backend(value: object) -> str:

@@ -230,10 +230,9 @@ class WeightGroup:
             "bucket_mb": self.bucket_mb,
             "refit": self.refit,
             "max_staleness": self.max_staleness,
-            "engines": [
+            "engines": [  # in rank order (a switched engine keeps its ranks and takes a new id)
                 {"id": e.id, "url": e.url, "rank_offset": e.rank_offset, "gpus": e.gpus}
-                for e in engines
-                if e.rank_offset is not None
+                for e in sorted((e for e in engines if e.rank_offset is not None), key=lambda e: e.rank_offset or 0)
             ],
         }
 
@@ -383,6 +382,8 @@ class Plan:
             return cls()
         router = raw.get("router") or {}
         refit = raw.get("refit") or {}
+        if isinstance(refit, str):  # (a state written before max_staleness joined the mode)
+            refit = {"mode": refit}
         group, data_plane = raw.get("weight_group"), raw.get("data_plane")
         return cls(
             name=raw["name"],
@@ -395,7 +396,7 @@ class Plan:
             api_key_env=router.get("api_key_env"),
             mps=tuple(MpsDaemon.from_dict(d) for d in raw.get("mps", ())),
             trainer_first=bool(raw.get("trainer_first", False)),
-            trainer_startup_secs=float(raw.get("trainer_startup_secs", 10.0)),
+            trainer_startup_secs=raw.get("trainer_startup_secs", 10.0),
             refit=refit.get("mode", "drain"),
             max_staleness=refit.get("max_staleness"),
             data_plane=DataPlaneSpec.from_dict(data_plane) if data_plane else None,

@@ -251,8 +251,6 @@ class TrainerConfig:
     """How long ``up`` watches it after its start: an exit with an error in that time fails ``up``."""
 
 
-
-
 class EngineAuth(Choice):
     """``engine_auth``: whether engines ask callers for the cluster's engine key."""
 

@@ -45,3 +45,30 @@ def test_corrupt_state_is_a_clear_error(tmp_path) -> None:
     store.path("x").write_text("{not json")
     with pytest.raises(LifecycleError, match="unreadable"):
         store.load("x")
+
+
+def test_the_plan_is_read_into_its_types_and_written_back_byte_for_byte() -> None:
+    """Every shipped topology's plan, held typed in the state (issue 60 item 4), writes the bytes
+    the dict held before (the JSON ``Plan.to_dict`` makes, ASCII, ints kept ints), and survives a
+    load and a save unchanged; an infinite wait and a state of the older ``refit`` form read back."""
+    import dataclasses
+    import json
+    import math
+
+    from pdctl.cluster.state import Phase
+    from pdctl.plan import load_plan
+    from tests.conftest import TOPOLOGIES
+
+    for path in TOPOLOGIES:
+        plan = load_plan(path).plan
+        state = ClusterState(name="c", run_id="r", status=Phase.UP, nodes=[], plan=plan, source="topologies/café.yaml")
+        text = state.to_json()
+        assert json.loads(text)["plan"] == json.loads(json.dumps(plan.to_dict())), path.name
+        assert text.isascii() and ClusterState.from_json(text).to_json() == text, path.name
+    assert len(TOPOLOGIES) >= 10
+    forever = dataclasses.replace(plan, trainer_startup_secs=math.inf)
+    text = ClusterState(name="c", run_id="r", status=Phase.UP, nodes=[], plan=forever).to_json()
+    assert ClusterState.from_json(text).plan.trainer_startup_secs == math.inf
+    older = json.loads(text)
+    older["plan"]["refit"] = "interrupt"
+    assert ClusterState.from_json(json.dumps(older)).plan.refit == "interrupt"
