@@ -99,7 +99,7 @@ def exchange(
     except urllib.error.HTTPError as exc:  # an answer all the same
         try:
             raw = exc.read()
-        except OSError:  # the error's body broke off: its status is still the answer
+        except (OSError, http.client.HTTPException):  # the error's body broke off: its status is still the answer
             raw = b""
         return Answer(exc.code, raw)
     except http.client.HTTPException as exc:  # a broken answer (BadStatusLine, IncompleteRead): no answer
