@@ -13,10 +13,12 @@ the next interval: the bottleneck streak stands until a switch is made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -129,6 +131,26 @@ async def _interval(sampler: Sampler, secs: float, stop: threading.Event) -> lis
     return samples
 
 
+@contextlib.contextmanager
+def _interrupt_where_it_lands() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt at once, even under asyncio.run, which installs its own handler
+    (cancel the main task) only over Python's default one. Main thread only; restored after."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def raise_interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class PlannerLoop:
     """The planner of one cluster (``run`` until ``stop`` is set)."""
 
@@ -141,8 +163,15 @@ class PlannerLoop:
         self.stop = threading.Event()
 
     def run(self, intervals: int | None = None, told: Callable[[Decision], None] | None = None) -> None:
-        """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode."""
-        asyncio.run(self._run(intervals, told))
+        """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode.
+
+        A Ctrl-C raises KeyboardInterrupt where it lands, as in every pdctl command: in the middle of
+        a switch, the switch's own handling undoes it (while it drains) or finishes it (once the
+        engine was asked). Under asyncio.run's own SIGINT handler it would only cancel the loop's
+        task at its next await, after a switch that may drain for minutes (seen: a Ctrl-C during
+        the drain, and the planner switched the engine, then stopped)."""
+        with _interrupt_where_it_lands():
+            asyncio.run(self._run(intervals, told))
 
     async def _run(self, intervals: int | None, told: Callable[[Decision], None] | None) -> None:
         done = 0

@@ -98,12 +98,21 @@ class Clients:
 
 
 def interrupted(
-    *args: str, at: str, env: dict, timeout: float = 180, sig: signal.Signals = signal.SIGINT
+    *args: str,
+    at: str,
+    env: dict,
+    timeout: float = 180,
+    sig: signal.Signals = signal.SIGINT,
+    command: list[str] | None = None,
 ) -> tuple[int, str]:
-    """Run ``pdctl ARGS``; send it ``sig`` (SIGINT: a Ctrl-C) once a progress line containing ``at``
-    appears (its exit code and output). Fails when the command ends before that line."""
+    """Run ``pdctl ARGS`` (or ``command``); send it ``sig`` (SIGINT: a Ctrl-C) once a progress line
+    containing ``at`` appears (its exit code and output). Fails when the command ends before that line."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdctl", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command or [sys.executable, "-m", "pdctl", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     seen: list[str] = []
     sent = threading.Event()

@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,13 +123,9 @@ def test_apply_moves_the_split_both_ways_under_load_without_a_restart(cluster) -
     assert pdctl("apply", topo, "--dry-run", env=env).stdout.strip().endswith("nothing to do")
 
 
-def test_a_busy_engine_refuses_and_the_fleet_stays_as_it_was(cluster) -> None:
-    """A request sent to decode-0 directly (a framework that talks to engines) waits for KV that
-    never comes: SGLang switches only an idle engine, so the switch is refused, decode-0 serves on
-    as a decode, back in rotation, and the error says why."""
-    env, name, _ = cluster
-    st = _status(env)
-    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+def _kept_busy(name: str, env: dict, st: dict) -> socket.socket:
+    """A request sent to decode-0 directly (a framework that talks to engines), waiting for KV that
+    never comes: decode-0 is busy until the returned connection closes (the engine aborts it)."""
     decode = next(p for p in st["processes"] if p["id"] == "decode-0")
     prefill = next(p for p in st["processes"] if p["id"] == "prefill-0")
     body = json.dumps(
@@ -142,12 +140,31 @@ def test_a_busy_engine_refuses_and_the_fleet_stays_as_it_was(cluster) -> None:
     host, port = decode["url"].removeprefix("http://").split(":")
     auth = engine_auth(name, env["PDCTL_HOME"])["Authorization"]
     waiting = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    waiting.sendall(head.encode() + body)
+    eventually(lambda: _busy(decode["url"], name, env), 60, interval=0.02, what="decode-0 holding the request")
+    return waiting
+
+
+def _busy(url: str, name: str, env: dict) -> bool:
+    state = get(url + "/server_info", headers=engine_auth(name, env["PDCTL_HOME"]))[1]["internal_states"][0]
+    held = ("num_running_reqs", "num_queue_reqs", "num_reserved_decode_slots", "num_decode_prealloc_queue_reqs")
+    return sum(state.get(k) or 0 for k in held) >= 1
+
+
+def test_a_busy_engine_refuses_and_the_fleet_stays_as_it_was(cluster) -> None:
+    """A request sent to decode-0 directly waits for KV that never comes: SGLang switches only an
+    idle engine, so the switch is refused, decode-0 serves on as a decode, back in rotation, and
+    the error says why."""
+    env, name, _ = cluster
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    decode = next(p for p in st["processes"] if p["id"] == "decode-0")
+    waiting = _kept_busy(name, env, st)
     try:
-        head = (
-            f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        )
-        waiting.sendall(head.encode() + body)
         refused = pdctl("switch", name, "decode-0", "prefill", env=env)
         assert refused.returncode == 1, refused.stdout + refused.stderr
         assert "instance is not idle" in refused.stderr and "serves on as decode" in refused.stderr, refused.stderr
@@ -159,6 +176,42 @@ def test_a_busy_engine_refuses_and_the_fleet_stays_as_it_was(cluster) -> None:
     after = _status(env)
     assert after["ok"] is True, after
     assert {e["id"] for e in after["engines"]} == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+
+
+def test_the_planner_retries_a_switch_a_busy_engine_refused(cluster) -> None:
+    """The P:D planner acts through `pdctl switch`'s code (issue 58): on a real engine kept busy, its
+    switch is refused, recorded as such, and the engine serves on in rotation; tried again once the
+    engine is idle (the next interval), it goes through."""
+    import asyncio
+
+    from pdctl.cluster.planner_loop import PlannerLoop
+    from pdctl.cluster.state import StateStore
+    from pdctl.role_planner.config import PlannerConfig
+    from pdctl.role_planner.decide import Action, Decision
+    from pdctl.roles import Role
+
+    env, name, _ = cluster
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    url = next(p["url"] for p in st["processes"] if p["id"] == "decode-0")
+    loop = PlannerLoop(name, PlannerConfig.from_dict({"mode": "act"}), StateStore(Path(env["PDCTL_HOME"])))
+    decision = Decision(Action.SWITCH, "the prefills hold the fleet back", engine="decode-0", to_role=Role.PREFILL)
+    waiting = _kept_busy(name, env, st)
+    try:
+        outcome, said = asyncio.run(loop._act(decision))
+        assert outcome == "refused" and "instance is not idle" in said, said
+        assert _roles(router, name, env)[url] == "decode"
+        eventually(lambda: _in_rotation(router, name, env, 4), 60, what="decode-0 back in rotation, busy")
+    finally:
+        waiting.close()
+    tries = []
+    eventually(lambda: tries.append(asyncio.run(loop._act(decision))) or tries[-1][0] == "switched", 60,
+               what=lambda: f"the switch once decode-0 is idle ({tries[-1:]})")  # fmt: skip
+    assert all(outcome == "refused" for outcome, _ in tries[:-1]), tries
+    assert _roles(router, name, env)[url] == "prefill" and tries[-1][1] == "switched: decode-0 is prefill-2"
+    back = pdctl("switch", name, "prefill-2", "decode", env=env)
+    assert back.returncode == 0 and "prefill-2 is decode decode-0" in back.stdout, back.stdout + back.stderr
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation")
 
 
 def test_a_switched_engine_restarts_in_its_new_role(cluster) -> None:
@@ -221,6 +274,64 @@ def test_ctrl_c_while_a_switch_drains_strands_nothing(cluster, sig) -> None:
     back = pdctl("switch", name, engine["id"], "decode", env=env)
     assert back.returncode == 0, back.stderr
     assert _roles(router, name, env)[url] == "decode"
+
+
+PLANNER_ACTS = """
+import sys
+from pdctl.cluster.planner_loop import PlannerLoop
+from pdctl.cluster.state import StateStore
+from pdctl.role_planner.config import PlannerConfig
+from pdctl.role_planner.decide import Action, Decision
+from pdctl.roles import Role
+from pdctl.signals import interrupt_on_every_stop_signal
+
+interrupt_on_every_stop_signal()  # as pdctl's entry point does for every command
+name, engine, role = sys.argv[1:]
+loop = PlannerLoop(name, PlannerConfig.from_dict({"mode": "act", "interval_secs": 0.5}), StateStore(),
+                   events=lambda process, message: print(f"{process}: {message}", flush=True))
+decision = Decision(Action.SWITCH, "the test's bottleneck", engine=engine, to_role=Role(role))
+loop.planner.decide = lambda observation: decision  # the rest is the planner's: sample, act, record, report
+try:  # as `pdctl planner` runs it (pdctl/cli/planner_cmds.py)
+    loop.run(1)
+except KeyboardInterrupt:
+    loop.stop.set()
+    print("planner stopped", flush=True)
+"""
+"""The P:D planner's loop, one interval, its decision given (a load that makes one is minutes of a
+costed fleet: tests/role_planner/test_planner_cluster.py)."""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_the_planner_switches_strands_nothing(cluster, sig) -> None:
+    """Ctrl-C (or kill) of the P:D planner while its switch drains decode-0 (issue 58): the switch's
+    own handling undoes it, the planner stops cleanly, status tells the truth, the router and the
+    state agree on the engine's role, and the planner's next try goes through."""
+    env, name, _ = cluster
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    url = next(p["url"] for p in st["processes"] if p["id"] == "decode-0")
+    planner = [sys.executable, "-c", PLANNER_ACTS, name, "decode-0", "prefill"]
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(4) as pool:
+        long = [pool.submit(post, router + "/generate", body, timeout=120) for _ in range(4)]
+        eventually(lambda: _running(url, name, env), 60, interval=0.02, what="decode-0 running a long request")
+        code, out = interrupted(at="switching to prefill", env=env, sig=sig, command=planner)
+        assert "Traceback" not in out, out
+        assert (code, out.splitlines()[-1]) == (0, "planner stopped"), out
+        assert all(f.result()[0] == 200 for f in long)
+    code, st = settle(env, name)
+    assert code == 0, json.dumps(st)
+    ids = {e["id"] for e in st["engines"]}
+    assert _roles(router, name, env)[url] == "decode" and ids == {"prefill-0", "prefill-1", "decode-0", "decode-1"}, (
+        ids,
+        out,
+    )
+    again = subprocess.run(planner, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "switched: decode-0 is prefill-2" in again.stdout, again.stdout + again.stderr
+    assert _roles(router, name, env)[url] == "prefill"
+    back = pdctl("switch", name, "prefill-2", "decode", env=env)
+    assert back.returncode == 0, back.stderr
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation")
 
 
 def _running(url: str, name: str, env: dict) -> bool:
