@@ -321,10 +321,6 @@ class Plan:
         """Each process id's place in plan order (prefill, decode, router, trainer), for sorting."""
         return {spec.id: i for i, spec in enumerate(self.processes)}
 
-    def unit_processes(self, unit: str) -> tuple[LaunchSpec, ...]:
-        """The processes of lifecycle unit ``unit`` (an engine id, or a process's own id)."""
-        return tuple(spec for spec in self.processes if (spec.engine_id or spec.id) == unit)
-
     def without_unit(self, unit: str) -> Plan:
         """This plan without engine ``unit`` and its processes."""
         return replace(
