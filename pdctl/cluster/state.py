@@ -191,7 +191,9 @@ class StateStore:
             return None
         try:
             return ClusterState.from_json(path.read_text())
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except KeyError as exc:
+            raise LifecycleError(f"state file {path} is unreadable: a missing key {exc}") from exc
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise LifecycleError(f"state file {path} is unreadable: {exc}") from exc
 
     def save(self, state: ClusterState) -> None:
