@@ -294,6 +294,14 @@ class RouterControl:
         self.client = JsonClient(api_key=key, timeout_secs=DRAIN_TIMEOUT_SECS + 30)
         self.url = state.router_url or ""
 
+    @classmethod
+    def at(cls, url: str, key: str | None) -> RouterControl:
+        """The router at ``url``, called with ``key`` (no cluster's state: a router of one's own)."""
+        control = cls.__new__(cls)
+        control.keys, control.url = None, url
+        control.client = JsonClient(api_key=key, timeout_secs=DRAIN_TIMEOUT_SECS + 30)
+        return control
+
     def cordon(self, worker_url: str, on: bool) -> dict[str, Any]:
         """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises
         ``LifecycleError`` when the router does not do it."""
@@ -348,7 +356,11 @@ def wait_routable(router: RouterControl, unit: str, url: str, timeout: float, ev
     engine that is up but kept out for its weights with nothing under way to bring it back (only
     a weight update can) is said at once, not waited for."""
     deadline = time.monotonic() + timeout
-    router.refresh()  # the router's view of the new process, not what it last saw of the old one
+    # The router's view of the new process, not what it last saw of the old one: its check only.
+    # A round of every worker would wait out the slowest (a decode whose prealloc is full of
+    # requests waiting for their KV answers SGLang's /health late, or 503 after 20 s), and count
+    # one failed check against each slow one per switch or restart.
+    router.refresh(url)
     told = ""
     while True:
         worker = router.worker(url)

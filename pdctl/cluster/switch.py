@@ -266,7 +266,6 @@ def switch_engine(step: StepContext, old_id: str, engine: EngineSpec, process: L
         state.plan = state.plan.with_unit(engine, (process,), replacing=old_id)
         journal.end()
     events(new_id, f"switched from {old_id}: same process, GPUs and ports")
-    router.refresh()  # its first check now: it serves already (a switch starts nothing)
     wait_routable(router, new_id, url, step.ready_timeout, events)
 
 
