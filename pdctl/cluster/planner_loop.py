@@ -42,8 +42,10 @@ SAMPLES = 5
 """Samples per interval: a mean of running requests needs more than two instants."""
 
 
-def observe(state: ClusterState, samples: list[Sample]) -> Observation:
-    """The interval that ``samples`` (two or more, in time order) span, as the planner reads it."""
+def observe(state: ClusterState, samples: list[Sample], decoded: set[str] | None = None) -> Observation:
+    """The interval that ``samples`` (two or more, in time order) span, as the planner reads it.
+    ``decoded``: the URLs of engines seen running as decodes (their graphs are captured); the
+    decodes of this interval are added to it. None: every engine is taken as captured."""
     before, after = samples[0], samples[-1]
     dt = max(after.at - before.at, 1e-6)
     engines = state.plan.engine_map()
@@ -70,8 +72,11 @@ def observe(state: ClusterState, samples: list[Sample]) -> Observation:
                 sum(said) / len(said) if said else 0.0,
                 rate,
                 now.slots,
+                decoded is None or rec.url in decoded or rec.role is Role.DECODE,
             )
         )
+        if decoded is not None and rec.role is Role.DECODE and rec.url:
+            decoded.add(rec.url)
         if rec.role is Role.DECODE:
             _add_delta(ttft, was.ttft, now.ttft)
             _add_delta(itl, was.itl, now.itl)
@@ -161,6 +166,8 @@ class PlannerLoop:
         self.events = events
         self.planner = RolePlanner(config)
         self.stop = threading.Event()
+        self.decoded: set[str] = set()
+        """URLs of the engines this planner saw running as decodes (``observe``)."""
 
     def run(self, intervals: int | None = None, told: Callable[[Decision], None] | None = None) -> None:
         """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode.
@@ -198,7 +205,7 @@ class PlannerLoop:
                 samples = await _interval(sampler, self.config.interval_secs, self.stop)
                 if self.stop.is_set() or len(samples) < 2:
                     return
-                decision = self.planner.decide(observe(state, samples))
+                decision = self.planner.decide(observe(state, samples, self.decoded))
                 outcome, said = await self._act(decision) if decision.action is Action.SWITCH else ("none", None)
                 entry = self._entry(state, decision, said)
                 self._record(decision, said, entry)

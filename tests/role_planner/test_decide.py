@@ -31,6 +31,18 @@ def test_a_decode_backlog_moves_the_idlest_prefill_after_two_intervals() -> None
     assert second.figures["decode"]["waiting_per_engine"] == 5.5 and second.figures["split"] == "2:2"
 
 
+def test_to_decode_it_moves_a_prefill_that_captured_its_graphs_before_an_idler_one_that_did_not() -> None:
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    obs = fleet(0, [(0, 900), (0, 500), (0, 500)], [(6, 400)])
+    cold = EngineLoad("prefill-1", P, True, True, 0, 0, 500, captured=False)  # the idlest, never a decode
+    engines = (obs.engines[0], cold, *obs.engines[2:])
+    decision = planner.decide(Observation(0, engines))
+    assert decision.action is Action.SWITCH and decision.engine == "prefill-0", decision
+    # Captured, the idlest goes first.
+    warm = (obs.engines[0], EngineLoad("prefill-1", P, True, True, 0, 0, 500), *obs.engines[2:])
+    assert RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0)).decide(Observation(0, warm)).engine == "prefill-1"
+
+
 def test_a_hold_or_a_sick_engine_waits_and_the_streak_does_not_count_them() -> None:
     planner = RolePlanner(CONFIG)
     assert planner.decide(fleet(0, [(0, 1)], [(9, 1), (9, 1)], held="weight push p1 holds the router")).action is (
