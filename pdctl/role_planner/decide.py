@@ -321,7 +321,9 @@ class RolePlanner:
 
     def _learn(self, loads: Mapping[Role, RoleLoad]) -> None:
         for role, load in loads.items():
-            if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0:
+            # (decodes that run half empty are not at their capacity: their queue waits for KV)
+            for_kv = role is Role.DECODE and load.slot_use is not None and load.slot_use < WINDING_DOWN
+            if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0 and not for_kv:
                 self.capacity[role] = max(self.capacity.get(role, 0.0), load.tokens_per_s)
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         output = decode.tokens_per_s * decode.engines
@@ -334,10 +336,14 @@ class RolePlanner:
             return self._latency_bottleneck(obs)
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         need = self.config.backlog
+        # Requests queued at decodes that run half empty wait for their KV, not for decoding: a
+        # shortage of prefills, not of decodes, nor a sign that the decodes have no room to spare.
+        for_kv = decode.slot_use is not None and decode.slot_use < WINDING_DOWN
         for short, spare in ((prefill, decode), (decode, prefill)):
-            if short.role is Role.DECODE and decode.slot_use is not None and decode.slot_use < WINDING_DOWN:
-                continue  # requests queued at decodes that run half empty wait for their KV, not for decoding
-            if short.engines and short.waiting >= need and spare.waiting < need / 2:
+            if short.role is Role.DECODE and for_kv:
+                continue
+            spare_waiting = 0.0 if spare.role is Role.DECODE and for_kv else spare.waiting
+            if short.engines and short.waiting >= need and spare_waiting < need / 2:
                 return short.role, (
                     f"the {short.role}s hold the fleet back: {short.waiting:.1f} requests waiting per {short.role}, "
                     f"{spare.waiting:.1f} per {spare.role}"

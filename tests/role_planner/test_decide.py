@@ -254,3 +254,20 @@ def test_requests_queued_at_half_empty_decodes_do_not_make_decode_the_bottleneck
     assert idle.action is Action.STAY and "no role holds the fleet back" in idle.reason
     busy = planner.decide(obs(10, 12))
     assert busy.action is Action.SWITCH and busy.to_role is D
+
+
+def test_a_prefill_queue_with_decodes_waiting_for_their_kv_makes_prefill_the_bottleneck() -> None:
+    """7 requests queued per prefill while the decodes hold 8 each at a fifth of their slots: the
+    decodes' queue waits for the prefills' KV (seen in the benchmark's long-prompt phase, where it
+    kept the planner at "no role holds the fleet back"). The same queues at decodes running 12
+    of 16 are both roles short: it stays."""
+
+    def obs(at: float, running: float) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, 7, 2, 20000) for i in range(2)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 8, running, 100, slots=16) for i in range(2)]
+        return Observation(at, tuple(engines))
+
+    moved = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0)).decide(obs(0, 3))
+    assert moved.action is Action.SWITCH and moved.to_role is P, moved
+    both = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0)).decide(obs(0, 12))
+    assert both.action is Action.STAY and "no role holds the fleet back" in both.reason, both
