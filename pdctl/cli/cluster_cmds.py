@@ -13,7 +13,6 @@ from rich.live import Live
 from rich.table import Table
 
 from pdctl.cli.tables import print_table, stdout_console
-from pdctl.cli.topology_cmds import load_or_default
 from pdctl.cluster import ClusterStatus, StateStore
 from pdctl.cluster import down as cluster_down
 from pdctl.cluster import logs as cluster_logs
@@ -74,6 +73,8 @@ def up(file: str | None, timeout_secs: float) -> None:
     until they are healthy, starts the router, then the trainer. On any failure or Ctrl-C
     everything already started is stopped and the failing process's log tail is shown.
     """
+    from pdctl.cli.topology_cmds import load_or_default  # (the schema and the planner: up and apply only)
+
     planned, filename = load_or_default(file)
     top, plan = planned.topology, planned.plan
     progress = Progress([p.id for p in plan.processes])
@@ -319,6 +320,7 @@ def apply(file: str, dry_run: bool, as_json: bool, recreate: bool, timeout_secs:
     made live (model.path, engine, ports.base, trainer.command, placement) are refused, naming
     the field, unless --recreate. Exit 1 on a refusal or a failed step.
     """
+    from pdctl.cli.topology_cmds import load_or_default  # (the schema and the planner: up and apply only)
     from pdctl.cluster.apply import apply as cluster_apply
 
     planned, filename = load_or_default(file)

@@ -39,8 +39,9 @@ def all_commands():
 def test_every_command_module_is_reachable_and_a_command_loads_only_its_own() -> None:
     """Each command of every pdctl.cli module is named in COMMAND_MODULES (a command left out
     would be silently missing), and loading one (`pdctl switch --help`) imports neither paramiko
-    (a localhost cluster needs no SSH: it loads with the first node that is not local) nor the
-    bench client's aiohttp."""
+    (a localhost cluster needs no SSH: it loads with the first node that is not local), nor the
+    bench client's aiohttp, nor the topology's schema and the planner (jsonschema: only `up`,
+    `apply` and the topology commands read a file)."""
     from pdctl.cli.app import COMMAND_MODULES
 
     for path in sorted((REPO / "pdctl" / "cli").glob("*_cmds.py")):
@@ -54,7 +55,8 @@ def test_every_command_module_is_reachable_and_a_command_loads_only_its_own() ->
         "    cli.main(['switch', '--help'], prog_name='pdctl')\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(sorted(m for m in ('paramiko', 'aiohttp', 'pdctl.cli.bench_cmds') if m in sys.modules))\n"
+        "heavy = ('paramiko', 'aiohttp', 'pdctl.cli.bench_cmds', 'jsonschema', 'pdctl.plan.load')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.splitlines()[-1] == "[]", out.stdout
