@@ -53,6 +53,7 @@ import aiohttp
 import yaml
 
 from pdctl.cluster.keys import load_keys
+from pdctl.cluster.planner_record import KEEP_DECISIONS, recent_decisions
 from pdctl.cluster.state import StateStore
 
 ROOT = Path(__file__).resolve().parent
@@ -243,8 +244,8 @@ def main() -> None:
         started = time.time()
         decided: dict[tuple, dict] = {}  # planner.jsonl keeps the latest 200 (the advise planners' too)
 
-        def collect() -> None:
-            for d in json.loads(pdctl("planner", NAME, "--history", env=env).stdout):
+        def collect() -> None:  # (`pdctl planner --history` prints the latest 50)
+            for d in recent_decisions(StateStore(home), NAME, KEEP_DECISIONS):
                 decided[(d["at"], d.get("engine"), d.get("outcome"))] = d
 
         with planner_beside("act", work, env):
