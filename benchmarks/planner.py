@@ -256,6 +256,7 @@ def main() -> None:
             key=lambda d: d["at"],
         )
         rows["planner"]["switches"] = [f"{d['engine']} -> {d['to_role']}" for d in switched]
+        rows["planner"]["switches_done_at"] = [d["at"] for d in switched]  # wall clock, as phase_starts
         rows["planner"]["reactions"] = reactions(rows["planner"], switched)
         rows["planner"]["bare_static_1_3_steady"] = bare
         print("planner", json.dumps(rows["planner"]), flush=True)
@@ -316,7 +317,8 @@ def write(rows: dict[str, dict]) -> None:
         told = ", ".join("none" if s is None else f"{s:.1f} s" for s in secs)
         lines.append(
             f"{TITLES[name].split(' (')[0]}: the first switch toward each phase's bottleneck was done "
-            f"(drained and switched) {told} after the phase's first request (goal: within two intervals, 4 s)."
+            f"(drained and switched) {told} after the phase's first request (two intervals are 4 s; a decision needs "
+            "`sustain` = 2 of them, then the drain)."
         )
     bare = p.get("bare_static_1_3_steady")
     if bare:

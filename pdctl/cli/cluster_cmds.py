@@ -73,7 +73,7 @@ def up(file: str | None, timeout_secs: float) -> None:
     until they are healthy, starts the router, then the trainer. On any failure or Ctrl-C
     everything already started is stopped and the failing process's log tail is shown.
     """
-    from pdctl.cli.topology_cmds import load_or_default  # (the schema and the planner: up and apply only)
+    from pdctl.cli.topology_cmds import load_or_default  # (the topology loader and its schema: up and apply only)
 
     planned, filename = load_or_default(file)
     top, plan = planned.topology, planned.plan
@@ -320,7 +320,7 @@ def apply(file: str, dry_run: bool, as_json: bool, recreate: bool, timeout_secs:
     made live (model.path, engine, ports.base, trainer.command, placement) are refused, naming
     the field, unless --recreate. Exit 1 on a refusal or a failed step.
     """
-    from pdctl.cli.topology_cmds import load_or_default  # (the schema and the planner: up and apply only)
+    from pdctl.cli.topology_cmds import load_or_default  # (the topology loader and its schema: up and apply only)
     from pdctl.cluster.apply import apply as cluster_apply
 
     planned, filename = load_or_default(file)

@@ -42,10 +42,11 @@ SAMPLES = 5
 """Samples per interval: a mean of running requests needs more than two instants."""
 
 
-def observe(state: ClusterState, samples: list[Sample], decoded: set[str] | None = None) -> Observation:
+def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, int]] | None = None) -> Observation:
     """The interval that ``samples`` (two or more, in time order) span, as the planner reads it.
-    ``decoded``: the URLs of engines seen running as decodes (their graphs are captured); the
-    decodes of this interval are added to it. None: every engine is taken as captured."""
+    ``decoded``: the (URL, recorded pid) of engines seen running as decodes (their graphs are
+    captured; a restarted engine is another pid); the decodes of this interval are added to it.
+    None: every engine is taken as captured."""
     before, after = samples[0], samples[-1]
     dt = max(after.at - before.at, 1e-6)
     engines = state.plan.engine_map()
@@ -72,11 +73,11 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[str] | None
                 sum(said) / len(said) if said else 0.0,
                 rate,
                 now.slots,
-                decoded is None or rec.url in decoded or rec.role is Role.DECODE,
+                decoded is None or (rec.url, rec.pid) in decoded or rec.role is Role.DECODE,
             )
         )
         if decoded is not None and rec.role is Role.DECODE and rec.url:
-            decoded.add(rec.url)
+            decoded.add((rec.url, rec.pid))
         if rec.role is Role.DECODE:
             _add_delta(ttft, was.ttft, now.ttft)
             _add_delta(itl, was.itl, now.itl)
@@ -166,8 +167,9 @@ class PlannerLoop:
         self.events = events
         self.planner = RolePlanner(config)
         self.stop = threading.Event()
-        self.decoded: set[str] = set()
-        """URLs of the engines this planner saw running as decodes (``observe``)."""
+        self.decoded: set[tuple[str, int]] = set()
+        """(URL, pid) of the engines this planner saw running as decodes (``observe``); a planner
+        restarted starts it again from the decodes it sees."""
 
     def run(self, intervals: int | None = None, told: Callable[[Decision], None] | None = None) -> None:
         """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode.

@@ -5,9 +5,11 @@ The throughput rule: a PD fleet's requests wait where its bottleneck is. Prompts
 prefills when prefill is short; requests wait for a KV slot or their transfer at the decodes
 (``num_queue_reqs`` plus the prealloc queue) when decode is short. A role whose engines hold
 ``backlog`` or more waiting requests each, while the other's hold less than half that, is the
-bottleneck, but decodes only while they run half their slots or more (requests queued at
-half-empty decodes wait for their KV from the prefills: a benchmark run showed 17 queued per
-decode with none running, right after a switch). Decodes are also the bottleneck without a
+bottleneck, but decodes only while they run half their slots or more: requests queued at
+half-empty decodes wait for their KV from the prefills (a benchmark run showed 17 queued per
+decode with none running, right after a switch), so they neither make decode the bottleneck nor
+count as the decodes' queue when prefill's is weighed, and such intervals teach no decode
+capacity. Decodes are also the bottleneck without a
 queue when they run full: their running requests fill ``FULL`` or more of their slots
 (``max_running_requests``) over the interval while each prefill holds less than one request on
 average (a closed loop's clients all sit in decode batches that grow each step's time, and the
@@ -102,8 +104,9 @@ class EngineLoad:
     slots: float | None = None
     """The most requests it runs at once (SGLang's ``max_running_requests``), if it says."""
     captured: bool = True
-    """Whether it has run as a decode before (its process captured the decode's CUDA graphs, so
-    a switch to decode does not pay the capture again: 12 s for an 8B model on an H100)."""
+    """Whether the planner saw this process run as a decode (it captured the decode's CUDA graphs,
+    so a switch to decode does not pay the capture again: 12 s for an 8B model on an H100). A
+    planner knows only what it saw: restarted, it takes every prefill as not captured."""
 
 
 @dataclass(frozen=True)
@@ -344,9 +347,10 @@ class RolePlanner:
                 continue
             spare_waiting = 0.0 if spare.role is Role.DECODE and for_kv else spare.waiting
             if short.engines and short.waiting >= need and spare_waiting < need / 2:
+                for_its_kv = " (waiting for their KV)" if spare_waiting != spare.waiting else ""
                 return short.role, (
                     f"the {short.role}s hold the fleet back: {short.waiting:.1f} requests waiting per {short.role}, "
-                    f"{spare.waiting:.1f} per {spare.role}"
+                    f"{spare.waiting:.1f} per {spare.role}{for_its_kv}"
                 )
         full = decode.slot_use is not None and decode.slot_use >= FULL
         if decode.engines and full and prefill.waiting < need / 2 and prefill.running + prefill.waiting < IDLE:

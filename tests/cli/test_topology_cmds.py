@@ -40,7 +40,7 @@ def test_every_command_module_is_reachable_and_a_command_loads_only_its_own() ->
     """Each command of every pdctl.cli module is named in COMMAND_MODULES (a command left out
     would be silently missing), and loading one (`pdctl switch --help`) imports neither paramiko
     (a localhost cluster needs no SSH: it loads with the first node that is not local), nor the
-    bench client's aiohttp, nor the topology's schema and the planner (jsonschema: only `up`,
+    bench client's aiohttp, nor the topology's loader and its schema (jsonschema: only `up`,
     `apply` and the topology commands read a file)."""
     from pdctl.cli.app import COMMAND_MODULES
 

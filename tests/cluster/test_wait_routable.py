@@ -64,7 +64,8 @@ def fleet(tmp_path) -> Iterator[tuple[RouterProcess, NullEngine, SlowDecode]]:
     prefill, decode = NullEngine(tmp_path, "prefill").start(), NullEngine(tmp_path, "decode").start()
     slow = SlowDecode()
     # The health loop checks a worker in rotation once an hour and the liveness loop is off: from
-    # the first round on, only a command's refresh asks the slow decode anything.
+    # the first round on, only a command's refresh asks the slow decode anything; one failed
+    # check takes a worker out of rotation.
     router = RouterProcess(
         tmp_path,
         "--pd-disaggregation",
@@ -79,6 +80,8 @@ def fleet(tmp_path) -> Iterator[tuple[RouterProcess, NullEngine, SlowDecode]]:
         "3600",
         "--liveness-interval-secs",
         "0",
+        "--health-failure-threshold",
+        "1",
     )
     try:
         router.start()

@@ -271,3 +271,38 @@ def test_a_prefill_queue_with_decodes_waiting_for_their_kv_makes_prefill_the_bot
     assert moved.action is Action.SWITCH and moved.to_role is P, moved
     both = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0)).decide(obs(0, 12))
     assert both.action is Action.STAY and "no role holds the fleet back" in both.reason, both
+
+
+def test_the_loop_knows_a_process_it_saw_decode_as_captured_and_a_restarted_one_as_not() -> None:
+    """pdctl.cluster.planner_loop.observe over three intervals: a prefill is not captured; the
+    decode's process, switched to prefill (same URL and pid), is; the same URL restarted (another
+    pid) is not again."""
+    from pdctl.cluster.planner_loop import observe
+    from pdctl.cluster.sampling import EngineSample, Sample
+    from pdctl.cluster.state import ClusterState, Phase, ProcessRecord
+    from pdctl.plan import load_plan
+    from tests.conftest import REPO
+
+    plan = load_plan(str(REPO / "topologies" / "planner-sim.yaml")).plan
+
+    def state(procs: dict[str, tuple[str, int]]) -> ClusterState:
+        records = {
+            pid: ProcessRecord(pid, Role(pid.split("-")[0]), "me", proc, proc, 0.0, "log", url=url)
+            for pid, (url, proc) in procs.items()
+        }
+        return ClusterState("c", "run", Phase.UP, [], processes=records, plan=plan)
+
+    def captured(st: ClusterState, decoded: set) -> dict[str, bool]:
+        samples = [
+            Sample(at, {pid: EngineSample("up", running=0, queued=0) for pid in st.processes}, None) for at in (0, 1)
+        ]
+        return {e.id: e.captured for e in observe(st, samples, decoded).engines if e.role is P}
+
+    decoded: set = set()
+    first = {"prefill-0": ("http://a", 10), "prefill-1": ("http://b", 11), "decode-0": ("http://c", 12)}
+    first["decode-1"] = ("http://d", 13)
+    assert captured(state(first), decoded) == {"prefill-0": False, "prefill-1": False}
+    switched = {**first, "prefill-1": ("http://c", 12), "decode-0": ("http://b", 11)}  # decode-0 <-> prefill-1
+    assert captured(state(switched), decoded) == {"prefill-0": False, "prefill-1": True}
+    restarted = {**switched, "prefill-1": ("http://c", 99)}  # the same URL, a new process
+    assert captured(state(restarted), decoded) == {"prefill-0": False, "prefill-1": False}
