@@ -313,7 +313,7 @@ def _apply(
 
     state.nodes = [node_to_dict(n) for n in top.nodes]  # nodes may be added
     state.run_dirs.update({n.name: state.run_dirs.get(n.name) or _run_dir(plan, n.name) for n in top.nodes})
-    router = RouterControl(state, store)
+    router = RouterControl.of(state, store)
     journal = Journal(state, store, "apply")
     recover(state, store, nodes, router, events, ready_timeout)
     specs = {s.id: s for s in plan.processes}

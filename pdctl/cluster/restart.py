@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 from pdctl.cluster.down import stop_records
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
-from pdctl.cluster.keys import load_keys
+from pdctl.cluster.keys import ClusterKeys, load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.up import launch, router_client_key, secret_env, wait_ready
@@ -95,7 +95,7 @@ def _restart(
     events: Events,
     ready_timeout: float,
 ) -> list[str]:
-    router = RouterControl(state, store)
+    router = RouterControl.of(state, store)
     journal = Journal(state, store, "restart")
     recover(state, store, nodes, router, events, ready_timeout)
     done = []
@@ -285,22 +285,21 @@ def drop_unit(state: ClusterState, unit: str) -> None:
 
 
 class RouterControl:
-    """The router's operator endpoints, with the cluster's control-plane key (or, for a cluster
-    brought up before pdctl made keys, the router's client key)."""
+    """The router's operator endpoints (``of``: a cluster's router, with the cluster's keys)."""
 
-    def __init__(self, state: ClusterState, store: StateStore | None = None):
-        self.keys = load_keys(store or StateStore(), state.name)
-        key = self.keys.control if self.keys else router_client_key(state)
+    def __init__(self, url: str, key: str | None, keys: ClusterKeys | None = None):
+        """The router at ``url``, called with ``key``; ``keys``: the cluster's, whose engine key an
+        engine registered live is given (None: a router of one's own, no keys to hand on)."""
+        self.keys = keys
         self.client = JsonClient(api_key=key, timeout_secs=DRAIN_TIMEOUT_SECS + 30)
-        self.url = state.router_url or ""
+        self.url = url
 
     @classmethod
-    def at(cls, url: str, key: str | None) -> RouterControl:
-        """The router at ``url``, called with ``key`` (no cluster's state: a router of one's own)."""
-        control = cls.__new__(cls)
-        control.keys, control.url = None, url
-        control.client = JsonClient(api_key=key, timeout_secs=DRAIN_TIMEOUT_SECS + 30)
-        return control
+    def of(cls, state: ClusterState, store: StateStore | None = None) -> RouterControl:
+        """The cluster's router, with its control-plane key (or, for a cluster brought up before
+        pdctl made keys, the router's client key)."""
+        keys = load_keys(store or StateStore(), state.name)
+        return cls(state.router_url or "", keys.control if keys else router_client_key(state), keys)
 
     def cordon(self, worker_url: str, on: bool) -> dict[str, Any]:
         """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises

@@ -379,7 +379,7 @@ def switch(
         with contextlib.ExitStack() as stack:
             if nodes is None:
                 nodes = stack.enter_context(NodeSet(state.node_objects().values()))
-            router = RouterControl(state, store)
+            router = RouterControl.of(state, store)
             step = StepContext(state, store, nodes, router, Journal(state, store, "switch"), events, ready_timeout_secs)
             left = entry_of(state)
             if left is not None and not (left.kind is ChangeKind.SWITCH and left.unit == engine_id):

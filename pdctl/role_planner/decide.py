@@ -142,6 +142,12 @@ class RoleLoad:
     slot_use: float | None = None
     """Running requests over slots, across the role's engines that say their slots."""
 
+    @property
+    def waits_for_kv(self) -> bool:
+        """Decodes that run under half their slots: their queue waits for KV from the prefills,
+        not for decoding (False for prefills, and for engines that do not say their slots)."""
+        return self.role is Role.DECODE and self.slot_use is not None and self.slot_use < WINDING_DOWN
+
     @classmethod
     def from_dict(cls, role: Role, raw: Mapping[str, Any]) -> RoleLoad:
         """The inverse of ``to_dict`` (a recorded decision's figures)."""
@@ -325,8 +331,7 @@ class RolePlanner:
     def _learn(self, loads: Mapping[Role, RoleLoad]) -> None:
         for role, load in loads.items():
             # (decodes that run half empty are not at their capacity: their queue waits for KV)
-            for_kv = role is Role.DECODE and load.slot_use is not None and load.slot_use < WINDING_DOWN
-            if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0 and not for_kv:
+            if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0 and not load.waits_for_kv:
                 self.capacity[role] = max(self.capacity.get(role, 0.0), load.tokens_per_s)
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         output = decode.tokens_per_s * decode.engines
@@ -341,11 +346,10 @@ class RolePlanner:
         need = self.config.backlog
         # Requests queued at decodes that run half empty wait for their KV, not for decoding: a
         # shortage of prefills, not of decodes, nor a sign that the decodes have no room to spare.
-        for_kv = decode.slot_use is not None and decode.slot_use < WINDING_DOWN
         for short, spare in ((prefill, decode), (decode, prefill)):
-            if short.role is Role.DECODE and for_kv:
+            if short.waits_for_kv:
                 continue
-            spare_waiting = 0.0 if spare.role is Role.DECODE and for_kv else spare.waiting
+            spare_waiting = 0.0 if spare.waits_for_kv else spare.waiting
             if short.engines and short.waiting >= need and spare_waiting < need / 2:
                 for_its_kv = " (waiting for their KV)" if spare_waiting != spare.waiting else ""
                 return short.role, (

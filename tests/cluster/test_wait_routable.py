@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdctl.cluster.restart import RouterControl, wait_routable
-from tests.helpers import NullEngine, RouterProcess
+from tests.helpers import NullEngine, RouterProcess, pd_router_args
 
 
 class SlowDecode:
@@ -68,14 +68,7 @@ def fleet(tmp_path) -> Iterator[tuple[RouterProcess, NullEngine, SlowDecode]]:
     # check takes a worker out of rotation.
     router = RouterProcess(
         tmp_path,
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        decode.url,
-        "--decode",
-        slow.url,
+        *pd_router_args([prefill], [decode, slow]),
         "--health-check-interval-secs",
         "3600",
         "--liveness-interval-secs",
@@ -100,7 +93,7 @@ def _in_rotation(control: RouterControl, url: str) -> bool:
 
 def test_waiting_for_one_engine_asks_the_router_to_check_that_engine_only(fleet) -> None:
     router, decode, slow = fleet
-    control = RouterControl.at(router.url, None)
+    control = RouterControl(router.url, None)
     # Both decodes in rotation first (each answered its first check), then the slow one hangs.
     control.refresh()
     assert _in_rotation(control, decode.url) and _in_rotation(control, slow.url), control.worker(slow.url)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import NullEngine, RouterProcess, eventually, get, http, post
+from tests.helpers import NullEngine, RouterProcess, eventually, get, http, pd_router_args, post
 
 CLIENT, ADMIN, READER = "client-key", "admin-key", "reader-key"
 KEYS = ["--api-key", CLIENT, "--control-plane-api-keys", f"a1:ops:admin:{ADMIN}", f"u1:dash:user:{READER}"]
@@ -26,12 +26,7 @@ def fleet(tmp_path):
     prefill, decode = NullEngine(tmp_path, "prefill").start(), NullEngine(tmp_path, "decode").start()
     router = RouterProcess(
         tmp_path,
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        decode.url,
+        *pd_router_args([prefill], [decode]),
         *KEYS,
         "--control-plane-audit-enabled",
     ).start("/readiness")
@@ -111,12 +106,7 @@ def test_control_open_from_admits_keyless_framework_calls_from_its_networks_only
     prefill, decode = NullEngine(tmp_path, "prefill").start(), NullEngine(tmp_path, "decode").start()
     router = RouterProcess(
         tmp_path,
-        "--pd-disaggregation",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        decode.url,
+        *pd_router_args([prefill], [decode]),
         *KEYS,
         "--control-plane-open-from",
         network,
