@@ -85,6 +85,7 @@ USED = {
     "context_length",
     "max_running_requests",
     "max_queued_requests",
+    "stream_interval",
     "dtype",
     "mem_fraction_static",
     "forward_hooks",

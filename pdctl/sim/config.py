@@ -79,6 +79,8 @@ class SimConfig:
     skip_server_warmup: bool = False
     context_length: int | None = None
     max_running_requests: int = 64
+    stream_interval: int = 1
+    """``--stream-interval``: a stream's tokens per update after its first (SGLang's default 1)."""
     max_queued_requests: int | None = None
     """SGLang: beyond this many waiting requests new ones get 503; ignored in PD modes."""
     prefill_ms_per_token: float = 0.0

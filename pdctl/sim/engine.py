@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import time
 from collections.abc import Callable, Iterable
 
@@ -172,12 +173,9 @@ class Engine:
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe); after a fatal failure it is finished at once with a 500."""
         q = self._queues
-        if req.generator is None and not req.sampling.greedy:
-            seed = req.sampling.sampling_seed
-            if seed is None:
-                with q.cond:
-                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            req.generator = torch.Generator().manual_seed(seed)
+        if req.rng is None and not req.sampling.greedy and req.sampling.sampling_seed is None:
+            with q.cond:
+                req.rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
         with q.cond:
             fatal = self._scheduler.fatal
             if fatal is not None:

@@ -8,6 +8,7 @@ the KV budget (pdctl.sim.kv_budget).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -77,7 +78,14 @@ class Request:
     input_ids: list[int]
     sampling: SamplingOptions
     emit: Callable[[Request], None]
-    """Called after each new token and at the end (scheduler or caller thread); must not block."""
+    """Called at the end, and after new tokens as ``stream_interval`` says (scheduler or caller
+    thread); must not block."""
+    stream_interval: int = 1
+    """When ``emit`` hears of new tokens, as SGLang's output streamer sends a request's output:
+    1, after every token; N, after the first token and then whenever N or more are unsent; 0,
+    only at the end (a non-streamed answer, which nothing reads before it is whole)."""
+    emitted: int = 0
+    """Output tokens ``emit`` was last told of (``stream_interval``'s count of unsent ones)."""
     mode: Mode = Mode.NORMAL
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -99,7 +107,8 @@ class Request:
     (SGLang's ``weight_version_events``): where its output's weight-version spans change."""
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    generator: torch.Generator | None = None
+    rng: random.Random | None = None
+    """Its own random stream, when it samples without a seed (the engine seeds it)."""
     held: Held | None = None
     """A profile engine's KV reserve for it while it runs (pdctl.sim.costed)."""
     cached_tokens: int = 0

@@ -86,7 +86,7 @@ class NativeRoutes:
         cannot come) is one such output after a 200 head."""
         stream = await EventStream.open(request)
         try:
-            batch = await self.s.submit(body.items)
+            batch = await self.s.submit(body.items, stream=True)
         except SimError as exc:
             for index, item in enumerate(body.items):
                 rid = item.rid or self.s.engine.new_rid()

@@ -369,7 +369,7 @@ class OpenAIRoutes:
         finish_reason abort."""
         stream = await EventStream.open(request)
         try:
-            batch = await self.s.submit(items)
+            batch = await self.s.submit(items, stream=True)
         except SimError as exc:
             await stream.send(_stream_error(str(exc), exc.status))
             return await stream.close()

@@ -10,6 +10,7 @@ room (pdctl.sim.kv serves it); a PD decode starts from that KV instead of a pref
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ from pdctl.sim.costed import StandInForward
 from pdctl.sim.engine_request import KVPayload, Mode, Request, abort_reason
 from pdctl.sim.model import EOS_ID, KVPool, TinyLM, decode
 from pdctl.sim.queues import RequestQueues
-from pdctl.sim.sampling import sample
+from pdctl.sim.sampling import sample, sample_plain
 
 __all__ = ["TOP_LOGPROBS_SENT", "ModelRunner"]
 
@@ -119,7 +120,7 @@ class ModelRunner:
         if req.sampling.max_new_tokens == 0:
             self._queues.finish(req, {"type": "length", "length": 0})
             return
-        token = sample(logits[-1], req.sampling, _at_position(req, len(ids) - 1))
+        token = sample(logits[-1], req.sampling, _draw(req, len(ids) - 1))
         last = torch.log_softmax(logits[-1], dim=-1)
         logprob = float(last[token])
         # A decode may be asked for the first token's top logprobs: the prefill always sends some.
@@ -144,24 +145,17 @@ class ModelRunner:
         ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in batch])
         positions = torch.tensor([len(r.input_ids) + max(len(r.output_ids), 1) - 1 for r in batch])
         logits = self._forward.decode_step(ids, positions, self.pool)
-        greedy = torch.argmax(logits, dim=-1).tolist()
         # log_softmax over [B, V] costs as much as a layer; only pay it when someone asked.
         logps = (
             torch.log_softmax(logits, dim=-1) if any(r.return_logprob or r.top_logprobs_num for r in batch) else None
         )
         emit = self._emit_token
         hidden = self._hidden
-        for row, req in enumerate(batch):
-            if req.finish is not None:  # aborted meanwhile; reaped next iteration
+        for row, (req, token) in enumerate(zip(batch, _next_tokens(batch, logits), strict=True)):
+            if token is None or req.finish is not None:  # aborted meanwhile; reaped next iteration
                 continue
             if req.return_hidden_states and hidden is not None:
                 req.hidden_states.append(hidden[row].tolist())
-            opts = req.sampling
-            token = (
-                greedy[row]
-                if opts.temperature <= 1e-6 or opts.top_k == 1
-                else sample(logits[row], opts, _at_position(req, len(req.input_ids) + len(req.output_ids) - 1))
-            )
             if req.top_logprobs_num and logps is not None:
                 req.output_top_logprobs.append(_top(logps[row], req.top_logprobs_num))
             emit(req, token, float(logps[row, token]) if logps is not None else 0.0)
@@ -174,7 +168,11 @@ class ModelRunner:
         reason = self._finish_reason(req, token)
         if reason is not None:
             self._queues.finish(req, reason)
-        else:
+            return
+        every = req.stream_interval
+        unsent = len(req.output_ids) - req.emitted
+        if every == 1 or (every > 1 and (unsent >= every or req.emitted == 0)):
+            req.emitted = len(req.output_ids)
             req.emit(req)
 
     def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
@@ -199,11 +197,47 @@ class ModelRunner:
         return None
 
 
-def _at_position(req: Request, position: int) -> torch.Generator | None:
-    """The request's generator, reseeded from (sampling_seed, position) when it has a seed: as
-    SGLang's seeded sampler hashes the seed with the position, the token drawn at a position
-    does not depend on which engine drew the earlier ones (PD equals non-PD)."""
+def _next_tokens(batch: list[Request], logits: torch.Tensor) -> list[int | None]:
+    """Each request's next token from its row of ``logits`` (None for one finished meanwhile):
+    the greedy ones from one argmax, those that set only a temperature from one batched draw
+    (``sample_plain``), the rest one by one. Each draw is the request's own (``_draw``)."""
+    live = [row for row, req in enumerate(batch) if req.finish is None]
+    out: list[int | None] = [None] * len(batch)
+    greedy = [row for row in live if batch[row].sampling.greedy]
+    if greedy:
+        for row, token in zip(greedy, torch.argmax(_rows(logits, greedy), dim=-1).tolist(), strict=True):
+            out[row] = token
+    plain = [row for row in live if batch[row].sampling.plain]
+    if plain:
+        temperatures = [batch[row].sampling.temperature for row in plain]
+        draws = [_draw(batch[row], _position(batch[row])) for row in plain]
+        for row, token in zip(plain, sample_plain(_rows(logits, plain), temperatures, draws), strict=True):
+            out[row] = token
+    for row in live:
+        if out[row] is None:
+            req = batch[row]
+            out[row] = sample(logits[row], req.sampling, _draw(req, _position(req)))
+    return out
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, without the copy when ``rows`` are all of them."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
+def _position(req: Request) -> int:
+    """The position of the token a decode step draws for ``req``."""
+    return len(req.input_ids) + len(req.output_ids) - 1
+
+
+def _draw(req: Request, position: int) -> float:
+    """The request's next uniform draw in [0, 1): from (sampling_seed, position) when it has a
+    seed, as SGLang's seeded sampler hashes the seed with the position, so the token drawn at a
+    position does not depend on which engine drew the earlier ones (PD equals non-PD); else the
+    next of its own random stream (seeded from the engine's ``--random-seed``)."""
     seed = req.sampling.sampling_seed
-    if seed is not None and req.generator is not None:
-        req.generator.manual_seed((int(seed) * 1_000_003 + position) % 2**63)
-    return req.generator
+    if seed is not None:
+        return random.Random((int(seed) * 1_000_003 + position) % 2**63).random()
+    if req.rng is None:  # (submitted without the engine: a stream of its own)
+        req.rng = random.Random()
+    return req.rng.random()

@@ -73,11 +73,19 @@ class SamplingOptions:
     ignore_eos: bool = False
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    stream_interval: int | None = None
+    """Tokens between a stream's updates (SGLang's per-request ``stream_interval``); None: the
+    engine's ``--stream-interval``."""
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to the most likely token (temperature near 0 or ``top_k`` 1)."""
         return self.temperature <= 1e-6 or self.top_k == 1
+
+    @property
+    def plain(self) -> bool:
+        """True when only the temperature shapes the distribution (no top-k, top-p or min-p cut; not greedy)."""
+        return not self.greedy and self.top_k == TOP_K_ALL and self.top_p >= 1.0 and self.min_p <= 0.0
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None, vocab_size: int) -> SamplingOptions:
@@ -105,6 +113,7 @@ class SamplingOptions:
             ignore_eos=bool(raw.get("ignore_eos", False)),
             no_stop_trim=bool(raw.get("no_stop_trim", False)),
             sampling_seed=raw.get("sampling_seed"),
+            stream_interval=raw.get("stream_interval") or None,
         )
 
 
@@ -159,10 +168,16 @@ def _in_range(raw: dict[str, Any], key: str, default: float, ok: Any, rule: str)
         raise SimError(f"{key} must be {rule}, got {value}.")
 
 
-def sample(logits: torch.Tensor, opts: SamplingOptions, generator: torch.Generator | None) -> int:
-    """One token from one row of logits."""
+def sample(logits: torch.Tensor, opts: SamplingOptions, draw: float) -> int:
+    """One token from one row of logits: greedy, or the token at ``draw`` (a uniform number in
+    [0, 1) from the request's own random stream) in the cumulative distribution that the
+    temperature, top-k, top-p and min-p leave. A token thus depends on the request's own draws
+    and logits only, never on the batch it ran in; ``sample_plain`` draws the same tokens for a
+    whole batch at once."""
     if opts.greedy:
         return int(torch.argmax(logits))
+    if opts.plain:
+        return sample_plain(logits.unsqueeze(0), [opts.temperature], [draw])[0]
     scores = logits / opts.temperature
     if 0 < opts.top_k < scores.numel():
         kth = torch.topk(scores, opts.top_k).values[-1]
@@ -176,4 +191,23 @@ def sample(logits: torch.Tensor, opts: SamplingOptions, generator: torch.Generat
         probs = probs * mask
     if opts.min_p > 0:
         probs = probs * (probs >= opts.min_p * probs.max())
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return _at_draws(probs.unsqueeze(0), [draw])[0]
+
+
+def sample_plain(logits: torch.Tensor, temperatures: list[float], draws: list[float]) -> list[int]:
+    """One token per row of ``logits`` [B, V] for requests that set only a temperature (no top-k,
+    top-p or min-p cut: ``SamplingOptions.plain``), each at its own ``draws`` entry: a few
+    tensor operations for the whole batch, where one ``torch.multinomial`` per request with its
+    own generator cost a profile engine most of its CPU per token."""
+    scale = torch.tensor(temperatures, dtype=logits.dtype).unsqueeze(1)
+    return _at_draws(torch.softmax(logits / scale, dim=-1), draws)
+
+
+def _at_draws(probs: torch.Tensor, draws: list[float]) -> list[int]:
+    """Inverse-CDF sampling of each row of ``probs`` [B, V] (not necessarily normalised) at its
+    draw in [0, 1). The sum is taken in float64 so that a draw just under 1 still lands on a
+    token of nonzero probability; ``right=True`` never picks a zero-probability token."""
+    cum = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    at = torch.tensor(draws, dtype=torch.float64).unsqueeze(1) * cum[:, -1:]
+    picked = torch.searchsorted(cum, at, right=True).clamp_(max=probs.shape[-1] - 1)
+    return picked.squeeze(1).tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,32 @@ from pdctl.sim.weights import WeightGroupMember
 
 Progress = tuple[int, bool]
 """What the engine reports after each step of a request: (output tokens so far, finished)."""
+
+
+class ProgressPost:
+    """Progress reports from the scheduler's thread to the event loop's queues, with one wake-up of
+    the loop per burst: a decode step reports a token of every running request, and a
+    ``call_soon_threadsafe`` per token (a write to the loop's wake-up pipe, a loop iteration)
+    cost the engine more CPU than the rest of the token's work."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[Progress], Progress]] = []
+
+    def put(self, queue: asyncio.Queue[Progress], progress: Progress) -> None:
+        """Deliver ``progress`` to ``queue`` on the loop (any thread; never blocks for long)."""
+        with self._lock:
+            wake = not self._pending
+            self._pending.append((queue, progress))
+        if wake:  # the first of a burst wakes the loop; the rest ride along
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, progress in pending:
+            queue.put_nowait(progress)
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,7 @@ class SimService:
         self._prealloc_line = asyncio.Lock()  # FIFO: decode requests waiting for a KV slot, in arrival order
         self._slot_freed = asyncio.Event()  # set by the engine when a slot or a reservation frees
         loop = asyncio.get_running_loop()
+        self._post = ProgressPost(loop)
 
         def capacity_freed() -> None:  # called on the scheduler thread
             loop.call_soon_threadsafe(self._slot_freed.set)
@@ -103,8 +131,10 @@ class SimService:
         return self.engine.weight_version
 
     # -- submitting --------------------------------------------------------------------------------
-    async def submit(self, items: list[ItemSpec]) -> list[Running]:
-        """Create and submit one engine Request per item (PD legs resolved here).
+    async def submit(self, items: list[ItemSpec], *, stream: bool = False) -> list[Running]:
+        """Create and submit one engine Request per item (PD legs resolved here). ``stream``: the
+        route streams the answer, so progress comes as the items' ``stream_interval`` (else the
+        engine's ``--stream-interval``) says, as SGLang streams; otherwise only the end comes.
 
         For a decode leg this reserves a KV slot and fetches the KV from the prefill first. The
         items of a batch are resolved side by side and each enters the engine as soon as its KV
@@ -119,19 +149,20 @@ class SimService:
                 "The server is not configured to return the hidden states. "
                 "Please set `--enable-return-hidden-states` to enable this feature."
             )
-        loop = asyncio.get_running_loop()
+        post = self._post.put
         out: list[Running] = []
         for item in items:
             queue: asyncio.Queue[Progress] = asyncio.Queue()
 
             def emit(req: Request, q: asyncio.Queue[Progress] = queue) -> None:
-                loop.call_soon_threadsafe(q.put_nowait, (len(req.output_ids), req.finish is not None))
+                post(q, (len(req.output_ids), req.finish is not None))
 
             req = Request(
                 rid=item.rid or self.engine.new_rid(),
                 input_ids=item.input_ids,
                 sampling=item.sampling,
                 emit=emit,
+                stream_interval=max(1, item.sampling.stream_interval or self.config.stream_interval) if stream else 0,
                 return_logprob=item.return_logprob,
                 top_logprobs_num=item.top_logprobs_num,
                 return_hidden_states=item.return_hidden_states,
@@ -274,6 +305,10 @@ class SimService:
     async def interleaved(self, batch: list[Running]) -> AsyncIterator[tuple[int, int, bool]]:
         """(index in batch, token count, finished) after each update of any request of ``batch``,
         in the order they happen (a batch streams its items side by side, as SGLang's does)."""
+        if len(batch) == 1:  # (most streams: no pump task and second queue per update)
+            async for n, done in self.updates(batch[0]):
+                yield 0, n, done
+            return
         merged: asyncio.Queue[tuple[int, int, bool] | None] = asyncio.Queue()
 
         async def pump(index: int, running: Running) -> None:

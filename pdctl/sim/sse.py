@@ -1,10 +1,12 @@
-"""Server-sent events as SGLang writes them: ``data: <json>\\n\\n`` per event, then ``data: [DONE]``."""
+"""Server-sent events as SGLang writes them: ``data: <json>\\n\\n`` per event, then ``data: [DONE]``.
+The JSON is orjson's, with SGLang's options (``dumps_json`` in sglang/srt/utils/json_response.py):
+compact, and non-string keys allowed."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
@@ -25,7 +27,7 @@ class EventStream:
 
     async def send(self, event: Any) -> None:
         """Write ``event`` as one ``data: <json>`` event."""
-        await self.response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await self.response.write(b"data: " + orjson.dumps(event, option=orjson.OPT_NON_STR_KEYS) + b"\n\n")
 
     async def close(self) -> web.StreamResponse:
         """Write ``data: [DONE]``, end the body and return the response for the handler to return."""

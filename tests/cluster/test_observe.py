@@ -294,7 +294,10 @@ def test_a_real_prometheus_scrapes_the_fleet_and_answers_every_dashboard_query(c
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        api = f"http://127.0.0.1:{_listening_port(server, log)}/api/v1/query?query="
+        base = f"http://127.0.0.1:{_listening_port(server, log)}"
+        # Prometheus listens before it serves queries (503 while its storage opens): /-/ready says when.
+        _wait(lambda: get(base + "/-/ready", timeout=30)[0] == 200, "itself ready (/-/ready)", log)
+        api = base + "/api/v1/query?query="
 
         def series(expr: str) -> list:
             status, body = get(api + urllib.parse.quote(_concrete(expr)), timeout=30)

@@ -300,11 +300,12 @@ def test_openai_routes_want_json_content_type(sim) -> None:
 
 def test_a_streamed_generate_gets_later_errors_as_an_event(sim) -> None:
     """SGLang's /generate with stream=true: a later stage's ValueError is the one event of a
-    200 stream, then [DONE]; the parse stages still answer 400."""
+    200 stream, then [DONE], written as SGLang writes it (orjson: compact); the parse stages
+    still answer 400."""
     status, text = http("POST", sim.url + GEN, {**_sp(temperature=-1), "stream": True}, headers=AUTH)
     message = "temperature must be a non-negative finite number, got -1."
     error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
-    assert status == 200 and text == f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
+    assert status == 200 and text == f"data: {json.dumps({'error': error}, separators=(',', ':'))}\n\ndata: [DONE]\n\n"
     status, out = http("POST", sim.url + GEN, {**_sp(max_new_tokens="5"), "stream": True}, headers=AUTH)
     check_refused(status, out, GEN, CONTRACT, "expected i64")
 
