@@ -255,7 +255,9 @@ def main() -> None:
             (d for d in decided.values() if d["at"] >= started and (d.get("outcome") or "").startswith("switched")),
             key=lambda d: d["at"],
         )
-        rows["planner"]["switches"] = [f"{d['engine']} -> {d['to_role']}" for d in switched]
+        rows["planner"]["switches"] = [
+            f"{' and '.join(d.get('engines') or [d['engine']])} -> {d['to_role']}" for d in switched
+        ]
         rows["planner"]["switches_done_at"] = [d["at"] for d in switched]  # wall clock, as phase_starts
         rows["planner"]["reactions"] = reactions(rows["planner"], switched)
         rows["planner"]["bare_static_1_3_steady"] = bare

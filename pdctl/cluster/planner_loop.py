@@ -208,7 +208,16 @@ class PlannerLoop:
                 if self.stop.is_set() or len(samples) < 2:
                     return
                 decision = self.planner.decide(observe(state, samples, self.decoded))
-                outcome, said = await self._act(decision) if decision.action is Action.SWITCH else ("none", None)
+                made: list[str] = []
+                try:
+                    outcome, said = (
+                        await self._act(decision, made) if decision.action is Action.SWITCH else ("none", None)
+                    )
+                except BaseException:  # stopped between two switches of one move: what it switched is recorded
+                    if made:
+                        said = f"switched: {', '.join(made)}; then interrupted"
+                        self._record(decision, said, self._entry(state, decision, said))
+                    raise
                 entry = self._entry(state, decision, said)
                 self._record(decision, said, entry)
                 await _report(session, state, keys, {**entry, "outcome": outcome})
@@ -216,17 +225,29 @@ class PlannerLoop:
                     told(decision)
                 done += 1
 
-    async def _act(self, decision: Decision) -> tuple[str, str]:
-        """(outcome: switched, refused or advised; what happened, in words)."""
+    async def _act(self, decision: Decision, done: list[str]) -> tuple[str, str]:
+        """(outcome: switched, refused or advised; what happened, in words). A decision that moves
+        several engines switches them one after the other (each drained first), with no cooldown
+        between; one refused ends the move there, and the ones switched stay switched. ``done``
+        gets each switch made as it is made ("prefill-0 is decode-2"), for a move interrupted half
+        way to be recorded."""
         assert decision.engine is not None and decision.to_role is not None
         if self.config.mode is not PlannerMode.ACT:
             return "advised", "advised (mode advise: nothing changed)"
-        try:  # in this thread, blocking the loop (nothing else runs meanwhile): a Ctrl-C reaches switch's own handling
-            new_id = switch(self.name, decision.engine, decision.to_role, store=self.store, events=self.events)
-        except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
-            return "refused", f"not switched: {exc}"
-        self.planner.switched(time.monotonic())
-        return "switched", f"switched: {decision.engine} is {new_id}"
+        try:
+            for engine in decision.engines:
+                # (in this thread, blocking the loop: nothing else runs meanwhile; a Ctrl-C reaches switch's own handling)
+                try:
+                    new_id = switch(self.name, engine, decision.to_role, store=self.store, events=self.events)
+                except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
+                    if not done:
+                        return "refused", f"not switched: {exc}"
+                    return "switched", f"switched: {', '.join(done)}; then not: {exc}"
+                done.append(f"{engine} is {new_id}")
+        finally:
+            if done:  # (a Ctrl-C between two switches too: those made are the fleet's now, and the cooldown stands)
+                self.planner.switched(time.monotonic())
+        return "switched", f"switched: {', '.join(done)}"
 
     def _entry(self, state: ClusterState, decision: Decision, outcome: str | None) -> dict[str, Any]:
         entry = {"at": time.time(), "run": state.run_id, "mode": self.config.mode.value, **decision.to_dict()}

@@ -14,7 +14,9 @@ queue when they run full: their running requests fill ``FULL`` or more of their 
 (``max_running_requests``) over the interval while each prefill holds less than one request on
 average (a closed loop's clients all sit in decode batches that grow each step's time, and the
 prefills idle). Once a role has been the bottleneck
-for ``sustain`` intervals in a row, one engine of the other role moves to it, unless:
+for ``sustain`` intervals in a row, engines of the other role move to it (one, or as many as the
+split that balances both roles at their learned capacities asks for: ``balanced_prefills``),
+unless:
 
 - a weight update or a framework's transaction holds the fleet (it waits: engines are paused);
 - an engine is unhealthy, or a switch was made less than ``cooldown_secs`` ago;
@@ -184,12 +186,21 @@ class Decision:
     engine: str | None = None
     to_role: Role | None = None
     figures: Mapping[str, Any] = field(default_factory=dict)
+    more: tuple[str, ...] = ()
+    """Engines that move with ``engine``, in the order they switch (a move of several at once)."""
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """Every engine the decision moves, in order (``engine`` first); none for stay and wait."""
+        return (self.engine, *self.more) if self.engine else ()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``action``, ``engine``, ``to_role``, ``reason`` and ``figures``."""
+        """JSON-ready: ``action``, ``engine`` (the first to move), ``engines`` (all, in order),
+        ``to_role``, ``reason`` and ``figures``."""
         return {
             "action": self.action.value,
             "engine": self.engine,
+            "engines": list(self.engines),
             "to_role": self.to_role.value if self.to_role else None,
             "reason": self.reason,
             "figures": dict(self.figures),
@@ -288,16 +299,25 @@ class RolePlanner:
         refusal = self._donor_refuses(donor, load, obs)
         if refusal:
             return Decision(Action.STAY, f"{why}; {refusal}", figures=figures)
-        target = (split[0] + 1, split[1] - 1) if short is Role.PREFILL else (split[0] - 1, split[1] + 1)
-        tried = self._tried(target, obs)
+        tried = self._tried(_moved(split, short, 1), obs)
         if tried:
             return Decision(Action.STAY, f"{why}; {tried}", figures=figures)
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
             return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
-        # The cheapest switch: to decode, an engine that captured its graphs before; then the idlest.
-        pick = min(movable, key=lambda e: (short is Role.DECODE and not e.captured, e.running + e.waiting, e.id))
-        return Decision(Action.SWITCH, f"{why}: {pick.id} moves to {short}", pick.id, short, figures)
+        count, sized = self._how_many(short, loads, split, len(movable))
+        while count > 1 and self._tried(_moved(split, short, count), obs):
+            count -= 1  # (a split it measured as no better is not a target either)
+        # The cheapest switches: to decode, engines that captured their graphs before; then the idlest.
+        picks = sorted(movable, key=lambda e: (short is Role.DECODE and not e.captured, e.running + e.waiting, e.id))
+        picks = picks[:count]
+        if count > 1:
+            figures["balanced_prefills"] = sized
+            names = ", ".join(e.id for e in picks)
+            moved = _moved(split, short, count)
+            why = f"{why}: {names} move to {short} ({moved[0]}:{moved[1]} balances the two roles at their capacities)"
+            return Decision(Action.SWITCH, why, picks[0].id, short, figures, tuple(e.id for e in picks[1:]))
+        return Decision(Action.SWITCH, f"{why}: {picks[0].id} moves to {short}", picks[0].id, short, figures)
 
     # -- the parts ------------------------------------------------------------------------------------
     def _ahead_of_step(self, loads: Mapping[Role, RoleLoad], obs: Observation, figures: dict[str, Any]) -> Decision:
@@ -327,6 +347,53 @@ class RolePlanner:
         return Decision(
             Action.SWITCH, f"{why}: {pick.id} moves to prefill ahead of the burst", pick.id, Role.PREFILL, figures
         )
+
+    def _how_many(
+        self, short: Role, loads: Mapping[Role, RoleLoad], split: tuple[int, int], movable: int
+    ) -> tuple[int, int | None]:
+        """How many engines move to ``short`` at once, and the balanced split's prefill count:
+        toward the split that serves the interval's workload best with both roles at their learned
+        capacities (``balanced_prefills``), as far as the donor's minimum and headroom allow (its
+        tokens/s spread over the engines it keeps stay within ``DONOR_HEADROOM`` of its capacity).
+        One, as ever, while a capacity or the interval's mix is not known, or when the balance
+        says the fleet is there already but the queues say otherwise (the queues win)."""
+        donor = other(short)
+        load = loads[donor]
+        most = min(movable, load.engines - self.minimum(donor))
+        capacity = self.capacity.get(donor)
+        while capacity and most > 1 and load.tokens_per_s * load.engines / (load.engines - most) > (
+            DONOR_HEADROOM * capacity
+        ):
+            most -= 1
+        if self.config.objective is Objective.LATENCY or most <= 1:
+            return 1, None
+        best = self.balanced_prefills(loads)
+        if best is None:
+            return 1, None
+        want = best - split[0] if short is Role.PREFILL else split[0] - best
+        return max(1, min(most, want)), best
+
+    def balanced_prefills(self, loads: Mapping[Role, RoleLoad]) -> int | None:
+        """The prefill count of the split that serves the interval's mix (prompt tokens per output
+        token) best, each role at its learned capacity: the most output tokens/s that both the
+        prefills (at ``prefills x capacity / mix``) and the decodes (``decodes x capacity``) can
+        give, within the minimums; the split nearest to the current one among equals. None until
+        both capacities are learned and the interval shows prompt and output tokens."""
+        prefill_capacity, decode_capacity = self.capacity.get(Role.PREFILL), self.capacity.get(Role.DECODE)
+        prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
+        prompt, output = prefill.tokens_per_s * prefill.engines, decode.tokens_per_s * decode.engines
+        if not prefill_capacity or not decode_capacity or prompt <= 0 or output <= 0:
+            return None
+        mix = prompt / output
+        n = prefill.engines + decode.engines
+        lowest, highest = self.config.min_prefill, n - self.config.min_decode
+        if lowest > highest:
+            return None
+
+        def served(prefills: int) -> float:
+            return min(prefills * prefill_capacity / mix, (n - prefills) * decode_capacity)
+
+        return max(range(lowest, highest + 1), key=lambda k: (served(k), -abs(k - prefill.engines)))
 
     def _learn(self, loads: Mapping[Role, RoleLoad]) -> None:
         for role, load in loads.items():
@@ -407,6 +474,11 @@ class RolePlanner:
                 f"tokens/s, no better than {now.output_tokens_per_s:.0f} now: staying"
             )
         return None
+
+
+def _moved(split: tuple[int, int], to: Role, count: int) -> tuple[int, int]:
+    """``split`` (prefills, decodes) with ``count`` engines moved to role ``to``."""
+    return (split[0] + count, split[1] - count) if to is Role.PREFILL else (split[0] - count, split[1] + count)
 
 
 def _role_load(obs: Observation, role: Role) -> RoleLoad:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.role_planner.config import Objective, PlannerConfig
-from pdctl.role_planner.decide import Action, EngineLoad, Observation, RolePlanner
+from pdctl.role_planner.config import Objective, PlannerConfig, PlannerMode
+from pdctl.role_planner.decide import Action, EngineLoad, Observation, RolePlanner, SplitRecord
 from pdctl.roles import Role
 
 P, D = Role.PREFILL, Role.DECODE
@@ -306,3 +306,90 @@ def test_the_loop_knows_a_process_it_saw_decode_as_captured_and_a_restarted_one_
     assert captured(state(switched), decoded) == {"prefill-0": False, "prefill-1": True}
     restarted = {**switched, "prefill-1": ("http://c", 99)}  # the same URL, a new process
     assert captured(state(restarted), decoded) == {"prefill-0": False, "prefill-1": False}
+
+
+def _learned(prefill_capacity: float, decode_capacity: float, **config) -> RolePlanner:
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0, **config))
+    planner.capacity.update({P: prefill_capacity, D: decode_capacity})
+    return planner
+
+
+def test_a_long_prompt_phase_moves_every_decode_the_balance_asks_for_at_once() -> None:
+    """At 1:3 under 4,000-token prompts for 16 tokens out (the benchmark's first phase: 29,000
+    prompt tokens/s on the one prefill, 47 output tokens/s per decode; prefills learned at 30,000,
+    decodes at 2,300), the split that serves the mix best is 3:1: both decodes it names move in one
+    decision, the idlest first. Unlearned capacities move one, as before."""
+    obs = fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)])
+    idler = EngineLoad("decode-2", D, True, True, 0, 2, 47)  # 2 running where the others run 8
+    obs = Observation(0, (*obs.engines[:-1], idler))
+    decision = _learned(30_000, 2_300).decide(obs)
+    assert decision.action is Action.SWITCH and decision.to_role is P, decision
+    assert decision.engines == ("decode-2", "decode-0") and decision.figures["balanced_prefills"] == 3
+    assert "3:1 balances" in decision.reason and decision.to_dict()["engines"] == ["decode-2", "decode-0"]
+    one = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0)).decide(obs)
+    assert one.action is Action.SWITCH and one.engines == ("decode-2",) and "balanced_prefills" not in one.figures
+
+
+def test_a_long_answer_phase_moves_two_prefills_back_and_a_balanced_fleet_moves_one() -> None:
+    """At 3:1 under 100-token prompts for 300 out (the second phase), the decode full and 16
+    waiting: the balance is 1:3, two prefills move. Where the balance says 2:2 for a fleet at
+    2:2 the queues still say decode is short: one moves (the queues win over the estimate)."""
+    long_answers = fleet(0, [(0, 230), (0, 228), (0, 240)], [(16, 2_054)])
+    decision = _learned(30_000, 2_300).decide(long_answers)
+    assert decision.to_role is D and len(decision.engines) == 2 and decision.figures["balanced_prefills"] == 1
+    # mix 100: 2 prefills at 30,000 feed 600 output tokens/s, 2 decodes at 2,300 give 4,600: 2:2 is
+    # prefill-bound already, the balance says 3:1 or more; the queues say decode: one moves.
+    queued = fleet(0, [(0, 10_000), (0, 10_000)], [(6, 100), (6, 100)])
+    assert _learned(30_000, 2_300).decide(queued).engines == ("prefill-0",)
+
+
+def test_a_move_of_several_keeps_the_donors_minimum() -> None:
+    obs = fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)])
+    assert len(_learned(30_000, 2_300).decide(obs).engines) == 2
+    assert len(_learned(30_000, 2_300, min_decode=2).decide(obs).engines) == 1
+
+
+def test_a_move_of_several_stops_short_of_a_split_it_measured_as_no_better() -> None:
+    planner = _learned(30_000, 2_300)
+    planner.splits[(3, 1)] = SplitRecord(46.0, 205.0)  # 3:1 under this mix gave 46 output tokens/s
+    decision = planner.decide(fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)]))
+    assert decision.action is Action.SWITCH and len(decision.engines) == 1  # to 2:2, never measured
+
+
+def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switched(tmp_path, monkeypatch) -> None:
+    """The loop switches a decision's engines one after the other; a Ctrl-C during the second
+    leaves the first switched: the loop stops, its record says what it switched, and its cooldown
+    has started."""
+    import pytest
+
+    from pdctl.cluster import planner_loop
+    from pdctl.cluster.planner_record import recent_decisions
+    from pdctl.cluster.state import ClusterState, Phase, StateStore
+
+    asked: list[str] = []
+
+    def switch(name: str, engine: str, role: Role, **_kw) -> str:
+        asked.append(engine)
+        if len(asked) == 2:
+            raise KeyboardInterrupt
+        return f"{role}-9"
+
+    async def interval(*_args) -> list:
+        return [None, None]  # (two samples: what observe reads, replaced below)
+
+    obs = fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)])
+    decision = _learned(30_000, 2_300).decide(obs)
+    assert decision.engines == ("decode-0", "decode-1")
+    monkeypatch.setattr(planner_loop, "switch", switch)
+    monkeypatch.setattr(planner_loop, "_interval", interval)
+    monkeypatch.setattr(planner_loop, "observe", lambda *_args: obs)
+    store = StateStore(tmp_path)
+    store.save(ClusterState("c", "run-1", Phase.UP, []))
+    loop = planner_loop.PlannerLoop("c", PlannerConfig(mode=PlannerMode.ACT), store)
+    monkeypatch.setattr(loop.planner, "decide", lambda _obs: decision)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(intervals=1)
+    assert asked == ["decode-0", "decode-1"]
+    assert loop.planner.last_switch_at is not None
+    last = recent_decisions(store, "c", 5)[-1]
+    assert last["outcome"] == "switched: decode-0 is prefill-9; then interrupted" and last["engines"] == list(asked)
