@@ -236,7 +236,7 @@ class PlannerLoop:
             return "advised", "advised (mode advise: nothing changed)"
         try:
             for engine in decision.engines:
-                # (in this thread, blocking the loop: nothing else runs meanwhile; a Ctrl-C reaches switch's own handling)
+                # (in this thread, blocking the loop: nothing else runs meanwhile; a Ctrl-C reaches switch's handling)
                 try:
                     new_id = switch(self.name, engine, decision.to_role, store=self.store, events=self.events)
                 except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
