@@ -1,9 +1,12 @@
 """The P:D planner against every static split of the same engines (issue 58), in one run on one
-local cluster of 4 sim engines costed as Llama-3.1-8B on H100s (``--sim-profile llama3-8b-h100``,
-``max-running-requests: 16``), same seeds for every configuration.
+local cluster of N sim engines (4 by default, ``--engines 8``) costed as Llama-3.1-8B on H100s
+(``--sim-profile llama3-8b-h100``, ``max-running-requests: 16``, ``stream-interval: 8``), same seeds
+for every configuration. The load grows with N (clients, prompts, requests: x N / 4), so each
+workload takes about as long at 8 engines as at 4.
 
 Workloads (each client an aiohttp stream through the router, so TTFT and ITL are measured at the
-client):
+client; the engines stream every 8 tokens, as SGLang does with ``--stream-interval 8``, which keeps
+the 2-core machine's CPU out of the figures: benchmarks/results/sim_fleet.md):
 
 (a) **An RL step** (GRPO): B = 8 prompts x n = 8 samples, all 64 sent at once, 3 steps in a row;
     the figure is the mean step's makespan (the last sample's end). Prompt and answer lengths are
@@ -11,6 +14,12 @@ client):
     a step differ in length by 10x): prompts median 1,500 tokens (sigma 0.6, 200-6,000), answers
     median 200 tokens (sigma 0.8, 16-1,200). A step opens prefill-bound (64 prompts, 8 distinct)
     and ends in a decode tail.
+(a') **An agentic RL step** (a turn of multi-turn tool-use or coding agents): 64 trajectories, each
+    with its own history as its prompt (so nothing is shared between them: an agent's turn prompts
+    with everything it did so far), log-normal median 8,000 tokens (sigma 0.5, 2,000-24,000), and a
+    short action as its answer, median 150 tokens (sigma 0.7, 16-800); 3 steps, each announced.
+    Its prefill is several intervals long, so this is the step where switching ahead of the burst
+    (the step hint) can pay, and its decode tail is short.
 (b) **A serving trace whose mix shifts halfway**: 32 closed-loop clients, 320 requests of 4,000
     prompt tokens and 16 out, then 320 of 100 and 300 out (each half about 30 s); and the same
     three times as long (960 and 960: each half about 90 s). A serving day's shifts last minutes
@@ -22,19 +31,24 @@ client):
 (c) **A steady trace** (the second half's mix throughout, 240 requests): goodput again; the planner
     should hold the best split and not lose to it.
 
-Each static split (1:3, 2:2, 3:1) is set with ``pdctl switch`` and runs with a planner in advise
+Each static split (1:N-1 ... N-1:1) is set with ``pdctl switch`` and runs with a planner in advise
 mode beside it: on this 2-core machine the planner's sampling (five samples of every engine per
 interval) takes CPU the sim engines and the router need, which on GPUs it would not; an advise
 planner samples the same and changes nothing, so every row pays the same. The steady trace once
-more on a bare 1:3 shows what that costs here. The planner starts from 2:2 in act mode (interval
-2 s, cooldown 6 s, sustain 2) and goes on from wherever the last workload left it. Goals (issue
-58): on the shifting workloads the planner >= 1.1x the best static split; on the steady one >= 0.95x.
+more on a bare 1:N-1 shows what that costs here. The planner starts from the even split in act
+mode (interval 2 s, cooldown 6 s, sustain 2) and goes on from wherever the last workload left it.
+``--repeats R`` runs every configuration's workloads R times in turn (a row each time) and reports
+each figure's median and range. Goals (issue 58): on the shifting workloads the planner >= 1.1x the
+best static split; on the steady one >= 0.95x.
 
-    python benchmarks/planner.py   # writes benchmarks/results/planner.{json,md}
+    python benchmarks/planner.py                # 4 engines: benchmarks/results/planner.{json,md}
+    python benchmarks/planner.py --engines 8    # benchmarks/results/planner_8.{json,md}
+    python benchmarks/planner.py --only shifting --splits 2 --repeats 2   # a quick look
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -42,6 +56,7 @@ import os
 import platform
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +75,7 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 PY = sys.executable
 NAME = "plbench"
-PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16}
+PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16, "stream-interval": 8}
 TTFT_SECS, ITL_SECS = 3.0, 0.060
 
 
@@ -114,28 +129,52 @@ def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int)
     return max(lo, min(hi, int(rng.lognormvariate(0.0, sigma) * median)))
 
 
-async def rl_steps(url: str, seed: int, control_key: str, steps: int = 3) -> dict:
-    """Each step is announced first, as a trainer does with ``pdctl.step_hint.announce_step``
-    (the same ``POST /pdctl/step``): its distinct prompts' tokens, which the prefills compute."""
-    rng = random.Random(seed)
+async def announced_steps(url: str, control_key: str, steps: list[list[tuple[list[int], int]]]) -> dict:
+    """Each step's requests (prompt, answer tokens) sent at once, after the step is announced as a
+    trainer does with ``pdctl.step_hint.announce_step`` (the same ``POST /pdctl/step``): its
+    distinct prompts' tokens, which the prefills compute. The figure is the mean step's makespan."""
     spans = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        for _ in range(steps):
-            calls = []
-            prompt_tokens = 0
-            for _p in range(8):
-                prompt = [rng.randrange(256) for _ in range(lognormal(rng, 1500, 0.6, 200, 6000))]
-                prompt_tokens += len(prompt)
-                calls += [one(session, url, prompt, lognormal(rng, 200, 0.8, 16, 1200)) for _ in range(8)]
-            step = {"prompt_tokens": prompt_tokens, "requests": len(calls)}
+        for step in steps:
+            distinct = {id(prompt): len(prompt) for prompt, _ in step}
+            said = {"prompt_tokens": sum(distinct.values()), "requests": len(step)}
             headers = {"Authorization": f"Bearer {control_key}"}
-            async with session.post(url + "/pdctl/step", json=step, headers=headers) as resp:
+            async with session.post(url + "/pdctl/step", json=said, headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
             start = time.monotonic()
-            done = await asyncio.gather(*calls)
+            done = await asyncio.gather(*(one(session, url, prompt, out) for prompt, out in step))
             assert all(d["status"] == 200 for d in done), [d["status"] for d in done]
             spans.append(max(d["end"] for d in done) - start)
     return {"makespan_s": sum(spans) / len(spans), "steps": spans}
+
+
+def rl_steps(seed: int, scale: int, steps: int = 3) -> list[list[tuple[list[int], int]]]:
+    """GRPO: 8 x ``scale`` prompts (median 1,500 tokens) x 8 samples each (answers median 200)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _p in range(8 * scale):
+            prompt = [rng.randrange(256) for _ in range(lognormal(rng, 1500, 0.6, 200, 6000))]
+            step += [(prompt, lognormal(rng, 200, 0.8, 16, 1200)) for _ in range(8)]
+        out.append(step)
+    return out
+
+
+def agentic_steps(seed: int, scale: int, steps: int = 3) -> list[list[tuple[list[int], int]]]:
+    """64 x ``scale`` trajectories, each with its own long history (median 8,000 tokens) and a short action
+    (median 150)."""
+    rng = random.Random(seed)
+    return [
+        [
+            (
+                [rng.randrange(256) for _ in range(lognormal(rng, 8000, 0.5, 2000, 24000))],
+                lognormal(rng, 150, 0.7, 16, 800),
+            )
+            for _ in range(64 * scale)
+        ]
+        for _ in range(steps)
+    ]
 
 
 async def trace(url: str, seed: int, phases: list[tuple[int, int, int]], clients: int = 32) -> dict:
@@ -174,22 +213,36 @@ SHIFT = [(320, 4000, 16), (320, 100, 300)]
 LONG_SHIFT = [(960, 4000, 16), (960, 100, 300)]
 STEADY = [(240, 100, 300)]
 TRACES = {"shifting": SHIFT, "shifting_long": LONG_SHIFT, "steady": STEADY}
-"""Each trace's phases; the goal of each (the planner against the best static split)."""
-GOALS = {"rl_step": 1.1, "shifting": 1.1, "shifting_long": 1.1, "steady": 0.95}
+"""Each trace's phases at 4 engines (requests, prompt tokens, output tokens); the requests grow with the fleet."""
+STEPS = {"rl_step": rl_steps, "agentic_step": agentic_steps}
+WORKLOADS = [*STEPS, *TRACES]
+GOALS = {"rl_step": 1.1, "agentic_step": 1.1, "shifting": 1.1, "shifting_long": 1.1, "steady": 0.95}
 TITLES = {
     "rl_step": "RL step makespan (s)",
+    "agentic_step": "agentic RL step makespan (s)",
     "shifting": "shifting trace, 30 s phases (req/s)",
     "shifting_long": "shifting trace, 90 s phases (req/s)",
     "steady": "steady trace (req/s)",
 }
 
 
-def workloads(url: str, control_key: str, after: Callable[[], None] = lambda: None) -> dict:
-    """Every workload in turn; ``after`` is called after each."""
-    out = {"rl_step": asyncio.run(rl_steps(url, seed=1, control_key=control_key))}
-    after()
-    for seed, (name, phases) in enumerate(TRACES.items(), start=2):
-        out[name] = asyncio.run(trace(url, seed=seed, phases=phases))
+def scaled(phases: list[tuple[int, int, int]], scale: int) -> list[tuple[int, int, int]]:
+    return [(n * scale, p, o) for n, p, o in phases]
+
+
+def workloads(
+    url: str, control_key: str, engines: int, only: list[str], after: Callable[[], None] = lambda: None
+) -> dict:
+    """Every workload of ``only`` in turn, for a fleet of ``engines``; ``after`` is called after each."""
+    scale = max(1, engines // 4)
+    out: dict[str, dict] = {}
+    for seed, name in enumerate(WORKLOADS, start=1):
+        if name not in only:
+            continue
+        if name in STEPS:
+            out[name] = asyncio.run(announced_steps(url, control_key, STEPS[name](seed, scale)))
+        else:
+            out[name] = asyncio.run(trace(url, seed=seed, phases=scaled(TRACES[name], scale), clients=32 * scale))
         print(f"  {name}: {json.dumps(out[name])}", flush=True)
         after()
     return out
@@ -210,15 +263,29 @@ def planner_beside(mode: str, work: Path, env: dict) -> Iterator[None]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=4, help="engines in the fleet (even; default 4)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration's workloads")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="workloads to run, comma-separated")
+    parser.add_argument("--splits", default="", help="prefill counts of the static splits (default: all)")
+    parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
+    args = parser.parse_args()
+    n = args.engines
+    only = [w for w in args.only.split(",") if w]
+    unknown = set(only) - set(WORKLOADS)
+    if unknown or n < 2 or n % 2:
+        parser.error(f"unknown workloads {sorted(unknown)}" if unknown else "--engines: an even count, 2 or more")
+    splits = [int(k) for k in args.splits.split(",") if k] or list(range(1, n))
+    out_name = args.out or ("planner" if n == 4 else f"planner_{n}")
     work = Path(tempfile.mkdtemp(prefix="pdctl-planner-bench-"))
     home = work / "home"
     env = {**os.environ, "PDCTL_HOME": str(home)}
-    switchable = {"replicas": 2, "role_switch": True, "args": PROFILE}
+    switchable = {"replicas": n // 2, "role_switch": True, "args": PROFILE}
     topo = {
         "name": NAME,
         "model": {"path": "sim://tiny"},
         "engine": "sim",
-        "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(work / "runs")}],
+        "nodes": [{"name": "me", "host": "127.0.0.1", "gpus": n, "workdir": str(work / "runs")}],
         "ports": {"base": 27500},
         "prefill": switchable,
         "decode": switchable,
@@ -229,42 +296,46 @@ def main() -> None:
     up = pdctl("up", str(work / "t.yaml"), env=env)
     url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
     control_key = load_keys(StateStore(home), NAME).control
-    rows: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     try:
-        for prefills in (1, 2, 3):
-            set_split(prefills, home, env)
-            name = f"static {prefills}:{4 - prefills}"
-            with planner_beside("advise", work, env):  # its sampling costs every row the same CPU
-                rows[name] = workloads(url, control_key)
-            print(name, json.dumps(rows[name]), flush=True)
-        set_split(1, home, env)
-        bare = asyncio.run(trace(url, seed=4, phases=STEADY))
-        print("static 1:3 without a planner beside it, steady:", json.dumps(bare), flush=True)
-        set_split(2, home, env)
-        started = time.time()
-        decided: dict[tuple, dict] = {}  # planner.jsonl keeps the latest 200 (the advise planners' too)
+        for _ in range(args.repeats):
+            for prefills in splits:
+                set_split(prefills, home, env)
+                name = f"static {prefills}:{n - prefills}"
+                with planner_beside("advise", work, env):  # its sampling costs every row the same CPU
+                    runs.setdefault(name, []).append(workloads(url, control_key, n, only))
+                print(name, json.dumps(runs[name][-1]), flush=True)
+            if "steady" in only:
+                set_split(1, home, env)
+                bare = asyncio.run(trace(url, seed=99, phases=scaled(STEADY, n // 4 or 1), clients=32 * (n // 4 or 1)))
+                print(f"static 1:{n - 1} without a planner beside it, steady:", json.dumps(bare), flush=True)
+                runs.setdefault("bare", []).append({"steady": bare})
+            set_split(n // 2, home, env)
+            started = time.time()
+            decided: dict[tuple, dict] = {}  # planner.jsonl keeps the latest 200 (the advise planners' too)
 
-        def collect() -> None:  # (`pdctl planner --history` prints the latest 50)
-            for d in recent_decisions(StateStore(home), NAME, KEEP_DECISIONS):
-                decided[(d["at"], d.get("engine"), d.get("outcome"))] = d
+            def collect(into: dict[tuple, dict] = decided) -> None:  # (`pdctl planner --history` prints 50)
+                for d in recent_decisions(StateStore(home), NAME, KEEP_DECISIONS):
+                    into[(d["at"], d.get("engine"), d.get("outcome"))] = d
 
-        with planner_beside("act", work, env):
-            rows["planner"] = workloads(url, control_key, after=collect)
-        collect()
-        switched = sorted(
-            (d for d in decided.values() if d["at"] >= started and (d.get("outcome") or "").startswith("switched")),
-            key=lambda d: d["at"],
-        )
-        rows["planner"]["switches"] = [
-            f"{' and '.join(d.get('engines') or [d['engine']])} -> {d['to_role']}" for d in switched
-        ]
-        rows["planner"]["switches_done_at"] = [d["at"] for d in switched]  # wall clock, as phase_starts
-        rows["planner"]["reactions"] = reactions(rows["planner"], switched)
-        rows["planner"]["bare_static_1_3_steady"] = bare
-        print("planner", json.dumps(rows["planner"]), flush=True)
+            with planner_beside("act", work, env):
+                row = workloads(url, control_key, n, only, after=collect)
+            collect()
+            switched = sorted(
+                (d for d in decided.values() if d["at"] >= started and (d.get("outcome") or "").startswith("switched")),
+                key=lambda d: d["at"],
+            )
+            row["switches"] = [f"{' and '.join(d.get('engines') or [d['engine']])} -> {d['to_role']}" for d in switched]
+            row["switches_done_at"] = [d["at"] for d in switched]  # wall clock, as phase_starts
+            row["reactions"] = reactions(row, switched)
+            runs.setdefault("planner", []).append(row)
+            print("planner", json.dumps(row), flush=True)
+            (RESULTS / f"{out_name}_decisions.jsonl").write_text(
+                "".join(json.dumps(d) + "\n" for d in sorted(decided.values(), key=lambda d: d["at"]))
+            )
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(rows)
+    write(runs, n, only, out_name)
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -273,6 +344,8 @@ def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
     a decision is recorded once its switch is done); None when none was made in the phase."""
     out: dict[str, list[float | None]] = {}
     for name in ("shifting", "shifting_long"):
+        if name not in row:
+            continue
         starts = row[name]["phase_starts"]
         ends = [*starts[1:], starts[0] + row[name]["secs"]]
         toward = [("prefill" if prompt > out_tokens else "decode") for _, prompt, out_tokens in TRACES[name]]
@@ -283,55 +356,83 @@ def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
     return out
 
 
-def write(rows: dict[str, dict]) -> None:
-    statics = {k: v for k, v in rows.items() if k.startswith("static")}
-    p = rows["planner"]
+def figure(run: dict, work: str) -> float:
+    """A workload's figure in one run: a step's makespan (lower is better) or a trace's goodput."""
+    return run[work]["makespan_s"] if work in STEPS else run[work]["goodput_rps"]
+
+
+def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: str) -> None:
+    """The median of each configuration's runs per workload, the planner against the best static
+    split by median, and each figure's range over the runs."""
+    statics = {k: v for k, v in runs.items() if k.startswith("static")}
+    planner = runs["planner"]
+    med = {
+        k: {w: statistics.median(figure(r, w) for r in v) for w in only}
+        for k, v in {**statics, "planner": planner}.items()
+    }
     best, ratios = {}, {}
-    for work in GOALS:
-        if work == "rl_step":
-            best[work] = min(statics, key=lambda k: statics[k][work]["makespan_s"])
-            ratios[work] = statics[best[work]][work]["makespan_s"] / p[work]["makespan_s"]
+    for work in only:
+        if work in STEPS:
+            best[work] = min(statics, key=lambda k: med[k][work])
+            ratios[work] = med[best[work]][work] / med["planner"][work]
         else:
-            best[work] = max(statics, key=lambda k: statics[k][work]["goodput_rps"])
-            ratios[work] = p[work]["goodput_rps"] / statics[best[work]][work]["goodput_rps"]
-    meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version()}
+            best[work] = max(statics, key=lambda k: med[k][work])
+            ratios[work] = med["planner"][work] / med[best[work]][work]
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "engines": engines,
+        "repeats": len(planner),
+        "profile": PROFILE,
+    }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "planner.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=2) + "\n")
+    (RESULTS / f"{out_name}.json").write_text(
+        json.dumps({"meta": meta, "runs": runs, "medians": med, "ratios": ratios}, indent=2) + "\n"
+    )
+    spread = len(planner) > 1
+
+    def cell(name: str, work: str) -> str:
+        figures = [figure(r, work) for r in runs[name]]
+        text = f"{statistics.median(figures):.2f}"
+        return text + (f" ({min(figures):.2f}-{max(figures):.2f})" if spread else "")
+
     lines = [
-        "| configuration | " + " | ".join(TITLES[w] for w in GOALS) + " | failed |",
-        "|---|" + "---|" * (len(GOALS) + 1),
+        f"{engines} engines ({PROFILE['sim-profile']}, max-running-requests {PROFILE['max-running-requests']}, "
+        f"stream-interval {PROFILE['stream-interval']}); {len(planner)} run(s) per figure"
+        + (": the median, then the range" if spread else "")
+        + ".",
+        "",
+        "| configuration | " + " | ".join(TITLES[w] for w in only) + " | failed |",
+        "|---|" + "---|" * (len(only) + 1),
     ]
-    for name, r in rows.items():
-        failed = sum(r[w]["failed"] for w in TRACES)
-        cells = [f"{r['rl_step']['makespan_s']:.2f}"] + [f"{r[w]['goodput_rps']:.2f}" for w in TRACES]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {failed} |")
+    for name in [*statics, "planner"]:
+        failed = sum(r[w]["failed"] for r in runs[name] for w in only if w in TRACES)
+        lines.append(f"| {name} | " + " | ".join(cell(name, w) for w in only) + f" | {failed} |")
     said = [
         f"{TITLES[w].split(' (')[0]} {ratios[w]:.2f}x (best static: {best[w]}; goal >= {GOALS[w]}x: "
         f"{'met' if ratios[w] >= GOALS[w] else 'NOT met'})"
-        for w in GOALS
+        for w in only
     ]
-    lines += [
-        "",
-        "Planner against the best static split of each workload: " + "; ".join(said) + ".",
-        f"Planner switches: {', '.join(p.get('switches', [])) or 'none'}.",
-    ]
-    for name, secs in p.get("reactions", {}).items():
-        told = ", ".join("none" if s is None else f"{s:.1f} s" for s in secs)
-        lines.append(
-            f"{TITLES[name].split(' (')[0]}: the first switch toward each phase's bottleneck was done "
-            f"(drained and switched) {told} after the phase's first request (two intervals are 4 s; a decision needs "
-            "`sustain` = 2 of them, then the drain)."
-        )
-    bare = p.get("bare_static_1_3_steady")
-    if bare:
-        beside = statics["static 1:3"]["steady"]["goodput_rps"]
-        lines.append(
-            f"Steady trace on static 1:3 with no planner beside it: {bare['goodput_rps']:.2f} req/s, against "
-            f"{beside:.2f} with an advise planner sampling beside it (what sampling costs on this 2-core machine); "
-            f"the planner's steady figure against the bare one: "
-            f"{p['steady']['goodput_rps'] / bare['goodput_rps']:.2f}x."
-        )
-    (RESULTS / "planner.md").write_text("\n".join(lines) + "\n")
+    lines += ["", "Planner against the best static split of each workload (medians): " + "; ".join(said) + "."]
+    for k, row in enumerate(planner):
+        lines.append(f"Planner switches, run {k + 1}: {', '.join(row.get('switches', [])) or 'none'}.")
+        for name, secs in row.get("reactions", {}).items():
+            told = ", ".join("none" if s is None else f"{s:.1f} s" for s in secs)
+            lines.append(
+                f"  {TITLES[name].split(' (')[0]}: the first switch toward each phase's bottleneck was done (drained "
+                f"and switched) {told} after the phase's first request (two intervals are 4 s; a decision needs "
+                "`sustain` = 2 of them, then the drain)."
+            )
+    if "bare" in runs and "steady" in only:
+        bare = statistics.median(r["steady"]["goodput_rps"] for r in runs["bare"])
+        beside = med[f"static 1:{engines - 1}"]["steady"] if f"static 1:{engines - 1}" in med else None
+        if beside is not None:
+            lines.append(
+                f"Steady trace on static 1:{engines - 1} with no planner beside it: {bare:.2f} req/s, against "
+                f"{beside:.2f} with an advise planner sampling beside it (what sampling costs on this 2-core machine); "
+                f"the planner's steady figure against the bare one: {med['planner']['steady'] / bare:.2f}x."
+            )
+    (RESULTS / f"{out_name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
