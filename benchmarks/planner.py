@@ -8,8 +8,9 @@ Workloads (each client an aiohttp stream through the router, so TTFT and ITL are
 client; the engines stream every 8 tokens, as SGLang does with ``--stream-interval 8``, which keeps
 the 2-core machine's CPU out of the figures: benchmarks/results/sim_fleet.md):
 
-(a) **An RL step** (GRPO): B = 8 prompts x n = 8 samples, all 64 sent at once, 3 steps in a row;
-    the figure is the mean step's makespan (the last sample's end). Prompt and answer lengths are
+(a) **An RL step** (GRPO): B = 8 prompts x n = 8 samples, all 64 sent at once, 3 steps in a row,
+    each announced (``POST /pdctl/step``) 8 s before it is sent, while the trainer trains on the
+    last rollout; the figure is the mean step's makespan (its sending to its last sample's end). Prompt and answer lengths are
     log-normal, the long tail reasoning RL shows (a few answers run 5-10x the median; the prompts of
     a step differ in length by 10x): prompts median 1,500 tokens (sigma 0.6, 200-6,000), answers
     median 200 tokens (sigma 0.8, 16-1,200). A step opens prefill-bound (64 prompts, 8 distinct)
@@ -129,10 +130,17 @@ def lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int)
     return max(lo, min(hi, int(rng.lognormvariate(0.0, sigma) * median)))
 
 
+TRAIN_SECS = 8.0
+"""The trainer's own part of an RL step between two rollouts (its update and the weight push), while
+the fleet idles: an 8B model's update takes seconds to minutes; 8 s is the short end."""
+
+
 async def announced_steps(url: str, control_key: str, steps: list[list[tuple[list[int], int]]]) -> dict:
-    """Each step's requests (prompt, answer tokens) sent at once, after the step is announced as a
-    trainer does with ``pdctl.step_hint.announce_step`` (the same ``POST /pdctl/step``): its
-    distinct prompts' tokens, which the prefills compute. The figure is the mean step's makespan."""
+    """Each step's requests (prompt, answer tokens) sent at once, ``TRAIN_SECS`` after the step is
+    announced, as a trainer does with ``pdctl.step_hint.announce_step`` (the same ``POST
+    /pdctl/step``) when its dataloader gives it the next batch, before it trains on the last
+    rollout: the distinct prompts' tokens, which the prefills compute. The figure is the mean step's
+    makespan, from its requests' sending to its last answer (the training between is not in it)."""
     spans = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         for step in steps:
@@ -141,6 +149,7 @@ async def announced_steps(url: str, control_key: str, steps: list[list[tuple[lis
             headers = {"Authorization": f"Bearer {control_key}"}
             async with session.post(url + "/pdctl/step", json=said, headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
+            await asyncio.sleep(TRAIN_SECS)  # the trainer trains on the last rollout meanwhile
             start = time.monotonic()
             done = await asyncio.gather(*(one(session, url, prompt, out) for prompt, out in step))
             assert all(d["status"] == 200 for d in done), [d["status"] for d in done]
@@ -297,6 +306,7 @@ def main() -> None:
     url = next(line.split()[-1] for line in up.stdout.splitlines() if line.startswith("router:"))
     control_key = load_keys(StateStore(home), NAME).control
     runs: dict[str, list[dict]] = {}
+    decisions: list[dict] = []  # every planner decision of every run, in order (the advise planners' too)
     try:
         for _ in range(args.repeats):
             for prefills in splits:
@@ -330,9 +340,9 @@ def main() -> None:
             row["reactions"] = reactions(row, switched)
             runs.setdefault("planner", []).append(row)
             print("planner", json.dumps(row), flush=True)
-            (RESULTS / f"{out_name}_decisions.jsonl").write_text(
-                "".join(json.dumps(d) + "\n" for d in sorted(decided.values(), key=lambda d: d["at"]))
-            )
+            run_number = len(runs["planner"])
+            decisions += [{"bench_run": run_number, **d} for d in sorted(decided.values(), key=lambda d: d["at"])]
+            (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
     write(runs, n, only, out_name)

@@ -30,11 +30,12 @@ unless:
   that each leave one role the bottleneck.
 
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
-router, with the prompt tokens it will prefill) lets it move a decode to prefill ahead of the
+router, with the prompt tokens it will prefill) lets it move decodes to prefill ahead of the
 burst, without waiting ``sustain`` intervals: when the burst's prefill, at the prefills' learned
 capacity, would take ``STEP_WORTH`` intervals or more, the decodes are winding down (under half
-their slots, no queue) and none of the rules above forbids it. The usual rules move it back once
-the burst's answers fill the decodes.
+their slots, no queue) and none of the rules above forbids it; as many move as make the burst fit
+in ``STEP_WORTH`` intervals, down to the decodes' minimum. The usual rules move them back once the
+burst's answers fill the decodes.
 
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
@@ -44,6 +45,7 @@ donor must meet its own target with 20% to spare.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -343,9 +345,19 @@ class RolePlanner:
         movable = [e for e in obs.engines if e.role is Role.DECODE and e.switchable]
         if not movable:
             return Decision(Action.STAY, f"{why}; no decode may switch (role_switch groups only)", figures=figures)
-        pick = min(movable, key=lambda e: (e.running + e.waiting, e.id))
+        # As many as the burst needs to fit in STEP_WORTH intervals, down to the decodes' minimum.
+        fits = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines
+        count = max(1, min(fits, len(movable), decode.engines - self.minimum(Role.DECODE)))
+        picks = sorted(movable, key=lambda e: (e.running + e.waiting, e.id))[:count]
+        names = ", ".join(e.id for e in picks)
+        moves = "moves" if count == 1 else "move"
         return Decision(
-            Action.SWITCH, f"{why}: {pick.id} moves to prefill ahead of the burst", pick.id, Role.PREFILL, figures
+            Action.SWITCH,
+            f"{why}: {names} {moves} to prefill ahead of the burst",
+            picks[0].id,
+            Role.PREFILL,
+            figures,
+            tuple(e.id for e in picks[1:]),
         )
 
     def _how_many(

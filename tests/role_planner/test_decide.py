@@ -197,7 +197,25 @@ def test_a_step_boundary_moves_a_winding_down_decode_to_prefill_ahead_of_a_long_
     assert planner.decide(obs(30, 2, 200_000)).action is Action.STAY  # no new step: the hint was spent
     ahead = planner.decide(obs(40, 3, 200_000))
     assert ahead.action is Action.SWITCH and ahead.to_role is P and "ahead of the burst" in ahead.reason
-    assert ahead.figures["step_prefill_secs"] == 25.0
+    assert ahead.figures["step_prefill_secs"] == 25.0 and ahead.engines == ("decode-0",)  # 3 prefills: 16.7 s
+
+
+def test_a_step_boundary_moves_as_many_idle_decodes_as_the_burst_needs() -> None:
+    """2 prefills at 4,000 tokens/s and 4 idle decodes; 400,000 prompt tokens take 50 s: to fit in
+    two 10 s intervals the burst needs 5 prefills, so 3 decodes move (the idlest first) and one stays;
+    with ``min_decode: 2`` two move."""
+
+    def obs(at: float, steps: float, tokens: float) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, 3 if not steps else 0, 1, 4000) for i in range(2)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 0, 0.5 * i, 100, slots=16) for i in range(4)]
+        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens)
+
+    for minimum, moved in ((1, ("decode-0", "decode-1", "decode-2")), (2, ("decode-0", "decode-1"))):
+        planner = RolePlanner(PlannerConfig(cooldown_secs=0, min_decode=minimum))
+        planner.decide(obs(0, 0, 0))  # backlogged prefills: their capacity
+        ahead = planner.decide(obs(10, 1, 400_000))
+        assert ahead.action is Action.SWITCH and ahead.engines == moved, ahead
+        assert "decode-0, decode-1" in ahead.reason and "move to prefill ahead of the burst" in ahead.reason
 
 
 def test_a_restarted_planner_recalls_its_cooldown_capacity_and_splits_from_its_record() -> None:
