@@ -10,11 +10,11 @@ the 2-core machine's CPU out of the figures: benchmarks/results/sim_fleet.md):
 
 (a) **An RL step** (GRPO): B = 8 prompts x n = 8 samples, all 64 sent at once, 3 steps in a row,
     each announced (``POST /pdctl/step``) 8 s before it is sent, while the trainer trains on the
-    last rollout; the figure is the mean step's makespan (its sending to its last sample's end). Prompt and answer lengths are
-    log-normal, the long tail reasoning RL shows (a few answers run 5-10x the median; the prompts of
-    a step differ in length by 10x): prompts median 1,500 tokens (sigma 0.6, 200-6,000), answers
-    median 200 tokens (sigma 0.8, 16-1,200). A step opens prefill-bound (64 prompts, 8 distinct)
-    and ends in a decode tail.
+    last rollout; the figure is the mean step's makespan (its sending to its last sample's end).
+    Prompt and answer lengths are log-normal, the long tail reasoning RL shows (a few answers run
+    5-10x the median; the prompts of a step differ in length by 10x): prompts median 1,500 tokens
+    (sigma 0.6, 200-6,000), answers median 200 tokens (sigma 0.8, 16-1,200). A step opens
+    prefill-bound (64 prompts, 8 distinct) and ends in a decode tail.
 (a') **An agentic RL step** (a turn of multi-turn tool-use or coding agents): 64 trajectories, each
     with its own history as its prompt (so nothing is shared between them: an agent's turn prompts
     with everything it did so far), log-normal median 8,000 tokens (sigma 0.5, 2,000-24,000), and a
