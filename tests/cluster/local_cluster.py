@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tests.helpers import control_auth, eventually, get, pdctl, post
 
@@ -36,14 +37,36 @@ def router_workers(router: str) -> dict[str, dict]:
     return {w["url"]: w for w in get(router + "/workers", timeout=10, headers=CONTROL[router])[1]["workers"]}
 
 
+def story_of(env: dict, proc: str) -> Path:
+    """The supervisor's story file of process ``proc`` (pdctl.node.supervise: its state, pid and
+    restarts), found in the state file of the cluster under ``env``'s PDCTL_HOME that has it."""
+    for state in Path(env["PDCTL_HOME"]).glob("*/state.json"):
+        record = json.loads(state.read_text())["processes"].get(proc)
+        if record and record.get("exit_file"):
+            return Path(record["exit_file"])
+    raise AssertionError(f"no supervised process {proc!r} in {env['PDCTL_HOME']}")
+
+
 def wait_back(env: dict, proc: str, old_pid: int, restarts: int) -> dict:
-    """Wait until ``proc`` runs again under a new pid, healthy, with its restart counted."""
+    """Wait until ``proc`` runs again under a new pid, healthy, with its restart counted (and fail at
+    once if it was restarted more often than that). The wait reads the supervisor's story file, then
+    `pdctl status` until it says healthy: a status call every 0.2 s for the whole restart spent a core
+    that the restarting engine needs."""
+    story = story_of(env, proc)
+
+    def restarted() -> bool:
+        told = json.loads(story.read_text())
+        assert told["restarts"] <= restarts, f"{proc} was restarted {told['restarts']} times, not {restarts}: {told}"
+        return told["state"] == "running" and told["pid"] not in (None, old_pid) and told["restarts"] == restarts
+
+    eventually(restarted, 120, interval=0.1, ignore=(OSError, ValueError), what=f"{proc} restarted ({restarts})")
 
     def back() -> dict | None:
         p = status_by_process(env)[proc]
+        assert p["restarts"] <= restarts, f"{proc} was restarted {p['restarts']} times, not {restarts}: {p}"
         return p if p["pid"] != old_pid and p["alive"] and p["healthy"] and p["restarts"] == restarts else None
 
-    return eventually(back, 120, interval=0.2, what=f"{proc} back (restart {restarts})")
+    return eventually(back, 120, interval=0.5, what=f"{proc} back (restart {restarts})")
 
 
 def wait_in_rotation(router: str, url: str, version: str | None = None) -> dict:
@@ -144,10 +167,11 @@ def pdctl_status(env: dict) -> tuple[int, dict]:
     return st.returncode, json.loads(st.stdout)
 
 
-def truth(env: dict, name: str) -> bool:
+def truth(env: dict, name: str, st: dict | None = None) -> bool:
     """What is really so, asked of the processes themselves: every planned engine answers and
-    the router routes to it."""
-    _, st = pdctl_status(env)
+    the router routes to it (``st``: a `pdctl status --json` just read, else one is read)."""
+    if st is None:
+        _, st = pdctl_status(env)
     router = next(p for p in st["processes"] if p["role"] == "router")["url"]
     workers = {
         w["url"]: w
@@ -173,7 +197,7 @@ def settle(env: dict, name: str, deadline_secs: float = 90) -> tuple[int, dict]:
     deadline = time.monotonic() + deadline_secs
     while True:
         code, st = pdctl_status(env)
-        real = truth(env, name)  # after status: while things settle they only get better, so a status
+        real = truth(env, name, st)  # after status: while things settle they only get better, so a status
         # that says ok must find the truth ok right after it
         left = st.get("step") and not str(st["step"]).startswith("in progress")
         # settled: true and ok; or true and not ok with a step left in the journal (nothing changes that

@@ -42,6 +42,7 @@ def topology(hosts, out: Path):
             "command": ["python", str(RECEIVER), "3", str(out / "rank{rank}.pt")],
             "nproc_per_node": 3,
             "env": {"PYTHONPATH": str(RECEIVER.parents[2])},
+            "startup_secs": 0.5,  # (colocated: up starts the trainer first and watches it this long)
         },
         "placement": {
             "mode": "colocate",

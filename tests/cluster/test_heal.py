@@ -185,7 +185,8 @@ def test_apply_scales_and_replaces_under_load_without_failing_a_request(tmp_path
 
 def test_the_sixth_crash_within_ten_minutes_leaves_the_engine_down_and_status_says_why(tmp_path) -> None:
     node = {"name": "me", "host": "127.0.0.1", "gpus": 2, "workdir": str(tmp_path / "runs")}
-    topo = local_topology(tmp_path, "loop", free_port_base(), nodes=[node])
+    null = {"args": {"sim-null": True}}  # (its supervisor is the subject, not the model: no torch to import)
+    topo = local_topology(tmp_path, "loop", free_port_base(), nodes=[node], prefill=null, decode=null)
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     assert pdctl("up", topo, env=env).returncode == 0
     story = tmp_path / "runs" / "loop" / "logs" / "decode-0.log.exit"
@@ -226,7 +227,8 @@ def test_a_hung_engine_leaves_rotation_its_requests_go_on_elsewhere_and_its_supe
         tmp_path,
         "hung",
         free_port_base(),
-        decode={"replicas": 2, "args": PACED, "liveness_timeout_secs": 4},
+        # (8 s: a restarted engine answering late on a loaded 2-core machine must not be taken for hung again)
+        decode={"replicas": 2, "args": PACED, "liveness_timeout_secs": 8},
         router={"health": {"liveness_timeout_secs": 2}},
         nodes=[node],
     )

@@ -215,6 +215,7 @@ def test_trainer_starts_last_with_the_plan_env_and_stops_last(clean_hosts, pdctl
                     ],
                     "nproc_per_node": 1,
                     "nodes": ["h1"],
+                    "startup_secs": 0.5,  # (it runs on: the 10 s default would be waited out in full)
                 },
             }
         )

@@ -179,6 +179,10 @@ def test_logs_follow_sees_new_lines(tmp_path) -> None:
     assert "".join(chunks[1:]) == "four\n"
 
 
+NULL_ENGINES = {"prefill": {"args": {"sim-null": True}}, "decode": {"args": {"sim-null": True}}}
+"""Engines for tests whose subject is the trainer or the lifecycle, not the model: no torch to import."""
+
+
 def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_codes(tmp_path) -> None:
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     base = free_port_base()
@@ -194,6 +198,7 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
         "crash",
         base,
         trainer=crash,
+        **NULL_ENGINES,
         nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}],
     )
     up = pdctl("up", topo, env=env)
@@ -219,6 +224,7 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
         "late",
         base + 40,
         trainer=late,
+        **NULL_ENGINES,
         nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}],
     )
     up = pdctl("up", topo, env=env)
@@ -232,6 +238,7 @@ def test_up_fails_when_the_trainer_exits_with_an_error_and_status_shows_exit_cod
         "done",
         base + 20,
         trainer=done,
+        **NULL_ENGINES,
         nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 3, "workdir": str(tmp_path / "runs")}],
     )
     up = pdctl("up", topo, env=env)

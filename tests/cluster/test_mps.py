@@ -97,7 +97,7 @@ def colocated(tmp_path, name: str, base: int, *, env: dict | None = None, placem
         "ports": {"base": base},
         "prefill": {"tp": 1},
         "decode": {"tp": 1},
-        "trainer": {"command": SLEEPER, "nproc_per_node": 2},
+        "trainer": {"command": SLEEPER, "nproc_per_node": 2, "startup_secs": 0.5},
         "weights": {"backend": "gloo"},
         "placement": placement or {"mode": "colocate", "train_frac": 0.4, "infer_frac": 0.4,
                                    "mps_active_thread_percentage": {"trainer": 50, "prefill": 30}},
@@ -206,7 +206,7 @@ def two_hosts(hosts, name: str, base: int, h1_mode: str):
         "prefill": {"tp": 1, "nodes": ["h0"]},
         "decode": {"tp": 1, "nodes": ["h1"]},
         "router": {"node": "h0"},
-        "trainer": {"command": SLEEPER, "nproc_per_node": 1},
+        "trainer": {"command": SLEEPER, "nproc_per_node": 1, "startup_secs": 0.5},
         "weights": {"backend": "gloo"},
         "placement": {"mode": "colocate", "train_frac": 0.4, "infer_frac": 0.4},
     }  # fmt: skip

@@ -76,7 +76,7 @@ def test_tp4_decode_over_two_hosts(clean_hosts, pdctl_home, tmp_path) -> None:
 
     flag = tmp_path / "push-now"
     trainer = {"command": ["python", "-c", PUSH_WHEN_TOLD], "nproc_per_node": 1, "nodes": ["h0"],
-               "env": {"PUSH_FLAG": str(flag)}}  # fmt: skip
+               "env": {"PUSH_FLAG": str(flag)}, "startup_secs": 0.5}  # fmt: skip
     top = topology(clean_hosts, name="mn", base=25000, trainer=trainer)
     plan = make_plan(top)
     assert [p.id for p in plan.processes if p.role.is_engine] == ["prefill-0", "decode-0.h1", "decode-0.h2"]

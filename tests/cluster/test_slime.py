@@ -183,7 +183,9 @@ def test_with_the_default_engine_key_slime_is_refused_and_a_frameworks_pause_is_
     paused, not down, and exits 1; so does `pdctl weights status`; both are fine again after the
     framework's continue."""
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
-    topo = topology(tmp_path, "keyed")
+    # (one tp-1 engine per role: the key and the pause are the subject, not mixed tp, which the
+    # keyless test drives; a tp-2 sim starts a helper process that imports torch again)
+    topo = topology(tmp_path, "keyed", prefill={"tp": 1}, decode={"tp": 1})
     up = pdctl("up", topo, env=env)
     assert up.returncode == 0, up.stderr
     try:
