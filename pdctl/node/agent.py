@@ -349,10 +349,17 @@ def _process_status(proc: dict[str, Any], timeout: float) -> ProcessState:
         if started is not None:
             entry["uptime_secs"] = time.time() - started
         entry["rss_mb"] = _safe(lambda p=p: p.memory_info().rss / 2**20)
-    if p is not None and entry["alive"] and proc.get("health_url"):
-        entry["healthy"] = _http_ok(proc["health_url"], timeout=timeout)
-    if p is not None and entry["alive"] and proc.get("info_url"):
-        entry["info"] = _http_json(proc["info_url"], timeout=timeout, key=proc.get("info_key"))
+    if p is None or not entry["alive"]:
+        return entry
+    # Health and info side by side: a hung or paused engine makes each wait out its timeout, and one
+    # after the other they made every `pdctl status` of such a fleet wait twice as long.
+    with ThreadPoolExecutor(1) as pool:
+        info_url = proc.get("info_url")
+        info = pool.submit(_http_json, info_url, timeout, proc.get("info_key")) if info_url else None
+        if proc.get("health_url"):
+            entry["healthy"] = _http_ok(proc["health_url"], timeout=timeout)
+        if info is not None:
+            entry["info"] = info.result()
     return entry
 
 

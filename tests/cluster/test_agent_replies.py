@@ -93,3 +93,48 @@ def test_a_supervisor_still_finishing_reports_the_code_it_wrote(tmp_path) -> Non
     me = {"id": "t", "pid": os.getpid(), "create_time": psutil.Process().create_time(), "exit_file": str(exit_file)}
     entry = agent.status({"processes": [me]})["processes"]["t"]
     assert entry["alive"] is False and entry.get("exit_code") == 0, entry
+
+
+def test_status_asks_an_engines_health_and_info_side_by_side(tmp_path) -> None:
+    """An engine whose /health answers only once its /model_info has been asked (a server that holds
+    the one until the other comes): asked one after the other, health waited out its timeout first and
+    an engine that answers both was reported unhealthy, each status call paying two timeouts for a
+    hung one."""
+    import http.server
+    import threading
+
+    asked_info = threading.Event()
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/model_info":
+                asked_info.set()
+                body = b'{"model_path": "sim://tiny"}'
+            else:
+                asked_info.wait(30)
+                body = b"{}"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    ex = LocalExecutor(Node(name="me", host="127.0.0.1", gpus=0, python=sys.executable))
+    log = tmp_path / "p.log"
+    proc = {"id": "p", "argv": [sys.executable, "-c", "import time; time.sleep(30)"], "env": {},
+            "cwd": str(tmp_path), "log_path": str(log)}  # fmt: skip
+    started = agent_api.spawn(ex, [proc])["started"]["p"]
+    try:
+        ident = {"id": "p", "pid": started["pid"], "create_time": started["create_time"],
+                 "health_url": url + "/health", "info_url": url + "/model_info"}  # fmt: skip
+        entry = agent_api.status(ex, [ident])["processes"]["p"]
+        assert entry["healthy"] is True and entry["info"] == {"model_path": "sim://tiny"}, entry
+    finally:
+        agent_api.stop(ex, [{"pid": started["pid"], "pgid": started["pgid"], "create_time": started["create_time"]}],
+                       run_id=None, grace_secs=5)  # fmt: skip
+        server.shutdown()
