@@ -43,8 +43,17 @@ def config_from_argv(argv: list[str]) -> SimConfig:
         except ValueError as exc:
             parser.error(f"--sim-profile: {exc}")
         chunk = args.chunked_prefill_size
-        overrides = {"kv_pool_tokens": args.max_total_tokens, "chunk_tokens": chunk if chunk and chunk > 0 else None}
+        overrides = {
+            "kv_pool_tokens": args.max_total_tokens,
+            "chunk_tokens": chunk if chunk and chunk > 0 else None,
+            "graph_capture_secs": args.sim_graph_capture_secs,
+        }
         profile = dataclasses.replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    if args.sim_graph_capture_secs is not None:
+        if profile is None:
+            parser.error("--sim-graph-capture-secs: only a --sim-profile engine pays a graph capture")
+        if args.sim_graph_capture_secs < 0:
+            parser.error(f"--sim-graph-capture-secs must be >= 0, got {args.sim_graph_capture_secs}")
     for flag, value in (
         ("--tp-size", args.tp_size),
         ("--max-running-requests", args.max_running_requests),

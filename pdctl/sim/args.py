@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and graph capture as the named profile's model on its GPUs (--list-profiles; docs/sim-profiles.md). "
         "Outputs then run to max_new_tokens from a stand-in forward pass.",
     )
+    sim.add_argument(
+        "--sim-graph-capture-secs",
+        type=float,
+        help="A profile engine's decode CUDA graph capture on its first flip to decode, in seconds "
+        "(default: the profile's; docs/sim-profiles.md).",
+    )
     sim.add_argument("--list-profiles", action="store_true", help="List the profiles and exit.")
     sim.add_argument(
         "--sim-null",

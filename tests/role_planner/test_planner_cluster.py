@@ -18,7 +18,9 @@ import pytest
 
 from tests.helpers import control_auth, eventually, free_port_base, get, local_topology, pdctl, post, run_processes
 
-PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16}
+PROFILE = {"sim-profile": "llama3-8b-h100", "max-running-requests": 16, "sim-graph-capture-secs": 1}
+"""(A 1 s capture, not the profile's 12 s: the planner's moves are the subject; what a capture costs is
+benchmarks/planner.py's.)"""
 INTERVAL = 2
 
 

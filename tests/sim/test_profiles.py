@@ -176,3 +176,25 @@ def test_a_pd_pair_of_profile_engines_serves_through_the_router_and_costs_the_tr
             assert get(prefill.url + "/v1/loads")[1]["loads"][0]["cache_hit_rate"] > 0.3
         finally:
             router.stop()
+
+
+def test_a_profile_engines_graph_capture_can_be_set_and_only_a_profile_engine_takes_it(capsys) -> None:
+    """``--sim-graph-capture-secs`` replaces the profile's capture time (tests and what-ifs: a GPU
+    whose capture is shorter); without a profile, or below 0, it is refused as a bad flag (exit 2)."""
+    import pytest
+
+    from pdctl.sim.__main__ import config_from_argv
+
+    base = ["--model-path", "sim://tiny", "--sim-profile", "llama3-8b-h100"]
+    profile = config_from_argv(base).profile
+    assert profile is not None and profile.graph_capture_secs == PROFILES["llama3-8b-h100"].graph_capture_secs
+    changed = config_from_argv([*base, "--sim-graph-capture-secs", "1.5"]).profile
+    assert changed is not None and changed.graph_capture_secs == 1.5
+    assert changed.kv_pool_tokens == profile.kv_pool_tokens
+    for argv, said in (
+        (["--model-path", "sim://tiny", "--sim-graph-capture-secs", "1"], "only a --sim-profile engine"),
+        ([*base, "--sim-graph-capture-secs", "-1"], "must be >= 0"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            config_from_argv(argv)
+        assert exited.value.code == 2 and said in capsys.readouterr().err
