@@ -6,4 +6,4 @@ bash scripts/setup.sh
 .venv/bin/ruff check pdctl tests tools benchmarks examples
 .venv/bin/mypy
 workers=${PDCTL_TEST_WORKERS:-4}
-.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -n "$workers" "$@"

@@ -32,15 +32,3 @@ def write_yaml(tmp_path: Path):
 
     return write
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module whose tests share a module-scoped fixture (a cluster, a fleet of engines) runs on
-    one worker under xdist's ``--dist loadgroup`` (scripts/test.sh): spread over workers, as the plain
-    ``load`` spreads them, each worker built the same fleet again (test_interrupts' cluster twice,
-    test_facade's four times: five torch imports and 15 s each)."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        if any(fd.scope == "module" for defs in info.name2fixturedefs.values() for fd in defs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))

@@ -198,14 +198,14 @@ def test_the_planner_retries_a_switch_a_busy_engine_refused(cluster) -> None:
     decision = Decision(Action.SWITCH, "the prefills hold the fleet back", engine="decode-0", to_role=Role.PREFILL)
     waiting = _kept_busy(name, env, st)
     try:
-        outcome, said = asyncio.run(loop._act(decision))
+        outcome, said = asyncio.run(loop._act(decision, []))
         assert outcome == "refused" and "instance is not idle" in said, said
         assert _roles(router, name, env)[url] == "decode"
         eventually(lambda: _in_rotation(router, name, env, 4), 60, what="decode-0 back in rotation, busy")
     finally:
         waiting.close()
     tries = []
-    eventually(lambda: tries.append(asyncio.run(loop._act(decision))) or tries[-1][0] == "switched", 60,
+    eventually(lambda: tries.append(asyncio.run(loop._act(decision, []))) or tries[-1][0] == "switched", 60,
                what=lambda: f"the switch once decode-0 is idle ({tries[-1:]})")  # fmt: skip
     assert all(outcome == "refused" for outcome, _ in tries[:-1]), tries
     assert _roles(router, name, env)[url] == "prefill" and tries[-1][1] == "switched: decode-0 is prefill-2"
