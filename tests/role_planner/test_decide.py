@@ -411,3 +411,16 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
     assert loop.planner.last_switch_at is not None
     last = recent_decisions(store, "c", 5)[-1]
     assert last["outcome"] == "switched: decode-0 is prefill-9; then interrupted" and last["engines"] == list(asked)
+
+
+def test_an_idle_interval_is_no_measure_of_its_split() -> None:
+    """A split is remembered as giving what the fleet gave only while it was loaded (a queue, or
+    decodes running full): an idle interval at 1:3 (1 output token/s) must not make 1:3 a split
+    "measured as no better" that the planner then refuses when the load comes."""
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    idle = fleet(0, [(0, 300)], [(0, 1), (0, 0), (0, 0)])
+    planner.decide(idle)
+    assert (1, 3) not in planner.splits
+    busy = fleet(10, [(0, 300)], [(5, 100), (5, 100), (5, 100)])
+    planner.decide(busy)
+    assert planner.splits[(1, 3)].output_tokens_per_s == 300
