@@ -23,6 +23,7 @@ import psutil
 
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.node.agent import RUN_ID_ENV
+from pdctl.node.proc import recorded_start, start_time
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
 
 STOP_GRACE_SECS = 10.0
@@ -102,7 +103,7 @@ def describe(state: ClusterState) -> dict[str, Any] | None:
 
 def _create_time(pid: int) -> float | None:
     with contextlib.suppress(psutil.Error):
-        return psutil.Process(pid).create_time()
+        return start_time(psutil.Process(pid))
     return None
 
 
@@ -110,7 +111,8 @@ def _alive(record: dict[str, Any]) -> psutil.Process | None:
     """The recorded supervisor, if it still runs (the same process: pid and start time)."""
     try:
         proc = psutil.Process(int(record["pid"]))
-        if record.get("create_time") is not None and abs(proc.create_time() - float(record["create_time"])) > 0.01:
+        created = record.get("create_time")
+        if created is not None and abs(start_time(proc) - recorded_start(float(created))) > 0.01:
             return None
         return proc if proc.status() != psutil.STATUS_ZOMBIE else None
     except (psutil.Error, KeyError, TypeError, ValueError):

@@ -53,6 +53,7 @@ class ProcessRecord:
     pid: int
     pgid: int
     create_time: float
+    """When it started, in seconds since its node booted (pdctl.node.proc.start_time): with the pid, its identity."""
     log_path: str
     ports: dict[str, int] = field(default_factory=dict)
     url: str | None = None

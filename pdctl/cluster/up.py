@@ -350,9 +350,8 @@ def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet
             for proc_id, entry in res["processes"].items():
                 code = entry.get("exit_code")
                 if not entry["alive"] and code != 0:
-                    raise ReadinessError(
-                        proc_id, f"it exited with code {code} within {secs:g}s of its start (trainer.startup_secs)"
-                    )
+                    why = f"it exited with code {code} within {secs:g}s of its start (trainer.startup_secs)"
+                    raise not_ready(proc_id, why, state, nodes)
                 finished &= not entry["alive"]
         if finished or time.monotonic() >= deadline:
             return
@@ -429,26 +428,33 @@ def wait_ready(
             if isinstance(res, RemoteError):
                 raise res
             if res.get("died"):
-                raise ReadinessError(res["died"], res["reason"])
+                raise not_ready(res["died"], res["reason"], state, nodes)
             for proc_id in res.get("ready_ids", []):
                 targets[node].pop(proc_id, None)
                 events(proc_id, "healthy")
         if not any(targets.values()):
             return
         if time.monotonic() >= deadline:
-            raise ReadinessError(min(i for t in targets.values() for i in t), f"not healthy after {timeout:.0f}s")
+            late = min(i for t in targets.values() for i in t)
+            raise not_ready(late, f"not healthy after {timeout:.0f}s", state, nodes)
 
 
 def _failure_detail(exc: BaseException, state: ClusterState, nodes: NodeSet) -> str:
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted; everything that started was stopped"
-    message = str(exc)
-    failed = getattr(exc, "process_id", None)
-    if failed and failed in state.processes:
-        rec = state.processes[failed]
-        try:
-            tail = agent_api.read_tail(nodes.executor(rec.node), rec.log_path, LOG_TAIL_LINES)
-            message += f"\n--- last {LOG_TAIL_LINES} lines of {rec.log_path} on {rec.node} ---\n{tail.get('data', '')}"
-        except RemoteError as read_error:
-            message += f"\n(could not read its log: {read_error})"
-    return message
+    return str(exc)
+
+
+def not_ready(process_id: str, reason: str, state: ClusterState, nodes: NodeSet) -> ReadinessError:
+    """The ReadinessError for ``process_id``, its log's last lines appended: why it died or hangs
+    is there, and `up`, `restart` and `apply` all print it (an engine that died on a busy port
+    said only 'process exited')."""
+    rec = state.processes.get(process_id)
+    if rec is None:
+        return ReadinessError(process_id, reason)
+    try:
+        tail = agent_api.read_tail(nodes.executor(rec.node), rec.log_path, LOG_TAIL_LINES)
+        reason += f"\n--- last {LOG_TAIL_LINES} lines of {rec.log_path} on {rec.node} ---\n{tail.get('data', '')}"
+    except RemoteError as read_error:
+        reason += f"\n(could not read its log: {read_error})"
+    return ReadinessError(process_id, reason)

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from pdctl.jsonhttp import call_json, exchange
-from pdctl.node.proc import expand, redact, same_process, wait_gone
+from pdctl.node.proc import expand, recorded_start, redact, same_process, start_time, wait_gone
 from pdctl.node.replies import (
     PreflightReply,
     ProcessState,
@@ -230,7 +230,7 @@ def spawn(req: dict[str, Any]) -> SpawnReply:
         started[proc["id"]] = {
             "pid": child.pid,
             "pgid": child.pid,
-            "create_time": psutil.Process(child.pid).create_time(),
+            "create_time": start_time(psutil.Process(child.pid)),
         }
     return {"started": started, "configured": configured}
 
@@ -393,8 +393,8 @@ def stop(req: dict[str, Any]) -> StopReply:
     victims: dict[int, psutil.Process] = {}
     for proc in req["processes"]:
         for member in groups.get(proc["pgid"], []):
-            created = _safe(member.create_time)
-            if created is not None and created >= proc["create_time"] - 0.01:
+            created = _safe(lambda m=member: start_time(m))
+            if created is not None and created >= recorded_start(proc["create_time"]) - 0.01:
                 victims[member.pid] = member
     if run_id:
         victims.update({p.pid: p for p in _tagged(run_id)})

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from pdctl.node.proc import expand, running, same_process
+from pdctl.node.proc import expand, running, same_process, start_time
 from pdctl.node.replies import MpsStartReply, MpsStatusReply, MpsStopReply
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
@@ -170,7 +170,7 @@ def _is_program(proc: psutil.Process, name: str, daemon: bool = False) -> bool:
 
 
 def _start_reply(proc: psutil.Process, *, started: bool, pipe_dir: Path) -> MpsStartReply:
-    return {"pid": proc.pid, "create_time": proc.create_time(), "started": started, "pipe_dir": str(pipe_dir)}
+    return {"pid": proc.pid, "create_time": start_time(proc), "started": started, "pipe_dir": str(pipe_dir)}
 
 
 def _kill(procs: list[psutil.Process]) -> list[int]:

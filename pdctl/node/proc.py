@@ -67,11 +67,46 @@ def wait_gone(procs: Iterable[psutil.Process], timeout: float) -> tuple[list[psu
     return gone, [*watched.values(), *polled]
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_EPOCH_FLOOR = 1e9
+"""A recorded start above this is psutil's wall-clock create_time (2001 on), not seconds since boot."""
+
+
+def start_time(proc: psutil.Process) -> float:
+    """When ``proc`` started, in seconds since its node booted: with the pid, what names a process
+    (pids are reused). This is what every ``create_time`` pdctl records holds.
+
+    Not psutil's ``create_time()``: that adds the boot time, which the kernel derives from the wall
+    clock and rounds down to a whole second, so a step of the clock (NTP, a VM paused or moved)
+    shifts every process's create_time at once. A record taken before such a step then matched
+    no live process after it: running engines were reported exited, and a stop skipped them (they
+    kept their ports, and the engine started in their place died on them). The start in clock
+    ticks since boot (/proc/PID/stat) never changes. Without /proc: psutil's create_time."""
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "PID (COMM)": COMM may hold spaces
+    except FileNotFoundError as exc:
+        if os.path.isdir("/proc/self"):
+            raise psutil.NoSuchProcess(proc.pid) from exc
+        return proc.create_time()
+    return int(fields[19]) / _CLOCK_TICKS  # field 22, starttime
+
+
+def recorded_start(create_time: float) -> float:
+    """A recorded ``create_time`` as start_time counts: one written by an earlier pdctl (psutil's
+    wall-clock time; a cluster that was up across an upgrade) is converted once, with the fragility
+    it always had."""
+    if create_time > _EPOCH_FLOOR and os.path.isdir("/proc/self"):
+        return create_time - psutil.boot_time()
+    return create_time
+
+
 def same_process(pid: int, create_time: float) -> psutil.Process | None:
-    """The process if it is still the one recorded (pids are reused) and running."""
+    """The process if it is still the one recorded (pids are reused) and running. ``create_time``:
+    its start_time when it was recorded."""
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) < 0.05 and running(proc):
+        if abs(start_time(proc) - recorded_start(create_time)) < 0.05 and running(proc):
             return proc
     except psutil.Error:
         pass

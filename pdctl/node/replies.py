@@ -43,7 +43,7 @@ class Started(TypedDict):
 
     pid: int
     pgid: int
-    create_time: float
+    create_time: float  # seconds since the node booted (pdctl.node.proc.start_time)
 
 
 class _SpawnBase(TypedDict):

@@ -29,9 +29,9 @@ peer that holds weights past the boot version when there is one (FILE's ``peer``
 after a start from a peer that failed, the next start loads from disk.
 
 FILE (0600, replaced atomically) says: ``state`` (running, backoff, exited, gave_up), the child's
-``pid`` and ``create_time``, ``restarts``, ``last_exit`` (``code``: the exit status, negative for a
-signal; ``at``: epoch seconds) and, once the wrapper is done, ``exit_code`` (the trainer's status,
-as ``up`` and ``status`` read it).
+``pid`` and ``create_time`` (pdctl.node.proc.start_time), ``restarts``, ``last_exit`` (``code``: the
+exit status, negative for a signal; ``at``: epoch seconds) and, once the wrapper is done,
+``exit_code`` (the trainer's status, as ``up`` and ``status`` read it).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import psutil
 from pdctl.choices import Choice
 from pdctl.jsonhttp import exchange
 from pdctl.node.peer_weights import Armed, PeerPlan, PeerSource, SeedRelay, engine_key
-from pdctl.node.proc import expand
+from pdctl.node.proc import expand, start_time
 from pdctl.node.seed_states import PEER_MOVES, Machine, PeerState, Refusal
 from pdctl.roles import RestartPolicy
 
@@ -315,7 +315,7 @@ class Supervisor:
             self.child.terminate()
         story.state, story.pid = SupervisedState.RUNNING, self.child.pid
         try:
-            story.create_time = psutil.Process(self.child.pid).create_time()
+            story.create_time = start_time(psutil.Process(self.child.pid))
         except psutil.Error:
             story.create_time = None
         story.write()

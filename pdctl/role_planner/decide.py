@@ -373,8 +373,10 @@ class RolePlanner:
         load = loads[donor]
         most = min(movable, load.engines - self.minimum(donor))
         capacity = self.capacity.get(donor)
-        while capacity and most > 1 and load.tokens_per_s * load.engines / (load.engines - most) > (
-            DONOR_HEADROOM * capacity
+        while (
+            capacity
+            and most > 1
+            and load.tokens_per_s * load.engines / (load.engines - most) > (DONOR_HEADROOM * capacity)
         ):
             most -= 1
         if self.config.objective is Objective.LATENCY or most <= 1:

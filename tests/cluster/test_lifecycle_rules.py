@@ -109,6 +109,21 @@ def test_an_engine_that_dies_while_starting_is_named_with_its_log_and_everything
     assert cluster.alive() == {} and store.load("fake2").status == Phase.DOWN
 
 
+def test_a_restart_whose_process_dies_while_starting_names_it_with_its_log(planned, store):
+    """`restart` (and `apply`, through the same wait) says why as `up` does: the log's last lines
+    (a CI run showed only 'decode-1 did not become ready: process exited')."""
+    from pdctl.cluster.restart import restart
+
+    cluster = FakeCluster("h0", "h1")
+    state = bring_up(planned, store, cluster)
+    cluster[state.processes["router"].node].dies_at_start["router"] = 1
+    with cluster.nodes(planned.topology.nodes) as nodes, pytest.raises(LifecycleError) as failure:
+        restart("fake2", ["router"], store=store, nodes=nodes)
+    message = str(failure.value)
+    assert message.startswith("router did not become ready: process exited"), message
+    assert "--- last 50 lines of" in message and "log of router: Traceback" in message, message
+
+
 def test_an_engine_that_never_becomes_healthy_fails_up_after_the_timeout(planned, store):
     cluster = FakeCluster("h0", "h1")
     cluster["h0"].never_ready.add("prefill-0")
