@@ -31,4 +31,3 @@ def write_yaml(tmp_path: Path):
         return path
 
     return write
-
