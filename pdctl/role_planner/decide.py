@@ -55,6 +55,12 @@ from pdctl.role_planner.config import Objective, PlannerConfig
 from pdctl.roles import Role
 
 DONOR_HEADROOM = 0.9
+MOVE_SHARE = 0.25
+"""One decision moves at most this share of the fleet (and never fewer than two engines): one
+interval's mix swings between a burst's prompts and its tail's answers, and at 8 engines the
+balance of one interval moved six engines to 7:1 and the next six back to 1:7, each a drain of
+six (benchmarks/results/planner_8.md); a wrong reading now costs two drains, the next decision
+goes on if the balance still says so."""
 """A donor role's projected tokens/s per engine may reach this share of its learned capacity."""
 SAME_MIX = 0.25
 """Two workloads are the same mix when their prompt:output token ratios differ by less than this."""
@@ -366,12 +372,14 @@ class RolePlanner:
         """How many engines move to ``short`` at once, and the balanced split's prefill count:
         toward the split that serves the interval's workload best with both roles at their learned
         capacities (``balanced_prefills``), as far as the donor's minimum and headroom allow (its
-        tokens/s spread over the engines it keeps stay within ``DONOR_HEADROOM`` of its capacity).
-        One, as ever, while a capacity or the interval's mix is not known, or when the balance
-        says the fleet is there already but the queues say otherwise (the queues win)."""
+        tokens/s spread over the engines it keeps stay within ``DONOR_HEADROOM`` of its capacity)
+        and ``MOVE_SHARE`` of the fleet. One, as ever, while a capacity or the interval's mix is not
+        known, or when the balance says the fleet is there already but the queues say otherwise (the
+        queues win)."""
         donor = other(short)
         load = loads[donor]
-        most = min(movable, load.engines - self.minimum(donor))
+        fleet = sum(role_load.engines for role_load in loads.values())
+        most = min(movable, load.engines - self.minimum(donor), max(2, round(fleet * MOVE_SHARE)))
         capacity = self.capacity.get(donor)
         while (
             capacity

@@ -367,6 +367,18 @@ def test_a_move_of_several_keeps_the_donors_minimum() -> None:
     assert len(_learned(30_000, 2_300, min_decode=2).decide(obs).engines) == 1
 
 
+def test_a_move_at_8_engines_is_at_most_a_quarter_of_the_fleet() -> None:
+    """At 1:7 under the long-prompt phase the balance says 7:1 (six decodes), and the next long-answer
+    interval's 1:7 again: at 8 engines such swings drained six engines a move (planner_8.md). Two
+    move; the balance is still named, so the next decision goes on toward it."""
+    obs = fleet(0, [(28, 29_000)], [(0, 47)] * 7)
+    decision = _learned(30_000, 2_300).decide(obs)
+    assert decision.to_role is P and len(decision.engines) == 2 and decision.figures["balanced_prefills"] == 7
+    long_answers = fleet(0, [(0, 230)] * 7, [(16, 2_054)])
+    decision = _learned(30_000, 2_300).decide(long_answers)
+    assert decision.to_role is D and len(decision.engines) == 2, decision
+
+
 def test_a_move_of_several_stops_short_of_a_split_it_measured_as_no_better() -> None:
     planner = _learned(30_000, 2_300)
     planner.splits[(3, 1)] = SplitRecord(46.0, 205.0)  # 3:1 under this mix gave 46 output tokens/s
