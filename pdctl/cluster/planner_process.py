@@ -23,7 +23,7 @@ import psutil
 
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.node.agent import RUN_ID_ENV
-from pdctl.node.proc import recorded_start, start_time
+from pdctl.node.proc import running, same_process, start_time
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
 
 STOP_GRACE_SECS = 10.0
@@ -110,10 +110,10 @@ def _create_time(pid: int) -> float | None:
 def _alive(record: dict[str, Any]) -> psutil.Process | None:
     """The recorded supervisor, if it still runs (the same process: pid and start time)."""
     try:
-        proc = psutil.Process(int(record["pid"]))
         created = record.get("create_time")
-        if created is not None and abs(start_time(proc) - recorded_start(float(created))) > 0.01:
-            return None
-        return proc if proc.status() != psutil.STATUS_ZOMBIE else None
+        if created is not None:
+            return same_process(int(record["pid"]), float(created))
+        proc = psutil.Process(int(record["pid"]))
+        return proc if running(proc) else None
     except (psutil.Error, KeyError, TypeError, ValueError):
         return None
