@@ -91,6 +91,7 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
         _ms(quantile(0.5, itl)),
         steps=router.steps if router is not None else 0.0,
         step_prompt_tokens=router.step_prompt_tokens if router is not None else 0.0,
+        step_requests=router.step_requests if router is not None else 0.0,
     )
 
 

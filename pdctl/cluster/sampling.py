@@ -72,6 +72,8 @@ class RouterSample:
     """Step boundaries announced to it so far (``POST /pdctl/step``; pdctl.router.planner_api)."""
     step_prompt_tokens: float = 0.0
     """The prompt tokens the latest announced step said it will prefill (0: not said)."""
+    step_requests: float = 0.0
+    """The requests the latest announced step said it will send (0: not said)."""
 
 
 @dataclass
@@ -145,6 +147,8 @@ def parse_router_metrics(text: str, into: RouterSample) -> None:
                 into.steps = s.value
             elif s.name == "pdctl_router_step_prompt_tokens":
                 into.step_prompt_tokens = s.value
+            elif s.name == "pdctl_router_step_requests":
+                into.step_requests = s.value
 
 
 class Sampler:

@@ -30,12 +30,18 @@ unless:
   that each leave one role the bottleneck.
 
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
-router, with the prompt tokens it will prefill) lets it move decodes to prefill ahead of the
-burst, without waiting ``sustain`` intervals: when the burst's prefill, at the prefills' learned
-capacity, would take ``STEP_WORTH`` intervals or more, the decodes are winding down (under half
-their slots, no queue) and none of the rules above forbids it; as many move as make the burst fit
-in ``STEP_WORTH`` intervals, down to the decodes' minimum. The usual rules move them back once the
-burst's answers fill the decodes.
+router, with the prompt tokens it will prefill and the requests it will send) lets it set the
+split for the burst before it comes, without waiting ``sustain`` intervals. It counts the output
+tokens the decodes make from one boundary to the next: the step that ended made so many per
+request (per prompt token, when no requests were said). For the new step it takes as many, and
+finds the split whose prefills (the step's prompt tokens at their learned capacity) and decodes
+(its output tokens at theirs) finish it soonest (``step_balance``); engines move toward that
+split, either way, when it finishes the step sooner than now by an interval and by ``STEP_GAIN``
+of the last step's measured time (the balance knows no long tail) and the donors are done with
+the last step (decodes under half their slots with no queue; prefills idle).
+Before it has seen a whole step, it moves decodes to prefill when the burst's prefill would take
+``STEP_WORTH`` intervals or more, as many as make it fit in that. Either way a move is bounded as
+any other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
 
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
@@ -55,13 +61,13 @@ from pdctl.role_planner.config import Objective, PlannerConfig
 from pdctl.roles import Role
 
 DONOR_HEADROOM = 0.9
+"""A donor role's projected tokens/s per engine may reach this share of its learned capacity."""
 MOVE_SHARE = 0.25
 """One decision moves at most this share of the fleet (and never fewer than two engines): one
 interval's mix swings between a burst's prompts and its tail's answers, and at 8 engines the
 balance of one interval moved six engines to 7:1 and the next six back to 1:7, each a drain of
 six (benchmarks/results/planner_8.md); a wrong reading now costs two drains, the next decision
-goes on if the balance still says so."""
-"""A donor role's projected tokens/s per engine may reach this share of its learned capacity."""
+goes on if the balance still says so. A move ahead of a step is bounded the same way."""
 SAME_MIX = 0.25
 """Two workloads are the same mix when their prompt:output token ratios differ by less than this."""
 BETTER_BY = 0.05
@@ -71,6 +77,10 @@ LATENCY_SPARE = 0.8
 STEP_WORTH = 2
 """A step's prefill worth a switch ahead lasts this many intervals at the current split (a
 shorter one ends before the usual rules would have moved an engine)."""
+STEP_GAIN = 0.2
+"""A move ahead of a step by its balance must finish the step this share of the last step's
+measured time sooner (and an interval): the balance knows the step's tokens, not its long tail
+nor its KV transfers, so only a clear imbalance is worth a drain."""
 WINDING_DOWN = 0.5
 """Decodes under this share of their slots are done with most of the last step; requests queued
 at such decodes wait for something else than decoding (their KV, a prefill)."""
@@ -135,6 +145,8 @@ class Observation:
     """Step boundaries announced to the router so far."""
     step_prompt_tokens: float = 0.0
     """The prompt tokens the latest announced step will prefill (0: not said)."""
+    step_requests: float = 0.0
+    """The requests the latest announced step will send (0: not said)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +251,19 @@ class RolePlanner:
         self.last_switch_at: float | None = None
         self.splits: dict[tuple[int, int], SplitRecord] = {}
         self.steps_seen: float | None = None
+        self.step_size: tuple[float, str] = (0.0, "")
+        """The step under way as it was announced: its requests, else its prompt tokens (0: none seen)."""
+        self.step_output = 0.0
+        """Output tokens the decodes made since that step was announced."""
+        self.step_busy = 0.0
+        """Seconds since that step was announced in which the fleet prefilled or decoded."""
+        self.last_step_secs: float | None = None
+        """The last whole step's busy seconds."""
+        self.output_per: tuple[float, str] | None = None
+        """The last whole step's output tokens per announced request (or per prompt token, when it
+        said no requests): answers' lengths follow the sampling, not the prompts, so per request
+        carries over from one workload's steps to another's."""
+        self.last_at: float | None = None
 
     def minimum(self, role: Role) -> int:
         """The fewest engines ``role`` may keep (``min_prefill`` for prefill, else ``min_decode``)."""
@@ -273,6 +298,7 @@ class RolePlanner:
         figures: dict[str, Any] = {r.value: loads[r].to_dict() for r in loads}
         if obs.ttft_ms is not None or obs.itl_ms is not None:
             figures["ttft_ms"], figures["itl_ms"] = obs.ttft_ms, obs.itl_ms
+        self._count_output(obs, loads)
         if obs.held:
             return Decision(Action.WAIT, f"{obs.held}: no switch until it ends", figures=figures)
         sick = [e.id for e in obs.engines if not e.healthy]
@@ -284,6 +310,7 @@ class RolePlanner:
         new_step = self.steps_seen is not None and obs.steps > self.steps_seen
         self.steps_seen = obs.steps
         if new_step:
+            self._step_began(obs)
             figures["step_prompt_tokens"] = obs.step_prompt_tokens
             return self._ahead_of_step(loads, obs, figures)
         short, why = self._bottleneck(loads, obs)
@@ -316,9 +343,7 @@ class RolePlanner:
         count, sized = self._how_many(short, loads, split, len(movable))
         while count > 1 and self._tried(_moved(split, short, count), obs):
             count -= 1  # (a split it measured as no better is not a target either)
-        # The cheapest switches: to decode, engines that captured their graphs before; then the idlest.
-        picks = sorted(movable, key=lambda e: (short is Role.DECODE and not e.captured, e.running + e.waiting, e.id))
-        picks = picks[:count]
+        picks = _cheapest(movable, short)[:count]
         if count > 1:
             figures["balanced_prefills"] = sized
             names = ", ".join(e.id for e in picks)
@@ -329,7 +354,15 @@ class RolePlanner:
 
     # -- the parts ------------------------------------------------------------------------------------
     def _ahead_of_step(self, loads: Mapping[Role, RoleLoad], obs: Observation, figures: dict[str, Any]) -> Decision:
-        """A step boundary was announced: move a decode to prefill ahead of its burst, or say why not."""
+        """A step boundary was announced: set the split for its burst before it comes, or say why not.
+
+        Once a whole step has been seen (its output tokens per announced request, its busy time),
+        the target is the step's balance (``step_balance``): the split whose prefills and decodes,
+        each at their learned capacity, finish the step's prompt and output tokens soonest; engines
+        move toward it (either way) when it saves an interval and ``STEP_GAIN`` of the last step's
+        time. Before that, decodes move to prefill when
+        the burst's prefill would take ``STEP_WORTH`` intervals or more, as many as make it fit.
+        Either way at most ``move_bound`` engines, none while the donors still work on the last step."""
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self.capacity.get(Role.PREFILL)
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
@@ -339,32 +372,99 @@ class RolePlanner:
         secs = tokens / (prefill.engines * capacity)
         figures["step_prefill_secs"] = round(secs, 2)
         why = f"{why} takes {secs:.1f} s on {prefill.engines} prefill(s) at {capacity:.0f} tokens/s each"
-        if secs < STEP_WORTH * self.config.interval_secs:
-            return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
+        split = (prefill.engines, decode.engines)
+        balance = self.step_balance(obs, split)
+        if balance is not None and self.output_per is not None:
+            best, output, saved = balance
+            figures.update(step_output_tokens=round(output), step_balanced_prefills=best)
+            n = sum(split)
+            why = (
+                f"{why}; the last step made {self.output_per[0]:.2f} output tokens per {self.output_per[1]}, "
+                f"so about {output:.0f} this one: {best}:{n - best} finishes it soonest"
+            )
+            worth = max(self.config.interval_secs, STEP_GAIN * (self.last_step_secs or 0.0))
+            if best == split[0] or saved < worth:
+                why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
+                return Decision(Action.STAY, f"{why}: staying", figures=figures)
+            to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
+        else:
+            if secs < STEP_WORTH * self.config.interval_secs:
+                return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
+            # As many as the burst needs to fit in STEP_WORTH intervals.
+            to = Role.PREFILL
+            count = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines
+        donor = other(to)
         if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
             return Decision(Action.STAY, f"{why}; cooling down after the last switch", figures=figures)
-        if decode.engines - 1 < self.minimum(Role.DECODE):
-            return Decision(Action.STAY, f"{why}; the decodes are at their minimum", figures=figures)
-        busy = decode.waiting >= self.config.backlog / 2 or (decode.slot_use or 0.0) >= WINDING_DOWN
+        if loads[donor].engines - 1 < self.minimum(donor):
+            return Decision(Action.STAY, f"{why}; the {donor}s are at their minimum", figures=figures)
+        if donor is Role.DECODE:
+            busy = decode.waiting >= self.config.backlog / 2 or (decode.slot_use or 0.0) >= WINDING_DOWN
+        else:
+            busy = prefill.waiting >= self.config.backlog / 2 or prefill.running + prefill.waiting >= IDLE
         if busy:
-            return Decision(Action.STAY, f"{why}; the decodes are still busy with the last step", figures=figures)
-        movable = [e for e in obs.engines if e.role is Role.DECODE and e.switchable]
+            return Decision(Action.STAY, f"{why}; the {donor}s are still busy with the last step", figures=figures)
+        movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
-            return Decision(Action.STAY, f"{why}; no decode may switch (role_switch groups only)", figures=figures)
-        # As many as the burst needs to fit in STEP_WORTH intervals, down to the decodes' minimum.
-        fits = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines
-        count = max(1, min(fits, len(movable), decode.engines - self.minimum(Role.DECODE)))
-        picks = sorted(movable, key=lambda e: (e.running + e.waiting, e.id))[:count]
+            return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
+        most = min(len(movable), loads[donor].engines - self.minimum(donor), move_bound(sum(split)))
+        picks = _cheapest(movable, to)[: max(1, min(count, most))]
         names = ", ".join(e.id for e in picks)
-        moves = "moves" if count == 1 else "move"
+        moves = "moves" if len(picks) == 1 else "move"
         return Decision(
             Action.SWITCH,
-            f"{why}: {names} {moves} to prefill ahead of the burst",
+            f"{why}: {names} {moves} to {to} ahead of the burst",
             picks[0].id,
-            Role.PREFILL,
+            to,
             figures,
             tuple(e.id for e in picks[1:]),
         )
+
+    def step_balance(self, obs: Observation, split: tuple[int, int]) -> tuple[int, float, float] | None:
+        """For the step ``obs`` announces: the prefill count that finishes it soonest, its output
+        tokens (the last whole step's ``output_per``, times this one's size in the same unit), and
+        the seconds that split saves against ``split``; None until a step and both capacities were
+        measured, or when this step is not sized in the unit the last one was.
+
+        A step's time at k prefills is the longer of its prefill (prompt tokens over k prefills'
+        capacity) and its decode (output tokens over the decodes' capacity): the two overlap, each
+        request decoding once it is prefilled. Within the minimums; the split nearest to ``split``
+        among equals."""
+        prefill_capacity, decode_capacity = self.capacity.get(Role.PREFILL), self.capacity.get(Role.DECODE)
+        size, unit = _size_of(obs)
+        if self.output_per is None or unit != self.output_per[1] or not prefill_capacity or not decode_capacity:
+            return None
+        prompt_tokens, output = obs.step_prompt_tokens, self.output_per[0] * size
+        n = sum(split)
+        lowest, highest = self.config.min_prefill, n - self.config.min_decode
+        if lowest > highest:
+            return None
+
+        def takes(prefills: int) -> float:
+            return max(prompt_tokens / (prefills * prefill_capacity), output / ((n - prefills) * decode_capacity))
+
+        best = min(range(lowest, highest + 1), key=lambda k: (takes(k), abs(k - split[0])))
+        now = takes(split[0]) if lowest <= split[0] <= highest else math.inf
+        return best, output, now - takes(best)
+
+    def _count_output(self, obs: Observation, loads: Mapping[Role, RoleLoad]) -> None:
+        """Add the interval's output tokens, and its seconds if the fleet worked in it, to the step
+        under way (held and sick intervals too)."""
+        if self.last_at is not None and obs.at > self.last_at:
+            secs, output = obs.at - self.last_at, loads[Role.DECODE].tokens_per_s * loads[Role.DECODE].engines
+            self.step_output += output * secs
+            if output > 0 or loads[Role.PREFILL].tokens_per_s > 0:
+                self.step_busy += secs
+        self.last_at = obs.at
+
+    def _step_began(self, obs: Observation) -> None:
+        """A new step boundary: learn the step that ended (its output tokens per announced request,
+        or per prompt token; a step announced with neither, or that made no output, teaches nothing)
+        and start the next."""
+        size, unit = self.step_size
+        if size > 0 and self.step_output > 0:
+            self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
+        self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
 
     def _how_many(
         self, short: Role, loads: Mapping[Role, RoleLoad], split: tuple[int, int], movable: int
@@ -379,7 +479,7 @@ class RolePlanner:
         donor = other(short)
         load = loads[donor]
         fleet = sum(role_load.engines for role_load in loads.values())
-        most = min(movable, load.engines - self.minimum(donor), max(2, round(fleet * MOVE_SHARE)))
+        most = min(movable, load.engines - self.minimum(donor), move_bound(fleet))
         capacity = self.capacity.get(donor)
         while (
             capacity
@@ -502,6 +602,22 @@ class RolePlanner:
                 f"tokens/s, no better than {now.output_tokens_per_s:.0f} now: staying"
             )
         return None
+
+
+def _size_of(obs: Observation) -> tuple[float, str]:
+    """A step's size as its announcement says it: its requests, else its prompt tokens."""
+    return (obs.step_requests, "request") if obs.step_requests > 0 else (obs.step_prompt_tokens, "prompt token")
+
+
+def move_bound(fleet: int) -> int:
+    """The most engines one decision moves in a fleet of ``fleet`` (``MOVE_SHARE``, at least two)."""
+    return max(2, round(fleet * MOVE_SHARE))
+
+
+def _cheapest(movable: Sequence[EngineLoad], to: Role) -> list[EngineLoad]:
+    """``movable`` in the order they switch cheapest to ``to``: to decode, the engines that captured
+    their graphs before first; then the idlest."""
+    return sorted(movable, key=lambda e: (to is Role.DECODE and not e.captured, e.running + e.waiting, e.id))
 
 
 def _moved(split: tuple[int, int], to: Role, count: int) -> tuple[int, int]:

@@ -200,22 +200,97 @@ def test_a_step_boundary_moves_a_winding_down_decode_to_prefill_ahead_of_a_long_
     assert ahead.figures["step_prefill_secs"] == 25.0 and ahead.engines == ("decode-0",)  # 3 prefills: 16.7 s
 
 
-def test_a_step_boundary_moves_as_many_idle_decodes_as_the_burst_needs() -> None:
-    """2 prefills at 4,000 tokens/s and 4 idle decodes; 400,000 prompt tokens take 50 s: to fit in
-    two 10 s intervals the burst needs 5 prefills, so 3 decodes move (the idlest first) and one stays;
-    with ``min_decode: 2`` two move."""
+def test_a_step_boundary_moves_as_many_idle_decodes_as_the_burst_needs_within_the_move_bound() -> None:
+    """2 prefills at 4,000 tokens/s and 10 idle decodes; 400,000 prompt tokens take 50 s: to fit in
+    two 10 s intervals the burst needs 5 prefills, so 3 decodes move (the idlest first; a quarter
+    of 12 engines is 3); with ``min_decode: 8`` two. In a fleet of 6 (2 prefills, 4 decodes) a move
+    is two at most."""
 
-    def obs(at: float, steps: float, tokens: float) -> Observation:
+    def obs(at: float, steps: float, tokens: float, decodes: int) -> Observation:
         engines = [EngineLoad(f"prefill-{i}", P, True, True, 3 if not steps else 0, 1, 4000) for i in range(2)]
-        engines += [EngineLoad(f"decode-{i}", D, True, True, 0, 0.5 * i, 100, slots=16) for i in range(4)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 0, 0.5 * i, 100, slots=16) for i in range(decodes)]
         return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens)
 
-    for minimum, moved in ((1, ("decode-0", "decode-1", "decode-2")), (2, ("decode-0", "decode-1"))):
+    for decodes, minimum, moved in (
+        (10, 1, ("decode-0", "decode-1", "decode-2")),
+        (10, 8, ("decode-0", "decode-1")),
+        (4, 1, ("decode-0", "decode-1")),
+    ):
         planner = RolePlanner(PlannerConfig(cooldown_secs=0, min_decode=minimum))
-        planner.decide(obs(0, 0, 0))  # backlogged prefills: their capacity
-        ahead = planner.decide(obs(10, 1, 400_000))
-        assert ahead.action is Action.SWITCH and ahead.engines == moved, ahead
+        planner.decide(obs(0, 0, 0, decodes))  # backlogged prefills: their capacity
+        ahead = planner.decide(obs(10, 1, 400_000, decodes))
+        assert ahead.action is Action.SWITCH and ahead.engines == moved, (decodes, minimum, ahead)
         assert "decode-0, decode-1" in ahead.reason and "move to prefill ahead of the burst" in ahead.reason
+
+
+def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes_the_next_soonest() -> None:
+    """8 engines: prefills do 30,000 prompt tokens/s and decodes 1,000 output tokens/s each, learned
+    while backlogged. A step of 128 requests is announced and makes 24,000 output tokens before the
+    next boundary: 187.5 per request. The next step, 128 requests of 1,000,000 prompt tokens (about
+    24,000 output tokens again), takes max(33.3 s / k, 24 s / (8 - k)) at k prefills: 5:3 (8 s)
+    finishes it soonest. From 2:6 (16.7 s) decodes move ahead, two (the move bound); from 6:2 (12 s)
+    an idle prefill moves to decode; 4:4 (8.3 s) is not an interval slower: it stays; nor does 6:2
+    after a step that took 30 s (a fifth of it is more than the 4 s the balance would save). A step of
+    short prompts and the same answers wants decodes (1:7). Before a whole step was seen, the
+    prefill alone sizes the move; a step said in another unit than the last (no requests) is not
+    balanced on it."""
+
+    def obs(
+        at: float,
+        split: tuple[int, int],
+        steps: float,
+        tokens: float,
+        requests: float,
+        *,
+        backlog: bool = False,
+        output: float = 0.0,
+    ) -> Observation:
+        engines = [
+            EngineLoad(
+                f"prefill-{i}", P, True, True, 5 if backlog else 0, 1 if backlog else 0, 30_000 if backlog else 0
+            )
+            for i in range(split[0])
+        ]
+        engines += [
+            EngineLoad(
+                f"decode-{i}",
+                D,
+                True,
+                True,
+                5 if backlog else 0,
+                16 if backlog else 0.5,
+                1000 if backlog else output / split[1],
+                slots=16,
+            )
+            for i in range(split[1])
+        ]
+        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
+
+    def after_one_step(split: tuple[int, int], secs: float = 12) -> RolePlanner:
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
+        planner.decide(obs(0, split, 0, 0, 0, backlog=True))  # both capacities
+        first = planner.decide(obs(2, split, 1, 1_000_000, 128))  # sized by the prefill alone
+        assert "last step" not in first.reason, first
+        planner.decide(obs(2 + secs, split, 1, 1_000_000, 128, output=24_000 / secs))  # 24,000 tokens in 12 s
+        return planner
+
+    cases = [((2, 6), ("decode-0", "decode-1"), P), ((6, 2), ("prefill-0",), D), ((4, 4), (), None)]
+    for split, moved, to in cases:
+        ahead = after_one_step(split).decide(obs(20, split, 2, 1_000_000, 128))
+        assert ahead.figures["step_balanced_prefills"] == 5 and ahead.figures["step_output_tokens"] == 24_000, ahead
+        assert "187.50 output tokens per request" in ahead.reason, ahead.reason
+        assert ahead.engines == moved, (split, ahead)
+        assert ahead.action is (Action.SWITCH if moved else Action.STAY) and ahead.to_role is to
+        staying = "0.3 s sooner than now (the last step took 12 s): staying"
+        assert f"to {to} ahead of the burst" in ahead.reason if to else staying in ahead.reason, ahead.reason
+    # The balance knows no long tail: a step that took 30 s must be 6 s sooner, and 6:2 -> 5:3 is 4 s.
+    tailed = after_one_step((6, 2), secs=30).decide(obs(40, (6, 2), 2, 1_000_000, 128))
+    assert tailed.action is Action.STAY and "4.0 s sooner than now (the last step took 30 s)" in tailed.reason
+    short_prompts = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 60_000, 128))
+    assert short_prompts.action is Action.SWITCH and short_prompts.to_role is D, short_prompts
+    assert short_prompts.figures["step_balanced_prefills"] == 1 and len(short_prompts.engines) == 2
+    other_unit = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 1_000_000, 0))
+    assert "last step" not in other_unit.reason and "step_balanced_prefills" not in other_unit.figures
 
 
 def test_a_restarted_planner_recalls_its_cooldown_capacity_and_splits_from_its_record() -> None:

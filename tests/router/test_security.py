@@ -404,10 +404,10 @@ def test_a_trainer_announces_a_step_with_the_env_up_gives_it(fleet) -> None:
     assert announce_step(4096, 64, env=env) == 1
     assert announce_step(env=env) == 2
     assert get(fleet.url + "/pdctl/planner", headers=bearer(ADMIN))[1]["last_step"]["prompt_tokens"] == 0
-    announce_step(12000, env=env)
+    announce_step(12000, 96, env=env)
     seen = RouterSample("up")  # as the planner's sampler reads the router
     parse_router_metrics(get(fleet.url + "/metrics")[1], seen)
-    assert (seen.steps, seen.step_prompt_tokens) == (3, 12000)
+    assert (seen.steps, seen.step_prompt_tokens, seen.step_requests) == (3, 12000, 96)
     with pytest.raises(PdctlError, match="refused the step boundary"):
         announce_step(1, env={**env, "PDCTL_CONTROL_KEY": READER})
     with pytest.raises(PdctlError, match="PDCTL_ROUTER_URL is not set"):
