@@ -274,13 +274,19 @@ class RolePlanner:
         oldest first: pdctl.cluster.planner_record): each role's capacity and each split's
         output, from the figures of its stay and switch decisions, and its last switch's time
         (``now_wall`` and ``now``: the wall and monotonic clocks now), so that a planner restarted
-        after a crash keeps its cooldown and does not go back to a split it measured as no better."""
+        after a crash keeps its cooldown and does not go back to a split it measured as no better;
+        and what the last whole step made (``step_learned`` of a step decision), to balance the next."""
         for entry in entries:
             figures = entry.get("figures") or {}
             if entry.get("action") == Action.WAIT.value or not all(r.value in figures for r in PD):
                 continue
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._learn({r: RoleLoad.from_dict(r, figures[r.value]) for r in PD})
+            learned = figures.get("step_learned")
+            with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+                unit = str(learned["unit"])
+                if unit in ("request", "prompt token"):
+                    self.output_per, self.last_step_secs = (float(learned["output_per"]), unit), float(learned["secs"])
             if str(entry.get("outcome") or "").startswith("switched"):
                 with contextlib.suppress(TypeError, ValueError):
                     self.last_switch_at = now - max(0.0, now_wall - float(entry["at"]))
@@ -307,10 +313,10 @@ class RolePlanner:
         self._learn(loads)
         split = (loads[Role.PREFILL].engines, loads[Role.DECODE].engines)
         figures["split"] = f"{split[0]}:{split[1]}"
-        new_step = self.steps_seen is not None and obs.steps > self.steps_seen
+        boundaries = obs.steps - self.steps_seen if self.steps_seen is not None else 0.0
         self.steps_seen = obs.steps
-        if new_step:
-            self._step_began(obs)
+        if boundaries > 0:
+            self._step_began(obs, boundaries)
             figures["step_prompt_tokens"] = obs.step_prompt_tokens
             return self._ahead_of_step(loads, obs, figures)
         short, why = self._bottleneck(loads, obs)
@@ -360,8 +366,10 @@ class RolePlanner:
         the target is the step's balance (``step_balance``): the split whose prefills and decodes,
         each at their learned capacity, finish the step's prompt and output tokens soonest; engines
         move toward it (either way) when it saves an interval and ``STEP_GAIN`` of the last step's
-        time. Before that, decodes move to prefill when
-        the burst's prefill would take ``STEP_WORTH`` intervals or more, as many as make it fit.
+        time; a step sized in another unit than the last (requests said, then not) gets no move.
+        Before that, or while no decode was ever short (no decode capacity learned), decodes move
+        to prefill when the burst's prefill would take ``STEP_WORTH`` intervals or more, as many as
+        make it fit.
         Either way at most ``move_bound`` engines, none while the donors still work on the last step."""
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self.capacity.get(Role.PREFILL)
@@ -373,6 +381,9 @@ class RolePlanner:
         figures["step_prefill_secs"] = round(secs, 2)
         why = f"{why} takes {secs:.1f} s on {prefill.engines} prefill(s) at {capacity:.0f} tokens/s each"
         split = (prefill.engines, decode.engines)
+        if self.output_per is not None:  # (what a restarted planner recalls)
+            figures["step_learned"] = {"output_per": round(self.output_per[0], 3), "unit": self.output_per[1]}
+            figures["step_learned"]["secs"] = round(self.last_step_secs or 0.0, 1)
         balance = self.step_balance(obs, split)
         if balance is not None and self.output_per is not None:
             best, output, saved = balance
@@ -387,7 +398,10 @@ class RolePlanner:
                 why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
-        else:
+        elif self.output_per is not None and self.capacity.get(Role.DECODE):
+            said = f"the last step was sized in {self.output_per[1]}s and this one is not"
+            return Decision(Action.STAY, f"{why}; no balance for it ({said}): staying", figures=figures)
+        else:  # no whole step seen yet, or decodes never short (no capacity learned): the prefill alone
             if secs < STEP_WORTH * self.config.interval_secs:
                 return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
             # As many as the burst needs to fit in STEP_WORTH intervals.
@@ -436,7 +450,7 @@ class RolePlanner:
             return None
         prompt_tokens, output = obs.step_prompt_tokens, self.output_per[0] * size
         n = sum(split)
-        lowest, highest = self.config.min_prefill, n - self.config.min_decode
+        lowest, highest = max(1, self.config.min_prefill), n - max(1, self.config.min_decode)
         if lowest > highest:
             return None
 
@@ -457,12 +471,13 @@ class RolePlanner:
                 self.step_busy += secs
         self.last_at = obs.at
 
-    def _step_began(self, obs: Observation) -> None:
-        """A new step boundary: learn the step that ended (its output tokens per announced request,
-        or per prompt token; a step announced with neither, or that made no output, teaches nothing)
-        and start the next."""
+    def _step_began(self, obs: Observation, boundaries: float) -> None:
+        """``boundaries`` new step boundaries: learn the step that ended (its output tokens per
+        announced request, or per prompt token; a step announced with neither, or that made no
+        output, teaches nothing; nor do two or more boundaries seen at once, whose steps' output is
+        mixed) and start the next."""
         size, unit = self.step_size
-        if size > 0 and self.step_output > 0:
+        if size > 0 and self.step_output > 0 and boundaries == 1:
             self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
 

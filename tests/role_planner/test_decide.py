@@ -290,7 +290,31 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     assert short_prompts.action is Action.SWITCH and short_prompts.to_role is D, short_prompts
     assert short_prompts.figures["step_balanced_prefills"] == 1 and len(short_prompts.engines) == 2
     other_unit = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 1_000_000, 0))
-    assert "last step" not in other_unit.reason and "step_balanced_prefills" not in other_unit.figures
+    assert other_unit.action is Action.STAY and "step_balanced_prefills" not in other_unit.figures
+    assert "no balance for it (the last step was sized in requests and this one is not)" in other_unit.reason
+    # Two boundaries seen at once mix two steps' output: nothing learned from them.
+    jumped = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
+    jumped.decide(obs(0, (4, 4), 0, 0, 0, backlog=True))
+    jumped.decide(obs(2, (4, 4), 1, 1_000_000, 128))
+    jumped.decide(obs(14, (4, 4), 1, 1_000_000, 128, output=2000))
+    assert "last step" not in jumped.decide(obs(20, (4, 4), 3, 1_000_000, 128)).reason
+    # What a step taught survives a restart (the planner's record: pdctl.cluster.planner_record).
+    first = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
+    told = [
+        first.decide(o)
+        for o in (
+            obs(0, (2, 6), 0, 0, 0, backlog=True),
+            obs(2, (2, 6), 1, 1_000_000, 128),
+            obs(14, (2, 6), 1, 1_000_000, 128, output=2000),
+            obs(20, (2, 6), 2, 1_000_000, 128),
+        )
+    ]
+    restarted = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
+    restarted.recall([d.to_dict() for d in told], now_wall=0, now=0)
+    assert restarted.output_per == (187.5, "request") and restarted.last_step_secs == 12
+    restarted.decide(obs(30, (2, 6), 2, 0, 0))
+    again = restarted.decide(obs(40, (2, 6), 3, 1_000_000, 128))
+    assert again.figures["step_balanced_prefills"] == 5 and again.engines == ("decode-0", "decode-1"), again
 
 
 def test_a_restarted_planner_recalls_its_cooldown_capacity_and_splits_from_its_record() -> None:
