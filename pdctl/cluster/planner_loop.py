@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -95,6 +96,26 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
     )
 
 
+def generated_since(state: ClusterState, samples: list[Sample], seen: dict[tuple[str, int], float]) -> float | None:
+    """Output tokens the engines made since ``seen`` (their generation-token counters by process,
+    URL and pid, which a switch keeps), up to the last of ``samples``; ``seen`` is updated. An
+    engine not seen before counts from its first sample here. None the first time (nothing seen)."""
+    first = not seen
+    made = 0.0
+    for pid, now in samples[-1].engines.items():
+        rec = state.processes.get(pid)
+        if rec is None or not rec.url or now.generation_tokens is None:
+            continue
+        key = (rec.url, rec.pid)
+        start = seen.get(key)
+        if start is None:
+            start = samples[0].engines.get(pid, EngineSample("unknown")).generation_tokens
+        if start is not None and now.generation_tokens >= start:
+            made += now.generation_tokens - start
+        seen[key] = now.generation_tokens
+    return None if first else made
+
+
 def waiting_at(role: Role, sample: EngineSample) -> float:
     """Requests that wait for this engine's own work. A prefill: its queue. A decode: its queue,
     plus its prealloc queue (requests waiting for KV room) in the share of its room held by
@@ -168,6 +189,9 @@ class PlannerLoop:
         self.events = events
         self.planner = RolePlanner(config)
         self.stop = threading.Event()
+        self.generated: dict[tuple[str, int], float] = {}
+        """The generation-token counter last seen of each engine process (URL, pid): what the
+        fleet made between two observations, a switch's drain included (``generated_since``)."""
         self.decoded: set[tuple[str, int]] = set()
         """(URL, pid) of the engines this planner saw running as decodes (``observe``); a planner
         restarted starts it again from the decodes it sees."""
@@ -208,7 +232,9 @@ class PlannerLoop:
                 samples = await _interval(sampler, self.config.interval_secs, self.stop)
                 if self.stop.is_set() or len(samples) < 2:
                     return
-                decision = self.planner.decide(observe(state, samples, self.decoded))
+                made_since = generated_since(state, samples, self.generated)
+                obs = replace(observe(state, samples, self.decoded), output_tokens=made_since)
+                decision = self.planner.decide(obs)
                 made: list[str] = []
                 try:
                     outcome, said = (

@@ -147,6 +147,10 @@ class Observation:
     """The prompt tokens the latest announced step will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step will send (0: not said)."""
+    output_tokens: float | None = None
+    """Output tokens the engines made since the last observation, by their counters (a switch's
+    drain included, which no interval samples); None: not known (then the interval's rate times
+    the seconds since the last observation)."""
 
 
 @dataclass(frozen=True)
@@ -282,8 +286,8 @@ class RolePlanner:
                 continue
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._learn({r: RoleLoad.from_dict(r, figures[r.value]) for r in PD})
-            learned = figures.get("step_learned")
-            with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+            learned = figures.get("step_learned") or {}
+            with contextlib.suppress(KeyError, TypeError, ValueError):
                 unit = str(learned["unit"])
                 if unit in ("request", "prompt token"):
                     self.output_per, self.last_step_secs = (float(learned["output_per"]), unit), float(learned["secs"])
@@ -466,7 +470,7 @@ class RolePlanner:
         under way (held and sick intervals too)."""
         if self.last_at is not None and obs.at > self.last_at:
             secs, output = obs.at - self.last_at, loads[Role.DECODE].tokens_per_s * loads[Role.DECODE].engines
-            self.step_output += output * secs
+            self.step_output += output * secs if obs.output_tokens is None else obs.output_tokens
             if output > 0 or loads[Role.PREFILL].tokens_per_s > 0:
                 self.step_busy += secs
         self.last_at = obs.at

@@ -425,6 +425,49 @@ def test_the_loop_knows_a_process_it_saw_decode_as_captured_and_a_restarted_one_
     assert captured(state(restarted), decoded) == {"prefill-0": False, "prefill-1": False}
 
 
+def test_the_loop_counts_what_the_engines_made_across_a_switch_by_their_counters() -> None:
+    """pdctl.cluster.planner_loop.generated_since: the output between two observations is the
+    engines' generation-token counters' growth by process (URL and pid), so what a switch's drain
+    made (no interval samples it) is counted, and a decode that became a prefill (another id, the
+    same process) goes on from its counter. A benchmark run counted 44 tokens per request where its
+    step made about 190, the rate of the interval after a 10 s switch standing for that switch. And
+    a step's output, so given, is what the planner learns."""
+    from pdctl.cluster.planner_loop import generated_since
+    from pdctl.cluster.sampling import EngineSample, Sample
+    from pdctl.cluster.state import ClusterState, Phase, ProcessRecord
+
+    def state(procs: dict[str, tuple[str, int]]) -> ClusterState:
+        records = {
+            pid: ProcessRecord(pid, Role(pid.split("-")[0]), "me", proc, proc, 0.0, "log", url=url)
+            for pid, (url, proc) in procs.items()
+        }
+        return ClusterState("c", "run", Phase.UP, [], processes=records)
+
+    def samples(at: float, counters: dict[str, float]) -> list[Sample]:
+        return [
+            Sample(
+                t, {pid: EngineSample("up", generation_tokens=c - (1 - k) * 10) for pid, c in counters.items()}, None
+            )
+            for k, t in enumerate((at - 1, at))
+        ]
+
+    seen: dict = {}
+    before = state({"decode-0": ("http://a", 1), "decode-1": ("http://b", 2)})
+    assert generated_since(before, samples(2, {"decode-0": 100, "decode-1": 50}), seen) is None  # nothing seen yet
+    # a switch (decode-1 is prefill-2 now; 4,000 tokens made during its drain), then an interval
+    after = state({"decode-0": ("http://a", 1), "prefill-2": ("http://b", 2), "decode-3": ("http://c", 3)})
+    made = generated_since(after, samples(14, {"decode-0": 3100, "prefill-2": 1050, "decode-3": 40}), seen)
+    assert made == 3000 + 1000 + 10  # decode-3, new, counts from its first sample here (30 -> 40)
+
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
+    engines = (EngineLoad("prefill-0", P, True, True, 0, 0, 0), EngineLoad("decode-0", D, True, True, 0, 1, 100))
+    planner.decide(Observation(0, engines, steps=0))
+    planner.decide(Observation(2, engines, steps=1, step_requests=10, step_prompt_tokens=1000))
+    planner.decide(Observation(14, engines, steps=1, output_tokens=4000))  # (the rate alone says 1,200)
+    planner.decide(Observation(16, engines, steps=2, step_requests=10, step_prompt_tokens=1000, output_tokens=0))
+    assert planner.output_per == (400.0, "request")
+
+
 def _learned(prefill_capacity: float, decode_capacity: float, **config) -> RolePlanner:
     planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0, **config))
     planner.capacity.update({P: prefill_capacity, D: decode_capacity})
@@ -512,6 +555,7 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
     monkeypatch.setattr(planner_loop, "switch", switch)
     monkeypatch.setattr(planner_loop, "_interval", interval)
     monkeypatch.setattr(planner_loop, "observe", lambda *_args: obs)
+    monkeypatch.setattr(planner_loop, "generated_since", lambda *_args: None)
     store = StateStore(tmp_path)
     store.save(ClusterState("c", "run-1", Phase.UP, []))
     loop = planner_loop.PlannerLoop("c", PlannerConfig(mode=PlannerMode.ACT), store)
