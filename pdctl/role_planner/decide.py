@@ -374,7 +374,8 @@ class RolePlanner:
         Before that, or while no decode was ever short (no decode capacity learned), decodes move
         to prefill when the burst's prefill would take ``STEP_WORTH`` intervals or more, as many as
         make it fit.
-        Either way at most ``move_bound`` engines, none while the donors still work on the last step."""
+        Either way at most ``move_bound`` engines, none while the donors still work on the last
+        step; the cooldown holds the prefill-only move, not the balanced one."""
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self.capacity.get(Role.PREFILL)
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
@@ -412,7 +413,11 @@ class RolePlanner:
             to = Role.PREFILL
             count = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines
         donor = other(to)
-        if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
+        # (A balanced move waits for no cooldown: a step boundary is an event a trainer announced, not
+        # a reading that may be noise; a benchmark's agentic step ran at 6:2 for want of 5:3, the
+        # queues' last move of the step before having started the cooldown.)
+        cooling = self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs
+        if cooling and balance is None:
             return Decision(Action.STAY, f"{why}; cooling down after the last switch", figures=figures)
         if loads[donor].engines - 1 < self.minimum(donor):
             return Decision(Action.STAY, f"{why}; the {donor}s are at their minimum", figures=figures)

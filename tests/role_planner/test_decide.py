@@ -266,8 +266,8 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
         ]
         return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
 
-    def after_one_step(split: tuple[int, int], secs: float = 12) -> RolePlanner:
-        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
+    def after_one_step(split: tuple[int, int], secs: float = 12, cooldown: float = 0) -> RolePlanner:
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=cooldown))
         planner.decide(obs(0, split, 0, 0, 0, backlog=True))  # both capacities
         first = planner.decide(obs(2, split, 1, 1_000_000, 128))  # sized by the prefill alone
         assert "last step" not in first.reason, first
@@ -283,6 +283,10 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
         assert ahead.action is (Action.SWITCH if moved else Action.STAY) and ahead.to_role is to
         staying = "0.3 s sooner than now (the last step took 12 s): staying"
         assert f"to {to} ahead of the burst" in ahead.reason if to else staying in ahead.reason, ahead.reason
+    # A switch a second ago (the queues' last move of the step before): the balanced move does not wait.
+    cooled = after_one_step((2, 6), cooldown=30)
+    cooled.switched(19)
+    assert cooled.decide(obs(20, (2, 6), 2, 1_000_000, 128)).engines == ("decode-0", "decode-1")
     # The balance knows no long tail: a step that took 30 s must be 6 s sooner, and 6:2 -> 5:3 is 4 s.
     tailed = after_one_step((6, 2), secs=30).decide(obs(40, (6, 2), 2, 1_000_000, 128))
     assert tailed.action is Action.STAY and "4.0 s sooner than now (the last step took 30 s)" in tailed.reason
