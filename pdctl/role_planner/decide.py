@@ -77,10 +77,13 @@ LATENCY_SPARE = 0.8
 STEP_WORTH = 2
 """A step's prefill worth a switch ahead lasts this many intervals at the current split (a
 shorter one ends before the usual rules would have moved an engine)."""
-STEP_GAIN = 0.2
+STEP_GAIN = 0.1
 """A move ahead of a step by its balance must finish the step this share of the last step's
 measured time sooner (and an interval): the balance knows the step's tokens, not its long tail
-nor its KV transfers, so only a clear imbalance is worth a drain."""
+nor its KV transfers, so only a clear imbalance is worth a drain. (At 8 engines it foresaw 2.6 s
+for an agentic step's 6:2 -> 5:3, which a fifth of the last step's 19 s refused; the step then
+took 18.7 s at 6:2 where those around it took 15-16 s at 5:3: benchmarks/results/
+planner_8_steps_nocool_decisions.jsonl. It foresaw 0.4 s for the reasoning RL step's 3:5 -> 1:7.)"""
 WINDING_DOWN = 0.5
 """Decodes under this share of their slots are done with most of the last step; requests queued
 at such decodes wait for something else than decoding (their KV, a prefill)."""

@@ -230,7 +230,7 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     24,000 output tokens again), takes max(33.3 s / k, 24 s / (8 - k)) at k prefills: 5:3 (8 s)
     finishes it soonest. From 2:6 (16.7 s) decodes move ahead, two (the move bound); from 6:2 (12 s)
     an idle prefill moves to decode; 4:4 (8.3 s) is not an interval slower: it stays; nor does 6:2
-    after a step that took 30 s (a fifth of it is more than the 4 s the balance would save). A step of
+    after a step that took 60 s (a tenth of it is more than the 4 s the balance would save). A step of
     short prompts and the same answers wants decodes (1:7). Before a whole step was seen, the
     prefill alone sizes the move; a step said in another unit than the last (no requests) is not
     balanced on it."""
@@ -287,9 +287,9 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     cooled = after_one_step((2, 6), cooldown=30)
     cooled.switched(19)
     assert cooled.decide(obs(20, (2, 6), 2, 1_000_000, 128)).engines == ("decode-0", "decode-1")
-    # The balance knows no long tail: a step that took 30 s must be 6 s sooner, and 6:2 -> 5:3 is 4 s.
-    tailed = after_one_step((6, 2), secs=30).decide(obs(40, (6, 2), 2, 1_000_000, 128))
-    assert tailed.action is Action.STAY and "4.0 s sooner than now (the last step took 30 s)" in tailed.reason
+    # The balance knows no long tail: a step that took 60 s must be 6 s sooner, and 6:2 -> 5:3 is 4 s.
+    tailed = after_one_step((6, 2), secs=60).decide(obs(70, (6, 2), 2, 1_000_000, 128))
+    assert tailed.action is Action.STAY and "4.0 s sooner than now (the last step took 60 s)" in tailed.reason
     short_prompts = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 60_000, 128))
     assert short_prompts.action is Action.SWITCH and short_prompts.to_role is D, short_prompts
     assert short_prompts.figures["step_balanced_prefills"] == 1 and len(short_prompts.engines) == 2
