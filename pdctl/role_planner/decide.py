@@ -39,9 +39,12 @@ finds the split whose prefills (the step's prompt tokens at their learned capaci
 split, either way, when it finishes the step sooner than now by an interval and by ``STEP_GAIN``
 of the last step's measured time (the balance knows no long tail) and the donors are done with
 the last step (decodes under half their slots with no queue; prefills idle).
-Before it has seen a whole step, it moves decodes to prefill when the burst's prefill would take
-``STEP_WORTH`` intervals or more, as many as make it fit in that. Either way a move is bounded as
-any other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
+That move waits for no cooldown (a step boundary is an announced event, not a noisy reading); a
+step sized in other units than the last gets none. Before it has seen a whole step, or while no
+decode was ever short (no decode capacity learned), it moves decodes to prefill when the burst's
+prefill would take ``STEP_WORTH`` intervals or more, as many as make it fit in that (this one
+within the cooldown). Either way a move is bounded as any other (``MOVE_SHARE``, the minimums);
+the usual rules take over once the burst is in.
 
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
@@ -52,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -461,17 +464,13 @@ class RolePlanner:
         if self.output_per is None or unit != self.output_per[1] or not prefill_capacity or not decode_capacity:
             return None
         prompt_tokens, output = obs.step_prompt_tokens, self.output_per[0] * size
-        n = sum(split)
-        lowest, highest = max(1, self.config.min_prefill), n - max(1, self.config.min_decode)
-        if lowest > highest:
+        served = _served(sum(split), prefill_capacity, decode_capacity, prompt_tokens / output)
+        best = self._best_prefills(sum(split), served, split[0])
+        if best is None:
             return None
-
-        def takes(prefills: int) -> float:
-            return max(prompt_tokens / (prefills * prefill_capacity), output / ((n - prefills) * decode_capacity))
-
-        best = min(range(lowest, highest + 1), key=lambda k: (takes(k), abs(k - split[0])))
-        now = takes(split[0]) if lowest <= split[0] <= highest else math.inf
-        return best, output, now - takes(best)
+        # (the step takes its output tokens over the output tokens/s the split serves at the step's mix)
+        now = output / served(split[0]) if self._within(sum(split), split[0]) else math.inf
+        return best, output, now - output / served(best)
 
     def _count_output(self, obs: Observation, loads: Mapping[Role, RoleLoad]) -> None:
         """Add the interval's output tokens, and its seconds if the fleet worked in it, to the step
@@ -527,22 +526,25 @@ class RolePlanner:
         token) best, each role at its learned capacity: the most output tokens/s that both the
         prefills (at ``prefills x capacity / mix``) and the decodes (``decodes x capacity``) can
         give, within the minimums; the split nearest to the current one among equals. None until
-        both capacities are learned and the interval shows prompt and output tokens."""
+        both capacities are learned and the interval shows prompt and output tokens. (A step's
+        balance, ``step_balance``, is the same split at the step's own mix.)"""
         prefill_capacity, decode_capacity = self.capacity.get(Role.PREFILL), self.capacity.get(Role.DECODE)
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         prompt, output = prefill.tokens_per_s * prefill.engines, decode.tokens_per_s * decode.engines
         if not prefill_capacity or not decode_capacity or prompt <= 0 or output <= 0:
             return None
-        mix = prompt / output
         n = prefill.engines + decode.engines
-        lowest, highest = self.config.min_prefill, n - self.config.min_decode
-        if lowest > highest:
-            return None
+        return self._best_prefills(n, _served(n, prefill_capacity, decode_capacity, prompt / output), prefill.engines)
 
-        def served(prefills: int) -> float:
-            return min(prefills * prefill_capacity / mix, (n - prefills) * decode_capacity)
+    def _within(self, n: int, prefills: int) -> bool:
+        """Whether ``prefills`` of ``n`` engines keeps both roles at their minimums (one at least)."""
+        return max(1, self.config.min_prefill) <= prefills <= n - max(1, self.config.min_decode)
 
-        return max(range(lowest, highest + 1), key=lambda k: (served(k), -abs(k - prefill.engines)))
+    def _best_prefills(self, n: int, served: Callable[[int], float], near: int) -> int | None:
+        """The prefill count, within the minimums, whose split ``served`` best; the nearest to
+        ``near`` among equals. None when no split of ``n`` keeps both minimums."""
+        counts = [k for k in range(n + 1) if self._within(n, k)]
+        return max(counts, key=lambda k: (served(k), -abs(k - near))) if counts else None
 
     def _learn(self, loads: Mapping[Role, RoleLoad]) -> None:
         for role, load in loads.items():
@@ -629,6 +631,12 @@ class RolePlanner:
                 f"tokens/s, no better than {now.output_tokens_per_s:.0f} now: staying"
             )
         return None
+
+
+def _served(n: int, prefill_capacity: float, decode_capacity: float, mix: float) -> Callable[[int], float]:
+    """The output tokens/s a split of ``n`` engines with k prefills serves at ``mix`` (prompt tokens
+    per output token), each role at its capacity: the less of what its prefills and its decodes give."""
+    return lambda k: min(k * prefill_capacity / mix, (n - k) * decode_capacity)
 
 
 def _size_of(obs: Observation) -> tuple[float, str]:
