@@ -202,12 +202,23 @@ def status(name: str, *, store: StateStore | None = None, nodes: NodeSet | None 
 
 
 def _step(state: ClusterState) -> str | None:
-    entry = entry_of(state)
-    if entry is None:
-        return None
-    if _running_pdctl(entry.pid):
-        return f"in progress: `pdctl {entry.command}` (pid {entry.pid}) is to {entry.kind.value} {entry.unit}"
-    return f"{entry.describe()}; run `pdctl {entry.command}` again to finish it, or `pdctl down`"
+    entry, ahead = entry_of(state), state.cordoned_ahead
+    said = []
+    if entry is not None:
+        if _running_pdctl(entry.pid):
+            said.append(f"in progress: `pdctl {entry.command}` (pid {entry.pid}) is to {entry.kind.value} {entry.unit}")
+        else:
+            said.append(f"{entry.describe()}; run `pdctl {entry.command}` again to finish it, or `pdctl down`")
+    if ahead is not None:
+        engines, command = ", ".join(sorted(ahead["engines"])), ahead["command"]
+        if _running_pdctl(int(ahead["pid"])):
+            said.append(f"in progress: `pdctl {command}` (pid {ahead['pid']}) drains {engines} ahead of their switch")
+        else:
+            said.append(
+                f"`pdctl {command}` stopped with {engines} out of rotation ahead of a switch it never made; the "
+                "next `pdctl switch`, `restart` or `apply` (or the planner, as it starts again) takes them back"
+            )
+    return "; ".join(said) or None
 
 
 def _running_pdctl(pid: int) -> bool:

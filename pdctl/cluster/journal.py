@@ -108,10 +108,28 @@ class Journal:
         self.state, self.store, self.command = state, store, command
 
     def begin(self, unit: str, kind: ChangeKind, url: str | None, processes: tuple[str, ...]) -> None:
-        """Record a new step on ``unit``, in phase ``BEGUN``, and save the state before the step acts."""
+        """Record a new step on ``unit``, in phase ``BEGUN``, and save the state before the step acts.
+        A unit cordoned ahead (``cordon_ahead``) leaves that record in the same save: the entry
+        names it from now on."""
         entry = Entry(self.command, unit, kind, StepPhase.BEGUN, url, processes, os.getpid(), time.time())
         self.state.journal = entry.to_json()
+        ahead = self.state.cordoned_ahead
+        if ahead is not None and unit in ahead["engines"]:
+            rest = {k: v for k, v in ahead["engines"].items() if k != unit}
+            self.state.cordoned_ahead = {**ahead, "engines": rest} if rest else None
         self.store.save(self.state)
+
+    def cordon_ahead(self, engines: dict[str, str]) -> None:
+        """Record ``engines`` (id -> URL) as cordoned ahead of their own steps, and save the state
+        before they are cordoned."""
+        self.state.cordoned_ahead = {"command": self.command, "pid": os.getpid(), "engines": dict(engines)}
+        self.store.save(self.state)
+
+    def forget_ahead(self) -> None:
+        """Forget the engines cordoned ahead (their cordons lifted, or theirs to keep), and save."""
+        if self.state.cordoned_ahead is not None:
+            self.state.cordoned_ahead = None
+            self.store.save(self.state)
 
     def phase(self, phase: StepPhase) -> None:
         """Record that the step under way reached ``phase``, and save the state; a step must have

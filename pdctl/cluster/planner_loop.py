@@ -2,12 +2,12 @@
 
 Each interval: ``SAMPLES`` samples of every engine's and the router's metrics (pdctl.cluster.sampling,
 spread over ``interval_secs``) make an ``Observation`` (rates from the first and last, running
-requests as their mean); ``RolePlanner.decide`` answers; in ``act`` mode a
-``switch`` decision runs ``pdctl switch``'s own code (pdctl.cluster.switch: the router drains the
-engine, the journal covers a Ctrl-C, a refusal leaves it serving as it was). Every decision, with
-its reason and figures, is logged and appended to ``planner.jsonl`` beside the cluster's state
-(0600), which ``pdctl status --json`` shows. A switch the engine refused (busy) is tried again at
-the next interval: the bottleneck streak stands until a switch is made.
+requests as their mean); ``RolePlanner.decide`` answers; in ``act`` mode a ``switch`` decision runs
+``pdctl switch``'s own code (pdctl.cluster.switch: the router drains the engines of a move side by
+side, the journal covers a Ctrl-C, a refusal leaves it serving as it was). Every decision, with its
+reason and figures, is logged and appended to ``planner.jsonl`` beside the cluster's state (0600),
+which ``pdctl status --json`` shows. A switch the engine refused (busy) is tried again at the next
+interval: the bottleneck streak stands until a switch is made.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pdctl.cluster.nodes import Events, quiet
 from pdctl.cluster.planner_record import KEEP_DECISIONS, append_decision, recent_decisions
 from pdctl.cluster.sampling import EngineSample, Sample, Sampler
 from pdctl.cluster.state import ClusterState, Phase, StateStore
-from pdctl.cluster.switch import switch
+from pdctl.cluster.switch import switch_all, take_back_ahead
 from pdctl.cluster.watch import quantile
 from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
@@ -220,6 +220,10 @@ class PlannerLoop:
                     await asyncio.to_thread(self.stop.wait, self.config.interval_secs)
                     continue
                 if not recalled:  # what a planner of this run learned before a crash or a restart
+                    try:  # and the engines a move of its own, killed, left out of rotation ahead of their switch
+                        await asyncio.to_thread(take_back_ahead, self.name, store=self.store, events=self.events)
+                    except LifecycleError as exc:
+                        log.warning("engines left cordoned by a move stay so for now: %s", exc)
                     mine = [
                         e
                         for e in recent_decisions(self.store, self.name, KEEP_DECISIONS)
@@ -254,23 +258,28 @@ class PlannerLoop:
 
     async def _act(self, decision: Decision, done: list[str]) -> tuple[str, str]:
         """(outcome: switched, refused or advised; what happened, in words). A decision that moves
-        several engines switches them one after the other (each drained first), with no cooldown
-        between; one refused ends the move there, and the ones switched stay switched. ``done``
-        gets each switch made as it is made ("prefill-0 is decode-2"), for a move interrupted half
-        way to be recorded."""
+        several engines switches them in one move (``switch_all``: drained side by side, switched
+        one after the other, with no cooldown between); one refused ends the move there, and the
+        ones switched stay switched. ``done`` gets each switch made as it is made ("prefill-0 is
+        decode-2"), for a move interrupted half way to be recorded."""
         assert decision.engine is not None and decision.to_role is not None
         if self.config.mode is not PlannerMode.ACT:
             return "advised", "advised (mode advise: nothing changed)"
         try:
-            for engine in decision.engines:
-                # (in this thread, blocking the loop: nothing else runs meanwhile; a Ctrl-C reaches switch's handling)
-                try:
-                    new_id = switch(self.name, engine, decision.to_role, store=self.store, events=self.events)
-                except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
-                    if not done:
-                        return "refused", f"not switched: {exc}"
-                    return "switched", f"switched: {', '.join(done)}; then not: {exc}"
-                done.append(f"{engine} is {new_id}")
+            # (in this thread, blocking the loop: nothing else runs meanwhile; a Ctrl-C reaches switch's handling)
+            switch_all(
+                self.name,
+                list(decision.engines),
+                decision.to_role,
+                store=self.store,
+                events=self.events,
+                command="planner",
+                on_switched=lambda old, new: done.append(f"{old} is {new}"),
+            )
+        except LifecycleError as exc:  # busy, gone, or refused: it serves on; the next interval tries again
+            if not done:
+                return "refused", f"not switched: {exc}"
+            return "switched", f"switched: {', '.join(done)}; then not: {exc}"
         finally:
             if done:  # (a Ctrl-C between two switches too: those made are the fleet's now, and the cooldown stands)
                 self.planner.switched(time.monotonic())

@@ -214,6 +214,23 @@ def _unwind_replace(journal: Journal, router: RouterControl, entry_spec: LaunchS
     journal.end()
 
 
+def lift_cordons_ahead(state: ClusterState, store: StateStore, router: RouterControl, events: Events) -> None:
+    """Take back into rotation the engines a move of switches cordoned ahead and never switched
+    (``state.cordoned_ahead``: the move was stopped, or killed), then forget them. One the router
+    no longer lists is left out (its step, in the journal, settles it)."""
+    ahead = state.cordoned_ahead
+    if ahead is None:
+        return
+    for engine_id, url in ahead["engines"].items():
+        events(engine_id, f"back in rotation: `pdctl {ahead['command']}` cordoned it ahead of a switch it never made")
+        try:
+            router.cordon(url, False)
+        except LifecycleError:
+            if router.worker(url) is not None:
+                raise
+    Journal(state, store, str(ahead["command"])).forget_ahead()
+
+
 def recover(
     state: ClusterState,
     store: StateStore,
@@ -225,7 +242,9 @@ def recover(
     """Finish, or undo, the step an interrupted ``restart``, ``apply`` or ``switch`` left in the
     journal, before anything else: a replaced engine is started again (if it was stopped) and taken
     back into rotation; an added one that never joined is stopped and unregistered; a removal is
-    finished; a switch that stopped before the engine switched is undone (uncordoned)."""
+    finished; a switch that stopped before the engine switched is undone (uncordoned). Engines a
+    move cordoned ahead of their own switch (``state.cordoned_ahead``) are taken back first."""
+    lift_cordons_ahead(state, store, router, events)
     entry = entry_of(state)
     if entry is None:
         return
@@ -301,10 +320,12 @@ class RouterControl:
         keys = load_keys(store or StateStore(), state.name)
         return cls(state.router_url or "", keys.control if keys else router_client_key(state), keys)
 
-    def cordon(self, worker_url: str, on: bool) -> dict[str, Any]:
+    def cordon(self, worker_url: str, on: bool, *, wait: bool = True) -> dict[str, Any]:
         """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises
-        ``LifecycleError`` when the router does not do it."""
-        body = {"url": worker_url, "cordon": on, "reason": "pdctl restart", "timeout_secs": DRAIN_TIMEOUT_SECS}
+        ``LifecycleError`` when the router does not do it. A cordon answers once the worker's
+        requests have finished (``wait``; up to ``DRAIN_TIMEOUT_SECS``), or at once."""
+        timeout = DRAIN_TIMEOUT_SECS if wait else 0
+        body = {"url": worker_url, "cordon": on, "reason": "pdctl restart", "timeout_secs": timeout}
         answer = self.client.post(self.url + CORDON_PATH, body)
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):
             raise LifecycleError(

@@ -87,6 +87,12 @@ class ClusterState:
     journal: dict[str, Any] | None = None
     """The day-2 step in progress (pdctl.cluster.journal): which command, on which engine, how
     far; left behind by a step that was interrupted and could not be undone at once."""
+    cordoned_ahead: dict[str, Any] | None = None
+    """Engines a move of several switches took out of rotation ahead of their own switch, so that
+    they drain side by side (pdctl.cluster.switch.switch_all): ``command``, ``pid`` and
+    ``engines`` (id -> URL). Each leaves it as its switch begins (the journal names it then); a
+    move that stops lifts the others' cordons, and one killed leaves them here for the next
+    command (``recover``) or the planner's restart."""
     mps: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per node, the CUDA MPS control daemon of a colocated cluster: pid, create_time,
     pipe_dir, log_dir, and ``started`` (false: it was already running; ``down`` leaves it)."""

@@ -18,14 +18,21 @@ command is the running one's but for its role once planned on the running one's 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
-from pdctl.cluster.restart import BACK_TIMEOUT_SECS, RouterControl, engine_role, recover, wait_routable
+from pdctl.cluster.restart import (
+    BACK_TIMEOUT_SECS,
+    RouterControl,
+    engine_role,
+    lift_cordons_ahead,
+    recover,
+    wait_routable,
+)
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import spawn_entry
@@ -348,6 +355,38 @@ def switch(
     Raises:
         LifecycleError: no such cluster or engine, an engine that may not switch, or one that refused.
     """
+    made = switch_all(
+        name, [engine_id], role, store=store, nodes=nodes, events=events, ready_timeout_secs=ready_timeout_secs
+    )
+    return made[0][1]
+
+
+def switch_all(
+    name: str,
+    engine_ids: list[str],
+    role: Role | str,
+    *,
+    store: StateStore | None = None,
+    nodes: NodeSet | None = None,
+    events: Events = quiet,
+    ready_timeout_secs: float = BACK_TIMEOUT_SECS,
+    command: str = "switch",
+    on_switched: Callable[[str, str], None] | None = None,
+) -> list[tuple[str, str]]:
+    """Engines ``engine_ids`` of cluster ``name`` turn ``role``, in that order, under one hold of the
+    cluster's lock; returns (old id, new id) of each, and tells ``on_switched`` of each as it is made.
+
+    A move of several drains them side by side: all but the first are cordoned ahead (recorded in
+    ``state.cordoned_ahead`` before the router is asked), so each one's own drain, when its turn
+    comes, waits only for what is left; a drain waits for the requests the engine holds, and a
+    decode's wait for KV from a backlogged prefill took 12-19 s each, one after the other. One
+    refused, or a stop, ends the move there: those switched stay switched, those cordoned ahead
+    are taken back at once (a kill leaves them recorded for the next command or the planner).
+
+    Raises:
+        LifecycleError: no such cluster or engine, an engine that may not switch, or one that refused
+            (those before it are switched).
+    """
     role = Role(role)
     if role not in PD_ROLES:
         raise LifecycleError(f"an engine switches to prefill or decode, not {role}")
@@ -358,31 +397,82 @@ def switch(
             raise LifecycleError(f"no cluster {name!r} in {store.root}")
         if state.status != Phase.UP:
             raise LifecycleError(f"cluster {name!r} is {state.status}; switch works on a cluster that is up")
-        engines = state.plan.engine_map()
-        engine = engines.get(engine_id)
-        if engine is None:
-            raise LifecycleError(f"no engine {engine_id!r} in cluster {name!r} (engines: {', '.join(sorted(engines))})")
-        if engine.role is role:
-            raise LifecycleError(f"{engine_id} is a {role} already")
-        if not engine.role_switch or not engine.switch_group:
-            raise LifecycleError(
-                f"{engine_id} may not switch roles: its group needs role_switch: true, beside a group of the "
-                "other role with role_switch and the same tp (then `pdctl apply` the file, which restarts it)"
-            )
-        group = engine.switch_group
-        used = {e.split("-")[-1] for e in engines if e.rsplit("-", 1)[0] == group}
-        new_id = next(f"{group}-{i}" for i in range(len(engines) + 1) if str(i) not in used)
-        new_process = switched_spec(state.plan.process(engine_id), new_id, role)
-        new_engine = replace(
-            engine, id=new_id, group=group, role=role, process_ids=(new_id,), switch_group=engine.group
-        )
+        for engine_id in engine_ids:
+            _switchable(state, name, engine_id, role)
         with contextlib.ExitStack() as stack:
             if nodes is None:
                 nodes = stack.enter_context(NodeSet(state.node_objects().values()))
             router = RouterControl.of(state, store)
-            step = StepContext(state, store, nodes, router, Journal(state, store, "switch"), events, ready_timeout_secs)
+            journal = Journal(state, store, command)
+            step = StepContext(state, store, nodes, router, journal, events, ready_timeout_secs)
+            lift_cordons_ahead(state, store, router, events)  # a move killed half way
             left = entry_of(state)
-            if left is not None and not (left.kind is ChangeKind.SWITCH and left.unit == engine_id):
+            if left is not None and not (left.kind is ChangeKind.SWITCH and left.unit == engine_ids[0]):
                 recover(state, store, nodes, router, events, ready_timeout_secs)  # another step left half done
-            switch_engine(step, engine_id, new_engine, new_process)
-    return new_id
+            made: list[tuple[str, str]] = []
+            try:
+                _cordon_ahead(state, router, journal, engine_ids[1:], events)
+                for engine_id in engine_ids:
+                    new_engine, new_process = _switched(state, engine_id, role)
+                    switch_engine(step, engine_id, new_engine, new_process)
+                    made.append((engine_id, new_engine.id))
+                    if on_switched is not None:
+                        on_switched(engine_id, new_engine.id)
+            except BaseException:  # refused, or stopped: the engines not reached serve on as they were
+                # (a router that does not answer keeps them recorded, for the next command: not this error)
+                with interrupts_deferred(), contextlib.suppress(LifecycleError):
+                    lift_cordons_ahead(state, store, router, events)
+                raise
+    return made
+
+
+def take_back_ahead(name: str, *, store: StateStore | None = None, events: Events = quiet) -> None:
+    """Take back into rotation the engines a move left cordoned ahead of its switches (killed
+    half way: ``state.cordoned_ahead``). Under the cluster's lock no move runs, so any such
+    record is stale. The planner calls it as it starts."""
+    store = store or StateStore()
+    with store.locked(name):
+        state = store.load(name)
+        if state is not None and state.cordoned_ahead is not None and state.status == Phase.UP:
+            lift_cordons_ahead(state, store, RouterControl.of(state, store), events)
+
+
+def _switchable(state: ClusterState, name: str, engine_id: str, role: Role) -> None:
+    """Raise LifecycleError unless engine ``engine_id`` may switch to ``role``."""
+    engines = state.plan.engine_map()
+    engine = engines.get(engine_id)
+    if engine is None:
+        raise LifecycleError(f"no engine {engine_id!r} in cluster {name!r} (engines: {', '.join(sorted(engines))})")
+    if engine.role is role:
+        raise LifecycleError(f"{engine_id} is a {role} already")
+    if not engine.role_switch or not engine.switch_group:
+        raise LifecycleError(
+            f"{engine_id} may not switch roles: its group needs role_switch: true, beside a group of the "
+            "other role with role_switch and the same tp (then `pdctl apply` the file, which restarts it)"
+        )
+
+
+def _switched(state: ClusterState, engine_id: str, role: Role) -> tuple[EngineSpec, LaunchSpec]:
+    """Engine ``engine_id`` as it will run in ``role``: under its switch group's next free id."""
+    engines = state.plan.engine_map()
+    engine = engines[engine_id]
+    group = engine.switch_group
+    assert group is not None
+    used = {e.split("-")[-1] for e in engines if e.rsplit("-", 1)[0] == group}
+    new_id = next(f"{group}-{i}" for i in range(len(engines) + 1) if str(i) not in used)
+    new_process = switched_spec(state.plan.process(engine_id), new_id, role)
+    new_engine = replace(engine, id=new_id, group=group, role=role, process_ids=(new_id,), switch_group=engine.group)
+    return new_engine, new_process
+
+
+def _cordon_ahead(
+    state: ClusterState, router: RouterControl, journal: Journal, engine_ids: list[str], events: Events
+) -> None:
+    """Cordon ``engine_ids`` without waiting for their drains, recorded first."""
+    urls = {e: state.processes[e].url for e in engine_ids if e in state.processes and state.processes[e].url}
+    if not urls:
+        return
+    journal.cordon_ahead({e: u for e, u in urls.items() if u})
+    for engine_id, url in urls.items():
+        events(engine_id, "out of rotation ahead of its switch: its requests finish while the one before it switches")
+        router.cordon(url or "", True, wait=False)

@@ -286,10 +286,10 @@ from pdctl.roles import Role
 from pdctl.signals import interrupt_on_every_stop_signal
 
 interrupt_on_every_stop_signal()  # as pdctl's entry point does for every command
-name, engine, role = sys.argv[1:]
+name, role, first, *more = sys.argv[1:]
 loop = PlannerLoop(name, PlannerConfig.from_dict({"mode": "act", "interval_secs": 0.5}), StateStore(),
                    events=lambda process, message: print(f"{process}: {message}", flush=True))
-decision = Decision(Action.SWITCH, "the test's bottleneck", engine=engine, to_role=Role(role))
+decision = Decision(Action.SWITCH, "the test's bottleneck", engine=first, to_role=Role(role), more=tuple(more))
 loop.planner.decide = lambda observation: decision  # the rest is the planner's: sample, act, record, report
 try:  # as `pdctl planner` runs it (pdctl/cli/planner_cmds.py)
     loop.run(1)
@@ -310,7 +310,7 @@ def test_ctrl_c_while_the_planner_switches_strands_nothing(cluster, sig) -> None
     st = _status(env)
     router = next(p["url"] for p in st["processes"] if p["role"] == "router")
     url = next(p["url"] for p in st["processes"] if p["id"] == "decode-0")
-    planner = [sys.executable, "-c", PLANNER_ACTS, name, "decode-0", "prefill"]
+    planner = [sys.executable, "-c", PLANNER_ACTS, name, "prefill", "decode-0"]
     body = {"text": "long", "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
     with cf.ThreadPoolExecutor(4) as pool:
         long = [pool.submit(post, router + "/generate", body, timeout=120) for _ in range(4)]
@@ -332,6 +332,74 @@ def test_ctrl_c_while_the_planner_switches_strands_nothing(cluster, sig) -> None
     back = pdctl("switch", name, "prefill-2", "decode", env=env)
     assert back.returncode == 0, back.stderr
     eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation")
+
+
+def _cordoned(router: str, name: str, env: dict) -> set[str]:
+    workers = get(router + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+    return {w["url"] for w in workers if w["cordoned"]}
+
+
+def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
+    """A move of two decodes (the planner's, issue 58): the second is out of rotation while the first
+    drains (their drains overlap: one after the other, each decode's wait for its KV took 12-19 s at
+    8 engines). Refused at the first, the second serves on at once. kill -9 of the planner while
+    the first drains: status names both (the journal's step, the one drained ahead), and the
+    planner, started again, takes the one ahead back and makes the move."""
+    from pdctl.cluster.state import StateStore
+
+    env, name, _ = cluster
+    store = StateStore(Path(env["PDCTL_HOME"]))
+    assert pdctl("switch", name, "prefill-1", "decode", env=env).returncode == 0  # three decodes: room for a move
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    url = {p["id"]: p["url"] for p in st["processes"]}
+    planner = [sys.executable, "-c", PLANNER_ACTS, name, "prefill"]
+
+    waiting = _kept_busy(name, env, st)  # decode-0 refuses: the move ends there, decode-1 never left
+    try:
+        refused = subprocess.run([*planner, "decode-0", "decode-1"], env=env, capture_output=True, text=True)
+        assert refused.returncode == 0 and "not switched" in refused.stdout, refused.stdout + refused.stderr
+        assert "decode-1: out of rotation ahead of its switch" in refused.stdout, refused.stdout
+        assert _cordoned(router, name, env) == set() and store.load(name).cordoned_ahead is None
+    finally:
+        waiting.close()
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation after the refusal")
+
+    # decode-2 first (it becomes prefill-1, decode-1 prefill-2): one switch back gives the fixture's ids
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    move = [*planner, "decode-2", "decode-1"]
+    with cf.ThreadPoolExecutor(6) as pool:
+        long = [pool.submit(post, router + "/generate", body, timeout=300) for _ in range(6)]
+        for engine in ("decode-1", "decode-2"):
+            eventually(lambda e=engine: _running(url[e], name, env), 60, interval=0.02, what=f"{engine} busy")
+        proc = subprocess.Popen(move, env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            said = []
+            for line in proc.stdout:
+                said.append(line)
+                if line.startswith("decode-2: switching to prefill"):
+                    break
+            both = {url["decode-1"], url["decode-2"]}
+            eventually(lambda: _cordoned(router, name, env) == both, 60, interval=0.02,
+                       what=lambda: f"decode-1 and decode-2 out of rotation at once ({''.join(said)})")  # fmt: skip
+            assert all(_running(url[e], name, env) for e in ("decode-1", "decode-2")), "a drain ended too soon"
+        finally:
+            proc.kill()  # kill -9, mid-drain
+            proc.wait()
+        left = pdctl("status", name, env=env)
+        shown = " ".join(left.stdout.split())
+        assert left.returncode == 1 and "to switch decode-2" in shown, shown
+        assert "stopped with decode-1 out of rotation ahead of a switch it never made" in shown, shown
+        again = subprocess.run(move, env=env, capture_output=True, text=True)
+        assert "switched: decode-2 is prefill-1, decode-1 is prefill-2" in again.stdout, again.stdout + again.stderr
+        assert all(f.result()[0] == 200 for f in long)
+    roles = _roles(router, name, env)
+    assert roles[url["decode-1"]] == roles[url["decode-2"]] == "prefill" and store.load(name).cordoned_ahead is None
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation after the move")
+    back = pdctl("switch", name, "prefill-2", "decode", env=env)  # the fixture's split and ids again
+    assert back.returncode == 0 and "prefill-2 is decode decode-1" in back.stdout, back.stdout + back.stderr
+    eventually(lambda: _status(env)["ok"], 60, what="status ok")
 
 
 def _running(url: str, name: str, env: dict) -> bool:

@@ -533,7 +533,7 @@ def test_a_move_of_several_stops_short_of_a_split_it_measured_as_no_better() -> 
 
 
 def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switched(tmp_path, monkeypatch) -> None:
-    """The loop switches a decision's engines one after the other; a Ctrl-C during the second
+    """The loop switches a decision's engines one after the other (one move); a Ctrl-C during the second
     leaves the first switched: the loop stops, its record says what it switched, and its cooldown
     has started."""
     import pytest
@@ -544,11 +544,13 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
 
     asked: list[str] = []
 
-    def switch(name: str, engine: str, role: Role, **_kw) -> str:
-        asked.append(engine)
-        if len(asked) == 2:
-            raise KeyboardInterrupt
-        return f"{role}-9"
+    def switch_all(name: str, engines: list[str], role: Role, on_switched, **_kw) -> list:
+        for engine in engines:
+            asked.append(engine)
+            if len(asked) == 2:
+                raise KeyboardInterrupt
+            on_switched(engine, f"{role}-9")
+        return []
 
     async def interval(*_args) -> list:
         return [None, None]  # (two samples: what observe reads, replaced below)
@@ -556,7 +558,7 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
     obs = fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)])
     decision = _learned(30_000, 2_300).decide(obs)
     assert decision.engines == ("decode-0", "decode-1")
-    monkeypatch.setattr(planner_loop, "switch", switch)
+    monkeypatch.setattr(planner_loop, "switch_all", switch_all)
     monkeypatch.setattr(planner_loop, "_interval", interval)
     monkeypatch.setattr(planner_loop, "observe", lambda *_args: obs)
     monkeypatch.setattr(planner_loop, "generated_since", lambda *_args: None)
