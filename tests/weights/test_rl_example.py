@@ -15,7 +15,7 @@ from tests.weights.conftest import targets
 def test_reward_rises_and_rollouts_follow_pushes(fleet):
     procs, router = fleet
     torch.manual_seed(0)
-    args = parse_args(["--steps", "14", "--push-every", "2", "--seed", "0"])
+    args = parse_args(["--steps", "8", "--push-every", "2", "--seed", "0"])
     model = resolve_model("sim://tiny", "auto", None)
     with WeightSync(
         targets(procs), master_address="127.0.0.1", master_port=free_port(), router_url=router.url, timeout_secs=60
@@ -39,7 +39,7 @@ def test_the_asynchronous_loop_learns_with_rollouts_that_span_pushes(fleet):
 
     procs, router = fleet
     torch.manual_seed(0)
-    args = parse_args(["--steps", "16", "--push-every", "2", "--seed", "0", "--async-rollouts", "2"])
+    args = parse_args(["--steps", "12", "--push-every", "2", "--seed", "0", "--async-rollouts", "2"])
     args.max_new_tokens = 48  # long enough to be in flight across a push
     model = resolve_model("sim://tiny", "auto", None)
     with WeightSync(
