@@ -65,6 +65,7 @@ def _down(state: ClusterState, store: StateStore, nodes: NodeSet, purge: bool, e
             store.save(state)  # what was stopped is forgotten even when a node failed
         state.status = Phase.DOWN
         state.journal = None  # a day-2 step left half done has nothing left to finish
+        state.cordoned_ahead = None  # (nor engines a move cordoned ahead: they are stopped)
         store.save(state)
         summary = f"cluster {name!r} is down ({count} processes stopped{' and its planner' if planner else ''})"
     if purge:

@@ -119,10 +119,10 @@ class Journal:
             self.state.cordoned_ahead = {**ahead, "engines": rest} if rest else None
         self.store.save(self.state)
 
-    def cordon_ahead(self, engines: dict[str, str]) -> None:
-        """Record ``engines`` (id -> URL) as cordoned ahead of their own steps, and save the state
-        before they are cordoned."""
-        self.state.cordoned_ahead = {"command": self.command, "pid": os.getpid(), "engines": dict(engines)}
+    def cordon_ahead(self, engines: dict[str, str], command: str) -> None:
+        """Record ``engines`` (id -> URL) as cordoned ahead of their own steps by ``command``, and
+        save the state before they are cordoned."""
+        self.state.cordoned_ahead = {"command": command, "pid": os.getpid(), "engines": dict(engines)}
         self.store.save(self.state)
 
     def forget_ahead(self) -> None:

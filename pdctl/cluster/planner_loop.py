@@ -29,7 +29,7 @@ from pdctl.cluster.nodes import Events, quiet
 from pdctl.cluster.planner_record import KEEP_DECISIONS, append_decision, recent_decisions
 from pdctl.cluster.sampling import EngineSample, Sample, Sampler
 from pdctl.cluster.state import ClusterState, Phase, StateStore
-from pdctl.cluster.switch import switch_all, take_back_ahead
+from pdctl.cluster.switch import left_behind, switch_all, take_back_ahead
 from pdctl.cluster.watch import quantile
 from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
@@ -192,6 +192,8 @@ class PlannerLoop:
         self.generated: dict[tuple[str, int], float] = {}
         """The generation-token counter last seen of each engine process (URL, pid): what the
         fleet made between two observations, a switch's drain included (``generated_since``)."""
+        self.left_said = ""
+        """Why a switch left half done could not be settled, as last logged."""
         self.decoded: set[tuple[str, int]] = set()
         """(URL, pid) of the engines this planner saw running as decodes (``observe``); a planner
         restarted starts it again from the decodes it sees."""
@@ -219,11 +221,17 @@ class PlannerLoop:
                 if state.status != Phase.UP:  # (starting, or a day-2 command's status): decide when it is up
                     await asyncio.to_thread(self.stop.wait, self.config.interval_secs)
                     continue
-                if not recalled:  # what a planner of this run learned before a crash or a restart
-                    try:  # and the engines a move of its own, killed, left out of rotation ahead of their switch
+                if self.config.mode is PlannerMode.ACT and left_behind(state):  # a move (its own, killed) or a
+                    # switch left half done: settled first (advise changes nothing; status names it meanwhile)
+                    try:
                         await asyncio.to_thread(take_back_ahead, self.name, store=self.store, events=self.events)
-                    except LifecycleError as exc:
-                        log.warning("engines left cordoned by a move stay so for now: %s", exc)
+                    except LifecycleError as exc:  # (another command holds the cluster, say: the next interval tries)
+                        if str(exc) != self.left_said:  # (said once, not every interval)
+                            log.warning("a switch left half done stays so for now: %s", exc)
+                            self.left_said = str(exc)
+                    await asyncio.to_thread(self.stop.wait, self.config.interval_secs)
+                    continue
+                if not recalled:  # what a planner of this run learned before a crash or a restart
                     mine = [
                         e
                         for e in recent_decisions(self.store, self.name, KEEP_DECISIONS)

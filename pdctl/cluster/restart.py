@@ -217,17 +217,14 @@ def _unwind_replace(journal: Journal, router: RouterControl, entry_spec: LaunchS
 def lift_cordons_ahead(state: ClusterState, store: StateStore, router: RouterControl, events: Events) -> None:
     """Take back into rotation the engines a move of switches cordoned ahead and never switched
     (``state.cordoned_ahead``: the move was stopped, or killed), then forget them. One the router
-    no longer lists is left out (its step, in the journal, settles it)."""
+    no longer lists is left out (its step, in the journal, settles it); a router that does not
+    answer (or refuses) raises ``LifecycleError`` and the record stays."""
     ahead = state.cordoned_ahead
     if ahead is None:
         return
     for engine_id, url in ahead["engines"].items():
         events(engine_id, f"back in rotation: `pdctl {ahead['command']}` cordoned it ahead of a switch it never made")
-        try:
-            router.cordon(url, False)
-        except LifecycleError:
-            if router.worker(url) is not None:
-                raise
+        router.uncordon_listed(url)
     Journal(state, store, str(ahead["command"])).forget_ahead()
 
 
@@ -320,18 +317,27 @@ class RouterControl:
         keys = load_keys(store or StateStore(), state.name)
         return cls(state.router_url or "", keys.control if keys else router_client_key(state), keys)
 
-    def cordon(self, worker_url: str, on: bool, *, wait: bool = True) -> dict[str, Any]:
+    def cordon(self, worker_url: str, on: bool, *, wait: bool = True, reason: str = "pdctl restart") -> dict[str, Any]:
         """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises
         ``LifecycleError`` when the router does not do it. A cordon answers once the worker's
         requests have finished (``wait``; up to ``DRAIN_TIMEOUT_SECS``), or at once."""
         timeout = DRAIN_TIMEOUT_SECS if wait else 0
-        body = {"url": worker_url, "cordon": on, "reason": "pdctl restart", "timeout_secs": timeout}
+        body = {"url": worker_url, "cordon": on, "reason": reason, "timeout_secs": timeout}
         answer = self.client.post(self.url + CORDON_PATH, body)
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):
             raise LifecycleError(
                 f"the router at {self.url} did not {'cordon' if on else 'uncordon'} {worker_url}: {answer}"
             )
         return answer
+
+    def uncordon_listed(self, worker_url: str) -> None:
+        """Lift the worker's cordon; a worker the router does not list (404) is fine. Raises
+        ``LifecycleError`` on any other failure (no answer, refused): only the router saying the
+        worker is gone makes a cordon nothing to lift."""
+        body = {"url": worker_url, "cordon": False}
+        answer = self.client.post(self.url + CORDON_PATH, body)
+        if isinstance(answer, CallFailure) and answer.status != 404:
+            raise LifecycleError(f"the router at {self.url} did not uncordon {worker_url}: {answer}")
 
     def add(self, worker_url: str, role: Role, bootstrap_port: int | None) -> None:
         """Register the engine with the router in ``role`` (with the engine key, when the cluster has

@@ -397,13 +397,15 @@ def switch_all(
             raise LifecycleError(f"no cluster {name!r} in {store.root}")
         if state.status != Phase.UP:
             raise LifecycleError(f"cluster {name!r} is {state.status}; switch works on a cluster that is up")
+        if len(set(engine_ids)) != len(engine_ids):
+            raise LifecycleError(f"a move names an engine twice: {', '.join(engine_ids)}")
         for engine_id in engine_ids:
             _switchable(state, name, engine_id, role)
         with contextlib.ExitStack() as stack:
             if nodes is None:
                 nodes = stack.enter_context(NodeSet(state.node_objects().values()))
             router = RouterControl.of(state, store)
-            journal = Journal(state, store, command)
+            journal = Journal(state, store, "switch")  # (a step left: `pdctl switch` finishes it, by hand too)
             step = StepContext(state, store, nodes, router, journal, events, ready_timeout_secs)
             lift_cordons_ahead(state, store, router, events)  # a move killed half way
             left = entry_of(state)
@@ -411,7 +413,7 @@ def switch_all(
                 recover(state, store, nodes, router, events, ready_timeout_secs)  # another step left half done
             made: list[tuple[str, str]] = []
             try:
-                _cordon_ahead(state, router, journal, engine_ids[1:], events)
+                _cordon_ahead(state, router, journal, command, engine_ids[1:], events)
                 for engine_id in engine_ids:
                     new_engine, new_process = _switched(state, engine_id, role)
                     switch_engine(step, engine_id, new_engine, new_process)
@@ -426,15 +428,26 @@ def switch_all(
     return made
 
 
-def take_back_ahead(name: str, *, store: StateStore | None = None, events: Events = quiet) -> None:
-    """Take back into rotation the engines a move left cordoned ahead of its switches (killed
-    half way: ``state.cordoned_ahead``). Under the cluster's lock no move runs, so any such
-    record is stale. The planner calls it as it starts."""
+def left_behind(state: ClusterState) -> bool:
+    """Whether a switch (or a move's cordons ahead) was left half done in ``state``."""
+    entry = entry_of(state)
+    return state.cordoned_ahead is not None or (entry is not None and entry.kind is ChangeKind.SWITCH)
+
+
+def take_back_ahead(
+    name: str, *, store: StateStore | None = None, events: Events = quiet, ready_timeout_secs: float = BACK_TIMEOUT_SECS
+) -> None:
+    """Settle what a switch or a move killed half way left (``left_behind``): the engines it cordoned
+    ahead go back into rotation, and its journal step is finished or undone (``recover``). Under the
+    cluster's lock no other command runs (one that does makes this raise ``LifecycleError``: try
+    again later), so what is recorded is stale. The planner calls it while it finds one."""
     store = store or StateStore()
     with store.locked(name):
         state = store.load(name)
-        if state is not None and state.cordoned_ahead is not None and state.status == Phase.UP:
-            lift_cordons_ahead(state, store, RouterControl.of(state, store), events)
+        if state is None or state.status != Phase.UP or not left_behind(state):
+            return
+        with NodeSet(state.node_objects().values()) as nodes:
+            recover(state, store, nodes, RouterControl.of(state, store), events, ready_timeout_secs)
 
 
 def _switchable(state: ClusterState, name: str, engine_id: str, role: Role) -> None:
@@ -466,13 +479,13 @@ def _switched(state: ClusterState, engine_id: str, role: Role) -> tuple[EngineSp
 
 
 def _cordon_ahead(
-    state: ClusterState, router: RouterControl, journal: Journal, engine_ids: list[str], events: Events
+    state: ClusterState, router: RouterControl, journal: Journal, command: str, engine_ids: list[str], events: Events
 ) -> None:
-    """Cordon ``engine_ids`` without waiting for their drains, recorded first."""
-    urls = {e: state.processes[e].url for e in engine_ids if e in state.processes and state.processes[e].url}
+    """Cordon ``engine_ids`` without waiting for their drains, recorded first (as ``command``'s)."""
+    urls = {e: url for e in engine_ids if e in state.processes and (url := state.processes[e].url)}
     if not urls:
         return
-    journal.cordon_ahead({e: u for e, u in urls.items() if u})
+    journal.cordon_ahead(urls, command)
     for engine_id, url in urls.items():
         events(engine_id, "out of rotation ahead of its switch: its requests finish while the one before it switches")
-        router.cordon(url or "", True, wait=False)
+        router.cordon(url, True, wait=False, reason=f"pdctl {command}: ahead of its switch")

@@ -355,6 +355,11 @@ def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
     url = {p["id"]: p["url"] for p in st["processes"]}
     planner = [sys.executable, "-c", PLANNER_ACTS, name, "prefill"]
 
+    from pdctl.cluster.switch import switch_all
+    from pdctl.errors import LifecycleError
+
+    with pytest.raises(LifecycleError, match="names an engine twice"):
+        switch_all(name, ["decode-0", "decode-0"], "prefill", store=store)
     waiting = _kept_busy(name, env, st)  # decode-0 refuses: the move ends there, decode-1 never left
     try:
         refused = subprocess.run([*planner, "decode-0", "decode-1"], env=env, capture_output=True, text=True)

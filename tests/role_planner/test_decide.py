@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.role_planner.config import Objective, PlannerConfig, PlannerMode
-from pdctl.role_planner.decide import Action, EngineLoad, Observation, RolePlanner, SplitRecord
+from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner, SplitRecord
 from pdctl.roles import Role
 
 P, D = Role.PREFILL, Role.DECODE
@@ -585,3 +585,42 @@ def test_an_idle_interval_is_no_measure_of_its_split() -> None:
     busy = fleet(10, [(0, 300)], [(5, 100), (5, 100), (5, 100)])
     planner.decide(busy)
     assert planner.splits[(1, 3)].output_tokens_per_s == 300
+
+
+def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch) -> None:
+    """A move killed half way left an engine cordoned ahead: an act planner settles it before it
+    decides anything (pdctl.cluster.switch.take_back_ahead); an advise planner changes nothing and
+    decides on."""
+    from pdctl.cluster import planner_loop
+    from pdctl.cluster.state import ClusterState, Phase, StateStore
+
+    settled: list[str] = []
+    obs = fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)])
+
+    async def interval(*_args) -> list:
+        return [None, None]
+
+    monkeypatch.setattr(planner_loop, "take_back_ahead", lambda name, **_kw: settled.append(name))
+    monkeypatch.setattr(planner_loop, "_interval", interval)
+    monkeypatch.setattr(planner_loop, "observe", lambda *_args: obs)
+    monkeypatch.setattr(planner_loop, "generated_since", lambda *_args: None)
+    store = StateStore(tmp_path)
+    left = ClusterState("c", "run-1", Phase.UP, [])
+    left.cordoned_ahead = {"command": "planner", "pid": 1, "engines": {"decode-1": "http://127.0.0.1:9"}}
+    store.save(left)
+    advise = planner_loop.PlannerLoop("c", PlannerConfig(mode=PlannerMode.ADVISE), store)
+    advise.run(intervals=1)
+    assert settled == []
+    act = planner_loop.PlannerLoop("c", PlannerConfig(mode=PlannerMode.ACT, interval_secs=0.01), store)
+    monkeypatch.setattr(act.planner, "decide", lambda _obs: Decision(Action.STAY, "steady"))
+    calls = []
+
+    def once(name: str, **_kw) -> None:  # settled: the record goes, as recover's lift makes it go
+        calls.append(name)
+        state = store.load(name)
+        state.cordoned_ahead = None
+        store.save(state)
+
+    monkeypatch.setattr(planner_loop, "take_back_ahead", once)
+    act.run(intervals=1)
+    assert calls == ["c"]
