@@ -29,7 +29,7 @@ from pdctl.cluster.nodes import Events, quiet
 from pdctl.cluster.planner_record import KEEP_DECISIONS, append_decision, recent_decisions
 from pdctl.cluster.sampling import EngineSample, Sample, Sampler
 from pdctl.cluster.state import ClusterState, Phase, StateStore
-from pdctl.cluster.switch import left_behind, switch_all, take_back_ahead
+from pdctl.cluster.switch import left_behind, settle_half_done, switch_all
 from pdctl.cluster.watch import quantile
 from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
@@ -224,7 +224,7 @@ class PlannerLoop:
                 if self.config.mode is PlannerMode.ACT and left_behind(state):  # a move (its own, killed) or a
                     # switch left half done: settled first (advise changes nothing; status names it meanwhile)
                     try:
-                        await asyncio.to_thread(take_back_ahead, self.name, store=self.store, events=self.events)
+                        await asyncio.to_thread(settle_half_done, self.name, store=self.store, events=self.events)
                     except LifecycleError as exc:  # (another command holds the cluster, say: the next interval tries)
                         if str(exc) != self.left_said:  # (said once, not every interval)
                             log.warning("a switch left half done stays so for now: %s", exc)

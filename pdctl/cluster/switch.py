@@ -434,7 +434,7 @@ def left_behind(state: ClusterState) -> bool:
     return state.cordoned_ahead is not None or (entry is not None and entry.kind is ChangeKind.SWITCH)
 
 
-def take_back_ahead(
+def settle_half_done(
     name: str, *, store: StateStore | None = None, events: Events = quiet, ready_timeout_secs: float = BACK_TIMEOUT_SECS
 ) -> None:
     """Settle what a switch or a move killed half way left (``left_behind``): the engines it cordoned

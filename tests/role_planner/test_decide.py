@@ -589,7 +589,7 @@ def test_an_idle_interval_is_no_measure_of_its_split() -> None:
 
 def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch) -> None:
     """A move killed half way left an engine cordoned ahead: an act planner settles it before it
-    decides anything (pdctl.cluster.switch.take_back_ahead); an advise planner changes nothing and
+    decides anything (pdctl.cluster.switch.settle_half_done); an advise planner changes nothing and
     decides on."""
     from pdctl.cluster import planner_loop
     from pdctl.cluster.state import ClusterState, Phase, StateStore
@@ -600,7 +600,7 @@ def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch
     async def interval(*_args) -> list:
         return [None, None]
 
-    monkeypatch.setattr(planner_loop, "take_back_ahead", lambda name, **_kw: settled.append(name))
+    monkeypatch.setattr(planner_loop, "settle_half_done", lambda name, **_kw: settled.append(name))
     monkeypatch.setattr(planner_loop, "_interval", interval)
     monkeypatch.setattr(planner_loop, "observe", lambda *_args: obs)
     monkeypatch.setattr(planner_loop, "generated_since", lambda *_args: None)
@@ -621,6 +621,6 @@ def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch
         state.cordoned_ahead = None
         store.save(state)
 
-    monkeypatch.setattr(planner_loop, "take_back_ahead", once)
+    monkeypatch.setattr(planner_loop, "settle_half_done", once)
     act.run(intervals=1)
     assert calls == ["c"]
