@@ -24,7 +24,7 @@ from tests.helpers import eventually, free_port_base
 
 FAKE_MPS = Path(__file__).resolve().parents[1] / "fake_mps"
 PATH = f"{FAKE_MPS}:{os.environ['PATH']}"
-SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
 def calls(log_dir: str | Path) -> list[dict]:
