@@ -8,9 +8,11 @@ import itertools
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 import urllib.error
@@ -238,6 +240,87 @@ def _tail(log: Path | None) -> str:
     return log.read_text()[-3000:] if log and log.exists() else ""
 
 
+class _SimForkServer:
+    """This test process's tests/sim_forkserver.py (started at first use, one per process): it
+    forks sim engines with torch already imported. ``PDCTL_TEST_SIM_EXEC=1`` turns it off (every
+    engine exec'd as ``python -m pdctl.sim``)."""
+
+    _lock = threading.Lock()
+    _server: subprocess.Popen | None = None
+    _path = ""
+
+    @classmethod
+    def connect(cls) -> socket.socket:
+        with cls._lock:
+            if cls._server is None or cls._server.poll() is not None:
+                import tempfile
+
+                cls._path = os.path.join(tempfile.mkdtemp(prefix="pdctl-forkserver-"), "sock")
+                ready = os.pipe()
+                cls._server = subprocess.Popen(
+                    [sys.executable, "-c", _FORKSERVER_MAIN, cls._path, str(ready[1])],
+                    stdin=subprocess.PIPE,
+                    cwd=Path(__file__).resolve().parent.parent,
+                    pass_fds=(ready[1],),
+                    start_new_session=True,
+                )
+                os.close(ready[1])
+                with os.fdopen(ready[0], "rb") as r:
+                    if r.read(1) != b"1":  # written once it listens; EOF if it died first
+                        raise RuntimeError(f"the sim fork server exited with {cls._server.wait()}")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(cls._path)
+            return sock
+
+
+_FORKSERVER_MAIN = "import sys; from tests.sim_forkserver import serve; serve(sys.argv[1], int(sys.argv[2]))"
+
+
+class ForkedProcess:
+    """A sim engine forked by the fork server, with the parts of ``subprocess.Popen`` the tests
+    use (pid, poll, wait, returncode, send_signal, terminate, kill): its exit code comes over the
+    connection once the server has reaped it."""
+
+    def __init__(self, argv: list[str], *, log: Path, env: dict, cwd: str | None = None):
+        self.args = argv
+        self.returncode: int | None = None
+        self._conn = _SimForkServer.connect()
+        request = {"args": argv[3:], "env": env, "cwd": cwd or os.getcwd(), "log": str(log)}
+        self._conn.sendall(json.dumps(request).encode() + b"\n")
+        self._lines = self._conn.makefile("rb")
+        self.pid: int = json.loads(self._lines.readline())["pid"]
+
+    def _read_exit(self, timeout: float | None) -> None:
+        import select
+
+        if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
+            line = self._lines.readline()
+            self.returncode = json.loads(line)["returncode"] if line else -9  # (server gone: taken as killed)
+            self._lines.close()
+            self._conn.close()
+
+    def poll(self) -> int | None:
+        self._read_exit(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read_exit(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class SimProcess:
     """A real ``python -m pdctl.sim`` process on 127.0.0.1: on port 0 (the port it got is read
     from the port file it writes) unless ``port`` is given; a multi-node sim's ranks use free ports."""
@@ -254,7 +337,7 @@ class SimProcess:
         self.log = tmp / f"{name}-{serial}.log"
         self.port_file = tmp / f"{name}-{serial}.ports"
         self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     @property
     def url(self) -> str:
@@ -267,9 +350,12 @@ class SimProcess:
             argv += ["--model-path", "sim://tiny"]
         if self.port == 0:
             argv += ["--sim-port-file", str(self.port_file)]
-        self.proc = subprocess.Popen(
-            argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
+        if os.environ.get("PDCTL_TEST_SIM_EXEC") == "1":
+            self.proc = subprocess.Popen(
+                argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        else:
+            self.proc = ForkedProcess(argv, log=self.log, env=self.env)
         if self.port == 0:
             self._learn_ports()
         self._ready(f"{self.url}/health")
