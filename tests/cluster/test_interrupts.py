@@ -5,9 +5,12 @@ command when its line appears (day 2 under fire: an interrupted command strands 
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -106,6 +109,39 @@ def test_the_three_stop_signals_reach_one_handler() -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+class _StreamInUse(io.StringIO):
+    """sys.stderr as a signal finds it while the command writes a progress line: any write from
+    the handler is a reentrant one (what the real stream raised: "reentrant call inside
+    <_io.BufferedWriter name='<stderr>'>")."""
+
+    def write(self, text: str) -> int:
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+
+def test_a_held_back_signal_writes_nothing_through_pythons_streams(monkeypatch, capfd) -> None:
+    """The handler that holds a signal back says so with one raw write to fd 2: it touches neither
+    sys.stderr nor logging, which the signal may have interrupted mid-write (two full-suite
+    failures of the Ctrl-C tests above were "internal error: RuntimeError: reentrant call", from a
+    handler that logged)."""
+    from pdctl.cluster.journal import HELD_BACK, interrupts_deferred
+
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler()
+    catch.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger().addHandler(catch)
+    monkeypatch.setattr(sys, "stderr", _StreamInUse())
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # (said once)
+    finally:
+        signal.signal(signal.SIGINT, saved)
+        logging.getLogger().removeHandler(catch)
+    assert records == [] and capfd.readouterr().err == HELD_BACK.decode()
 
 
 def _strays(env: dict, name: str, st: dict) -> list[str]:
