@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -520,9 +522,27 @@ def test_a_move_at_8_engines_is_at_most_a_quarter_of_the_fleet() -> None:
     obs = fleet(0, [(28, 29_000)], [(0, 47)] * 7)
     decision = _learned(30_000, 2_300).decide(obs)
     assert decision.to_role is P and len(decision.engines) == 2 and decision.figures["balanced_prefills"] == 7
-    long_answers = fleet(0, [(0, 230)] * 7, [(16, 2_054)])
-    decision = _learned(30_000, 2_300).decide(long_answers)
+    # back to decode, prefills never seen as decodes (a capture each): two move
+    cold = fleet(0, [(0, 230)] * 7, [(16, 2_054)])
+    cold = Observation(0, tuple(replace(e, captured=e.role is D) for e in cold.engines))
+    decision = _learned(30_000, 2_300).decide(cold)
     assert decision.to_role is D and len(decision.engines) == 2, decision
+
+
+def test_prefills_that_were_decodes_go_back_past_the_move_bound_in_one_decision() -> None:
+    """The 8-engine 30 s trace turned at 7:1 after three decodes had moved to prefill in two
+    decisions; back, the bound let two go, and the next decision had to take a never-captured
+    prefill through a 12 s capture. Captured prefills may all go at once (as far as the balance,
+    here 1:7, and the donor's minimum allow); the cold ones stay within the bound."""
+    obs = fleet(0, [(0, 230)] * 7, [(16, 2_054)])
+    warm = {"prefill-4", "prefill-5", "prefill-6"}  # the former decodes
+    obs = Observation(0, tuple(replace(e, captured=e.role is D or e.id in warm) for e in obs.engines))
+    decision = _learned(30_000, 2_300).decide(obs)
+    assert decision.to_role is D and set(decision.engines) == warm, decision
+    assert decision.figures["balanced_prefills"] == 1
+    # a prefill burst is still bounded: two decodes to prefill, however many captured prefills there are
+    burst = _learned(30_000, 2_300).decide(fleet(0, [(28, 29_000)], [(0, 47)] * 7))
+    assert burst.to_role is P and len(burst.engines) == 2
 
 
 def test_a_move_of_several_stops_short_of_a_split_it_measured_as_no_better() -> None:
