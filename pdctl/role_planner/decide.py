@@ -29,6 +29,13 @@ unless:
   does not go back to a split it has tried, which is what stops it flapping between two splits
   that each leave one role the bottleneck.
 
+One case waits for neither ``sustain`` nor the cooldown: **the workload turned against the last
+move**. The role the last move took engines from is the bottleneck and overrun: its engines each
+queue a whole batch (``max_running_requests``) or more while the other role queues nothing. A
+short phase ends that way (the 8-engine 30 s trace moved a decode to prefill 2.4 s before its
+prompts turned short and its answers long, and then waited two intervals and the cooldown with 48
+requests queued at its one decode); no noise queues a whole batch per engine on one side only.
+
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
 router, with the prompt tokens it will prefill and the requests it will send) lets it set the
 split for the burst before it comes, without waiting ``sustain`` intervals. It counts the output
@@ -173,6 +180,8 @@ class RoleLoad:
     """Running requests per engine (the interval's mean)."""
     slot_use: float | None = None
     """Running requests over slots, across the role's engines that say their slots."""
+    slots: float | None = None
+    """Slots per engine (``max_running_requests``), the mean over the role's engines that say them."""
 
     @property
     def waits_for_kv(self) -> bool:
@@ -259,6 +268,8 @@ class RolePlanner:
         self.capacity: dict[Role, float] = {}
         self.streak: tuple[Role | None, int] = (None, 0)
         self.last_switch_at: float | None = None
+        self.last_switch_to: Role | None = None
+        """The role the last switch moved engines to (None: none seen)."""
         self.splits: dict[tuple[int, int], SplitRecord] = {}
         self.steps_seen: float | None = None
         self.step_size: tuple[float, str] = (0.0, "")
@@ -300,10 +311,12 @@ class RolePlanner:
             if str(entry.get("outcome") or "").startswith("switched"):
                 with contextlib.suppress(TypeError, ValueError):
                     self.last_switch_at = now - max(0.0, now_wall - float(entry["at"]))
+                    self.last_switch_to = Role(entry["to_role"])
 
-    def switched(self, at: float) -> None:
-        """A switch was made at ``at`` (the loop tells it once the switch is done)."""
+    def switched(self, at: float, to_role: Role | None = None) -> None:
+        """A switch to ``to_role`` was made at ``at`` (the loop tells it once the switch is done)."""
         self.last_switch_at = at
+        self.last_switch_to = to_role
         self.streak = (None, 0)
 
     def decide(self, obs: Observation) -> Decision:
@@ -335,9 +348,12 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
-        if count < self.config.sustain:
+        turned = self._turned(short, loads)
+        if turned:
+            why = f"{why}; {turned}"
+        elif count < self.config.sustain:
             return Decision(Action.STAY, f"{why} ({count} of {self.config.sustain} intervals)", figures=figures)
-        if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
+        elif self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
             left = self.config.cooldown_secs - (obs.at - self.last_switch_at)
             why = f"{why}; cooling down after the last switch ({left:.0f} s left)"
             return Decision(Action.STAY, why, figures=figures)
@@ -608,6 +624,20 @@ class RolePlanner:
             return Role.DECODE, f"ITL {itl:.0f} ms misses its {c.itl_ms:.0f} ms target (TTFT {ttft:.0f} ms)"
         return None, f"TTFT {ttft:.0f} ms and ITL {itl:.0f} ms meet their targets"
 
+    def _turned(self, short: Role, loads: Mapping[Role, RoleLoad]) -> str | None:
+        """Why the workload turned against the last move, or None: ``short`` (the bottleneck) is the
+        role it took engines from, and its engines each queue a whole batch or more (their slots);
+        ``_bottleneck`` has found the other role's queue empty."""
+        load = loads[short]
+        if self.last_switch_to is None or self.last_switch_to is short or not load.slots:
+            return None
+        if load.waiting < load.slots:
+            return None
+        return (
+            f"the workload turned against the last move (to {self.last_switch_to}): {load.waiting:.0f} waiting "
+            f"per {short}, a whole batch of {load.slots:.0f} or more, so no sustain and no cooldown"
+        )
+
     def _donor_refuses(self, donor: Role, load: RoleLoad, obs: Observation) -> str | None:
         if self.config.objective is Objective.LATENCY:
             c = self.config
@@ -672,14 +702,15 @@ def _role_load(obs: Observation, role: Role) -> RoleLoad:
     if not n:
         return RoleLoad(role, 0, 0.0, 0.0)
     sized = [e for e in mine if e.slots]
-    slot_use = sum(e.running for e in sized) / sum(e.slots or 0 for e in sized) if sized else None
+    slots = sum(e.slots or 0 for e in sized)
     return RoleLoad(
         role,
         n,
         sum(e.waiting for e in mine) / n,
         sum(e.tokens_per_s for e in mine) / n,
         sum(e.running for e in mine) / n,
-        slot_use,
+        sum(e.running for e in sized) / slots if sized else None,
+        slots / len(sized) if sized else None,
     )
 
 

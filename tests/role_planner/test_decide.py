@@ -14,10 +14,17 @@ from pdctl.roles import Role
 P, D = Role.PREFILL, Role.DECODE
 
 
-def fleet(at: float, prefills: list[tuple[float, float]], decodes: list[tuple[float, float]], **kw) -> Observation:
-    """Engines as (waiting, tokens/s), prefills then decodes, every one switchable and healthy."""
-    engines = [EngineLoad(f"prefill-{i}", P, True, True, w, 1, t) for i, (w, t) in enumerate(prefills)]
-    engines += [EngineLoad(f"decode-{i}", D, True, True, w, 8, t) for i, (w, t) in enumerate(decodes)]
+def fleet(
+    at: float,
+    prefills: list[tuple[float, float]],
+    decodes: list[tuple[float, float]],
+    slots: float | None = None,
+    **kw,
+) -> Observation:
+    """Engines as (waiting, tokens/s), prefills then decodes, every one switchable and healthy,
+    each running 1 (a prefill) or 8 (a decode) of ``slots`` (None: not said)."""
+    engines = [EngineLoad(f"prefill-{i}", P, True, True, w, 1, t, slots) for i, (w, t) in enumerate(prefills)]
+    engines += [EngineLoad(f"decode-{i}", D, True, True, w, 8, t, slots) for i, (w, t) in enumerate(decodes)]
     return Observation(at, tuple(engines), **kw)
 
 
@@ -103,7 +110,7 @@ def test_the_latency_objective_moves_toward_the_missed_target() -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.floats(0, 20), st.floats(0, 20), st.floats(1, 5000), st.floats(1, 5000), st.integers(0, 2)),
+        st.tuples(st.floats(0, 40), st.floats(0, 40), st.floats(1, 5000), st.floats(1, 5000), st.integers(0, 2)),
         min_size=1,
         max_size=30,
     ),
@@ -114,25 +121,65 @@ def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
     steps: list[tuple[float, float, float, float, int]], min_prefill: int, min_decode: int
 ) -> None:
     """Whatever the loads: a switch never leaves a role under its minimum, never comes within a
-    cooldown of the last, never during a hold, and always moves an engine of the other role."""
+    cooldown of the last unless it reverses it with a whole batch (16) queued per engine at the
+    role the last took from and none at the other, never during a hold, and always moves an engine
+    of the other role."""
     config = PlannerConfig(min_prefill=min_prefill, min_decode=min_decode, sustain=1, cooldown_secs=25)
     planner = RolePlanner(config)
     split = [3, 3]
-    last = None
+    last: tuple[float, Role] | None = None
     for i, (wp, wd, tp, td, held) in enumerate(steps):
         at = i * 10.0
-        obs = fleet(at, [(wp, tp)] * split[0], [(wd, td)] * split[1], held="a hold" if held == 2 else None)
+        obs = fleet(at, [(wp, tp)] * split[0], [(wd, td)] * split[1], 16, held="a hold" if held == 2 else None)
         decision = planner.decide(obs)
         if decision.action is not Action.SWITCH:
             continue
         assert held != 2
-        assert last is None or at - last >= 25
+        if last is not None and at - last[0] < 25:
+            mine, theirs = (wp, wd) if decision.to_role is P else (wd, wp)
+            assert last[1] is not decision.to_role and mine >= 16 and theirs < 0.5, decision
+            assert "turned against the last move" in decision.reason
         donor = D if decision.to_role is P else P
         assert decision.engine is not None and decision.engine.startswith(donor.value)
-        split = [split[0] + 1, split[1] - 1] if decision.to_role is P else [split[0] - 1, split[1] + 1]
+        moved = len(decision.engines) if decision.to_role is P else -len(decision.engines)
+        split = [split[0] + moved, split[1] - moved]
         assert split[0] >= min_prefill and split[1] >= min_decode
-        planner.switched(at)
-        last = at
+        assert decision.to_role is not None
+        planner.switched(at, decision.to_role)
+        last = (at, decision.to_role)
+
+
+def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once() -> None:
+    """The 8-engine 30 s trace: a decode moved to prefill (6:2 -> 7:1) 2.4 s before the prompts
+    turned short and the answers long; its one decode then queued 48 (three batches of 16) with
+    nothing at the prefills, and the planner waited a second interval and its cooldown. Such a
+    turn moves back at the first interval, cooldown or not; a smaller queue, or one at the role the
+    last move went to, waits as before."""
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    turned = planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16))
+    assert turned.action is Action.SWITCH and turned.to_role is D, turned
+    assert "turned against the last move (to prefill): 48 waiting per decode" in turned.reason
+    # a queue under a batch per decode: the streak and the cooldown as before
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    assert "1 of 2" in planner.decide(fleet(12, [(0, 1_000)] * 7, [(12, 1_500)], 16)).reason
+    assert "cooling down" in planner.decide(fleet(14, [(0, 1_000)] * 7, [(12, 1_500)], 16)).reason
+    # the same queue where the last move went (decode short after a move to decode): no turn
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, D)
+    assert "1 of 2" in planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+    # nor with a queue at the other role too (no bottleneck), nor with no slots said
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    assert planner.decide(fleet(12, [(3, 1_000)] * 7, [(48, 1_500)], 16)).action is Action.STAY
+    assert "1 of 2" in planner.decide(fleet(14, [(0, 1_000)] * 7, [(48, 1_500)])).reason
+    # a restarted planner recalls the last move's direction from its record
+    recalled = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    figures = {r.value: {"engines": 4, "waiting_per_engine": 0, "tokens_per_s_per_engine": 1} for r in (P, D)}
+    entry = {"action": "switch", "to_role": "prefill", "outcome": "switched: decode-3 is prefill-6", "at": 100.0}
+    recalled.recall([{**entry, "figures": figures}], now_wall=102.0, now=12.0)
+    assert recalled.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).to_role is D
 
 
 def test_a_decode_whose_room_waits_for_prefills_is_not_the_bottleneck() -> None:
