@@ -267,7 +267,9 @@ def planner_beside(mode: str, work: Path, env: dict) -> Iterator[None]:
         try:
             yield
         finally:
-            planner.send_signal(signal.SIGINT)
+            # SIGTERM stops it as Ctrl-C does; a SIGINT is ignored by a planner this benchmark started
+            # while itself run in the background (`cmd &`: a shell without job control ignores it)
+            planner.send_signal(signal.SIGTERM)
             planner.wait(timeout=300)
 
 

@@ -16,9 +16,19 @@ INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def interrupt_on_every_stop_signal() -> None:
     """SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does: a command then stops the same
     way whichever it got (what it deferred runs whole, what it started is recorded or undone), not
-    killed on the spot with a process it spawned unknown to the state. Main thread only."""
+    killed on the spot with a process it spawned unknown to the state. A signal the command was
+    started with ignored stays ignored, as Python leaves an ignored SIGINT: ``nohup`` ignores SIGHUP
+    so that a closed terminal does not stop the command (taking it over stopped `nohup pdctl
+    planner` when its terminal closed). Main thread only."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler)
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The ``INTERRUPTS`` this process does not ignore (a command started by ``nohup`` ignores
+    SIGHUP; one started in the background by a shell without job control, SIGINT)."""
+    return tuple(sig for sig in INTERRUPTS if signal.getsignal(sig) is not signal.SIG_IGN)
 
 
 def exit_interrupted() -> NoReturn:

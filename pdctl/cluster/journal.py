@@ -26,7 +26,7 @@ from typing import Any
 
 from pdctl.choices import Choice
 from pdctl.cluster.state import ClusterState, StateStore
-from pdctl.signals import INTERRUPTS
+from pdctl.signals import stop_signals
 
 
 class ChangeKind(Choice):
@@ -165,7 +165,7 @@ def interrupts_deferred() -> Iterator[None]:
                 os.write(2, HELD_BACK)
         caught.append(signum)
 
-    previous = {sig: signal.signal(sig, hold) for sig in INTERRUPTS}
+    previous = {sig: signal.signal(sig, hold) for sig in stop_signals()}  # (an ignored one stays ignored)
     try:
         yield
     finally:

@@ -111,6 +111,32 @@ def test_the_three_stop_signals_reach_one_handler() -> None:
             signal.signal(sig, handler)
 
 
+def test_a_signal_the_command_was_started_with_ignored_stays_ignored() -> None:
+    """`nohup pdctl planner ...` ignores SIGHUP and a shell's `cmd &` without job control ignores
+    SIGINT: pdctl takes over neither (a closed terminal stopped a nohup'ed planner; a benchmark's
+    SIGINT to a planner it started in the background was never seen), in a deferred block neither;
+    SIGTERM still stops it."""
+    from pdctl.cluster.journal import interrupts_deferred
+    from pdctl.signals import INTERRUPTS, interrupt_on_every_stop_signal
+
+    saved = {sig: signal.getsignal(sig) for sig in INTERRUPTS}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        interrupt_on_every_stop_signal()
+        assert signal.getsignal(signal.SIGHUP) is signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGHUP)
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 class _StreamInUse(io.StringIO):
     """sys.stderr as a signal finds it while the command writes a progress line: any write from
     the handler is a reentrant one (what the real stream raised: "reentrant call inside
