@@ -344,7 +344,8 @@ def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
     drains (their drains overlap: one after the other, each decode's wait for its KV took 12-19 s at
     8 engines). Refused at the first, the second serves on at once. kill -9 of the planner while
     the first drains: status names both (the journal's step, the one drained ahead), and the
-    planner, started again, takes the one ahead back and makes the move."""
+    planner, started again, takes the one ahead back and makes the move. Ctrl-C there instead:
+    the one ahead is back at once and nothing is left."""
     from pdctl.cluster.state import StateStore
 
     env, name, _ = cluster
@@ -369,6 +370,23 @@ def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
     finally:
         waiting.close()
     eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation after the refusal")
+
+    # Ctrl-C while the first drains, decode-1 out ahead: the move stops there, decode-1 is back in
+    # rotation at once and forgotten, decode-2 serves on as a decode, nothing is left for the next command.
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(6) as pool:  # (round robin: two on each decode, 6 s each)
+        long = [pool.submit(post, router + "/generate", body, timeout=120) for _ in range(6)]
+        eventually(lambda: _running(url["decode-2"], name, env), 60, interval=0.02, what="decode-2 busy")
+        move = [*planner, "decode-2", "decode-1"]
+        code, out = interrupted(at="decode-2: switching to prefill", env=env, command=move)
+        assert (code, out.splitlines()[-1]) == (0, "planner stopped") and "Traceback" not in out, out
+        assert "decode-1: back in rotation" in out, out
+        assert _cordoned(router, name, env) == set() and store.load(name).cordoned_ahead is None
+        assert all(f.result()[0] == 200 for f in long)
+    code, st = settle(env, name)
+    assert code == 0 and {"decode-1", "decode-2"} <= {e["id"] for e in st["engines"]}, json.dumps(st)
+    roles = _roles(router, name, env)
+    assert roles[url["decode-1"]] == roles[url["decode-2"]] == "decode"
 
     # decode-2 first (it becomes prefill-1, decode-1 prefill-2): one switch back gives the fixture's ids
     body = {"text": "long", "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
