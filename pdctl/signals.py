@@ -18,8 +18,8 @@ def interrupt_on_every_stop_signal() -> None:
     way whichever it got (what it deferred runs whole, what it started is recorded or undone), not
     killed on the spot with a process it spawned unknown to the state. A signal the command was
     started with ignored stays ignored, as Python leaves an ignored SIGINT: ``nohup`` ignores SIGHUP
-    so that a closed terminal does not stop the command (taking it over stopped `nohup pdctl
-    planner` when its terminal closed). Main thread only."""
+    so that a closed terminal does not stop the command (taking it over would stop `nohup pdctl
+    planner` when its terminal closes). Main thread only."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, signal.default_int_handler)

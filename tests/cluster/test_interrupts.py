@@ -113,7 +113,7 @@ def test_the_three_stop_signals_reach_one_handler() -> None:
 
 def test_a_signal_the_command_was_started_with_ignored_stays_ignored() -> None:
     """`nohup pdctl planner ...` ignores SIGHUP and a shell's `cmd &` without job control ignores
-    SIGINT: pdctl takes over neither (a closed terminal stopped a nohup'ed planner; a benchmark's
+    SIGINT: pdctl takes over neither (a closed terminal would stop a nohup'ed planner; a benchmark's
     SIGINT to a planner it started in the background was never seen), in a deferred block neither;
     SIGTERM still stops it."""
     from pdctl.cluster.journal import interrupts_deferred
