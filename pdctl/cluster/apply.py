@@ -36,6 +36,7 @@ from pdctl.cluster.restart import (
     RouterControl,
     drop_unit,
     engine_role,
+    lift_cordons_ahead,
     recover,
     relaunch,
     replace_engine,
@@ -316,10 +317,34 @@ def _apply(
     router = RouterControl.of(state, store)
     journal = Journal(state, store, "apply")
     recover(state, store, nodes, router, events, ready_timeout)
+    old_engines = state.plan.engine_map()
+    _check_switches(state, store, changes, {e.id: e for e in plan.engines}, old_engines)
+    # Engines that switch after the first are cordoned ahead as it begins, so that their drains
+    # overlap (as in a move of `pdctl switch` or the planner: pdctl.cluster.switch.switch_all).
+    ahead = [c.was for c in changes.changes if c.kind is ChangeKind.SWITCH and c.was][1:]
+    step = StepContext(state, store, nodes, router, journal, events, ready_timeout)
+    try:
+        _changes(step, plan, changes, old_engines, ahead)
+    except BaseException:  # refused, or stopped: the engines cordoned ahead serve on as they were
+        with interrupts_deferred(), contextlib.suppress(LifecycleError):
+            lift_cordons_ahead(state, store, router, events)
+        raise
+    changed = {c.unit for c in changes.changes}
+    state.plan = replace(plan, processes=_running_specs(state, plan, changed))
+    state.declared = declared_of(top)
+    store.save(state)
+
+
+def _changes(
+    step: StepContext, plan: Plan, changes: ApplyPlan, old_engines: Mapping[str, EngineSpec], ahead: list[str]
+) -> None:
+    """Make ``changes`` in their order (adds, replacements, switches, removals) toward ``plan``
+    (``old_engines``: the running ones before); as the first switch begins, the engines of the
+    others (``ahead``) are cordoned ahead."""
+    state, store, nodes, router, journal = step.state, step.store, step.nodes, step.router, step.journal
+    events, ready_timeout = step.events, step.ready_timeout
     specs = {s.id: s for s in plan.processes}
     engines = {e.id: e for e in plan.engines}
-    old_engines = state.plan.engine_map()
-    _check_switches(state, store, changes, engines, old_engines)
     for change in changes.changes:
         unit_specs = unclaimed_logs(state, [specs[p] for p in change.processes if p in specs])
         if change.kind is ChangeKind.ADD:
@@ -337,7 +362,8 @@ def _apply(
                 pid = switch.serving_pid(state, nodes, change.was)
                 args = {flag: (mine, theirs) for flag, (mine, theirs) in change.keeps.items()}
                 spec = replace(spec, kept_args=KeptArgs(pid=pid, args=MappingProxyType(args)))
-            step = StepContext(state, store, nodes, router, journal, events, ready_timeout)
+            switch.cordon_ahead(state, router, journal, "apply", ahead, events)
+            ahead = []  # (the first switch's only)
             switch.switch_engine(step, change.was, engines[change.unit], spec)
             continue  # the switch wrote the state's plan
         else:
@@ -347,10 +373,6 @@ def _apply(
             journal.end()
         else:
             store.save(state)
-    changed = {c.unit for c in changes.changes}
-    state.plan = replace(plan, processes=_running_specs(state, plan, changed))
-    state.declared = declared_of(top)
-    store.save(state)
 
 
 def _check_switches(

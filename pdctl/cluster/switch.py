@@ -413,7 +413,7 @@ def switch_all(
                 recover(state, store, nodes, router, events, ready_timeout_secs)  # another step left half done
             made: list[tuple[str, str]] = []
             try:
-                _cordon_ahead(state, router, journal, command, engine_ids[1:], events)
+                cordon_ahead(state, router, journal, command, engine_ids[1:], events)
                 for engine_id in engine_ids:
                     new_engine, new_process = _switched(state, engine_id, role)
                     switch_engine(step, engine_id, new_engine, new_process)
@@ -478,7 +478,7 @@ def _switched(state: ClusterState, engine_id: str, role: Role) -> tuple[EngineSp
     return new_engine, new_process
 
 
-def _cordon_ahead(
+def cordon_ahead(
     state: ClusterState, router: RouterControl, journal: Journal, command: str, engine_ids: list[str], events: Events
 ) -> None:
     """Cordon ``engine_ids`` without waiting for their drains, recorded first (as ``command``'s)."""

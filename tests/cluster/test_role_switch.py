@@ -345,10 +345,11 @@ def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
     8 engines). Refused at the first, the second serves on at once. kill -9 of the planner while
     the first drains: status names both (the journal's step, the one drained ahead), and the
     planner, started again, takes the one ahead back and makes the move. Ctrl-C there instead:
-    the one ahead is back at once and nothing is left."""
+    the one ahead is back at once and nothing is left. An apply of two switches cordons the second
+    ahead too."""
     from pdctl.cluster.state import StateStore
 
-    env, name, _ = cluster
+    env, name, topo = cluster
     store = StateStore(Path(env["PDCTL_HOME"]))
     assert pdctl("switch", name, "prefill-1", "decode", env=env).returncode == 0  # three decodes: room for a move
     st = _status(env)
@@ -420,6 +421,21 @@ def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
     roles = _roles(router, name, env)
     assert roles[url["decode-1"]] == roles[url["decode-2"]] == "prefill" and store.load(name).cordoned_ahead is None
     eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation after the move")
+
+    # apply's own switches drain side by side too: 3:1 -> 1:3 switches two, the second cordoned ahead
+    pids = _pids(_status(env))
+    there = pdctl("apply", _split(topo, 1, 3), env=env)
+    said = " ".join(there.stderr.split())  # (its progress)
+    assert there.returncode == 0 and "out of rotation ahead of its switch" in said, there.stdout + said
+    roles = _roles(router, name, env)
+    assert roles[url["decode-1"]] == roles[url["decode-2"]] == "decode" and store.load(name).cordoned_ahead is None
+    assert _pids(_status(env)) == pids, "an engine process was restarted"
+    again = pdctl("apply", _split(topo, 3, 1), env=env)  # decode-1, decode-2 back to prefill-1, prefill-2
+    said = " ".join(again.stderr.split())
+    assert again.returncode == 0 and "out of rotation ahead of its switch" in said, said
+    roles = _roles(router, name, env)
+    assert roles[url["decode-1"]] == roles[url["decode-2"]] == "prefill" and _pids(_status(env)) == pids
+    eventually(lambda: _in_rotation(router, name, env, 4), 60, what="every engine in rotation after the applies")
     back = pdctl("switch", name, "prefill-2", "decode", env=env)  # the fixture's split and ids again
     assert back.returncode == 0 and "prefill-2 is decode decode-1" in back.stdout, back.stdout + back.stderr
     eventually(lambda: _status(env)["ok"], 60, what="status ok")
