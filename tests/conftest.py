@@ -11,12 +11,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = sorted((REPO / "topologies").glob("*.yaml"))
 
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    # A suite started as a background job (`scripts/test.sh &`) inherits SIGINT ignored, and so
-    # would every pdctl process it starts (Python leaves an ignored SIGINT ignored): the tests that
-    # Ctrl-C a command, or stop `pdctl planner`, would find it deaf. A handler, unlike SIG_IGN, is
-    # reset to the default in the processes the tests start.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+for _sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    if signal.getsignal(_sig) is signal.SIG_IGN:
+        # A suite started as a background job (`scripts/test.sh &`) inherits SIGINT ignored, one
+        # under nohup SIGHUP, and so would every pdctl process it starts (pdctl, as Python, leaves
+        # an ignored stop signal ignored): the tests that Ctrl-C, hang up or kill a command would
+        # find it deaf. A handler, unlike SIG_IGN, is reset to the default in the processes the
+        # tests start.
+        signal.signal(_sig, signal.default_int_handler)
 
 
 def yaml_text(text: str) -> str:

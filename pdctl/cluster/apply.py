@@ -320,8 +320,11 @@ def _apply(
     old_engines = state.plan.engine_map()
     _check_switches(state, store, changes, {e.id: e for e in plan.engines}, old_engines)
     # Engines that switch after the first are cordoned ahead as it begins, so that their drains
-    # overlap (as in a move of `pdctl switch` or the planner: pdctl.cluster.switch.switch_all).
-    ahead = [c.was for c in changes.changes if c.kind is ChangeKind.SWITCH and c.was][1:]
+    # overlap (as in a move of `pdctl switch` or the planner: pdctl.cluster.switch.switch_all); only
+    # in a move one way: switches both ways (a swap) go one at a time, as _check_switches counts
+    # each role between them, and one cordoned ahead would leave its role without it meanwhile.
+    switches = [c for c in changes.changes if c.kind is ChangeKind.SWITCH and c.was]
+    ahead = [c.was for c in switches[1:] if c.was] if len({c.to_role for c in switches}) == 1 else []
     step = StepContext(state, store, nodes, router, journal, events, ready_timeout)
     try:
         _changes(step, plan, changes, old_engines, ahead)

@@ -290,7 +290,7 @@ class PlannerLoop:
             return "switched", f"switched: {', '.join(done)}; then not: {exc}"
         finally:
             if done:  # (a Ctrl-C between two switches too: those made are the fleet's now, and the cooldown stands)
-                self.planner.switched(time.monotonic(), decision.to_role)
+                self.planner.switched(time.monotonic(), decision.to_role if decision.reversible else None)
         return "switched", f"switched: {', '.join(done)}"
 
     def _entry(self, state: ClusterState, decision: Decision, outcome: str | None) -> dict[str, Any]:

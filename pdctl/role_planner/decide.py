@@ -30,11 +30,14 @@ unless:
   that each leave one role the bottleneck.
 
 One case waits for neither ``sustain`` nor the cooldown: **the workload turned against the last
-move**. The role the last move took engines from is the bottleneck and overrun: its engines each
-queue a whole batch (``max_running_requests``) or more while the other role queues nothing. A
-short phase ends that way (the 8-engine 30 s trace moved a decode to prefill 2.4 s before its
-prompts turned short and its answers long, and then waited two intervals and the cooldown with 48
-requests queued at its one decode); no noise queues a whole batch per engine on one side only.
+move**. Within the cooldown of a move the queues made, the role it took engines from is the
+bottleneck and overrun: its engines each queue a whole batch (``max_running_requests``) or more
+while the other role queues nothing (requests waiting for their KV aside). A turn is not itself
+turned, nor is a move ahead of a step (its burst comes next by design): the cooldown holds after
+them, so two turns never follow each other. A short phase ends that way (the 8-engine 30 s
+trace moved a decode to prefill 2.4 s before its prompts turned short and its answers long, and
+then waited two intervals and the cooldown with 48 requests queued at its one decode); no noise
+queues a whole batch per engine on one side only.
 
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
 router, with the prompt tokens it will prefill and the requests it will send) lets it set the
@@ -227,6 +230,9 @@ class Decision:
     figures: Mapping[str, Any] = field(default_factory=dict)
     more: tuple[str, ...] = ()
     """Engines that move with ``engine``, in the order they switch (a move of several at once)."""
+    reversible: bool = True
+    """Whether a turn may reverse this move within its cooldown (not a turn itself, nor a move
+    ahead of a step): the loop tells ``RolePlanner.switched`` the role only of such a move."""
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -235,7 +241,7 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``action``, ``engine`` (the first to move), ``engines`` (all, in order),
-        ``to_role``, ``reason`` and ``figures``."""
+        ``to_role``, ``reason``, ``figures`` and ``reversible``."""
         return {
             "action": self.action.value,
             "engine": self.engine,
@@ -243,6 +249,7 @@ class Decision:
             "to_role": self.to_role.value if self.to_role else None,
             "reason": self.reason,
             "figures": dict(self.figures),
+            "reversible": self.reversible,
         }
 
 
@@ -309,12 +316,15 @@ class RolePlanner:
                 if unit in ("request", "prompt token"):
                     self.output_per, self.last_step_secs = (float(learned["output_per"]), unit), float(learned["secs"])
             if str(entry.get("outcome") or "").startswith("switched"):
-                with contextlib.suppress(TypeError, ValueError):
+                self.last_switch_to = None
+                with contextlib.suppress(KeyError, TypeError, ValueError):
                     self.last_switch_at = now - max(0.0, now_wall - float(entry["at"]))
-                    self.last_switch_to = Role(entry["to_role"])
+                    if entry.get("reversible", True):  # (a record from before it said: reversible)
+                        self.last_switch_to = Role(entry["to_role"])
 
     def switched(self, at: float, to_role: Role | None = None) -> None:
-        """A switch to ``to_role`` was made at ``at`` (the loop tells it once the switch is done)."""
+        """A switch was made at ``at`` (the loop tells it once the switch is done); ``to_role``: the
+        role it moved engines to, for a move a turn may reverse (None: one it may not)."""
         self.last_switch_at = at
         self.last_switch_to = to_role
         self.streak = (None, 0)
@@ -348,7 +358,7 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
-        turned = self._turned(short, loads)
+        turned = self._turned(short, loads, obs)
         if turned:
             why = f"{why}; {turned}"
         elif count < self.config.sustain:
@@ -383,8 +393,10 @@ class RolePlanner:
             names = ", ".join(e.id for e in picks)
             moved = _moved(split, short, count)
             why = f"{why}: {names} move to {short} ({moved[0]}:{moved[1]} balances the two roles at their capacities)"
-            return Decision(Action.SWITCH, why, picks[0].id, short, figures, tuple(e.id for e in picks[1:]))
-        return Decision(Action.SWITCH, f"{why}: {picks[0].id} moves to {short}", picks[0].id, short, figures)
+            more = tuple(e.id for e in picks[1:])
+            return Decision(Action.SWITCH, why, picks[0].id, short, figures, more, reversible=not turned)
+        why = f"{why}: {picks[0].id} moves to {short}"
+        return Decision(Action.SWITCH, why, picks[0].id, short, figures, reversible=not turned)
 
     # -- the parts ------------------------------------------------------------------------------------
     def _ahead_of_step(self, loads: Mapping[Role, RoleLoad], obs: Observation, figures: dict[str, Any]) -> Decision:
@@ -465,6 +477,7 @@ class RolePlanner:
             to,
             figures,
             tuple(e.id for e in picks[1:]),
+            reversible=False,
         )
 
     def step_balance(self, obs: Observation, split: tuple[int, int]) -> tuple[int, float, float] | None:
@@ -624,14 +637,18 @@ class RolePlanner:
             return Role.DECODE, f"ITL {itl:.0f} ms misses its {c.itl_ms:.0f} ms target (TTFT {ttft:.0f} ms)"
         return None, f"TTFT {ttft:.0f} ms and ITL {itl:.0f} ms meet their targets"
 
-    def _turned(self, short: Role, loads: Mapping[Role, RoleLoad]) -> str | None:
-        """Why the workload turned against the last move, or None: ``short`` (the bottleneck) is the
-        role it took engines from, and its engines each queue a whole batch or more (their slots);
-        ``_bottleneck`` has found the other role's queue empty."""
-        load = loads[short]
+    def _turned(self, short: Role, loads: Mapping[Role, RoleLoad], obs: Observation) -> str | None:
+        """Why the workload turned against the last move, or None: within its cooldown, ``short``
+        (the bottleneck) is the role that move took engines from (``last_switch_to`` is the other:
+        None after a turn or a move ahead of a step), its engines each queue a whole batch or more
+        (their slots), and the other role's queue is empty (requests waiting for their KV aside)."""
+        load, spare = loads[short], loads[other(short)]
         if self.last_switch_to is None or self.last_switch_to is short or not load.slots:
             return None
-        if load.waiting < load.slots:
+        if self.last_switch_at is None or obs.at - self.last_switch_at >= self.config.cooldown_secs:
+            return None  # (past the cooldown the usual streak decides, soon enough)
+        spare_waiting = 0.0 if spare.waits_for_kv else spare.waiting
+        if load.waiting < load.slots or spare_waiting >= self.config.backlog / 2:
             return None
         return (
             f"the workload turned against the last move (to {self.last_switch_to}): {load.waiting:.0f} waiting "

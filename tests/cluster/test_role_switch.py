@@ -374,8 +374,8 @@ def test_a_move_drains_side_by_side_and_a_kill_strands_none(cluster) -> None:
 
     # Ctrl-C while the first drains, decode-1 out ahead: the move stops there, decode-1 is back in
     # rotation at once and forgotten, decode-2 serves on as a decode, nothing is left for the next command.
-    body = {"text": "long", "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}
-    with cf.ThreadPoolExecutor(6) as pool:  # (round robin: two on each decode, 6 s each)
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(6) as pool:  # (round robin: two on each decode, 15 s each: the drain outlasts the start)
         long = [pool.submit(post, router + "/generate", body, timeout=120) for _ in range(6)]
         eventually(lambda: _running(url["decode-2"], name, env), 60, interval=0.02, what="decode-2 busy")
         move = [*planner, "decode-2", "decode-1"]

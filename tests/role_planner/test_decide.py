@@ -122,12 +122,12 @@ def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
 ) -> None:
     """Whatever the loads: a switch never leaves a role under its minimum, never comes within a
     cooldown of the last unless it reverses it with a whole batch (16) queued per engine at the
-    role the last took from and none at the other, never during a hold, and always moves an engine
-    of the other role."""
+    role the last took from and none at the other (and the last was no such reversal itself),
+    never during a hold, and always moves an engine of the other role."""
     config = PlannerConfig(min_prefill=min_prefill, min_decode=min_decode, sustain=1, cooldown_secs=25)
     planner = RolePlanner(config)
     split = [3, 3]
-    last: tuple[float, Role] | None = None
+    last: tuple[float, Role, bool] | None = None  # (at, to role, reversible)
     for i, (wp, wd, tp, td, held) in enumerate(steps):
         at = i * 10.0
         obs = fleet(at, [(wp, tp)] * split[0], [(wd, td)] * split[1], 16, held="a hold" if held == 2 else None)
@@ -137,7 +137,7 @@ def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
         assert held != 2
         if last is not None and at - last[0] < 25:
             mine, theirs = (wp, wd) if decision.to_role is P else (wd, wp)
-            assert last[1] is not decision.to_role and mine >= 16 and theirs < 0.5, decision
+            assert last[2] and last[1] is not decision.to_role and mine >= 16 and theirs < 0.5, decision
             assert "turned against the last move" in decision.reason
         donor = D if decision.to_role is P else P
         assert decision.engine is not None and decision.engine.startswith(donor.value)
@@ -145,8 +145,8 @@ def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
         split = [split[0] + moved, split[1] - moved]
         assert split[0] >= min_prefill and split[1] >= min_decode
         assert decision.to_role is not None
-        planner.switched(at, decision.to_role)
-        last = (at, decision.to_role)
+        planner.switched(at, decision.to_role if decision.reversible else None)
+        last = (at, decision.to_role, decision.reversible)
 
 
 def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once() -> None:
@@ -174,12 +174,32 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     planner.switched(10, P)
     assert planner.decide(fleet(12, [(3, 1_000)] * 7, [(48, 1_500)], 16)).action is Action.STAY
     assert "1 of 2" in planner.decide(fleet(14, [(0, 1_000)] * 7, [(48, 1_500)])).reason
+    # past the cooldown the usual streak decides
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    assert "1 of 2" in planner.decide(fleet(17, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+    # a turn is not turned back: after it the cooldown holds, whatever queues at the other role
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    turned = planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16))
+    assert turned.to_role is D and not turned.reversible and turned.to_dict()["reversible"] is False
+    planner.switched(12, turned.to_role if turned.reversible else None)
+    assert "1 of 2" in planner.decide(fleet(14, [(48, 1_000)] * 6, [(0, 1_500)] * 2, 16)).reason
+    # under the latency objective too, a queue at both roles is no turn
+    latency = RolePlanner(PlannerConfig(objective=Objective.LATENCY, ttft_ms=500, itl_ms=50, cooldown_secs=6))
+    latency.switched(10, P)
+    both = latency.decide(fleet(12, [(20, 1_000)] * 7, [(48, 1_500)], 16, ttft_ms=400, itl_ms=90))
+    assert both.action is Action.STAY and "turned" not in both.reason, both
     # a restarted planner recalls the last move's direction from its record
     recalled = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     figures = {r.value: {"engines": 4, "waiting_per_engine": 0, "tokens_per_s_per_engine": 1} for r in (P, D)}
     entry = {"action": "switch", "to_role": "prefill", "outcome": "switched: decode-3 is prefill-6", "at": 100.0}
     recalled.recall([{**entry, "figures": figures}], now_wall=102.0, now=12.0)
     assert recalled.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).to_role is D
+    # and not of a move it may not turn
+    recalled = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    recalled.recall([{**entry, "figures": figures, "reversible": False}], now_wall=102.0, now=12.0)
+    assert "1 of 2" in recalled.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
 
 
 def test_a_decode_whose_room_waits_for_prefills_is_not_the_bottleneck() -> None:
