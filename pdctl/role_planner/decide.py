@@ -382,8 +382,8 @@ class RolePlanner:
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
             return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
-        # (to decode, prefills seen as decodes before need no graph capture: see _how_many)
-        captured = sum(1 for e in movable if e.captured) if short is Role.DECODE else 0
+        # (to decode on a turn, prefills seen as decodes before need no graph capture: see _how_many)
+        captured = sum(1 for e in movable if e.captured) if short is Role.DECODE and turned else 0
         count, sized = self._how_many(short, loads, split, len(movable), captured)
         while count > 1 and self._tried(_moved(split, short, count), obs):
             count -= 1  # (a split it measured as no better is not a target either)
@@ -531,12 +531,14 @@ class RolePlanner:
         capacities (``balanced_prefills``), as far as the donor's minimum and headroom allow (its
         tokens/s spread over the engines it keeps stay within ``DONOR_HEADROOM`` of its capacity)
         and ``MOVE_SHARE`` of the fleet, or as many as the ``captured`` prefills when more of them may
-        go to decode: engines this planner saw as decodes, moved to prefill over several decisions
-        each bounded, go back in one, with no graph capture to pay (at 8 engines the 30 s trace's
-        turn took two decisions, the second through a capture, while three such prefills could have
-        gone at once). One, as ever, while a capacity or the interval's mix is not
-        known, or when the balance says the fleet is there already but the queues say otherwise (the
-        queues win)."""
+        go to decode on a turn (``decide`` counts them only then): engines this planner saw as
+        decodes, moved to prefill over several decisions each bounded, go back in one, with no
+        graph capture to pay (at 8 engines the 30 s trace's turn took two decisions, the second
+        through a capture, while three such prefills could have gone at once). Only on a turn: in
+        an agentic step's tail a short decode queue moved four captured prefills at once (6:2 ->
+        2:6), and the next step's burst took two decisions to move them back (0.88x, from 0.99x).
+        One, as ever, while a capacity or the interval's mix is not known, or when the balance
+        says the fleet is there already but the queues say otherwise (the queues win)."""
         donor = other(short)
         load = loads[donor]
         fleet = sum(role_load.engines for role_load in loads.values())

@@ -599,14 +599,25 @@ def test_a_move_at_8_engines_is_at_most_a_quarter_of_the_fleet() -> None:
 def test_prefills_that_were_decodes_go_back_past_the_move_bound_in_one_decision() -> None:
     """The 8-engine 30 s trace turned at 7:1 after three decodes had moved to prefill in two
     decisions; back, the bound let two go, and the next decision had to take a never-captured
-    prefill through a 12 s capture. Captured prefills may all go at once (as far as the balance,
-    here 1:7, and the donor's minimum allow); the cold ones stay within the bound."""
-    obs = fleet(0, [(0, 230)] * 7, [(16, 2_054)])
+    prefill through a 12 s capture. On such a turn (a whole batch queued at the decode within the
+    cooldown of the move to prefill) captured prefills may all go at once (as far as the balance,
+    here 1:7, and the donor's minimum allow); the cold ones stay within the bound, and so does every
+    move that is no turn (an agentic step's short tail queue moved four at once, 6:2 -> 2:6)."""
+    obs = fleet(0, [(0, 230)] * 7, [(16, 2_054)], 16)
     warm = {"prefill-4", "prefill-5", "prefill-6"}  # the former decodes
     obs = Observation(0, tuple(replace(e, captured=e.role is D or e.id in warm) for e in obs.engines))
-    decision = _learned(30_000, 2_300).decide(obs)
-    assert decision.to_role is D and set(decision.engines) == warm, decision
+
+    def planner(moved_at: float) -> RolePlanner:
+        made = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=6))
+        made.capacity.update({P: 30_000, D: 2_300})
+        made.switched(moved_at, P)
+        return made
+
+    decision = planner(-2).decide(obs)
+    assert decision.to_role is D and set(decision.engines) == warm and "turned" in decision.reason, decision
     assert decision.figures["balanced_prefills"] == 1
+    # no turn (the last move long ago): two, captured or not
+    assert len(planner(-60).decide(obs).engines) == 2
     # a prefill burst is still bounded: two decodes to prefill, however many captured prefills there are
     burst = _learned(30_000, 2_300).decide(fleet(0, [(28, 29_000)], [(0, 47)] * 7))
     assert burst.to_role is P and len(burst.engines) == 2
