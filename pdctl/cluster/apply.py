@@ -36,7 +36,6 @@ from pdctl.cluster.restart import (
     RouterControl,
     drop_unit,
     engine_role,
-    lift_cordons_ahead,
     recover,
     relaunch,
     replace_engine,
@@ -326,12 +325,8 @@ def _apply(
     switches = [c for c in changes.changes if c.kind is ChangeKind.SWITCH and c.was]
     ahead = [c.was for c in switches[1:] if c.was] if len({c.to_role for c in switches}) == 1 else []
     step = StepContext(state, store, nodes, router, journal, events, ready_timeout)
-    try:
+    with switch.cordons_lifted_on_failure(state, store, router, events):
         _changes(step, plan, changes, old_engines, ahead)
-    except BaseException:  # refused, or stopped: the engines cordoned ahead serve on as they were
-        with interrupts_deferred(), contextlib.suppress(LifecycleError):
-            lift_cordons_ahead(state, store, router, events)
-        raise
     changed = {c.unit for c in changes.changes}
     state.plan = replace(plan, processes=_running_specs(state, plan, changed))
     state.declared = declared_of(top)

@@ -18,7 +18,7 @@ command is the running one's but for its role once planned on the running one's 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -412,7 +412,7 @@ def switch_all(
             if left is not None and not (left.kind is ChangeKind.SWITCH and left.unit == engine_ids[0]):
                 recover(state, store, nodes, router, events, ready_timeout_secs)  # another step left half done
             made: list[tuple[str, str]] = []
-            try:
+            with cordons_lifted_on_failure(state, store, router, events):
                 cordon_ahead(state, router, journal, command, engine_ids[1:], events)
                 for engine_id in engine_ids:
                     new_engine, new_process = _switched(state, engine_id, role)
@@ -420,11 +420,6 @@ def switch_all(
                     made.append((engine_id, new_engine.id))
                     if on_switched is not None:
                         on_switched(engine_id, new_engine.id)
-            except BaseException:  # refused, or stopped: the engines not reached serve on as they were
-                # (a router that does not answer keeps them recorded, for the next command: not this error)
-                with interrupts_deferred(), contextlib.suppress(LifecycleError):
-                    lift_cordons_ahead(state, store, router, events)
-                raise
     return made
 
 
@@ -476,6 +471,21 @@ def _switched(state: ClusterState, engine_id: str, role: Role) -> tuple[EngineSp
     new_process = switched_spec(state.plan.process(engine_id), new_id, role)
     new_engine = replace(engine, id=new_id, group=group, role=role, process_ids=(new_id,), switch_group=engine.group)
     return new_engine, new_process
+
+
+@contextlib.contextmanager
+def cordons_lifted_on_failure(
+    state: ClusterState, store: StateStore, router: RouterControl, events: Events
+) -> Iterator[None]:
+    """A move's block: refused or stopped (any exception), the engines it cordoned ahead and never
+    reached are taken back into rotation at once, whole, before the exception goes on; a router
+    that does not answer keeps them recorded, for the next command (not this error)."""
+    try:
+        yield
+    except BaseException:
+        with interrupts_deferred(), contextlib.suppress(LifecycleError):
+            lift_cordons_ahead(state, store, router, events)
+        raise
 
 
 def cordon_ahead(

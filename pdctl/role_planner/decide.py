@@ -187,6 +187,12 @@ class RoleLoad:
     """Slots per engine (``max_running_requests``), the mean over the role's engines that say them."""
 
     @property
+    def own_waiting(self) -> float:
+        """Waiting requests per engine that wait for this role: none at decodes that wait for their
+        KV (``waits_for_kv``), whose queue is the prefills' shortage."""
+        return 0.0 if self.waits_for_kv else self.waiting
+
+    @property
     def waits_for_kv(self) -> bool:
         """Decodes that run under half their slots: their queue waits for KV from the prefills,
         not for decoding (False for prefills, and for engines that do not say their slots)."""
@@ -610,7 +616,7 @@ class RolePlanner:
         for short, spare in ((prefill, decode), (decode, prefill)):
             if short.waits_for_kv:
                 continue
-            spare_waiting = 0.0 if spare.waits_for_kv else spare.waiting
+            spare_waiting = spare.own_waiting
             if short.engines and short.waiting >= need and spare_waiting < need / 2:
                 for_its_kv = " (waiting for their KV)" if spare_waiting != spare.waiting else ""
                 return short.role, (
@@ -649,8 +655,7 @@ class RolePlanner:
             return None
         if self.last_switch_at is None or obs.at - self.last_switch_at >= self.config.cooldown_secs:
             return None  # (past the cooldown the usual streak decides, soon enough)
-        spare_waiting = 0.0 if spare.waits_for_kv else spare.waiting
-        if load.waiting < load.slots or spare_waiting >= self.config.backlog / 2:
+        if load.waiting < load.slots or spare.own_waiting >= self.config.backlog / 2:
             return None
         return (
             f"the workload turned against the last move (to {self.last_switch_to}): {load.waiting:.0f} waiting "
