@@ -29,15 +29,27 @@ unless:
   does not go back to a split it has tried, which is what stops it flapping between two splits
   that each leave one role the bottleneck.
 
-One case waits for neither ``sustain`` nor the cooldown: **the workload turned against the last
-move**. Within the cooldown of a move the queues made, the role it took engines from is the
-bottleneck and overrun: its engines each queue a whole batch (``max_running_requests``) or more
-while the other role queues nothing (requests waiting for their KV aside). A turn is not itself
-turned, nor is a move ahead of a step (its burst comes next by design): the cooldown holds after
-them, so two turns never follow each other. A short phase ends that way (the 8-engine 30 s
-trace moved a decode to prefill 2.4 s before its prompts turned short and its answers long, and
-then waited two intervals and the cooldown with 48 requests queued at its one decode); no noise
-queues a whole batch per engine on one side only.
+Two cases wait for neither ``sustain`` nor the cooldown, both within a move's *window* (its
+cooldown and the streak after it: ``cooldown_secs + sustain x interval_secs``, the time in which
+the usual rules would still hold the next move back), both after a move the queues made:
+
+- **the workload turned against the last move**: the role it took engines from is the bottleneck
+  and overrun: its engines each queue a whole batch (``max_running_requests``) or more while the
+  other role queues nothing (requests waiting for their KV aside). A turn is not itself turned,
+  nor is a move ahead of a step (its burst comes next by design): the cooldown holds after them,
+  so two turns never follow each other. A short phase ends that way (the 8-engine 30 s trace
+  moved a decode to prefill 2.4 s before its prompts turned short and its answers long, and then
+  waited two intervals and the cooldown with 48 requests queued at its one decode); no noise
+  queues a whole batch per engine on one side only.
+- **the last move goes on**: the role it moved engines to is still the bottleneck, the role it
+  took them from idles (decodes under half their slots, their queue waiting for KV; prefills
+  holding under one request each), and the split that balances both roles at their learned
+  capacities lies further that way (throughput objective only). A move is bounded
+  (``MOVE_SHARE``) so that one interval's reading moves no more than a quarter of the fleet; once
+  the reading after it agrees, the rest follows at once instead of a cooldown later (the 8-engine
+  30 s trace went 2:6 -> 4:4 -> 6:2 in its long-prompt phase with the 4:4 decodes at 3-5% of
+  their slots and 13.5 prompts queued per prefill through the 6 s cooldown: 6:2 came 21 s into a
+  24 s phase). It never goes past the balance, nor against the last move.
 
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
 router, with the prompt tokens it will prefill and the requests it will send) lets it set the
@@ -365,8 +377,9 @@ class RolePlanner:
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
         turned = self._turned(short, loads, obs)
-        if turned:
-            why = f"{why}; {turned}"
+        goes_on = None if turned else self._goes_on(short, loads, obs)
+        if turned or goes_on:
+            why = f"{why}; {turned or goes_on}"
         elif count < self.config.sustain:
             return Decision(Action.STAY, f"{why} ({count} of {self.config.sustain} intervals)", figures=figures)
         elif self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
@@ -645,21 +658,55 @@ class RolePlanner:
             return Role.DECODE, f"ITL {itl:.0f} ms misses its {c.itl_ms:.0f} ms target (TTFT {ttft:.0f} ms)"
         return None, f"TTFT {ttft:.0f} ms and ITL {itl:.0f} ms meet their targets"
 
+    def _within_window(self, obs: Observation) -> bool:
+        """Whether ``obs`` comes within the last switch's window: its cooldown and the streak after
+        it (``cooldown_secs + sustain x interval_secs``), in which the usual rules would still hold
+        the next move back. (Past it the usual streak decides, as soon; the turn at 8 engines that
+        a cooldown-only window missed came 0.1 s after the cooldown and waited a second interval.)"""
+        c = self.config
+        window = c.cooldown_secs + c.sustain * c.interval_secs
+        return self.last_switch_at is not None and obs.at - self.last_switch_at < window
+
     def _turned(self, short: Role, loads: Mapping[Role, RoleLoad], obs: Observation) -> str | None:
-        """Why the workload turned against the last move, or None: within its cooldown, ``short``
-        (the bottleneck) is the role that move took engines from (``last_switch_to`` is the other:
-        None after a turn or a move ahead of a step), its engines each queue a whole batch or more
-        (their slots), and the other role's queue is empty (requests waiting for their KV aside)."""
+        """Why the workload turned against the last move, or None: within its window
+        (``_within_window``), ``short`` (the bottleneck) is the role that move took engines from
+        (``last_switch_to`` is the other: None after a turn or a move ahead of a step), its engines
+        each queue a whole batch or more (their slots), and the other role's queue is empty
+        (requests waiting for their KV aside)."""
         load, spare = loads[short], loads[other(short)]
         if self.last_switch_to is None or self.last_switch_to is short or not load.slots:
             return None
-        if self.last_switch_at is None or obs.at - self.last_switch_at >= self.config.cooldown_secs:
-            return None  # (past the cooldown the usual streak decides, soon enough)
+        if not self._within_window(obs):
+            return None
         if load.waiting < load.slots or spare.own_waiting >= self.config.backlog / 2:
             return None
         return (
             f"the workload turned against the last move (to {self.last_switch_to}): {load.waiting:.0f} waiting "
             f"per {short}, a whole batch of {load.slots:.0f} or more, so no sustain and no cooldown"
+        )
+
+    def _goes_on(self, short: Role, loads: Mapping[Role, RoleLoad], obs: Observation) -> str | None:
+        """Why the last move goes on at once, or None: within its window (``_within_window``), it
+        moved engines to ``short`` (the bottleneck still: ``last_switch_to``, None after a turn or
+        a move ahead of a step), the other role idles (decodes under half their slots, whose queue
+        waits for KV: ``waits_for_kv``; prefills holding under ``IDLE`` requests each, running and
+        queued) and the split that balances both roles at their learned capacities
+        (``balanced_prefills``) lies further toward ``short``. Throughput objective only: the
+        balance is a throughput figure."""
+        if self.config.objective is not Objective.THROUGHPUT or self.last_switch_to is not short:
+            return None
+        if not self._within_window(obs):
+            return None
+        donor = loads[other(short)]
+        idles = donor.waits_for_kv if donor.role is Role.DECODE else donor.running + donor.waiting < IDLE
+        best = self.balanced_prefills(loads)
+        prefills = loads[Role.PREFILL].engines
+        if not idles or best is None or (best <= prefills if short is Role.PREFILL else best >= prefills):
+            return None
+        n = prefills + loads[Role.DECODE].engines
+        return (
+            f"the last move (to {short}) goes on: the {donor.role}s idle and {best}:{n - best} balances the two "
+            f"roles at their capacities, so no sustain and no cooldown"
         )
 
     def _donor_refuses(self, donor: Role, load: RoleLoad, obs: Observation) -> str | None:

@@ -110,35 +110,55 @@ def test_the_latency_objective_moves_toward_the_missed_target() -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.floats(0, 40), st.floats(0, 40), st.floats(1, 5000), st.floats(1, 5000), st.integers(0, 2)),
+        st.tuples(
+            st.floats(0, 40),
+            st.floats(0, 40),
+            st.floats(1, 5000),
+            st.floats(1, 5000),
+            st.integers(0, 2),
+            st.floats(0, 2),
+            st.floats(0, 16),
+        ),
         min_size=1,
         max_size=30,
     ),
     st.integers(1, 3),
     st.integers(1, 3),
+    st.booleans(),
 )
 def test_it_never_goes_below_the_minimum_nor_switches_inside_a_cooldown(
-    steps: list[tuple[float, float, float, float, int]], min_prefill: int, min_decode: int
+    steps: list[tuple[float, float, float, float, int, float, float]], min_prefill: int, min_decode: int, learned: bool
 ) -> None:
     """Whatever the loads: a switch never leaves a role under its minimum, never comes within a
     cooldown of the last unless it reverses it with a whole batch (16) queued per engine at the
-    role the last took from and none at the other (and the last was no such reversal itself),
-    never during a hold, and always moves an engine of the other role."""
+    role the last took from and none at the other (and the last was no such reversal itself), or
+    goes on the same way with the role it takes from idle (and the last was a move the queues
+    made), never during a hold, and always moves an engine of the other role."""
     config = PlannerConfig(min_prefill=min_prefill, min_decode=min_decode, sustain=1, cooldown_secs=25)
     planner = RolePlanner(config)
+    if learned:
+        planner.capacity.update({P: 3_000, D: 3_000})
     split = [3, 3]
     last: tuple[float, Role, bool] | None = None  # (at, to role, reversible)
-    for i, (wp, wd, tp, td, held) in enumerate(steps):
+    for i, (wp, wd, tp, td, held, prefill_running, decode_running) in enumerate(steps):
         at = i * 10.0
         obs = fleet(at, [(wp, tp)] * split[0], [(wd, td)] * split[1], 16, held="a hold" if held == 2 else None)
+        obs = running(running(obs, P, prefill_running), D, decode_running)
         decision = planner.decide(obs)
         if decision.action is not Action.SWITCH:
             continue
         assert held != 2
         if last is not None and at - last[0] < 25:
-            mine, theirs = (wp, wd) if decision.to_role is P else (wd, wp)
-            assert last[2] and last[1] is not decision.to_role and mine >= 16 and theirs < 0.5, decision
-            assert "turned against the last move" in decision.reason
+            assert last[2], decision
+            if last[1] is not decision.to_role:
+                mine, theirs = (wp, wd) if decision.to_role is P else (wd, wp)
+                if decision.to_role is P and decode_running / 16 < 0.5:
+                    theirs = 0  # (requests at half-empty decodes wait for their KV: the prefills' queue)
+                assert mine >= 16 and theirs < 0.5, decision
+                assert "turned against the last move" in decision.reason
+            else:
+                idle = decode_running / 16 < 0.5 if decision.to_role is P else prefill_running + wp < 1
+                assert learned and idle and "goes on" in decision.reason, decision
         donor = D if decision.to_role is P else P
         assert decision.engine is not None and decision.engine.startswith(donor.value)
         moved = len(decision.engines) if decision.to_role is P else -len(decision.engines)
@@ -174,10 +194,16 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     planner.switched(10, P)
     assert planner.decide(fleet(12, [(3, 1_000)] * 7, [(48, 1_500)], 16)).action is Action.STAY
     assert "1 of 2" in planner.decide(fleet(14, [(0, 1_000)] * 7, [(48, 1_500)])).reason
-    # past the cooldown the usual streak decides
+    # just past the cooldown, before the usual streak could act (the 8-engine run's turn came 0.1 s
+    # after its cooldown and waited a second interval): a turn still
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, P)
-    assert "1 of 2" in planner.decide(fleet(17, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+    late = planner.decide(fleet(16.1, [(0, 1_000)] * 7, [(48, 1_500)], 16))
+    assert late.action is Action.SWITCH and "turned against the last move" in late.reason, late
+    # past the window (the cooldown and two intervals) the usual streak decides
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    assert "1 of 2" in planner.decide(fleet(20, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
     # a turn is not turned back: after it the cooldown holds, whatever queues at the other role
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, P)
@@ -200,6 +226,74 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     recalled = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     recalled.recall([{**entry, "figures": figures, "reversible": False}], now_wall=102.0, now=12.0)
     assert "1 of 2" in recalled.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+
+
+def running(obs: Observation, role: Role, requests: float) -> Observation:
+    """``obs`` with every engine of ``role`` running ``requests`` (the interval's mean)."""
+    return replace(obs, engines=tuple(replace(e, running=requests) if e.role is role else e for e in obs.engines))
+
+
+def test_a_move_the_next_reading_agrees_with_goes_on_at_once() -> None:
+    """The 8-engine 30 s trace's long-prompt phase: 2:6 -> 4:4 (two decodes, the move bound), then
+    13.5 prompts queued per prefill with the four decodes at 3-5% of their slots, and the next two
+    waited for the streak and the 6 s cooldown: 6:2 came 21 s into a 24 s phase. Once the reading
+    after a move agrees with it (the role it moved to still short, the one it took from idle, the
+    balance further that way), the rest follows at the next interval; otherwise the streak and the
+    cooldown hold as before."""
+
+    def learned(**config) -> RolePlanner:
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2, **config))
+        planner.capacity.update({P: 30_000, D: 2_300})
+        return planner
+
+    prompts = running(fleet(12, [(13.5, 29_000)] * 4, [(0, 47)] * 4, 16), D, 0.6)  # decodes at 4%
+    planner = learned()
+    planner.switched(10, P)
+    on = planner.decide(prompts)
+    assert on.action is Action.SWITCH and on.to_role is P and len(on.engines) == 2, on
+    assert "the last move (to prefill) goes on: the decodes idle and 7:1 balances" in on.reason
+    assert on.reversible  # (a move like any other: a turn may reverse it)
+    # the decode side: after a move to decode, decodes still queueing, prefills idle, the balance 1:7
+    answers = running(fleet(12, [(0, 300)] * 4, [(10, 2_000)] * 4, 16), P, 0.3)
+    planner = learned()
+    planner.switched(10, D)
+    back = planner.decide(running(answers, D, 16))
+    assert back.action is Action.SWITCH and back.to_role is D and len(back.engines) == 2, back
+    assert "the last move (to decode) goes on: the prefills idle" in back.reason
+    # not against the last move, nor after a turn or a move ahead of a step (None), nor after no move
+    for last in (D, None):
+        planner = learned()
+        planner.switched(10, last)
+        assert "1 of 2" in planner.decide(prompts).reason
+    assert "1 of 2" in learned().decide(prompts).reason
+    # not while the donors work: decodes at half their slots, prefills holding a request each
+    planner = learned()
+    planner.switched(10, P)
+    assert "1 of 2" in planner.decide(running(prompts, D, 8)).reason
+    planner = learned()
+    planner.switched(10, D)
+    assert "1 of 2" in planner.decide(running(running(answers, D, 16), P, 1)).reason
+    # not past the balance: with decodes learned at 47 tokens/s, 4:4 is it
+    planner = learned()
+    planner.capacity[D] = 47
+    planner.switched(10, P)
+    assert "1 of 2" in planner.decide(prompts).reason
+    # nor with no capacities learned, nor past the window, nor under the latency objective
+    unlearned = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    unlearned.switched(10, P)
+    assert "1 of 2" in unlearned.decide(prompts).reason
+    planner = learned()
+    planner.switched(10, P)
+    assert "1 of 2" in planner.decide(replace(prompts, at=20)).reason
+    latency = learned(objective=Objective.LATENCY, ttft_ms=500, itl_ms=50)
+    latency.switched(10, P)
+    slow = latency.decide(replace(prompts, ttft_ms=900, itl_ms=20))
+    assert slow.action is Action.STAY and "goes on" not in slow.reason, slow
+    # inside the cooldown, where a second interval of the usual streak would still wait
+    planner = learned()
+    planner.switched(10, P)
+    planner.decide(replace(running(prompts, D, 8), at=12))  # (1 of 2: decodes busy)
+    assert "cooling down" in planner.decide(replace(running(prompts, D, 8), at=14)).reason
 
 
 def test_a_decode_whose_room_waits_for_prefills_is_not_the_bottleneck() -> None:
