@@ -38,7 +38,7 @@ from pdctl.sim.costed import CostedPool, NoKV, StandInForward
 from pdctl.sim.engine_request import KVPayload, Mode, Request, abort_reason, failure_of, first_failure
 from pdctl.sim.kv_budget import KVBudget
 from pdctl.sim.model import KVPool, TinyLM
-from pdctl.sim.queues import RequestQueues
+from pdctl.sim.queues import RequestQueues, decode_pre_alloc
 from pdctl.sim.runner import ModelRunner
 from pdctl.sim.scheduler import Scheduler
 from pdctl.sim.scheduler_control import SchedulerControl
@@ -185,6 +185,12 @@ class Engine:
             req.queued = True
             q.cond.notify_all()
 
+    def hold_transfers_apart(self, on: bool) -> None:
+        """As a decode (``on``), hold slots for requests whose KV is on its way beyond the running
+        ones (``decode_pre_alloc``, SGLang's decode pool); otherwise share them (thread-safe)."""
+        with self._queues.cond:
+            self._queues.pre_alloc = decode_pre_alloc(self._queues.capacity) if on else 0
+
     def reserve_slot(self) -> bool:
         """Reserve capacity for a decode request while its KV is fetched; False when full."""
         return self._queues.reserve_slot()
@@ -225,7 +231,7 @@ class Engine:
         q = self._queues
         with q.cond:
             running = sum(1 for r in (*q.running, *q.admitting) if not r.finished)
-            free_slots = q.capacity - len(q.running) - q.reserved
+            free_slots = max(0, q.capacity - len(q.running) - q.reserved)
             used, total = self._kv.tokens(free_slots)
             return {
                 "num_running_reqs": running,

@@ -7,6 +7,12 @@ at once, so decode usually asks before prefill is done). The body is binary: a 4
 length, a JSON header, then the KV tensor's raw float64 bytes. An entry is dropped once
 fetched, or after SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT seconds.
 
+A decode asks for a room's KV once it has reserved the room's slot (its prealloc queue), so the
+first ask is the room's handshake (``bootstrap``): as SGLang's prefill keeps a request in its
+bootstrap queue until the decode has preallocated for it, the sim's prefill starts a room's
+prompt only after it (``wait_bootstrap``). Without it the prefills computed prompts no decode had
+room for, while the rooms the decodes had reserved waited behind them.
+
 A decode that cannot reach the prefill's bootstrap server gives its rooms up as SGLang's
 heartbeat checker does (SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL, 5 s, times
 SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE, 2): a dead prefill fails its decode requests in
@@ -98,6 +104,35 @@ class KVStore:
         self.loop = loop
         self.entries: dict[int, tuple[float, KVPayload | str]] = {}
         self.waiters: dict[int, asyncio.Event] = {}
+        self.bootstrapped: dict[int, float] = {}
+        """Rooms a decode has asked for (it holds their slots), not yet started here: when it asked."""
+        self.boot_waiters: dict[int, asyncio.Event] = {}
+
+    def bootstrap(self, room: int) -> None:
+        """A decode asked for ``room``: it holds the room's slot, so its prompt may start here
+        (wakes ``wait_bootstrap``). Handshakes older than SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
+        whose prompt never came are dropped."""
+        limit = time.monotonic() - bootstrap_timeout_secs()
+        for stale in [r for r, t in self.bootstrapped.items() if t < limit]:
+            del self.bootstrapped[stale]
+        self.bootstrapped.setdefault(room, time.monotonic())
+        event = self.boot_waiters.pop(room, None)
+        if event is not None:
+            event.set()
+
+    async def wait_bootstrap(self, room: int, timeout_secs: float) -> bool:
+        """Wait until a decode has asked for ``room`` (``bootstrap``); False after ``timeout_secs``.
+        The handshake is used up: a room's prompt starts once."""
+        if room not in self.bootstrapped:
+            event = self.boot_waiters.setdefault(room, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout_secs)
+            except asyncio.TimeoutError:
+                if self.boot_waiters.get(room) is event:
+                    del self.boot_waiters[room]
+                return False
+        self.bootstrapped.pop(room, None)
+        return True
 
     def put_threadsafe(self, room: int, payload: KVPayload | str) -> None:
         """Store ``payload`` (KV, or the abort message for the decode) under ``room`` from any thread, waking a ``take``
@@ -145,6 +180,7 @@ def bootstrap_app(store: KVStore) -> web.Application:
             wait = min(float(request.query.get("wait", POLL_SLICE_SECS)), POLL_SLICE_SECS)
         except ValueError:
             return web.json_response({"error": {"message": "bad room or wait"}}, status=400)
+        store.bootstrap(room)
         payload = await store.take(room, wait)
         if payload is None:
             return web.json_response({"error": {"message": f"no KV for room {room} yet"}}, status=404, headers=started)

@@ -30,6 +30,12 @@ class SimMetrics:
         self._transfer = Gauge(
             "sglang:num_decode_transfer_queue_reqs", "Decode requests whose KV is in transfer", labels, registry=r
         )
+        self._bootstrap = Gauge(
+            "sglang:num_prefill_prealloc_queue_reqs",
+            "Prefill requests waiting for their decode's handshake (the bootstrap queue)",
+            labels,
+            registry=r,
+        )
         self._usage = Gauge("sglang:token_usage", "KV token usage", labels, registry=r)
         self._throughput = Gauge("sglang:gen_throughput", "Generation tokens/s", labels, registry=r)
         self._prompt = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
@@ -109,5 +115,6 @@ class SimMetrics:
         total = stats["kv_total_tokens"]
         self._usage.labels(m).set(stats["kv_used_tokens"] / total if total else 0.0)
         self._transfer.labels(m).set(stats.get("num_decode_transfer_queue_reqs", 0))
+        self._bootstrap.labels(m).set(stats.get("num_prefill_prealloc_queue_reqs", 0))
         self._throughput.labels(m).set(self.last_gen_throughput())
         return generate_latest(self.registry)

@@ -170,6 +170,7 @@ class NativeRoutes:
                         "last_gen_throughput": s.metrics.last_gen_throughput(),
                         **stats,
                         "num_decode_prealloc_queue_reqs": s.prealloc_waiting,
+                        "num_prefill_prealloc_queue_reqs": s.bootstrap_waiting,
                         **(
                             {
                                 "disaggregation_mode": s.mode,
@@ -293,6 +294,7 @@ class NativeRoutes:
             **self.s.engine.stats(),
             "num_decode_prealloc_queue_reqs": self.s.prealloc_waiting,
             "num_decode_transfer_queue_reqs": self.s.transferring,
+            "num_prefill_prealloc_queue_reqs": self.s.bootstrap_waiting,
         }
         return web.Response(body=self.s.metrics.render(stats), content_type="text/plain")
 

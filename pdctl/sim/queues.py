@@ -20,7 +20,15 @@ from typing import Any
 
 from pdctl.sim.engine_request import KVPayload, Mode, Request, abort_reason
 
-__all__ = ["RequestQueues"]
+__all__ = ["RequestQueues", "decode_pre_alloc"]
+
+
+def decode_pre_alloc(capacity: int) -> int:
+    """Slots a decode holds for requests whose KV is on its way, beyond its ``capacity`` running
+    ones: SGLang's DecodeReqToTokenPool ``pre_alloc_size``, 2 x ``--max-running-requests`` up to
+    32 of them, else none (model_runner: "if max_num_reqs <= 32, we pre-allocate 2x requests"),
+    so that a decode's transfers do not take the slots of the requests it runs."""
+    return 2 * capacity if capacity <= 32 else 0
 
 
 class RequestQueues:
@@ -36,7 +44,11 @@ class RequestQueues:
         self.cond = threading.Condition()
         """Guards every field below; a re-entrant lock (``threading.Condition``'s default)."""
         self.capacity = capacity
-        """Running requests plus reservations allowed at once (``--max-running-requests``)."""
+        """Running requests allowed at once (``--max-running-requests``), reservations included
+        unless ``pre_alloc`` adds room for them."""
+        self.pre_alloc = 0
+        """Reservations a decode may hold beyond ``capacity`` (``decode_pre_alloc``); running
+        requests stay within ``capacity``."""
         self.publish_kv = publish_kv
         self.on_finish: Callable[[Request], None] | None = None
         self.on_capacity: Callable[[], None] | None = None
@@ -69,7 +81,7 @@ class RequestQueues:
     def reserve_slot(self) -> bool:
         """Reserve capacity for a decode request while its KV is fetched; False when full."""
         with self.cond:
-            if self.used() >= self.capacity:
+            if self.used() >= self.capacity + self.pre_alloc:
                 return False
             self.reserved += 1
             return True

@@ -89,5 +89,6 @@ async def pd_role_switch(service: SimService, request: web.Request) -> web.Respo
             await asyncio.sleep(profile.graph_capture_secs)
         service.decode_graphs = True  # "captured" on the first flip to decode, as SGLang does
     service.mode = new_role
+    service.engine.hold_transfers_apart(new_role == "decode")
     log.info("PD role switch succeeded: %s -> %s", old_role, new_role)
     return answer(True, "ok")

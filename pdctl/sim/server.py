@@ -126,7 +126,14 @@ class SimServer:
         self._engine.on_finish = metrics.observe_finished
         self._session = aiohttp.ClientSession()
         service = SimService(
-            c, model, self._engine, self._members, metrics, self._session, bootstrap_port=bootstrap_port
+            c,
+            model,
+            self._engine,
+            self._members,
+            metrics,
+            self._session,
+            bootstrap_port=bootstrap_port,
+            kv_store=kv_store,
         )
         loop = asyncio.get_running_loop()
 

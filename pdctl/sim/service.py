@@ -21,7 +21,7 @@ from pdctl.errors import SimError
 from pdctl.sglang import FAKE_BOOTSTRAP_HOST
 from pdctl.sim.config import SimConfig
 from pdctl.sim.engine import Engine, Mode, Request
-from pdctl.sim.kv import Heartbeats, fetch_kv, waiting_timeout_secs
+from pdctl.sim.kv import Heartbeats, KVStore, bootstrap_timeout_secs, fetch_kv, waiting_timeout_secs
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.model import TinyLM
 from pdctl.sim.requests import ItemSpec
@@ -81,6 +81,7 @@ class SimService:
         session: aiohttp.ClientSession,
         *,
         bootstrap_port: int,
+        kv_store: KVStore | None = None,
     ):
         self.config = config
         self.model = model
@@ -89,6 +90,8 @@ class SimService:
         self.metrics = metrics
         self.session = session
         self.bootstrap_port = bootstrap_port
+        self.kv_store = kv_store
+        """The bootstrap server's rooms (a prefill's, and every engine's with --enable-pd-role-switch)."""
         self.mode = config.disaggregation_mode
         """prefill, decode or null; a role switch (pdctl.sim.role_switch) changes it."""
         self.decode_graphs = self.mode == "decode"
@@ -98,6 +101,8 @@ class SimService:
         self.started_at = time.time()
         self.weight_session_open = False
         self.prealloc_waiting = 0
+        self.bootstrap_waiting = 0
+        """Prefill requests waiting for their decode's handshake (SGLang's prefill bootstrap queue)."""
         self.transferring = 0
         """Decode requests whose KV is on its way (SGLang's transfer queue)."""
         self.entering = 0  # requests past the queue-size check, not in the engine's queue yet
@@ -117,6 +122,7 @@ class SimService:
             loop.call_soon_threadsafe(self._slot_freed.set)
 
         engine.on_capacity = capacity_freed
+        engine.hold_transfers_apart(self.mode == "decode")
 
     def idle(self) -> bool:
         """SGLang's ``is_fully_idle``: nothing running or queued, no decode request waiting for a
@@ -228,6 +234,23 @@ class SimService:
         finally:
             self.prealloc_waiting -= 1
 
+    async def _wait_bootstrap(self, room: int) -> None:
+        """Wait until the decode of ``room`` has a slot for it (its first ask for the KV), as
+        SGLang's prefill keeps a request in its bootstrap queue until the decode preallocated;
+        SimError once SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT passes."""
+        assert self.kv_store is not None
+        self.bootstrap_waiting += 1
+        try:
+            timeout = bootstrap_timeout_secs()
+            if not await self.kv_store.wait_bootstrap(room, timeout):
+                raise SimError(
+                    f"bootstrap_room {room}: no decode asked for its KV within {timeout:g}s "
+                    "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                    status=500,
+                )
+        finally:
+            self.bootstrap_waiting -= 1
+
     async def _resolve_pd(self, req: Request, item: ItemSpec) -> None:
         if self.mode == "null":
             return
@@ -240,8 +263,14 @@ class SimService:
         if self.mode == "prefill":
             req.mode = Mode.PREFILL
             req.room = None if fake else item.bootstrap_room
+            if req.room is not None and self.kv_store is not None:
+                await self._wait_bootstrap(req.room)
             return
         if fake:  # SGLang moves no KV for 2.2.2.2 (warm-up, /health); the sim runs the prompt itself
+            # ...but takes it through the prealloc queue as every decode request: queued without a
+            # slot, ahead of requests whose slots wait for their KV, it stalled them all behind it
+            await self._reserve_decode_slot()
+            req.reserved = True
             return
         assert item.bootstrap_host is not None and item.bootstrap_room is not None  # checked above
         sent_at = time.time()  # the prefill that got this room is one that had started by now

@@ -203,7 +203,7 @@ def test_decode_without_prefill_times_out_clearly_and_frees_its_slot(tmp_path) -
         with cf.ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda _: post(decode.url + "/generate", dead), range(3)))
         statuses = sorted(s for s, _ in results)
-        assert statuses == [500, 500, 500]  # two slots wait for KV; the third queues for a slot, then waits too
+        assert statuses == [500, 500, 500]  # all three wait for KV (2 running slots, 4 more for KV on its way)
         message = next(o for s, o in results if s == 500)["error"]["message"]
         assert "bootstrap_room 1" in message and "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in message
         info = get(decode.url + "/server_info")[1]["internal_states"][0]

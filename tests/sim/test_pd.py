@@ -223,3 +223,117 @@ def test_an_abort_pause_aborts_a_decode_request_still_waiting_for_its_kv(tmp_pat
             _, out = d.result()
         assert out["meta_info"]["finish_reason"]["type"] == "abort", out
         assert out["meta_info"]["completion_tokens"] == 0, out
+
+
+def test_a_health_probe_on_a_decode_whose_slots_all_wait_for_kv_blocks_nothing(tmp_path) -> None:
+    """SGLang's decode takes every request through its prealloc queue, the health probe's (fake
+    bootstrap host) too: a probe that arrives while every slot is reserved for KV on its way
+    waits for a slot like any other. The sim used to queue the probe without a slot, ahead of
+    the reserved requests, which then could not be admitted behind it: the decode ran nothing
+    until the probe timed out (503). Found by the planner benchmark: decodes of a long-prompt
+    phase stood still for seconds at a time, 17 queued and 0 running, while the prefills idled."""
+    from tests.helpers import eventually, get, sims
+
+    with sims(
+        tmp_path,
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--max-running-requests", "2"),
+    ) as (prefill, decode):
+        trio = (None, prefill, decode)
+        # 2 running slots and 4 for KV on its way: 6 rooms take them all
+        wires = [pd_body(greedy(p, 8), prefill, room=4100 + i) for i, p in enumerate(PROMPTS[:6])]
+
+        def state() -> dict:
+            return get(decode.url + "/server_info")[1]["internal_states"][0]
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            decodes = [pool.submit(post, f"{decode.url}/generate", w) for w in wires]  # every slot waits for KV
+            eventually(lambda: state()["num_reserved_decode_slots"] == 6, 30, what="every slot reserved")
+            health = pool.submit(get, decode.url + "/health")
+            eventually(lambda: state()["num_decode_prealloc_queue_reqs"] + state()["num_queue_reqs"] >= 1, 30,
+                       what="the probe waiting at the decode")  # fmt: skip
+            for w in wires:
+                assert post(f"{prefill.url}/generate", w)[0] == 200
+            outs = [d.result() for d in decodes]
+            assert health.result()[0] == 200, health.result()
+        assert all(s == 200 and o["meta_info"]["completion_tokens"] == 8 for s, o in outs), outs
+        assert pd_generate(trio, greedy(PROMPTS[2], 8), room=4102)[0] == 200
+
+
+def test_a_prefill_starts_a_room_only_once_its_decode_has_a_slot_for_it(tmp_path) -> None:
+    """SGLang's prefill keeps a request in its bootstrap queue until the decode has preallocated
+    for it; the sim's prefill waits for the decode's first ask for the room's KV, which comes
+    once the decode holds the room's slot. A prefill leg alone waits, counted in
+    ``sglang:num_prefill_prealloc_queue_reqs``, and runs as soon as the decode leg comes; one
+    whose decode never comes fails after SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, naming it."""
+    from tests.helpers import eventually, get, sims
+
+    with sims(
+        tmp_path,
+        ("--disaggregation-mode", "prefill", "--enable-metrics"),
+        ("--disaggregation-mode", "decode"),
+    ) as (prefill, decode):
+        wire = pd_body(greedy(PROMPTS[0], 8), prefill, room=5100)
+
+        def waiting() -> int:
+            return get(prefill.url + "/server_info")[1]["internal_states"][0]["num_prefill_prealloc_queue_reqs"]
+
+        with cf.ThreadPoolExecutor(2) as pool:
+            p = pool.submit(post, f"{prefill.url}/generate", wire)
+            eventually(lambda: waiting() == 1, 30, what="the prefill leg in the bootstrap queue")
+            metrics = get(prefill.url + "/metrics")[1]
+            assert "sglang:num_prefill_prealloc_queue_reqs" in metrics, metrics
+            assert not p.done()
+            d = pool.submit(post, f"{decode.url}/generate", wire)
+            assert p.result()[0] == 200 and d.result()[0] == 200, (p.result(), d.result())
+        assert d.result()[1]["meta_info"]["completion_tokens"] == 8
+        assert waiting() == 0
+
+
+def test_a_prefill_leg_whose_decode_never_asks_fails_after_the_bootstrap_timeout(tmp_path) -> None:
+    from tests.helpers import SimProcess
+
+    prefill = SimProcess(
+        tmp_path, "--disaggregation-mode", "prefill", env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}
+    ).start()
+    try:
+        status, out = post(f"{prefill.url}/generate", pd_body(greedy(PROMPTS[0], 8), prefill, room=5200))
+        assert status == 500, (status, out)
+        assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT" in out["error"]["message"], out
+        assert "bootstrap_room 5200" in out["error"]["message"], out
+    finally:
+        prefill.stop()
+
+
+def test_a_decode_holds_twice_its_running_slots_more_for_kv_on_its_way(tmp_path) -> None:
+    """SGLang's decode pool holds ``2 x --max-running-requests`` requests whose KV is on its way
+    beyond the running ones (up to 32 running): with 2 running slots, 6 rooms reserve at once and
+    the 7th waits in the prealloc queue; all 7 then run, 2 at a time. (The sim used to share the
+    running slots with the transfers: a decode whose prefills were slow ran half empty.)"""
+    from tests.helpers import eventually, get, sims
+
+    with sims(
+        tmp_path,
+        ("--disaggregation-mode", "prefill"),
+        ("--disaggregation-mode", "decode", "--max-running-requests", "2"),
+    ) as (prefill, decode):
+        wires = [pd_body(greedy(PROMPTS[i % len(PROMPTS)], 8), prefill, room=5300 + i) for i in range(7)]
+
+        def state() -> dict:
+            return get(decode.url + "/server_info")[1]["internal_states"][0]
+
+        with cf.ThreadPoolExecutor(14) as pool:
+            decodes = [pool.submit(post, f"{decode.url}/generate", w) for w in wires]
+            seen = eventually(
+                lambda: (
+                    (s := state())["num_reserved_decode_slots"] == 6 and s["num_decode_prealloc_queue_reqs"] == 1 and s
+                ),
+                30,
+                what=lambda: f"6 reserved and 1 in the prealloc queue: {state()}",
+            )
+            assert seen["free_slots"] == 0 and seen["num_running_reqs"] == 0, seen
+            prefills = [pool.submit(post, f"{prefill.url}/generate", w) for w in wires]
+            outs = [d.result() for d in decodes]
+            assert all(p.result()[0] == 200 for p in prefills)
+        assert all(s == 200 and o["meta_info"]["completion_tokens"] == 8 for s, o in outs), outs
+        assert state()["num_reserved_decode_slots"] == 0
