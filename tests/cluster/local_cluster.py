@@ -127,9 +127,11 @@ def interrupted(
     timeout: float = 180,
     sig: signal.Signals = signal.SIGINT,
     command: list[str] | None = None,
+    nth: int = 1,
 ) -> tuple[int, str]:
-    """Run ``pdctl ARGS`` (or ``command``); send it ``sig`` (SIGINT: a Ctrl-C) once a progress line
-    containing ``at`` appears (its exit code and output). Fails when the command ends before that line."""
+    """Run ``pdctl ARGS`` (or ``command``); send it ``sig`` (SIGINT: a Ctrl-C) once the ``nth``
+    progress line containing ``at`` appears (its exit code and output). Fails when the command ends
+    before that line."""
     proc = subprocess.Popen(
         command or [sys.executable, "-m", "pdctl", *args],
         env=env,
@@ -139,12 +141,15 @@ def interrupted(
     )
     seen: list[str] = []
     sent = threading.Event()
+    matched = 0
 
     def read() -> None:
+        nonlocal matched
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
-            if at in line and not sent.is_set():
+            matched += at in line
+            if matched == nth and not sent.is_set():
                 proc.send_signal(sig)
                 sent.set()
 
@@ -157,7 +162,7 @@ def interrupted(
             proc.kill()
         reader.join()
     output = "".join(seen)
-    assert sent.is_set(), f"pdctl {' '.join(args)} never printed {at!r}:\n{output}"
+    assert sent.is_set(), f"pdctl {' '.join(args)} printed {at!r} {matched} times, not {nth}:\n{output}"
     return code, output
 
 

@@ -516,3 +516,51 @@ def test_an_apply_whose_switch_finds_its_engine_dead_changes_nothing_and_says_so
     back = pdctl("apply", topo, env=env, timeout=300)
     assert back.returncode == 0, back.stderr
     assert _status(env)["ok"]
+
+
+def test_an_apply_of_two_switches_interrupted_at_each_phase_strands_nothing(cluster) -> None:
+    """`pdctl apply` of 1:3 -> 3:1 switches two decodes, the second cordoned ahead while the first
+    drains its long requests. Stopped by each of the three signals at one phase each (the second
+    just cordoned ahead, the first draining, the second switching): no request fails, status
+    settles ok, the router and the state agree on every engine's role, nothing is left cordoned,
+    no engine process restarted, and the same apply then goes through."""
+    from pdctl.cluster.state import StateStore
+
+    env, name, topo = cluster
+    store = StateStore(Path(env["PDCTL_HOME"]))
+    one_three, three_one = _split(topo, 1, 3), _split(topo, 3, 1)
+    assert pdctl("apply", one_three, env=env, timeout=300).returncode == 0
+    st = _status(env)
+    router = next(p["url"] for p in st["processes"] if p["role"] == "router")
+    pids = _pids(st)
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    phases = [
+        (signal.SIGINT, "out of rotation ahead of its switch"),
+        (signal.SIGHUP, "switching to prefill"),
+        (signal.SIGTERM, "switching to prefill"),  # the second one's (the first is done by then)
+    ]
+    for sig, at in phases:
+        st = _status(env)
+        decodes = [p["url"] for p in st["processes"] if p["role"] == "decode"]
+        with cf.ThreadPoolExecutor(6) as pool:  # (round robin: two on each decode, about 15 s each)
+            long = [pool.submit(post, router + "/generate", body, timeout=300) for _ in range(6)]
+            for url in decodes:
+                eventually(lambda u=url: _running(u, name, env), 60, interval=0.02, what=f"{url} busy")
+            nth = 2 if sig is signal.SIGTERM else 1
+            code, out = interrupted("apply", three_one, at=at, nth=nth, env=env, sig=sig, timeout=300)
+            assert code != 0 and "Traceback" not in out, out
+            assert all(f.result()[0] == 200 for f in long), out
+        code, st = settle(env, name)
+        assert code == 0, json.dumps(st) + out
+        roles = _roles(router, name, env)
+        for engine in st["engines"]:
+            (url,) = {p["url"] for p in st["processes"] if p["id"] in engine["processes"] and p["url"]}
+            assert roles[url] == engine["role"], (engine, roles, out)
+        assert _cordoned(router, name, env) == set() and store.load(name).cordoned_ahead is None, out
+        assert _pids(st) == pids, "an engine process was restarted"
+        again = pdctl("apply", three_one, env=env, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert sorted(_roles(router, name, env).values()) == ["decode", "prefill", "prefill", "prefill"]
+        assert pdctl("apply", one_three, env=env, timeout=300).returncode == 0
+    assert pdctl("apply", topo, env=env, timeout=300).returncode == 0  # the fixture's split again
+    eventually(lambda: _status(env)["ok"], 60, what="status ok")
