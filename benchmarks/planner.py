@@ -71,6 +71,7 @@ import yaml
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.planner_record import KEEP_DECISIONS, recent_decisions
 from pdctl.cluster.state import StateStore
+from pdctl.signals import interrupt_on_every_stop_signal
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -274,11 +275,20 @@ def planner_beside(mode: str, work: Path, env: dict) -> Iterator[None]:
 
 
 def main() -> None:
+    # SIGTERM and SIGHUP stop it as Ctrl-C does, through the `finally` that takes its cluster down
+    # (killed with SIGTERM, it used to leave every engine of its cluster running)
+    interrupt_on_every_stop_signal()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", type=int, default=4, help="engines in the fleet (even; default 4)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration's workloads")
     parser.add_argument("--only", default=",".join(WORKLOADS), help="workloads to run, comma-separated")
     parser.add_argument("--splits", default="", help="prefill counts of the static splits (default: all)")
+    parser.add_argument(
+        "--policy",
+        default="round_robin",
+        help="the router's policy for both roles (default round_robin, as every committed result before it; "
+        "power_of_two sends a queue built at an engine before a move no more until the others catch up)",
+    )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
     n = args.engines
@@ -300,7 +310,7 @@ def main() -> None:
         "ports": {"base": 27500},
         "prefill": switchable,
         "decode": switchable,
-        "router": {"policy": "round_robin", "admission": {"worker_wait_secs": 120}},
+        "router": {"policy": args.policy, "admission": {"worker_wait_secs": 120}},
         "planner": {"mode": "off", "interval_secs": 2, "cooldown_secs": 6, "sustain": 2},
     }
     (work / "t.yaml").write_text(yaml.safe_dump(topo))
@@ -347,7 +357,7 @@ def main() -> None:
             (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(runs, n, only, out_name)
+    write(runs, n, only, out_name, args.policy)
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -373,7 +383,7 @@ def figure(run: dict, work: str) -> float:
     return run[work]["makespan_s"] if work in STEPS else run[work]["goodput_rps"]
 
 
-def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: str) -> None:
+def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: str, policy: str) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
     statics = {k: v for k, v in runs.items() if k.startswith("static")}
@@ -396,6 +406,7 @@ def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: 
         "engines": engines,
         "repeats": len(planner),
         "profile": PROFILE,
+        "router_policy": policy,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(
@@ -410,7 +421,7 @@ def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: 
 
     lines = [
         f"{engines} engines ({PROFILE['sim-profile']}, max-running-requests {PROFILE['max-running-requests']}, "
-        f"stream-interval {PROFILE['stream-interval']}); {len(planner)} run(s) per figure"
+        f"stream-interval {PROFILE['stream-interval']}), router policy {policy}; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")
         + ".",
         "",
