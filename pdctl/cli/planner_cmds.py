@@ -39,8 +39,9 @@ def planner(
     `advise` mode it says what it would do and why, and changes nothing. Only engines of
     `role_switch` groups move; it never goes below the topology's planner.min_prefill/min_decode,
     never switches while a weight update or a framework's pause holds the fleet, and waits
-    planner.cooldown_secs after each switch (unless the load turned against it: a whole batch
-    queued per engine at the role it took from, and none at the other, moves back at once).
+    planner.cooldown_secs after each switch, except that a whole batch queued per engine at the
+    role it took from, and none at the other, moves back at once, and a move whose next reading
+    agrees (the role it took from idle, the balance further that way) goes on at once.
     Each decision is printed and kept in the cluster's planner.jsonl (`--history`, `pdctl
     status`, `pdctl top`) and counted by the router (pdctl_planner_decisions_total). Settings:
     the topology's `planner:` section.
