@@ -40,7 +40,8 @@ the usual rules would still hold the next move back), both after a move the queu
   so two turns never follow each other. A short phase ends that way (the 8-engine 30 s trace
   moved a decode to prefill 2.4 s before its prompts turned short and its answers long, and then
   waited two intervals and the cooldown with 48 requests queued at its one decode); no noise
-  queues a whole batch per engine on one side only.
+  queues a whole batch per engine on one side only. With no balance learned yet a turn moves up
+  to ``MOVE_SHARE`` of the fleet, not one engine.
 - **the last move goes on**: the role it moved engines to is still the bottleneck, the role it
   took them from idles (decodes under half their slots, their queue waiting for KV; prefills
   holding under one request each), and the split that balances both roles at their learned
@@ -403,7 +404,7 @@ class RolePlanner:
             return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
         # (to decode on a turn, prefills seen as decodes before need no graph capture: see _how_many)
         captured = sum(1 for e in movable if e.captured) if short is Role.DECODE and turned else 0
-        count, sized = self._how_many(short, loads, split, len(movable), captured)
+        count, sized = self._how_many(short, loads, split, len(movable), captured, turned=bool(turned))
         while count > 1 and self._tried(_moved(split, short, count), obs):
             count -= 1  # (a split it measured as no better is not a target either)
         picks = _cheapest(movable, short)[:count]
@@ -411,7 +412,12 @@ class RolePlanner:
             figures["balanced_prefills"] = sized
             names = ", ".join(e.id for e in picks)
             moved = _moved(split, short, count)
-            why = f"{why}: {names} move to {short} ({moved[0]}:{moved[1]} balances the two roles at their capacities)"
+            how = (
+                "balances the two roles at their capacities"
+                if sized is not None
+                else "is as far as a turn moves at once without a balance"
+            )
+            why = f"{why}: {names} move to {short} ({moved[0]}:{moved[1]} {how})"
             more = tuple(e.id for e in picks[1:])
             return Decision(Action.SWITCH, why, picks[0].id, short, figures, more, reversible=not turned)
         why = f"{why}: {picks[0].id} moves to {short}"
@@ -543,7 +549,14 @@ class RolePlanner:
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
 
     def _how_many(
-        self, short: Role, loads: Mapping[Role, RoleLoad], split: tuple[int, int], movable: int, captured: int = 0
+        self,
+        short: Role,
+        loads: Mapping[Role, RoleLoad],
+        split: tuple[int, int],
+        movable: int,
+        captured: int = 0,
+        *,
+        turned: bool = False,
     ) -> tuple[int, int | None]:
         """How many engines move to ``short`` at once, and the balanced split's prefill count:
         toward the split that serves the interval's workload best with both roles at their learned
@@ -556,8 +569,14 @@ class RolePlanner:
         through a capture, while three such prefills could have gone at once). Only on a turn: in
         an agentic step's tail a short decode queue moved four captured prefills at once (6:2 ->
         2:6), and the next step's burst took two decisions to move them back (0.88x, from 0.99x).
-        One, as ever, while a capacity or the interval's mix is not known, or when the balance
-        says the fleet is there already but the queues say otherwise (the queues win)."""
+        One while a capacity or the interval's mix is not known (or under the latency objective),
+        except on a turn (``turned``), which then moves up to ``MOVE_SHARE`` of the fleet (not the
+        captured prefills past it: with no balance, nothing says how far): a whole batch queued per
+        engine on one side and none on the other is no reading to go one engine at a time on (at 8
+        engines a turn with no balance learned yet moved one decode back of the three the phase
+        before had taken, and the next came a cooldown later: 8 s of a 25 s phase at 7:1 and 6:2).
+        One, too, when the balance says the fleet is there already but the queues say otherwise
+        (the queues win)."""
         donor = other(short)
         load = loads[donor]
         fleet = sum(role_load.engines for role_load in loads.values())
@@ -569,11 +588,14 @@ class RolePlanner:
             and load.tokens_per_s * load.engines / (load.engines - most) > (DONOR_HEADROOM * capacity)
         ):
             most -= 1
-        if self.config.objective is Objective.LATENCY or most <= 1:
+        if most <= 1:
             return 1, None
+        blind = min(most, move_bound(fleet)) if turned else 1  # (no balance to say how far: the bound)
+        if self.config.objective is Objective.LATENCY:
+            return blind, None
         best = self.balanced_prefills(loads)
         if best is None:
-            return 1, None
+            return blind, None
         want = best - split[0] if short is Role.PREFILL else split[0] - best
         return max(1, min(most, want)), best
 

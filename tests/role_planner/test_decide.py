@@ -180,6 +180,15 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     turned = planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16))
     assert turned.action is Action.SWITCH and turned.to_role is D, turned
     assert "turned against the last move (to prefill): 48 waiting per decode" in turned.reason
+    # with no balance learned yet it moves the bound (a quarter of 8), not one engine: on the sim as
+    # SGLang schedules PD, one back of three left 6:2 for a cooldown more, 8 s of a 25 s phase
+    assert len(turned.engines) == 2 and "5:3 is as far as a turn moves at once without a balance" in turned.reason
+    # ...not the captured prefills past the bound (with no balance nothing says how far)
+    warm = fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)
+    warm = Observation(12, tuple(replace(e, captured=True) for e in warm.engines))
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
+    planner.switched(10, P)
+    assert len(planner.decide(warm).engines) == 2
     # a queue under a batch per decode: the streak and the cooldown as before
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, P)
