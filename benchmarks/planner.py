@@ -202,13 +202,20 @@ async def trace(url: str, seed: int, phases: list[tuple[int, int, int]], clients
                 phase, ids, out = queue.pop()
                 if phase == len(phase_starts):
                     phase_starts.append(time.time())
-                results.append(await one(session, url, ids, out))
+                results.append({**await one(session, url, ids, out), "phase": phase})
 
         start = time.monotonic()
         await asyncio.gather(*(client() for _ in range(clients)))
         took = time.monotonic() - start
     good = [r for r in results if r["status"] == 200 and r["ttft"] <= TTFT_SECS and r["itl"] <= ITL_SECS]
     failed = [r for r in results if r["status"] != 200]
+    misses = [  # per phase: requests past each target (one request may miss both)
+        {
+            "ttft": sum(1 for r in results if r["phase"] == k and r["ttft"] > TTFT_SECS),
+            "itl": sum(1 for r in results if r["phase"] == k and r["itl"] > ITL_SECS),
+        }
+        for k in range(len(phases))
+    ]
     return {
         "goodput_rps": len(good) / took,
         "secs": took,
@@ -216,6 +223,7 @@ async def trace(url: str, seed: int, phases: list[tuple[int, int, int]], clients
         "requests": len(results),
         "failed": len(failed),
         "phase_starts": phase_starts,
+        "misses": misses,
     }
 
 
@@ -446,6 +454,9 @@ def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: 
                 f"and switched) {told} after the phase's first request (two intervals are 4 s; a decision needs "
                 "`sustain` = 2 of them, then the drain)."
             )
+    for work in only:
+        if work in TRACES and len(TRACES[work]) == 2 and len(statics) > 1:
+            lines.append(phase_ceiling(statics, work, med["planner"][work]))
     if "bare" in runs and "steady" in only:
         bare = statistics.median(r["steady"]["goodput_rps"] for r in runs["bare"])
         beside = med[f"static 1:{engines - 1}"]["steady"] if f"static 1:{engines - 1}" in med else None
@@ -457,6 +468,32 @@ def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: 
             )
     (RESULTS / f"{out_name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def phases_secs(run: dict) -> tuple[float, float]:
+    """A two-phase trace's seconds from its first request to the second phase's first, and from
+    there to the end (the second phase's tail included)."""
+    first, second = run["phase_starts"]
+    return second - first, run["secs"] - (second - first)
+
+
+def phase_ceiling(statics: dict[str, list[dict]], work: str, planner_goodput: float) -> str:
+    """The most any split that changes at the phase turn could gain over the best static one in
+    raw requests/s: each phase at its fastest static split, switched at once and for free (the
+    medians of each split's phase times), against the fastest static split over the whole
+    trace. A bound from the static rows alone, so a planner's figure can be read against it."""
+    times = {name: [phases_secs(r[work]) for r in runs] for name, runs in statics.items()}
+    med = {name: tuple(statistics.median(t[k] for t in ts) for k in (0, 1)) for name, ts in times.items()}
+    fastest = {k: min(med, key=lambda name: med[name][k]) for k in (0, 1)}
+    whole = min(med, key=lambda name: sum(med[name]))
+    ideal = med[fastest[0]][0] + med[fastest[1]][1]
+    return (
+        f"  {TITLES[work].split(' (')[0]}: each phase at its fastest static split ({fastest[0]} "
+        f"{med[fastest[0]][0]:.1f} s, then {fastest[1]} {med[fastest[1]][1]:.1f} s), switched at once and for "
+        f"free, would take {ideal:.1f} s against {whole}'s {sum(med[whole]):.1f} s: at most "
+        f"{sum(med[whole]) / ideal:.2f}x in raw requests/s over the best static split (the planner's goodput "
+        f"{planner_goodput:.2f} req/s)."
+    )
 
 
 if __name__ == "__main__":

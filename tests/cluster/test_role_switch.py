@@ -533,7 +533,7 @@ def test_an_apply_of_two_switches_interrupted_at_each_phase_strands_nothing(clus
     st = _status(env)
     router = next(p["url"] for p in st["processes"] if p["role"] == "router")
     pids = _pids(st)
-    body = {"text": "long", "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}
     phases = [
         (signal.SIGINT, "out of rotation ahead of its switch"),
         (signal.SIGHUP, "switching to prefill"),
@@ -542,7 +542,7 @@ def test_an_apply_of_two_switches_interrupted_at_each_phase_strands_nothing(clus
     for sig, at in phases:
         st = _status(env)
         decodes = [p["url"] for p in st["processes"] if p["role"] == "decode"]
-        with cf.ThreadPoolExecutor(6) as pool:  # (round robin: two on each decode, about 15 s each)
+        with cf.ThreadPoolExecutor(6) as pool:  # (round robin: two on each decode, about 6 s each)
             long = [pool.submit(post, router + "/generate", body, timeout=300) for _ in range(6)]
             for url in decodes:
                 eventually(lambda u=url: _running(u, name, env), 60, interval=0.02, what=f"{url} busy")
