@@ -110,11 +110,8 @@ class KVStore:
 
     def bootstrap(self, room: int) -> None:
         """A decode asked for ``room``: it holds the room's slot, so its prompt may start here
-        (wakes ``wait_bootstrap``). Handshakes older than SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
-        whose prompt never came are dropped."""
-        limit = time.monotonic() - bootstrap_timeout_secs()
-        for stale in [r for r, t in self.bootstrapped.items() if t < limit]:
-            del self.bootstrapped[stale]
+        (wakes ``wait_bootstrap``). A handshake whose prompt never came goes with the stale KV
+        entries (``_expire``)."""
         self.bootstrapped.setdefault(room, time.monotonic())
         event = self.boot_waiters.pop(room, None)
         if event is not None:
@@ -147,9 +144,12 @@ class KVStore:
             event.set()
 
     def _expire(self) -> None:
+        """Drop KV entries and handshakes older than SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (on each put)."""
         limit = time.monotonic() - bootstrap_timeout_secs()
         for room in [r for r, (t, _) in self.entries.items() if t < limit]:
             del self.entries[room]
+        for room in [r for r, t in self.bootstrapped.items() if t < limit]:
+            del self.bootstrapped[room]
 
     async def take(self, room: int, wait_secs: float) -> KVPayload | str | None:
         """Remove and return ``room``'s entry, waiting up to ``wait_secs`` for it to be put; None when it does not come

@@ -71,6 +71,14 @@ class RequestQueues:
         # they are being started (outside the lock) would otherwise take their slot too.
         return len(self.running) + len(self.admitting) + self.reserved
 
+    def room_for(self, reserved: bool, admitted: int = 0) -> bool:
+        """Whether one more request may start beside ``admitted`` already taken this round: one
+        that holds a ``reserved`` slot of the pool needs a running slot only; any other, a slot of
+        ``capacity`` counting reservations too. Caller holds ``cond``."""
+        if reserved:
+            return len(self.running) + admitted < self.capacity
+        return self.used() + admitted < self.capacity
+
     def started(self, req: Request) -> None:
         """Move ``req`` from admitting to running (its prefill ran, or it ended while starting):
         a finished one is reaped next iteration, keeping slots dense."""

@@ -142,9 +142,7 @@ class Scheduler:
                 req.queued = False
                 q.stale -= 1
                 continue
-            if req.reserved and len(q.running) + len(admit) >= q.capacity:
-                break  # it holds a slot of the pool, but runs only in one of the ``capacity`` running ones
-            if not req.reserved and q.used() + len(admit) >= q.capacity:
+            if not q.room_for(req.reserved, len(admit)):
                 break
             if self._kv.costed is not None:
                 profile = self._kv.costed.profile
@@ -171,8 +169,7 @@ class Scheduler:
         if self._control.blocked:
             return any(r.finished for r in q.running)
         head = q.waiting[0] if q.waiting else None
-        room = len(q.running) < q.capacity if head is not None and head.reserved else q.used() < q.capacity
-        can_admit = head is not None and (head.finished or room)
+        can_admit = head is not None and (head.finished or q.room_for(head.reserved))
         return bool(q.running) or can_admit
 
     def _reap(self) -> None:
