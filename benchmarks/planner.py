@@ -29,6 +29,9 @@ the 2-core machine's CPU out of the figures: benchmarks/results/sim_fleet.md):
     that leaves. The figure is goodput: requests within TTFT <= 3 s and mean ITL <= 60 ms per
     second of the trace; and the planner's reaction: seconds from each phase's first request
     to its first switch toward that phase's bottleneck.
+(b') **The same two traces with 48 clients** (``shifting_full``, ``shifting_full_long``): with 32,
+    the long-answer half asks for exactly the even split's decode slots, so only its long-prompt
+    half can gain from a move; with 48 each half wants more of its role than the even split has.
 (c) **A steady trace** (the second half's mix throughout, 240 requests): goodput again; the planner
     should hold the best split and not lose to it.
 
@@ -37,7 +40,8 @@ mode beside it: on this 2-core machine the planner's sampling (five samples of e
 interval) takes CPU the sim engines and the router need, which on GPUs it would not; an advise
 planner samples the same and changes nothing, so every row pays the same. The steady trace once
 more on a bare 1:N-1 shows what that costs here. The planner starts from the even split in act
-mode (interval 2 s, cooldown 6 s, sustain 2) and goes on from wherever the last workload left it.
+mode (interval 2 s, cooldown 6 s, sustain 2), each workload anew, as each static row runs each from
+its split (``--planner-start goes-on``: one planner through them all, from wherever the last left it).
 ``--repeats R`` runs every configuration's workloads R times in turn (a row each time) and reports
 each figure's median and range. Goals (issue 58): on the shifting workloads the planner >= 1.1x the
 best static split; on the steady one >= 0.95x.
@@ -230,17 +234,41 @@ async def trace(url: str, seed: int, phases: list[tuple[int, int, int]], clients
 SHIFT = [(320, 4000, 16), (320, 100, 300)]
 LONG_SHIFT = [(960, 4000, 16), (960, 100, 300)]
 STEADY = [(240, 100, 300)]
-TRACES = {"shifting": SHIFT, "shifting_long": LONG_SHIFT, "steady": STEADY}
+TRACES = {
+    "shifting": SHIFT,
+    "shifting_long": LONG_SHIFT,
+    "steady": STEADY,
+    "shifting_full": SHIFT,
+    "shifting_full_long": LONG_SHIFT,
+}
 """Each trace's phases at 4 engines (requests, prompt tokens, output tokens); the requests grow with the fleet."""
+CLIENTS = {"shifting_full": 48, "shifting_full_long": 48}
+"""Each trace's closed-loop clients at 4 engines (32 unless named here); they grow with the fleet.
+With 32, the long-answer half asks for exactly the even split's decode slots (2 decodes x 16
+running), so no split with more decodes serves it faster and no planner can gain there (the
+``phase_ceiling`` line of the results before this one: at most 1.09x at 8 engines). The *full*
+traces send 48: one and a half times the even split's slots, so the long-answer half wants
+decodes past the even split as the long-prompt half wants prefills past it (a fleet sized for its
+load, as serving fleets are, whose mix turns)."""
 STEPS = {"rl_step": rl_steps, "agentic_step": agentic_steps}
 WORKLOADS = [*STEPS, *TRACES]
-GOALS = {"rl_step": 1.1, "agentic_step": 1.1, "shifting": 1.1, "shifting_long": 1.1, "steady": 0.95}
+GOALS = {
+    "rl_step": 1.1,
+    "agentic_step": 1.1,
+    "shifting": 1.1,
+    "shifting_long": 1.1,
+    "steady": 0.95,
+    "shifting_full": 1.1,
+    "shifting_full_long": 1.1,
+}
 TITLES = {
     "rl_step": "RL step makespan (s)",
     "agentic_step": "agentic RL step makespan (s)",
     "shifting": "shifting trace, 30 s phases (req/s)",
     "shifting_long": "shifting trace, 90 s phases (req/s)",
     "steady": "steady trace (req/s)",
+    "shifting_full": "shifting trace, 48 clients, 30 s phases (req/s)",
+    "shifting_full_long": "shifting trace, 48 clients, 90 s phases (req/s)",
 }
 
 
@@ -260,7 +288,8 @@ def workloads(
         if name in STEPS:
             out[name] = asyncio.run(announced_steps(url, control_key, STEPS[name](seed, scale)))
         else:
-            out[name] = asyncio.run(trace(url, seed=seed, phases=scaled(TRACES[name], scale), clients=32 * scale))
+            clients = CLIENTS.get(name, 32) * scale
+            out[name] = asyncio.run(trace(url, seed=seed, phases=scaled(TRACES[name], scale), clients=clients))
         print(f"  {name}: {json.dumps(out[name])}", flush=True)
         after()
     return out
@@ -296,6 +325,14 @@ def main() -> None:
         default="round_robin",
         help="the router's policy for both roles (default round_robin, as every committed result before it; "
         "power_of_two sends a queue built at an engine before a move no more until the others catch up)",
+    )
+    parser.add_argument(
+        "--planner-start",
+        choices=["even", "goes-on"],
+        default="even",
+        help="the planner row: each workload from the even split with a new planner, as each static row runs "
+        "each from its split (default), or all in turn with one planner from wherever the last left the fleet "
+        "(every committed result before 2026-12-03 evening)",
     )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
@@ -348,8 +385,16 @@ def main() -> None:
                 for d in recent_decisions(StateStore(home), NAME, KEEP_DECISIONS):
                     into[(d["at"], d.get("engine"), d.get("outcome"))] = d
 
-            with planner_beside("act", work, env):
-                row = workloads(url, control_key, n, only, after=collect)
+            if args.planner_start == "goes-on":
+                with planner_beside("act", work, env):
+                    row = workloads(url, control_key, n, only, after=collect)
+            else:  # each workload from the even split, with a planner that has seen none of the others
+                row = {}
+                for name in only:
+                    set_split(n // 2, home, env)
+                    with planner_beside("act", work, env):
+                        row.update(workloads(url, control_key, n, [name]))
+                    collect()
             collect()
             switched = sorted(
                 (d for d in decided.values() if d["at"] >= started and (d.get("outcome") or "").startswith("switched")),
@@ -365,7 +410,7 @@ def main() -> None:
             (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(runs, n, only, out_name, args.policy)
+    write(runs, n, only, out_name, args.policy, args.planner_start)
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -373,12 +418,12 @@ def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
     first switch toward the phase's bottleneck (prefill for long prompts, decode for long answers;
     a decision is recorded once its switch is done); None when none was made in the phase."""
     out: dict[str, list[float | None]] = {}
-    for name in ("shifting", "shifting_long"):
-        if name not in row:
+    for name, phases in TRACES.items():
+        if name not in row or len(phases) != 2:
             continue
         starts = row[name]["phase_starts"]
         ends = [*starts[1:], starts[0] + row[name]["secs"]]
-        toward = [("prefill" if prompt > out_tokens else "decode") for _, prompt, out_tokens in TRACES[name]]
+        toward = [("prefill" if prompt > out_tokens else "decode") for _, prompt, out_tokens in phases]
         out[name] = [
             next((d["at"] - start for d in switched if start <= d["at"] < end and d["to_role"] == role), None)
             for start, end, role in zip(starts, ends, toward, strict=True)
@@ -391,7 +436,9 @@ def figure(run: dict, work: str) -> float:
     return run[work]["makespan_s"] if work in STEPS else run[work]["goodput_rps"]
 
 
-def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: str, policy: str) -> None:
+def write(
+    runs: dict[str, list[dict]], engines: int, only: list[str], out_name: str, policy: str, planner_start: str
+) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
     statics = {k: v for k, v in runs.items() if k.startswith("static")}
@@ -415,6 +462,7 @@ def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: 
         "repeats": len(planner),
         "profile": PROFILE,
         "router_policy": policy,
+        "planner_start": planner_start,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(
@@ -429,7 +477,9 @@ def write(runs: dict[str, list[dict]], engines: int, only: list[str], out_name: 
 
     lines = [
         f"{engines} engines ({PROFILE['sim-profile']}, max-running-requests {PROFILE['max-running-requests']}, "
-        f"stream-interval {PROFILE['stream-interval']}), router policy {policy}; {len(planner)} run(s) per figure"
+        f"stream-interval {PROFILE['stream-interval']}), router policy {policy}; the planner "
+        + ("starts each workload from the even split" if planner_start == "even" else "goes on through the workloads")
+        + f"; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")
         + ".",
         "",
