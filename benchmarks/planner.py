@@ -330,9 +330,10 @@ def main() -> None:
     parser.add_argument(
         "--min-per-role",
         type=int,
-        default=1,
-        help="the planner's min_prefill and min_decode (default 1; at 8 engines 2 keeps it off 7:1 and 1:7, where a "
-        "lone engine of a role holds the queue a turn of the mix leaves)",
+        default=None,
+        help="the planner's min_prefill and min_decode (default: unset, the planner's reserve of a quarter of the "
+        "fleet per role, 1 at 4 engines and 2 at 8; every committed result before 2026-12-04 ran with 1 unless "
+        "it says otherwise)",
     )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
@@ -361,8 +362,7 @@ def main() -> None:
             "interval_secs": 2,
             "cooldown_secs": 6,
             "sustain": 2,
-            "min_prefill": args.min_per_role,
-            "min_decode": args.min_per_role,
+            **({} if args.min_per_role is None else dict.fromkeys(("min_prefill", "min_decode"), args.min_per_role)),
         },
     }
     (work / "t.yaml").write_text(yaml.safe_dump(topo))
@@ -450,7 +450,7 @@ def write(
     out_name: str,
     policy: str,
     planner_start: str,
-    min_per_role: int,
+    min_per_role: int | None,
 ) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
@@ -493,7 +493,12 @@ def write(
         f"{engines} engines ({PROFILE['sim-profile']}, max-running-requests {PROFILE['max-running-requests']}, "
         f"stream-interval {PROFILE['stream-interval']}), router policy {policy}; the planner "
         + ("starts each workload from the even split" if planner_start == "even" else "goes on through the workloads")
-        + f", at least {min_per_role} engine(s) per role; {len(planner)} run(s) per figure"
+        + (
+            f", at least {min_per_role} engine(s) per role"
+            if min_per_role is not None
+            else f", at least {max(1, engines // 4)} engine(s) per role (the planner's default reserve)"
+        )
+        + f"; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")
         + ".",
         "",

@@ -37,7 +37,8 @@ def planner(
     boundary a trainer announces (`pdctl.step_hint.announce_step`, POST /pdctl/step on the router)
     may move a decode to prefill ahead of the burst. In
     `advise` mode it says what it would do and why, and changes nothing. Only engines of
-    `role_switch` groups move; it never goes below the topology's planner.min_prefill/min_decode,
+    `role_switch` groups move; it never goes below the topology's planner.min_prefill/min_decode
+    (unset: a quarter of the PD engines each, one at least),
     never switches while a weight update or a framework's pause holds the fleet, and waits
     planner.cooldown_secs after each switch, except that a whole batch queued per engine at the
     role it took from, and none at the other, moves back at once, and a move whose next reading

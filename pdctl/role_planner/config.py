@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdctl.choices import Choice
+from pdctl.roles import Role
 
 
 class PlannerMode(Choice):
@@ -39,8 +40,10 @@ class PlannerConfig:
     """The latency objective's TTFT target (p50 over an interval, as the decodes measure it)."""
     itl_ms: float | None = None
     """The latency objective's ITL target (p50 over an interval)."""
-    min_prefill: int = 1
-    min_decode: int = 1
+    min_prefill: int | None = None
+    """The fewest prefills it leaves; None: ``reserve(fleet)``."""
+    min_decode: int | None = None
+    """The fewest decodes it leaves; None: ``reserve(fleet)``."""
     interval_secs: float = 10.0
     """How often it samples and decides."""
     cooldown_secs: float = 30.0
@@ -59,13 +62,19 @@ class PlannerConfig:
             objective=Objective(raw.get("objective", Objective.THROUGHPUT.value)),
             ttft_ms=raw.get("ttft_ms"),
             itl_ms=raw.get("itl_ms"),
-            min_prefill=int(raw.get("min_prefill", 1)),
-            min_decode=int(raw.get("min_decode", 1)),
+            min_prefill=_count(raw.get("min_prefill")),
+            min_decode=_count(raw.get("min_decode")),
             interval_secs=float(raw.get("interval_secs", 10.0)),
             cooldown_secs=float(raw.get("cooldown_secs", 30.0)),
             sustain=int(raw.get("sustain", 2)),
             backlog=float(raw.get("backlog", 1.0)),
         )
+
+    def minimum(self, role: Role, fleet: int) -> int:
+        """The fewest engines ``role`` keeps in a fleet of ``fleet`` PD engines: its ``min_*`` when
+        set, else ``reserve(fleet)``; one at least."""
+        set_to = self.min_prefill if role is Role.PREFILL else self.min_decode
+        return max(1, set_to if set_to is not None else reserve(fleet))
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain JSON values, which ``from_dict`` reads back."""
@@ -81,3 +90,18 @@ class PlannerConfig:
             "sustain": self.sustain,
             "backlog": self.backlog,
         }
+
+
+def reserve(fleet: int) -> int:
+    """The fewest engines per role when the topology sets none: a quarter of the fleet's PD
+    engines, one at least (4 engines: 1; 8: 2; 16: 4). Why not one: at 8 engines a planner allowed
+    down to one decode went 6:2 -> 7:1 in a long-prompt phase, and when the answers turned long
+    its lone decode held the 76 requests the turn left, as it did at 1:7 the other way; kept to two
+    per role it made 1.29x the best static split on the 90 s shifting trace instead of 1.14x, and
+    0.80x instead of 0.57x on the 30 s one (benchmarks/results/planner_8_full*.md). The queue a
+    turn leaves grows with the clients, which grow with the fleet, so the reserve does too."""
+    return max(1, fleet // 4)
+
+
+def _count(value: Any) -> int | None:
+    return None if value is None else int(value)

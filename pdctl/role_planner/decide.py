@@ -312,9 +312,10 @@ class RolePlanner:
         carries over from one workload's steps to another's."""
         self.last_at: float | None = None
 
-    def minimum(self, role: Role) -> int:
-        """The fewest engines ``role`` may keep (``min_prefill`` for prefill, else ``min_decode``)."""
-        return self.config.min_prefill if role is Role.PREFILL else self.config.min_decode
+    def minimum(self, role: Role, fleet: int) -> int:
+        """The fewest engines ``role`` may keep in a fleet of ``fleet`` PD engines
+        (``PlannerConfig.minimum``: ``min_prefill``/``min_decode``, or the reserve)."""
+        return self.config.minimum(role, fleet)
 
     def recall(self, entries: Sequence[Mapping[str, Any]], now_wall: float, now: float) -> None:
         """Take back what an earlier run of this cluster's planner learned (its recorded decisions,
@@ -389,10 +390,9 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         donor = other(short)
         load = loads[donor]
-        if load.engines - 1 < self.minimum(donor):
-            return Decision(
-                Action.STAY, f"{why}; the {donor}s are at their minimum ({self.minimum(donor)})", figures=figures
-            )
+        floor = self.minimum(donor, sum(split))
+        if load.engines - 1 < floor:
+            return Decision(Action.STAY, f"{why}; the {donor}s are at their minimum ({floor})", figures=figures)
         refusal = self._donor_refuses(donor, load, obs)
         if refusal:
             return Decision(Action.STAY, f"{why}; {refusal}", figures=figures)
@@ -480,7 +480,7 @@ class RolePlanner:
         cooling = self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs
         if cooling and balance is None:
             return Decision(Action.STAY, f"{why}; cooling down after the last switch", figures=figures)
-        if loads[donor].engines - 1 < self.minimum(donor):
+        if loads[donor].engines - 1 < self.minimum(donor, sum(split)):
             return Decision(Action.STAY, f"{why}; the {donor}s are at their minimum", figures=figures)
         if donor is Role.DECODE:
             busy = decode.waiting >= self.config.backlog / 2 or (decode.slot_use or 0.0) >= WINDING_DOWN
@@ -491,7 +491,7 @@ class RolePlanner:
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
             return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
-        most = min(len(movable), loads[donor].engines - self.minimum(donor), move_bound(sum(split)))
+        most = min(len(movable), loads[donor].engines - self.minimum(donor, sum(split)), move_bound(sum(split)))
         picks = _cheapest(movable, to)[: max(1, min(count, most))]
         names = ", ".join(e.id for e in picks)
         moves = "moves" if len(picks) == 1 else "move"
@@ -580,7 +580,7 @@ class RolePlanner:
         donor = other(short)
         load = loads[donor]
         fleet = sum(role_load.engines for role_load in loads.values())
-        most = min(movable, load.engines - self.minimum(donor), max(move_bound(fleet), captured))
+        most = min(movable, load.engines - self.minimum(donor, fleet), max(move_bound(fleet), captured))
         capacity = self.capacity.get(donor)
         while (
             capacity
@@ -616,7 +616,7 @@ class RolePlanner:
 
     def _within(self, n: int, prefills: int) -> bool:
         """Whether ``prefills`` of ``n`` engines keeps both roles at their minimums (one at least)."""
-        return max(1, self.config.min_prefill) <= prefills <= n - max(1, self.config.min_decode)
+        return self.minimum(Role.PREFILL, n) <= prefills <= n - self.minimum(Role.DECODE, n)
 
     def _best_prefills(self, n: int, served: Callable[[int], float], near: int) -> int | None:
         """The prefill count, within the minimums, whose split ``served`` best; the nearest to

@@ -443,12 +443,13 @@ def _planner(top: Topology) -> list[Issue]:
             )
         )
     engines = sum(g.replicas for g in top.groups if g.role in (Role.PREFILL, Role.DECODE))
-    if planner.min_prefill + planner.min_decode > engines:
+    low_prefill, low_decode = planner.minimum(Role.PREFILL, engines), planner.minimum(Role.DECODE, engines)
+    if low_prefill + low_decode > engines:
         out.append(
             Issue(
                 "planner.min_prefill",
-                f"min_prefill {planner.min_prefill} + min_decode {planner.min_decode} is more than the fleet's "
-                f"{engines} PD engines",
+                f"min_prefill {low_prefill} + min_decode {low_decode} is more than the fleet's {engines} PD engines"
+                + ("" if None not in (planner.min_prefill, planner.min_decode) else " (unset: a quarter of them)"),
                 hint="lower the minimums",
             )
         )

@@ -7,7 +7,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.role_planner.config import Objective, PlannerConfig, PlannerMode
+from pdctl.role_planner.config import Objective, PlannerConfig, PlannerMode, reserve
 from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner, SplitRecord
 from pdctl.roles import Role
 
@@ -29,6 +29,9 @@ def fleet(
 
 
 CONFIG = PlannerConfig(interval_secs=10, cooldown_secs=30, sustain=2)
+ONE_EACH = {"min_prefill": 1, "min_decode": 1}
+"""The minimums a test sets when its point is the balance or a move's size at 8 engines, not the
+reserve (by default a quarter of the fleet: 2 at 8 engines)."""
 
 
 def test_a_decode_backlog_moves_the_idlest_prefill_after_two_intervals() -> None:
@@ -251,7 +254,7 @@ def test_a_move_the_next_reading_agrees_with_goes_on_at_once() -> None:
     cooldown hold as before."""
 
     def learned(**config) -> RolePlanner:
-        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2, **config))
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2, **{**ONE_EACH, **config}))
         planner.capacity.update({P: 30_000, D: 2_300})
         return planner
 
@@ -439,7 +442,7 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
         return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
 
     def after_one_step(split: tuple[int, int], secs: float = 12, cooldown: float = 0) -> RolePlanner:
-        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=cooldown))
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=cooldown, **ONE_EACH))
         planner.decide(obs(0, split, 0, 0, 0, backlog=True))  # both capacities
         first = planner.decide(obs(2, split, 1, 1_000_000, 128))  # sized by the prefill alone
         assert "last step" not in first.reason, first
@@ -679,6 +682,21 @@ def test_a_long_answer_phase_moves_two_prefills_back_and_a_balanced_fleet_moves_
     assert _learned(30_000, 2_300).decide(queued).engines == ("prefill-0",)
 
 
+def test_unset_minimums_keep_a_quarter_of_the_fleet_in_each_role() -> None:
+    """With no min_prefill/min_decode, each role keeps a quarter of the fleet (one at least): a
+    long-prompt burst at 8 engines takes the decodes down to 2, not 1 (at 7:1 a benchmark's lone
+    decode held the 76 requests the turn to long answers left); at 4 engines to 1; a minimum that
+    is set wins."""
+    burst = fleet(0, [(40, 29_000)] * 6, [(0, 47)] * 2)
+    assert _learned(30_000, 2_300).decide(burst).action is Action.STAY
+    assert "the decodes are at their minimum (2)" in _learned(30_000, 2_300).decide(burst).reason
+    assert _learned(30_000, 2_300, min_decode=1).decide(burst).to_role is P
+    small = fleet(0, [(40, 29_000)] * 2, [(0, 47)] * 2)
+    assert _learned(30_000, 2_300).decide(small).to_role is P
+    assert _learned(30_000, 2_300).decide(fleet(0, [(40, 29_000)] * 3, [(0, 47)])).action is Action.STAY
+    assert [reserve(n) for n in (2, 4, 7, 8, 12, 16)] == [1, 1, 1, 2, 3, 4]
+
+
 def test_a_move_of_several_keeps_the_donors_minimum() -> None:
     obs = fleet(0, [(28, 29_000)], [(0, 47), (0, 47), (0, 47)])
     assert len(_learned(30_000, 2_300).decide(obs).engines) == 2
@@ -690,12 +708,12 @@ def test_a_move_at_8_engines_is_at_most_a_quarter_of_the_fleet() -> None:
     interval's 1:7 again: at 8 engines such swings drained six engines a move (planner_8.md). Two
     move; the balance is still named, so the next decision goes on toward it."""
     obs = fleet(0, [(28, 29_000)], [(0, 47)] * 7)
-    decision = _learned(30_000, 2_300).decide(obs)
+    decision = _learned(30_000, 2_300, **ONE_EACH).decide(obs)
     assert decision.to_role is P and len(decision.engines) == 2 and decision.figures["balanced_prefills"] == 7
     # back to decode, prefills never seen as decodes (a capture each): two move
     cold = fleet(0, [(0, 230)] * 7, [(16, 2_054)])
     cold = Observation(0, tuple(replace(e, captured=e.role is D) for e in cold.engines))
-    decision = _learned(30_000, 2_300).decide(cold)
+    decision = _learned(30_000, 2_300, **ONE_EACH).decide(cold)
     assert decision.to_role is D and len(decision.engines) == 2, decision
 
 
@@ -711,7 +729,7 @@ def test_prefills_that_were_decodes_go_back_past_the_move_bound_in_one_decision(
     obs = Observation(0, tuple(replace(e, captured=e.role is D or e.id in warm) for e in obs.engines))
 
     def planner(moved_at: float) -> RolePlanner:
-        made = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=6))
+        made = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=6, **ONE_EACH))
         made.capacity.update({P: 30_000, D: 2_300})
         made.switched(moved_at, P)
         return made
@@ -722,7 +740,7 @@ def test_prefills_that_were_decodes_go_back_past_the_move_bound_in_one_decision(
     # no turn (the last move long ago): two, captured or not
     assert len(planner(-60).decide(obs).engines) == 2
     # a prefill burst is still bounded: two decodes to prefill, however many captured prefills there are
-    burst = _learned(30_000, 2_300).decide(fleet(0, [(28, 29_000)], [(0, 47)] * 7))
+    burst = _learned(30_000, 2_300, **ONE_EACH).decide(fleet(0, [(28, 29_000)], [(0, 47)] * 7))
     assert burst.to_role is P and len(burst.engines) == 2
 
 

@@ -315,3 +315,14 @@ def test_role_switch_groups_follow_sglangs_rules() -> None:
         "refuses the staging buffer with a runtime role switch",
     )
     checked(yaml_text(BASE + "prefill: {role_switch: true}\n" + decode % "env: {SGLANG_DISAGG_STAGING_BUFFER: '0'}"))
+
+
+def test_planner_minimums_must_leave_something_to_move() -> None:
+    """Minimums set, or left to the reserve (a quarter of the PD engines, one at least), that sum
+    past the fleet are refused; the message says when the reserve took part."""
+    pd = BASE + "prefill: {role_switch: true, replicas: 2}\ndecode: {role_switch: true, replicas: 2}\n"
+    checked(yaml_text(pd + "planner: {mode: act}\n"))
+    checked(yaml_text(pd + "planner: {mode: act, min_prefill: 3}\n"))  # 3 + the reserve's 1 = 4
+    one_error(pd + "planner: {mode: act, min_prefill: 4}\n", "min_prefill 4 + min_decode 1 is more than the fleet's 4")
+    one_error(pd + "planner: {mode: act, min_prefill: 4}\n", "(unset: a quarter of them)")
+    one_error(pd + "planner: {mode: act, min_prefill: 2, min_decode: 3}\n", "min_prefill 2 + min_decode 3")
