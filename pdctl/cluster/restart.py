@@ -317,12 +317,18 @@ class RouterControl:
         keys = load_keys(store or StateStore(), state.name)
         return cls(state.router_url or "", keys.control if keys else router_client_key(state), keys)
 
-    def cordon(self, worker_url: str, on: bool, *, wait: bool = True, reason: str = "pdctl restart") -> dict[str, Any]:
+    def cordon(
+        self, worker_url: str, on: bool, *, wait: bool = True, reason: str = "pdctl restart", handoff: bool = False
+    ) -> dict[str, Any]:
         """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises
         ``LifecycleError`` when the router does not do it. A cordon answers once the worker's
-        requests have finished (``wait``; up to ``DRAIN_TIMEOUT_SECS``), or at once."""
+        requests have finished (``wait``; up to ``DRAIN_TIMEOUT_SECS``), or at once; ``handoff``:
+        the PD requests that only wait at it are sent to other pairs instead (a role switch's
+        drain; pdctl.router.legs ``Legs.hand_off``)."""
         timeout = DRAIN_TIMEOUT_SECS if wait else 0
-        body = {"url": worker_url, "cordon": on, "reason": reason, "timeout_secs": timeout}
+        body: dict[str, Any] = {"url": worker_url, "cordon": on, "reason": reason, "timeout_secs": timeout}
+        if handoff:
+            body["handoff"] = True
         answer = self.client.post(self.url + CORDON_PATH, body)
         if isinstance(answer, CallFailure) or not isinstance(answer, dict):
             raise LifecycleError(

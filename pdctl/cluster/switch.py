@@ -236,7 +236,7 @@ def switch_engine(step: StepContext, old_id: str, engine: EngineSpec, process: L
     try:
         journal.begin(old_id, ChangeKind.SWITCH, url, (old_id,))
         events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")
-        router.cordon(url, True)
+        router.cordon(url, True, reason=f"pdctl {journal.command}: switching to {role}", handoff=True)
         journal.phase(StepPhase.CORDONED)
     except BaseException:  # (Ctrl-C during the drain) nothing changed: it serves on
         with interrupts_deferred():
@@ -498,4 +498,4 @@ def cordon_ahead(
     journal.cordon_ahead(urls, command)
     for engine_id, url in urls.items():
         events(engine_id, "out of rotation ahead of its switch: its requests finish while the one before it switches")
-        router.cordon(url, True, wait=False, reason=f"pdctl {command}: ahead of its switch")
+        router.cordon(url, True, wait=False, reason=f"pdctl {command}: ahead of its switch", handoff=True)

@@ -87,7 +87,12 @@ class RouterServer:
         self.push_routes = PushRoutes(self.transactions)
         self.holds = HoldRoutes(self.updates, self.registry, admission, self._client, self.transactions.holder.state)
         self.worker_api = WorkerApi(
-            config, self.registry, self.health_checks, self._client, self.transactions.holder.state
+            config,
+            self.registry,
+            self.health_checks,
+            self._client,
+            self.transactions.holder.state,
+            self.dispatcher.legs.hand_off,
         )
         self.registry.on_hung.append(self._hung)
         self._id_prefix = f"pdctl-{uuid.uuid4().hex[:12]}-"

@@ -123,6 +123,11 @@ class Attempts:
                 continue
             elif isinstance(outcome, Stop):
                 raise RouteError(outcome.status, outcome.code, outcome.message)
+            elif outcome.code == errors.HANDED_OFF:  # (no backoff, no budget: it waited at an engine now drained)
+                self.metrics.retried(outcome.code)
+                if not self.gate.is_open:
+                    await self.held_out_of_flight(tries, request)
+                continue
             over = await self._after(outcome, tries, request.headers)
             if over is not None:
                 return over

@@ -19,6 +19,10 @@ The rules (sglang-protocol.md 2.3, style.md R9):
   success for the circuit breaker;
 - a failure of a leg that a weight update interrupted (refit ``interrupt``: the engines abort
   what they run) is no fault of the worker: a busy ``Retry`` once the update is released;
+- an attempt still waiting at a worker that is being drained for a role switch (``hand_off``:
+  neither its prefill has answered nor its decode's answer or stream begun, so nothing reached
+  the client and no KV is at the decode) is taken back, both legs cancelled (the engines abort
+  them), and sent to another pair at once (``HANDED_OFF``);
 - prefill's ``input_token_logprobs`` are put in front of decode's only when asked for.
 
 Legs are driven by the upstream connections' callbacks (``Upstream.send`` and ``stream``): a
@@ -136,6 +140,8 @@ class Legs:
         self.grace_secs = PREFILL_GRACE_SECS
         self._graced: dict[PairAttempt, float] = {}  # attempts whose prefill the reply went out without
         self._grace_timer: asyncio.TimerHandle | None = None
+        self.undecided: set[PairAttempt] = set()
+        """PD attempts whose prefill has not answered and whose decode has not begun to (``hand_off``)."""
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -230,6 +236,17 @@ class Legs:
             return Retry(f"{worker.role} {worker.url} answered {leg.status}: {leg.body[:300]!r}", code, answer=answer)
         return None
 
+    def hand_off(self, worker: Worker) -> int:
+        """Take back the PD attempts that wait at ``worker`` (as its prefill or its decode) and have
+        made nothing yet: no prefill answer, no decode answer or stream (module docstring); each
+        is sent to another pair by its attempt loop. Returns how many. A switch's drain waited for
+        them: a prefill's queue for rooms at full decodes, a decode's for KV from backlogged
+        prefills (26 s of a 30 s phase in a benchmark run, for a move to decode)."""
+        pairs = [p for p in self.undecided if (p.prefill is worker or p.decode is worker) and p.waits_for_decode]
+        for pair in pairs:
+            pair.hand_off()
+        return len(pairs)
+
     def interrupted(self, leg: Leg) -> bool:
         """Whether a weight update began after ``leg`` was sent."""
         return leg.epoch is not None and self.gate.interrupted_since(leg.epoch)
@@ -293,6 +310,7 @@ class PairAttempt:
         "d_got",
         "decode",
         "epoch",
+        "handed",
         "headers",
         "legs",
         "opened",
@@ -312,14 +330,17 @@ class PairAttempt:
         self._d_send: Sending | None = None
         self._d_stream: StreamLeg | None = None
         self._kept = False
+        self.handed = False  # taken back by ``Legs.hand_off``
         self._wake: asyncio.Future[None] | None = None
         self._awaits = _NOTHING
+        legs.undecided.add(self)
         self._p = legs.claim(prefill)  # released when its answer is in, or by close (kept: within its grace)
         self._d = legs.claim(decode)  # released when its answer is in, its stream ends, or by close
         self._p_send: Sending | None = legs.send(self._p, path, wire, headers, self._prefill_answered)
 
     # -- the legs' answers (connection callbacks) ----------------------------------------------------
     def _prefill_answered(self, got: Response | BaseException) -> None:
+        self.legs.undecided.discard(self)
         self._p_send = None
         self._p.release()
         self.p_got = got
@@ -335,6 +356,7 @@ class PairAttempt:
             self._wake_up()
 
     def _decode_answered(self, got: Response | BaseException) -> None:
+        self.legs.undecided.discard(self)
         self._d_send = None
         self._d.release()
         self.d_got = got
@@ -342,6 +364,7 @@ class PairAttempt:
             self._wake_up()
 
     def _decode_opened(self, got: StreamLeg | Leg) -> None:
+        self.legs.undecided.discard(self)
         if isinstance(got, StreamLeg):
             self.opened = got
         else:
@@ -362,6 +385,23 @@ class PairAttempt:
         """The decode's answer as a Leg; None until it has one."""
         got = self.d_got
         return got if got is None or isinstance(got, Leg) else Leg.of(got, self.epoch)
+
+    @property
+    def waits_for_decode(self) -> bool:
+        """Whether the attempt's task waits for the decode's answer, which has not begun."""
+        return self._awaits is _DECODE and self.d_got is None and self.opened is None
+
+    def hand_off(self) -> None:
+        """Taken back (``Legs.hand_off``): both legs cancelled, the task woken to a ``HANDED_OFF`` retry."""
+        self.legs.undecided.discard(self)
+        self.handed = True
+        self._cancel_decode()
+        self.cancel_prefill()
+        self._wake_up()
+
+    def _handed_off(self) -> Retry:
+        where = f"prefill {self.prefill.url}, decode {self.decode.url}"
+        return Retry(f"{where}: taken back from an engine drained for a role switch", errors.HANDED_OFF, busy=True)
 
     def _wake_up(self) -> None:
         """What the task waits for came: the attempt is decided (a later answer changes nothing)."""
@@ -386,6 +426,8 @@ class PairAttempt:
             if self.p_got is None or not _ends_request(self.p_got):
                 self._d_send = legs.send(self._d, self.path, self.wire, self.headers, self._decode_answered)
                 await self._until(_DECODE)
+                if self.handed:
+                    return self._handed_off()
             got = self.d_got
             if type(got) is Response and got.status < 400 and not with_logprobs:  # the common case
                 self._d.judge(True)
@@ -421,6 +463,8 @@ class PairAttempt:
         if self.p_got is None or not _ends_request(self.p_got):
             self._d_stream = StreamLeg(legs, self._d, self.path, self.wire, self.headers, self._decode_opened)
             await self._until(_DECODE)
+            if self.handed:
+                return self._handed_off()
         opened = self.opened
         if opened is not None:
             self._d_stream = None  # handed over
@@ -470,6 +514,7 @@ class PairAttempt:
     def close(self) -> None:
         """Cancel the legs that still run: the decode's, and the prefill's unless kept; release
         their claims (a decode stream handed on is closed only once it ended)."""
+        self.legs.undecided.discard(self)
         if self._d_send is not None or self._d_stream is not None:
             self._cancel_decode()
         self._d.release()

@@ -121,6 +121,7 @@ RETRY_REASONS = (
     errors.WORKER_FAILED,
     errors.CONTINUATION_FAILED,
     errors.INTERRUPTED,
+    errors.HANDED_OFF,
     "stream_resumed",
 )
 """The reasons dispatch counts retries under (pdctl.router.dispatch)."""

@@ -21,7 +21,7 @@ from pdctl.router.health import HealthChecks
 from pdctl.router.jsonutil import json_object
 from pdctl.router.reply import Reply, json_reply
 from pdctl.router.server import Request, Routes
-from pdctl.router.workers import WorkerRegistry
+from pdctl.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("pdctl.router")
 
@@ -36,14 +36,17 @@ class WorkerApi:
         health: HealthChecks,
         session: Callable[[], aiohttp.ClientSession | None],
         hold_state: Callable[[], dict[str, Any] | None] = lambda: None,
+        hand_off: Callable[[Worker], int] = lambda _: 0,
     ):
         """``session``: the router's client session (made when it starts); ``hold_state``: what
-        holds new requests now (``FleetHolder.state``, pdctl.router.transaction.holder)."""
+        holds new requests now (``FleetHolder.state``, pdctl.router.transaction.holder);
+        ``hand_off``: takes back the requests that wait at a worker (``Legs.hand_off``)."""
         self.config = config
         self.registry = registry
         self.health = health
         self.session = session
         self.hold_state = hold_state
+        self.hand_off = hand_off
 
     def add_routes(self, r: Routes) -> None:
         """Register the worker API (``/workers``, ``/workers/{id}``), ``/pdctl/cordon`` and ``/pdctl/refresh``."""
@@ -127,15 +130,19 @@ class WorkerApi:
         return json_reply({"status": "accepted", "worker_id": worker.id, "message": "Worker removed"}, 202)
 
     async def cordon(self, request: Request) -> Reply:
-        """``{"url", "cordon": true, "reason", "timeout_secs"}``: take a worker out of rotation and
-        answer once the requests it runs have finished (``drained``: false when the timeout came
-        first); ``"cordon": false`` takes it back (the version rule and health still apply). The
-        worker's state comes back either way."""
+        """``{"url", "cordon": true, "reason", "timeout_secs", "handoff"}``: take a worker out of
+        rotation and answer once the requests it runs have finished (``drained``: false when the
+        timeout came first); with ``handoff`` (a role switch's drain), the PD requests that only
+        wait at it (nothing made yet: a prefill's queue, a decode's wait for KV) are sent to other
+        pairs at once rather than waited for (``handed_off``: how many). ``"cordon": false`` takes
+        it back (the version rule and health still apply). The worker's state comes back either way."""
         body, problem = json_object(request.body)
         if problem is None and not isinstance(body.get("url"), str):
             problem = "url must be the worker's URL (a string)"
         if problem is None and not isinstance(body.get("cordon", True), bool):
             problem = "cordon must be true or false"
+        if problem is None and not isinstance(body.get("handoff", False), bool):
+            problem = "handoff must be true or false"
         if problem is not None:
             return errors.error_response(400, errors.BAD_REQUEST, problem)
         worker = self.registry.find(body["url"])
@@ -153,11 +160,18 @@ class WorkerApi:
             return json_reply({**worker.to_dict(), "drained": worker.load == 0})
         worker.cordoned = str(body.get("reason") or "cordoned")
         worker.drained = asyncio.Event()
-        log.info("worker %s is cordoned (%s); %d request(s) to finish", worker.url, worker.cordoned, worker.load)
+        handed = self.hand_off(worker) if body.get("handoff", False) and worker.load > 0 else 0
+        log.info(
+            "worker %s is cordoned (%s); %d request(s) to finish, %d handed to other pairs",
+            worker.url,
+            worker.cordoned,
+            worker.load,
+            handed,
+        )
         if worker.load > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(worker.drained.wait(), timeout)
-        return json_reply({**worker.to_dict(), "drained": worker.load == 0})
+        return json_reply({**worker.to_dict(), "drained": worker.load == 0, "handed_off": handed})
 
     async def refresh(self, request: Request) -> Reply:
         """A health round now: of every worker, or of the one ``{"url": ...}`` names (a command
