@@ -323,7 +323,7 @@ class RouterControl:
         """Cordon the worker (``on``) or lift its cordon, and return the router's answer; raises
         ``LifecycleError`` when the router does not do it. A cordon answers once the worker's
         requests have finished (``wait``; up to ``DRAIN_TIMEOUT_SECS``), or at once; ``handoff``:
-        the PD requests that only wait at it are sent to other pairs instead (a role switch's
+        the PD requests queued at a prefill are sent to other pairs instead (a role switch's
         drain; pdctl.router.legs ``Legs.hand_off``)."""
         timeout = DRAIN_TIMEOUT_SECS if wait else 0
         body: dict[str, Any] = {"url": worker_url, "cordon": on, "reason": reason, "timeout_secs": timeout}

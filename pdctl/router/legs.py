@@ -19,7 +19,7 @@ The rules (sglang-protocol.md 2.3, style.md R9):
   success for the circuit breaker;
 - a failure of a leg that a weight update interrupted (refit ``interrupt``: the engines abort
   what they run) is no fault of the worker: a busy ``Retry`` once the update is released;
-- an attempt still waiting at a worker that is being drained for a role switch (``hand_off``:
+- an attempt still queued at a prefill that is being drained for a role switch (``hand_off``:
   neither its prefill has answered nor its decode's answer or stream begun, so nothing reached
   the client and no KV is at the decode) is taken back, both legs cancelled (the engines abort
   them), and sent to another pair at once (``HANDED_OFF``);
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdctl.roles import Role
 from pdctl.router import errors
 from pdctl.router.breaker import CircuitBreaker
 from pdctl.router.gate import RefitGate
@@ -237,12 +238,17 @@ class Legs:
         return None
 
     def hand_off(self, worker: Worker) -> int:
-        """Take back the PD attempts that wait at ``worker`` (as its prefill or its decode) and have
-        made nothing yet: no prefill answer, no decode answer or stream (module docstring); each
-        is sent to another pair by its attempt loop. Returns how many. A switch's drain waited for
-        them: a prefill's queue for rooms at full decodes, a decode's for KV from backlogged
-        prefills (26 s of a 30 s phase in a benchmark run, for a move to decode)."""
-        pairs = [p for p in self.undecided if (p.prefill is worker or p.decode is worker) and p.waits_for_decode]
+        """Take back the PD attempts whose prefill is ``worker`` and that have made nothing yet: no
+        prefill answer, no decode answer or stream (module docstring); each is sent to another
+        pair by its attempt loop. Returns how many. A switch's drain of a prefill waited for its
+        queue, which waits for rooms at the decodes when they are short, as when the prefill is
+        moved to decode. A decode's attempts are not handed off: those waiting for their KV may
+        be mid-prefill, and cancelling them threw that work away and sent them to the back of the
+        prefills' queues (a benchmark run that handed off 49 such requests in a long-prompt phase
+        finished no sooner and missed TTFT on 268 more requests)."""
+        if worker.role is not Role.PREFILL:
+            return 0
+        pairs = [p for p in self.undecided if p.prefill is worker and p.waits_for_decode]
         for pair in pairs:
             pair.hand_off()
         return len(pairs)

@@ -132,9 +132,9 @@ class WorkerApi:
     async def cordon(self, request: Request) -> Reply:
         """``{"url", "cordon": true, "reason", "timeout_secs", "handoff"}``: take a worker out of
         rotation and answer once the requests it runs have finished (``drained``: false when the
-        timeout came first); with ``handoff`` (a role switch's drain), the PD requests that only
-        wait at it (nothing made yet: a prefill's queue, a decode's wait for KV) are sent to other
-        pairs at once rather than waited for (``handed_off``: how many). ``"cordon": false`` takes
+        timeout came first); with ``handoff`` (a role switch's drain), the PD requests queued at a
+        prefill with nothing made yet are sent to other pairs at once rather than waited for
+        (``handed_off``: how many; a decode hands off none). ``"cordon": false`` takes
         it back (the version rule and health still apply). The worker's state comes back either way."""
         body, problem = json_object(request.body)
         if problem is None and not isinstance(body.get("url"), str):
