@@ -309,6 +309,8 @@ class RouterControl:
         self.keys = keys
         self.client = JsonClient(api_key=key, timeout_secs=DRAIN_TIMEOUT_SECS + 30)
         self.url = url
+        self.handed_off: dict[str, int] = {}
+        """Per worker URL, the requests this command's cordons with ``handoff`` took back from it."""
 
     @classmethod
     def of(cls, state: ClusterState, store: StateStore | None = None) -> RouterControl:
@@ -334,6 +336,9 @@ class RouterControl:
             raise LifecycleError(
                 f"the router at {self.url} did not {'cordon' if on else 'uncordon'} {worker_url}: {answer}"
             )
+        handed = answer.get("handed_off")
+        if handoff and isinstance(handed, int) and handed > 0:
+            self.handed_off[worker_url] = self.handed_off.get(worker_url, 0) + handed
         return answer
 
     def uncordon_listed(self, worker_url: str) -> None:

@@ -18,9 +18,12 @@ command is the running one's but for its role once planned on the running one's 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import load_keys
@@ -49,6 +52,19 @@ PD_ROLES = (Role.PREFILL, Role.DECODE)
 SWITCH_TIMEOUT_SECS = 300.0
 """An idle engine's switch tears down and rebuilds its PD structures (and captures decode CUDA
 graphs on a first flip to decode): seconds, not a model load."""
+LET_GO_TIMEOUT_SECS = 60.0
+"""How long a switch waits for its engine to let go of the requests the router handed off from it:
+the engine aborts each once it sees its client gone (SGLang looks at a non-streamed request's
+client every few seconds). Past it the switch is asked anyway (a refusal leaves it serving)."""
+BUSY_GAUGES = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:num_prefill_prealloc_queue_reqs",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
+)
+"""The engine gauges that count what SGLang's idle check (``is_fully_idle``) waits for."""
 
 
 # -- planning ---------------------------------------------------------------------------------------
@@ -238,6 +254,10 @@ def switch_engine(step: StepContext, old_id: str, engine: EngineSpec, process: L
         events(old_id, f"switching to {role} as {new_id}: out of rotation; waiting for its requests to finish")
         router.cordon(url, True, reason=f"pdctl {journal.command}: switching to {role}", handoff=True)
         journal.phase(StepPhase.CORDONED)
+        handed = router.handed_off.pop(url, 0)
+        if handed:
+            events(old_id, f"{handed} request(s) queued at it went to other pairs; waiting for it to let go of them")
+            _wait_let_go(state, store, url)
     except BaseException:  # (Ctrl-C during the drain) nothing changed: it serves on
         with interrupts_deferred():
             with contextlib.suppress(LifecycleError):
@@ -309,6 +329,31 @@ def _not_switched(
     router.cordon(url, False)
     journal.end()
     raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
+
+
+def _wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
+    """Wait until the engine at ``url`` runs and queues nothing (its ``BUSY_GAUGES`` at 0), at most
+    ``LET_GO_TIMEOUT_SECS``; at once when its ``/metrics`` does not answer. The router's count of
+    its requests fell to 0 when it handed them off, before the engine saw their clients go: asked
+    then, a real-client run's switch was refused ("instance is not idle") with 138 handed off."""
+    keys = load_keys(store, state.name)
+    client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=10)
+    deadline = time.monotonic() + LET_GO_TIMEOUT_SECS
+    while time.monotonic() < deadline:
+        text = client.get(url + "/metrics")
+        if not isinstance(text, str) or not _busy(text):
+            return
+        time.sleep(0.2)
+
+
+def _busy(metrics: str) -> float:
+    """What an engine's ``/metrics`` text counts in ``BUSY_GAUGES``, summed over label sets (0 for
+    a text that is no Prometheus exposition: nothing to wait on)."""
+    try:
+        families = list(text_string_to_metric_families(metrics))
+    except ValueError:
+        return 0.0
+    return sum(sample.value for family in families for sample in family.samples if sample.name in BUSY_GAUGES)
 
 
 def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp: int | None) -> Any:
