@@ -9,13 +9,14 @@ router."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import aiohttp
 import pytest
 
 from pdctl.cluster.restart import RouterControl
-from tests.helpers import RouterProcess, eventually, get, pd_router_args, sims
+from tests.helpers import RouterProcess, eventually, get, http, pd_router_args, sims
 from tests.router.test_overload import assert_idle, one
 
 SLOW_PREFILL = ("--disaggregation-mode", "prefill", "--max-running-requests", "1", "--sim-prefill-ms-per-token", "10")
@@ -71,6 +72,8 @@ def test_a_cordoned_prefills_queue_goes_to_the_other_prefill(tmp_path, handoff) 
             assert (handed >= 3) if handoff else (handed == 0), cordoned
             assert _retries(router, "handed_off") == handed
             assert_idle([p0, p1, d0])
+            status, answer = http("POST", router.url + "/pdctl/cordon", {"url": p0.url, "handoff": "yes"})
+            assert status == 400 and "handoff must be true or false" in json.dumps(answer), answer
             RouterControl(router.url, None).cordon(p0.url, False)  # p0 still serves after its aborts
             eventually(lambda: get(router.url + "/workers")[1], 30)
         finally:
