@@ -54,8 +54,8 @@ SWITCH_TIMEOUT_SECS = 300.0
 graphs on a first flip to decode): seconds, not a model load."""
 LET_GO_TIMEOUT_SECS = 60.0
 """How long a switch waits for its engine to let go of the requests the router handed off from it:
-the engine aborts each once it sees its client gone (SGLang looks at a non-streamed request's
-client every few seconds). Past it the switch is asked anyway (a refusal leaves it serving)."""
+the engine aborts each once it sees its client gone (the sim at once; SGLang need not). Past it
+the switch is asked anyway (a refusal leaves it serving)."""
 BUSY_GAUGES = (
     "sglang:num_running_reqs",
     "sglang:num_queue_reqs",
