@@ -75,6 +75,7 @@ import yaml
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.planner_record import KEEP_DECISIONS, recent_decisions
 from pdctl.cluster.state import StateStore
+from pdctl.role_planner.config import reserve
 from pdctl.signals import interrupt_on_every_stop_signal
 
 ROOT = Path(__file__).resolve().parent
@@ -496,7 +497,7 @@ def write(
         + (
             f", at least {min_per_role} engine(s) per role"
             if min_per_role is not None
-            else f", at least {max(1, engines // 4)} engine(s) per role (the planner's default reserve)"
+            else f", at least {reserve(engines)} engine(s) per role (the planner's default reserve)"
         )
         + f"; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")

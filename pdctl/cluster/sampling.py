@@ -41,6 +41,9 @@ class EngineSample:
     """A decode's requests waiting for KV room (included in ``queued``)."""
     transfer: float | None = None
     """A decode's requests holding KV room while their prefill's KV comes (not in ``queued``)."""
+    bootstrap: float | None = None
+    """A prefill's requests waiting for their decode's handshake or sending their KV (SGLang's
+    prefill prealloc and inflight queues; not in ``queued``)."""
     ttft: dict[float, float] = field(default_factory=dict)
     """Its TTFT histogram: cumulative count per bucket bound (``le``), summed over label sets."""
     itl: dict[float, float] = field(default_factory=dict)
@@ -92,6 +95,8 @@ ENGINE_GAUGES = {
     "sglang:num_queue_reqs": ("queued",),
     "sglang:num_decode_prealloc_queue_reqs": ("queued", "prealloc"),
     "sglang:num_decode_transfer_queue_reqs": ("transfer",),
+    "sglang:num_prefill_prealloc_queue_reqs": ("bootstrap",),
+    "sglang:num_prefill_inflight_queue_reqs": ("bootstrap",),
     "sglang:token_usage": ("kv_use",),
     "sglang:prompt_tokens_total": ("prompt_tokens",),
     "sglang:generation_tokens_total": ("generation_tokens",),

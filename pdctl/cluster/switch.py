@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
@@ -36,6 +34,7 @@ from pdctl.cluster.restart import (
     recover,
     wait_routable,
 )
+from pdctl.cluster.sampling import EngineSample, parse_engine_metrics
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import spawn_entry
@@ -56,15 +55,6 @@ LET_GO_TIMEOUT_SECS = 60.0
 """How long a switch waits for its engine to let go of the requests the router handed off from it:
 the engine aborts each once it sees its client gone (the sim at once; SGLang need not). Past it
 the switch is asked anyway (a refusal leaves it serving)."""
-BUSY_GAUGES = (
-    "sglang:num_running_reqs",
-    "sglang:num_queue_reqs",
-    "sglang:num_prefill_prealloc_queue_reqs",
-    "sglang:num_prefill_inflight_queue_reqs",
-    "sglang:num_decode_prealloc_queue_reqs",
-    "sglang:num_decode_transfer_queue_reqs",
-)
-"""The engine gauges that count what SGLang's idle check (``is_fully_idle``) waits for."""
 
 
 # -- planning ---------------------------------------------------------------------------------------
@@ -332,7 +322,7 @@ def _not_switched(
 
 
 def _wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
-    """Wait until the engine at ``url`` runs and queues nothing (its ``BUSY_GAUGES`` at 0), at most
+    """Wait until the engine at ``url`` runs and queues nothing (``_busy``), at most
     ``LET_GO_TIMEOUT_SECS``; at once when its ``/metrics`` does not answer. The router's count of
     its requests fell to 0 when it handed them off, before the engine saw their clients go: asked
     then, a real-client run's switch was refused ("instance is not idle") with 138 handed off."""
@@ -347,13 +337,16 @@ def _wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
 
 
 def _busy(metrics: str) -> float:
-    """What an engine's ``/metrics`` text counts in ``BUSY_GAUGES``, summed over label sets (0 for
-    a text that is no Prometheus exposition: nothing to wait on)."""
+    """What an engine's ``/metrics`` text counts of what SGLang's idle check (``is_fully_idle``)
+    waits for: running, queued (a decode's prealloc queue in it), a decode's transfers, a prefill's
+    bootstrap and inflight queues (pdctl.cluster.sampling); 0 for a text that is no Prometheus
+    exposition: nothing to wait on."""
+    sample = EngineSample("up")
     try:
-        families = list(text_string_to_metric_families(metrics))
+        parse_engine_metrics(metrics, sample)
     except ValueError:
         return 0.0
-    return sum(sample.value for family in families for sample in family.samples if sample.name in BUSY_GAUGES)
+    return sum(value or 0.0 for value in (sample.running, sample.queued, sample.transfer, sample.bootstrap))
 
 
 def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp: int | None) -> Any:
