@@ -24,11 +24,12 @@ the 2-core machine's CPU out of the figures: benchmarks/results/sim_fleet.md):
 (b) **A serving trace whose mix shifts halfway**: 32 closed-loop clients, 320 requests of 4,000
     prompt tokens and 16 out, then 320 of 100 and 300 out (each half about 30 s); and the same
     three times as long (960 and 960: each half about 90 s). A serving day's shifts last minutes
-    to hours, so the long one is the nearer, and still short, of the two; a switch costs a drain,
-    and a first flip to decode the profile's 12 s graph capture, so phases of 30 s show what
-    that leaves. The figure is goodput: requests within TTFT <= 3 s and mean ITL <= 60 ms per
-    second of the trace; and the planner's reaction: seconds from each phase's first request
-    to its first switch toward that phase's bottleneck.
+    to hours, so the long one is the nearer, and still short, of the two; a switch costs a drain
+    (and, with ``--graphs at-first-switch``, a first flip to decode the profile's 12 s graph
+    capture; by default every prefill captured at ``up``), so phases of 30 s show what that leaves.
+    The figure is goodput: requests within TTFT <= 3 s and mean ITL <= 60 ms per second of the
+    trace; and the planner's reaction: seconds from each phase's first request to its first
+    switch toward that phase's bottleneck.
 (b') **The same two traces with 48 clients** (``shifting_full``, ``shifting_full_long``): with 32,
     the long-answer half asks for exactly the even split's decode slots, so only its long-prompt
     half can gain from a move; with 48 each half wants more of its role than the even split has.
@@ -336,6 +337,14 @@ def main() -> None:
         "fleet per role, 1 at 4 engines and 2 at 8; every committed result before 2026-12-04 ran with 1 unless "
         "it says otherwise)",
     )
+    parser.add_argument(
+        "--graphs",
+        choices=["at-up", "at-first-switch"],
+        default="at-up",
+        help="when each prefill captures its decode CUDA graphs: at `pdctl up` (planner.capture_graphs_at_up, "
+        "the default for a planner that acts since 2026-12-04 evening), or on its first switch to decode, "
+        "inside the load (every committed result before)",
+    )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
     n = args.engines
@@ -364,6 +373,7 @@ def main() -> None:
             "cooldown_secs": 6,
             "sustain": 2,
             **({} if args.min_per_role is None else dict.fromkeys(("min_prefill", "min_decode"), args.min_per_role)),
+            "capture_graphs_at_up": args.graphs == "at-up",  # (mode off: the planners run beside, by hand)
         },
     }
     (work / "t.yaml").write_text(yaml.safe_dump(topo))
@@ -418,7 +428,7 @@ def main() -> None:
             (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role)
+    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role, args.graphs)
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -452,6 +462,7 @@ def write(
     policy: str,
     planner_start: str,
     min_per_role: int | None,
+    graphs: str,
 ) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
@@ -478,6 +489,7 @@ def write(
         "router_policy": policy,
         "planner_start": planner_start,
         "planner_min_per_role": min_per_role,
+        "decode_graphs_captured": graphs,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(
@@ -498,6 +510,11 @@ def write(
             f", at least {min_per_role} engine(s) per role"
             if min_per_role is not None
             else f", at least {reserve(engines)} engine(s) per role (the planner's default reserve)"
+        )
+        + (
+            "; every prefill captured its decode graphs at up"
+            if graphs == "at-up"
+            else "; a prefill captures its decode graphs on its first switch to decode"
         )
         + f"; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")

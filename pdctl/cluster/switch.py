@@ -18,7 +18,6 @@ command is the running one's but for its role once planned on the running one's 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -34,7 +33,7 @@ from pdctl.cluster.restart import (
     recover,
     wait_routable,
 )
-from pdctl.cluster.sampling import EngineSample, parse_engine_metrics
+from pdctl.cluster.role_call import ask_switch, wait_let_go
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import spawn_entry
@@ -43,18 +42,10 @@ from pdctl.plan import EngineSpec, LaunchSpec
 from pdctl.plan.gpus import Slices
 from pdctl.remote import agent_api
 from pdctl.roles import Role
-from pdctl.sglang import Endpoint
-from pdctl.weights.client import CallFailure, JsonClient
+from pdctl.weights.client import CallFailure
 
 MODE_FLAG = "--disaggregation-mode"
 PD_ROLES = (Role.PREFILL, Role.DECODE)
-SWITCH_TIMEOUT_SECS = 300.0
-"""An idle engine's switch tears down and rebuilds its PD structures (and captures decode CUDA
-graphs on a first flip to decode): seconds, not a model load."""
-LET_GO_TIMEOUT_SECS = 60.0
-"""How long a switch waits for its engine to let go of the requests the router handed off from it:
-the engine aborts each once it sees its client gone (the sim at once; SGLang need not). Past it
-the switch is asked anyway (a refusal leaves it serving)."""
 
 
 # -- planning ---------------------------------------------------------------------------------------
@@ -247,7 +238,7 @@ def switch_engine(step: StepContext, old_id: str, engine: EngineSpec, process: L
         handed = router.handed_off.pop(url, 0)
         if handed:
             events(old_id, f"{handed} request(s) queued at it went to other pairs; waiting for it to let go of them")
-            _wait_let_go(state, store, url)
+            wait_let_go(state, store, url)
     except BaseException:  # (Ctrl-C during the drain) nothing changed: it serves on
         with interrupts_deferred():
             with contextlib.suppress(LifecycleError):
@@ -261,7 +252,7 @@ def switch_engine(step: StepContext, old_id: str, engine: EngineSpec, process: L
             events(old_id, f"it runs as a {role} already: finishing the switch")
         else:
             events(old_id, f"idle: asking it to switch to {role}")
-            answer = _ask_switch(state, store, url, role, engine.tp)
+            answer = ask_switch(state, store, url, role, engine.tp)
             if isinstance(answer, CallFailure):
                 _not_switched(state, store, router, journal, old_id, url, role, was, answer)
         # its log and story stay where they are; "switched": it runs what it ran before but its role
@@ -319,63 +310,6 @@ def _not_switched(
     router.cordon(url, False)
     journal.end()
     raise LifecycleError(f"{old_id} did not switch to {role}: {answer}; it serves on as {was}")
-
-
-def _wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
-    """Wait until the engine at ``url`` runs and queues nothing (``_busy``), at most
-    ``LET_GO_TIMEOUT_SECS``; at once when its ``/metrics`` does not answer. The router's count of
-    its requests fell to 0 when it handed them off, before the engine saw their clients go: asked
-    then, a real-client run's switch was refused ("instance is not idle") with 138 handed off."""
-    keys = load_keys(store, state.name)
-    client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=10)
-    deadline = time.monotonic() + LET_GO_TIMEOUT_SECS
-    while time.monotonic() < deadline:
-        text = client.get(url + "/metrics")
-        if not isinstance(text, str) or not _busy(text):
-            return
-        time.sleep(0.2)
-
-
-def _busy(metrics: str) -> float:
-    """What an engine's ``/metrics`` text counts of what SGLang's idle check (``is_fully_idle``)
-    waits for: running, queued (a decode's prealloc queue in it), a decode's transfers, a prefill's
-    bootstrap and inflight queues (pdctl.cluster.sampling); 0 for a text that is no Prometheus
-    exposition: nothing to wait on."""
-    sample = EngineSample("up")
-    try:
-        parse_engine_metrics(metrics, sample)
-    except ValueError:
-        return 0.0
-    return sum(value or 0.0 for value in (sample.running, sample.queued, sample.transfer, sample.bootstrap))
-
-
-def _ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp: int | None) -> Any:
-    """``/pd_role_switch`` on the engine, with its key; a switch to decode carries the decode CUDA
-    graph footprint a running decode of the same tp measured (SGLang needs it before it captures
-    graphs on a first flip to decode, and checks the GPU has that much free; with none measured it
-    is left out, and SGLang refuses such a flip saying why)."""
-    keys = load_keys(store, state.name)
-    client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=SWITCH_TIMEOUT_SECS)
-    body: dict[str, Any] = {"new_role": role.value}
-    if role is Role.DECODE:
-        measured = _decode_graph_gb(client, state, tp)
-        if measured is not None:
-            body["decode_cuda_graph_memory_gb"] = measured
-    return client.post(url + Endpoint.PD_ROLE_SWITCH.value, body)
-
-
-def _decode_graph_gb(client: JsonClient, state: ClusterState, tp: int | None) -> float | None:
-    """What a running decode of the same tp says its decode CUDA graphs take (``/server_info``)."""
-    for engine in state.plan.engines:
-        if engine.role is not Role.DECODE or not engine.url or engine.tp != tp:
-            continue
-        info = client.get(engine.url + Endpoint.SERVER_INFO.value, timeout_secs=10)
-        if isinstance(info, dict):
-            for internal in info.get("internal_states") or []:
-                value = internal.get("decode_cuda_graph_memory_gb") if isinstance(internal, dict) else None
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    return float(value)
-    return None
 
 
 def switch(

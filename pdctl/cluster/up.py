@@ -1,4 +1,5 @@
-"""``up``: preflight every node, launch engines, wait until healthy, router, then trainer.
+"""``up``: preflight every node, launch engines, wait until healthy, router (with a planner that
+acts, the prefills' decode CUDA graph capture: pdctl.cluster.graph_capture), then trainer.
 
 Colocated plans first start each node's CUDA MPS control daemon, then the trainer (it claims
 its memory share first), then engines and router.
@@ -34,6 +35,7 @@ from pdctl.plan import LaunchSpec, Plan
 from pdctl.plan.planner import run_dir
 from pdctl.remote import agent_api
 from pdctl.remote.base import Executor
+from pdctl.role_planner.config import PlannerConfig
 from pdctl.roles import Role
 from pdctl.signals import INTERRUPTS
 from pdctl.topology.model import Topology
@@ -100,6 +102,11 @@ def up(
             watch = [*others, *trainers] if plan.trainer_first else others
             wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
             wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
+            if PlannerConfig.from_dict(plan.planner).captures_at_up():
+                # (imported here: its router client's module, pdctl.cluster.restart, imports this one)
+                from pdctl.cluster.graph_capture import capture_decode_graphs
+
+                capture_decode_graphs(state, store, events)
             if not plan.trainer_first:
                 start_trainers()
         except (Exception, KeyboardInterrupt) as exc:

@@ -52,6 +52,9 @@ class PlannerConfig:
     """Intervals in a row a role must be the bottleneck before an engine moves to it."""
     backlog: float = 1.0
     """Waiting requests per engine from which a role counts as holding the fleet back."""
+    capture_graphs_at_up: bool | None = None
+    """Whether ``up`` captures the decode CUDA graphs of every prefill of a role_switch group before
+    it returns (pdctl.cluster.graph_capture); None: in ``act`` mode only (``captures_at_up``)."""
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> PlannerConfig:
@@ -68,6 +71,7 @@ class PlannerConfig:
             cooldown_secs=float(raw.get("cooldown_secs", 30.0)),
             sustain=int(raw.get("sustain", 2)),
             backlog=float(raw.get("backlog", 1.0)),
+            capture_graphs_at_up=raw.get("capture_graphs_at_up"),
         )
 
     def minimum(self, role: Role, fleet: int) -> int:
@@ -75,6 +79,13 @@ class PlannerConfig:
         set, else ``reserve(fleet)``; one at least."""
         set_to = self.min_prefill if role is Role.PREFILL else self.min_decode
         return max(1, set_to if set_to is not None else reserve(fleet))
+
+    def captures_at_up(self) -> bool:
+        """Whether ``up`` captures the prefills' decode graphs: as set, else when the planner acts
+        (a planner that switches should not pay a first flip's capture inside a shift of load)."""
+        if self.capture_graphs_at_up is not None:
+            return self.capture_graphs_at_up
+        return self.mode is PlannerMode.ACT
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain JSON values, which ``from_dict`` reads back."""
@@ -89,6 +100,7 @@ class PlannerConfig:
             "cooldown_secs": self.cooldown_secs,
             "sustain": self.sustain,
             "backlog": self.backlog,
+            "capture_graphs_at_up": self.capture_graphs_at_up,
         }
 
 

@@ -174,6 +174,10 @@ class NativeRoutes:
                         **(
                             {
                                 "disaggregation_mode": s.mode,
+                                # the batch sizes it captured: none on a prefill never switched to decode
+                                "decode_cuda_graph_bs": decode_graph_batch_sizes(s.engine.capacity)
+                                if s.decode_graphs
+                                else [],
                                 "decode_cuda_graph_memory_gb": 0.0,  # no GPU: no graph memory
                             }
                             if s.mode != "null"
@@ -316,3 +320,11 @@ async def refuse(request: web.Request, raw: Any, exc: SimError) -> web.StreamRes
         await stream.send({"error": error})
         return await stream.close()
     return web.json_response(generate_error_body(str(exc)), status=exc.status)
+
+
+def decode_graph_batch_sizes(max_bs: int) -> list[int]:
+    """The decode CUDA graph batch sizes SGLang captures by default for at most ``max_bs`` running
+    requests (``arg_groups/cuda_graph_hook.py`` ``generate_decode_cuda_graph_batch_sizes``, no
+    speculative decoding): what its ``/server_info`` reports as ``decode_cuda_graph_bs``."""
+    sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    return sorted({bs for bs in sizes if bs <= max_bs} | {max_bs})

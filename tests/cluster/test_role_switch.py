@@ -183,11 +183,11 @@ def test_a_busy_engine_refuses_and_the_fleet_stays_as_it_was(cluster) -> None:
 
 
 def test_a_switch_after_a_handoff_waits_for_its_engine_to_let_go(cluster, monkeypatch) -> None:
-    """What the switch waits on after the router handed requests off (``_wait_let_go``): the
+    """What the switch waits on after the router handed requests off (``wait_let_go``): the
     engine's own gauges. On decode-0 kept busy by a request sent to it directly, the wait reads
     its /metrics again and again and holds; once the connection closes (the engine aborts the
     request) the wait returns, the engine idle."""
-    from pdctl.cluster import switch
+    from pdctl.cluster import role_call
     from pdctl.cluster.state import StateStore
 
     env, name, _ = cluster
@@ -196,19 +196,19 @@ def test_a_switch_after_a_handoff_waits_for_its_engine_to_let_go(cluster, monkey
     store = StateStore(Path(env["PDCTL_HOME"]))
     state = store.load(name)
     reads: list[str] = []
-    real_get = switch.JsonClient.get
+    real_get = role_call.JsonClient.get
 
     def counted(client, url, timeout_secs=None):
         reads.append(url)
         return real_get(client, url, timeout_secs)
 
-    monkeypatch.setattr(switch.JsonClient, "get", counted)
-    switch._wait_let_go(state, store, decode["url"])  # idle: one read, and back
+    monkeypatch.setattr(role_call.JsonClient, "get", counted)
+    role_call.wait_let_go(state, store, decode["url"])  # idle: one read, and back
     assert reads == [decode["url"] + "/metrics"]
     waiting = _kept_busy(name, env, st)
     with cf.ThreadPoolExecutor(1) as pool:
         try:
-            wait = pool.submit(switch._wait_let_go, state, store, decode["url"])
+            wait = pool.submit(role_call.wait_let_go, state, store, decode["url"])
             eventually(lambda: len(reads) >= 4 or wait.done(), 60, what="the wait reading the busy engine")
             assert not wait.done(), "the wait returned while the engine held a request"
         finally:

@@ -326,3 +326,19 @@ def test_planner_minimums_must_leave_something_to_move() -> None:
     one_error(pd + "planner: {mode: act, min_prefill: 4}\n", "min_prefill 4 + min_decode 1 is more than the fleet's 4")
     one_error(pd + "planner: {mode: act, min_prefill: 4}\n", "(unset: a quarter of them)")
     one_error(pd + "planner: {mode: act, min_prefill: 2, min_decode: 3}\n", "min_prefill 2 + min_decode 3")
+
+
+def test_the_graph_capture_at_up_is_on_where_the_planner_acts_unless_set() -> None:
+    """``planner.capture_graphs_at_up`` unset follows the mode (act: on); set, it wins; a value
+    that is no boolean is refused, saying where."""
+    pd = BASE + "prefill: {role_switch: true, replicas: 2}\ndecode: {role_switch: true, replicas: 2}\n"
+
+    def captures(planner: str) -> bool:
+        top, _ = checked(yaml_text(pd + f"planner: {planner}\n"))
+        assert top.planner is not None
+        return top.planner.captures_at_up()
+
+    assert captures("{mode: act}") and not captures("{mode: advise}") and not captures("{mode: 'off'}")
+    assert not captures("{mode: act, capture_graphs_at_up: false}")
+    assert captures("{mode: advise, capture_graphs_at_up: true}")
+    one_error(pd + "planner: {mode: act, capture_graphs_at_up: sometimes}\n", "capture_graphs_at_up")

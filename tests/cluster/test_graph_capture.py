@@ -1,0 +1,189 @@
+"""``up`` captures the decode CUDA graphs of a role_switch fleet's prefills (issue 58): each flips
+to decode and back, cordoned, before ``up`` returns, so that no later switch pays the capture.
+On sim engines costed as an 8B model on an H100, whose first flip to decode waits the graph
+capture (``--sim-graph-capture-secs``) and whose ``/server_info`` says, as SGLang's does, which
+decode graph batch sizes it captured (none on a prefill never switched)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdctl.cluster.graph_capture import capture_decode_graphs
+from pdctl.cluster.state import StateStore
+from tests.cluster.local_cluster import interrupted
+from tests.helpers import (
+    control_auth,
+    engine_auth,
+    eventually,
+    free_port_base,
+    get,
+    local_topology,
+    pdctl,
+    post,
+    run_processes,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+COSTED = {"sim-profile": "llama3-8b-h100"}
+
+
+def _topology(tmp: Path, name: str, capture_secs: float, planner: dict) -> str:
+    switchable = {"replicas": 2, "role_switch": True}
+    return local_topology(
+        tmp,
+        name,
+        free_port_base(),
+        nodes=[{"name": "me", "host": "127.0.0.1", "gpus": 4, "workdir": str(tmp / "runs")}],
+        prefill={**switchable, "args": {**COSTED, "sim-graph-capture-secs": capture_secs}},
+        decode={**switchable, "args": COSTED},
+        planner=planner,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[tuple[dict, str, str]]:
+    tmp = tmp_path_factory.mktemp("graphs")
+    # advise: its planner switches nothing; capture_graphs_at_up: what act mode does unset
+    topo = _topology(tmp, "gc", 1, {"mode": "advise", "capture_graphs_at_up": True})
+    env = {**os.environ, "PDCTL_HOME": str(tmp / "home")}
+    up = pdctl("up", topo, env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        yield env, "gc", up.stdout + up.stderr
+    finally:
+        run_id = json.loads((tmp / "home" / "gc" / "state.json").read_text())["run_id"]
+        assert pdctl("down", "gc", env=env).returncode == 0
+        assert run_processes(run_id) == []
+
+
+def _status(env: dict) -> dict:
+    return json.loads(pdctl("status", "--json", env=env).stdout)
+
+
+def _engines(env: dict) -> dict[str, dict]:
+    return {p["id"]: p for p in _status(env)["processes"] if p["role"] in ("prefill", "decode")}
+
+
+def _router(env: dict) -> str:
+    return next(p["url"] for p in _status(env)["processes"] if p["role"] == "router")
+
+
+def _log(env: dict, engine_id: str) -> str:
+    return pdctl("logs", "gc", engine_id, "--lines", "1000", env=env).stdout
+
+
+def _internal(url: str, name: str, env: dict) -> dict:
+    return get(url + "/server_info", headers=engine_auth(name, env["PDCTL_HOME"]))[1]["internal_states"][0]
+
+
+def _in_rotation(env: dict, name: str) -> dict[str, bool]:
+    workers = get(_router(env) + "/workers", headers=control_auth(name, env["PDCTL_HOME"]))[1]["workers"]
+    return {w["url"]: w["is_healthy"] and not w["quarantined"] and not w["cordoned"] for w in workers}
+
+
+def test_up_leaves_every_prefill_captured_in_rotation_and_serving(cluster) -> None:
+    env, name, out = cluster
+    assert "captured on 2 of 2 prefill(s)" in out, out
+    engines = _engines(env)
+    rotation = _in_rotation(env, name)
+    for engine_id in ("prefill-0", "prefill-1"):
+        url = engines[engine_id]["url"]
+        internal = _internal(url, name, env)
+        assert internal["disaggregation_mode"] == "prefill"
+        assert internal["decode_cuda_graph_bs"], f"{engine_id} says it captured no decode graphs"
+        assert rotation[url], f"{engine_id} left out of rotation"
+        log = _log(env, engine_id)
+        there = log.index("PD role switch succeeded: prefill -> decode")
+        assert log.index("PD role switch succeeded: decode -> prefill") > there
+    for engine_id in ("decode-0", "decode-1"):  # started as decodes: captured at start, never flipped
+        assert "PD role switch" not in _log(env, engine_id)
+    asked = {"text": "after the capture", "sampling_params": {"max_new_tokens": 4}}
+    code, body = post(_router(env) + "/generate", asked)
+    assert code == 200 and body["meta_info"]["completion_tokens"] == 4, body
+
+
+def _held(url: str, bootstrap_port: int, name: str, env: dict) -> socket.socket:
+    """A request sent to the prefill at ``url`` directly, whose decode never comes for its KV: the
+    prefill holds it (its bootstrap queue) until the connection closes."""
+    body = json.dumps(
+        {
+            "text": "never taken",
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port,
+            "bootstrap_room": 4343,
+        }
+    ).encode()
+    host, port = url.removeprefix("http://").split(":")
+    auth = engine_auth(name, env["PDCTL_HOME"])["Authorization"]
+    held = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    held.sendall(head.encode() + body)
+
+    def busy() -> bool:
+        internal = _internal(url, name, env)
+        keys = ("num_running_reqs", "num_queue_reqs", "num_prefill_prealloc_queue_reqs")
+        return sum(internal.get(k) or 0 for k in keys) >= 1
+
+    eventually(busy, 60, interval=0.02, what="the prefill holding the request")
+    return held
+
+
+def test_a_busy_prefill_refuses_serves_on_uncaptured_and_a_later_capture_takes(cluster) -> None:
+    """A restarted prefill is a new process, uncaptured; kept busy, it refuses the flip ("not
+    idle"): it serves on as a prefill in rotation, said so; idle again, the capture takes."""
+    env, name, _ = cluster
+    restarted = pdctl("restart", name, "prefill-0", env=env)
+    assert restarted.returncode == 0, restarted.stderr
+    engines = _engines(env)
+    url = engines["prefill-0"]["url"]
+    assert _internal(url, name, env)["decode_cuda_graph_bs"] == []
+    store = StateStore(Path(env["PDCTL_HOME"]))
+    said: list[str] = []
+
+    def events(subject: str, text: str) -> None:
+        said.append(f"{subject}: {text}")
+
+    held = _held(url, engines["prefill-0"]["ports"]["bootstrap"], name, env)
+    try:
+        capture_decode_graphs(store.load(name), store, events)
+    finally:
+        held.close()
+    assert any("not captured: prefill-0" in line and "not idle" in line for line in said), said
+    assert "captured on 0 of 1 prefill(s)" in said[-1], said
+    internal = _internal(url, name, env)
+    assert internal["disaggregation_mode"] == "prefill" and internal["decode_cuda_graph_bs"] == []
+    assert _in_rotation(env, name)[url]
+    eventually(lambda: _internal(url, name, env)["num_prefill_prealloc_queue_reqs"] == 0, 60, what="it let go")
+    said.clear()
+    capture_decode_graphs(store.load(name), store, events)
+    assert "captured on 1 of 1 prefill(s)" in said[-1], said
+    assert _internal(url, name, env)["decode_cuda_graph_bs"]
+    assert _in_rotation(env, name)[url]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_interrupted_while_it_captures_stops_everything(tmp_path, sig) -> None:
+    """Ctrl-C (or SIGTERM) while the prefills capture (60 s each): up stops every process at once,
+    without waiting for the captures; status says down, and down again changes nothing."""
+    topo = _topology(tmp_path, "gci", 60, {"mode": "act"})  # act: the capture unset is on
+    env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
+    code, out = interrupted("up", topo, at="graphs: capturing", env=env, sig=sig)
+    assert code != 0 and "everything that started was stopped" in out, out
+    assert "Traceback" not in out
+    state = json.loads((tmp_path / "home" / "gci" / "state.json").read_text())
+    assert state["status"] == "down"
+    assert run_processes(state["run_id"]) == [], "up left processes of the cluster running"
+    again = pdctl("down", "gci", env=env)
+    assert again.returncode == 0, again.stderr
