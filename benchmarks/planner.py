@@ -41,8 +41,9 @@ mode beside it: on this 2-core machine the planner's sampling (five samples of e
 interval) takes CPU the sim engines and the router need, which on GPUs it would not; an advise
 planner samples the same and changes nothing, so every row pays the same. The steady trace once
 more on a bare 1:N-1 shows what that costs here. The planner starts from the even split in act
-mode (interval 2 s, cooldown 6 s, sustain 2), each workload anew, as each static row runs each from
-its split (``--planner-start goes-on``: one planner through them all, from wherever the last left it).
+mode (interval 2 s unless ``--interval``, cooldown 6 s, sustain 2), each workload anew, as each static
+row runs each from its split (``--planner-start goes-on``: one planner through them all, from wherever
+the last left it).
 ``--repeats R`` runs every configuration's workloads R times in turn (a row each time) and reports
 each figure's median and range. Goals (issue 58): on the shifting workloads the planner >= 1.1x the
 best static split; on the steady one >= 0.95x.
@@ -345,6 +346,13 @@ def main() -> None:
         "the default for a planner that acts since 2026-12-04 evening), or on its first switch to decode, "
         "inside the load (every committed result before)",
     )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="the planners' interval_secs, the advise ones beside the static rows too (default 2, as every "
+        "committed result before 2026-12-04 evening)",
+    )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
     n = args.engines
@@ -369,7 +377,7 @@ def main() -> None:
         "router": {"policy": args.policy, "admission": {"worker_wait_secs": 120}},
         "planner": {
             "mode": "off",
-            "interval_secs": 2,
+            "interval_secs": args.interval,
             "cooldown_secs": 6,
             "sustain": 2,
             **({} if args.min_per_role is None else dict.fromkeys(("min_prefill", "min_decode"), args.min_per_role)),
@@ -428,7 +436,7 @@ def main() -> None:
             (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role, args.graphs)
+    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role, args.graphs, args.interval)
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -463,6 +471,7 @@ def write(
     planner_start: str,
     min_per_role: int | None,
     graphs: str,
+    interval: float,
 ) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
@@ -490,6 +499,7 @@ def write(
         "planner_start": planner_start,
         "planner_min_per_role": min_per_role,
         "decode_graphs_captured": graphs,
+        "planner_interval_secs": interval,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(
@@ -516,7 +526,7 @@ def write(
             if graphs == "at-up"
             else "; a prefill captures its decode graphs on its first switch to decode"
         )
-        + f"; {len(planner)} run(s) per figure"
+        + f"; planner interval {interval:g} s; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")
         + ".",
         "",
@@ -538,8 +548,8 @@ def write(
             told = ", ".join("none" if s is None else f"{s:.1f} s" for s in secs)
             lines.append(
                 f"  {TITLES[name].split(' (')[0]}: the first switch toward each phase's bottleneck was done (drained "
-                f"and switched) {told} after the phase's first request (two intervals are 4 s; a decision needs "
-                "`sustain` = 2 of them, then the drain)."
+                f"and switched) {told} after the phase's first request (two intervals are {2 * interval:g} s; "
+                "a decision needs `sustain` = 2 of them, then the drain)."
             )
     for work in only:
         if work in TRACES and len(TRACES[work]) == 2 and len(statics) > 1:

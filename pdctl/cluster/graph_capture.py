@@ -20,19 +20,32 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events
-from pdctl.cluster.restart import RouterControl
 from pdctl.cluster.role_call import ask_switch, wait_let_go
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError
 from pdctl.plan import EngineSpec
+from pdctl.role_planner.config import PlannerConfig
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
 from pdctl.weights.client import CallFailure, JsonClient
 
+if TYPE_CHECKING:  # (pdctl.cluster.restart, its home, restarts engines through this module)
+    from pdctl.cluster.restart import RouterControl
+
 INFO_TIMEOUT_SECS = 10.0
+
+
+def captures_at_start(state: ClusterState, engine_id: str) -> bool:
+    """Whether engine ``engine_id`` is one the cluster captures the decode graphs of once it
+    runs: a prefill of a role_switch group, in a cluster whose ``planner.captures_at_up``."""
+    engine = next((e for e in state.plan.engines if e.id == engine_id), None)
+    if engine is None or engine.role is not Role.PREFILL or not engine.role_switch:
+        return False
+    return PlannerConfig.from_dict(state.plan.planner).captures_at_up()
 
 
 def uncaptured_prefills(state: ClusterState, store: StateStore) -> list[EngineSpec]:
@@ -52,7 +65,7 @@ def uncaptured_prefills(state: ClusterState, store: StateStore) -> list[EngineSp
     return out
 
 
-def capture_decode_graphs(state: ClusterState, store: StateStore, events: Events) -> None:
+def capture_decode_graphs(state: ClusterState, store: StateStore, router: RouterControl, events: Events) -> None:
     """Flip every prefill of ``uncaptured_prefills`` to decode and back, side by side, each
     cordoned for its flips (what reached it meanwhile handed to another prefill). Raises
     LifecycleError when an engine switched to decode and did not come back a prefill."""
@@ -62,7 +75,6 @@ def capture_decode_graphs(state: ClusterState, store: StateStore, events: Events
     started = time.monotonic()
     names = ", ".join(e.id for e in engines)
     events("graphs", f"capturing the decode CUDA graphs of {names}: each flips to decode and back, out of rotation")
-    router = RouterControl.of(state, store)
     pool = ThreadPoolExecutor(len(engines), thread_name_prefix="graph-capture")
     try:
         outcomes = list(pool.map(lambda e: _flip_there_and_back(state, store, router, e), engines))
@@ -76,11 +88,20 @@ def capture_decode_graphs(state: ClusterState, store: StateStore, events: Events
 
 
 def _flip_there_and_back(state: ClusterState, store: StateStore, router: RouterControl, engine: EngineSpec) -> str:
-    """One engine's flips; returns "" when captured, else why not (it serves on uncaptured)."""
+    """One engine's flips, cordoned; returns "" when captured, else why not (it serves on)."""
     url = engine.url or ""
     router.cordon(url, True, reason="pdctl up: capturing decode CUDA graphs", handoff=True)
     if router.handed_off.pop(url, 0):  # a client that sent before `up` returned
         wait_let_go(state, store, url)
+    why = flip_there_and_back(state, store, engine, url)
+    router.cordon(url, False)
+    return why
+
+
+def flip_there_and_back(state: ClusterState, store: StateStore, engine: EngineSpec, url: str) -> str:
+    """Engine ``engine`` (idle, out of rotation) at ``url`` flips to decode and back to prefill;
+    returns "" when it did, else why it refused the first flip (it is still a prefill). Raises
+    LifecycleError when it switched to decode and did not switch back."""
     there = ask_switch(state, store, url, Role.DECODE, engine.tp)
     back = ask_switch(state, store, url, Role.PREFILL, engine.tp)  # "already" when it refused the first
     if isinstance(back, CallFailure):
@@ -88,5 +109,4 @@ def _flip_there_and_back(state: ClusterState, store: StateStore, router: RouterC
             f"{engine.id} was asked to switch to decode to capture its decode CUDA graphs, and did not switch "
             f"back to prefill: {back}"
         )
-    router.cordon(url, False)
     return str(there) if isinstance(there, CallFailure) else ""

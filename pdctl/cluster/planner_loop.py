@@ -195,8 +195,11 @@ class PlannerLoop:
         self.left_said = ""
         """Why a switch left half done could not be settled, as last logged."""
         self.decoded: set[tuple[str, int]] = set()
-        """(URL, pid) of the engines this planner saw running as decodes (``observe``); a planner
-        restarted starts it again from the decodes it sees."""
+        """(URL, pid) of the engines this planner saw running as decodes (``observe``), or whose
+        ``/server_info`` says they captured decode graphs (``up`` captures prefills': pdctl.cluster.
+        graph_capture); a planner restarted starts it again from what it sees and asks."""
+        self.asked_graphs: set[tuple[str, int]] = set()
+        """(URL, pid) of the prefills asked once whether they captured decode graphs."""
 
     def run(self, intervals: int | None = None, told: Callable[[Decision], None] | None = None) -> None:
         """Decide every interval (``intervals`` of them, or until ``stop``); act in ``act`` mode.
@@ -241,6 +244,7 @@ class PlannerLoop:
                     recalled = True
                 keys = load_keys(self.store, state.name)
                 sampler = Sampler(state, keys, session, versions_and_workers=False)
+                await self._ask_captured(sampler, state)
                 samples = await _interval(sampler, self.config.interval_secs, self.stop)
                 if self.stop.is_set() or len(samples) < 2:
                     return
@@ -263,6 +267,20 @@ class PlannerLoop:
                 if told is not None:
                     told(decision)
                 done += 1
+
+    async def _ask_captured(self, sampler: Sampler, state: ClusterState) -> None:
+        """Ask each prefill process not asked yet whether it captured decode graphs; those that
+        did count as ``decoded`` (a switch of theirs to decode is cheap: ``_cheapest``)."""
+        ask = [
+            rec
+            for rec in state.processes.values()
+            if rec.role is Role.PREFILL and rec.url and (rec.url, rec.pid) not in self.decoded | self.asked_graphs
+        ]
+        said = await asyncio.gather(*(sampler.captured_decode_graphs(rec) for rec in ask))
+        for rec, captured in zip(ask, said, strict=True):
+            self.asked_graphs.add((rec.url or "", rec.pid))
+            if captured:
+                self.decoded.add((rec.url or "", rec.pid))
 
     async def _act(self, decision: Decision, done: list[str]) -> tuple[str, str]:
         """(outcome: switched, refused or advised; what happened, in words). A decision that moves

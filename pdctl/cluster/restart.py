@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 from pdctl.cluster.down import stop_records
+from pdctl.cluster.graph_capture import captures_at_start, flip_there_and_back
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, entry_of, interrupts_deferred
 from pdctl.cluster.keys import ClusterKeys, load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
@@ -173,6 +174,8 @@ def replace_engine(
         launch(specs, state, store, nodes, {}, events)
         journal.phase(StepPhase.STARTED)
         _wait_started(state, nodes, specs, events, ready_timeout)
+        if captures_at_start(state, engine_id):  # (a new process: its decode graphs are not captured)
+            _capture(state, store, engine_id, url, events)
         _back_in_rotation(router, old_url, entry)
         wait_routable(router, engine_id, url, ready_timeout, events)
         journal.end()
@@ -180,6 +183,17 @@ def replace_engine(
         with interrupts_deferred():
             _unwind_replace(journal, router, entry, events)
         raise
+
+
+def _capture(state: ClusterState, store: StateStore, engine_id: str, url: str, events: Events) -> None:
+    """The restarted prefill's decode graph capture, out of rotation, as ``up``'s
+    (pdctl.cluster.graph_capture); whole once begun (a Ctrl-C that cut it between its two flips
+    would leave a decode the state takes for a prefill)."""
+    engine = next(e for e in state.plan.engines if e.id == engine_id)
+    events(engine_id, "capturing its decode CUDA graphs: it flips to decode and back")
+    with interrupts_deferred():
+        why = flip_there_and_back(state, store, engine, url)
+    events(engine_id, f"not captured: {why}; its first switch to decode captures" if why else "captured")
 
 
 def _back_in_rotation(router: RouterControl, old_url: str, entry: LaunchSpec) -> None:

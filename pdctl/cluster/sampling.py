@@ -210,6 +210,16 @@ class Sampler:
         engines = await asyncio.gather(*(one(self.entrypoints[i]) for i in ids))
         return Sample(at, dict(zip(ids, engines, strict=True)), None)
 
+    async def captured_decode_graphs(self, rec: ProcessRecord) -> bool:
+        """Whether the engine at ``rec`` says it captured decode CUDA graphs (``/server_info``
+        ``decode_cuda_graph_bs``, as SGLang reports it: empty on a prefill never flipped to
+        decode); False when it does not answer or say."""
+        key = self.keys.engine if self.keys else None
+        _, body = await self._get(f"{rec.url}{Endpoint.SERVER_INFO.value}", key)
+        states = _json_field(body, "internal_states")
+        first = states[0] if isinstance(states, list) and states else None
+        return isinstance(first, dict) and bool(first.get("decode_cuda_graph_bs"))
+
     async def _get(self, url: str, key: str | None = None) -> tuple[str, Any]:
         """(reach, body): body is the text of a 200, else None."""
         headers = {"Authorization": f"Bearer {key}"} if key else {}

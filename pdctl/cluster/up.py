@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from pdctl.cluster import planner_process
 from pdctl.cluster.down import stop_processes
+from pdctl.cluster.graph_capture import capture_decode_graphs
 from pdctl.cluster.journal import interrupts_deferred
 from pdctl.cluster.keys import ClusterKeys, load_keys, save_keys
 from pdctl.cluster.mps import start_daemons, stop_daemons
@@ -103,10 +104,10 @@ def up(
             wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
             wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             if PlannerConfig.from_dict(plan.planner).captures_at_up():
-                # (imported here: its router client's module, pdctl.cluster.restart, imports this one)
-                from pdctl.cluster.graph_capture import capture_decode_graphs
+                # (imported here: the router client's module, pdctl.cluster.restart, imports this one)
+                from pdctl.cluster.restart import RouterControl
 
-                capture_decode_graphs(state, store, events)
+                capture_decode_graphs(state, store, RouterControl.of(state, store), events)
             if not plan.trainer_first:
                 start_trainers()
         except (Exception, KeyboardInterrupt) as exc:

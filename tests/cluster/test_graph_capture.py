@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from pdctl.cluster.graph_capture import capture_decode_graphs
+from pdctl.cluster.restart import RouterControl
 from pdctl.cluster.state import StateStore
-from tests.cluster.local_cluster import interrupted
+from tests.cluster.local_cluster import interrupted, wait_back
 from tests.helpers import (
     control_auth,
     engine_auth,
@@ -140,14 +141,29 @@ def _held(url: str, bootstrap_port: int, name: str, env: dict) -> socket.socket:
     return held
 
 
-def test_a_busy_prefill_refuses_serves_on_uncaptured_and_a_later_capture_takes(cluster) -> None:
-    """A restarted prefill is a new process, uncaptured; kept busy, it refuses the flip ("not
-    idle"): it serves on as a prefill in rotation, said so; idle again, the capture takes."""
+def test_a_restarted_prefill_captures_before_it_is_back_in_rotation(cluster) -> None:
+    """``pdctl restart`` of a prefill starts a new process, uncaptured: it flips to decode and
+    back before its cordon lifts."""
     env, name, _ = cluster
     restarted = pdctl("restart", name, "prefill-0", env=env)
     assert restarted.returncode == 0, restarted.stderr
+    assert "prefill-0: captured" in restarted.stdout + restarted.stderr, restarted.stdout + restarted.stderr
+    url = _engines(env)["prefill-0"]["url"]
+    internal = _internal(url, name, env)
+    assert internal["disaggregation_mode"] == "prefill" and internal["decode_cuda_graph_bs"]
+    assert _in_rotation(env, name)[url]
+
+
+def test_a_busy_prefill_refuses_serves_on_uncaptured_and_a_later_capture_takes(cluster) -> None:
+    """A prefill its supervisor restarted (kill -9) is a new process, uncaptured; kept busy, it
+    refuses the flip ("not idle"): it serves on as a prefill in rotation, said so; idle again, the
+    capture takes."""
+    env, name, _ = cluster
     engines = _engines(env)
-    url = engines["prefill-0"]["url"]
+    os.kill(engines["prefill-1"]["pid"], signal.SIGKILL)
+    wait_back(env, "prefill-1", engines["prefill-1"]["pid"], 1)
+    url = engines["prefill-1"]["url"]
+    eventually(lambda: _in_rotation(env, name).get(url), 60, what="prefill-1 back in rotation")
     assert _internal(url, name, env)["decode_cuda_graph_bs"] == []
     store = StateStore(Path(env["PDCTL_HOME"]))
     said: list[str] = []
@@ -155,19 +171,20 @@ def test_a_busy_prefill_refuses_serves_on_uncaptured_and_a_later_capture_takes(c
     def events(subject: str, text: str) -> None:
         said.append(f"{subject}: {text}")
 
-    held = _held(url, engines["prefill-0"]["ports"]["bootstrap"], name, env)
+    state = store.load(name)
+    held = _held(url, engines["prefill-1"]["ports"]["bootstrap"], name, env)
     try:
-        capture_decode_graphs(store.load(name), store, events)
+        capture_decode_graphs(state, store, RouterControl.of(state, store), events)
     finally:
         held.close()
-    assert any("not captured: prefill-0" in line and "not idle" in line for line in said), said
+    assert any("not captured: prefill-1" in line and "not idle" in line for line in said), said
     assert "captured on 0 of 1 prefill(s)" in said[-1], said
     internal = _internal(url, name, env)
     assert internal["disaggregation_mode"] == "prefill" and internal["decode_cuda_graph_bs"] == []
     assert _in_rotation(env, name)[url]
     eventually(lambda: _internal(url, name, env)["num_prefill_prealloc_queue_reqs"] == 0, 60, what="it let go")
     said.clear()
-    capture_decode_graphs(store.load(name), store, events)
+    capture_decode_graphs(state, store, RouterControl.of(state, store), events)
     assert "captured on 1 of 1 prefill(s)" in said[-1], said
     assert _internal(url, name, env)["decode_cuda_graph_bs"]
     assert _in_rotation(env, name)[url]
@@ -179,7 +196,11 @@ def test_up_interrupted_while_it_captures_stops_everything(tmp_path, sig) -> Non
     without waiting for the captures; status says down, and down again changes nothing."""
     topo = _topology(tmp_path, "gci", 60, {"mode": "act"})  # act: the capture unset is on
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
-    code, out = interrupted("up", topo, at="graphs: capturing", env=env, sig=sig)
+    try:
+        code, out = interrupted("up", topo, at="graphs: capturing", env=env, sig=sig)
+    except BaseException:  # (an up that was not interrupted runs on: a failed check must not leave it)
+        pdctl("down", "gci", env=env)
+        raise
     assert code != 0 and "everything that started was stopped" in out, out
     assert "Traceback" not in out
     state = json.loads((tmp_path / "home" / "gci" / "state.json").read_text())
