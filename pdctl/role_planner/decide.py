@@ -52,6 +52,13 @@ the usual rules would still hold the next move back), both after a move the queu
   their slots and 13.5 prompts queued per prefill through the 6 s cooldown: 6:2 came 21 s into a
   24 s phase). It never goes past the balance, nor against the last move.
 
+Outside a move's window, a **whole batch queued on one side** waits for no ``sustain`` (the
+cooldown still holds): the bottleneck's engines each queue a batch (``max_running_requests``) or
+more while the other role queues nothing, the turn's reading, which no noise makes; on the
+8-engine 30 s shifting trace each phase opened so, an interval before the streak was long
+enough. Not in a fleet that announces its steps: its bursts queue a batch by design, and the step
+balance sizes them.
+
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
 router, with the prompt tokens it will prefill and the requests it will send) lets it set the
 split for the burst before it comes, without waiting ``sustain`` intervals. It counts the output
@@ -380,8 +387,15 @@ class RolePlanner:
         self.streak = (short, count)
         turned = self._turned(short, loads, obs)
         goes_on = None if turned else self._goes_on(short, loads, obs)
+        overrun = None if turned or goes_on else self._overrun(short, loads)
         if turned or goes_on:
             why = f"{why}; {turned or goes_on}"
+        elif overrun:
+            why = f"{why}; {overrun}"
+            if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
+                left = self.config.cooldown_secs - (obs.at - self.last_switch_at)
+                return Decision(Action.STAY, f"{why}; cooling down after the last switch ({left:.0f} s left)",
+                                figures=figures)  # fmt: skip
         elif count < self.config.sustain:
             return Decision(Action.STAY, f"{why} ({count} of {self.config.sustain} intervals)", figures=figures)
         elif self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
@@ -706,6 +720,22 @@ class RolePlanner:
             f"the workload turned against the last move (to {self.last_switch_to}): {load.waiting:.0f} waiting "
             f"per {short}, a whole batch of {load.slots:.0f} or more, so no sustain and no cooldown"
         )
+
+    def _overrun(self, short: Role, loads: Mapping[Role, RoleLoad]) -> str | None:
+        """Why ``short`` moves without waiting ``sustain`` intervals, or None: its engines each
+        queue a whole batch or more (their slots) while the other role's queue is empty (requests
+        waiting for their KV aside), in a fleet that announces no steps. No noise queues a whole
+        batch per engine on one side only (the turn's reading, outside a move's window), and on
+        the 8-engine 30 s shifting trace each phase opened with one (20 prompts waiting per
+        prefill, then 31.5 requests per decode) an interval before the streak was long enough.
+        A fleet that announces its steps gets its bursts sized by the step balance instead: a
+        burst queues a whole batch by design."""
+        load, spare = loads[short], loads[other(short)]
+        if self.step_size[0] or not load.slots or load.waiting < load.slots:
+            return None
+        if spare.own_waiting >= self.config.backlog / 2:
+            return None
+        return f"{load.waiting:.0f} waiting per {short}, a whole batch of {load.slots:.0f} or more, so no sustain"
 
     def _goes_on(self, short: Role, loads: Mapping[Role, RoleLoad], obs: Observation) -> str | None:
         """Why the last move goes on at once, or None: within its window (``_within_window``), it

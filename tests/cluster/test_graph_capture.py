@@ -141,6 +141,38 @@ def _held(url: str, bootstrap_port: int, name: str, env: dict) -> socket.socket:
     return held
 
 
+def test_the_planner_counts_the_prefills_captured_at_up_as_captured(cluster) -> None:
+    """The planner knew only the engines it saw run as decodes; it asks each prefill process once
+    what its /server_info says, so the prefills up captured are cheap to move to decode."""
+    import asyncio
+
+    import aiohttp
+
+    from pdctl.cluster.keys import load_keys
+    from pdctl.cluster.planner_loop import PlannerLoop, observe
+    from pdctl.cluster.sampling import Sampler
+    from pdctl.role_planner.config import PlannerConfig
+
+    env, name, _ = cluster
+    store = StateStore(Path(env["PDCTL_HOME"]))
+    state = store.load(name)
+    loop = PlannerLoop(name, PlannerConfig.from_dict({"mode": "advise"}), store)
+
+    async def ask_and_sample() -> list:
+        async with aiohttp.ClientSession() as session:
+            sampler = Sampler(state, load_keys(store, name), session, versions_and_workers=False)
+            await loop._ask_captured(sampler, state)
+            return [await sampler.sample(), await sampler.sample()]
+
+    samples = asyncio.run(ask_and_sample())
+    prefills = {rec.url for rec in state.processes.values() if rec.role.value == "prefill"}
+    assert {url for url, _ in loop.asked_graphs} == prefills
+    loads = {e.id: e for e in observe(state, samples, loop.decoded).engines}
+    assert loads["prefill-0"].captured and loads["prefill-1"].captured, loads
+    unasked = {e.id: e for e in observe(state, samples, set()).engines}  # what it knew before it asked
+    assert not unasked["prefill-0"].captured and not unasked["prefill-1"].captured
+
+
 def test_a_restarted_prefill_captures_before_it_is_back_in_rotation(cluster) -> None:
     """``pdctl restart`` of a prefill starts a new process, uncaptured: it flips to decode and
     back before its cordon lifts."""

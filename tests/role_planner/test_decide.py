@@ -200,10 +200,12 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     planner.switched(10, P)
     assert "1 of 2" in planner.decide(fleet(12, [(0, 1_000)] * 7, [(12, 1_500)], 16)).reason
     assert "cooling down" in planner.decide(fleet(14, [(0, 1_000)] * 7, [(12, 1_500)], 16)).reason
-    # the same queue where the last move went (decode short after a move to decode): no turn
+    # the same queue where the last move went (decode short after a move to decode): no turn, and
+    # the cooldown holds (a whole batch skips only the streak: test_a_whole_batch_queued_on_one_side_...)
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, D)
-    assert "1 of 2" in planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+    same = planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16))
+    assert same.action is Action.STAY and "turned" not in same.reason and "cooling down" in same.reason, same
     # nor with a queue at the other role too (no bottleneck), nor with no slots said
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, P)
@@ -215,17 +217,19 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     planner.switched(10, P)
     late = planner.decide(fleet(16.1, [(0, 1_000)] * 7, [(48, 1_500)], 16))
     assert late.action is Action.SWITCH and "turned against the last move" in late.reason, late
-    # past the window (the cooldown and two intervals) the usual streak decides
+    # past the window (the cooldown and two intervals) it is no turn: a whole batch on one side
+    # moves at the first interval as anywhere else (no sustain), and says so
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, P)
-    assert "1 of 2" in planner.decide(fleet(20, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+    past = planner.decide(fleet(20, [(0, 1_000)] * 7, [(48, 1_500)], 16))
+    assert past.action is Action.SWITCH and "turned" not in past.reason and "so no sustain" in past.reason, past
     # a turn is not turned back: after it the cooldown holds, whatever queues at the other role
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     planner.switched(10, P)
     turned = planner.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16))
     assert turned.to_role is D and not turned.reversible and turned.to_dict()["reversible"] is False
     planner.switched(12, turned.to_role if turned.reversible else None)
-    assert "1 of 2" in planner.decide(fleet(14, [(48, 1_000)] * 6, [(0, 1_500)] * 2, 16)).reason
+    assert "cooling down" in planner.decide(fleet(14, [(48, 1_000)] * 6, [(0, 1_500)] * 2, 16)).reason
     # under the latency objective too, a queue at both roles is no turn
     latency = RolePlanner(PlannerConfig(objective=Objective.LATENCY, ttft_ms=500, itl_ms=50, cooldown_secs=6))
     latency.switched(10, P)
@@ -240,7 +244,8 @@ def test_a_whole_batch_queued_where_the_last_move_took_from_reverses_it_at_once(
     # and not of a move it may not turn
     recalled = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=6, sustain=2))
     recalled.recall([{**entry, "figures": figures, "reversible": False}], now_wall=102.0, now=12.0)
-    assert "1 of 2" in recalled.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16)).reason
+    kept = recalled.decide(fleet(12, [(0, 1_000)] * 7, [(48, 1_500)], 16))
+    assert kept.action is Action.STAY and "turned" not in kept.reason and "cooling down" in kept.reason, kept
 
 
 def running(obs: Observation, role: Role, requests: float) -> Observation:
@@ -846,3 +851,32 @@ def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch
     monkeypatch.setattr(planner_loop, "settle_half_done", once)
     act.run(intervals=1)
     assert calls == ["c"]
+
+
+def test_a_whole_batch_queued_on_one_side_moves_without_the_streak() -> None:
+    """The 8-engine 30 s shifting trace opened each phase with a whole batch queued per engine of
+    one role (20 prompts per prefill, then 31.5 requests per decode) and nothing at the other: it
+    moves at that first interval, not the second. A queue under a batch, one with a queue at the
+    other role too, slots not said, the cooldown, or a fleet that announces steps (its bursts
+    queue a batch by design; the step balance sizes them): the streak as before."""
+    config = PlannerConfig(interval_secs=1, cooldown_secs=6, sustain=2)
+    first = RolePlanner(config).decide(fleet(0, [(20, 1_000)] * 4, [(0, 1_500)] * 4, 16))
+    assert first.action is Action.SWITCH and first.to_role is P, first
+    assert "20 waiting per prefill, a whole batch of 16 or more, so no sustain" in first.reason
+    for prefills, decodes, slots in (
+        ([(12, 1_000)] * 4, [(0, 1_500)] * 4, 16),  # under a batch
+        ([(20, 1_000)] * 4, [(0, 1_500)] * 4, None),  # slots not said
+    ):
+        assert "1 of 2" in RolePlanner(config).decide(fleet(0, prefills, decodes, slots)).reason
+    both = RolePlanner(config).decide(fleet(0, [(20, 1_000)] * 4, [(3, 1_500)] * 4, 16))
+    assert both.action is Action.STAY, both
+    cooling = RolePlanner(config)
+    cooling.switched(0, None)  # (a turn: neither turned nor gone on with)
+    assert "cooling down" in cooling.decide(fleet(3, [(20, 1_000)] * 4, [(0, 1_500)] * 4, 16)).reason
+    announced = RolePlanner(config)
+    idle = ([(0, 1_000)] * 4, [(0, 1_500)] * 4, 16)
+    announced.decide(fleet(0, *idle))
+    told = {"steps": 1.0, "step_prompt_tokens": 8_000.0, "step_requests": 64.0}
+    announced.decide(fleet(1, *idle, **told))  # the step boundary
+    burst = announced.decide(fleet(2, [(20, 1_000)] * 4, [(0, 1_500)] * 4, 16, **told))
+    assert burst.action is Action.STAY and "1 of 2" in burst.reason, burst
