@@ -175,7 +175,7 @@ def replace_engine(
         journal.phase(StepPhase.STARTED)
         _wait_started(state, nodes, specs, events, ready_timeout)
         if captures_at_start(state, engine_id):  # (a new process: its decode graphs are not captured)
-            _capture(state, store, engine_id, url, events)
+            _capture(state, store, journal, engine_id, url, events)
         _back_in_rotation(router, old_url, entry)
         wait_routable(router, engine_id, url, ready_timeout, events)
         journal.end()
@@ -185,14 +185,23 @@ def replace_engine(
         raise
 
 
-def _capture(state: ClusterState, store: StateStore, engine_id: str, url: str, events: Events) -> None:
+def _capture(
+    state: ClusterState, store: StateStore, journal: Journal, engine_id: str, url: str, events: Events
+) -> None:
     """The restarted prefill's decode graph capture, out of rotation, as ``up``'s
     (pdctl.cluster.graph_capture); whole once begun (a Ctrl-C that cut it between its two flips
-    would leave a decode the state takes for a prefill)."""
+    would leave a decode the state takes for a prefill). One that switched to decode and would
+    not switch back stays out of rotation (the journal ended, so the undo lifts no cordon)."""
     engine = next(e for e in state.plan.engines if e.id == engine_id)
     events(engine_id, "capturing its decode CUDA graphs: it flips to decode and back")
     with interrupts_deferred():
-        why = flip_there_and_back(state, store, engine, url)
+        try:
+            why = flip_there_and_back(state, store, engine, url)
+        except LifecycleError as exc:
+            journal.end()
+            raise LifecycleError(
+                f"{exc}; it stays out of rotation: `pdctl restart {state.name} {engine_id}` starts it anew"
+            ) from exc
     events(engine_id, f"not captured: {why}; its first switch to decode captures" if why else "captured")
 
 
