@@ -41,7 +41,7 @@ mode beside it: on this 2-core machine the planner's sampling (five samples of e
 interval) takes CPU the sim engines and the router need, which on GPUs it would not; an advise
 planner samples the same and changes nothing, so every row pays the same. The steady trace once
 more on a bare 1:N-1 shows what that costs here. The planner starts from the even split in act
-mode (interval 2 s unless ``--interval``, cooldown 6 s, sustain 2), each workload anew, as each static
+mode (interval 1 s unless ``--interval``, cooldown 6 s, sustain 2), each workload anew, as each static
 row runs each from its split (``--planner-start goes-on``: one planner through them all, from wherever
 the last left it).
 ``--repeats R`` runs every configuration's workloads R times in turn (a row each time) and reports
@@ -318,9 +318,9 @@ def main() -> None:
     parser.add_argument("--splits", default="", help="prefill counts of the static splits (default: all)")
     parser.add_argument(
         "--policy",
-        default="round_robin",
-        help="the router's policy for both roles (default round_robin, as every committed result before it; "
-        "power_of_two sends a queue built at an engine before a move no more until the others catch up)",
+        default="power_of_two",
+        help="the router's policy for both roles (default power_of_two, the router's default in a fleet whose "
+        "planner acts since 2026-12-04 evening; every committed result before ran round_robin unless it says)",
     )
     parser.add_argument(
         "--planner-start",
@@ -349,9 +349,9 @@ def main() -> None:
     parser.add_argument(
         "--interval",
         type=float,
-        default=2.0,
-        help="the planners' interval_secs, the advise ones beside the static rows too (default 2, as every "
-        "committed result before 2026-12-04 evening)",
+        default=1.0,
+        help="the planners' interval_secs, the advise ones beside the static rows too (default 1; every "
+        "committed result before 2026-12-04 evening ran 2)",
     )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()

@@ -104,6 +104,15 @@ class PlannerConfig:
         }
 
 
+PLANNED_FLEET_ROUTER_POLICY = "power_of_two"
+"""The router's policy in a fleet whose planner acts when the topology names none (round_robin
+otherwise). After a move to prefill, round_robin still sent two in three new prompts to the old
+prefills' queues (20 deep) and none waited less at the new ones; the less loaded of two picks
+sends them where the queue is short. 8 engines, 30 s shifting trace, one run each: the planner
+made 1.07x the best static split with round_robin and 1.22x with power_of_two, whose static rows
+made the same as round_robin's (benchmarks/results/planner_8_overrun_interval1*.md)."""
+
+
 def reserve(fleet: int) -> int:
     """The fewest engines per role when the topology sets none: a quarter of the fleet's PD
     engines, one at least (4 engines: 1; 8: 2; 16: 4). Why not one: at 8 engines a planner allowed

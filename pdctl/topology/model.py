@@ -15,7 +15,7 @@ from typing import Any
 
 from pdctl.choices import Choice
 from pdctl.refit import DEFAULT_BUCKET_MB, RefitMode
-from pdctl.role_planner.config import PlannerConfig
+from pdctl.role_planner.config import PLANNED_FLEET_ROUTER_POLICY, PlannerConfig, PlannerMode
 from pdctl.roles import RestartPolicy, Role
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -451,7 +451,10 @@ class Topology:
             w["backend"] = WeightBackend(w.get("backend") or ("gloo" if engine == "sim" else "nccl"))
             w["refit"] = RefitMode.parse(w.get("refit"))
             weights = WeightsConfig(**w)
-        r = raw.get("router", {})
+        planner = PlannerConfig.from_dict(raw["planner"]) if "planner" in raw else None
+        r = dict(raw.get("router", {}))
+        if planner is not None and planner.mode is PlannerMode.ACT:
+            r.setdefault("policy", PLANNED_FLEET_ROUTER_POLICY)
         return cls(
             name=raw["name"],
             model=ModelSpec(**raw["model"]),
@@ -465,5 +468,5 @@ class Topology:
             weights=weights,
             placement=placement,
             engine_auth=EngineAuth(raw.get("engine_auth", EngineAuth.KEY.value)),
-            planner=PlannerConfig.from_dict(raw["planner"]) if "planner" in raw else None,
+            planner=planner,
         )

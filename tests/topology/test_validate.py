@@ -342,3 +342,17 @@ def test_the_graph_capture_at_up_is_on_where_the_planner_acts_unless_set() -> No
     assert not captures("{mode: act, capture_graphs_at_up: false}")
     assert captures("{mode: advise, capture_graphs_at_up: true}")
     one_error(pd + "planner: {mode: act, capture_graphs_at_up: sometimes}\n", "capture_graphs_at_up")
+
+
+def test_a_fleet_whose_planner_acts_routes_power_of_two_unless_the_file_says() -> None:
+    """round_robin by default; power_of_two where the planner acts (new prompts go to the prefills
+    a move just made); a policy the file names wins."""
+    pd = BASE + "prefill: {role_switch: true, replicas: 2}\ndecode: {role_switch: true, replicas: 2}\n"
+
+    def policy(extra: str) -> str:
+        top, _ = checked(yaml_text(pd + extra))
+        return top.router.policy
+
+    assert policy("") == "round_robin" and policy("planner: {mode: advise}\n") == "round_robin"
+    assert policy("planner: {mode: act}\n") == "power_of_two"
+    assert policy("planner: {mode: act}\nrouter: {policy: round_robin}\n") == "round_robin"
