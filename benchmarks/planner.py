@@ -549,7 +549,7 @@ def write(
             lines.append(
                 f"  {TITLES[name].split(' (')[0]}: the first switch toward each phase's bottleneck was done (drained "
                 f"and switched) {told} after the phase's first request (two intervals are {2 * interval:g} s; "
-                "a decision needs `sustain` = 2 of them, then the drain)."
+                "a decision needs `sustain` = 2 of them, or one when a whole batch queues per engine, then the drain)."
             )
     for work in only:
         if work in TRACES and len(TRACES[work]) == 2 and len(statics) > 1:

@@ -222,10 +222,11 @@ def test_a_busy_prefill_refuses_serves_on_uncaptured_and_a_later_capture_takes(c
     assert _in_rotation(env, name)[url]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_up_interrupted_while_it_captures_stops_everything(tmp_path, sig) -> None:
-    """Ctrl-C (or SIGTERM) while the prefills capture (60 s each): up stops every process at once,
-    without waiting for the captures; status says down, and down again changes nothing."""
+    """Ctrl-C (or SIGTERM, or a closed terminal: SIGHUP) while the prefills capture (60 s each): up
+    stops every process at once, without waiting for the captures; status says down, and down
+    again changes nothing."""
     topo = _topology(tmp_path, "gci", 60, {"mode": "act"})  # act: the capture unset is on
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
     try:
@@ -238,5 +239,7 @@ def test_up_interrupted_while_it_captures_stops_everything(tmp_path, sig) -> Non
     state = json.loads((tmp_path / "home" / "gci" / "state.json").read_text())
     assert state["status"] == "down"
     assert run_processes(state["run_id"]) == [], "up left processes of the cluster running"
+    status = pdctl("status", "gci", env=env)
+    assert "down" in status.stdout and "Traceback" not in status.stdout + status.stderr, status.stdout
     again = pdctl("down", "gci", env=env)
     assert again.returncode == 0, again.stderr
