@@ -33,7 +33,6 @@ from pdctl.cluster.down import down, stop_records
 from pdctl.cluster.journal import ChangeKind, Journal, StepPhase, interrupts_deferred
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.restart import (
-    RouterControl,
     drop_unit,
     engine_role,
     recover,
@@ -41,6 +40,7 @@ from pdctl.cluster.restart import (
     replace_engine,
     wait_routable,
 )
+from pdctl.cluster.router_control import RouterControl
 from pdctl.cluster.state import ClusterState, Phase, StateStore, declared_of
 from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import launch, up, wait_ready

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events
 from pdctl.cluster.role_call import ask_switch, wait_let_go
+from pdctl.cluster.router_control import RouterControl
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.errors import LifecycleError
 from pdctl.plan import EngineSpec
@@ -32,9 +32,6 @@ from pdctl.role_planner.config import PlannerConfig
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
 from pdctl.weights.client import CallFailure, JsonClient
-
-if TYPE_CHECKING:  # (pdctl.cluster.restart, its home, restarts engines through this module)
-    from pdctl.cluster.restart import RouterControl
 
 INFO_TIMEOUT_SECS = 10.0
 

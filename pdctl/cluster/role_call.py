@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 from pdctl.cluster.keys import load_keys
-from pdctl.cluster.sampling import EngineSample, parse_engine_metrics
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
@@ -43,6 +42,8 @@ def _busy(metrics: str) -> float:
     waits for: running, queued (a decode's prealloc queue in it), a decode's transfers, a prefill's
     bootstrap and inflight queues (pdctl.cluster.sampling); 0 for a text that is no Prometheus
     exposition: nothing to wait on."""
+    from pdctl.cluster.sampling import EngineSample, parse_engine_metrics  # (it imports aiohttp: not at `up`)
+
     sample = EngineSample("up")
     try:
         parse_engine_metrics(metrics, sample)

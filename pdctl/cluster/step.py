@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pdctl.cluster.journal import Journal
 from pdctl.cluster.nodes import Events, NodeSet
-from pdctl.cluster.restart import RouterControl
+from pdctl.cluster.router_control import RouterControl
 from pdctl.cluster.state import ClusterState, StateStore
 
 

@@ -27,13 +27,13 @@ from pdctl.cluster.keys import load_keys
 from pdctl.cluster.nodes import Events, NodeSet, quiet
 from pdctl.cluster.restart import (
     BACK_TIMEOUT_SECS,
-    RouterControl,
     engine_role,
     lift_cordons_ahead,
     recover,
     wait_routable,
 )
 from pdctl.cluster.role_call import ask_switch, wait_let_go
+from pdctl.cluster.router_control import RouterControl
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.step import StepContext
 from pdctl.cluster.up import spawn_entry

@@ -12,7 +12,6 @@ started (on every node) and raises LifecycleError with the failing process's las
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -28,6 +27,7 @@ from pdctl.cluster.journal import interrupts_deferred
 from pdctl.cluster.keys import ClusterKeys, load_keys, save_keys
 from pdctl.cluster.mps import start_daemons, stop_daemons
 from pdctl.cluster.nodes import Events, NodeSet, quiet
+from pdctl.cluster.router_control import RouterControl, secret_env
 from pdctl.cluster.state import ClusterState, Phase, ProcessRecord, StateStore, declared_of, node_to_dict
 from pdctl.errors import LifecycleError, RemoteError
 from pdctl.node.agent import RUN_ID_ENV
@@ -104,9 +104,6 @@ def up(
             wait_ready(entrypoints, state, nodes, ready_timeout_secs, events, watch=watch)
             wait_ready([plan.router], state, nodes, 60.0, events, path="/readiness")
             if PlannerConfig.from_dict(plan.planner).captures_at_up():
-                # (imported here: the router client's module, pdctl.cluster.restart, imports this one)
-                from pdctl.cluster.restart import RouterControl
-
                 capture_decode_graphs(state, store, RouterControl.of(state, store), events)
             if not plan.trainer_first:
                 start_trainers()
@@ -364,23 +361,6 @@ def _watch_trainers(specs: list[LaunchSpec], state: ClusterState, nodes: NodeSet
         if finished or time.monotonic() >= deadline:
             return
         time.sleep(0.5)
-
-
-def secret_env(name: str | None) -> dict[str, str]:
-    """The router's API key (in variable ``name``), read from the control machine's environment;
-    never logged or saved. The router and the trainer get it (``PDCTL_API_KEY_ENV`` names it for
-    ``WeightSync.from_env``)."""
-    if not name:
-        return {}
-    value = os.environ.get(name)
-    if not value:
-        raise LifecycleError(f"router.api_key_env is {name} but ${name} is unset or empty on this machine")
-    return {name: value}
-
-
-def router_client_key(state: ClusterState) -> str | None:
-    """The router's client key (from the variable ``router.api_key_env`` names), or None."""
-    return next(iter(secret_env(state.plan.api_key_env).values()), None)
 
 
 class ReadinessError(LifecycleError):

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdctl.cluster.journal import Journal
-from pdctl.cluster.restart import RouterControl, lift_cordons_ahead
+from pdctl.cluster.restart import lift_cordons_ahead
+from pdctl.cluster.router_control import RouterControl
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.errors import LifecycleError
 from tests.helpers import NullEngine, RouterProcess, pd_router_args

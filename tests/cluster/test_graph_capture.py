@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.cluster.graph_capture import capture_decode_graphs
-from pdctl.cluster.restart import RouterControl
+from pdctl.cluster.router_control import RouterControl
 from pdctl.cluster.state import StateStore
 from tests.cluster.local_cluster import interrupted, wait_back
 from tests.helpers import (

@@ -17,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdctl.cluster.restart import RouterControl, wait_routable
+from pdctl.cluster.restart import wait_routable
+from pdctl.cluster.router_control import RouterControl
 from tests.helpers import NullEngine, RouterProcess, pd_router_args
 
 

@@ -15,7 +15,7 @@ import threading
 import aiohttp
 import pytest
 
-from pdctl.cluster.restart import RouterControl
+from pdctl.cluster.router_control import RouterControl
 from tests.helpers import RouterProcess, eventually, get, http, pd_router_args, sims
 from tests.router.test_overload import assert_idle, one
 
