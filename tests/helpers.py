@@ -659,3 +659,21 @@ def topologies() -> SearchStrategy[dict]:
         return data
 
     return topology()
+
+
+def held_generate(url: str, body: dict, authorization: str):
+    """A ``POST /generate`` of ``body`` sent to the engine at ``url`` over a raw socket whose answer
+    is never read: the engine holds the request until the returned socket closes (it then aborts
+    it, as for a client that left)."""
+    import json as _json
+    import socket
+
+    data = _json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    held = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {authorization}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    held.sendall(head.encode() + data)
+    return held

@@ -25,6 +25,7 @@ from tests.helpers import (
     eventually,
     free_port_base,
     get,
+    held_generate,
     local_topology,
     pdctl,
     post,
@@ -114,23 +115,14 @@ def test_up_leaves_every_prefill_captured_in_rotation_and_serving(cluster) -> No
 def _held(url: str, bootstrap_port: int, name: str, env: dict) -> socket.socket:
     """A request sent to the prefill at ``url`` directly, whose decode never comes for its KV: the
     prefill holds it (its bootstrap queue) until the connection closes."""
-    body = json.dumps(
-        {
-            "text": "never taken",
-            "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": bootstrap_port,
-            "bootstrap_room": 4343,
-        }
-    ).encode()
-    host, port = url.removeprefix("http://").split(":")
-    auth = engine_auth(name, env["PDCTL_HOME"])["Authorization"]
-    held = socket.create_connection((host, int(port)))
-    head = (
-        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    held.sendall(head.encode() + body)
+    body = {
+        "text": "never taken",
+        "sampling_params": {"max_new_tokens": 4},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": 4343,
+    }
+    held = held_generate(url, body, engine_auth(name, env["PDCTL_HOME"])["Authorization"])
 
     def busy() -> bool:
         internal = _internal(url, name, env)

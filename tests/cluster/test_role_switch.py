@@ -26,6 +26,7 @@ from tests.helpers import (
     eventually,
     free_port_base,
     get,
+    held_generate,
     local_topology,
     pdctl,
     post,
@@ -132,23 +133,14 @@ def _kept_busy(name: str, env: dict, st: dict) -> socket.socket:
     never comes: decode-0 is busy until the returned connection closes (the engine aborts it)."""
     decode = next(p for p in st["processes"] if p["id"] == "decode-0")
     prefill = next(p for p in st["processes"] if p["id"] == "prefill-0")
-    body = json.dumps(
-        {
-            "text": "never served",
-            "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": prefill["ports"]["bootstrap"],
-            "bootstrap_room": 4242,
-        }
-    ).encode()
-    host, port = decode["url"].removeprefix("http://").split(":")
-    auth = engine_auth(name, env["PDCTL_HOME"])["Authorization"]
-    waiting = socket.create_connection((host, int(port)))
-    head = (
-        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    waiting.sendall(head.encode() + body)
+    body = {
+        "text": "never served",
+        "sampling_params": {"max_new_tokens": 4},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill["ports"]["bootstrap"],
+        "bootstrap_room": 4242,
+    }
+    waiting = held_generate(decode["url"], body, engine_auth(name, env["PDCTL_HOME"])["Authorization"])
     eventually(lambda: _busy(decode["url"], name, env), 60, interval=0.02, what="decode-0 holding the request")
     return waiting
 
