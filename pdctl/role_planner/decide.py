@@ -390,18 +390,15 @@ class RolePlanner:
         overrun = None if turned or goes_on else self._overrun(short, loads)
         if turned or goes_on:
             why = f"{why}; {turned or goes_on}"
-        elif overrun:
-            why = f"{why}; {overrun}"
+        else:
+            if overrun:
+                why = f"{why}; {overrun}"
+            elif count < self.config.sustain:
+                return Decision(Action.STAY, f"{why} ({count} of {self.config.sustain} intervals)", figures=figures)
             if self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
                 left = self.config.cooldown_secs - (obs.at - self.last_switch_at)
-                return Decision(Action.STAY, f"{why}; cooling down after the last switch ({left:.0f} s left)",
-                                figures=figures)  # fmt: skip
-        elif count < self.config.sustain:
-            return Decision(Action.STAY, f"{why} ({count} of {self.config.sustain} intervals)", figures=figures)
-        elif self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs:
-            left = self.config.cooldown_secs - (obs.at - self.last_switch_at)
-            why = f"{why}; cooling down after the last switch ({left:.0f} s left)"
-            return Decision(Action.STAY, why, figures=figures)
+                why = f"{why}; cooling down after the last switch ({left:.0f} s left)"
+                return Decision(Action.STAY, why, figures=figures)
         donor = other(short)
         load = loads[donor]
         floor = self.minimum(donor, sum(split))
@@ -709,12 +706,12 @@ class RolePlanner:
         (``last_switch_to`` is the other: None after a turn or a move ahead of a step), its engines
         each queue a whole batch or more (their slots), and the other role's queue is empty
         (requests waiting for their KV aside)."""
-        load, spare = loads[short], loads[other(short)]
+        load = loads[short]
         if self.last_switch_to is None or self.last_switch_to is short or not load.slots:
             return None
         if not self._within_window(obs):
             return None
-        if load.waiting < load.slots or spare.own_waiting >= self.config.backlog / 2:
+        if not self._whole_batch_on_one_side(short, loads):
             return None
         return (
             f"the workload turned against the last move (to {self.last_switch_to}): {load.waiting:.0f} waiting "
@@ -730,12 +727,16 @@ class RolePlanner:
         prefill, then 31.5 requests per decode) an interval before the streak was long enough.
         A fleet that announces its steps gets its bursts sized by the step balance instead: a
         burst queues a whole batch by design."""
-        load, spare = loads[short], loads[other(short)]
-        if self.step_size[0] or not load.slots or load.waiting < load.slots:
-            return None
-        if spare.own_waiting >= self.config.backlog / 2:
+        load = loads[short]
+        if self.step_size[0] or not load.slots or not self._whole_batch_on_one_side(short, loads):
             return None
         return f"{load.waiting:.0f} waiting per {short}, a whole batch of {load.slots:.0f} or more, so no sustain"
+
+    def _whole_batch_on_one_side(self, short: Role, loads: Mapping[Role, RoleLoad]) -> bool:
+        """Whether ``short``'s engines each queue a whole batch (their slots) or more while the other
+        role's queue is empty (requests waiting for their KV aside): what no noise makes."""
+        load, spare = loads[short], loads[other(short)]
+        return bool(load.slots) and load.waiting >= (load.slots or 0) and spare.own_waiting < self.config.backlog / 2
 
     def _goes_on(self, short: Role, loads: Mapping[Role, RoleLoad], obs: Observation) -> str | None:
         """Why the last move goes on at once, or None: within its window (``_within_window``), it
