@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdctl.roles import ENGINE_ROLES
 from pdctl.router import errors
 from pdctl.router.attempts import INTERRUPT, Attempts
 from pdctl.router.errors import RouteError
-from pdctl.router.jsonutil import dumps
+from pdctl.router.jsonutil import dumps, loads
 from pdctl.router.legs import Live
 from pdctl.router.openai_resume import OpenAIResume
 from pdctl.router.reply import Reply
@@ -28,7 +29,9 @@ from pdctl.router.resume import Job, Piece, asked_abort, settle
 from pdctl.router.retry import Retry, Tries
 from pdctl.router.shaping import interrupted_answer, items
 from pdctl.router.streaming import DONE, Continued, Interrupted, error_event
-from pdctl.sglang import batch_size_of
+from pdctl.sglang import Endpoint, batch_size_of
+
+TOKENIZE = Endpoint.TOKENIZE.value
 
 
 class Continuation:
@@ -105,6 +108,22 @@ class Continuation:
             if isinstance(got, Live):
                 return out, got, Continued(job, order, pending)
             return out + error_event(why), None, None  # the retries are spent
+
+    async def counted(self, request: ClientRequest, resume: OpenAIResume) -> OpenAIResume:
+        """``resume`` with its text's tokens as an engine in rotation counts them (``/v1/tokenize``;
+        the chunks sent are no count: module pdctl.router.openai_resume); as it is when none answers."""
+        registry = self.attempts.registry
+        worker = next((w for role in ENGINE_ROLES for w in registry.routable(role)), None)
+        if worker is None or not resume.text:
+            return resume
+        got = await self.attempts.legs.ask(worker, TOKENIZE, dumps(resume.tokenize_body()), request.headers)
+        if isinstance(got, BaseException) or got.status != 200:
+            return resume
+        try:
+            count = loads(got.body).get("count")
+        except (ValueError, AttributeError):
+            return resume
+        return resume.counted(count) if isinstance(count, int) and not isinstance(count, bool) else resume
 
     async def openai(
         self, request: ClientRequest, resume: OpenAIResume, tries: Tries, why: str

@@ -178,6 +178,22 @@ class Legs:
         worker = claim.worker
         return self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
 
+    async def ask(self, worker: Worker, path: str, data: bytes, headers: Headers) -> Response | BaseException:
+        """One POST to ``worker`` outside any request's legs (no claim: not counted in its load),
+        whole: its Response, or the exception that ended it. Cancelling the caller closes it."""
+        got: asyncio.Future[Response | BaseException] = self.loop.create_future()
+
+        def answered(answer: Response | BaseException) -> None:
+            if not got.done():
+                got.set_result(answer)
+
+        sending = self.upstream.send(worker.url + path, data, _sent(worker, headers), answered, timeout=self.timeout)
+        try:
+            return await got
+        except asyncio.CancelledError:
+            sending.cancel()
+            raise
+
     def start(self, claim: Claim, path: str, data: bytes, headers: Headers) -> asyncio.Future[Leg]:
         """``claim``'s worker's whole answer, as a future that its connection completes; the claim
         is released when it is done (a regular engine's leg). Cancelling it closes the

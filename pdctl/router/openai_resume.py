@@ -6,10 +6,12 @@ if asked), so the router keeps the events the client got of such a stream (``Str
 append per block; parsed only when the stream breaks) and asks for the rest as text: for a
 completion, the prompt plus the text so far; for a chat, the messages plus the answer so far as
 an assistant message with SGLang's ``continue_final_message`` (which renders the chat with its
-generation prompt and appends that text, no end of turn). Each content chunk is one token (SGLang
-streams one per decode step; the sim does), so the rest of the budget is the token budget less
-the chunks sent. The continuation's chunks take the first answer's ``id`` (SGLang's ``rid``) and
-a chat continuation's own opening role chunk is dropped.
+generation prompt and appends that text, no end of turn). The rest of the budget is the token
+budget less the tokens of the text so far, counted by an engine's ``/v1/tokenize`` (``counted``):
+a content chunk is not one token, since SGLang (and the sim) send what a stream's reader has not
+taken yet as one chunk when it falls behind; where no engine counts them, the chunks are the
+count (a lower bound). The continuation's chunks take the first answer's ``id`` (SGLang's
+``rid``) and a chat continuation's own opening role chunk is dropped.
 
 Exact for greedy where the prefix re-tokenizes to the ids generated (the sim's byte vocabulary
 always does; a BPE tokenizer may split the seam differently). Not continued (the stream ends with
@@ -19,7 +21,7 @@ constrained decoding, token-id prompts, a prompt or message that is not text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdctl.router.jsonutil import dumps, sse_data
@@ -61,7 +63,7 @@ class OpenAIResume:
     id: str
     text: str
     tokens: int
-    """Content chunks sent: tokens generated."""
+    """Tokens generated: the content chunks sent until ``counted``, then an engine's count of the text."""
     finished: str | None
     """The finish reason the client got already (the stream broke only before its end)."""
 
@@ -97,6 +99,14 @@ class OpenAIResume:
         if not isinstance(ident, str):
             return None
         return cls(route, body, ident, "".join(pieces), tokens, finished)
+
+    def counted(self, tokens: int) -> OpenAIResume:
+        """This resume with the text's tokens as an engine counted them (never fewer than its chunks)."""
+        return replace(self, tokens=max(tokens, self.tokens))
+
+    def tokenize_body(self) -> dict[str, Any]:
+        """The ``/v1/tokenize`` body that counts the text so far (no BOS: it is not a prompt)."""
+        return {"model": self.body.get("model"), "prompt": self.text, "add_special_tokens": False}
 
     @property
     def budget(self) -> int | None:

@@ -159,6 +159,7 @@ class Relay:
                     job = request.job if rule is not None else None  # parsed only now: rarely needed
                     resume = OpenAIResume.of(request.path, request.body, self.openai) if self.openai else None
                     if resume is not None:
+                        resume = await c.counted(request, resume)
                         tail, self.current = await c.openai(request, resume, tries, why)
                         if self.current is not None:
                             log.warning("stream %s: %s; continuing on %s after %d tokens", resume.id, why,

@@ -32,6 +32,8 @@ class Endpoint(Choice):
     COMPLETIONS = "/v1/completions"
     CHAT_COMPLETIONS = "/v1/chat/completions"
     MODELS = "/v1/models"
+    TOKENIZE = "/v1/tokenize"
+    """Text to token ids and their ``count`` (SGLang also answers it at ``/tokenize``)."""
     HEALTH = "/health"
     HEALTH_GENERATE = "/health_generate"
     MODEL_INFO = "/model_info"

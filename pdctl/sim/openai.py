@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes of the sim: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible routes of the sim: /v1/models, /v1/completions, /v1/chat/completions,
+/v1/tokenize.
 
 The chat template is the sim's own (roles in ``<|role|>`` markers, then
 ``<|assistant|>\\n``); PD fields the router injects (``bootstrap_*``, scalars or per-choice
@@ -53,6 +54,8 @@ def add_routes(app: web.Application, service: SimService) -> None:
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # SGLang: {model:path}, ids may hold slashes
     app.router.add_post(Endpoint.COMPLETIONS.value, routes.completions)
     app.router.add_post(Endpoint.CHAT_COMPLETIONS.value, routes.chat)
+    for path in (Endpoint.TOKENIZE.value, "/tokenize"):
+        app.router.add_post(path, routes.tokenize)
 
 
 _ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
@@ -261,6 +264,30 @@ class OpenAIRoutes:
             body["code"] = "model_not_found"
             return web.json_response(body, status=404)
         return web.json_response(self._model_card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``POST /v1/tokenize`` (and ``/tokenize``): a text's ids and ``count``, or a list of texts' (``prompt``),
+        or rendered ``messages``' (the sim's chat template), as SGLang's ``OpenAIServingTokenize`` answers; the
+        byte vocabulary has no special tokens, so ``add_special_tokens`` changes nothing."""
+        try:
+            req = await read_openai_json(request)
+            prompt, messages = req.get("prompt"), req.get("messages")
+            if messages is not None:
+                tokens: Any = encode(chat_prompt(lax_messages(messages), bool(req.get("continue_final_message"))))
+                count: Any = len(tokens)
+            elif isinstance(prompt, str):
+                tokens = encode(prompt)
+                count = len(tokens)
+            elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+                tokens = [encode(p) for p in prompt]
+                count = [len(ids) for ids in tokens]
+            else:
+                raise SimError(f"Invalid prompt type: {type(prompt)}. Expected str or List[str].")
+        except SimError as exc:
+            return _refuse(request, exc)
+        except ValueError as exc:  # lax_messages' refusal
+            return _refuse(request, SimError(str(exc)))
+        return web.json_response({"tokens": tokens, "count": count, "max_model_len": self.s.engine.context})
 
     def _items(self, req: dict[str, Any], prompts: list[list[int]], *, chat: bool) -> list[ItemSpec]:
         """SGLang's later stages: the sim's bounds, each prompt's length and the sampling values."""

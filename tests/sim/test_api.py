@@ -108,6 +108,22 @@ def test_openai_routes(trio) -> None:
     assert status == 400 and err["object"] == "error"
 
 
+def test_tokenize_counts_as_sglang_answers(trio) -> None:
+    """SGLang's /v1/tokenize (and /tokenize): ids and count of a text, of a list, of rendered messages."""
+    url = trio[2].url  # a decode answers it too: the router asks any engine in rotation
+    status, out = post(url + "/v1/tokenize", {"model": "sim://tiny", "prompt": "héllo", "add_special_tokens": False})
+    assert status == 200 and out["count"] == 6 and out["tokens"] == list("héllo".encode())
+    assert out["max_model_len"] > 0
+    status, out = post(url + "/tokenize", {"prompt": ["a", "bc"]})
+    assert status == 200 and out["count"] == [1, 2]
+    messages = [{"role": "user", "content": "hi"}]
+    status, out = post(url + "/v1/tokenize", {"messages": messages})
+    assert status == 200 and out["count"] == len(out["tokens"]) > 2
+    for bad in ({}, {"prompt": 5}, {"messages": [{"role": "nobody", "content": "x"}]}):
+        status, err = post(url + "/v1/tokenize", bad)
+        assert status == 400 and err["object"] == "error", (bad, err)
+
+
 def test_unknown_flag_exits_2_like_sglang() -> None:
     def sim(*flags: str) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "pdctl.sim", "--model-path", "sim://tiny", *flags]
