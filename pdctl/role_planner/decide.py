@@ -650,7 +650,14 @@ class RolePlanner:
         )
         if output > 0 and loaded:
             mix = prefill.tokens_per_s * prefill.engines / output
-            self.splits[(prefill.engines, decode.engines)] = SplitRecord(output, mix)
+            key = (prefill.engines, decode.engines)
+            had = self.splits.get(key)
+            # The best a split gave on this workload, not its last interval: a loaded interval can
+            # still give less than the split can (a closed-loop load's last requests, an interval
+            # that drained what a move left), and a record of that refused a move to the split
+            # later (pdctl planner restarted mid-load, recalling 3:1 "at 20 output tokens/s").
+            if had is None or abs(had.mix - mix) / mix >= SAME_MIX or output > had.output_tokens_per_s:
+                self.splits[key] = SplitRecord(output, mix)
 
     def _bottleneck(self, loads: Mapping[Role, RoleLoad], obs: Observation) -> tuple[Role | None, str]:
         if self.config.objective is Objective.LATENCY:

@@ -814,6 +814,20 @@ def test_an_idle_interval_is_no_measure_of_its_split() -> None:
     assert planner.splits[(1, 3)].output_tokens_per_s == 300
 
 
+def test_a_split_is_remembered_at_its_best_on_a_workload() -> None:
+    """A loaded interval that gives less than its split did before on the same mix (a load's
+    tail) lowers nothing; an interval of another mix replaces the record."""
+    planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0))
+    planner.decide(fleet(0, [(0, 300)], [(5, 100), (5, 100), (5, 100)]))
+    assert planner.splits[(1, 3)].output_tokens_per_s == 300
+    planner.decide(fleet(10, [(0, 100)], [(5, 33), (5, 33), (5, 34)]))  # same mix, a third of it
+    assert planner.splits[(1, 3)].output_tokens_per_s == 300
+    planner.decide(fleet(20, [(0, 400)], [(5, 110), (5, 110), (5, 110)]))  # same mix, more
+    assert planner.splits[(1, 3)].output_tokens_per_s == 330
+    planner.decide(fleet(30, [(0, 3000)], [(5, 50), (5, 50), (5, 50)]))  # prompts longer per output token
+    assert planner.splits[(1, 3)].output_tokens_per_s == 150
+
+
 def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch) -> None:
     """A move killed half way left an engine cordoned ahead: an act planner settles it before it
     decides anything (pdctl.cluster.switch.settle_half_done); an advise planner changes nothing and
