@@ -70,7 +70,10 @@ split, either way, when it finishes the step sooner than now by an interval and 
 of the last step's measured time (the balance knows no long tail) and the donors are done with
 the last step (decodes under half their slots with no queue; prefills idle).
 That move waits for no cooldown (a step boundary is an announced event, not a noisy reading); a
-step sized in other units than the last gets none. Before it has seen a whole step, or while no
+step sized in other units than the last gets none. A step whose prompt tokens per request differ
+from the last whole step's by ``SAME_MIX`` or more is of another workload (a trainer that turns
+from reasoning to agentic prompts): the last step's answers say nothing of its answers, so it is
+treated as a first step. Before it has seen a whole step of the workload, or while no
 decode was ever short (no decode capacity learned), it moves decodes to prefill when the burst's
 prefill would take ``STEP_WORTH`` intervals or more, as many as make it fit in that (this one
 within the cooldown). Either way a move is bounded as any other (``MOVE_SHARE``, the minimums);
@@ -315,8 +318,14 @@ class RolePlanner:
         """The last whole step's busy seconds."""
         self.output_per: tuple[float, str] | None = None
         """The last whole step's output tokens per announced request (or per prompt token, when it
-        said no requests): answers' lengths follow the sampling, not the prompts, so per request
-        carries over from one workload's steps to another's."""
+        said no requests)."""
+        self.step_prompt = 0.0
+        """The prompt tokens the step under way was announced with."""
+        self.learned_prompt_per: float | None = None
+        """The last whole step's prompt tokens per announced request (None: it said no requests, or a
+        record from before this was kept): a step whose own differ by ``SAME_MIX`` or more is of
+        another workload (a reasoning step's 216 against an agentic step's 9,000 at 8 engines), whose
+        answers the last step's say nothing of."""
         self.last_at: float | None = None
 
     def minimum(self, role: Role, fleet: int) -> int:
@@ -342,6 +351,8 @@ class RolePlanner:
                 unit = str(learned["unit"])
                 if unit in ("request", "prompt token"):
                     self.output_per, self.last_step_secs = (float(learned["output_per"]), unit), float(learned["secs"])
+                    said = learned.get("prompt_per_request")
+                    self.learned_prompt_per = float(said) if said is not None else None
             if str(entry.get("outcome") or "").startswith("switched"):
                 self.last_switch_to = None
                 with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -461,7 +472,12 @@ class RolePlanner:
         if self.output_per is not None:  # (what a restarted planner recalls)
             figures["step_learned"] = {"output_per": round(self.output_per[0], 3), "unit": self.output_per[1]}
             figures["step_learned"]["secs"] = round(self.last_step_secs or 0.0, 1)
-        balance = self.step_balance(obs, split)
+            if self.learned_prompt_per is not None:
+                figures["step_learned"]["prompt_per_request"] = round(self.learned_prompt_per, 1)
+        other_workload = self._other_workload(obs)
+        if other_workload:
+            why = f"{why}; {other_workload}"
+        balance = None if other_workload else self.step_balance(obs, split)
         if balance is not None and self.output_per is not None:
             best, output, saved = balance
             figures.update(step_output_tokens=round(output), step_balanced_prefills=best)
@@ -475,10 +491,10 @@ class RolePlanner:
                 why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
-        elif self.output_per is not None and self.capacity.get(Role.DECODE):
+        elif self.output_per is not None and self.capacity.get(Role.DECODE) and not other_workload:
             said = f"the last step was sized in {self.output_per[1]}s and this one is not"
             return Decision(Action.STAY, f"{why}; no balance for it ({said}): staying", figures=figures)
-        else:  # no whole step seen yet, or decodes never short (no capacity learned): the prefill alone
+        else:  # no whole step of this workload yet, or decodes never short (no capacity learned): the prefill alone
             if secs < STEP_WORTH * self.config.interval_secs:
                 return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
             # As many as the burst needs to fit in STEP_WORTH intervals.
@@ -516,6 +532,20 @@ class RolePlanner:
             reversible=False,
         )
 
+    def _other_workload(self, obs: Observation) -> str:
+        """Why the step ``obs`` announces is of another workload than the last whole step (its prompt
+        tokens per request differ by ``SAME_MIX`` or more), or "" when it is not or cannot be told."""
+        learned, requests = self.learned_prompt_per, obs.step_requests
+        if learned is None or learned <= 0 or requests <= 0 or self.output_per is None:
+            return ""
+        now = obs.step_prompt_tokens / requests
+        if abs(now - learned) / learned < SAME_MIX:
+            return ""
+        return (
+            f"the last step had {learned:.0f} prompt tokens per request and this one {now:.0f}: "
+            "another workload, whose answers the last step's say nothing of"
+        )
+
     def step_balance(self, obs: Observation, split: tuple[int, int]) -> tuple[int, float, float] | None:
         """For the step ``obs`` announces: the prefill count that finishes it soonest, its output
         tokens (the last whole step's ``output_per``, times this one's size in the same unit), and
@@ -551,13 +581,15 @@ class RolePlanner:
 
     def _step_began(self, obs: Observation, boundaries: float) -> None:
         """``boundaries`` new step boundaries: learn the step that ended (its output tokens per
-        announced request, or per prompt token; a step announced with neither, or that made no
-        output, teaches nothing; nor do two or more boundaries seen at once, whose steps' output is
-        mixed) and start the next."""
+        announced request, or per prompt token, and its prompt tokens per request; a step announced
+        with neither, or that made no output, teaches nothing; nor do two or more boundaries seen at
+        once, whose steps' output is mixed) and start the next."""
         size, unit = self.step_size
         if size > 0 and self.step_output > 0 and boundaries == 1:
             self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
+            self.learned_prompt_per = self.step_prompt / size if unit == "request" and self.step_prompt > 0 else None
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
+        self.step_prompt = obs.step_prompt_tokens
 
     def _how_many(
         self,

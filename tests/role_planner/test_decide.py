@@ -473,9 +473,18 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     # The balance knows no long tail: a step that took 60 s must be 6 s sooner, and 6:2 -> 5:3 is 4 s.
     tailed = after_one_step((6, 2), secs=60).decide(obs(70, (6, 2), 2, 1_000_000, 128))
     assert tailed.action is Action.STAY and "4.0 s sooner than now (the last step took 60 s)" in tailed.reason
+    # Within SAME_MIX of the last step's prompt tokens per request (7,812) a step is of the same
+    # workload and balanced; past it, another workload: the last step's answers say nothing of its
+    # own, so its prefill alone decides, as before a first step (too short; or long: to prefill).
+    near = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 850_000, 128))
+    assert "step_balanced_prefills" in near.figures and "another workload" not in near.reason, near
     short_prompts = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 60_000, 128))
-    assert short_prompts.action is Action.SWITCH and short_prompts.to_role is D, short_prompts
-    assert short_prompts.figures["step_balanced_prefills"] == 1 and len(short_prompts.engines) == 2
+    assert short_prompts.action is Action.STAY and "step_balanced_prefills" not in short_prompts.figures
+    assert "7812 prompt tokens per request and this one 469: another workload" in short_prompts.reason
+    assert short_prompts.reason.endswith("too short to switch ahead"), short_prompts.reason
+    long_prompts = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 8_000_000, 128))
+    assert long_prompts.action is Action.SWITCH and long_prompts.to_role is P, long_prompts
+    assert "step_balanced_prefills" not in long_prompts.figures and "another workload" in long_prompts.reason
     other_unit = after_one_step((4, 4)).decide(obs(20, (4, 4), 2, 1_000_000, 0))
     assert other_unit.action is Action.STAY and "step_balanced_prefills" not in other_unit.figures
     assert "no balance for it (the last step was sized in requests and this one is not)" in other_unit.reason
@@ -499,6 +508,7 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     restarted = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0))
     restarted.recall([d.to_dict() for d in told], now_wall=0, now=0)
     assert restarted.output_per == (187.5, "request") and restarted.last_step_secs == 12
+    assert restarted.learned_prompt_per == 7812.5
     restarted.decide(obs(30, (2, 6), 2, 0, 0))
     again = restarted.decide(obs(40, (2, 6), 3, 1_000_000, 128))
     assert again.figures["step_balanced_prefills"] == 5 and again.engines == ("decode-0", "decode-1"), again
