@@ -536,10 +536,10 @@ class RolePlanner:
         """Why the step ``obs`` announces is of another workload than the last whole step (its prompt
         tokens per request differ by ``SAME_MIX`` or more), or "" when it is not or cannot be told."""
         learned, requests = self.learned_prompt_per, obs.step_requests
-        if learned is None or learned <= 0 or requests <= 0 or self.output_per is None:
+        if learned is None or requests <= 0:
             return ""
         now = obs.step_prompt_tokens / requests
-        if abs(now - learned) / learned < SAME_MIX:
+        if _same_mix(learned, now):
             return ""
         return (
             f"the last step had {learned:.0f} prompt tokens per request and this one {now:.0f}: "
@@ -688,7 +688,7 @@ class RolePlanner:
             # still give less than the split can (a closed-loop load's last requests, an interval
             # that drained what a move left), and a record of that refused a move to the split
             # later (pdctl planner restarted mid-load, recalling 3:1 "at 20 output tokens/s").
-            if had is None or abs(had.mix - mix) / mix >= SAME_MIX or output > had.output_tokens_per_s:
+            if had is None or not _same_mix(had.mix, mix) or output > had.output_tokens_per_s:
                 self.splits[key] = SplitRecord(output, mix)
 
     def _bottleneck(self, loads: Mapping[Role, RoleLoad], obs: Observation) -> tuple[Role | None, str]:
@@ -822,7 +822,7 @@ class RolePlanner:
         before, now = self.splits.get(target), self.splits.get(_split_of(obs))
         if before is None or now is None or now.mix <= 0:
             return None
-        if abs(before.mix - now.mix) / now.mix >= SAME_MIX:
+        if not _same_mix(before.mix, now.mix):
             return None  # another workload: what was measured then says nothing now
         if before.output_tokens_per_s <= now.output_tokens_per_s * (1 + BETTER_BY):
             return (
@@ -836,6 +836,13 @@ def _served(n: int, prefill_capacity: float, decode_capacity: float, mix: float)
     """The output tokens/s a split of ``n`` engines with k prefills serves at ``mix`` (prompt tokens
     per output token), each role at its capacity: the less of what its prefills and its decodes give."""
     return lambda k: min(k * prefill_capacity / mix, (n - k) * decode_capacity)
+
+
+def _same_mix(before: float, now: float) -> bool:
+    """Whether a ratio measured ``before`` and one ``now`` are of one workload: they differ by less
+    than ``SAME_MIX`` of ``now``. A ratio of 0 now (an interval whose prefills took no prompt: a
+    decode tail) is the same only as another 0."""
+    return abs(before - now) < SAME_MIX * now if now > 0 else before == now
 
 
 def _size_of(obs: Observation) -> tuple[float, str]:

@@ -836,6 +836,10 @@ def test_a_split_is_remembered_at_its_best_on_a_workload() -> None:
     assert planner.splits[(1, 3)].output_tokens_per_s == 330
     planner.decide(fleet(30, [(0, 3000)], [(5, 50), (5, 50), (5, 50)]))  # prompts longer per output token
     assert planner.splits[(1, 3)].output_tokens_per_s == 150
+    # A decode tail whose prefills took no prompt in the interval is a mix of its own (it divided by
+    # zero before: the planner process would have died in an RL step's tail).
+    planner.decide(fleet(40, [(0, 0)], [(5, 40), (5, 40), (5, 40)]))
+    assert planner.splits[(1, 3)].output_tokens_per_s == 120 and planner.splits[(1, 3)].mix == 0
 
 
 def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch) -> None:
