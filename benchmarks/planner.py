@@ -353,8 +353,18 @@ def main() -> None:
         help="the planners' interval_secs, the advise ones beside the static rows too (default 1; every "
         "committed result before 2026-12-04 evening ran 2)",
     )
+    parser.add_argument(
+        "--late-pairing",
+        default="",
+        metavar="P[:D]",
+        help="the router pairs late: each prefill holds at most P of its requests, each decode at most D "
+        "(router.admission prefill_room and decode_room; pdctl.router.pair_room), every row alike; default: "
+        "paired on arrival (every committed result before 2026-12-07)",
+    )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
+    rooms = [int(k) for k in args.late_pairing.split(":") if k]
+    late = [*rooms, 0, 0][:2]
     n = args.engines
     only = [w for w in args.only.split(",") if w]
     unknown = set(only) - set(WORKLOADS)
@@ -374,7 +384,10 @@ def main() -> None:
         "ports": {"base": 27500},
         "prefill": switchable,
         "decode": switchable,
-        "router": {"policy": args.policy, "admission": {"worker_wait_secs": 120}},
+        "router": {
+            "policy": args.policy,
+            "admission": {"worker_wait_secs": 120, "prefill_room": late[0], "decode_room": late[1]},
+        },
         "planner": {
             "mode": "off",
             "interval_secs": args.interval,
@@ -436,7 +449,7 @@ def main() -> None:
             (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role, args.graphs, args.interval)
+    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role, args.graphs, args.interval, late)
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -472,6 +485,7 @@ def write(
     min_per_role: int | None,
     graphs: str,
     interval: float,
+    late: list[int],
 ) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
@@ -500,6 +514,7 @@ def write(
         "planner_min_per_role": min_per_role,
         "decode_graphs_captured": graphs,
         "planner_interval_secs": interval,
+        "late_pairing": {"prefill_room": late[0], "decode_room": late[1]},
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(
@@ -526,7 +541,14 @@ def write(
             if graphs == "at-up"
             else "; a prefill captures its decode graphs on its first switch to decode"
         )
-        + f"; planner interval {interval:g} s; {len(planner)} run(s) per figure"
+        + f"; planner interval {interval:g} s"
+        + (
+            f"; the router pairs late (each prefill holds at most {late[0] or 'any number of'} of its requests, "
+            f"each decode {late[1] or 'any number'})"
+            if any(late)
+            else ""
+        )
+        + f"; {len(planner)} run(s) per figure"
         + (": the median, then the range" if spread else "")
         + ".",
         "",

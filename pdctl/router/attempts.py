@@ -28,6 +28,7 @@ from pdctl.router.gate import RefitGate
 from pdctl.router.jsonutil import dumps
 from pdctl.router.legs import Legs, Live, Outcome, PairAttempt, StreamLeg
 from pdctl.router.metrics import RouterMetrics
+from pdctl.router.pair_room import PairRoom
 from pdctl.router.reply import Reply
 from pdctl.router.request import ClientRequest
 from pdctl.router.retry import Retry, RetryPolicy, Stop, Tries
@@ -85,6 +86,8 @@ class Attempts:
         self.legs = legs
         self.gate = gate
         self.retry = retry
+        self.room: PairRoom | None = None
+        """Late pairing's queue (pdctl.router.pair_room), when the router pairs late."""
 
     async def run(
         self,
@@ -108,9 +111,23 @@ class Attempts:
         already. ``interrupts``: an interrupted attempt returns ``INTERRUPT`` once its retry was
         waited for, instead of being sent again as it was."""
         data = None if request.pd else dumps(payload)
+        room = self.room if request.pd else None
         while True:
-            request.sent = self.gate.epoch
-            outcome = await self._attempt(request, payload, batch, data, version, continuation)
+            if room is not None:
+                await room.enter()
+                if not self.gate.is_open:  # an update began while it waited: its release first
+                    room.freed()
+                    await self.held_out_of_flight(tries, request)
+                    continue
+                try:  # (the pair is made and claims its engines before the attempt's first await)
+                    request.sent = self.gate.epoch
+                    attempt = self._attempt(request, payload, batch, data, version, continuation)
+                finally:
+                    room.freed()  # any room left goes to the next request waiting
+                outcome = await attempt
+            else:
+                request.sent = self.gate.epoch
+                outcome = await self._attempt(request, payload, batch, data, version, continuation)
             if isinstance(outcome, Live):
                 return outcome
             if isinstance(outcome, Reply):

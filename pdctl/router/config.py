@@ -196,6 +196,20 @@ class AdmissionConfig:
         "0: the 503 at once.",
     )
 
+    prefill_room: int = setting(
+        0,
+        "--pd-prefill-room",
+        "Late pairing: PD requests each prefill may hold at once (queued or computing); more wait in the router, "
+        "first come first served, and are paired when a prefill has room, with the engines of that moment (a "
+        "planner's new ones included); 0: paired on arrival, as sglang-router does (pdctl.router.pair_room).",
+    )
+    decode_room: int = setting(
+        0,
+        "--pd-decode-room",
+        "Late pairing: PD requests each decode may hold at once (from their pairing to their answer's end); 0: no "
+        "bound.",
+    )
+
     def __post_init__(self) -> None:
         m = self.max_concurrent_requests
         _check(m == -1 or m >= 1, "--max-concurrent-requests", m, "-1 (no limit) or >= 1")
@@ -212,6 +226,8 @@ class AdmissionConfig:
         _check(self.max_hold_secs > 0, "--max-hold-secs", self.max_hold_secs, "> 0")
         _check(self.framework_lease_secs > 0, "--framework-lease-secs", self.framework_lease_secs, "> 0")
         _check(self.worker_wait_secs >= 0, "--worker-wait-secs", self.worker_wait_secs, ">= 0")
+        _check(self.prefill_room >= 0, "--pd-prefill-room", self.prefill_room, ">= 0 (0: no late pairing)")
+        _check(self.decode_room >= 0, "--pd-decode-room", self.decode_room, ">= 0 (0: no bound)")
         _check(self.max_n >= 1, "--max-n", self.max_n, ">= 1")
         _check(self.max_sequences >= 1, "--max-sequences-per-request", self.max_sequences, ">= 1")
 

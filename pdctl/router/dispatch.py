@@ -22,6 +22,7 @@ from pdctl.router.continuation import Continuation
 from pdctl.router.gate import RefitGate
 from pdctl.router.legs import Legs, Live
 from pdctl.router.metrics import RouterMetrics
+from pdctl.router.pair_room import PairRoom
 from pdctl.router.relay import Relay
 from pdctl.router.reply import Answer, StreamReply
 from pdctl.router.request import ClientRequest
@@ -60,10 +61,20 @@ class Dispatcher:
         self.retry = retry if retry is not None else RetryPolicy(config.retry, timeout)
         admission = admission if admission is not None else Admission(config.admission, metrics)
         self.attempts = Attempts(config, registry, metrics, self.select, self.legs, self.gate, self.retry, admission)
+        limits = config.admission
+        self.room: PairRoom | None = None
+        if limits.prefill_room or limits.decode_room:
+            self.room = room = PairRoom(registry, limits.prefill_room, limits.decode_room, timeout)
+            self.legs.freed = room.freed
+            registry.on_rotation.append(room.freed)
+            self.select.room = self.attempts.room = room
+            metrics.watch_room(room)
         self.continuation = Continuation(self.attempts)
 
     async def close(self) -> None:
         """Cancel every leg still running (a prefill that outlived its reply, for instance)."""
+        if self.room is not None:
+            self.room.close()
         await self.legs.close()
 
     def wait_open(self) -> Awaitable[None]:

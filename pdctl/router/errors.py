@@ -24,6 +24,7 @@ TIMEOUT = "request_timeout"
 BAD_REQUEST = "invalid_request"
 NOT_FOUND = "not_found"
 HELD_TIMEOUT = "held_too_long"
+ROOM_TIMEOUT = "room_timeout"  # waited past --request-timeout-secs for a prefill or decode with room (late pairing)
 INTERRUPTED = "interrupted_by_weight_update"
 HANDED_OFF = "handed_off"
 """An attempt that waited at a worker being drained for a role switch, taken back and sent to

@@ -102,11 +102,13 @@ class Claim:
     attempt a weight update interrupted). Later calls change nothing, so every way a leg can end
     releases it without knowing whether another way came first."""
 
-    __slots__ = ("breaker", "held", "judged", "worker")
+    __slots__ = ("breaker", "freed", "held", "judged", "worker")
 
-    def __init__(self, worker: Worker, breaker: CircuitBreaker):
+    def __init__(self, worker: Worker, breaker: CircuitBreaker, freed: Callable[[], None] | None = None):
+        """``freed``: called once the load is given back (late pairing's wake: pdctl.router.pair_room)."""
         self.worker = worker
         self.breaker = breaker
+        self.freed = freed
         self.held = True
         self.judged = False
         worker.took()
@@ -116,6 +118,8 @@ class Claim:
         if self.held:
             self.held = False
             self.worker.gave_back()
+            if self.freed is not None:
+                self.freed()
 
     def judge(self, ok: bool, answered: bool = False) -> None:
         """The leg's outcome for the breaker (``CircuitBreaker.record``)."""
@@ -143,6 +147,8 @@ class Legs:
         self._grace_timer: asyncio.TimerHandle | None = None
         self.undecided: set[PairAttempt] = set()
         """PD attempts whose prefill has not answered and whose decode has not begun to (``hand_off``)."""
+        self.freed: Callable[[], None] | None = None
+        """Called whenever a leg gives its worker's load back (set by late pairing)."""
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -170,7 +176,7 @@ class Legs:
 
     def claim(self, worker: Worker) -> Claim:
         """A new leg's claim on ``worker`` (counted in its load from now)."""
-        return Claim(worker, self.breaker)
+        return Claim(worker, self.breaker, self.freed)
 
     def send(self, claim: Claim, path: str, data: bytes, headers: Headers, answered: Callable) -> Sending:
         """Start a whole leg to ``claim``'s worker; ``answered(Response | exception)`` must

@@ -11,15 +11,24 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pdctl.roles import Role
 from pdctl.router import errors
 from pdctl.router.workers import Worker, WorkerRegistry
+
+if TYPE_CHECKING:
+    from pdctl.router.pair_room import PairRoom
+
+
+def _short_reader(room: PairRoom, role: Role) -> Callable[[], float]:
+    return lambda: float(role in room.short())
 
 
 class RouterMetrics:
@@ -70,6 +79,23 @@ class RouterMetrics:
             buckets=REFIT_BUCKETS,
             registry=r,
         )
+
+    def watch_room(self, room: PairRoom) -> None:
+        """Late pairing's queue, read at scrape time: ``pdctl_router_pd_waiting_for_room`` (requests
+        waiting) and ``pdctl_router_pd_room_short{role}`` (1 while no engine of the role has room)."""
+        Gauge(
+            "pdctl_router_pd_waiting_for_room",
+            "PD requests waiting in the router for a prefill or decode with room (late pairing: --pd-prefill-room)",
+            registry=self.registry,
+        ).set_function(lambda: room.waiting)
+        short = Gauge(
+            "pdctl_router_pd_room_short",
+            "1 while no engine of the role in rotation has room for another request (late pairing)",
+            ["role"],
+            registry=self.registry,
+        )
+        for role in (Role.PREFILL, Role.DECODE):
+            short.labels(str(role)).set_function(_short_reader(room, role))
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, cached: labels() costs microseconds on the hot path."""

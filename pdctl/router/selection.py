@@ -15,6 +15,7 @@ from pdctl.router import errors
 from pdctl.router.config import RouterConfig
 from pdctl.router.errors import RouteError
 from pdctl.router.metrics import RouterMetrics
+from pdctl.router.pair_room import PairRoom
 from pdctl.router.policies import RequestContext, policy_class
 from pdctl.router.workers import Worker, WorkerRegistry
 
@@ -35,6 +36,8 @@ class Selector:
         self.pd_needs_text = self.prefill_policy.needs_text or self.decode_policy.needs_text
         self._pairing: tuple[list[Worker], list[Worker], _Pairing] | None = None
         """The pairing of the last routable lists seen (the registry makes new lists on a change)."""
+        self.room: PairRoom | None = None
+        """Late pairing's queue (pdctl.router.pair_room): a pair is chosen among engines with room."""
 
     def context(self, body: dict[str, Any], routing_key: str | None, *, pd: bool) -> RequestContext:
         """What the policies read of a request (its text only for those that hash or match it)."""
@@ -69,8 +72,13 @@ class Selector:
                 f"(prefill {sorted(map(str, {p.weight_version for p in prefills}))}, "
                 f"decode {sorted(map(str, versions))})",
             )
+        room = self.room
+        if room is not None:
+            pairable = room.with_room(PREFILL, pairable)
         prefill = _chosen(self.prefill_policy.select(pairable, ctx), PREFILL)
         same = decodes if len(versions) == 1 else pairing.decodes_on(prefill.weight_version)
+        if room is not None:
+            same = room.with_room(DECODE, same)
         decode = _chosen(self.decode_policy.select(same, ctx), DECODE)
         self.metrics.selected(prefill, decode)
         return prefill, decode

@@ -155,7 +155,8 @@ class WorkerRegistry:
         self.config = config
         self.workers: dict[str, Worker] = {}
         self._of_role: dict[Role, list[Worker]] = {}  # the same workers, by role (selection reads them)
-        self.on_change: list = []
+        self.on_rotation: list[Callable[[], None]] = []
+        """Told at every ``rotation_changed()`` (late pairing's queue: pdctl.router.pair_room)."""
         self.quarantine: dict[str, str] = {}
         """URL -> reason: workers whose weights a push left partial or stale (kept for workers re-added later)."""
         self.kept = RouterState.read(config.state_file, config.worker_key)
@@ -196,6 +197,8 @@ class WorkerRegistry:
         waiting, self._rotation = self._rotation, None
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
+        for told in self.on_rotation:
+            told()
 
     def may_return(self, role: Role) -> bool:
         """Whether a worker of ``role`` out of rotation may come back by itself, so that a request

@@ -247,7 +247,7 @@ def test_router_settings_check_themselves_and_the_cli_names_the_flag(capsys) -> 
     # one table: every grouped setting has a distinct flag the parser knows, with help and default
     flags = [s.flag for s in SETTINGS]
     known = {o for a in parser._actions for o in a.option_strings}
-    assert len(flags) == len(set(flags)) == 34 and set(flags) <= known
+    assert len(flags) == len(set(flags)) == 36 and set(flags) <= known
     config = config_from_args(parser.parse_args(["--queue-size", "7", "--disable-retries"]), parser)
     assert config.admission.queue_size == 7 and config.retry.disabled and config.breaker == BreakerConfig()
 
