@@ -60,8 +60,10 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
         if rec is None or engine is None or rec.role not in (Role.PREFILL, Role.DECODE):
             continue
         was = before.engines.get(pid, EngineSample("unknown"))
-        counter = "prompt_tokens" if rec.role is Role.PREFILL else "generation_tokens"
-        rate = _rate(getattr(was, counter), getattr(now, counter), dt)
+        if rec.role is Role.PREFILL:
+            rate = _rate(computed(was), computed(now), dt)
+        else:
+            rate = _rate(was.generation_tokens, now.generation_tokens, dt)
         running = [s.engines[pid].running for s in samples if pid in s.engines]
         said = [r for r in running if r is not None]  # (an SGLang without /v1/loads says it in /metrics only)
         loads.append(
@@ -84,6 +86,8 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
             _add_delta(itl, was.itl, now.itl)
     router = after.router
     hold = router.hold if router is not None else None
+    if router is not None and router.waiting_for_room:
+        loads = with_router_queue(loads, router.waiting_for_room, router.room_short)
     return Observation(
         after.at,
         tuple(loads),
@@ -94,6 +98,18 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
         step_prompt_tokens=router.step_prompt_tokens if router is not None else 0.0,
         step_requests=router.step_requests if router is not None else 0.0,
     )
+
+
+def with_router_queue(loads: list[EngineLoad], waiting: float, short: tuple[str, ...]) -> list[EngineLoad]:
+    """``loads`` with the PD requests waiting in the router for room (late pairing) counted as
+    waiting at the engines of the roles that have none: they wait for those engines' work as a
+    queue at them would, spread evenly (the router pairs each with whichever has room first)."""
+    roles = {role for role in (Role.PREFILL, Role.DECODE) if str(role) in short}
+    counts = {role: sum(1 for load in loads if load.role is role) for role in roles}
+    return [
+        replace(load, waiting=load.waiting + waiting / counts[load.role]) if load.role in roles else load
+        for load in loads
+    ]
 
 
 def generated_since(state: ClusterState, samples: list[Sample], seen: dict[tuple[str, int], float]) -> float | None:
@@ -114,6 +130,18 @@ def generated_since(state: ClusterState, samples: list[Sample], seen: dict[tuple
             made += now.generation_tokens - start
         seen[key] = now.generation_tokens
     return None if first else made
+
+
+def computed(sample: EngineSample) -> float | None:
+    """The prompt tokens an engine computed so far: its prompt tokens less those it found in its
+    prefix cache (SGLang's ``cached_tokens_total``, when it says). What a prefill's time goes to:
+    a GRPO step's samples share their prompt, and counting the cached copies made a prefill's
+    learned capacity 48,824 tokens/s where it computes about 27,500 (the 8B profile, 8,000-token
+    prompts; benchmarks/results/planner_8_steps_late2.md), which then sized an agentic step's
+    prefill at 4.0 s that took 7."""
+    if sample.prompt_tokens is None:
+        return None
+    return sample.prompt_tokens - (sample.cached_tokens or 0.0)
 
 
 def waiting_at(role: Role, sample: EngineSample) -> float:

@@ -35,6 +35,9 @@ class EngineSample:
     queued: float | None = None
     kv_use: float | None = None
     prompt_tokens: float | None = None
+    cached_tokens: float | None = None
+    """Of ``prompt_tokens``, those found in the prefix cache (summed over SGLang's cache sources):
+    a prefill did not compute them."""
     generation_tokens: float | None = None
     weight_version: str | None = None
     prealloc: float | None = None
@@ -77,6 +80,10 @@ class RouterSample:
     """The prompt tokens the latest announced step said it will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step said it will send (0: not said)."""
+    waiting_for_room: float = 0.0
+    """PD requests waiting in the router for an engine with room (late pairing: pdctl.router.pair_room)."""
+    room_short: tuple[str, ...] = ()
+    """The roles none of whose engines has room (late pairing), by name."""
 
 
 @dataclass
@@ -99,6 +106,7 @@ ENGINE_GAUGES = {
     "sglang:num_prefill_inflight_queue_reqs": ("bootstrap",),
     "sglang:token_usage": ("kv_use",),
     "sglang:prompt_tokens_total": ("prompt_tokens",),
+    "sglang:cached_tokens_total": ("cached_tokens",),
     "sglang:generation_tokens_total": ("generation_tokens",),
 }
 """What ``top`` and the planner read from an engine's ``/metrics``: each sample adds to these fields
@@ -154,6 +162,10 @@ def parse_router_metrics(text: str, into: RouterSample) -> None:
                 into.step_prompt_tokens = s.value
             elif s.name == "pdctl_router_step_requests":
                 into.step_requests = s.value
+            elif s.name == "pdctl_router_pd_waiting_for_room":
+                into.waiting_for_room = s.value
+            elif s.name == "pdctl_router_pd_room_short" and s.value:
+                into.room_short += (s.labels.get("role", ""),)
 
 
 class Sampler:

@@ -39,6 +39,12 @@ class SimMetrics:
         self._usage = Gauge("sglang:token_usage", "KV token usage", labels, registry=r)
         self._throughput = Gauge("sglang:gen_throughput", "Generation tokens/s", labels, registry=r)
         self._prompt = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
+        self._cached = Counter(
+            "sglang:cached_tokens",
+            "Prompt tokens found in the prefix cache, by source (SGLang's cache_source: device only here)",
+            [*labels, "cache_source"],
+            registry=r,
+        )
         self._generated = Counter("sglang:generation_tokens", "Generated tokens", labels, registry=r)
         self._requests = Counter("sglang:num_requests", "Requests", labels, registry=r)
         self._ttft = Histogram(
@@ -71,6 +77,7 @@ class SimMetrics:
         m = self.model_name
         n = len(req.output_ids)
         self._prompt.labels(m).inc(len(req.input_ids))
+        self._cached.labels(m, "device").inc(req.cached_tokens)
         self._generated.labels(m).inc(n)
         self._e2e.labels(m).observe(now - req.created)
         if req.first_token_at is not None:

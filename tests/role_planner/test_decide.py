@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -620,6 +621,48 @@ def test_the_loop_knows_a_process_it_saw_decode_as_captured_and_a_restarted_one_
     assert captured(state(switched), decoded) == {"prefill-0": False, "prefill-1": True}
     restarted = {**switched, "prefill-1": ("http://c", 99)}  # the same URL, a new process
     assert captured(state(restarted), decoded) == {"prefill-0": False, "prefill-1": False}
+
+
+def test_the_loop_rates_a_prefill_by_the_tokens_it_computed_and_counts_the_routers_queue() -> None:
+    """pdctl.cluster.planner_loop.observe: a prefill's tokens/s are its prompt tokens less those its
+    prefix cache held (``sglang:cached_tokens_total``: a GRPO step's samples share their prompt,
+    and counting them made its learned capacity 1.8x what it computes), and the PD requests the
+    router holds for room (late pairing) wait at the engines of the role that has none, spread over
+    them; the sim's /metrics text says the cached tokens as SGLang does."""
+    from pdctl.cluster.planner_loop import observe
+    from pdctl.cluster.sampling import EngineSample, RouterSample, Sample, parse_engine_metrics
+    from pdctl.cluster.state import ClusterState, Phase, ProcessRecord
+    from pdctl.plan import load_plan
+    from pdctl.sim.metrics import SimMetrics
+    from tests.conftest import REPO
+
+    plan = load_plan(str(REPO / "topologies" / "planner-sim.yaml")).plan
+    procs = {"prefill-0": 10, "prefill-1": 11, "decode-0": 12, "decode-1": 13}
+    records = {
+        pid: ProcessRecord(pid, Role(pid.split("-")[0]), "me", n, n, 0.0, "log", url=f"http://e{n}")
+        for pid, n in procs.items()
+    }
+    st = ClusterState("c", "run", Phase.UP, [], processes=records, plan=plan)
+    metrics = SimMetrics("m")
+    for cached in (0, 7000, 7000):  # three samples of one 8,000-token prompt on one prefill
+        done = SimpleNamespace(input_ids=[0] * 8000, output_ids=[1], created=0.0, first_token_at=None)
+        done.cached_tokens = cached
+        metrics.observe_finished(done)  # type: ignore[arg-type]  # (what it reads of a finished Request)
+    said = EngineSample("up", running=0, queued=0)
+    idle = {"num_running_reqs": 0, "num_queue_reqs": 0, "kv_total_tokens": 1, "kv_used_tokens": 0}
+    parse_engine_metrics(metrics.render(idle).decode(), said)
+    assert (said.prompt_tokens, said.cached_tokens) == (24000, 14000)
+    zero = EngineSample("up", running=0, queued=0, prompt_tokens=0, cached_tokens=0)
+    before = Sample(0, dict.fromkeys(procs, zero), RouterSample("up"))
+    router = RouterSample("up", waiting_for_room=12, room_short=("prefill",))
+    after = Sample(2, {**dict.fromkeys(procs, zero), "prefill-0": said}, router)
+    loads = {e.id: e for e in observe(st, [before, after]).engines}
+    assert loads["prefill-0"].tokens_per_s == 5000  # 10,000 computed in 2 s, not 24,000
+    assert loads["prefill-0"].waiting == loads["prefill-1"].waiting == 6  # 12 in the router over 2 prefills
+    assert loads["decode-0"].waiting == 0
+    short_of_both = RouterSample("up", waiting_for_room=4, room_short=("prefill", "decode"))
+    both = Sample(2, dict.fromkeys(procs, zero), short_of_both)
+    assert {e.id: e.waiting for e in observe(st, [before, both]).engines} == dict.fromkeys(procs, 2)
 
 
 def test_the_loop_counts_what_the_engines_made_across_a_switch_by_their_counters() -> None:
