@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -77,6 +78,7 @@ import yaml
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.planner_record import KEEP_DECISIONS, recent_decisions
 from pdctl.cluster.state import StateStore
+from pdctl.gpu_profiles import profile_named
 from pdctl.role_planner.config import reserve
 from pdctl.signals import interrupt_on_every_stop_signal
 
@@ -266,6 +268,24 @@ TITLES = {
     "shifting_full": "shifting trace, 48 clients, 30 s phases (req/s)",
     "shifting_full_long": "shifting trace, 48 clients, 90 s phases (req/s)",
 }
+
+
+def alone_floor(work: str, scale: int) -> float:
+    """The mean over ``work``'s steps (as ``workloads`` makes them) of its slowest request alone on an
+    idle engine of the profile: a floor under any split's makespan, since a batch and a queue only add."""
+    profile = profile_named(PROFILE["sim-profile"])
+    seed = WORKLOADS.index(work) + 1
+
+    def alone(prompt: int, out: int, shared: bool) -> float:
+        ms = (0.0 if shared else profile.prefill_ms([(prompt, 0)])) + profile.transfer_ms(prompt)
+        return (ms + sum(profile.decode_step_ms(1, prompt + k) for k in range(out))) / 1000
+
+    def slowest(step: list[tuple[list[int], int]]) -> float:
+        uses = collections.Counter(id(prompt) for prompt, _ in step)  # a shared prompt may be in a prefix cache
+        return max(alone(len(prompt), out, uses[id(prompt)] > 1) for prompt, out in step)
+
+    steps = STEPS[work](seed, scale)
+    return sum(map(slowest, steps)) / len(steps)
 
 
 def scaled(phases: list[tuple[int, int, int]], scale: int) -> list[tuple[int, int, int]]:
@@ -576,6 +596,15 @@ def write(
     for work in only:
         if work in TRACES and len(TRACES[work]) == 2 and len(statics) > 1:
             lines.append(phase_ceiling(statics, work, med["planner"][work]))
+        if work in STEPS:
+            floor = alone_floor(work, max(1, engines // 4))
+            goal = med[best[work]][work] / GOALS[work]
+            lines.append(
+                f"  {TITLES[work].split(' (')[0]}: no split or planner ends a step before its slowest request would "
+                f"alone on an idle engine (the profile's own costs: its KV transfer, every decode step at batch 1, and "
+                f"its prefill unless its prompt is shared; the mean over the steps): {floor:.2f} s; the goal asks "
+                f"for {goal:.2f} s."
+            )
     if "bare" in runs and "steady" in only:
         bare = statistics.median(r["steady"]["goodput_rps"] for r in runs["bare"])
         beside = med[f"static 1:{engines - 1}"]["steady"] if f"static 1:{engines - 1}" in med else None
