@@ -112,13 +112,13 @@ class Attempts:
         waited for, instead of being sent again as it was."""
         data = None if request.pd else dumps(payload)
         room = self.room if request.pd else None
+        again = continuation  # a request in flight already waits at the head of late pairing's queue
         while True:
             if room is not None:
-                await room.enter()
-                if not self.gate.is_open:  # an update began while it waited: its release first
-                    room.freed()
-                    await self.held_out_of_flight(tries, request)
-                    continue
+                # A request let out of the queue during a weight update's hold goes on as one
+                # queued at an engine would: a drain waits for it, an interrupt stops it (retried).
+                await room.enter(first=again)
+                again = True
                 try:  # (the pair is made and claims its engines before the attempt's first await)
                     request.sent = self.gate.epoch
                     attempt = self._attempt(request, payload, batch, data, version, continuation)

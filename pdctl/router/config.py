@@ -318,6 +318,21 @@ class RouterConfig:
         for w in self.workers:
             if w.bootstrap_port is not None:
                 _check(1 <= w.bootstrap_port <= 65535, f"{Flag.PREFILL} {w.url}", w.bootstrap_port, "1 to 65535")
+        if self.admission.prefill_room or self.admission.decode_room:
+            # Late pairing chooses among the engines with room: a sticky policy would lose its
+            # stickiness, and a hash ring would be built again for each new subset.
+            sticky = sorted({p for p in (self.policy, self.prefill_policy, self.decode_policy) if p in STICKY_POLICIES})
+            _check(
+                not sticky,
+                "--pd-prefill-room/--pd-decode-room",
+                self.admission.prefill_room or self.admission.decode_room,
+                f"0 with the {', '.join(sticky)} policy (late pairing works with random, round_robin, power_of_two "
+                "and cache_aware)",
+            )
+
+
+STICKY_POLICIES = frozenset({"manual", "consistent_hashing", "prefix_hash"})
+"""Policies that keep a request's key on one engine (refused with late pairing)."""
 
 
 class Flag:

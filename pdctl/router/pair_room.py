@@ -12,15 +12,23 @@ that has room then. ``admission.decode_room`` bounds the decodes' in the same wa
 a request from its pairing to the end of its answer, its prefill's time included).
 
 A request waits here at most ``admission.request_timeout_secs`` (then a 503 ``room_timeout``);
-a client that goes away leaves the queue. When a role has no engine in rotation at all the
-request is let through, so that selection's own wait for a worker (``worker_wait_secs``) and
-its 503 apply as without late pairing.
+a client that goes away leaves the queue. A retried attempt, a request handed off from a drained
+engine and a stream's continuation wait at the head of the queue, not behind the requests that
+came after them. When a role has no engine in rotation at all the request is let through, so
+that selection's own wait for a worker (``worker_wait_secs``) and its 503 apply as without late
+pairing. Requests that wait are woken by a leg that ends or a worker that comes into rotation:
+one whose circuit's timeout passes is seen at the next such event.
+
+Known limits: the room is counted over a role's engines in rotation whatever their weight
+version, so while the fleet is split across versions a request may be paired with a full engine
+of its own version (as on arrival); and the hashing policies (``consistent_hashing``,
+``prefix_hash``, ``manual``) are refused with late pairing (config.py), since choosing among the
+engines with room would give up the stickiness they are for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 
 from pdctl.roles import Role
@@ -38,6 +46,9 @@ class PairRoom:
         self.rooms = {Role.PREFILL: prefill_room, Role.DECODE: decode_room}
         self.timeout_secs = timeout_secs
         self._waiting: deque[asyncio.Future[None]] = deque()
+        self._woken = 0
+        """Requests woken and not yet resumed: a newcomer does not pass them."""
+        self.closed = False
 
     @property
     def waiting(self) -> int:
@@ -63,50 +74,67 @@ class PairRoom:
         roomy = [w for w in workers if w.load < room]
         return roomy or workers
 
-    async def enter(self) -> None:
-        """Until an engine of each bounded role has room, in arrival order; the caller pairs at
-        once (without awaiting) and then calls ``freed()`` to pass on any room left.
-        RouteError 503 past ``timeout_secs``."""
-        if not self._waiting and not self.short():
+    async def enter(self, *, first: bool = False) -> None:
+        """Until an engine of each bounded role has room, in arrival order (``first``: at the head,
+        for a request already in flight: a retry, a hand-off, a continuation); the caller pairs at
+        once (without awaiting) and then calls ``freed()`` to pass on any room left. RouteError
+        503 past ``timeout_secs``; CancelledError when the client went away, even as it was woken
+        (a plain await of the turn: ``asyncio.wait_for`` on 3.10 and 3.11 returns a result that
+        came with the cancel and drops the cancel)."""
+        if self.closed or (not self._waiting and not self._woken and not self.short()):
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_secs
-        first = False  # a woken request that finds the room taken again keeps its place
         while True:
             turn: asyncio.Future[None] = loop.create_future()
             if first:
                 self._waiting.appendleft(turn)
             else:
                 self._waiting.append(turn)
+            timer = loop.call_at(deadline, _expire, turn)
             try:
-                await asyncio.wait_for(asyncio.shield(turn), deadline - loop.time())
-            except BaseException as exc:
+                await turn
+            except TimeoutError:  # (_expire: never a turn that was woken)
+                self._waiting.remove(turn)
+                raise RouteError(
+                    503, errors.ROOM_TIMEOUT, f"waited {self.timeout_secs:g} s for a prefill or decode with room"
+                ) from None
+            except BaseException:  # the client went away
                 if turn in self._waiting:
                     self._waiting.remove(turn)
-                elif turn.done():
+                elif turn.done() and not turn.cancelled():
+                    self._woken -= 1
                     self.freed()  # it was woken and will not pair: the next one may
-                if isinstance(exc, asyncio.TimeoutError):
-                    raise RouteError(
-                        503, errors.ROOM_TIMEOUT, f"waited {self.timeout_secs:g} s for a prefill or decode with room"
-                    ) from None
                 raise
-            if not self.short():
+            finally:
+                timer.cancel()
+            self._woken -= 1
+            if self.closed or not self.short():
                 return
-            first = True
+            first = True  # woken but the room was taken again: it keeps its place
 
     def freed(self) -> None:
         """An engine may have room (a request to it ended, a worker came into rotation): wake the
         first waiting request if there is room now. One at a time: the woken one takes its room
         before the next is woken (by its own ``freed()`` call after pairing)."""
-        while self._waiting and not self.short():
+        while self._waiting and not self._woken and not self.short():
             turn = self._waiting.popleft()
             if not turn.done():
+                self._woken += 1
                 turn.set_result(None)
                 return
 
     def close(self) -> None:
-        """Wake every waiting request (the router is stopping: they go on to selection)."""
+        """Wake every waiting request and let every later one through (the router is stopping:
+        they go on to selection)."""
+        self.closed = True
         while self._waiting:
             turn = self._waiting.popleft()
-            with contextlib.suppress(asyncio.InvalidStateError):
+            if not turn.done():
+                self._woken += 1
                 turn.set_result(None)
+
+
+def _expire(turn: asyncio.Future[None]) -> None:
+    if not turn.done():
+        turn.set_exception(TimeoutError())

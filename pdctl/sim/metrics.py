@@ -64,6 +64,7 @@ class SimMetrics:
         )
         self._kv_speed = Gauge("sglang:kv_transfer_speed_gb_s", "Last KV transfer speed", labels, registry=r)
         self.model_name = model_name
+        self._cached.labels(model_name, "device")  # a series at 0 from the start: rates over it need no first sight
         self._lock = threading.Lock()
         self._window: collections.deque[tuple[float, int]] = collections.deque()
 

@@ -496,7 +496,7 @@ def _router_settings(top: Topology) -> list[Issue]:
     """Each ``router.GROUP`` checked by the router's own setting class (the rules the router
     applies to its flags), reported at the setting that breaks one."""
     from pdctl.errors import RouterConfigError
-    from pdctl.router.config import GROUPS, SETTINGS
+    from pdctl.router.config import GROUPS, SETTINGS, STICKY_POLICIES
 
     out: list[Issue] = []
     for group, values in top.router.settings.items():
@@ -508,4 +508,18 @@ def _router_settings(top: Topology) -> list[Issue]:
             rule = str(exc).split(": must be ", 1)[-1]
             path = f"router.{group}.{name}" if name else f"router.{group}"
             out.append(Issue(path, f"must be {rule} (pdctl router {flag})"))
+    admission = top.router.settings.get("admission", {})
+    room = admission.get("prefill_room") or admission.get("decode_room")
+    policies = {top.router.policy, top.router.prefill_policy, top.router.decode_policy}
+    sticky = sorted(p for p in policies if p in STICKY_POLICIES)
+    if room and sticky:
+        key = "prefill_room" if admission.get("prefill_room") else "decode_room"
+        out.append(
+            Issue(
+                f"router.admission.{key}",
+                f"late pairing chooses among the engines with room, which the {', '.join(sticky)} policy's "
+                "stickiness cannot keep",
+                hint="use random, round_robin, power_of_two or cache_aware, or leave the rooms at 0",
+            )
+        )
     return out

@@ -52,6 +52,13 @@ def test_unknown_node_references() -> None:
     one_error(BASE + "regular: {}\ntrainer: {command: [x], nodes: [q]}\n", "trainer.nodes[0]", "unknown node")
 
 
+def test_late_pairing_with_a_sticky_policy_is_refused_at_its_room() -> None:
+    router = "router: {policy: prefix_hash, admission: {prefill_room: 2}}\n"
+    one_error(BASE + "prefill: {}\ndecode: {}\n" + router, "router.admission.prefill_room", "prefix_hash policy")
+    negative = "router: {admission: {decode_room: -1}}\n"
+    one_error(BASE + "prefill: {}\ndecode: {}\n" + negative, "router.admission.decode_room", ">= 0")
+
+
 def test_duplicate_node_names_and_hosts() -> None:
     text = "name: t\nmodel: {path: /m}\nnodes:\n  - {name: a, host: h1}\n  - {name: a, host: h1}\nregular: {}\n"
     errs = errors_of(text)
