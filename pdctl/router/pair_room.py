@@ -16,8 +16,8 @@ a client that goes away leaves the queue. A retried attempt, a request handed of
 engine and a stream's continuation wait at the head of the queue, not behind the requests that
 came after them. When a role has no engine in rotation at all the request is let through, so
 that selection's own wait for a worker (``worker_wait_secs``) and its 503 apply as without late
-pairing. Requests that wait are woken by a leg that ends or a worker that comes into rotation:
-one whose circuit's timeout passes is seen at the next such event.
+pairing. Requests that wait are woken by a leg that ends, a worker that comes into rotation, or
+the end of an open circuit's timeout.
 
 Known limits: the room is counted over a role's engines in rotation whatever their weight
 version, so while the fleet is split across versions a request may be paired with a full engine
@@ -92,6 +92,8 @@ class PairRoom:
             else:
                 self._waiting.append(turn)
             timer = loop.call_at(deadline, _expire, turn)
+            reopens = self.registry.reopens_in()  # an open circuit's end is a change nothing announces
+            reopen = loop.call_later(reopens, self.freed) if reopens is not None else None
             try:
                 await turn
             except TimeoutError:  # (_expire: never a turn that was woken)
@@ -108,6 +110,8 @@ class PairRoom:
                 raise
             finally:
                 timer.cancel()
+                if reopen is not None:
+                    reopen.cancel()
             self._woken -= 1
             if self.closed or not self.short():
                 return

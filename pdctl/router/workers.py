@@ -327,6 +327,14 @@ class WorkerRegistry:
             self._compute_routable()
         return self._routable.get(role, _NONE)
 
+    def reopens_in(self) -> float | None:
+        """Seconds until the first open circuit lets its worker back into rotation (None: none is
+        open, or the breaker is off); a circuit's time passing calls nothing by itself."""
+        self.routable(Role.PREFILL)  # (brings ``_reopens_at`` up to date)
+        if not self._reopens_at:
+            return None
+        return max(0.0, self._reopens_at - time.monotonic())
+
     def _compute_routable(self) -> None:
         self._routable_at = _ROTATION_CHANGES[0]
         now = time.monotonic()

@@ -5,6 +5,7 @@ woken (never paired), the timeout, and the policies it refuses."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -113,3 +114,19 @@ def test_late_pairing_refuses_the_sticky_policies(policy) -> None:
     with pytest.raises(RouterConfigError, match=f"must be 0 with the {policy} policy"):
         RouterConfig(prefill_policy=policy, admission=AdmissionConfig(prefill_room=2))
     RouterConfig(policy="power_of_two", admission=AdmissionConfig(prefill_room=2, decode_room=16))
+
+
+def test_a_request_is_woken_when_an_open_circuit_lets_its_prefill_back() -> None:
+    """No leg ends and nothing comes into rotation: the end of the circuit's timeout is the only
+    event (the request would otherwise wait for the busy prefill's long answer)."""
+
+    async def run() -> None:
+        registry, (busy, tripped) = _fleet(prefills=2)
+        room = PairRoom(registry, 1, 0, 60)
+        busy.took()
+        tripped.cb_open_until = time.monotonic() + 0.2
+        assert room.short() == [Role.PREFILL]
+        await asyncio.wait_for(room.enter(), 10)
+        assert room.short() == [] and tripped in registry.routable(Role.PREFILL)
+
+    asyncio.run(run())
