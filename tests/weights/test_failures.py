@@ -80,8 +80,13 @@ def test_engine_killed_mid_push(fleet, tmp_path):
         for _ in range(4):
             status, out = post(router.url + "/generate", {"text": "still up", **GREEDY})
             assert status == 200 and out["meta_info"]["weight_version"] == "seed21", out
-        # Restart the engine (initial weights): a later push rebuilds the group and takes it back.
-        restarted = SimProcess(tmp_path, *victim.args, port=victim.port, name="restarted").start()
+        # Restart the engine (initial weights) on its flags, as a supervisor would: the same port and
+        # bootstrap port (a new bootstrap port would leave the router pairing decodes with a dead
+        # one: those requests are retried onto the other prefill, seconds late). A later push
+        # rebuilds the group and takes it back.
+        flags = list(victim.args)
+        flags[flags.index("--disaggregation-bootstrap-port") + 1] = str(victim.bootstrap_port)
+        restarted = SimProcess(tmp_path, *flags, port=victim.port, name="restarted").start()
         procs[1] = restarted
         report = sync.push(params, version="seed21-again")
         assert report.engines == ["e0", "e1", "e2"] and not report.failed
@@ -131,7 +136,15 @@ def test_trainer_killed_mid_push(fleet, tmp_path, refit):
         if refit == "interrupt":
             for client in clients:
                 client.start()
-            eventually(lambda: running(procs[2]) >= 2, 60, interval=0.2, what="both clients' requests running")
+            eventually(
+                lambda: running(procs[2]) >= 2,
+                60,
+                interval=0.2,
+                what=lambda: (
+                    f"both clients' requests running (answers' ends {[str(a[-2:])[-400:] for a in answers]}, "
+                    f"workers {workers(router)}, decode {get(procs[2].url + '/server_info')[1]['internal_states']})"
+                ),
+            )
         go.write_text("go")
         eventually(marker.exists, 60, interval=0.2, what="the trainer's stall marker")
         os.killpg(trainer.pid, signal.SIGKILL)
