@@ -65,19 +65,21 @@ split for the burst before it comes, without waiting ``sustain`` intervals. It c
 tokens the decodes make from one boundary to the next: the step that ended made so many per
 request (per prompt token, when no requests were said). For the new step it takes as many, and
 finds the split whose prefills (the step's prompt tokens at their learned capacity) and decodes
-(its output tokens at theirs) finish it soonest (``step_balance``); engines move toward that
+(its output tokens at theirs) finish it soonest (``step_balance``; each capacity as learned on
+this workload's steps, ``workload_capacity``, since a decode's tokens/s fall with its contexts);
+engines move toward that
 split, either way, when it finishes the step sooner than now by an interval and by ``STEP_GAIN``
 of the last step's measured time (the balance knows no long tail) and the donors are done with
 the last step (decodes under half their slots with no queue; prefills idle).
 That move waits for no cooldown (a step boundary is an announced event, not a noisy reading); a
 step sized in other units than the last gets none. A step whose prompt tokens per request differ
-from the last whole step's by ``SAME_MIX`` or more is of another workload (a trainer that turns
-from reasoning to agentic prompts): the last step's answers say nothing of its answers, so it is
-treated as a first step. Before it has seen a whole step of the workload, or while no
-decode was ever short (no decode capacity learned), it moves decodes to prefill when the burst's
-prefill would take ``STEP_WORTH`` intervals or more, as many as make it fit in that (this one
-within the cooldown). Either way a move is bounded as any other (``MOVE_SHARE``, the minimums);
-the usual rules take over once the burst is in.
+from the last whole step's by ``SAME_MIX`` or more is of another workload (a trainer that turns from
+reasoning to agentic prompts): the last step's answers say nothing of its answers, so it is treated
+as a first step, and the capacities learned on the last workload are not its own. Before it has seen
+a whole step of the workload, or while no decode was ever short (no decode capacity learned), it
+moves decodes to prefill when the burst's prefill would take ``STEP_WORTH`` intervals or more, as
+many as make it fit in that (this one within the cooldown). Either way a move is bounded as any
+other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
 
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
@@ -302,6 +304,14 @@ class RolePlanner:
     def __init__(self, config: PlannerConfig):
         self.config = config
         self.capacity: dict[Role, float] = {}
+        self.workload_capacity: dict[Role, float] = {}
+        """Each role's capacity learned since the steps of the workload under way began (a step of
+        another workload, by ``_other_workload``, starts it anew). A decode's output tokens/s fall
+        with its requests' context and a prefill's tokens/s with its prompts' length: on the
+        benchmark's profile a decode batch of 16 makes about 2,000 tokens/s at a reasoning step's
+        2,000-token contexts and 1,000 at an agentic step's 9,000, and the all-time most made the
+        agentic step's balance say 6:2 where 5:3 was best. A step's balance takes these; the
+        queues' moves, which read any interval, the all-time ``capacity``."""
         self.streak: tuple[Role | None, int] = (None, 0)
         self.last_switch_at: float | None = None
         self.last_switch_to: Role | None = None
@@ -346,6 +356,10 @@ class RolePlanner:
                 continue
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._learn({r: RoleLoad.from_dict(r, figures[r.value]) for r in PD})
+            if isinstance(figures.get("workload_capacity"), Mapping):  # (a boundary's: this workload's so far)
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    said = figures["workload_capacity"]
+                    self.workload_capacity = {r: float(said[r.value]) for r in PD if r.value in said}
             learned = figures.get("step_learned") or {}
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 unit = str(learned["unit"])
@@ -460,7 +474,8 @@ class RolePlanner:
         Either way at most ``move_bound`` engines, none while the donors still work on the last
         step; the cooldown holds the prefill-only move, not the balanced one."""
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
-        tokens, capacity = obs.step_prompt_tokens, self.capacity.get(Role.PREFILL)
+        tokens, capacity = obs.step_prompt_tokens, self._step_capacity(Role.PREFILL)
+        figures["workload_capacity"] = {r.value: round(v, 1) for r, v in self.workload_capacity.items()}
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
         if tokens <= 0 or not capacity or not prefill.engines:
             said = "no prompt tokens said" if tokens <= 0 else "no prefill capacity measured yet"
@@ -491,7 +506,7 @@ class RolePlanner:
                 why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
-        elif self.output_per is not None and self.capacity.get(Role.DECODE) and not other_workload:
+        elif self.output_per is not None and self._step_capacity(Role.DECODE) and not other_workload:
             said = f"the last step was sized in {self.output_per[1]}s and this one is not"
             return Decision(Action.STAY, f"{why}; no balance for it ({said}): staying", figures=figures)
         else:  # no whole step of this workload yet, or decodes never short (no capacity learned): the prefill alone
@@ -532,6 +547,11 @@ class RolePlanner:
             reversible=False,
         )
 
+    def _step_capacity(self, role: Role) -> float | None:
+        """``role``'s capacity for sizing a step: the one learned on this workload's steps, else
+        (none backlogged on them yet) the all-time one."""
+        return self.workload_capacity.get(role) or self.capacity.get(role)
+
     def _other_workload(self, obs: Observation) -> str:
         """Why the step ``obs`` announces is of another workload than the last whole step (its prompt
         tokens per request differ by ``SAME_MIX`` or more), or "" when it is not or cannot be told."""
@@ -556,7 +576,7 @@ class RolePlanner:
         capacity) and its decode (output tokens over the decodes' capacity): the two overlap, each
         request decoding once it is prefilled. Within the minimums; the split nearest to ``split``
         among equals."""
-        prefill_capacity, decode_capacity = self.capacity.get(Role.PREFILL), self.capacity.get(Role.DECODE)
+        prefill_capacity, decode_capacity = self._step_capacity(Role.PREFILL), self._step_capacity(Role.DECODE)
         size, unit = _size_of(obs)
         if self.output_per is None or unit != self.output_per[1] or not prefill_capacity or not decode_capacity:
             return None
@@ -588,6 +608,8 @@ class RolePlanner:
         if size > 0 and self.step_output > 0 and boundaries == 1:
             self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
             self.learned_prompt_per = self.step_prompt / size if unit == "request" and self.step_prompt > 0 else None
+        if self._other_workload(obs):
+            self.workload_capacity = {}
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
         self.step_prompt = obs.step_prompt_tokens
 
@@ -672,6 +694,7 @@ class RolePlanner:
             # (decodes that run half empty are not at their capacity: their queue waits for KV)
             if load.engines and load.waiting >= self.config.backlog and load.tokens_per_s > 0 and not load.waits_for_kv:
                 self.capacity[role] = max(self.capacity.get(role, 0.0), load.tokens_per_s)
+                self.workload_capacity[role] = max(self.workload_capacity.get(role, 0.0), load.tokens_per_s)
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         output = decode.tokens_per_s * decode.engines
         # Only a loaded interval says what its split can give: an idle one (between two RL steps, a

@@ -515,6 +515,68 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     assert again.figures["step_balanced_prefills"] == 5 and again.engines == ("decode-0", "decode-1"), again
 
 
+def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
+    """8 engines at 6:2. Steps of short prompts show decodes making 2,000 output tokens/s each
+    (short contexts); then the trainer turns to long prompts (7,812 tokens a request: another
+    workload), whose steps show 1,000 (a decode step reads 9,000-token contexts) and prefills
+    30,000. The next long-prompt step (1,000,000 prompt tokens, about 24,000 output tokens) takes
+    max(33.3 s / k, 24 s / (8 - k)): 5:3 (8 s) where 6:2 takes 12, so a prefill moves to decode.
+    At the all-time 2,000 a decode, 6:2 (6 s) would look soonest and nothing would move (the
+    benchmark's agentic steps stayed at 6:2 where 5:3 was best). A restarted planner recalls the
+    workload's capacities from its record."""
+
+    def obs(at: float, steps: float, tokens: float, requests: float, decode_rate: float, output: float = 0.0):
+        backlog = decode_rate > 0
+        engines = [
+            EngineLoad(
+                f"prefill-{i}", P, True, True, 5 if backlog else 0, 1 if backlog else 0, 30_000 if backlog else 0
+            )
+            for i in range(6)
+        ]
+        engines += [
+            EngineLoad(
+                f"decode-{i}",
+                D,
+                True,
+                True,
+                5 if backlog else 0,
+                16 if backlog else 0.5,
+                decode_rate if backlog else output / 2,
+                slots=16,
+            )
+            for i in range(2)
+        ]
+        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
+
+    told = []
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, **ONE_EACH))
+    for o in (
+        obs(0, 0, 0, 0, 0),
+        obs(2, 1, 60_000, 128, 0),  # a short-prompt step
+        obs(4, 1, 60_000, 128, 2000),  # its decodes backlogged at 2,000 tokens/s each
+        obs(14, 1, 60_000, 128, 0, output=2000),
+        obs(20, 2, 1_000_000, 128, 0),  # long prompts: another workload
+        obs(22, 2, 1_000_000, 128, 1000),  # 4,000 output tokens
+        obs(32, 2, 1_000_000, 128, 0, output=2000),  # 20,000 more: 187.5 a request
+    ):
+        told.append(planner.decide(o))
+    assert planner.capacity[D] == 2000 and planner.workload_capacity == {P: 30_000, D: 1000}
+    assert "another workload" in told[4].reason and told[4].figures["workload_capacity"] == {}
+    ahead = planner.decide(obs(40, 3, 1_000_000, 128, 0))
+    assert ahead.figures["step_balanced_prefills"] == 5 and ahead.figures["step_output_tokens"] == 24_000, ahead
+    assert ahead.action is Action.SWITCH and ahead.to_role is D and ahead.engines == ("prefill-0",), ahead
+    assert ahead.figures["workload_capacity"] == {"prefill": 30_000, "decode": 1000}
+    # Without the workload's own (the all-time capacities alone), 6:2 would look soonest.
+    planner.workload_capacity = {}
+    assert planner.step_balance(obs(40, 3, 1_000_000, 128, 0), (6, 2))[0] == 6
+    restarted = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, **ONE_EACH))
+    restarted.recall([d.to_dict() for d in [*told, ahead]], now_wall=0, now=0)
+    assert restarted.capacity[D] == 2000 and restarted.workload_capacity == {P: 30_000, D: 1000}
+    restarted.decide(obs(41, 3, 0, 0, 0))
+    again = restarted.decide(obs(60, 4, 1_000_000, 128, 0))
+    assert again.figures["step_balanced_prefills"] == 5 and again.engines == ("prefill-0",), again
+
+
 def test_a_restarted_planner_recalls_its_cooldown_capacity_and_splits_from_its_record() -> None:
     """A planner killed after a switch comes back knowing what it knew: within the cooldown it
     does not switch, the capacity it learned still refuses to overload a donor, and a split it
