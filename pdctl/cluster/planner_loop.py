@@ -279,6 +279,7 @@ class PlannerLoop:
                 made_since = generated_since(state, samples, self.generated)
                 obs = replace(observe(state, samples, self.decoded), output_tokens=made_since)
                 decision = self.planner.decide(obs)
+                decided = time.time()
                 made: list[str] = []
                 try:
                     outcome, said = (
@@ -287,9 +288,9 @@ class PlannerLoop:
                 except BaseException:  # stopped between two switches of one move: what it switched is recorded
                     if made:
                         said = f"switched: {', '.join(made)}; then interrupted"
-                        self._record(decision, said, self._entry(state, decision, said))
+                        self._record(decision, said, self._entry(state, decision, said, decided))
                     raise
-                entry = self._entry(state, decision, said)
+                entry = self._entry(state, decision, said, decided)
                 self._record(decision, said, entry)
                 await _report(session, state, keys, {**entry, "outcome": outcome})
                 if told is not None:
@@ -339,9 +340,11 @@ class PlannerLoop:
                 self.planner.switched(time.monotonic(), decision.to_role if decision.reversible else None)
         return "switched", f"switched: {', '.join(done)}"
 
-    def _entry(self, state: ClusterState, decision: Decision, outcome: str | None) -> dict[str, Any]:
-        entry = {"at": time.time(), "run": state.run_id, "mode": self.config.mode.value, **decision.to_dict()}
-        return {**entry, "outcome": outcome}
+    def _entry(self, state: ClusterState, decision: Decision, outcome: str | None, decided: float) -> dict[str, Any]:
+        """The record of ``decision``: ``at`` when it was done (a switch's drain and switch included:
+        the cooldown runs from there), ``decided_at`` when it was made (the wall clock both)."""
+        entry = {"at": time.time(), "decided_at": round(decided, 3), "run": state.run_id}
+        return {**entry, "mode": self.config.mode.value, **decision.to_dict(), "outcome": outcome}
 
     def _record(self, decision: Decision, outcome: str | None, entry: dict[str, Any]) -> None:
         level = logging.INFO if decision.action is Action.SWITCH else logging.DEBUG

@@ -180,6 +180,8 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
     switched = [d for d in decisions(env, name) if d.get("outcome", "") and d["outcome"].startswith("switched")]
     assert [d["to_role"] for d in switched for _ in d["engines"]] == ["prefill", "decode", "decode"], switched
     assert all(d["figures"] and d["reason"] for d in switched)
+    # decided, then drained and switched: the record says both (the cooldown runs from the end)
+    assert all(d["decided_at"] < d["at"] for d in switched), [(d["decided_at"], d["at"]) for d in switched]
     status = json.loads(pdctl("status", name, "--json", env=env).stdout)
     assert status["planner"] and status["planner"][-1]["reason"], status.get("planner")
     frame = json.loads(pdctl("top", name, "--once", "--json", env=env).stdout)
