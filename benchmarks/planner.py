@@ -41,8 +41,9 @@ mode beside it: on this 2-core machine the planner's sampling (five samples of e
 interval) takes CPU the sim engines and the router need, which on GPUs it would not; an advise
 planner samples the same and changes nothing, so every row pays the same. The steady trace once
 more on a bare 1:N-1 shows what that costs here. The planner starts from the even split in act
-mode (interval 1 s unless ``--interval``, cooldown 6 s, sustain 2), each workload anew, as each static
-row runs each from its split (``--planner-start goes-on``: one planner through them all, from wherever
+mode (interval 1 s unless ``--interval``, cooldown 6 s, sustain 2), each workload anew and with no
+record to recall (the advise planners' beside the static rows is set aside), as each static row runs
+each from its split (``--planner-start goes-on``: one planner through them all, from wherever
 the last left it).
 ``--repeats R`` runs every configuration's workloads R times in turn (a row each time) and reports
 each figure's median and range. Goals (issue 58): on the shifting workloads the planner >= 1.1x the
@@ -76,7 +77,7 @@ import aiohttp
 import yaml
 
 from pdctl.cluster.keys import load_keys
-from pdctl.cluster.planner_record import KEEP_DECISIONS, recent_decisions
+from pdctl.cluster.planner_record import KEEP_DECISIONS, decisions_path, recent_decisions
 from pdctl.cluster.state import StateStore
 from pdctl.gpu_profiles import profile_named
 from pdctl.role_planner.config import reserve
@@ -368,9 +369,9 @@ def main() -> None:
         "--planner-start",
         choices=["even", "goes-on"],
         default="even",
-        help="the planner row: each workload from the even split with a new planner, as each static row runs "
-        "each from its split (default), or all in turn with one planner from wherever the last left the fleet "
-        "(every committed result before 2026-12-03 evening)",
+        help="the planner row: each workload from the even split with a new planner (with no record to recall "
+        "since 2026-12-07 evening), as each static row runs each from its split (default), or all in turn with "
+        "one planner from wherever the last left the fleet (every committed result before 2026-12-03 evening)",
     )
     parser.add_argument(
         "--min-per-role",
@@ -466,13 +467,24 @@ def main() -> None:
                 for d in recent_decisions(StateStore(home), NAME, KEEP_DECISIONS):
                     into[(d["at"], d.get("engine"), d.get("outcome"))] = d
 
+            def forget(into: dict[tuple, dict] = decided) -> None:
+                """Keep the record so far and start the next planner with none: a planner recalls what
+                the record of its cluster's run says, and here that was what the advise planners
+                beside the static rows had learned (their capacities, steps and splits), which a
+                user's first planner does not know (every committed result before 2026-12-07 evening
+                ran so)."""
+                collect(into)
+                decisions_path(StateStore(home), NAME).unlink(missing_ok=True)
+
             if args.planner_start == "goes-on":
+                forget()
                 with planner_beside("act", work, env):
                     row = workloads(url, control_key, n, only, after=collect)
             else:  # each workload from the even split, with a planner that has seen none of the others
                 row = {}
                 for name in only:
                     set_split(n // 2, home, env)
+                    forget()
                     with planner_beside("act", work, env):
                         row.update(workloads(url, control_key, n, [name]))
                     collect()

@@ -45,8 +45,16 @@ def planner(
     agrees (the role it took from idle, the balance further that way) goes on at once.
     Each decision is printed and kept in the cluster's planner.jsonl (`--history`, `pdctl
     status`, `pdctl top`) and counted by the router (pdctl_planner_decisions_total). Settings:
-    the topology's `planner:` section.
+    the topology's `planner:` section. `kill -USR1` prints every thread's stack (a planner that
+    seems stuck).
     """
+    import faulthandler
+    import signal
+    import sys
+
+    # (a long-running process with threads and an event loop: when one seems stuck, its stacks
+    # say where; seen once, a planner that did not stop on SIGINT in a loaded suite run)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     from pdctl.cluster.planner_loop import PlannerLoop, planner_config
     from pdctl.cluster.planner_record import recent_decisions
     from pdctl.role_planner.config import PlannerMode

@@ -176,7 +176,15 @@ def test_the_planner_follows_a_load_from_prefill_heavy_to_decode_heavy(fleet) ->
             assert split(home, name) == (1, 3)
         finally:
             planner.send_signal(signal.SIGINT)
-            assert planner.wait(timeout=120) == 0, (home / "planner.log").read_text()[-3000:]
+            try:
+                code = planner.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # where it is stuck: its stacks (pdctl planner's SIGUSR1)
+                planner.send_signal(signal.SIGUSR1)
+                eventually(lambda: "most recent call first" in (home / "planner.log").read_text(), 30, what="stacks")
+                planner.kill()
+                stacks = (home / "planner.log").read_text()[-6000:]
+                raise AssertionError(f"the planner did not stop on SIGINT:\n{stacks}") from None
+            assert code == 0, (home / "planner.log").read_text()[-3000:]
     switched = [d for d in decisions(env, name) if d.get("outcome", "") and d["outcome"].startswith("switched")]
     assert [d["to_role"] for d in switched for _ in d["engines"]] == ["prefill", "decode", "decode"], switched
     assert all(d["figures"] and d["reason"] for d in switched)
