@@ -60,17 +60,16 @@ enough. Not in a fleet that announces its steps: its bursts queue a batch by des
 balance sizes them.
 
 A step boundary (a trainer or framework says a new batch is coming: ``POST /pdctl/step`` on the
-router, with the prompt tokens it will prefill and the requests it will send) lets it set the
-split for the burst before it comes, without waiting ``sustain`` intervals. It counts the output
-tokens the decodes make from one boundary to the next: the step that ended made so many per
-request (per prompt token, when no requests were said). For the new step it takes as many, and
-finds the split whose prefills (the step's prompt tokens at their learned capacity) and decodes
-(its output tokens at theirs) finish it soonest (``step_balance``; each capacity as learned on
-this workload's steps, ``workload_capacity``, since a decode's tokens/s fall with its contexts);
-engines move toward that
-split, either way, when it finishes the step sooner than now by an interval and by ``STEP_GAIN``
-of the last step's measured time (the balance knows no long tail) and the donors are done with
-the last step (decodes under half their slots with no queue; prefills idle).
+router, with the prompt tokens it will prefill and the requests it will send) lets it set the split
+for the burst before it comes, without waiting ``sustain`` intervals. It counts the output tokens
+the decodes make from one boundary to the next: the step that ended made so many per request (per
+prompt token, when no requests were said). For the new step it takes as many, and finds the split
+whose prefills (the step's prompt tokens at their learned capacity) and decodes (its output tokens
+at theirs) finish it soonest (``step_balance``; each capacity as learned on this workload's steps,
+``workload_capacity``, since a decode's tokens/s fall with its contexts); engines move toward that
+split, either way, when it finishes the step sooner than now by an interval and by ``STEP_GAIN`` of
+the last step's measured time (the balance knows no long tail) and the donors are done with the last
+step (decodes under half their slots with no queue; prefills idle).
 That move waits for no cooldown (a step boundary is an announced event, not a noisy reading); a
 step sized in other units than the last gets none. A step whose prompt tokens per request differ
 from the last whole step's by ``SAME_MIX`` or more is of another workload (a trainer that turns from

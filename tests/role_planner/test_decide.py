@@ -407,6 +407,41 @@ def test_a_step_boundary_moves_as_many_idle_decodes_as_the_burst_needs_within_th
         assert "decode-0, decode-1" in ahead.reason and "move to prefill ahead of the burst" in ahead.reason
 
 
+def stepping(
+    at: float,
+    split: tuple[int, int],
+    steps: float,
+    tokens: float,
+    requests: float,
+    *,
+    decode_rate: float = 0.0,
+    output: float = 0.0,
+) -> Observation:
+    """A fleet of ``split`` with ``steps`` step boundaries said (the last of ``tokens`` prompt
+    tokens and ``requests`` requests). ``decode_rate`` > 0: both roles backlogged, prefills at
+    30,000 prompt tokens/s and decodes at ``decode_rate`` output tokens/s each (16 of 16 slots);
+    0: idle but for ``output`` output tokens/s over the decodes."""
+    backlog = decode_rate > 0
+    engines = [
+        EngineLoad(f"prefill-{i}", P, True, True, 5 if backlog else 0, 1 if backlog else 0, 30_000 if backlog else 0)
+        for i in range(split[0])
+    ]
+    engines += [
+        EngineLoad(
+            f"decode-{i}",
+            D,
+            True,
+            True,
+            5 if backlog else 0,
+            16 if backlog else 0.5,
+            decode_rate if backlog else output / split[1],
+            slots=16,
+        )
+        for i in range(split[1])
+    ]
+    return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
+
+
 def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes_the_next_soonest() -> None:
     """8 engines: prefills do 30,000 prompt tokens/s and decodes 1,000 output tokens/s each, learned
     while backlogged. A step of 128 requests is announced and makes 24,000 output tokens before the
@@ -429,26 +464,7 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
         backlog: bool = False,
         output: float = 0.0,
     ) -> Observation:
-        engines = [
-            EngineLoad(
-                f"prefill-{i}", P, True, True, 5 if backlog else 0, 1 if backlog else 0, 30_000 if backlog else 0
-            )
-            for i in range(split[0])
-        ]
-        engines += [
-            EngineLoad(
-                f"decode-{i}",
-                D,
-                True,
-                True,
-                5 if backlog else 0,
-                16 if backlog else 0.5,
-                1000 if backlog else output / split[1],
-                slots=16,
-            )
-            for i in range(split[1])
-        ]
-        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
+        return stepping(at, split, steps, tokens, requests, decode_rate=1000 if backlog else 0.0, output=output)
 
     def after_one_step(split: tuple[int, int], secs: float = 12, cooldown: float = 0) -> RolePlanner:
         planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=cooldown, **ONE_EACH))
@@ -526,27 +542,7 @@ def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
     workload's capacities from its record."""
 
     def obs(at: float, steps: float, tokens: float, requests: float, decode_rate: float, output: float = 0.0):
-        backlog = decode_rate > 0
-        engines = [
-            EngineLoad(
-                f"prefill-{i}", P, True, True, 5 if backlog else 0, 1 if backlog else 0, 30_000 if backlog else 0
-            )
-            for i in range(6)
-        ]
-        engines += [
-            EngineLoad(
-                f"decode-{i}",
-                D,
-                True,
-                True,
-                5 if backlog else 0,
-                16 if backlog else 0.5,
-                decode_rate if backlog else output / 2,
-                slots=16,
-            )
-            for i in range(2)
-        ]
-        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
+        return stepping(at, (6, 2), steps, tokens, requests, decode_rate=decode_rate, output=output)
 
     told = []
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, **ONE_EACH))
