@@ -77,7 +77,6 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
                 rate,
                 now.slots,
                 decoded is None or (rec.url, rec.pid) in decoded or rec.role is Role.DECODE,
-                awaiting_kv(rec.role, now),
             )
         )
         if decoded is not None and rec.role is Role.DECODE and rec.url:
@@ -153,23 +152,9 @@ def waiting_at(role: Role, sample: EngineSample) -> float:
     queued = sample.queued or 0.0
     if role is not Role.DECODE:
         return queued
-    prealloc = sample.prealloc or 0.0
-    return queued - prealloc + prealloc * _decoding_share(sample)
-
-
-def awaiting_kv(role: Role, sample: EngineSample) -> float:
-    """A decode's requests whose KV is still to come: its transfer queue, and the share of its
-    prealloc queue that ``waiting_at`` leaves out (0 for a prefill)."""
-    if role is not Role.DECODE:
-        return 0.0
-    return (sample.transfer or 0.0) + (sample.prealloc or 0.0) * (1 - _decoding_share(sample))
-
-
-def _decoding_share(sample: EngineSample) -> float:
-    """Of a decode's room held by requests, the share held by those that decode (running) rather
-    than wait for their KV (the transfer queue); 1 when it holds none."""
-    running, transfer = sample.running or 0.0, sample.transfer or 0.0
-    return running / (running + transfer) if running + transfer > 0 else 1.0
+    prealloc, running, transfer = sample.prealloc or 0.0, sample.running or 0.0, sample.transfer or 0.0
+    decoding = running / (running + transfer) if running + transfer > 0 else 1.0
+    return queued - prealloc + prealloc * decoding
 
 
 def _rate(before: float | None, now: float | None, dt: float) -> float:

@@ -167,10 +167,6 @@ class EngineLoad:
     """Whether the planner saw this process run as a decode (it captured the decode's CUDA graphs,
     so a switch to decode does not pay the capture again: 12 s for an 8B model on an H100). A
     planner knows only what it saw: restarted, it takes every prefill as not captured."""
-    awaiting_kv: float = 0.0
-    """A decode's requests bound to it whose KV has not come: its transfer queue, and the share of
-    its prealloc queue behind them (what ``waiting`` leaves out). A switch's drain finishes them,
-    so it waits for the prefills to serve them first."""
 
 
 @dataclass(frozen=True)
@@ -441,11 +437,6 @@ class RolePlanner:
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
             return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
-        bound = self._bound_to_decodes(short, movable)
-        if bound:
-            return Decision(Action.STAY, f"{why}; {bound}", figures=figures)
-        if short is Role.PREFILL and self.step_size[0]:
-            movable = [e for e in movable if e.awaiting_kv < 1]  # (the others' drains: _bound_to_decodes)
         # (to decode on a turn, prefills seen as decodes before need no graph capture: see _how_many)
         captured = sum(1 for e in movable if e.captured) if short is Role.DECODE and turned else 0
         count, sized = self._how_many(short, loads, split, len(movable), captured, turned=bool(turned))
@@ -848,24 +839,6 @@ class RolePlanner:
                 f"{capacity:.0f} an engine was seen to do"
             )
         return None
-
-    def _bound_to_decodes(self, short: Role, movable: Sequence[EngineLoad]) -> str | None:
-        """Why no decode may move to prefill within an announced step, or None: every one of them
-        holds requests whose KV is still to come from the prefills. A step sends its requests at
-        once and SGLang binds each to its decode then, so such a decode's drain ends only once the
-        prefills have served its requests: it would join the prefills after the backlog it was to
-        relieve (a benchmark's agentic step: each such move done 10.2 s after it was decided, the
-        burst nearly over). Decodes holding none may move. Outside steps a serving load goes on
-        past the drain, and the move is worth it there."""
-        if short is not Role.PREFILL or not self.step_size[0]:
-            return None
-        if any(e.awaiting_kv < 1 for e in movable):
-            return None
-        least = min(e.awaiting_kv for e in movable)
-        return (
-            f"in a step every decode holds requests whose KV is still to come ({least:.0f} or more each): "
-            "its drain would end after the prefill backlog it is to relieve"
-        )
 
     def _tried(self, target: tuple[int, int], obs: Observation) -> str | None:
         before, now = self.splits.get(target), self.splits.get(_split_of(obs))

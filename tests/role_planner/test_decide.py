@@ -646,35 +646,6 @@ def test_a_prefill_queue_with_decodes_waiting_for_their_kv_makes_prefill_the_bot
     assert both.action is Action.STAY and "no role holds the fleet back" in both.reason, both
 
 
-def test_in_a_step_a_decode_holding_requests_for_their_kv_is_no_donor() -> None:
-    """The prefills short in a step's burst, the decodes waiting for their KV: a decode that holds
-    requests whose KV is still to come would drain only after the prefills had served them, so
-    none such moves (a benchmark's agentic step: such moves done 10.2 s after their decision); a
-    decode holding none does. The same loads outside steps (a serving load) move one, as before."""
-
-    def obs(at: float, awaiting: tuple[float, float], steps: float) -> Observation:
-        engines = [EngineLoad(f"prefill-{i}", P, True, True, 7, 2, 20000) for i in range(2)]
-        engines += [
-            EngineLoad(f"decode-{i}", D, True, True, 8, 3, 100, slots=16, awaiting_kv=a) for i, a in enumerate(awaiting)
-        ]
-        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=1000, step_requests=4)
-
-    def in_a_step(awaiting: tuple[float, float]) -> Decision:
-        planner = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0, **ONE_EACH))
-        assert planner.decide(fleet(0, [(0, 0)] * 2, [(0, 0)] * 2, slots=16)).action is Action.STAY
-        boundary = planner.decide(obs(10, awaiting, 1))
-        assert boundary.action is Action.STAY and "too short to switch ahead" in boundary.reason, boundary
-        return planner.decide(obs(20, awaiting, 1))
-
-    held = in_a_step((12, 9))
-    assert held.action is Action.STAY, held
-    assert "every decode holds requests whose KV is still to come (9 or more each)" in held.reason, held
-    one_free = in_a_step((12, 0))
-    assert one_free.action is Action.SWITCH and one_free.engines == ("decode-1",), one_free
-    serving = RolePlanner(PlannerConfig(sustain=1, cooldown_secs=0, **ONE_EACH)).decide(obs(0, (12, 9), 0))
-    assert serving.action is Action.SWITCH and serving.to_role is P, serving
-
-
 def test_the_loop_knows_a_process_it_saw_decode_as_captured_and_a_restarted_one_as_not() -> None:
     """pdctl.cluster.planner_loop.observe over three intervals: a prefill is not captured; the
     decode's process, switched to prefill (same URL and pid), is; the same URL restarted (another
@@ -750,12 +721,6 @@ def test_the_loop_rates_a_prefill_by_the_tokens_it_computed_and_counts_the_route
     short_of_both = RouterSample("up", waiting_for_room=4, room_short=("prefill", "decode"))
     both = Sample(2, dict.fromkeys(procs, zero), short_of_both)
     assert {e.id: e.waiting for e in observe(st, [before, both]).engines} == dict.fromkeys(procs, 2)
-    # a decode running 2, 6 holding room for KV still to come, 4 more waiting for room: of those 4,
-    # 1 (2 of 8 held) wait for its decoding and 3 for the prefills; 9 of its 12 wait for their KV
-    holding = EngineSample("up", running=2, queued=4, prealloc=4, transfer=6)
-    bound = Sample(2, {**dict.fromkeys(procs, zero), "decode-0": holding}, RouterSample("up"))
-    decode = next(e for e in observe(st, [before, bound]).engines if e.id == "decode-0")
-    assert (decode.waiting, decode.awaiting_kv) == (1, 9), decode
 
 
 def test_the_loop_counts_what_the_engines_made_across_a_switch_by_their_counters() -> None:
