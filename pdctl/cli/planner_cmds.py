@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
+import sys
 
 import click
 from rich.console import Console
@@ -48,10 +51,6 @@ def planner(
     the topology's `planner:` section. `kill -USR1` prints every thread's stack (a planner that
     seems stuck).
     """
-    import faulthandler
-    import signal
-    import sys
-
     # (a long-running process with threads and an event loop: when one seems stuck, its stacks
     # say where; seen once, a planner that did not stop on SIGINT in a loaded suite run)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
