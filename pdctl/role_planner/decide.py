@@ -80,6 +80,17 @@ moves decodes to prefill when the burst's prefill would take ``STEP_WORTH`` inte
 many as make it fit in that (this one within the cooldown). Either way a move is bounded as any
 other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
 
+Measured steps outrank the balance, which is a model: the planner keeps, per workload, the busy
+seconds of the last step begun at each split (with pairing on arrival a step's requests are bound
+to their engines when it is sent, so the split it began at sets its time:
+benchmarks/step_schedules.py). Once a step was measured at the split the balance names (without a
+balance: once two splits were), of steps of the announced one's size, the next step begins at the
+fastest measured split (the split now, if within ``BETTER_BY`` of it). A step whose split its
+boundary chose so (or by the balance) keeps it: the queues move no engine within it until an idle
+interval says its work is done (or it has run ``OWNED_SPAN`` times the last step), since its burst
+queues by design and a move within it gives its bound requests nothing (the 8-engine agentic
+steps drained a decode for 10 s in each burst).
+
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
 donor must meet its own target with 20% to spare.
@@ -121,6 +132,9 @@ nor its KV transfers, so only a clear imbalance is worth a drain. (At 8 engines 
 for an agentic step's 6:2 -> 5:3, which a fifth of the last step's 19 s refused; the step then
 took 18.7 s at 6:2 where those around it took 15-16 s at 5:3: benchmarks/results/
 planner_8_steps_nocool_decisions.jsonl. It foresaw 0.4 s for the reasoning RL step's 3:5 -> 1:7.)"""
+OWNED_SPAN = 2.0
+"""A step whose boundary chose its split keeps it for at most this many times the last step's busy
+seconds (a trainer that stops announcing steps leaves the queues their rules)."""
 WINDING_DOWN = 0.5
 """Decodes under this share of their slots are done with most of the last step; requests queued
 at such decodes wait for something else than decoding (their KV, a prefill)."""
@@ -336,6 +350,17 @@ class RolePlanner:
         another workload (a reasoning step's 216 against an agentic step's 9,000 at 8 engines), whose
         answers the last step's say nothing of."""
         self.last_at: float | None = None
+        self.step_start: tuple[int, int] | None = None
+        """The split the step under way had in its first busy interval (None: not begun)."""
+        self.step_times: dict[tuple[int, int], tuple[float, tuple[float, str]]] = {}
+        """This workload's whole steps: the busy seconds and size (``step_size``) of the last one
+        begun at each split. With
+        pairing on arrival a step's requests are bound to their engines when it is sent, so the split
+        it began at sets its time (benchmarks/step_schedules.py: no move within it changes it)."""
+        self.step_owned = False
+        """Whether the step under way keeps the split its boundary chose (by a balance or by measured
+        steps): the queues move no engine in it until its work is done (an idle interval) or it
+        has run ``OWNED_SPAN`` times the last step's busy seconds."""
 
     def minimum(self, role: Role, fleet: int) -> int:
         """The fewest engines ``role`` may keep in a fleet of ``fleet`` PD engines
@@ -348,7 +373,8 @@ class RolePlanner:
         output, from the figures of its stay and switch decisions, and its last switch's time
         (``now_wall`` and ``now``: the wall and monotonic clocks now), so that a planner restarted
         after a crash keeps its cooldown and does not go back to a split it measured as no better;
-        and what the last whole step made (``step_learned`` of a step decision), to balance the next."""
+        and what the last whole step made (``step_learned`` of a step decision), to balance the next,
+        and this workload's measured steps (``step_times``)."""
         for entry in entries:
             figures = entry.get("figures") or {}
             if entry.get("action") == Action.WAIT.value or not all(r.value in figures for r in PD):
@@ -359,6 +385,12 @@ class RolePlanner:
                 with contextlib.suppress(KeyError, TypeError, ValueError):
                     said = figures["workload_capacity"]
                     self.workload_capacity = {r: float(said[r.value]) for r in PD if r.value in said}
+            if isinstance(figures.get("step_times"), Mapping):  # (a boundary's: this workload's steps so far)
+                with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+                    self.step_times = {
+                        _parse_split(split): (float(t["secs"]), (float(t["size"]), str(t["unit"])))
+                        for split, t in figures["step_times"].items()
+                    }
             learned = figures.get("step_learned") or {}
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 unit = str(learned["unit"])
@@ -409,6 +441,9 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
+        if self.step_owned and self.step_busy <= OWNED_SPAN * (self.last_step_secs or 0.0):
+            why = f"{why}; this step keeps the split its boundary chose, {split[0]}:{split[1]}, until its work is done"
+            return Decision(Action.STAY, why, figures=figures)
         turned = self._turned(short, loads, obs)
         goes_on = None if turned else self._goes_on(short, loads, obs)
         overrun = None if turned or goes_on else self._overrun(short, loads)
@@ -475,6 +510,11 @@ class RolePlanner:
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self._step_capacity(Role.PREFILL)
         figures["workload_capacity"] = {r.value: round(v, 1) for r, v in self.workload_capacity.items()}
+        if self.step_times:  # (what a restarted planner recalls; the split each step began at)
+            figures["step_times"] = {
+                f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit}
+                for (k, d), (t, (size, unit)) in sorted(self.step_times.items())
+            }
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
         if tokens <= 0 or not capacity or not prefill.engines:
             said = "no prompt tokens said" if tokens <= 0 else "no prefill capacity measured yet"
@@ -493,8 +533,17 @@ class RolePlanner:
             why = f"{why}; {other_workload}"
         balance = None if other_workload else self.step_balance(obs, split)
         if balance is not None and self.output_per is not None:
+            figures.update(step_output_tokens=round(balance[1]), step_balanced_prefills=balance[0])
+        measured = None if other_workload else self._measured(obs, split, balance[0] if balance else None)
+        if measured is not None:
+            fastest, how = measured
+            why = f"{why}; {how}"
+            if fastest == split[0]:
+                self.step_owned = True
+                return Decision(Action.STAY, f"{why}: staying", figures=figures)
+            to, count = (Role.PREFILL, fastest - split[0]) if fastest > split[0] else (Role.DECODE, split[0] - fastest)
+        elif balance is not None and self.output_per is not None:
             best, output, saved = balance
-            figures.update(step_output_tokens=round(output), step_balanced_prefills=best)
             n = sum(split)
             why = (
                 f"{why}; the last step made {self.output_per[0]:.2f} output tokens per {self.output_per[1]}, "
@@ -503,6 +552,7 @@ class RolePlanner:
             worth = max(self.config.interval_secs, STEP_GAIN * (self.last_step_secs or 0.0))
             if best == split[0] or saved < worth:
                 why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
+                self.step_owned = True
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
         elif self.output_per is not None and self._step_capacity(Role.DECODE) and not other_workload:
@@ -519,7 +569,7 @@ class RolePlanner:
         # a reading that may be noise; a benchmark's agentic step ran at 6:2 for want of 5:3, the
         # queues' last move of the step before having started the cooldown.)
         cooling = self.last_switch_at is not None and obs.at - self.last_switch_at < self.config.cooldown_secs
-        if cooling and balance is None:
+        if cooling and balance is None and measured is None:
             return Decision(Action.STAY, f"{why}; cooling down after the last switch", figures=figures)
         if loads[donor].engines - 1 < self.minimum(donor, sum(split)):
             return Decision(Action.STAY, f"{why}; the {donor}s are at their minimum", figures=figures)
@@ -536,6 +586,8 @@ class RolePlanner:
         picks = _cheapest(movable, to)[: max(1, min(count, most))]
         names = ", ".join(e.id for e in picks)
         moves = "moves" if len(picks) == 1 else "move"
+        # (a split chosen by measured steps or the balance is the step's; one the prefill alone sized is not)
+        self.step_owned = measured is not None or balance is not None
         return Decision(
             Action.SWITCH,
             f"{why}: {names} {moves} to {to} ahead of the burst",
@@ -545,6 +597,28 @@ class RolePlanner:
             tuple(e.id for e in picks[1:]),
             reversible=False,
         )
+
+    def _measured(self, obs: Observation, split: tuple[int, int], balanced: int | None) -> tuple[int, str] | None:
+        """The prefill count this workload's measured steps say the step ``obs`` announces should
+        begin at, and why; None to leave it to the balance. Only steps of its size (within
+        ``SAME_MIX``, in the same unit) count. They decide once one was measured at the balance's
+        split (with no balance: once two splits were): the step then begins at the fastest measured split within
+        the minimums, unless the split now was measured within ``BETTER_BY`` of it. A balance
+        whose split was never measured is tried (the balance is a model; a step is a measurement)."""
+        n, (size, unit) = sum(split), _size_of(obs)
+        times = {
+            k: t
+            for (k, d), (t, (was, was_unit)) in self.step_times.items()
+            if k + d == n and self._within(n, k) and was_unit == unit and _same_mix(was, size)
+        }
+        if (balanced not in times) if balanced is not None else len(times) < 2:
+            return None  # (the balance's split untried; or, without a balance, nothing to compare)
+        fastest = min(times, key=lambda k: (times[k], abs(k - split[0])))
+        said = ", ".join(f"{k}:{n - k} {times[k]:.1f} s" for k in sorted(times))
+        now = times.get(split[0])
+        if now is not None and now <= times[fastest] * (1 + BETTER_BY):
+            fastest = split[0]
+        return fastest, f"this workload's last steps by the split they began at: {said}, so {fastest}:{n - fastest}"
 
     def _step_capacity(self, role: Role) -> float | None:
         """``role``'s capacity for sizing a step: the one learned on this workload's steps, else
@@ -596,6 +670,10 @@ class RolePlanner:
             self.step_output += output * secs if obs.output_tokens is None else obs.output_tokens
             if output > 0 or loads[Role.PREFILL].tokens_per_s > 0:
                 self.step_busy += secs
+                if self.step_size[0] and self.step_start is None:
+                    self.step_start = (loads[Role.PREFILL].engines, loads[Role.DECODE].engines)
+            elif self.step_start is not None:
+                self.step_owned = False  # (the step's work is done: the queues' rules are back)
         self.last_at = obs.at
 
     def _step_began(self, obs: Observation, boundaries: float) -> None:
@@ -607,10 +685,12 @@ class RolePlanner:
         if size > 0 and self.step_output > 0 and boundaries == 1:
             self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
             self.learned_prompt_per = self.step_prompt / size if unit == "request" and self.step_prompt > 0 else None
+            if self.step_start is not None and self.step_busy > 0:
+                self.step_times[self.step_start] = (self.step_busy, self.step_size)
         if self._other_workload(obs):
-            self.workload_capacity = {}
+            self.workload_capacity, self.step_times = {}, {}
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
-        self.step_prompt = obs.step_prompt_tokens
+        self.step_prompt, self.step_start, self.step_owned = obs.step_prompt_tokens, None, False
 
     def _how_many(
         self,
@@ -904,6 +984,12 @@ def _role_load(obs: Observation, role: Role) -> RoleLoad:
         sum(e.running for e in sized) / slots if sized else None,
         slots / len(sized) if sized else None,
     )
+
+
+def _parse_split(said: str) -> tuple[int, int]:
+    """``"5:3"`` as (5, 3)."""
+    prefills, decodes = said.split(":")
+    return int(prefills), int(decodes)
 
 
 def _split_of(obs: Observation) -> tuple[int, int]:

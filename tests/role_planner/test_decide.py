@@ -531,6 +531,61 @@ def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes
     assert again.figures["step_balanced_prefills"] == 5 and again.engines == ("decode-0", "decode-1"), again
 
 
+def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_it_alone() -> None:
+    """8 engines, both capacities learned (prefills 30,000 prompt tokens/s, decodes 1,000 output
+    tokens/s). A step at 6:2 takes 12 s; the balance says 5:3 for the next and moves a prefill.
+    That step's prefills queue (its burst, by design): the queues move nothing within it, and
+    once it is done (an idle interval) they may again. It took 21 s at 5:3 (its busy intervals up
+    to the next boundary): there the balance still says 5:3, but a step was measured there, so the
+    measured steps decide and 6:2 (12 s) comes back. A step of another size is not compared with
+    them; a restarted planner recalls them. A boundary that moved nothing because its donors were
+    still busy leaves the queues their rules."""
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    said = {"steps": 1, "step_prompt_tokens": 1_000_000, "step_requests": 128}
+    told = [planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))]  # both capacities
+    told.append(planner.decide(stepping(2, (6, 2), 1, 1_000_000, 128)))
+    told.append(planner.decide(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))  # 12 s, 24,000 tokens
+    ahead = planner.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
+    told.append(ahead)
+    assert ahead.action is Action.SWITCH and ahead.to_role is D and ahead.figures["step_balanced_prefills"] == 5
+    assert ahead.figures["step_times"] == {"6:2": {"secs": 12.0, "size": 128, "unit": "request"}}, ahead.figures
+    # The step's burst at 5:3: its prefills queue, the decodes not; the streak would move a decode.
+    said["steps"] = 2
+    burst = [(6, 30_000)] * 5, [(0, 0)] * 3
+    for at in (22, 24):
+        inside = planner.decide(fleet(at, *burst, slots=16, **said))
+        assert inside.action is Action.STAY, inside
+        assert "this step keeps the split its boundary chose, 5:3, until its work is done" in inside.reason
+    told.append(planner.decide(stepping(40, (5, 3), 2, 1_000_000, 128, output=1500)))  # 20 s busy so far
+    told.append(planner.decide(stepping(41, (5, 3), 2, 1_000_000, 128)))  # idle: the step is done
+    after = planner.decide(fleet(42, *burst, slots=16, **said))
+    assert "keeps the split" not in after.reason, after
+    planner.decide(stepping(44, (5, 3), 2, 1_000_000, 128))
+    back = planner.decide(stepping(50, (5, 3), 3, 1_000_000, 128))
+    told.append(back)
+    assert back.figures["step_balanced_prefills"] == 5, back.figures
+    assert "last steps by the split they began at: 5:3 21.0 s, 6:2 12.0 s, so 6:2" in back.reason, back.reason
+    assert back.action is Action.SWITCH and back.to_role is P and len(back.engines) == 1, back
+    # The same fleet at 6:2 again stays; a step of twice the requests is not compared with them.
+    assert "so 6:2: staying" in planner.decide(stepping(60, (6, 2), 4, 1_000_000, 128)).reason
+    other_size = planner.decide(stepping(70, (6, 2), 5, 2_000_000, 256))
+    assert "last steps by the split" not in other_size.reason, other_size.reason
+    restarted = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    restarted.recall([d.to_dict() for d in told], now_wall=0, now=0)
+    assert restarted.step_times == {(6, 2): (12.0, (128, "request")), (5, 3): (21.0, (128, "request"))}
+    # A boundary that could not move (the donors still busy with the last step) chose nothing: the
+    # queues keep their rules within that step.
+    busy = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    for o in (
+        stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
+        stepping(2, (6, 2), 1, 1_000_000, 128),
+        stepping(14, (6, 2), 1, 1_000_000, 128, output=2000),
+    ):
+        busy.decide(o)
+    refused = busy.decide(stepping(20, (6, 2), 2, 1_000_000, 128, decode_rate=1000))
+    assert "still busy with the last step" in refused.reason and not busy.step_owned, refused
+
+
 def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
     """8 engines at 6:2. Steps of short prompts show decodes making 2,000 output tokens/s each
     (short contexts); then the trainer turns to long prompts (7,812 tokens a request: another
