@@ -81,8 +81,8 @@ many as make it fit in that (this one within the cooldown). Either way a move is
 other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
 
 Measured steps outrank the balance, which is a model: the planner keeps, per workload, the busy
-seconds of the last step begun at each split (with pairing on arrival a step's requests are bound
-to their engines when it is sent, so the split it began at sets its time:
+seconds of the last step begun at each split with no switch within it (with pairing on arrival a
+step's requests are bound to their engines when it is sent, so the split it began at sets its time:
 benchmarks/step_schedules.py). Once a step was measured at the split the balance names (without a
 balance: once two splits were), of steps of the announced one's size, the next step begins at the
 fastest measured split (the split now, if within ``BETTER_BY`` of it). A step whose split its
@@ -357,6 +357,8 @@ class RolePlanner:
         begun at each split. With
         pairing on arrival a step's requests are bound to their engines when it is sent, so the split
         it began at sets its time (benchmarks/step_schedules.py: no move within it changes it)."""
+        self.step_moved = False
+        """Whether an engine switched within the step under way (after its first busy interval)."""
         self.step_owned = False
         """Whether the step under way keeps the split its boundary chose (by a balance or by measured
         steps): the queues move no engine in it until its work is done (an idle interval) or it
@@ -411,6 +413,8 @@ class RolePlanner:
         self.last_switch_at = at
         self.last_switch_to = to_role
         self.streak = (None, 0)
+        if self.step_start is not None:
+            self.step_moved = True
 
     def decide(self, obs: Observation) -> Decision:
         """Decide for one interval: SWITCH (an engine and its new role), STAY or WAIT, each with its
@@ -664,11 +668,14 @@ class RolePlanner:
 
     def _count_output(self, obs: Observation, loads: Mapping[Role, RoleLoad]) -> None:
         """Add the interval's output tokens, and its seconds if the fleet worked in it, to the step
-        under way (held and sick intervals too)."""
+        under way (held and sick intervals too). The fleet worked if it made tokens while holding
+        requests: the router's health checks (a one-token generation per worker every 10 s) make
+        tokens between steps, and a one-second sample seldom sees one running."""
         if self.last_at is not None and obs.at > self.last_at:
             secs, output = obs.at - self.last_at, loads[Role.DECODE].tokens_per_s * loads[Role.DECODE].engines
             self.step_output += output * secs if obs.output_tokens is None else obs.output_tokens
-            if output > 0 or loads[Role.PREFILL].tokens_per_s > 0:
+            held = sum((load.running + load.waiting) * load.engines for load in loads.values())
+            if (output > 0 or loads[Role.PREFILL].tokens_per_s > 0) and held > 0:
                 self.step_busy += secs
                 if self.step_size[0] and self.step_start is None:
                     self.step_start = (loads[Role.PREFILL].engines, loads[Role.DECODE].engines)
@@ -685,12 +692,14 @@ class RolePlanner:
         if size > 0 and self.step_output > 0 and boundaries == 1:
             self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
             self.learned_prompt_per = self.step_prompt / size if unit == "request" and self.step_prompt > 0 else None
-            if self.step_start is not None and self.step_busy > 0:
+            # (a step with a switch in it is no measure: the loop that switched saw none of its time)
+            if self.step_start is not None and self.step_busy > 0 and not self.step_moved:
                 self.step_times[self.step_start] = (self.step_busy, self.step_size)
         if self._other_workload(obs):
             self.workload_capacity, self.step_times = {}, {}
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
         self.step_prompt, self.step_start, self.step_owned = obs.step_prompt_tokens, None, False
+        self.step_moved = False
 
     def _how_many(
         self,

@@ -539,7 +539,7 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     to the next boundary): there the balance still says 5:3, but a step was measured there, so the
     measured steps decide and 6:2 (12 s) comes back. A step of another size is not compared with
     them; a restarted planner recalls them. A boundary that moved nothing because its donors were
-    still busy leaves the queues their rules."""
+    still busy leaves the queues their rules. A step with a switch in it is no measure."""
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
     said = {"steps": 1, "step_prompt_tokens": 1_000_000, "step_requests": 128}
     told = [planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))]  # both capacities
@@ -584,6 +584,19 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
         busy.decide(o)
     refused = busy.decide(stepping(20, (6, 2), 2, 1_000_000, 128, decode_rate=1000))
     assert "still busy with the last step" in refused.reason and not busy.step_owned, refused
+    # A step with a switch in it measures nothing (the loop that switched saw none of its time),
+    # and an interval whose only tokens are the router's health checks (nothing running) is not busy.
+    moved = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    moved.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))
+    moved.decide(stepping(2, (6, 2), 1, 1_000_000, 128))
+    checks = tuple(replace(e, running=0, tokens_per_s=1.0) for e in stepping(3, (6, 2), 1, 1, 1).engines)
+    moved.decide(Observation(3, checks, steps=1, step_prompt_tokens=1_000_000, step_requests=128))
+    assert moved.step_busy == 0 and moved.step_start is None
+    moved.decide(stepping(8, (6, 2), 1, 1_000_000, 128, output=2000))
+    moved.switched(9)
+    moved.decide(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000))
+    moved.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
+    assert moved.last_step_secs == 11 and moved.step_times == {}, (moved.last_step_secs, moved.step_times)
 
 
 def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
