@@ -77,7 +77,9 @@ reasoning to agentic prompts): the last step's answers say nothing of its answer
 as a first step, and the capacities learned on the last workload are not its own. Before it has seen
 a whole step of the workload, or while no decode was ever short (no decode capacity learned), it
 moves decodes to prefill when the burst's prefill would take ``STEP_WORTH`` intervals or more, as
-many as make it fit in that (this one within the cooldown). Either way a move is bounded as any
+many as make it fit in that (this one within the cooldown); once it has seen one, only when that
+step took no longer than its prefill would at the split now and ``STEP_GAIN`` more (else its
+prefill did not bound it). Either way a move is bounded as any
 other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
 
 Measured steps outrank the balance, which is a model: the planner keeps, per workload, the busy
@@ -565,6 +567,12 @@ class RolePlanner:
         else:  # no whole step of this workload yet, or decodes never short (no capacity learned): the prefill alone
             if secs < STEP_WORTH * self.config.interval_secs:
                 return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
+            last = self.last_step_secs if self.output_per is not None and not other_workload else None
+            if last and secs < (1 - STEP_GAIN) * last:
+                # (a whole step of this workload took longer than its prefill would here: something
+                # else bounds it, its decodes or its tail, and more prefills would not shorten it)
+                why = f"{why}, where the last step took {last:.1f} s: its prefill does not bound it, staying"
+                return Decision(Action.STAY, why, figures=figures)
             # As many as the burst needs to fit in STEP_WORTH intervals.
             to = Role.PREFILL
             count = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines

@@ -384,6 +384,32 @@ def test_a_step_boundary_moves_a_winding_down_decode_to_prefill_ahead_of_a_long_
     assert ahead.figures["step_prefill_secs"] == 25.0 and ahead.engines == ("decode-0",)  # 3 prefills: 16.7 s
 
 
+def test_after_a_whole_step_the_prefill_alone_moves_nothing_if_it_did_not_bound_that_step() -> None:
+    """No decode was ever short (no decode capacity: no balance), prefills at 4,000 tokens/s. A step
+    of 200,000 prompt tokens takes 25 s on 2 prefills: ahead of the first, a decode moves. Once a
+    whole step of the workload took 60 s at that split, its prefill (25 s) did not bound it (its
+    decodes or its tail did): the next boundary stays. One that took 26 s was prefill-bound: it
+    moves again."""
+
+    def obs(at: float, steps: float) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, 0, 1, 4000) for i in range(2)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 0, 2, 300, slots=16) for i in range(2)]
+        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=200_000, step_requests=64)
+
+    for took, moves in ((60, False), (26, True)):
+        planner = RolePlanner(PlannerConfig(cooldown_secs=0))
+        backlogged = obs(0, 0)
+        planner.decide(replace(backlogged, engines=tuple(replace(e, waiting=3) for e in backlogged.engines)))
+        first = planner.decide(obs(10, 1))
+        assert first.action is Action.SWITCH and first.to_role is P, first
+        planner.decide(obs(10 + took, 1))
+        again = planner.decide(obs(10 + took, 2))
+        assert planner.last_step_secs == took and "step_balanced_prefills" not in again.figures, again
+        assert (again.action is Action.SWITCH) is moves, again
+        if not moves:
+            assert f"where the last step took {took:.1f} s: its prefill does not bound it, staying" in again.reason
+
+
 def test_a_step_boundary_moves_as_many_idle_decodes_as_the_burst_needs_within_the_move_bound() -> None:
     """2 prefills at 4,000 tokens/s and 10 idle decodes; 400,000 prompt tokens take 50 s: to fit in
     two 10 s intervals the burst needs 5 prefills, so 3 decodes move (the idlest first; a quarter
