@@ -87,8 +87,11 @@ seconds of the last step begun at each split with no switch within it (with pair
 step's requests are bound to their engines when it is sent, so the split it began at sets its time:
 benchmarks/step_schedules.py). Once a step was measured at the split the balance names (without a
 balance: once two splits were), of steps of the announced one's size, the next step begins at the
-fastest measured split (the split now, if within ``BETTER_BY`` of it). A step whose split its
-boundary chose so (or by the balance) keeps it: the queues move no engine within it until an idle
+fastest measured split (the split now, if within ``BETTER_BY`` of it); a balance naming a split
+never measured is tried first, unless a measured split beat the split now. A step is timed from
+its first interval of prefill work, without the boundary's own switch; one whose burst was under
+way as that switch ended measures nothing. A step whose split its boundary chose so (or by the
+balance) keeps it, once the fleet is there: the queues move no engine within it until an idle
 interval says its work is done (or it has run ``OWNED_SPAN`` times the last step), since its burst
 queues by design and a move within it gives its bound requests nothing (the 8-engine agentic
 steps drained a decode for 10 s in each burst).
@@ -360,7 +363,17 @@ class RolePlanner:
         pairing on arrival a step's requests are bound to their engines when it is sent, so the split
         it began at sets its time (benchmarks/step_schedules.py: no move within it changes it)."""
         self.step_moved = False
-        """Whether an engine switched within the step under way (after its first busy interval)."""
+        """Whether the step under way is no measure: an engine switched within it, or its burst
+        began while the boundary's own switch was under way (its requests bound at the split before)."""
+        self.step_began_busy = 0.0
+        """``step_busy`` before the step's first interval of prefill work (a last step's tail after the
+        boundary is not this step's)."""
+        self.step_target: tuple[int, int] | None = None
+        """The split the step's boundary chose (it owns the step only once the fleet is there)."""
+        self.boundary_switch_at: float | None = None
+        """When the boundary's own switch ended (None: it made none)."""
+        self.last_step_size: tuple[float, str] = (0.0, "")
+        """The last whole step's size as announced (``step_size``)."""
         self.step_owned = False
         """Whether the step under way keeps the split its boundary chose (by a balance or by measured
         steps): the queues move no engine in it until its work is done (an idle interval) or it
@@ -417,6 +430,9 @@ class RolePlanner:
         self.streak = (None, 0)
         if self.step_start is not None:
             self.step_moved = True
+        elif self.step_size[0]:
+            self.boundary_switch_at = at  # (the boundary's own move: the step has not begun)
+        self.last_at = at  # (the next interval counts from here: a switch's drain is no interval's)
 
     def decide(self, obs: Observation) -> Decision:
         """Decide for one interval: SWITCH (an engine and its new role), STAY or WAIT, each with its
@@ -447,7 +463,8 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
-        if self.step_owned and self.step_busy <= OWNED_SPAN * (self.last_step_secs or 0.0):
+        owned = self.step_owned and split == self.step_target
+        if owned and self.step_busy <= OWNED_SPAN * (self.last_step_secs or 0.0):
             why = f"{why}; this step keeps the split its boundary chose, {split[0]}:{split[1]}, until its work is done"
             return Decision(Action.STAY, why, figures=figures)
         turned = self._turned(short, loads, obs)
@@ -516,11 +533,10 @@ class RolePlanner:
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self._step_capacity(Role.PREFILL)
         figures["workload_capacity"] = {r.value: round(v, 1) for r, v in self.workload_capacity.items()}
-        if self.step_times:  # (what a restarted planner recalls; the split each step began at)
-            figures["step_times"] = {
-                f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit}
-                for (k, d), (t, (size, unit)) in sorted(self.step_times.items())
-            }
+        figures["step_times"] = {  # (what a restarted planner recalls; the split each step began at)
+            f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit}
+            for (k, d), (t, (size, unit)) in sorted(self.step_times.items())
+        }
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
         if tokens <= 0 or not capacity or not prefill.engines:
             said = "no prompt tokens said" if tokens <= 0 else "no prefill capacity measured yet"
@@ -545,7 +561,7 @@ class RolePlanner:
             fastest, how = measured
             why = f"{why}; {how}"
             if fastest == split[0]:
-                self.step_owned = True
+                self.step_owned, self.step_target = True, split
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, fastest - split[0]) if fastest > split[0] else (Role.DECODE, split[0] - fastest)
         elif balance is not None and self.output_per is not None:
@@ -558,7 +574,7 @@ class RolePlanner:
             worth = max(self.config.interval_secs, STEP_GAIN * (self.last_step_secs or 0.0))
             if best == split[0] or saved < worth:
                 why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
-                self.step_owned = True
+                self.step_owned, self.step_target = True, split
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
         elif self.output_per is not None and self._step_capacity(Role.DECODE) and not other_workload:
@@ -567,8 +583,10 @@ class RolePlanner:
         else:  # no whole step of this workload yet, or decodes never short (no capacity learned): the prefill alone
             if secs < STEP_WORTH * self.config.interval_secs:
                 return Decision(Action.STAY, f"{why}: too short to switch ahead", figures=figures)
-            last = self.last_step_secs if self.output_per is not None and not other_workload else None
-            if last and secs < (1 - STEP_GAIN) * last:
+            size, unit = _size_of(obs)
+            alike = self.last_step_size[1] == unit and _same_mix(self.last_step_size[0], size)
+            last = self.last_step_secs if self.output_per is not None and not other_workload and alike else None
+            if last and secs * (1 + STEP_GAIN) < last:
                 # (a whole step of this workload took longer than its prefill would here: something
                 # else bounds it, its decodes or its tail, and more prefills would not shorten it)
                 why = f"{why}, where the last step took {last:.1f} s: its prefill does not bound it, staying"
@@ -600,6 +618,7 @@ class RolePlanner:
         moves = "moves" if len(picks) == 1 else "move"
         # (a split chosen by measured steps or the balance is the step's; one the prefill alone sized is not)
         self.step_owned = measured is not None or balance is not None
+        self.step_target = _moved(split, to, len(picks))
         return Decision(
             Action.SWITCH,
             f"{why}: {names} {moves} to {to} ahead of the burst",
@@ -623,9 +642,13 @@ class RolePlanner:
             for (k, d), (t, (was, was_unit)) in self.step_times.items()
             if k + d == n and self._within(n, k) and was_unit == unit and _same_mix(was, size)
         }
-        if (balanced not in times) if balanced is not None else len(times) < 2:
-            return None  # (the balance's split untried; or, without a balance, nothing to compare)
-        fastest = min(times, key=lambda k: (times[k], abs(k - split[0])))
+        fastest = min(times, key=lambda k: (times[k], abs(k - split[0]))) if times else None
+        if fastest is None or ((balanced not in times) if balanced is not None else len(times) < 2):
+            # (the balance's split untried, which it may try; or, without a balance, nothing to
+            # compare) unless a measured split beat the one now: go there first
+            now = times.get(split[0])
+            if fastest is None or now is None or now <= times[fastest] * (1 + BETTER_BY):
+                return None
         said = ", ".join(f"{k}:{n - k} {times[k]:.1f} s" for k in sorted(times))
         now = times.get(split[0])
         if now is not None and now <= times[fastest] * (1 + BETTER_BY):
@@ -684,9 +707,14 @@ class RolePlanner:
             self.step_output += output * secs if obs.output_tokens is None else obs.output_tokens
             held = sum((load.running + load.waiting) * load.engines for load in loads.values())
             if (output > 0 or loads[Role.PREFILL].tokens_per_s > 0) and held > 0:
+                prefill = loads[Role.PREFILL]
+                if self.step_size[0] and self.step_start is None and prefill.tokens_per_s > 0 and prefill.running > 0:
+                    # (a step begins with its prefills at work: a last step's decode tail is not it)
+                    self.step_start = (prefill.engines, loads[Role.DECODE].engines)
+                    self.step_began_busy = self.step_busy
+                    if self.boundary_switch_at is not None and self.last_at == self.boundary_switch_at:
+                        self.step_moved = True  # (its burst was under way as the boundary's switch ended)
                 self.step_busy += secs
-                if self.step_size[0] and self.step_start is None:
-                    self.step_start = (loads[Role.PREFILL].engines, loads[Role.DECODE].engines)
             elif self.step_start is not None:
                 self.step_owned = False  # (the step's work is done: the queues' rules are back)
         self.last_at = obs.at
@@ -701,13 +729,14 @@ class RolePlanner:
             self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
             self.learned_prompt_per = self.step_prompt / size if unit == "request" and self.step_prompt > 0 else None
             # (a step with a switch in it is no measure: the loop that switched saw none of its time)
-            if self.step_start is not None and self.step_busy > 0 and not self.step_moved:
-                self.step_times[self.step_start] = (self.step_busy, self.step_size)
+            if self.step_start is not None and self.step_busy > self.step_began_busy and not self.step_moved:
+                self.step_times[self.step_start] = (self.step_busy - self.step_began_busy, self.step_size)
+            self.last_step_size = self.step_size
         if self._other_workload(obs):
             self.workload_capacity, self.step_times = {}, {}
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
         self.step_prompt, self.step_start, self.step_owned = obs.step_prompt_tokens, None, False
-        self.step_moved = False
+        self.step_moved, self.step_began_busy, self.step_target, self.boundary_switch_at = False, 0.0, None, None
 
     def _how_many(
         self,

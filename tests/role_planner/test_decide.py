@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -566,27 +567,40 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     measured steps decide and 6:2 (12 s) comes back. A step of another size is not compared with
     them; a restarted planner recalls them. A boundary that moved nothing because its donors were
     still busy leaves the queues their rules. A step with a switch in it is no measure."""
+
+    def working(o: Observation) -> Observation:
+        """``o`` with its prefills at work (a step's interval: it begins with its prefills)."""
+        return replace(
+            o, engines=tuple(replace(e, running=1, tokens_per_s=30_000) if e.role is P else e for e in o.engines)
+        )
+
     planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
     said = {"steps": 1, "step_prompt_tokens": 1_000_000, "step_requests": 128}
     told = [planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))]  # both capacities
     told.append(planner.decide(stepping(2, (6, 2), 1, 1_000_000, 128)))
-    told.append(planner.decide(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))  # 12 s, 24,000 tokens
+    told.append(planner.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000))))  # 12 s, 24,000 tokens
     ahead = planner.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
     told.append(ahead)
     assert ahead.action is Action.SWITCH and ahead.to_role is D and ahead.figures["step_balanced_prefills"] == 5
     assert ahead.figures["step_times"] == {"6:2": {"secs": 12.0, "size": 128, "unit": "request"}}, ahead.figures
-    # The step's burst at 5:3: its prefills queue, the decodes not; the streak would move a decode.
+    # The loop switches; until the fleet is at the chosen split (advise mode, a refusal) the step is
+    # not the boundary's and the queues keep their rules.
     said["steps"] = 2
     burst = [(6, 30_000)] * 5, [(0, 0)] * 3
-    for at in (22, 24):
+    not_there = copy.deepcopy(planner).decide(fleet(21, [(6, 30_000)] * 6, [(0, 0)] * 2, slots=16, **said))
+    assert "keeps the split" not in not_there.reason and "1 of 2" in not_there.reason, not_there
+    planner.switched(21)
+    planner.decide(stepping(22, (5, 3), 2, 1_000_000, 128))  # (the training goes on; the step is sent)
+    # The step's burst at 5:3: its prefills queue, the decodes not; the streak would move a decode.
+    for at in (24, 26):
         inside = planner.decide(fleet(at, *burst, slots=16, **said))
         assert inside.action is Action.STAY, inside
         assert "this step keeps the split its boundary chose, 5:3, until its work is done" in inside.reason
-    told.append(planner.decide(stepping(40, (5, 3), 2, 1_000_000, 128, output=1500)))  # 20 s busy so far
-    told.append(planner.decide(stepping(41, (5, 3), 2, 1_000_000, 128)))  # idle: the step is done
-    after = planner.decide(fleet(42, *burst, slots=16, **said))
+    told.append(planner.decide(working(stepping(42, (5, 3), 2, 1_000_000, 128, output=1500))))  # 20 s busy so far
+    told.append(planner.decide(stepping(43, (5, 3), 2, 1_000_000, 128)))  # idle: the step is done
+    after = planner.decide(fleet(44, *burst, slots=16, **said))
     assert "keeps the split" not in after.reason, after
-    planner.decide(stepping(44, (5, 3), 2, 1_000_000, 128))
+    planner.decide(stepping(46, (5, 3), 2, 1_000_000, 128))
     back = planner.decide(stepping(50, (5, 3), 3, 1_000_000, 128))
     told.append(back)
     assert back.figures["step_balanced_prefills"] == 5, back.figures
@@ -605,7 +619,7 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     for o in (
         stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
         stepping(2, (6, 2), 1, 1_000_000, 128),
-        stepping(14, (6, 2), 1, 1_000_000, 128, output=2000),
+        working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
     ):
         busy.decide(o)
     refused = busy.decide(stepping(20, (6, 2), 2, 1_000_000, 128, decode_rate=1000))
@@ -618,11 +632,33 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     checks = tuple(replace(e, running=0, tokens_per_s=1.0) for e in stepping(3, (6, 2), 1, 1, 1).engines)
     moved.decide(Observation(3, checks, steps=1, step_prompt_tokens=1_000_000, step_requests=128))
     assert moved.step_busy == 0 and moved.step_start is None
-    moved.decide(stepping(8, (6, 2), 1, 1_000_000, 128, output=2000))
+    moved.decide(working(stepping(8, (6, 2), 1, 1_000_000, 128, output=2000)))
     moved.switched(9)
-    moved.decide(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000))
+    moved.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))
     moved.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
-    assert moved.last_step_secs == 11 and moved.step_times == {}, (moved.last_step_secs, moved.step_times)
+    assert moved.last_step_secs == 10 and moved.step_times == {}, (moved.last_step_secs, moved.step_times)
+    # A burst already under way as the boundary's own switch ended is no measure either (its requests
+    # were bound at the split before), and the switch's drain is no busy interval.
+    late = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    for o in (
+        stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
+        stepping(2, (6, 2), 1, 1_000_000, 128),
+        working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
+    ):
+        late.decide(o)
+    switch = late.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
+    assert switch.action is Action.SWITCH and switch.to_role is D, switch
+    late.switched(30)
+    late.decide(working(stepping(31, (5, 3), 2, 1_000_000, 128, output=2000)))
+    late.decide(working(stepping(40, (5, 3), 2, 1_000_000, 128, output=2000)))
+    late.decide(stepping(50, (5, 3), 3, 1_000_000, 128))
+    assert late.last_step_secs == 10 and (5, 3) not in late.step_times, (late.last_step_secs, late.step_times)
+    # The balance may try a split never measured, but not while a measured one beat the split now.
+    sized = stepping(0, (6, 2), 1, 1_000_000, 128)
+    chooser = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
+    chooser.step_times = {(6, 2): (20.0, (128, "request")), (4, 4): (12.0, (128, "request"))}
+    assert chooser._measured(sized, (6, 2), 5)[0] == 4
+    assert chooser._measured(sized, (4, 4), 5) is None  # (at the fastest: 5:3 may be tried)
 
 
 def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
