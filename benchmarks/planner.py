@@ -336,12 +336,22 @@ def workloads(
 
 @contextlib.contextmanager
 def planner_beside(mode: str, work: Path, env: dict) -> Iterator[None]:
-    """``pdctl planner NAME --mode MODE`` in the background while the block runs."""
+    """``pdctl planner NAME --mode MODE`` in the background while the block runs, which begins once
+    the planner has recorded its first decision: started as a workload announces its first step, it
+    would take that step's boundary as already seen (every planner row of the step workloads from
+    2026-12-07 evening until this was fixed missed its first step's announcement so, the planner of each
+    workload being started right before it)."""
+    started = time.time()
     with (work / f"planner-{mode}.log").open("a") as log:
         planner = subprocess.Popen(
             [PY, "-m", "pdctl", "planner", NAME, "--mode", mode], env=env, stdout=log, stderr=subprocess.STDOUT
         )
         try:
+            store = StateStore(work / "home")
+            while not any(d.get("mode") == mode and d.get("at", 0) >= started for d in recent_decisions(store, NAME)):
+                if planner.poll() is not None:
+                    raise RuntimeError(f"the {mode} planner exited with {planner.returncode}: {log.name}")
+                time.sleep(0.1)  # (the record is a file the planner rewrites: no event to wait on)
             yield
         finally:
             # SIGTERM stops it as Ctrl-C does; a SIGINT is ignored by a planner this benchmark started
