@@ -90,8 +90,9 @@ balance: once two splits were), of steps of the announced one's size, the next s
 fastest measured split (the split now, if within ``BETTER_BY`` of it); a balance naming a split
 never measured is tried first, unless a measured split beat the split now. A step is timed from
 its first interval of prefill work, without the boundary's own switch; one whose burst was under
-way as that switch ended measures nothing. A step whose split its boundary chose so (or by the
-balance) keeps it, once the fleet is there: the queues move no engine within it until an idle
+way as that switch ended measures nothing. Once a whole step of the workload was seen, a step
+keeps the split its boundary set (whatever it decided, unless the donors were still busy), once
+the fleet is there: the queues move no engine within it until an idle
 interval says its work is done (or it has run ``OWNED_SPAN`` times the last step), since its burst
 queues by design and a move within it gives its bound requests nothing (the 8-engine agentic
 steps drained a decode for 10 s in each burst).
@@ -551,6 +552,12 @@ class RolePlanner:
             if self.learned_prompt_per is not None:
                 figures["step_learned"]["prompt_per_request"] = round(self.learned_prompt_per, 1)
         other_workload = self._other_workload(obs)
+        # Once a whole step of this workload was seen, the boundary sets the step's split, whatever it
+        # decides (a move, a stay, a move the cooldown or a minimum holds back): a move within a step
+        # gives its bound requests nothing (benchmarks/step_schedules.py) and leaves it unmeasured,
+        # and the agentic steps' queue moves from decode to prefill drained for 10 s in each burst.
+        seen = self.output_per is not None and not other_workload
+        self.step_owned, self.step_target = seen, split
         if other_workload:
             why = f"{why}; {other_workload}"
         balance = None if other_workload else self.step_balance(obs, split)
@@ -561,7 +568,6 @@ class RolePlanner:
             fastest, how = measured
             why = f"{why}; {how}"
             if fastest == split[0]:
-                self.step_owned, self.step_target = True, split
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, fastest - split[0]) if fastest > split[0] else (Role.DECODE, split[0] - fastest)
         elif balance is not None and self.output_per is not None:
@@ -574,7 +580,6 @@ class RolePlanner:
             worth = max(self.config.interval_secs, STEP_GAIN * (self.last_step_secs or 0.0))
             if best == split[0] or saved < worth:
                 why = f"{why}, {saved:.1f} s sooner than now (the last step took {self.last_step_secs or 0:.0f} s)"
-                self.step_owned, self.step_target = True, split
                 return Decision(Action.STAY, f"{why}: staying", figures=figures)
             to, count = (Role.PREFILL, best - split[0]) if best > split[0] else (Role.DECODE, split[0] - best)
         elif self.output_per is not None and self._step_capacity(Role.DECODE) and not other_workload:
@@ -607,7 +612,8 @@ class RolePlanner:
             busy = decode.waiting >= self.config.backlog / 2 or (decode.slot_use or 0.0) >= WINDING_DOWN
         else:
             busy = prefill.waiting >= self.config.backlog / 2 or prefill.running + prefill.waiting >= IDLE
-        if busy:
+        if busy:  # (the fleet is still at work: the queues keep their rules in this step)
+            self.step_owned = False
             return Decision(Action.STAY, f"{why}; the {donor}s are still busy with the last step", figures=figures)
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
@@ -616,8 +622,6 @@ class RolePlanner:
         picks = _cheapest(movable, to)[: max(1, min(count, most))]
         names = ", ".join(e.id for e in picks)
         moves = "moves" if len(picks) == 1 else "move"
-        # (a split chosen by measured steps or the balance is the step's; one the prefill alone sized is not)
-        self.step_owned = measured is not None or balance is not None
         self.step_target = _moved(split, to, len(picks))
         return Decision(
             Action.SWITCH,

@@ -389,8 +389,8 @@ def test_after_a_whole_step_the_prefill_alone_moves_nothing_if_it_did_not_bound_
     """No decode was ever short (no decode capacity: no balance), prefills at 4,000 tokens/s. A step
     of 200,000 prompt tokens takes 25 s on 2 prefills: ahead of the first, a decode moves. Once a
     whole step of the workload took 60 s at that split, its prefill (25 s) did not bound it (its
-    decodes or its tail did): the next boundary stays. One that took 26 s was prefill-bound: it
-    moves again."""
+    decodes or its tail did): the next boundary stays, and that step keeps its split against its
+    prefills' queue. One that took 26 s was prefill-bound: it moves again."""
 
     def obs(at: float, steps: float) -> Observation:
         engines = [EngineLoad(f"prefill-{i}", P, True, True, 0, 1, 4000) for i in range(2)]
@@ -409,6 +409,12 @@ def test_after_a_whole_step_the_prefill_alone_moves_nothing_if_it_did_not_bound_
         assert (again.action is Action.SWITCH) is moves, again
         if not moves:
             assert f"where the last step took {took:.1f} s: its prefill does not bound it, staying" in again.reason
+            # The boundary set this step's split (a whole step of the workload was seen): its burst's
+            # queue at the prefills moves nothing within it.
+            queued = obs(30 + took, 2)
+            queued = replace(queued, engines=tuple(replace(e, waiting=5) if e.role is P else e for e in queued.engines))
+            inside = planner.decide(queued)
+            assert "this step keeps the split its boundary chose, 2:2" in inside.reason, inside
 
 
 def test_a_step_boundary_moves_as_many_idle_decodes_as_the_burst_needs_within_the_move_bound() -> None:
