@@ -360,9 +360,9 @@ class RolePlanner:
         """The split the step under way had in its first busy interval (None: not begun)."""
         self.step_times: dict[tuple[int, int], tuple[float, tuple[float, str]]] = {}
         """This workload's whole steps: the busy seconds and size (``step_size``) of the last one
-        begun at each split. With
-        pairing on arrival a step's requests are bound to their engines when it is sent, so the split
-        it began at sets its time (benchmarks/step_schedules.py: no move within it changes it)."""
+        begun at each split. With pairing on arrival a step's requests are bound to their engines
+        when it is sent, so the split it began at sets its time (benchmarks/step_schedules.py: no
+        move within it changes it)."""
         self.step_moved = False
         """Whether the step under way is no measure: an engine switched within it, or its burst
         began while the boundary's own switch was under way (its requests bound at the split before)."""
@@ -370,15 +370,18 @@ class RolePlanner:
         """``step_busy`` before the step's first interval of prefill work (a last step's tail after the
         boundary is not this step's)."""
         self.step_target: tuple[int, int] | None = None
-        """The split the step's boundary chose (it owns the step only once the fleet is there)."""
+        """The split the step's boundary set, which the step keeps once the fleet is there (None:
+        the queues keep their rules in it): until its work is done (an idle interval) or it has run
+        ``OWNED_SPAN`` times the last step's busy seconds."""
         self.boundary_switch_at: float | None = None
         """When the boundary's own switch ended (None: it made none)."""
         self.last_step_size: tuple[float, str] = (0.0, "")
         """The last whole step's size as announced (``step_size``)."""
-        self.step_owned = False
-        """Whether the step under way keeps the split its boundary chose (by a balance or by measured
-        steps): the queues move no engine in it until its work is done (an idle interval) or it
-        has run ``OWNED_SPAN`` times the last step's busy seconds."""
+
+    @property
+    def step_owned(self) -> bool:
+        """Whether the step under way has a split its boundary set (``step_target``)."""
+        return self.step_target is not None
 
     def minimum(self, role: Role, fleet: int) -> int:
         """The fewest engines ``role`` may keep in a fleet of ``fleet`` PD engines
@@ -464,8 +467,7 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
-        owned = self.step_owned and split == self.step_target
-        if owned and self.step_busy <= OWNED_SPAN * (self.last_step_secs or 0.0):
+        if split == self.step_target and self.step_busy <= OWNED_SPAN * (self.last_step_secs or 0.0):
             why = f"{why}; this step keeps the split its boundary chose, {split[0]}:{split[1]}, until its work is done"
             return Decision(Action.STAY, why, figures=figures)
         turned = self._turned(short, loads, obs)
@@ -556,8 +558,7 @@ class RolePlanner:
         # decides (a move, a stay, a move the cooldown or a minimum holds back): a move within a step
         # gives its bound requests nothing (benchmarks/step_schedules.py) and leaves it unmeasured,
         # and the agentic steps' queue moves from decode to prefill drained for 10 s in each burst.
-        seen = self.output_per is not None and not other_workload
-        self.step_owned, self.step_target = seen, split
+        self.step_target = split if self.output_per is not None and not other_workload else None
         if other_workload:
             why = f"{why}; {other_workload}"
         balance = None if other_workload else self.step_balance(obs, split)
@@ -613,7 +614,7 @@ class RolePlanner:
         else:
             busy = prefill.waiting >= self.config.backlog / 2 or prefill.running + prefill.waiting >= IDLE
         if busy:  # (the fleet is still at work: the queues keep their rules in this step)
-            self.step_owned = False
+            self.step_target = None
             return Decision(Action.STAY, f"{why}; the {donor}s are still busy with the last step", figures=figures)
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
@@ -622,7 +623,8 @@ class RolePlanner:
         picks = _cheapest(movable, to)[: max(1, min(count, most))]
         names = ", ".join(e.id for e in picks)
         moves = "moves" if len(picks) == 1 else "move"
-        self.step_target = _moved(split, to, len(picks))
+        if self.step_target is not None:
+            self.step_target = _moved(split, to, len(picks))
         return Decision(
             Action.SWITCH,
             f"{why}: {names} {moves} to {to} ahead of the burst",
@@ -637,26 +639,26 @@ class RolePlanner:
         """The prefill count this workload's measured steps say the step ``obs`` announces should
         begin at, and why; None to leave it to the balance. Only steps of its size (within
         ``SAME_MIX``, in the same unit) count. They decide once one was measured at the balance's
-        split (with no balance: once two splits were): the step then begins at the fastest measured split within
-        the minimums, unless the split now was measured within ``BETTER_BY`` of it. A balance
-        whose split was never measured is tried (the balance is a model; a step is a measurement)."""
+        split (with no balance: once two splits were), or when a measured split beat the split now
+        by ``BETTER_BY``: the step then begins at the fastest measured split within the minimums,
+        unless the split now was measured within ``BETTER_BY`` of it. Otherwise a balance whose
+        split was never measured is tried (the balance is a model; a step is a measurement)."""
         n, (size, unit) = sum(split), _size_of(obs)
         times = {
             k: t
             for (k, d), (t, (was, was_unit)) in self.step_times.items()
             if k + d == n and self._within(n, k) and was_unit == unit and _same_mix(was, size)
         }
-        fastest = min(times, key=lambda k: (times[k], abs(k - split[0]))) if times else None
-        if fastest is None or ((balanced not in times) if balanced is not None else len(times) < 2):
-            # (the balance's split untried, which it may try; or, without a balance, nothing to
-            # compare) unless a measured split beat the one now: go there first
-            now = times.get(split[0])
-            if fastest is None or now is None or now <= times[fastest] * (1 + BETTER_BY):
-                return None
-        said = ", ".join(f"{k}:{n - k} {times[k]:.1f} s" for k in sorted(times))
+        if not times:
+            return None
+        fastest = min(times, key=lambda k: (times[k], abs(k - split[0])))
         now = times.get(split[0])
-        if now is not None and now <= times[fastest] * (1 + BETTER_BY):
+        beaten = now is not None and now > times[fastest] * (1 + BETTER_BY)
+        if not beaten and ((balanced not in times) if balanced is not None else len(times) < 2):
+            return None  # (the balance's split untried, which it may try; or, with none, nothing to compare)
+        if now is not None and not beaten:
             fastest = split[0]
+        said = ", ".join(f"{k}:{n - k} {times[k]:.1f} s" for k in sorted(times))
         return fastest, f"this workload's last steps by the split they began at: {said}, so {fastest}:{n - fastest}"
 
     def _step_capacity(self, role: Role) -> float | None:
@@ -720,7 +722,7 @@ class RolePlanner:
                         self.step_moved = True  # (its burst was under way as the boundary's switch ended)
                 self.step_busy += secs
             elif self.step_start is not None:
-                self.step_owned = False  # (the step's work is done: the queues' rules are back)
+                self.step_target = None  # (the step's work is done: the queues' rules are back)
         self.last_at = obs.at
 
     def _step_began(self, obs: Observation, boundaries: float) -> None:
@@ -739,8 +741,8 @@ class RolePlanner:
         if self._other_workload(obs):
             self.workload_capacity, self.step_times = {}, {}
         self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
-        self.step_prompt, self.step_start, self.step_owned = obs.step_prompt_tokens, None, False
-        self.step_moved, self.step_began_busy, self.step_target, self.boundary_switch_at = False, 0.0, None, None
+        self.step_prompt, self.step_start, self.step_target = obs.step_prompt_tokens, None, None
+        self.step_moved, self.step_began_busy, self.boundary_switch_at = False, 0.0, None
 
     def _how_many(
         self,

@@ -580,11 +580,22 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
             o, engines=tuple(replace(e, running=1, tokens_per_s=30_000) if e.role is P else e for e in o.engines)
         )
 
-    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    def one_step_at_6_2(told: list[Decision] | None = None) -> RolePlanner:
+        """A planner that learned both capacities and saw one step at 6:2: 12 s, 24,000 output tokens."""
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+        for o in (
+            stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
+            stepping(2, (6, 2), 1, 1_000_000, 128),
+            working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
+        ):
+            decision = planner.decide(o)
+            if told is not None:
+                told.append(decision)
+        return planner
+
     said = {"steps": 1, "step_prompt_tokens": 1_000_000, "step_requests": 128}
-    told = [planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))]  # both capacities
-    told.append(planner.decide(stepping(2, (6, 2), 1, 1_000_000, 128)))
-    told.append(planner.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000))))  # 12 s, 24,000 tokens
+    told: list[Decision] = []
+    planner = one_step_at_6_2(told)
     ahead = planner.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
     told.append(ahead)
     assert ahead.action is Action.SWITCH and ahead.to_role is D and ahead.figures["step_balanced_prefills"] == 5
@@ -621,13 +632,7 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     assert restarted.step_times == {(6, 2): (12.0, (128, "request")), (5, 3): (21.0, (128, "request"))}
     # A boundary that could not move (the donors still busy with the last step) chose nothing: the
     # queues keep their rules within that step.
-    busy = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
-    for o in (
-        stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
-        stepping(2, (6, 2), 1, 1_000_000, 128),
-        working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
-    ):
-        busy.decide(o)
+    busy = one_step_at_6_2()
     refused = busy.decide(stepping(20, (6, 2), 2, 1_000_000, 128, decode_rate=1000))
     assert "still busy with the last step" in refused.reason and not busy.step_owned, refused
     # A step with a switch in it measures nothing (the loop that switched saw none of its time),
@@ -645,13 +650,7 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     assert moved.last_step_secs == 10 and moved.step_times == {}, (moved.last_step_secs, moved.step_times)
     # A burst already under way as the boundary's own switch ended is no measure either (its requests
     # were bound at the split before), and the switch's drain is no busy interval.
-    late = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
-    for o in (
-        stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
-        stepping(2, (6, 2), 1, 1_000_000, 128),
-        working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
-    ):
-        late.decide(o)
+    late = one_step_at_6_2()
     switch = late.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
     assert switch.action is Action.SWITCH and switch.to_role is D, switch
     late.switched(30)
