@@ -367,7 +367,8 @@ class WorkerRegistry:
         worker.consecutive_successes = 0
         worker.consecutive_failures = max(worker.consecutive_failures, self.config.health.failure_threshold)
         self.wake.set()
-        log.warning("worker %s is out of rotation: %s", worker.url, why)
+        # (the same words as a failed health check's: either way /workers says is_healthy false)
+        log.warning("worker %s is unhealthy (out of rotation: %s)", worker.url, why)
 
     def observe_health(self, worker: Worker, ok: bool) -> None:
         """Count one health check's outcome for ``worker``: a first pass puts it in rotation, a process back after going
