@@ -11,7 +11,7 @@ from pdctl.cluster.keys import load_keys
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.roles import Role
 from pdctl.sglang import Endpoint
-from pdctl.weights.client import JsonClient
+from pdctl.weights.client import CallFailure, JsonClient
 
 SWITCH_TIMEOUT_SECS = 300.0
 """An idle engine's switch tears down and rebuilds its PD structures (and captures decode CUDA
@@ -20,6 +20,11 @@ LET_GO_TIMEOUT_SECS = 60.0
 """How long a switch waits for its engine to let go of the requests the router handed off from it:
 the engine aborts each once it sees its client gone (the sim at once; SGLang need not). Past it
 the switch is asked anyway (a refusal leaves it serving)."""
+NOT_IDLE_TRIES = 3
+"""How many times a switch refused as "not idle" is asked in all (``ask_switch``)."""
+NOT_IDLE_WAIT_SECS = 10.0
+"""How long a switch refused as "not idle" waits for its engine to be seen idle before it asks
+again: a health check's generation takes milliseconds; a request held longer is a real one."""
 
 
 def wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
@@ -28,12 +33,19 @@ def wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
     its requests fell to 0 when it handed them off, before the engine saw their clients go: asked
     then, a real-client run's switch was refused ("instance is not idle") with 138 handed off."""
     keys = load_keys(store, state.name)
-    client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=10)
-    deadline = time.monotonic() + LET_GO_TIMEOUT_SECS
-    while time.monotonic() < deadline:
+    _wait_idle(JsonClient(api_key=keys.engine if keys else None, timeout_secs=10), url, LET_GO_TIMEOUT_SECS)
+
+
+def _wait_idle(client: JsonClient, url: str, secs: float) -> bool:
+    """Whether the engine at ``url`` was seen idle (``_busy`` 0, or no ``/metrics`` to read)
+    within ``secs``, its ``/metrics`` read every 0.2 s."""
+    deadline = time.monotonic() + secs
+    while True:
         text = client.get(url + "/metrics")
         if not isinstance(text, str) or not _busy(text):
-            return
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.2)
 
 
@@ -56,7 +68,13 @@ def ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp:
     """``/pd_role_switch`` on the engine, with its key; a switch to decode carries the decode CUDA
     graph footprint a running decode of the same tp measured (SGLang needs it before it captures
     graphs on a first flip to decode, and checks the GPU has that much free; with none measured it
-    is left out, and SGLang refuses such a flip saying why)."""
+    is left out, and SGLang refuses such a flip saying why).
+
+    Refused as not idle, it is asked again once the engine is seen idle, ``NOT_IDLE_TRIES`` asks
+    in all: the engine is out of rotation, and what runs there is most likely a health check's
+    one-token generation (SGLang's ``/health`` runs one: ``pdctl status``, a user's curl), gone in
+    milliseconds (seen: ``pdctl restart``'s capture refused by the router's check of the engine it
+    was bringing back). Not idle within ``NOT_IDLE_WAIT_SECS``, the refusal is the answer."""
     keys = load_keys(store, state.name)
     client = JsonClient(api_key=keys.engine if keys else None, timeout_secs=SWITCH_TIMEOUT_SECS)
     body: dict[str, Any] = {"new_role": role.value}
@@ -64,7 +82,17 @@ def ask_switch(state: ClusterState, store: StateStore, url: str, role: Role, tp:
         measured = _decode_graph_gb(client, state, tp)
         if measured is not None:
             body["decode_cuda_graph_memory_gb"] = measured
+    for _ in range(NOT_IDLE_TRIES - 1):
+        answer = client.post(url + Endpoint.PD_ROLE_SWITCH.value, body)
+        if not refused_as_busy(answer) or not _wait_idle(client, url, NOT_IDLE_WAIT_SECS):
+            return answer
     return client.post(url + Endpoint.PD_ROLE_SWITCH.value, body)
+
+
+def refused_as_busy(answer: Any) -> bool:
+    """Whether a ``/pd_role_switch`` answer is SGLang's refusal of an engine that is not idle
+    (HTTP 400, "instance is not idle; drain all requests before switching")."""
+    return isinstance(answer, CallFailure) and not answer.transport and "not idle" in answer.message
 
 
 def _decode_graph_gb(client: JsonClient, state: ClusterState, tp: int | None) -> float | None:

@@ -214,6 +214,41 @@ def test_a_busy_prefill_refuses_serves_on_uncaptured_and_a_later_capture_takes(c
     assert _in_rotation(env, name)[url]
 
 
+def test_a_flip_refused_as_not_idle_is_asked_again_once_what_ran_there_ended(cluster, monkeypatch) -> None:
+    """A request at the engine as its switch is asked (seen: the router's health check, a one-token
+    generation, at the prefill `restart` was bringing back) refuses the flip as not idle; once it
+    ended and the engine is seen idle, the flip is asked again and takes."""
+    from pdctl.cluster import role_call
+    from pdctl.cluster.graph_capture import flip_there_and_back
+
+    env, name, _ = cluster
+    engines = _engines(env)
+    url = engines["prefill-1"]["url"]
+    store = StateStore(Path(env["PDCTL_HOME"]))
+    state = store.load(name)
+    engine = next(e for e in state.plan.engines if e.id == "prefill-1")
+    router = RouterControl.of(state, store)
+    router.cordon(url, True, reason="test: a flip refused as not idle", handoff=True)
+    held = _held(url, engines["prefill-1"]["ports"]["bootstrap"], name, env)
+    waited: list[str] = []
+    wait_idle = role_call._wait_idle
+
+    def the_request_ends_then_wait(client, at: str, secs: float) -> bool:
+        waited.append(at)  # (called only after a refusal as not idle)
+        held.close()
+        return wait_idle(client, at, secs)
+
+    monkeypatch.setattr(role_call, "_wait_idle", the_request_ends_then_wait)
+    try:
+        why = flip_there_and_back(state, store, engine, url)
+    finally:
+        held.close()
+        router.cordon(url, False)
+    assert why == "" and waited == [url], (why, waited)
+    internal = _internal(url, name, env)
+    assert internal["disaggregation_mode"] == "prefill" and internal["decode_cuda_graph_bs"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_up_interrupted_while_it_captures_stops_everything(tmp_path, sig) -> None:
     """Ctrl-C (or SIGTERM, or a closed terminal: SIGHUP) while the prefills capture (60 s each): up
