@@ -691,4 +691,8 @@ def phase_ceiling(statics: dict[str, list[dict]], work: str, planner_goodput: fl
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (Ctrl-C, SIGTERM, SIGHUP) its `finally` took the cluster down
+        print("planner benchmark: interrupted; its cluster is down, its results were not written", file=sys.stderr)
+        sys.exit(130)

@@ -142,6 +142,14 @@ class Journal:
 
 
 HELD_BACK = b"pdctl: interrupted: finishing the step in progress first (it records what it started)\n"
+_held_back: list[list[int]] = []
+"""The signals each ``interrupts_deferred`` block under way holds back, innermost last."""
+
+
+def interrupt_held() -> bool:
+    """Whether a stop signal is held back by an ``interrupts_deferred`` block under way: what
+    such a block may wait on for long (a switch asked again, say) stops waiting."""
+    return any(_held_back)
 
 
 @contextlib.contextmanager
@@ -166,9 +174,11 @@ def interrupts_deferred() -> Iterator[None]:
         caught.append(signum)
 
     previous = {sig: signal.signal(sig, hold) for sig in stop_signals()}  # (an ignored one stays ignored)
+    _held_back.append(caught)
     try:
         yield
     finally:
+        _held_back.remove(caught)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if caught:

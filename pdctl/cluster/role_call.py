@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pdctl.cluster.journal import interrupt_held
 from pdctl.cluster.keys import load_keys
 from pdctl.cluster.state import ClusterState, StateStore
 from pdctl.roles import Role
@@ -38,15 +39,17 @@ def wait_let_go(state: ClusterState, store: StateStore, url: str) -> None:
 
 def _wait_idle(client: JsonClient, url: str, secs: float) -> bool:
     """Whether the engine at ``url`` was seen idle (``_busy`` 0, or no ``/metrics`` to read)
-    within ``secs``, its ``/metrics`` read every 0.2 s."""
+    within ``secs``, its ``/metrics`` read every 0.2 s; False at once once a Ctrl-C is held back
+    (the switch is then not asked again: the user asked to stop)."""
     deadline = time.monotonic() + secs
-    while True:
+    while not interrupt_held():
         text = client.get(url + "/metrics")
         if not isinstance(text, str) or not _busy(text):
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)
+    return False
 
 
 def _busy(metrics: str) -> float:

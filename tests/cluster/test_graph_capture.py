@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,6 +249,49 @@ def test_a_flip_refused_as_not_idle_is_asked_again_once_what_ran_there_ended(clu
     assert why == "" and waited == [url], (why, waited)
     internal = _internal(url, name, env)
     assert internal["disaggregation_mode"] == "prefill" and internal["decode_cuda_graph_bs"]
+
+
+def test_ctrl_c_while_a_switch_is_refused_as_not_idle_asks_no_more(cluster) -> None:
+    """Ctrl-C as `pdctl switch` asks a busy engine: the refusal is the answer, the switch is not
+    asked again once what ran there ended (the user asked to stop); the engine serves on as it
+    was, in rotation."""
+    env, name, _ = cluster
+    engines = _engines(env)
+    url = engines["prefill-1"]["url"]
+
+    def refusals() -> int:
+        return _log(env, "prefill-1").count("PD role switch rejected")
+
+    before = refusals()
+    held = _held(url, engines["prefill-1"]["ports"]["bootstrap"], name, env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdctl", "switch", name, "prefill-1", "decode"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "idle: asking it to switch" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        eventually(lambda: refusals() == before + 1, 60, what="the switch refused")
+        held.close()  # what ran there ends: asked again now, it would switch
+        out = "".join(seen) + proc.stdout.read()
+        code = proc.wait(120)
+    finally:
+        held.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0 and "not idle" in out and "Traceback" not in out, out
+    assert refusals() == before + 1, _log(env, "prefill-1")
+    assert _internal(url, name, env)["disaggregation_mode"] == "prefill"
+    assert "prefill-1" in _engines(env)
+    eventually(lambda: _in_rotation(env, name).get(url), 60, what="prefill-1 back in rotation")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
