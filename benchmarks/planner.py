@@ -271,7 +271,7 @@ TITLES = {
 }
 
 
-def alone_floor(work: str, scale: int) -> float:
+def alone_floor(work: str, scale: int, steps_per_workload: int) -> float:
     """The mean over ``work``'s steps (as ``workloads`` makes them) of its slowest request alone on an
     idle engine of the profile: a floor under any split's makespan, since a batch and a queue only add."""
     profile = profile_named(PROFILE["sim-profile"])
@@ -285,11 +285,11 @@ def alone_floor(work: str, scale: int) -> float:
         uses = collections.Counter(id(prompt) for prompt, _ in step)  # a shared prompt may be in a prefix cache
         return max(alone(len(prompt), out, uses[id(prompt)] > 1) for prompt, out in step)
 
-    steps = STEPS[work](seed, scale)
+    steps = STEPS[work](seed, scale, steps_per_workload)
     return sum(map(slowest, steps)) / len(steps)
 
 
-def work_floor(work: str, engines: int) -> float:
+def work_floor(work: str, engines: int, steps_per_workload: int) -> float:
     """The mean over ``work``'s steps of their work spread evenly over ``engines`` engines at the
     profile's cheapest: every distinct prompt prefilled once in one batch and every output token
     decoded in a full batch (``max-running-requests``) at its own request's context. A floor under
@@ -307,7 +307,7 @@ def work_floor(work: str, engines: int) -> float:
         )
         return prefill + decode
 
-    steps = STEPS[work](WORKLOADS.index(work) + 1, max(1, engines // 4))
+    steps = STEPS[work](WORKLOADS.index(work) + 1, max(1, engines // 4), steps_per_workload)
     return sum(map(work_ms, steps)) / len(steps) / 1000 / engines
 
 
@@ -316,16 +316,22 @@ def scaled(phases: list[tuple[int, int, int]], scale: int) -> list[tuple[int, in
 
 
 def workloads(
-    url: str, control_key: str, engines: int, only: list[str], after: Callable[[], None] = lambda: None
+    url: str,
+    control_key: str,
+    engines: int,
+    only: list[str],
+    steps: int,
+    after: Callable[[], None] = lambda: None,
 ) -> dict:
-    """Every workload of ``only`` in turn, for a fleet of ``engines``; ``after`` is called after each."""
+    """Every workload of ``only`` in turn, for a fleet of ``engines`` (``steps`` steps of each RL
+    step workload); ``after`` is called after each."""
     scale = max(1, engines // 4)
     out: dict[str, dict] = {}
     for seed, name in enumerate(WORKLOADS, start=1):
         if name not in only:
             continue
         if name in STEPS:
-            out[name] = asyncio.run(announced_steps(url, control_key, STEPS[name](seed, scale)))
+            out[name] = asyncio.run(announced_steps(url, control_key, STEPS[name](seed, scale, steps)))
         else:
             clients = CLIENTS.get(name, 32) * scale
             out[name] = asyncio.run(trace(url, seed=seed, phases=scaled(TRACES[name], scale), clients=clients))
@@ -414,6 +420,13 @@ def main() -> None:
         "(router.admission prefill_room and decode_room; pdctl.router.pair_room), every row alike; default: "
         "paired on arrival (every committed result before 2026-12-07)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="steps of each RL step workload (default 3, every committed result before 2026-12-07 night); "
+        "the results say the figure after the first step beside the mean of all",
+    )
     parser.add_argument("--out", default="", help="results' name under benchmarks/results (default planner[_N])")
     args = parser.parse_args()
     rooms = [int(k) for k in args.late_pairing.split(":") if k]
@@ -421,7 +434,7 @@ def main() -> None:
     n = args.engines
     only = [w for w in args.only.split(",") if w]
     unknown = set(only) - set(WORKLOADS)
-    if unknown or n < 2 or n % 2:
+    if unknown or n < 2 or n % 2 or args.steps < 1:
         parser.error(f"unknown workloads {sorted(unknown)}" if unknown else "--engines: an even count, 2 or more")
     splits = [int(k) for k in args.splits.split(",") if k] or list(range(1, n))
     out_name = args.out or ("planner" if n == 4 else f"planner_{n}")
@@ -462,7 +475,7 @@ def main() -> None:
                 set_split(prefills, home, env)
                 name = f"static {prefills}:{n - prefills}"
                 with planner_beside("advise", work, env):  # its sampling costs every row the same CPU
-                    runs.setdefault(name, []).append(workloads(url, control_key, n, only))
+                    runs.setdefault(name, []).append(workloads(url, control_key, n, only, args.steps))
                 print(name, json.dumps(runs[name][-1]), flush=True)
             if "steady" in only:
                 set_split(1, home, env)
@@ -489,14 +502,14 @@ def main() -> None:
             if args.planner_start == "goes-on":
                 forget()
                 with planner_beside("act", work, env):
-                    row = workloads(url, control_key, n, only, after=collect)
+                    row = workloads(url, control_key, n, only, args.steps, after=collect)
             else:  # each workload from the even split, with a planner that has seen none of the others
                 row = {}
                 for name in only:
                     set_split(n // 2, home, env)
                     forget()
                     with planner_beside("act", work, env):
-                        row.update(workloads(url, control_key, n, [name]))
+                        row.update(workloads(url, control_key, n, [name], args.steps))
                     collect()
             collect()
             switched = sorted(
@@ -513,7 +526,19 @@ def main() -> None:
             (RESULTS / f"{out_name}_decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
     finally:
         pdctl("down", NAME, env=env, check=False)
-    write(runs, n, only, out_name, args.policy, args.planner_start, args.min_per_role, args.graphs, args.interval, late)
+    write(
+        runs,
+        n,
+        only,
+        out_name,
+        args.policy,
+        args.planner_start,
+        args.min_per_role,
+        args.graphs,
+        args.interval,
+        late,
+        args.steps,
+    )
 
 
 def reactions(row: dict, switched: list[dict]) -> dict[str, list[float | None]]:
@@ -550,6 +575,7 @@ def write(
     graphs: str,
     interval: float,
     late: list[int],
+    steps: int,
 ) -> None:
     """The median of each configuration's runs per workload, the planner against the best static
     split by median, and each figure's range over the runs."""
@@ -579,6 +605,7 @@ def write(
         "decode_graphs_captured": graphs,
         "planner_interval_secs": interval,
         "late_pairing": {"prefill_room": late[0], "decode_room": late[1]},
+        "steps_per_workload": steps,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{out_name}.json").write_text(
@@ -641,14 +668,16 @@ def write(
         if work in TRACES and len(TRACES[work]) == 2 and len(statics) > 1:
             lines.append(phase_ceiling(statics, work, med["planner"][work]))
         if work in STEPS:
-            floor = alone_floor(work, max(1, engines // 4))
+            if steps > 1:
+                lines.append(after_first(statics, planner, work, best[work]))
+            floor = alone_floor(work, max(1, engines // 4), steps)
             goal = med[best[work]][work] / GOALS[work]
             lines.append(
                 f"  {TITLES[work].split(' (')[0]}: no split or planner ends a step before its slowest request would "
                 f"alone on an idle engine (the profile's own costs: its KV transfer, every decode step at batch 1, and "
                 f"its prefill unless its prompt is shared; the mean over the steps): {floor:.2f} s; nor before its "
                 f"work spread over the {engines} engines at the profile's cheapest (each distinct prompt prefilled "
-                f"once, every output token in a full decode batch): {work_floor(work, engines):.2f} s; the goal "
+                f"once, every output token in a full decode batch): {work_floor(work, engines, steps):.2f} s; the goal "
                 f"asks for {goal:.2f} s."
             )
     if "bare" in runs and "steady" in only:
@@ -662,6 +691,25 @@ def write(
             )
     (RESULTS / f"{out_name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def after_first(statics: dict[str, list[dict]], planner: list[dict], work: str, best: str) -> str:
+    """The planner against the best static split on the steps after each run's first: what it does
+    once it has seen a step of the workload (an RL run's later steps; a planner starts knowing none,
+    and its first step is the price of that), beside the first step alone."""
+
+    def mean_of(runs: list[dict], steps: slice) -> float:
+        return statistics.median(statistics.fmean(r[work]["steps"][steps]) for r in runs)
+
+    later, first = slice(1, None), slice(0, 1)
+    fastest_later = min(statics, key=lambda k: mean_of(statics[k], later))
+    return (
+        f"  {TITLES[work].split(' (')[0]}, the first step alone: planner {mean_of(planner, first):.2f} s, "
+        f"{best} {mean_of(statics[best], first):.2f} s; the steps after the first: planner "
+        f"{mean_of(planner, later):.2f} s, the fastest static split on them ({fastest_later}) "
+        f"{mean_of(statics[fastest_later], later):.2f} s: "
+        f"{mean_of(statics[fastest_later], later) / mean_of(planner, later):.2f}x."
+    )
 
 
 def phases_secs(run: dict) -> tuple[float, float]:
