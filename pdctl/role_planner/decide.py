@@ -312,6 +312,41 @@ class SplitRecord:
     """Prompt tokens per output token."""
 
 
+@dataclass
+class StepUnderWay:
+    """The step announced last, as the fleet works on it: counted interval by interval
+    (``RolePlanner._count_output``), learned from and replaced at the next boundary."""
+
+    size: tuple[float, str] = (0.0, "")
+    """As it was announced: its requests, else its prompt tokens (0: none announced yet)."""
+    prompt_tokens: float = 0.0
+    """The prompt tokens it was announced with."""
+    output_tokens: float = 0.0
+    """Output tokens the decodes made since it was announced."""
+    busy_secs: float = 0.0
+    """Seconds since it was announced in which the fleet prefilled or decoded."""
+    start_split: tuple[int, int] | None = None
+    """The split it had in its first busy interval with prefill work (None: not begun)."""
+    busy_before_start: float = 0.0
+    """``busy_secs`` before that interval (a last step's tail after the boundary is not this step's)."""
+    moved: bool = False
+    """Whether it is no measure: an engine switched within it, or its burst began while the
+    boundary's own switch was under way (its requests bound at the split before)."""
+    target: tuple[int, int] | None = None
+    """The split its boundary set, which it keeps once the fleet is there (None: the queues keep
+    their rules in it): until its work is done (an idle interval) or it has run ``OWNED_SPAN``
+    times the last step's busy seconds."""
+    boundary_switch_at: float | None = None
+    """When the boundary's own switch ended (None: it made none)."""
+
+    def measured_secs(self) -> float | None:
+        """Its busy seconds from its start, when it measures the split it began at: begun, busy
+        since, and nothing switched within it (the loop that switched saw none of its time)."""
+        if self.start_split is None or self.moved or self.busy_secs <= self.busy_before_start:
+            return None
+        return self.busy_secs - self.busy_before_start
+
+
 def other(role: Role) -> Role:
     return Role.DECODE if role is Role.PREFILL else Role.PREFILL
 
@@ -337,51 +372,31 @@ class RolePlanner:
         """The role the last switch moved engines to (None: none seen)."""
         self.splits: dict[tuple[int, int], SplitRecord] = {}
         self.steps_seen: float | None = None
-        self.step_size: tuple[float, str] = (0.0, "")
-        """The step under way as it was announced: its requests, else its prompt tokens (0: none seen)."""
-        self.step_output = 0.0
-        """Output tokens the decodes made since that step was announced."""
-        self.step_busy = 0.0
-        """Seconds since that step was announced in which the fleet prefilled or decoded."""
+        self.step = StepUnderWay()
+        """The step announced last, as the fleet works on it."""
         self.last_step_secs: float | None = None
         """The last whole step's busy seconds."""
         self.output_per: tuple[float, str] | None = None
         """The last whole step's output tokens per announced request (or per prompt token, when it
         said no requests)."""
-        self.step_prompt = 0.0
-        """The prompt tokens the step under way was announced with."""
         self.learned_prompt_per: float | None = None
         """The last whole step's prompt tokens per announced request (None: it said no requests, or a
         record from before this was kept): a step whose own differ by ``SAME_MIX`` or more is of
         another workload (a reasoning step's 216 against an agentic step's 9,000 at 8 engines), whose
         answers the last step's say nothing of."""
         self.last_at: float | None = None
-        self.step_start: tuple[int, int] | None = None
-        """The split the step under way had in its first busy interval (None: not begun)."""
         self.step_times: dict[tuple[int, int], tuple[float, tuple[float, str]]] = {}
-        """This workload's whole steps: the busy seconds and size (``step_size``) of the last one
+        """This workload's whole steps: the busy seconds and size (``StepUnderWay.size``) of the last one
         begun at each split. With pairing on arrival a step's requests are bound to their engines
         when it is sent, so the split it began at sets its time (benchmarks/step_schedules.py: no
         move within it changes it)."""
-        self.step_moved = False
-        """Whether the step under way is no measure: an engine switched within it, or its burst
-        began while the boundary's own switch was under way (its requests bound at the split before)."""
-        self.step_began_busy = 0.0
-        """``step_busy`` before the step's first interval of prefill work (a last step's tail after the
-        boundary is not this step's)."""
-        self.step_target: tuple[int, int] | None = None
-        """The split the step's boundary set, which the step keeps once the fleet is there (None:
-        the queues keep their rules in it): until its work is done (an idle interval) or it has run
-        ``OWNED_SPAN`` times the last step's busy seconds."""
-        self.boundary_switch_at: float | None = None
-        """When the boundary's own switch ended (None: it made none)."""
         self.last_step_size: tuple[float, str] = (0.0, "")
-        """The last whole step's size as announced (``step_size``)."""
+        """The last whole step's size as announced (``StepUnderWay.size``)."""
 
     @property
     def step_owned(self) -> bool:
-        """Whether the step under way has a split its boundary set (``step_target``)."""
-        return self.step_target is not None
+        """Whether the step under way has a split its boundary set (``StepUnderWay.target``)."""
+        return self.step.target is not None
 
     def minimum(self, role: Role, fleet: int) -> int:
         """The fewest engines ``role`` may keep in a fleet of ``fleet`` PD engines
@@ -432,10 +447,10 @@ class RolePlanner:
         self.last_switch_at = at
         self.last_switch_to = to_role
         self.streak = (None, 0)
-        if self.step_start is not None:
-            self.step_moved = True
-        elif self.step_size[0]:
-            self.boundary_switch_at = at  # (the boundary's own move: the step has not begun)
+        if self.step.start_split is not None:
+            self.step.moved = True
+        elif self.step.size[0]:
+            self.step.boundary_switch_at = at  # (the boundary's own move: the step has not begun)
         self.last_at = at  # (the next interval counts from here: a switch's drain is no interval's)
 
     def decide(self, obs: Observation) -> Decision:
@@ -467,7 +482,7 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
-        if split == self.step_target and self.step_busy <= OWNED_SPAN * (self.last_step_secs or 0.0):
+        if split == self.step.target and self.step.busy_secs <= OWNED_SPAN * (self.last_step_secs or 0.0):
             why = f"{why}; this step keeps the split its boundary chose, {split[0]}:{split[1]}, until its work is done"
             return Decision(Action.STAY, why, figures=figures)
         turned = self._turned(short, loads, obs)
@@ -558,7 +573,7 @@ class RolePlanner:
         # decides (a move, a stay, a move the cooldown or a minimum holds back): a move within a step
         # gives its bound requests nothing (benchmarks/step_schedules.py) and leaves it unmeasured,
         # and the agentic steps' queue moves from decode to prefill drained for 10 s in each burst.
-        self.step_target = split if self.output_per is not None and not other_workload else None
+        self.step.target = split if self.output_per is not None and not other_workload else None
         if other_workload:
             why = f"{why}; {other_workload}"
         balance = None if other_workload else self.step_balance(obs, split)
@@ -614,7 +629,7 @@ class RolePlanner:
         else:
             busy = prefill.waiting >= self.config.backlog / 2 or prefill.running + prefill.waiting >= IDLE
         if busy:  # (the fleet is still at work: the queues keep their rules in this step)
-            self.step_target = None
+            self.step.target = None
             return Decision(Action.STAY, f"{why}; the {donor}s are still busy with the last step", figures=figures)
         movable = [e for e in obs.engines if e.role is donor and e.switchable]
         if not movable:
@@ -623,8 +638,8 @@ class RolePlanner:
         picks = _cheapest(movable, to)[: max(1, min(count, most))]
         names = ", ".join(e.id for e in picks)
         moves = "moves" if len(picks) == 1 else "move"
-        if self.step_target is not None:
-            self.step_target = _moved(split, to, len(picks))
+        if self.step.target is not None:
+            self.step.target = _moved(split, to, len(picks))
         return Decision(
             Action.SWITCH,
             f"{why}: {names} {moves} to {to} ahead of the burst",
@@ -708,21 +723,22 @@ class RolePlanner:
         under way (held and sick intervals too). The fleet worked if it made tokens while holding
         requests: the router's health checks (a one-token generation per worker every 10 s) make
         tokens between steps, and a one-second sample seldom sees one running."""
+        step = self.step
         if self.last_at is not None and obs.at > self.last_at:
             secs, output = obs.at - self.last_at, loads[Role.DECODE].tokens_per_s * loads[Role.DECODE].engines
-            self.step_output += output * secs if obs.output_tokens is None else obs.output_tokens
+            step.output_tokens += output * secs if obs.output_tokens is None else obs.output_tokens
             held = sum((load.running + load.waiting) * load.engines for load in loads.values())
             if (output > 0 or loads[Role.PREFILL].tokens_per_s > 0) and held > 0:
                 prefill = loads[Role.PREFILL]
-                if self.step_size[0] and self.step_start is None and prefill.tokens_per_s > 0 and prefill.running > 0:
+                if step.size[0] and step.start_split is None and prefill.tokens_per_s > 0 and prefill.running > 0:
                     # (a step begins with its prefills at work: a last step's decode tail is not it)
-                    self.step_start = (prefill.engines, loads[Role.DECODE].engines)
-                    self.step_began_busy = self.step_busy
-                    if self.boundary_switch_at is not None and self.last_at == self.boundary_switch_at:
-                        self.step_moved = True  # (its burst was under way as the boundary's switch ended)
-                self.step_busy += secs
-            elif self.step_start is not None:
-                self.step_target = None  # (the step's work is done: the queues' rules are back)
+                    step.start_split = (prefill.engines, loads[Role.DECODE].engines)
+                    step.busy_before_start = step.busy_secs
+                    if step.boundary_switch_at is not None and self.last_at == step.boundary_switch_at:
+                        step.moved = True  # (its burst was under way as the boundary's switch ended)
+                step.busy_secs += secs
+            elif step.start_split is not None:
+                step.target = None  # (the step's work is done: the queues' rules are back)
         self.last_at = obs.at
 
     def _step_began(self, obs: Observation, boundaries: float) -> None:
@@ -730,19 +746,19 @@ class RolePlanner:
         announced request, or per prompt token, and its prompt tokens per request; a step announced
         with neither, or that made no output, teaches nothing; nor do two or more boundaries seen at
         once, whose steps' output is mixed) and start the next."""
-        size, unit = self.step_size
-        if size > 0 and self.step_output > 0 and boundaries == 1:
-            self.output_per, self.last_step_secs = (self.step_output / size, unit), self.step_busy
-            self.learned_prompt_per = self.step_prompt / size if unit == "request" and self.step_prompt > 0 else None
-            # (a step with a switch in it is no measure: the loop that switched saw none of its time)
-            if self.step_start is not None and self.step_busy > self.step_began_busy and not self.step_moved:
-                self.step_times[self.step_start] = (self.step_busy - self.step_began_busy, self.step_size)
-            self.last_step_size = self.step_size
+        ended = self.step
+        size, unit = ended.size
+        if size > 0 and ended.output_tokens > 0 and boundaries == 1:
+            self.output_per, self.last_step_secs = (ended.output_tokens / size, unit), ended.busy_secs
+            per_request = unit == "request" and ended.prompt_tokens > 0
+            self.learned_prompt_per = ended.prompt_tokens / size if per_request else None
+            measured = ended.measured_secs()
+            if measured is not None and ended.start_split is not None:
+                self.step_times[ended.start_split] = (measured, ended.size)
+            self.last_step_size = ended.size
         if self._other_workload(obs):
             self.workload_capacity, self.step_times = {}, {}
-        self.step_size, self.step_output, self.step_busy = _size_of(obs), 0.0, 0.0
-        self.step_prompt, self.step_start, self.step_target = obs.step_prompt_tokens, None, None
-        self.step_moved, self.step_began_busy, self.boundary_switch_at = False, 0.0, None
+        self.step = StepUnderWay(size=_size_of(obs), prompt_tokens=obs.step_prompt_tokens)
 
     def _how_many(
         self,
@@ -921,7 +937,7 @@ class RolePlanner:
         A fleet that announces its steps gets its bursts sized by the step balance instead: a
         burst queues a whole batch by design."""
         load = loads[short]
-        if self.step_size[0] or not load.slots or not self._whole_batch_on_one_side(short, loads):
+        if self.step.size[0] or not load.slots or not self._whole_batch_on_one_side(short, loads):
             return None
         return f"{load.waiting:.0f} waiting per {short}, a whole batch of {load.slots:.0f} or more, so no sustain"
 

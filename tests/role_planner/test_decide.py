@@ -642,7 +642,7 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     moved.decide(stepping(2, (6, 2), 1, 1_000_000, 128))
     checks = tuple(replace(e, running=0, tokens_per_s=1.0) for e in stepping(3, (6, 2), 1, 1, 1).engines)
     moved.decide(Observation(3, checks, steps=1, step_prompt_tokens=1_000_000, step_requests=128))
-    assert moved.step_busy == 0 and moved.step_start is None
+    assert moved.step.busy_secs == 0 and moved.step.start_split is None
     moved.decide(working(stepping(8, (6, 2), 1, 1_000_000, 128, output=2000)))
     moved.switched(9)
     moved.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))
