@@ -410,13 +410,18 @@ class RolePlanner:
         (``now_wall`` and ``now``: the wall and monotonic clocks now), so that a planner restarted
         after a crash keeps its cooldown and does not go back to a split it measured as no better;
         and what the last whole step made (``step_learned`` of a step decision), to balance the next,
-        and this workload's measured steps (``step_times``)."""
+        and this workload's measured steps (``step_times``); and how many step boundaries it had
+        seen (``steps_seen``), so that one announced while it was down is a boundary to it (a
+        planner with nothing to recall takes the router's count as seen: it cannot tell when the
+        last was announced)."""
         for entry in entries:
             figures = entry.get("figures") or {}
             if entry.get("action") == Action.WAIT.value or not all(r.value in figures for r in PD):
                 continue
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._learn({r: RoleLoad.from_dict(r, figures[r.value]) for r in PD})
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self.steps_seen = float(figures["steps_seen"])
             if isinstance(figures.get("workload_capacity"), Mapping):  # (a boundary's: this workload's so far)
                 with contextlib.suppress(KeyError, TypeError, ValueError):
                     said = figures["workload_capacity"]
@@ -472,6 +477,7 @@ class RolePlanner:
         figures["split"] = f"{split[0]}:{split[1]}"
         boundaries = obs.steps - self.steps_seen if self.steps_seen is not None else 0.0
         self.steps_seen = obs.steps
+        figures["steps_seen"] = obs.steps  # (what a restarted planner recalls: a boundary since is one)
         if boundaries > 0:
             self._step_began(obs, boundaries)
             figures["step_prompt_tokens"] = obs.step_prompt_tokens

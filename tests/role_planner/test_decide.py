@@ -385,6 +385,28 @@ def test_a_step_boundary_moves_a_winding_down_decode_to_prefill_ahead_of_a_long_
     assert ahead.figures["step_prefill_secs"] == 25.0 and ahead.engines == ("decode-0",)  # 3 prefills: 16.7 s
 
 
+def test_a_boundary_announced_while_the_planner_was_down_is_one_to_the_planner_restarted() -> None:
+    """A planner killed after it saw 2 boundaries; the trainer announces a third before it is
+    back: restarted, it recalls having seen 2 (its record) and takes the third ahead of its burst.
+    With nothing recalled it could not tell when the third was announced, and takes it as seen."""
+
+    def obs(at: float, steps: float, tokens: float = 200_000, prefill_wait: float = 0) -> Observation:
+        engines = [EngineLoad(f"prefill-{i}", P, True, True, prefill_wait, 1, 4000) for i in range(2)]
+        engines += [EngineLoad(f"decode-{i}", D, True, True, 0, 2, 300, slots=16) for i in range(2)]
+        return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens)
+
+    killed = RolePlanner(PlannerConfig(cooldown_secs=0))
+    told = [killed.decide(obs(0, 2, prefill_wait=3)), killed.decide(obs(10, 2))]
+    assert told[-1].figures["steps_seen"] == 2
+    restarted = RolePlanner(PlannerConfig(cooldown_secs=0))
+    restarted.recall([d.to_dict() for d in told], now_wall=0, now=0)
+    ahead = restarted.decide(obs(20, 3))
+    assert ahead.action is Action.SWITCH and "ahead of the burst" in ahead.reason, ahead
+    fresh = RolePlanner(PlannerConfig(cooldown_secs=0))
+    fresh.recall([], now_wall=0, now=0)
+    assert "step boundary" not in fresh.decide(obs(20, 3, prefill_wait=3)).reason
+
+
 def test_after_a_whole_step_the_prefill_alone_moves_nothing_if_it_did_not_bound_that_step() -> None:
     """No decode was ever short (no decode capacity: no balance), prefills at 4,000 tokens/s. A step
     of 200,000 prompt tokens takes 25 s on 2 prefills: ahead of the first, a decode moves. Once a

@@ -7,12 +7,20 @@ import json
 import os
 import signal
 
+from pdctl.cluster.keys import load_keys
+from pdctl.cluster.state import StateStore
+from pdctl.step_hint import announce_step
+from pdctl.weights.env import CONTROL_KEY_ENV, ROUTER_URL_ENV
 from tests.helpers import eventually, free_port_base, local_topology, pdctl, run_processes
 
 
 def _status(env: dict) -> dict:
     out = pdctl("status", "--json", env=env)
     return json.loads(out.stdout)
+
+
+def _router(env: dict) -> str:
+    return next(p["url"] for p in _status(env)["processes"] if p["role"] == "router")
 
 
 def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path) -> None:
@@ -43,6 +51,11 @@ def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path)
         assert first["alive"] and first["restarts"] == 0 and st["ok"] is True, first
         text = pdctl("status", env=env)
         assert "planner: running" in text.stdout + text.stderr
+        # A step announced while it is down (stopped, then killed) is a boundary to it once it is back:
+        # it recalls how many it had seen (its record), and the router's count is one more.
+        os.kill(first["pid"], signal.SIGSTOP)
+        router_env = {ROUTER_URL_ENV: _router(env), CONTROL_KEY_ENV: load_keys(StateStore(home), "pln").control}
+        assert announce_step(prompt_tokens=5000, requests=4, env=router_env) == 1
         os.kill(first["pid"], signal.SIGKILL)  # the planner itself, not its supervisor
         back = eventually(
             lambda: (p := _status(env)["planner_process"])["restarts"] >= 1 and p["alive"] and p["pid"] != first["pid"]
@@ -51,6 +64,16 @@ def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path)
             what="the planner restarted by its supervisor",
         )  # fmt: skip
         assert back["supervisor_pid"] == first["supervisor_pid"]
+        boundary = eventually(
+            lambda: [
+                d
+                for d in json.loads(pdctl("planner", "pln", "--history", env=env).stdout)
+                if "a step boundary (5000 prompt tokens)" in d["reason"]
+            ],
+            120,
+            what="the restarted planner's decision at the step announced while it was down",
+        )
+        assert boundary[0]["figures"]["steps_seen"] == 1, boundary
     finally:
         down = pdctl("down", "pln", env=env)
         assert down.returncode == 0, down.stderr
