@@ -43,7 +43,7 @@ def _wait_idle(client: JsonClient, url: str, secs: float) -> bool:
     (the switch is then not asked again: the user asked to stop)."""
     deadline = time.monotonic() + secs
     while not interrupt_held():
-        text = client.get(url + "/metrics")
+        text = client.get(url + "/metrics", timeout_secs=10)
         if not isinstance(text, str) or not _busy(text):
             return True
         if time.monotonic() >= deadline:

@@ -70,17 +70,17 @@ at theirs) finish it soonest (``step_balance``; each capacity as learned on this
 split, either way, when it finishes the step sooner than now by an interval and by ``STEP_GAIN`` of
 the last step's measured time (the balance knows no long tail) and the donors are done with the last
 step (decodes under half their slots with no queue; prefills idle).
-That move waits for no cooldown (a step boundary is an announced event, not a noisy reading); a
-step sized in other units than the last gets none. A step whose prompt tokens per request differ
-from the last whole step's by ``SAME_MIX`` or more is of another workload (a trainer that turns from
-reasoning to agentic prompts): the last step's answers say nothing of its answers, so it is treated
-as a first step, and the capacities learned on the last workload are not its own. Before it has seen
-a whole step of the workload, or while no decode was ever short (no decode capacity learned), it
-moves decodes to prefill when the burst's prefill would take ``STEP_WORTH`` intervals or more, as
-many as make it fit in that (this one within the cooldown); once it has seen one, only when that
-step took no longer than its prefill would at the split now and ``STEP_GAIN`` more (else its
-prefill did not bound it). Either way a move is bounded as any
-other (``MOVE_SHARE``, the minimums); the usual rules take over once the burst is in.
+That move waits for no cooldown (a step boundary is an announced event, not a noisy reading); a step
+sized in other units than the last gets none. A step whose prompt tokens per request differ from the
+last whole step's by a factor of ``OTHER_WORKLOAD`` (2) or more is of another workload (a trainer
+that turns from reasoning to agentic prompts): the last step's answers say nothing of its answers,
+so it is treated as a first step, and the capacities learned on the last workload are not its own.
+Before it has seen a whole step of the workload, or while no decode was ever short (no decode
+capacity learned), it moves decodes to prefill when the burst's prefill would take ``STEP_WORTH``
+intervals or more, as many as make it fit in that (this one within the cooldown); once it has seen
+one, only when that step took no longer than its prefill would at the split now and ``STEP_GAIN``
+more (else its prefill did not bound it). Either way a move is bounded as any other (``MOVE_SHARE``,
+the minimums); the usual rules take over once the burst is in.
 
 Measured steps outrank the balance, which is a model: the planner keeps, per workload, the busy
 seconds of the last step begun at each split with no switch within it (with pairing on arrival a
@@ -124,6 +124,12 @@ six (benchmarks/results/planner_8.md); a wrong reading now costs two drains, the
 goes on if the balance still says so. A move ahead of a step is bounded the same way."""
 SAME_MIX = 0.25
 """Two workloads are the same mix when their prompt:output token ratios differ by less than this."""
+OTHER_WORKLOAD = 2.0
+"""A step is of another workload than the last whole one when their prompt tokens per request
+differ by this factor or more. A batch's mean prompt varies with the sample: the benchmark's
+reasoning steps (16 distinct prompts at 8 engines) said 160-217 tokens per request, and ``SAME_MIX``
+took them for two workloads, forgetting their measured steps; the workloads a trainer turns
+between differ by far more (the reasoning steps' 216 against the agentic steps' 9,000)."""
 BETTER_BY = 0.05
 """A split measured before is tried again only if it gave this much more output than now."""
 LATENCY_SPARE = 0.8
@@ -381,7 +387,7 @@ class RolePlanner:
         said no requests)."""
         self.learned_prompt_per: float | None = None
         """The last whole step's prompt tokens per announced request (None: it said no requests, or a
-        record from before this was kept): a step whose own differ by ``SAME_MIX`` or more is of
+        record from before this was kept): a step whose own differ by ``OTHER_WORKLOAD`` or more is of
         another workload (a reasoning step's 216 against an agentic step's 9,000 at 8 engines), whose
         answers the last step's say nothing of."""
         self.last_at: float | None = None
@@ -689,12 +695,13 @@ class RolePlanner:
 
     def _other_workload(self, obs: Observation) -> str:
         """Why the step ``obs`` announces is of another workload than the last whole step (its prompt
-        tokens per request differ by ``SAME_MIX`` or more), or "" when it is not or cannot be told."""
+        tokens per request differ by a factor of ``OTHER_WORKLOAD`` or more), or "" when it is not or
+        cannot be told."""
         learned, requests = self.learned_prompt_per, obs.step_requests
         if learned is None or requests <= 0:
             return ""
         now = obs.step_prompt_tokens / requests
-        if _same_mix(learned, now):
+        if max(learned, now) < OTHER_WORKLOAD * min(learned, now):
             return ""
         return (
             f"the last step had {learned:.0f} prompt tokens per request and this one {now:.0f}: "
