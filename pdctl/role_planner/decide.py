@@ -460,6 +460,11 @@ class RolePlanner:
         self.streak = (None, 0)
         if self.step.start_split is not None:
             self.step.moved = True
+            # The fleet worked on the step while the switch drained (the loop saw none of it): its
+            # busy seconds count it, or an agentic step's 16.7 s was taken for 2.1 s and the next
+            # step's ownership (OWNED_SPAN of it) ran out 4 s into its burst.
+            if self.last_at is not None and at > self.last_at:
+                self.step.busy_secs += at - self.last_at
         elif self.step.size[0]:
             self.step.boundary_switch_at = at  # (the boundary's own move: the step has not begun)
         self.last_at = at  # (the next interval counts from here: a switch's drain is no interval's)
