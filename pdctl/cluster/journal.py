@@ -178,7 +178,7 @@ def interrupts_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        _held_back.remove(caught)
+        _held_back.pop()  # (blocks nest on the main thread: this one is the innermost)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if caught:

@@ -345,12 +345,12 @@ class StepUnderWay:
     boundary_switch_at: float | None = None
     """When the boundary's own switch ended (None: it made none)."""
 
-    def measured_secs(self) -> float | None:
-        """Its busy seconds from its start, when it measures the split it began at: begun, busy
-        since, and nothing switched within it (the loop that switched saw none of its time)."""
+    def measured(self) -> tuple[tuple[int, int], float] | None:
+        """The split it began at and its busy seconds from then, when it measures that split: begun,
+        busy since, and nothing switched within it (the loop that switched saw none of its time)."""
         if self.start_split is None or self.moved or self.busy_secs <= self.busy_before_start:
             return None
-        return self.busy_secs - self.busy_before_start
+        return self.start_split, self.busy_secs - self.busy_before_start
 
 
 def other(role: Role) -> Role:
@@ -770,9 +770,9 @@ class RolePlanner:
             self.output_per, self.last_step_secs = (ended.output_tokens / size, unit), ended.busy_secs
             per_request = unit == "request" and ended.prompt_tokens > 0
             self.learned_prompt_per = ended.prompt_tokens / size if per_request else None
-            measured = ended.measured_secs()
-            if measured is not None and ended.start_split is not None:
-                self.step_times[ended.start_split] = (measured, ended.size)
+            measured = ended.measured()
+            if measured is not None:
+                self.step_times[measured[0]] = (measured[1], ended.size)
             self.last_step_size = ended.size
         if self._other_workload(obs):
             self.workload_capacity, self.step_times = {}, {}

@@ -11,16 +11,13 @@ from pdctl.cluster.keys import load_keys
 from pdctl.cluster.state import StateStore
 from pdctl.step_hint import announce_step
 from pdctl.weights.env import CONTROL_KEY_ENV, ROUTER_URL_ENV
+from tests.cluster.local_cluster import router_url
 from tests.helpers import eventually, free_port_base, local_topology, pdctl, run_processes
 
 
 def _status(env: dict) -> dict:
     out = pdctl("status", "--json", env=env)
     return json.loads(out.stdout)
-
-
-def _router(env: dict) -> str:
-    return next(p["url"] for p in _status(env)["processes"] if p["role"] == "router")
 
 
 def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path) -> None:
@@ -54,7 +51,8 @@ def test_up_starts_the_planner_a_kill_brings_it_back_and_down_stops_it(tmp_path)
         # A step announced while it is down (stopped, then killed) is a boundary to it once it is back:
         # it recalls how many it had seen (its record), and the router's count is one more.
         os.kill(first["pid"], signal.SIGSTOP)
-        router_env = {ROUTER_URL_ENV: _router(env), CONTROL_KEY_ENV: load_keys(StateStore(home), "pln").control}
+        control_key = load_keys(StateStore(home), "pln").control
+        router_env = {ROUTER_URL_ENV: router_url(env, "pln"), CONTROL_KEY_ENV: control_key}
         assert announce_step(prompt_tokens=5000, requests=4, env=router_env) == 1
         os.kill(first["pid"], signal.SIGKILL)  # the planner itself, not its supervisor
         back = eventually(
