@@ -239,8 +239,13 @@ class HealthChecks:
         timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_secs)
         ok = False
         # While a weight update holds the fleet its engines are paused, and SGLang's /health (a
-        # one-token generation) cannot pass: an engine that answers /model_info is alive then.
-        probe = Endpoint.MODEL_INFO if self.registry.updating else Endpoint.HEALTH
+        # one-token generation) cannot pass: an engine that answers /model_info is alive then. A
+        # healthy engine cordoned (a switch's or a restart's drain) is asked /model_info too: a
+        # generation of ours there as its switch is asked makes SGLang refuse the flip ("not idle";
+        # seen: `pdctl restart`'s capture refused in CI). One out of rotation for its health still
+        # earns its way back with a generation.
+        light = self.registry.updating or (worker.cordoned is not None and worker.healthy)
+        probe = Endpoint.MODEL_INFO if light else Endpoint.HEALTH
         try:
             async with session.get(worker.url + probe.value, timeout=timeout, headers=worker.auth) as resp:
                 ok = resp.status == 200

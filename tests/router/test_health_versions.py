@@ -56,3 +56,42 @@ def test_a_version_read_before_a_relabel_does_not_overwrite_it() -> None:
         return seen
 
     assert asyncio.run(run()) == ["pdctl:updating:t1", "v1"]
+
+
+def test_a_cordoned_engine_is_probed_without_a_generation_unless_it_must_earn_its_way_back() -> None:
+    """SGLang's /health runs a one-token generation, and one running at an engine as its role
+    switch is asked makes SGLang refuse the flip ("not idle"): a healthy engine cordoned for a
+    switch's or a restart's drain is asked /model_info; one out of rotation for its health still
+    generates to come back; one in rotation is asked /health."""
+
+    async def run() -> list[str]:
+        asked: list[str] = []
+
+        async def answer(request: web.Request) -> web.Response:
+            asked.append(request.path)
+            return web.json_response({"weight_version": "v1"}) if request.path == "/model_info" else web.Response()
+
+        app = web.Application()
+        app.router.add_get("/health", answer)
+        app.router.add_get("/model_info", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        config = RouterConfig()
+        registry = WorkerRegistry(config)
+        health = HealthChecks(config, registry, VersionRule(config, registry))
+        worker = registry.add(f"http://127.0.0.1:{runner.addresses[0][1]}", "prefill", healthy=True)
+        probes = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for cordoned, healthy in ((None, True), ("switching to decode", True), ("restarting", False)):
+                    worker.cordoned, worker.healthy = cordoned, healthy
+                    asked.clear()
+                    await health.check(session, worker)
+                    probes.append(asked[0])
+        finally:
+            await runner.cleanup()
+        return probes
+
+    assert asyncio.run(run()) == ["/health", "/model_info", "/health"]
