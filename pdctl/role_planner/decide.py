@@ -146,7 +146,8 @@ took 18.7 s at 6:2 where those around it took 15-16 s at 5:3: benchmarks/results
 planner_8_steps_nocool_decisions.jsonl. It foresaw 0.4 s for the reasoning RL step's 3:5 -> 1:7.)"""
 OWNED_SPAN = 2.0
 """A step whose boundary chose its split keeps it for at most this many times the last step's busy
-seconds (a trainer that stops announcing steps leaves the queues their rules)."""
+seconds (a trainer that stops announcing steps leaves the queues their rules); before a whole step
+was seen, until its work is done."""
 WINDING_DOWN = 0.5
 """Decodes under this share of their slots are done with most of the last step; requests queued
 at such decodes wait for something else than decoding (their KV, a prefill)."""
@@ -499,7 +500,7 @@ class RolePlanner:
             return Decision(Action.STAY, why, figures=figures)
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
-        if split == self.step.target and self.step.busy_secs <= OWNED_SPAN * (self.last_step_secs or 0.0):
+        if split == self.step.target and self.step.busy_secs <= OWNED_SPAN * (self.last_step_secs or math.inf):
             why = f"{why}; this step keeps the split its boundary chose, {split[0]}:{split[1]}, until its work is done"
             return Decision(Action.STAY, why, figures=figures)
         turned = self._turned(short, loads, obs)
@@ -567,6 +568,13 @@ class RolePlanner:
         step; the cooldown holds the prefill-only move, not the balanced one."""
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self._step_capacity(Role.PREFILL)
+        split = (prefill.engines, decode.engines)
+        # Every step keeps the split its boundary sets, whatever it decides (a move, a stay, a move the
+        # cooldown or a minimum holds back), the first of a workload too: a move within a step gives
+        # its bound requests nothing (benchmarks/step_schedules.py) and leaves it unmeasured; the
+        # agentic steps' queue moves from decode to prefill drained for 10 s in each burst, and the
+        # first agentic step of an 8-engine run took 18.8 s from 4:4 with one (static 4:4: 17.1 s).
+        self.step.target = split
         figures["workload_capacity"] = {r.value: round(v, 1) for r, v in self.workload_capacity.items()}
         figures["step_times"] = {  # (what a restarted planner recalls; the split each step began at)
             f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit}
@@ -579,18 +587,12 @@ class RolePlanner:
         secs = tokens / (prefill.engines * capacity)
         figures["step_prefill_secs"] = round(secs, 2)
         why = f"{why} takes {secs:.1f} s on {prefill.engines} prefill(s) at {capacity:.0f} tokens/s each"
-        split = (prefill.engines, decode.engines)
         if self.output_per is not None:  # (what a restarted planner recalls)
             figures["step_learned"] = {"output_per": round(self.output_per[0], 3), "unit": self.output_per[1]}
             figures["step_learned"]["secs"] = round(self.last_step_secs or 0.0, 1)
             if self.learned_prompt_per is not None:
                 figures["step_learned"]["prompt_per_request"] = round(self.learned_prompt_per, 1)
         other_workload = self._other_workload(obs)
-        # Once a whole step of this workload was seen, the boundary sets the step's split, whatever it
-        # decides (a move, a stay, a move the cooldown or a minimum holds back): a move within a step
-        # gives its bound requests nothing (benchmarks/step_schedules.py) and leaves it unmeasured,
-        # and the agentic steps' queue moves from decode to prefill drained for 10 s in each burst.
-        self.step.target = split if self.output_per is not None and not other_workload else None
         if other_workload:
             why = f"{why}; {other_workload}"
         balance = None if other_workload else self.step_balance(obs, split)

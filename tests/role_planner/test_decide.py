@@ -1196,8 +1196,9 @@ def test_a_whole_batch_queued_on_one_side_moves_without_the_streak() -> None:
     """The 8-engine 30 s shifting trace opened each phase with a whole batch queued per engine of
     one role (20 prompts per prefill, then 31.5 requests per decode) and nothing at the other: it
     moves at that first interval, not the second. A queue under a batch, one with a queue at the
-    other role too, slots not said, the cooldown, or a fleet that announces steps (its bursts
-    queue a batch by design; the step balance sizes them): the streak as before."""
+    other role too, slots not said, the cooldown: the streak as before. A fleet that announces
+    steps (its bursts queue a batch by design; the step balance sizes them): its step keeps the
+    split its boundary set."""
     config = PlannerConfig(interval_secs=1, cooldown_secs=6, sustain=2)
     first = RolePlanner(config).decide(fleet(0, [(20, 1_000)] * 4, [(0, 1_500)] * 4, 16))
     assert first.action is Action.SWITCH and first.to_role is P, first
@@ -1218,4 +1219,23 @@ def test_a_whole_batch_queued_on_one_side_moves_without_the_streak() -> None:
     told = {"steps": 1.0, "step_prompt_tokens": 8_000.0, "step_requests": 64.0}
     announced.decide(fleet(1, *idle, **told))  # the step boundary
     burst = announced.decide(fleet(2, [(20, 1_000)] * 4, [(0, 1_500)] * 4, 16, **told))
-    assert burst.action is Action.STAY and "1 of 2" in burst.reason, burst
+    assert burst.action is Action.STAY and "keeps the split its boundary chose, 4:4" in burst.reason, burst
+
+
+def test_a_workloads_first_step_keeps_its_boundarys_split_until_its_work_is_done() -> None:
+    """Before any whole step of a workload was seen, its step is still bound to its engines when it
+    is sent (pairing on arrival): the queues move nothing within it (on the 8-engine agentic steps
+    such a move drained a decode for 10 s and the step took 18.8 s from 4:4, where static 4:4
+    takes 17.1), and once an interval says its work is done their rules are back."""
+    planner = RolePlanner(PlannerConfig(interval_secs=1, cooldown_secs=0, sustain=1))
+    idle = ([(0, 0)] * 2, [(0, 0)] * 2, 16)
+    planner.decide(fleet(0, *idle))
+    told = {"steps": 1.0, "step_prompt_tokens": 64_000.0, "step_requests": 64.0}
+    boundary = planner.decide(fleet(1, *idle, **told))
+    assert boundary.action is Action.STAY and "no prefill capacity measured yet" in boundary.reason, boundary
+    for at in (2, 3, 4):  # the burst queues at the prefills
+        burst = planner.decide(fleet(at, [(20, 8_000)] * 2, [(0, 1_500)] * 2, 16, **told))
+        assert burst.action is Action.STAY and "keeps the split its boundary chose, 2:2" in burst.reason, burst
+    planner.decide(fleet(5, *idle, **told))  # its work done: nothing held, nothing made
+    later = planner.decide(fleet(6, [(20, 8_000)] * 2, [(0, 1_500)] * 2, 16, **told))
+    assert later.action is Action.SWITCH and later.to_role is P, later
