@@ -345,6 +345,9 @@ class StepUnderWay:
     times the last step's busy seconds."""
     boundary_switch_at: float | None = None
     """When the boundary's own switch ended (None: it made none)."""
+    held_back: dict[Role, int] = field(default_factory=dict)
+    """The intervals of it, at the split its boundary set, in which each role held the fleet back
+    (the queues' reading, which that split kept from moving an engine within it)."""
 
     def measured(self) -> tuple[tuple[int, int], float] | None:
         """The split it began at and its busy seconds from then, when it measures that split: begun,
@@ -399,6 +402,10 @@ class RolePlanner:
         move within it changes it)."""
         self.last_step_size: tuple[float, str] = (0.0, "")
         """The last whole step's size as announced (``StepUnderWay.size``)."""
+        self.last_step_held_back: tuple[Role, int, int] | None = None
+        """The role that held the last whole step back at the split its boundary set, in how many of
+        its intervals, of how many the queues read (``StepUnderWay.held_back``); None: neither
+        held it back in most of them (not recalled after a restart)."""
 
     @property
     def step_owned(self) -> bool:
@@ -501,6 +508,7 @@ class RolePlanner:
         count = self.streak[1] + 1 if self.streak[0] is short else 1
         self.streak = (short, count)
         if split == self.step.target and self.step.busy_secs <= OWNED_SPAN * (self.last_step_secs or math.inf):
+            self.step.held_back[short] = self.step.held_back.get(short, 0) + 1
             why = f"{why}; this step keeps the split its boundary chose, {split[0]}:{split[1]}, until its work is done"
             return Decision(Action.STAY, why, figures=figures)
         turned = self._turned(short, loads, obs)
@@ -626,14 +634,23 @@ class RolePlanner:
             size, unit = _size_of(obs)
             alike = self.last_step_size[1] == unit and _same_mix(self.last_step_size[0], size)
             last = self.last_step_secs if self.output_per is not None and not other_workload and alike else None
-            if last and secs * (1 + STEP_GAIN) < last:
+            held = self._held_back_by(split, obs) if last else None
+            if last and secs * (1 + STEP_GAIN) < last and held is None:
                 # (a whole step of this workload took longer than its prefill would here: something
                 # else bounds it, its decodes or its tail, and more prefills would not shorten it)
                 why = f"{why}, where the last step took {last:.1f} s: its prefill does not bound it, staying"
                 return Decision(Action.STAY, why, figures=figures)
-            # As many as the burst needs to fit in STEP_WORTH intervals.
-            to = Role.PREFILL
-            count = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines
+            if held is not None:
+                # (the queues' reading of the last step, which its split kept from moving an engine
+                # within it, moves one at the boundary: its prefill alone would not)
+                to, count = held[0], 1
+                why = (
+                    f"{why}, where the last step took {last:.1f} s at {split[0]}:{split[1]} with its {held[0]}s "
+                    f"holding the fleet back in {held[1]} of its {held[2]} readings"
+                )
+            else:  # As many as the burst needs to fit in STEP_WORTH intervals.
+                to = Role.PREFILL
+                count = math.ceil(tokens / (capacity * STEP_WORTH * self.config.interval_secs)) - prefill.engines
         donor = other(to)
         # (A balanced move waits for no cooldown: a step boundary is an event a trainer announced, not
         # a reading that may be noise; a benchmark's agentic step ran at 6:2 for want of 5:3, the
@@ -694,6 +711,24 @@ class RolePlanner:
             fastest = split[0]
         said = ", ".join(f"{k}:{n - k} {times[k]:.1f} s" for k in sorted(times))
         return fastest, f"this workload's last steps by the split they began at: {said}, so {fastest}:{n - fastest}"
+
+    def _held_back_by(self, split: tuple[int, int], obs: Observation) -> tuple[Role, int, int] | None:
+        """The role that held the last whole step back at ``split`` (``last_step_held_back``), when
+        that step was measured at ``split`` and the split one engine toward that role was not
+        measured slower on a step of this one's size; else None."""
+        held = self.last_step_held_back
+        n, (size, unit) = sum(split), _size_of(obs)
+        times = {
+            k: t
+            for (k, d), (t, (was, was_unit)) in self.step_times.items()
+            if k + d == n and was_unit == unit and _same_mix(was, size)
+        }
+        if held is None or split[0] not in times:
+            return None
+        toward = _moved(split, held[0], 1)
+        if not self._within(n, toward[0]) or times.get(toward[0], math.inf) <= times[split[0]]:
+            return None
+        return held
 
     def _step_capacity(self, role: Role) -> float | None:
         """``role``'s capacity for sizing a step: the one learned on this workload's steps, else
@@ -776,6 +811,7 @@ class RolePlanner:
             if measured is not None:
                 self.step_times[measured[0]] = (measured[1], ended.size)
             self.last_step_size = ended.size
+            self.last_step_held_back = _mostly(ended.held_back) if measured is not None else None
         if self._other_workload(obs):
             self.workload_capacity, self.step_times = {}, {}
         self.step = StepUnderWay(size=_size_of(obs), prompt_tokens=obs.step_prompt_tokens)
@@ -1026,6 +1062,16 @@ def _served(n: int, prefill_capacity: float, decode_capacity: float, mix: float)
     """The output tokens/s a split of ``n`` engines with k prefills serves at ``mix`` (prompt tokens
     per output token), each role at its capacity: the less of what its prefills and its decodes give."""
     return lambda k: min(k * prefill_capacity / mix, (n - k) * decode_capacity)
+
+
+def _mostly(held_back: Mapping[Role, int]) -> tuple[Role, int, int] | None:
+    """The role that held a step back in more than half of the readings ``held_back`` counts, two at
+    least, with the count and the readings; None when neither did."""
+    readings = sum(held_back.values())
+    role = max(held_back, key=lambda r: held_back[r]) if held_back else None
+    if role is None or held_back[role] < 2 or 2 * held_back[role] <= readings:
+        return None
+    return role, held_back[role], readings
 
 
 def _same_mix(before: float, now: float) -> bool:

@@ -1076,6 +1076,26 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
     assert last["outcome"] == "switched: decode-0 is prefill-9; then interrupted" and last["engines"] == list(asked)
 
 
+def test_a_step_its_prefills_held_back_moves_a_decode_to_prefill_at_the_next_boundary() -> None:
+    """A step owned by its boundary's split moves nothing within it, so what its queues said is
+    read at the next boundary: a step whose prefills held the fleet back in most of its readings,
+    with no balance to size it (decodes never short: no decode capacity), moves one decode to
+    prefill ahead of the next burst, where its prefill alone would have said it does not bound the
+    step (the 8-engine agentic steps stayed at 4:4 through six steps so, 5:3 being faster)."""
+    planner = RolePlanner(PlannerConfig(interval_secs=1, cooldown_secs=0, sustain=1))
+    idle = ([(0, 0)] * 2, [(0, 0)] * 2, 16)
+    planner.decide(fleet(0, *idle))
+    told = {"step_prompt_tokens": 64_000.0, "step_requests": 64.0}
+    planner.decide(fleet(1, *idle, steps=1.0, **told))
+    for at in range(2, 9):  # the burst queues at the prefills for 7 s
+        burst = planner.decide(fleet(at, [(20, 8_000)] * 2, [(0, 1_500)] * 2, 16, steps=1.0, **told))
+        assert burst.action is Action.STAY and "keeps the split" in burst.reason, burst
+    planner.decide(fleet(9, *idle, steps=1.0, **told))  # its work done
+    boundary = planner.decide(fleet(10, [(0, 0)] * 2, [(0, 0)] * 2, 32, steps=2.0, **told))  # (decodes wound down)
+    assert boundary.action is Action.SWITCH and boundary.to_role is P and not boundary.more, boundary
+    assert "with its prefills holding the fleet back in 7 of its 7 readings" in boundary.reason, boundary
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 @pytest.mark.filterwarnings(
     "ignore::pytest.PytestUnraisableExceptionWarning"
