@@ -144,6 +144,12 @@ nor its KV transfers, so only a clear imbalance is worth a drain. (At 8 engines 
 for an agentic step's 6:2 -> 5:3, which a fifth of the last step's 19 s refused; the step then
 took 18.7 s at 6:2 where those around it took 15-16 s at 5:3: benchmarks/results/
 planner_8_steps_nocool_decisions.jsonl. It foresaw 0.4 s for the reasoning RL step's 3:5 -> 1:7.)"""
+STEP_BEGUN = 0.01
+"""A step announced begins with the first interval in which its prefills compute this share of its
+announced prompt tokens: the router's health check (a one-token generation) seen at a prefill in
+the wait for a burst is not its start (it was taken for one, and the idle intervals after it for
+the step's end, which gave its burst back to the queues: benchmarks/results/
+planner_8_steps_six_held_back_decisions.jsonl, the first agentic step)."""
 OWNED_SPAN = 2.0
 """A step whose boundary chose its split keeps it for at most this many times the last step's busy
 seconds (a trainer that stops announcing steps leaves the queues their rules); before a whole step
@@ -785,7 +791,14 @@ class RolePlanner:
             held = sum((load.running + load.waiting) * load.engines for load in loads.values())
             if (output > 0 or loads[Role.PREFILL].tokens_per_s > 0) and held > 0:
                 prefill = loads[Role.PREFILL]
-                if step.size[0] and step.start_split is None and prefill.tokens_per_s > 0 and prefill.running > 0:
+                computed = prefill.tokens_per_s * prefill.engines * secs
+                if (
+                    step.size[0]
+                    and step.start_split is None
+                    and prefill.running > 0
+                    and computed > 0
+                    and computed >= STEP_BEGUN * step.prompt_tokens
+                ):
                     # (a step begins with its prefills at work: a last step's decode tail is not it)
                     step.start_split = (prefill.engines, loads[Role.DECODE].engines)
                     step.busy_before_start = step.busy_secs

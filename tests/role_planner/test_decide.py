@@ -1076,6 +1076,22 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
     assert last["outcome"] == "switched: decode-0 is prefill-9; then interrupted" and last["engines"] == list(asked)
 
 
+def test_a_health_check_in_the_wait_for_a_burst_neither_begins_nor_ends_its_step() -> None:
+    """The router's health check (a one-token generation) seen at a prefill between a boundary and
+    its burst is not the step's start, so the idle intervals after it are not its end: the burst
+    keeps the split its boundary set (it was given back to the queues, which moved a decode
+    within the first agentic step of an 8-engine run)."""
+    planner = RolePlanner(PlannerConfig(interval_secs=1, cooldown_secs=0, sustain=1))
+    idle = ([(0, 0)] * 2, [(0, 0)] * 2, 16)
+    planner.decide(fleet(0, *idle))
+    told = {"steps": 1.0, "step_prompt_tokens": 64_000.0, "step_requests": 64.0}
+    planner.decide(fleet(1, *idle, **told))
+    planner.decide(fleet(2, [(0, 3)] * 2, [(0, 1)] * 2, 16, **told))  # a health check's few tokens
+    planner.decide(fleet(3, *idle, **told))
+    burst = planner.decide(fleet(4, [(20, 8_000)] * 2, [(0, 1_500)] * 2, 16, **told))
+    assert burst.action is Action.STAY and "keeps the split its boundary chose, 2:2" in burst.reason, burst
+
+
 def test_a_step_its_prefills_held_back_moves_a_decode_to_prefill_at_the_next_boundary() -> None:
     """A step owned by its boundary's split moves nothing within it, so what its queues said is
     read at the next boundary: a step whose prefills held the fleet back in most of its readings,
