@@ -251,7 +251,12 @@ class PlannerLoop:
         task at its next await, after a switch that may drain for minutes (seen: a Ctrl-C during
         the drain, and the planner switched the engine, then stopped)."""
         with _interrupt_where_it_lands(self.stop, self.interrupted):
-            asyncio.run(self._run(intervals, told))
+            try:
+                asyncio.run(self._run(intervals, told))
+            except Exception as exc:  # (a stop signal's KeyboardInterrupt turned into another error on its way)
+                if self.interrupted.is_set():
+                    raise KeyboardInterrupt from exc
+                raise
         if self.interrupted.is_set():  # (a Ctrl-C dropped where it landed: the loop saw it and ended)
             raise KeyboardInterrupt
 

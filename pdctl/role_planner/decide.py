@@ -89,13 +89,14 @@ benchmarks/step_schedules.py). Once a step was measured at the split the balance
 balance: once two splits were), of steps of the announced one's size, the next step begins at the
 fastest measured split (the split now, if within ``BETTER_BY`` of it); a balance naming a split
 never measured is tried first, unless a measured split beat the split now. A step is timed from
-its first interval of prefill work, without the boundary's own switch; one whose burst was under
-way as that switch ended measures nothing. Once a whole step of the workload was seen, a step
-keeps the split its boundary set (whatever it decided, unless the donors were still busy), once
-the fleet is there: the queues move no engine within it until an idle
-interval says its work is done (or it has run ``OWNED_SPAN`` times the last step), since its burst
-queues by design and a move within it gives its bound requests nothing (the 8-engine agentic
-steps drained a decode for 10 s in each burst).
+the interval in which its prefills have computed ``STEP_BEGUN`` of its announced prompt tokens,
+without the boundary's own switch; one whose burst was under way as that switch ended measures
+nothing. A step announced with its size keeps the split its boundary set (whatever it decided,
+unless the donors were still busy), once the fleet is there, the first of a workload too: the
+queues move no engine within it until an idle interval says its work is done (or it has run
+``OWNED_SPAN`` times the last step), since its burst queues by design and a move within it gives
+its bound requests nothing (the 8-engine agentic steps drained a decode for 10 s in each burst);
+what the queues read in it moves one engine at the next boundary when no balance sizes it.
 
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
@@ -145,7 +146,7 @@ for an agentic step's 6:2 -> 5:3, which a fifth of the last step's 19 s refused;
 took 18.7 s at 6:2 where those around it took 15-16 s at 5:3: benchmarks/results/
 planner_8_steps_nocool_decisions.jsonl. It foresaw 0.4 s for the reasoning RL step's 3:5 -> 1:7.)"""
 STEP_BEGUN = 0.01
-"""A step announced begins with the first interval in which its prefills compute this share of its
+"""A step announced begins with the interval by which its prefills have computed this share of its
 announced prompt tokens: the router's health check (a one-token generation) seen at a prefill in
 the wait for a burst is not its start (it was taken for one, and the idle intervals after it for
 the step's end, which gave its burst back to the queues: benchmarks/results/
@@ -351,6 +352,8 @@ class StepUnderWay:
     times the last step's busy seconds."""
     boundary_switch_at: float | None = None
     """When the boundary's own switch ended (None: it made none)."""
+    computed_tokens: float = 0.0
+    """Prompt tokens its prefills computed since it was announced (what tells its start)."""
     held_back: dict[Role, int] = field(default_factory=dict)
     """The intervals of it, at the split its boundary set, in which each role held the fleet back
     (the queues' reading, which that split kept from moving an engine within it)."""
@@ -583,12 +586,13 @@ class RolePlanner:
         prefill, decode = loads[Role.PREFILL], loads[Role.DECODE]
         tokens, capacity = obs.step_prompt_tokens, self._step_capacity(Role.PREFILL)
         split = (prefill.engines, decode.engines)
-        # Every step keeps the split its boundary sets, whatever it decides (a move, a stay, a move the
-        # cooldown or a minimum holds back), the first of a workload too: a move within a step gives
+        # Every step announced with its size (one of none has no start to tell its end by) keeps the
+        # split its boundary sets, whatever it decides (a move, a stay, a move the cooldown or a
+        # minimum holds back), the first of a workload too: a move within a step gives
         # its bound requests nothing (benchmarks/step_schedules.py) and leaves it unmeasured; the
         # agentic steps' queue moves from decode to prefill drained for 10 s in each burst, and the
         # first agentic step of an 8-engine run took 18.8 s from 4:4 with one (static 4:4: 17.1 s).
-        self.step.target = split
+        self.step.target = split if self.step.size[0] > 0 else None
         figures["workload_capacity"] = {r.value: round(v, 1) for r, v in self.workload_capacity.items()}
         figures["step_times"] = {  # (what a restarted planner recalls; the split each step began at)
             f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit}
@@ -597,7 +601,8 @@ class RolePlanner:
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
         if tokens <= 0 or not capacity or not prefill.engines:
             said = "no prompt tokens said" if tokens <= 0 else "no prefill capacity measured yet"
-            return Decision(Action.STAY, f"{why}: {said}; the usual rules follow its burst", figures=figures)
+            then = "it keeps the split now" if self.step.target else "the usual rules follow its burst"
+            return Decision(Action.STAY, f"{why}: {said}; {then}", figures=figures)
         secs = tokens / (prefill.engines * capacity)
         figures["step_prefill_secs"] = round(secs, 2)
         why = f"{why} takes {secs:.1f} s on {prefill.engines} prefill(s) at {capacity:.0f} tokens/s each"
@@ -732,8 +737,8 @@ class RolePlanner:
         if held is None or split[0] not in times:
             return None
         toward = _moved(split, held[0], 1)
-        if not self._within(n, toward[0]) or times.get(toward[0], math.inf) <= times[split[0]]:
-            return None
+        if not self._within(n, toward[0]) or times.get(toward[0], -math.inf) >= times[split[0]]:
+            return None  # (beyond a minimum, or measured no faster: the measured steps decide then)
         return held
 
     def _step_capacity(self, role: Role) -> float | None:
@@ -791,13 +796,13 @@ class RolePlanner:
             held = sum((load.running + load.waiting) * load.engines for load in loads.values())
             if (output > 0 or loads[Role.PREFILL].tokens_per_s > 0) and held > 0:
                 prefill = loads[Role.PREFILL]
-                computed = prefill.tokens_per_s * prefill.engines * secs
+                step.computed_tokens += prefill.tokens_per_s * prefill.engines * secs
                 if (
                     step.size[0]
                     and step.start_split is None
                     and prefill.running > 0
-                    and computed > 0
-                    and computed >= STEP_BEGUN * step.prompt_tokens
+                    and prefill.tokens_per_s > 0
+                    and step.computed_tokens >= STEP_BEGUN * step.prompt_tokens
                 ):
                     # (a step begins with its prefills at work: a last step's decode tail is not it)
                     step.start_split = (prefill.engines, loads[Role.DECODE].engines)

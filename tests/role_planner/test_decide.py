@@ -1076,6 +1076,19 @@ def test_a_move_of_several_interrupted_half_way_is_recorded_with_what_it_switche
     assert last["outcome"] == "switched: decode-0 is prefill-9; then interrupted" and last["engines"] == list(asked)
 
 
+def test_a_step_announced_without_its_size_leaves_the_queues_their_rules() -> None:
+    """``announce_step()`` may say neither prompt tokens nor requests: such a step has no start to
+    tell its end by, so its boundary sets no split to keep (it would have held the queues off for
+    good)."""
+    planner = RolePlanner(PlannerConfig(interval_secs=1, cooldown_secs=0, sustain=1))
+    idle = ([(0, 0)] * 2, [(0, 0)] * 2, 16)
+    planner.decide(fleet(0, *idle))
+    boundary = planner.decide(fleet(1, *idle, steps=1.0))
+    assert "the usual rules follow its burst" in boundary.reason, boundary
+    burst = planner.decide(fleet(2, [(20, 8_000)] * 2, [(0, 1_500)] * 2, 16, steps=1.0))
+    assert burst.action is Action.SWITCH and burst.to_role is P, burst
+
+
 def test_a_health_check_in_the_wait_for_a_burst_neither_begins_nor_ends_its_step() -> None:
     """The router's health check (a one-token generation) seen at a prefill between a boundary and
     its burst is not the step's start, so the idle intervals after it are not its end: the burst
