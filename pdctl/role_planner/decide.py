@@ -705,12 +705,8 @@ class RolePlanner:
         by ``BETTER_BY``: the step then begins at the fastest measured split within the minimums,
         unless the split now was measured within ``BETTER_BY`` of it. Otherwise a balance whose
         split was never measured is tried (the balance is a model; a step is a measurement)."""
-        n, (size, unit) = sum(split), _size_of(obs)
-        times = {
-            k: t
-            for (k, d), (t, (was, was_unit)) in self.step_times.items()
-            if k + d == n and self._within(n, k) and was_unit == unit and _same_mix(was, size)
-        }
+        n = sum(split)
+        times = self._times_like(obs, n)
         if not times:
             return None
         fastest = min(times, key=lambda k: (times[k], abs(k - split[0])))
@@ -723,17 +719,24 @@ class RolePlanner:
         said = ", ".join(f"{k}:{n - k} {times[k]:.1f} s" for k in sorted(times))
         return fastest, f"this workload's last steps by the split they began at: {said}, so {fastest}:{n - fastest}"
 
+    def _times_like(self, obs: Observation, n: int) -> dict[int, float]:
+        """The measured busy seconds of this workload's steps of the announced one's size (within
+        ``SAME_MIX``, in the same unit) on ``n`` engines, by the prefill count they began at, within
+        the minimums."""
+        size, unit = _size_of(obs)
+        return {
+            k: t
+            for (k, d), (t, (was, was_unit)) in self.step_times.items()
+            if k + d == n and self._within(n, k) and was_unit == unit and _same_mix(was, size)
+        }
+
     def _held_back_by(self, split: tuple[int, int], obs: Observation) -> tuple[Role, int, int] | None:
         """The role that held the last whole step back at ``split`` (``last_step_held_back``), when
         that step was measured at ``split`` and the split one engine toward that role was not
         measured slower on a step of this one's size; else None."""
         held = self.last_step_held_back
-        n, (size, unit) = sum(split), _size_of(obs)
-        times = {
-            k: t
-            for (k, d), (t, (was, was_unit)) in self.step_times.items()
-            if k + d == n and was_unit == unit and _same_mix(was, size)
-        }
+        n = sum(split)
+        times = self._times_like(obs, n)
         if held is None or split[0] not in times:
             return None
         toward = _moved(split, held[0], 1)

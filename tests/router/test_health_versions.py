@@ -4,6 +4,7 @@ one real aiohttp engine whose /model_info answers when the test lets it)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -11,7 +12,27 @@ from aiohttp import web
 from pdctl.router.config import RouterConfig
 from pdctl.router.health import HealthChecks
 from pdctl.router.versions import VersionRule
-from pdctl.router.workers import WorkerRegistry
+from pdctl.router.workers import Worker, WorkerRegistry
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _engine_and_checks(
+    health: Handler, model_info: Handler, role: str
+) -> tuple[web.AppRunner, Worker, HealthChecks, WorkerRegistry]:
+    """One real aiohttp engine on port 0 of 127.0.0.1 (``/health``, ``/model_info``) and a
+    router's health checks with it as a healthy ``role`` worker."""
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/model_info", model_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    config = RouterConfig()
+    registry = WorkerRegistry(config)
+    checks = HealthChecks(config, registry, VersionRule(config, registry))
+    worker = registry.add(f"http://127.0.0.1:{runner.addresses[0][1]}", role, healthy=True)
+    return runner, worker, checks, registry
 
 
 def test_a_version_read_before_a_relabel_does_not_overwrite_it() -> None:
@@ -27,18 +48,10 @@ def test_a_version_read_before_a_relabel_does_not_overwrite_it() -> None:
             await answer.wait()
             return web.json_response({"weight_version": "v1"})
 
-        app = web.Application()
-        app.router.add_get("/health", lambda _: web.Response(text="OK"))
-        app.router.add_get("/model_info", model_info)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        config = RouterConfig()
-        registry = WorkerRegistry(config)
-        health = HealthChecks(config, registry, VersionRule(config, registry))
-        worker = registry.add(f"http://127.0.0.1:{port}", "decode", healthy=True)
+        async def ok(_: web.Request) -> web.Response:
+            return web.Response(text="OK")
+
+        runner, worker, health, registry = await _engine_and_checks(ok, model_info, "decode")
         seen = []
         try:
             async with aiohttp.ClientSession() as session:
@@ -71,17 +84,7 @@ def test_a_cordoned_engine_is_probed_without_a_generation_unless_it_must_earn_it
             asked.append(request.path)
             return web.json_response({"weight_version": "v1"}) if request.path == "/model_info" else web.Response()
 
-        app = web.Application()
-        app.router.add_get("/health", answer)
-        app.router.add_get("/model_info", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        config = RouterConfig()
-        registry = WorkerRegistry(config)
-        health = HealthChecks(config, registry, VersionRule(config, registry))
-        worker = registry.add(f"http://127.0.0.1:{runner.addresses[0][1]}", "prefill", healthy=True)
+        runner, worker, health, _ = await _engine_and_checks(answer, answer, "prefill")
         probes = []
         try:
             async with aiohttp.ClientSession() as session:
