@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import termios
+import threading
 import tty
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -30,6 +31,7 @@ from pdctl.cluster.keys import load_keys
 from pdctl.cluster.sampling import Sampler
 from pdctl.cluster.scrape import TARGETS_FILE, scrape_config, targets, write_targets
 from pdctl.cluster.watch import Frame, Watch
+from pdctl.signals import interrupt_where_it_lands
 
 
 @click.command()
@@ -62,13 +64,17 @@ def top(name: str | None, once: bool, as_json: bool, interval_secs: float, count
     state = load_state(store, name)
     keys = load_keys(store, name)
     frames = 1 if once else count
+    stopped = threading.Event()
     try:
-        asyncio.run(_watch(store, state, keys, interval_secs, frames, as_json))
+        with interrupt_where_it_lands(stopped):  # (a Ctrl-C something dropped still quits, at the next frame)
+            asyncio.run(_watch(store, state, keys, interval_secs, frames, as_json, stopped))
     except KeyboardInterrupt:
         pass  # the way out of a live view: no traceback, no error
 
 
-async def _watch(store, state, keys, interval_secs: float, frames: int | None, as_json: bool) -> None:
+async def _watch(
+    store, state, keys, interval_secs: float, frames: int | None, as_json: bool, stopped: threading.Event
+) -> None:
     live_view = not as_json and frames is None and sys.stdout.isatty()
     with NodeSet(state.node_objects().values()) as nodes:
         async with aiohttp.ClientSession() as session:
@@ -88,10 +94,10 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
                     return await watch.frame()
 
                 if live_view:
-                    await _live(next_frame, interval_secs)
+                    await _live(next_frame, interval_secs, stopped)
                     return
                 shown = 0
-                while frames is None or shown < frames:
+                while (frames is None or shown < frames) and not stopped.is_set():
                     await asyncio.sleep(interval_secs)
                     # the frame --once shows asks what the first sample asked
                     frame = await (next_frame() if shown else watch.frame())
@@ -105,7 +111,7 @@ async def _watch(store, state, keys, interval_secs: float, frames: int | None, a
                 await watch.close()
 
 
-async def _live(next_frame: Callable[[], Awaitable[Frame]], interval_secs: float) -> None:
+async def _live(next_frame: Callable[[], Awaitable[Frame]], interval_secs: float, stopped: threading.Event) -> None:
     quit_pressed = asyncio.Event()
     with (
         _keys_pressed(lambda key: quit_pressed.set() if key in ("q", "Q") else None),
@@ -114,7 +120,7 @@ async def _live(next_frame: Callable[[], Awaitable[Frame]], interval_secs: float
         while True:  # the wait comes first: the sample before the first frame was just taken
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(quit_pressed.wait(), interval_secs)
-            if quit_pressed.is_set():
+            if quit_pressed.is_set() or stopped.is_set():
                 return
             frame = await next_frame()
             live.update(_render(frame, live.console.width, live.console.is_terminal), refresh=True)

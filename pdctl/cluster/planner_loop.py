@@ -13,12 +13,10 @@ interval: the bottleneck streak stands until a switch is made.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +33,7 @@ from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
 from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner
 from pdctl.roles import Role
-from pdctl.signals import stop_signals
+from pdctl.signals import interrupt_where_it_lands
 from pdctl.step_hint import PLANNER_PATH
 
 log = logging.getLogger("pdctl.planner")
@@ -188,36 +186,6 @@ async def _interval(sampler: Sampler, secs: float, stop: threading.Event) -> lis
     return samples
 
 
-@contextlib.contextmanager
-def _interrupt_where_it_lands(*told: threading.Event) -> Iterator[None]:
-    """A stop signal (Ctrl-C; SIGTERM and SIGHUP, which pdctl takes as one) sets the events ``told``
-    and raises KeyboardInterrupt at once, even under asyncio.run, which installs its own SIGINT
-    handler (cancel the main task) only over Python's default one. Main thread only; a signal
-    ignored stays so; restored after.
-
-    The events too, because an exception a signal handler raises goes wherever the main thread is,
-    and some places drop it: CPython only prints one raised in a weakref callback (asyncio's set of
-    tasks runs one whenever a task ends) and aiohttp's response parser turns one raised in its
-    callbacks into a payload error. Seen: a planner under load did not stop on SIGINT; it decided on
-    for minutes. A loop that looks at one of them ends there (the planner's: within a sample)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_interrupt(signum: int, frame: object) -> None:
-        for event in told:
-            event.set()
-        raise KeyboardInterrupt
-
-    taken = [sig for sig in stop_signals() if signal.getsignal(sig) is signal.default_int_handler]
-    previous = {sig: signal.signal(sig, raise_interrupt) for sig in taken}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 class PlannerLoop:
     """The planner of one cluster (``run`` until ``stop`` is set)."""
 
@@ -228,8 +196,6 @@ class PlannerLoop:
         self.events = events
         self.planner = RolePlanner(config)
         self.stop = threading.Event()
-        self.interrupted = threading.Event()
-        """Set by a Ctrl-C (``run``), as is ``stop``."""
         self.generated: dict[tuple[str, int], float] = {}
         """The generation-token counter last seen of each engine process (URL, pid): what the
         fleet made between two observations, a switch's drain included (``generated_since``)."""
@@ -250,15 +216,8 @@ class PlannerLoop:
         engine was asked). Under asyncio.run's own SIGINT handler it would only cancel the loop's
         task at its next await, after a switch that may drain for minutes (seen: a Ctrl-C during
         the drain, and the planner switched the engine, then stopped)."""
-        with _interrupt_where_it_lands(self.stop, self.interrupted):
-            try:
-                asyncio.run(self._run(intervals, told))
-            except Exception as exc:  # (a stop signal's KeyboardInterrupt turned into another error on its way)
-                if self.interrupted.is_set():
-                    raise KeyboardInterrupt from exc
-                raise
-        if self.interrupted.is_set():  # (a Ctrl-C dropped where it landed: the loop saw it and ended)
-            raise KeyboardInterrupt
+        with interrupt_where_it_lands(self.stop):
+            asyncio.run(self._run(intervals, told))
 
     async def _run(self, intervals: int | None, told: Callable[[Decision], None] | None) -> None:
         done = 0
