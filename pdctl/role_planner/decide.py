@@ -550,7 +550,7 @@ class RolePlanner:
             return Decision(Action.STAY, f"{why}; no {donor} may switch (role_switch groups only)", figures=figures)
         # (to decode on a turn, prefills seen as decodes before need no graph capture: see _how_many)
         captured = sum(1 for e in movable if e.captured) if short is Role.DECODE and turned else 0
-        count, sized = self._how_many(short, loads, split, len(movable), captured, turned=bool(turned))
+        count, sized = self._how_many(short, loads, split, len(movable), captured, whole_batch=bool(turned or overrun))
         while count > 1 and self._tried(_moved(split, short, count), obs):
             count -= 1  # (a split it measured as no better is not a target either)
         picks = _cheapest(movable, short)[:count]
@@ -558,10 +558,11 @@ class RolePlanner:
             figures["balanced_prefills"] = sized
             names = ", ".join(e.id for e in picks)
             moved = _moved(split, short, count)
+            reading = "a turn" if turned else "a whole batch on one side"
             how = (
                 "balances the two roles at their capacities"
                 if sized is not None
-                else "is as far as a turn moves at once without a balance"
+                else f"is as far as {reading} moves at once without a balance"
             )
             why = f"{why}: {names} move to {short} ({moved[0]}:{moved[1]} {how})"
             more = tuple(e.id for e in picks[1:])
@@ -845,7 +846,7 @@ class RolePlanner:
         movable: int,
         captured: int = 0,
         *,
-        turned: bool = False,
+        whole_batch: bool = False,
     ) -> tuple[int, int | None]:
         """How many engines move to ``short`` at once, and the balanced split's prefill count:
         toward the split that serves the interval's workload best with both roles at their learned
@@ -859,11 +860,15 @@ class RolePlanner:
         an agentic step's tail a short decode queue moved four captured prefills at once (6:2 ->
         2:6), and the next step's burst took two decisions to move them back (0.88x, from 0.99x).
         One while a capacity or the interval's mix is not known (or under the latency objective),
-        except on a turn (``turned``), which then moves up to ``MOVE_SHARE`` of the fleet (not the
-        captured prefills past it: with no balance, nothing says how far): a whole batch queued per
-        engine on one side and none on the other is no reading to go one engine at a time on (at 8
-        engines a turn with no balance learned yet moved one decode back of the three the phase
-        before had taken, and the next came a cooldown later: 8 s of a 25 s phase at 7:1 and 6:2).
+        except on a turn or a whole batch queued on one side (``whole_batch``: its reading, outside
+        a move's window), which then moves up to ``MOVE_SHARE`` of the fleet (not the captured
+        prefills past it: with no balance, nothing says how far): a whole batch queued per engine on
+        one side and none on the other is no reading to go one engine at a time on (at 8 engines a
+        turn with no balance learned yet moved one decode back of the three the phase before had
+        taken, and the next came a cooldown later: 8 s of a 25 s phase at 7:1 and 6:2; a planner
+        new to the 30 s trace moved one decode to prefill at its first interval, 20 prompts queued
+        per prefill, and the second a cooldown later, 9 s into a phase of about 19 s: 1.13x, where
+        one that recalled its capacities moved both at once: 1.22x).
         One, too, when the balance says the fleet is there already but the queues say otherwise
         (the queues win)."""
         donor = other(short)
@@ -879,7 +884,7 @@ class RolePlanner:
             most -= 1
         if most <= 1:
             return 1, None
-        blind = min(most, move_bound(fleet)) if turned else 1  # (no balance to say how far: the bound)
+        blind = min(most, move_bound(fleet)) if whole_batch else 1  # (no balance to say how far: the bound)
         if self.config.objective is Objective.LATENCY:
             return blind, None
         best = self.balanced_prefills(loads)

@@ -1244,14 +1244,19 @@ def test_only_an_act_planner_settles_a_move_left_half_done(tmp_path, monkeypatch
 def test_a_whole_batch_queued_on_one_side_moves_without_the_streak() -> None:
     """The 8-engine 30 s shifting trace opened each phase with a whole batch queued per engine of
     one role (20 prompts per prefill, then 31.5 requests per decode) and nothing at the other: it
-    moves at that first interval, not the second. A queue under a batch, one with a queue at the
-    other role too, slots not said, the cooldown: the streak as before. A fleet that announces
-    steps (its bursts queue a batch by design; the step balance sizes them): its step keeps the
-    split its boundary set."""
+    moves at that first interval, not the second, and as far as a turn does with no balance
+    learned (a quarter of the fleet: 4:4 -> 6:2; a planner new to the trace moved one, and the
+    second a cooldown later). A queue under a batch, one with a queue at the other role too,
+    slots not said, the cooldown: the streak as before. A fleet that announces steps (its bursts
+    queue a batch by design; the step balance sizes them): its step keeps the split its boundary
+    set."""
     config = PlannerConfig(interval_secs=1, cooldown_secs=6, sustain=2)
     first = RolePlanner(config).decide(fleet(0, [(20, 1_000)] * 4, [(0, 1_500)] * 4, 16))
-    assert first.action is Action.SWITCH and first.to_role is P, first
+    assert first.action is Action.SWITCH and first.to_role is P and len(first.engines) == 2, first
     assert "20 waiting per prefill, a whole batch of 16 or more, so no sustain" in first.reason
+    assert "(6:2 is as far as a whole batch on one side moves at once without a balance)" in first.reason
+    small = RolePlanner(config).decide(fleet(0, [(20, 1_000)] * 2, [(0, 1_500)] * 2, 16))  # (at 4: one, the minimum)
+    assert small.action is Action.SWITCH and len(small.engines) == 1, small
     for prefills, decodes, slots in (
         ([(12, 1_000)] * 4, [(0, 1_500)] * 4, 16),  # under a batch
         ([(20, 1_000)] * 4, [(0, 1_500)] * 4, None),  # slots not said
