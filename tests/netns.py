@@ -70,6 +70,9 @@ class TestHost:
 
 
 OWNERS = Path("/run/pdctl-test-hosts")
+NETNS_ETC = Path("/etc/netns")
+"""``ip netns exec NS`` bind-mounts the files of /etc/netns/NS over /etc's: each test host's own
+hosts and resolv.conf (_names)."""
 """One file per claimed test host set (pdX), holding the pid of the suite that made it."""
 
 
@@ -137,6 +140,7 @@ class TestHosts:
                         with contextlib.suppress(ProcessLookupError, ValueError):
                             os.kill(int(p), signal.SIGKILL)
                     _run("ip", "netns", "del", ns, check=False)
+                    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
             for link in re.findall(rf"\d+: ({prefix}v\d+)[@:]", _run("ip", "-o", "link", check=False).stdout):
                 _run("ip", "link", "del", link, check=False)
             _run("ip", "link", "del", f"{prefix}br", check=False)
@@ -176,6 +180,21 @@ class TestHosts:
             _run(*ns, "ip", "link", "set", inner, "up")
             _run(*ns, "ip", "link", "set", "lo", "up")
             _run(*ns, "ip", "route", "add", "default", "via", self.gateway)
+        self._names()
+
+    def _names(self) -> None:
+        """Each test host resolves every address of the set, the control machine's (the gateway)
+        too, from its hosts file, and asks no nameserver: the machine's is not reachable from a
+        test host, so each reverse lookup (torch's c10d does one per connection: "the hostname of
+        the client socket cannot be retrieved") waited 10 s for its timeouts: about 30 s of a
+        cross-host weight push."""
+        system = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else "127.0.0.1 localhost\n"
+        ours = [f"{self.gateway} {self.prefix}-control"] + [f"{h.ip} {h.netns}" for h in self.hosts]
+        for host in self.hosts:
+            etc = NETNS_ETC / host.netns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(system.rstrip("\n") + "\n" + "\n".join(ours) + "\n")
+            (etc / "resolv.conf").write_text("# a pdctl test host: no nameserver (tests/netns.py)\n")
 
     def _keys(self) -> None:
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key))
@@ -265,6 +284,7 @@ class TestHosts:
                     host.sshd.kill()
                     host.sshd.wait(timeout=5)
             _run("ip", "netns", "del", host.netns, check=False)
+            shutil.rmtree(NETNS_ETC / host.netns, ignore_errors=True)
         for i in range(len(self.hosts)):
             _run("ip", "link", "del", f"{self.prefix}v{i}", check=False)
         if self.bridge:

@@ -25,9 +25,10 @@ def status_by_process(env: dict) -> dict[str, dict]:
     return {p["id"]: p for p in json.loads(st.stdout)["processes"]} | {"": {"ok": st.returncode == 0}}
 
 
-def router_url(env: dict, name: str) -> str:
-    """The cluster's router URL (its control-plane header kept in CONTROL for router_workers)."""
-    url = status_by_process(env)["router"]["url"]
+def router_url(env: dict, name: str, status: dict[str, dict] | None = None) -> str:
+    """The cluster's router URL (its control-plane header kept in CONTROL for router_workers), from
+    ``status`` (a ``status_by_process`` already read) or a new one."""
+    url = (status or status_by_process(env))["router"]["url"]
     CONTROL[url] = control_auth(name, env["PDCTL_HOME"])
     return url
 

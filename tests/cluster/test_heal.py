@@ -41,7 +41,7 @@ def test_killed_engines_and_router_come_back_on_their_ports_and_the_fleets_versi
     state = json.loads((tmp_path / "home" / "heal" / "state.json").read_text())
     try:
         status = status_by_process(env)
-        router = router_url(env, "heal")
+        router = router_url(env, "heal", status)
         urls = {i: status[i]["url"] for i in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
         with Clients(router) as clients:
             # 1. kill -9 of a decode under load: back on its port, 0 failed requests. No pdctl command

@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -201,7 +200,7 @@ def test_ctrl_c_during_an_apply_that_adds_an_engine(cluster, tmp_path, phase, si
     handler: test_the_three_stop_signals_reach_one_handler)."""
     env, name, topo = cluster
     body = yaml.safe_load(Path(topo).read_text())
-    body["decode"] = {"replicas": 3}
+    body["decode"] = {**body["decode"], "replicas": 3}  # (its args kept: decode-0 and -1 are not replaced)
     bigger = tmp_path / "bigger.yaml"
     bigger.write_text(yaml.safe_dump(body))
     code, out = interrupted("apply", str(bigger), at=phase, env=env, sig=sig)
@@ -240,6 +239,7 @@ def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) ->
     save_checkpoint(resolve_model("sim://tiny?seed=5", "auto", None), tmp_path / "ckpt")
     code, st = pdctl_status(env)
     router = next(p for p in st["processes"] if p["role"] == "router")["url"]
+    # 2,000 steps of 5 ms (near the tiny model's 2,048 positions): it outlasts the Ctrl-C and the request after it
     long = {"text": "a long one", "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
     answers: list = []
     client = threading.Thread(target=lambda: answers.append(post(router + "/generate", long, timeout=300)))
@@ -253,10 +253,10 @@ def test_ctrl_c_on_a_weights_load_while_it_holds_the_fleet(cluster, tmp_path) ->
     )
     code, out = interrupted("weights", "load", str(tmp_path / "ckpt"), name, at="draining the requests", env=env)
     assert code == 130 and "Traceback" not in out, out
-    started = time.monotonic()
     status_code, answer = post(router + "/generate", {"text": "right away", "sampling_params": {"max_new_tokens": 4}})
     assert status_code == 200, answer
-    assert time.monotonic() - started < 20, "the router held requests after the load went away"
+    # (answered while the request the load drained for still runs: the router did not hold it behind the drain)
+    assert client.is_alive() and not answers, "the router held requests after the load went away"
     client.join()
     assert answers[0][0] == 200
     weights = json.loads(pdctl("weights", "status", name, "--json", env=env).stdout)

@@ -270,8 +270,9 @@ def test_one_home_from_any_directory_and_logs_per_run(tmp_path) -> None:
     env["HOME"] = str(home)
     node = [{"name": "me", "host": "127.0.0.1", "gpus": 2}]  # default workdir: ~/.pdctl/runs
     base = free_port_base()
-    one = local_topology(tmp_path, "one", base, nodes=node)
-    two = local_topology(tmp_path, "two", base + 20, nodes=node)
+    # null engines: what is checked is where state and logs live (the sim ready line: test_local_cli_round_trip)
+    one = local_topology(tmp_path, "one", base, nodes=node, **NULL_ENGINES)
+    two = local_topology(tmp_path, "two", base + 20, nodes=node, **NULL_ENGINES)
 
     def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pdctl", *args], env=env, cwd=cwd, capture_output=True,
@@ -286,11 +287,11 @@ def test_one_home_from_any_directory_and_logs_per_run(tmp_path) -> None:
         assert summary.returncode == 0 and "one" in summary.stdout and "3/3" in summary.stdout, summary.stdout
         # 'one' is stopped, 'two' is the only live cluster: logs and down need no NAME
         log = run("logs", "prefill-0", cwd=there)
-        assert log.returncode == 0 and "ready to roll" in log.stdout, log.stderr
+        assert log.returncode == 0 and "pdctl.sim.null (prefill) on http://" in log.stdout, log.stderr
         unknown = run("logs", "nctest", cwd=there)
         assert unknown.returncode == 1 and "'nctest' is neither a cluster" in unknown.stderr
         # a refused up (its ports are taken by 'two') leaves no state, lock or directory behind
-        clash = local_topology(tmp_path, "clash", base + 20, nodes=node)
+        clash = local_topology(tmp_path, "clash", base + 20, nodes=node, **NULL_ENGINES)
         refused = run("up", clash, cwd=here)
         assert refused.returncode == 1 and "preflight failed" in refused.stderr
         assert not (home / ".pdctl" / "clash").exists()

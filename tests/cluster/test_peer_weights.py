@@ -377,14 +377,14 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
     assert up.returncode == 0, up.stderr
     try:
         _pushed(env, "peer")
-        router = router_url(env, "peer")
         status = status_by_process(env)
+        router = router_url(env, "peer", status)
         urls = {i: status[i]["url"] for i in ("prefill-0", "decode-0", "decode-1")}
         for url in urls.values():
             wait_in_rotation(router, url, "B")
         with Clients(router) as clients:
             # 1. kill -9 of a decode: its supervisor starts it from a peer at B, with no push.
-            old = status_by_process(env)["decode-0"]
+            old = status["decode-0"]
             os.kill(old["pid"], signal.SIGKILL)
             wait_back(env, "decode-0", old["pid"], 1)
             wait_in_rotation(router, urls["decode-0"], "B")
@@ -397,14 +397,15 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
             grown = _topology(tmp_path, "peer", base, decodes=3)
             applied = pdctl("apply", grown, env=env, timeout=600)
             assert applied.returncode == 0, applied.stderr
-            added = status_by_process(env)["decode-2"]
+            grown_status = status_by_process(env)
+            added = grown_status["decode-2"]
             wait_in_rotation(router, added["url"], "B")
             assert _story(tmp_path, "peer", "decode-2")["peer"]["state"] == "done"
             assert _checksums(added["url"], "peer", env) == EXPECTED
 
             # 3. `pdctl restart` of an engine: its new process takes B from a peer too, and the roll
             #    goes on (it stopped before, for an engine that had to wait for a push).
-            before = status_by_process(env)["decode-1"]
+            before = grown_status["decode-1"]
             restarted = pdctl("restart", "peer", "decode-1", env=env, timeout=600)
             assert restarted.returncode == 0, restarted.stderr
             assert status_by_process(env)["decode-1"]["pid"] != before["pid"]
@@ -414,7 +415,8 @@ def test_a_killed_decode_and_an_added_one_take_the_pushed_version_from_a_peer(tm
             # 4. two decodes killed at once, the trainer long gone: both take B from a peer (one
             #    found its seed busy with the other, loaded from disk and waited for a push that
             #    never came: now it asks again once a seed is free).
-            first, second = status_by_process(env)["decode-0"], status_by_process(env)["decode-2"]
+            now = status_by_process(env)
+            first, second = now["decode-0"], now["decode-2"]
             os.kill(first["pid"], signal.SIGKILL)
             os.kill(second["pid"], signal.SIGKILL)
             wait_back(env, "decode-0", first["pid"], 2)
@@ -442,10 +444,11 @@ def test_without_a_peer_of_its_tp_layout_a_killed_decode_waits_for_the_next_push
     assert up.returncode == 0, up.stderr
     try:
         _pushed(env, "lone")
-        router = router_url(env, "lone")
-        url = status_by_process(env)["decode-0"]["url"]
+        status = status_by_process(env)
+        router = router_url(env, "lone", status)
+        url = status["decode-0"]["url"]
         wait_in_rotation(router, url, "B")
-        old = status_by_process(env)["decode-0"]
+        old = status["decode-0"]
         os.kill(old["pid"], signal.SIGKILL)
         wait_back(env, "decode-0", old["pid"], 1)
 

@@ -19,6 +19,8 @@ def test_the_draft_head_learns_from_the_data_plane_and_down_leaves_nothing(tmp_p
     topo["ports"]["base"] = free_port_base()
     topo["nodes"][0]["workdir"] = str(tmp_path / "runs")
     topo["trainer"]["command"][topo["trainer"]["command"].index("60")] = "30"
+    # (its engines start once this watch of the trainer ends: the 10 s default would be waited out in full)
+    topo["trainer"]["startup_secs"] = 0.5
     path = tmp_path / "draft.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "PDCTL_HOME": str(tmp_path / "home")}
