@@ -64,9 +64,8 @@ def top(name: str | None, once: bool, as_json: bool, interval_secs: float, count
     state = load_state(store, name)
     keys = load_keys(store, name)
     frames = 1 if once else count
-    stopped = threading.Event()
     try:
-        with interrupt_where_it_lands(stopped):  # (a Ctrl-C something dropped still quits, at the next frame)
+        with interrupt_where_it_lands() as stopped:  # (a Ctrl-C something dropped still quits, at the next frame)
             asyncio.run(_watch(store, state, keys, interval_secs, frames, as_json, stopped))
     except KeyboardInterrupt:
         pass  # the way out of a live view: no traceback, no error
