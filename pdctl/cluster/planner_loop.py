@@ -96,6 +96,9 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
         steps=router.steps if router is not None else 0.0,
         step_prompt_tokens=router.step_prompt_tokens if router is not None else 0.0,
         step_requests=router.step_requests if router is not None else 0.0,
+        last_step_makespan=router.previous_step_secs
+        if router is not None and not router.previous_step_in_flight
+        else None,
     )
 
 

@@ -80,6 +80,12 @@ class RouterSample:
     """The prompt tokens the latest announced step said it will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step said it will send (0: not said)."""
+    previous_step: float = 0.0
+    """The step before the latest announced one (0: none; pdctl.router.planner_api.StepClock)."""
+    previous_step_secs: float = 0.0
+    """That step's time as its clients saw it: its first request's arrival to its last answer."""
+    previous_step_in_flight: float = 0.0
+    """That step's requests not yet answered (while any are, ``previous_step_secs`` is not final)."""
     waiting_for_room: float = 0.0
     """PD requests waiting in the router for an engine with room (late pairing: pdctl.router.pair_room)."""
     room_short: tuple[str, ...] = ()
@@ -162,6 +168,12 @@ def parse_router_metrics(text: str, into: RouterSample) -> None:
                 into.step_prompt_tokens = s.value
             elif s.name == "pdctl_router_step_requests":
                 into.step_requests = s.value
+            elif s.name == "pdctl_router_previous_step":
+                into.previous_step = s.value
+            elif s.name == "pdctl_router_previous_step_seconds":
+                into.previous_step_secs = s.value
+            elif s.name == "pdctl_router_previous_step_in_flight":
+                into.previous_step_in_flight = s.value
             elif s.name == "pdctl_router_pd_waiting_for_room":
                 into.waiting_for_room = s.value
             elif s.name == "pdctl_router_pd_room_short" and s.value:

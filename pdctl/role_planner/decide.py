@@ -88,15 +88,20 @@ step's requests are bound to their engines when it is sent, so the split it bega
 benchmarks/step_schedules.py). Once a step was measured at the split the balance names (without a
 balance: once two splits were), of steps of the announced one's size, the next step begins at the
 fastest measured split (the split now, if within ``BETTER_BY`` of it); a balance naming a split
-never measured is tried first, unless a measured split beat the split now. A step is timed from
-the interval in which its prefills have computed ``STEP_BEGUN`` of its announced prompt tokens,
-without the boundary's own switch; one whose burst was under way as that switch ended measures
-nothing. A step announced with its size keeps the split its boundary set (whatever it decided,
-unless the donors were still busy), once the fleet is there, the first of a workload too: the
-queues move no engine within it until an idle interval says its work is done (or it has run
-``OWNED_SPAN`` times the last step), since its burst queues by design and a move within it gives
-its bound requests nothing (the 8-engine agentic steps drained a decode for 10 s in each burst);
-what the queues read in it moves one engine at the next boundary when no balance sizes it.
+never measured is tried first, unless a measured split beat the split now or lies between the
+fastest measured and the balance's (a step's time over the split has one lowest point: the
+balance's lies past a rise). A step is timed by the router's clock, as its clients saw it (its
+first request's arrival to its last answer: pdctl.router.planner_api.StepClock), or where that
+is not known (some of its requests unanswered at the next boundary) by the planner's busy
+intervals from the one in which its prefills have computed ``STEP_BEGUN`` of its announced
+prompt tokens. Either way a step whose burst was under way as the boundary's own switch ended
+measures nothing, nor one with a switch within it. A step announced with its size keeps the
+split its boundary set (whatever it decided, unless the donors were still busy), once the fleet is
+there, the first of a workload too: the queues move no engine within it until an idle interval says
+its work is done (or it has run ``OWNED_SPAN`` times the last step), since its burst queues by
+design and a move within it gives its bound requests nothing (the 8-engine agentic steps drained a
+decode for 10 s in each burst); what the queues read in it moves one engine at the next boundary
+when no balance sizes it.
 
 The latency rule is the same with the bottleneck read from targets: prefill when the TTFT misses
 ``ttft_ms`` while the ITL meets ``itl_ms`` (or misses it by less), decode the other way round; the
@@ -221,6 +226,10 @@ class Observation:
     """The prompt tokens the latest announced step will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step will send (0: not said)."""
+    last_step_makespan: float | None = None
+    """The step before the latest announced one, as its clients saw it (the router's clock: its
+    first request's arrival to its last answer); None or 0: not known, or some of its requests
+    are not answered yet."""
     output_tokens: float | None = None
     """Output tokens the engines made since the last observation, by their counters (a switch's
     drain included, which no interval samples); None: not known (then the interval's rate times
@@ -705,7 +714,8 @@ class RolePlanner:
         split (with no balance: once two splits were), or when a measured split beat the split now
         by ``BETTER_BY``: the step then begins at the fastest measured split within the minimums,
         unless the split now was measured within ``BETTER_BY`` of it. Otherwise a balance whose
-        split was never measured is tried (the balance is a model; a step is a measurement)."""
+        split was never measured is tried (the balance is a model; a step is a measurement), unless
+        a measured split lies between it and the fastest measured: one lowest point, past a rise."""
         n = sum(split)
         times = self._times_like(obs, n)
         if not times:
@@ -713,7 +723,14 @@ class RolePlanner:
         fastest = min(times, key=lambda k: (times[k], abs(k - split[0])))
         now = times.get(split[0])
         beaten = now is not None and now > times[fastest] * (1 + BETTER_BY)
-        if not beaten and ((balanced not in times) if balanced is not None else len(times) < 2):
+        untried = balanced is not None and balanced not in times
+        if balanced is not None and untried and any(min(fastest, balanced) < k < max(fastest, balanced) for k in times):
+            # (a step's time over its prefill count is the longer of a falling prefill time and a
+            # rising decode time: it has one lowest point. A split measured slower than the fastest
+            # on the way to the balance's says the balance's lies past it; an 8-engine agentic step
+            # tried the balance's 3:5 at 20.2 s after 5:3 and 4:4 were measured: 16.1 and 17.1 s)
+            untried = False
+        if not beaten and (untried if balanced is not None else len(times) < 2):
             return None  # (the balance's split untried, which it may try; or, with none, nothing to compare)
         if now is not None and not beaten:
             fastest = split[0]
@@ -831,7 +848,12 @@ class RolePlanner:
             self.learned_prompt_per = ended.prompt_tokens / size if per_request else None
             measured = ended.measured()
             if measured is not None:
-                self.step_times[measured[0]] = (measured[1], ended.size)
+                # (the router's clock, where it has one, times the step as its clients saw it: the
+                # busy intervals counted here miss or add up to a second at each end of it, and an
+                # 8-engine agentic step at 5:3 counted 17.5 s where its client saw 16.1 s, enough
+                # to rank it behind 4:4's 17.1 s: benchmarks/results/planner_8_steps_six_at_1af7ace)
+                secs = obs.last_step_makespan or measured[1]
+                self.step_times[measured[0]] = (secs, ended.size)
             self.last_step_size = ended.size
             self.last_step_held_back = _mostly(ended.held_back) if measured is not None else None
         if self._other_workload(obs):

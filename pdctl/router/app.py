@@ -220,6 +220,9 @@ class RouterServer:
             if problem is not None:
                 status = 400
                 return errors.error_response(400, errors.BAD_REQUEST, problem, headers)
+            timed = self.planner_api.clock.arrived()  # (a step's time is its clients': from arrival)
+            if timed is not None:
+                ends.append(timed)
             admission = self.admission
             if admission.slots is not None:
                 ends.append(await admission.slot())

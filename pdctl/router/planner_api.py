@@ -2,14 +2,19 @@
 (``POST /pdctl/step``: a new batch is coming), the planner reports each decision (``POST
 /pdctl/planner``), and both are counted in the router's metrics, which the planner reads back
 and Prometheus scrapes (``pdctl_router_step_boundaries_total``, ``pdctl_planner_decisions_total``).
-``GET /pdctl/planner`` shows the latest of each. The router is the cluster's one HTTP face that
-always runs: the planner process serves nothing, and a trainer already holds the router's URL
-and control key (``PDCTL_ROUTER_URL``, ``PDCTL_CONTROL_KEY``). Writes need the control key.
+``GET /pdctl/planner`` shows the latest of each. The router also times each announced step as its
+clients see it (``StepClock``: from the first generation request that arrived after its boundary
+to the last answer of those that did), which the planner takes as the step's time. The router is
+the cluster's one HTTP face that always runs: the planner process serves nothing, and a trainer
+already holds the router's URL and control key (``PDCTL_ROUTER_URL``, ``PDCTL_CONTROL_KEY``).
+Writes need the control key.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -30,6 +35,75 @@ DECISION_LABELS = {
 }
 """The labels of a reported decision, each from the planner's own closed sets: a caller cannot
 grow the metric's series."""
+
+
+@dataclass
+class _StepTimes:
+    first_at: float
+    last_done_at: float | None = None
+    in_flight: int = 0
+
+    def done(self) -> None:
+        self.in_flight -= 1
+        self.last_done_at = time.monotonic()
+
+
+class StepClock:
+    """Each announced step's makespan as its clients see it: from the first generation request that
+    arrived after its boundary to the last answer of those requests (failed or cancelled ones
+    too), each request counted to the step it arrived in, so a last step's tail answered after
+    the boundary is not the next step's. Exported for the step before the latest announced one
+    (the one a planner learns from at the new boundary): ``pdctl_router_previous_step`` (its
+    number, 0: none), ``pdctl_router_previous_step_seconds`` (0: no request arrived in it) and
+    ``pdctl_router_previous_step_in_flight`` (its requests not yet answered: while any are, the
+    seconds are not its makespan yet). Nothing is counted before the first boundary."""
+
+    def __init__(self, metrics: RouterMetrics):
+        r = metrics.registry
+        self.step = 0
+        self._times: dict[int, _StepTimes] = {}
+        """The latest announced step's and the one before's (a request keeps its own step's object)."""
+        Gauge(
+            "pdctl_router_previous_step", "The step before the latest announced one (0: none)", registry=r
+        ).set_function(lambda: max(0, self.step - 1))
+        Gauge(
+            "pdctl_router_previous_step_seconds",
+            "The step before the latest announced one: from its first request's arrival to its last answer",
+            registry=r,
+        ).set_function(lambda: self.seconds(self.step - 1))
+        Gauge(
+            "pdctl_router_previous_step_in_flight",
+            "Requests of the step before the latest announced one not yet answered",
+            registry=r,
+        ).set_function(lambda: self._in_flight(self.step - 1))
+
+    def boundary(self) -> None:
+        """A step boundary was announced: requests from now on are the new step's."""
+        self.step += 1
+        self._times = {s: t for s, t in self._times.items() if s == self.step - 1}
+
+    def arrived(self) -> Callable[[], None] | None:
+        """A generation request arrived: counted to the step under way; the callable marks its
+        answer ended. None before the first boundary (nothing to time)."""
+        if not self.step:
+            return None
+        times = self._times.get(self.step)
+        if times is None:
+            times = self._times[self.step] = _StepTimes(time.monotonic())
+        times.in_flight += 1
+        return times.done
+
+    def seconds(self, step: int) -> float:
+        """Step ``step``'s time so far: its first arrival to its last answer (0: none answered or
+        not kept)."""
+        times = self._times.get(step)
+        if times is None or times.last_done_at is None:
+            return 0.0
+        return times.last_done_at - times.first_at
+
+    def _in_flight(self, step: int) -> int:
+        times = self._times.get(step)
+        return times.in_flight if times is not None else 0
 
 
 class PlannerApi:
@@ -56,6 +130,7 @@ class PlannerApi:
             list(DECISION_LABELS),
             registry=r,
         )
+        self.clock = StepClock(metrics)
         self.step_count = 0
         self.last_step: dict[str, Any] | None = None
         self.last_decision: dict[str, Any] | None = None
@@ -79,6 +154,7 @@ class PlannerApi:
         if problem is not None:
             return errors.error_response(400, errors.BAD_REQUEST, problem)
         self.steps.inc()
+        self.clock.boundary()
         self.step_count += 1
         self.step_prompt_tokens.set(said["prompt_tokens"])
         self.step_requests.set(said["requests"])

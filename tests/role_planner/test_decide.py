@@ -499,6 +499,13 @@ def stepping(
     return Observation(at, tuple(engines), steps=steps, step_prompt_tokens=tokens, step_requests=requests)
 
 
+def working(o: Observation) -> Observation:
+    """``o`` with its prefills at work (a step's interval: it begins with its prefills)."""
+    return replace(
+        o, engines=tuple(replace(e, running=1, tokens_per_s=30_000) if e.role is P else e for e in o.engines)
+    )
+
+
 def test_after_a_whole_step_a_step_boundary_moves_toward_the_split_that_finishes_the_next_soonest() -> None:
     """8 engines: prefills do 30,000 prompt tokens/s and decodes 1,000 output tokens/s each, learned
     while backlogged. A step of 128 requests is announced and makes 24,000 output tokens before the
@@ -602,12 +609,6 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     them; a restarted planner recalls them. A boundary that moved nothing because its donors were
     still busy leaves the queues their rules. A step with a switch in it is no measure."""
 
-    def working(o: Observation) -> Observation:
-        """``o`` with its prefills at work (a step's interval: it begins with its prefills)."""
-        return replace(
-            o, engines=tuple(replace(e, running=1, tokens_per_s=30_000) if e.role is P else e for e in o.engines)
-        )
-
     def one_step_at_6_2(told: list[Decision] | None = None) -> RolePlanner:
         """A planner that learned both capacities and saw one step at 6:2: 12 s, 24,000 output tokens."""
         planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
@@ -693,6 +694,40 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     chooser.step_times = {(6, 2): (20.0, (128, "request")), (4, 4): (12.0, (128, "request"))}
     assert chooser._measured(sized, (6, 2), 5)[0] == 4
     assert chooser._measured(sized, (4, 4), 5) is None  # (at the fastest: 5:3 may be tried)
+
+
+def test_a_step_is_timed_by_the_routers_clock_and_a_balance_past_a_rise_is_not_tried() -> None:
+    """A step's time is the router's (its clients' view: first arrival to last answer) where the
+    boundary's observation has it, else the planner's busy intervals; and the balance's untried
+    split is not tried when a measured split lies between it and the fastest measured (one lowest
+    point: it lies past a rise). The 8-engine agentic path: 4:4 17.1 s, 5:3 16.1 s, the balance
+    saying 3:5."""
+    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+
+    planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))
+    planner.decide(stepping(2, (6, 2), 1, 1_000_000, 128))
+    planner.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))
+    clocked = planner.decide(replace(stepping(20, (6, 2), 2, 1_000_000, 128), last_step_makespan=9.5))
+    assert planner.step_times == {(6, 2): (9.5, (128, "request"))}, planner.step_times
+    assert clocked.figures["step_times"] == {"6:2": {"secs": 9.5, "size": 128, "unit": "request"}}
+    assert planner.last_step_secs == 12  # (the busy intervals still bound a step's ownership)
+    unclocked = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    for o in (
+        stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
+        stepping(2, (6, 2), 1, 1_000_000, 128),
+        working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
+        stepping(20, (6, 2), 2, 1_000_000, 128),  # (some of its requests unanswered: no clock)
+    ):
+        unclocked.decide(o)
+    assert unclocked.step_times == {(6, 2): (12.0, (128, "request"))}, unclocked.step_times
+
+    chooser = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
+    chooser.step_times = {(5, 3): (16.1, (128, "request")), (4, 4): (17.1, (128, "request"))}
+    sized = stepping(0, (5, 3), 1, 1_000_000, 128)
+    kept = chooser._measured(sized, (5, 3), 3)
+    assert kept is not None and kept[0] == 5, kept  # (3:5 lies past 4:4, slower than 5:3)
+    assert chooser._measured(sized, (5, 3), 6) is None  # (6:2, next to the fastest, may be tried)
+    assert chooser._measured(stepping(0, (4, 4), 1, 1_000_000, 128), (4, 4), 3)[0] == 5  # (from 4:4 too)
 
 
 def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
