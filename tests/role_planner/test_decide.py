@@ -610,8 +610,9 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     still busy leaves the queues their rules. A step with a switch in it is no measure."""
 
     def one_step_at_6_2(told: list[Decision] | None = None) -> RolePlanner:
-        """A planner that learned both capacities and saw one step at 6:2: 12 s, 24,000 output tokens."""
-        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+        """A planner that learned both capacities and saw one step at 6:2: 12 s, 24,000 output tokens
+        (two decodes at least: 7:1, past 6:2, is no split for it to try)."""
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, min_prefill=1, min_decode=2))
         for o in (
             stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
             stepping(2, (6, 2), 1, 1_000_000, 128),
@@ -692,7 +693,8 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     sized = stepping(0, (6, 2), 1, 1_000_000, 128)
     chooser = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
     chooser.step_times = {(6, 2): (20.0, (128, "request")), (4, 4): (12.0, (128, "request"))}
-    assert chooser._measured(sized, (6, 2), 5)[0] == 4
+    # (at 6:2 it goes toward 4:4, the fastest, and past it to 3:5, on the side no step measured)
+    assert chooser._measured(sized, (6, 2), 5)[0] == 3
     assert chooser._measured(sized, (4, 4), 5) is None  # (at the fastest: 5:3 may be tried)
 
 
@@ -724,10 +726,21 @@ def test_a_step_is_timed_by_the_routers_clock_and_a_balance_past_a_rise_is_not_t
     chooser = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
     chooser.step_times = {(5, 3): (16.1, (128, "request")), (4, 4): (17.1, (128, "request"))}
     sized = stepping(0, (5, 3), 1, 1_000_000, 128)
-    kept = chooser._measured(sized, (5, 3), 3)
-    assert kept is not None and kept[0] == 5, kept  # (3:5 lies past 4:4, slower than 5:3)
-    assert chooser._measured(sized, (5, 3), 6) is None  # (6:2, next to the fastest, may be tried)
-    assert chooser._measured(stepping(0, (4, 4), 1, 1_000_000, 128), (4, 4), 3)[0] == 5  # (from 4:4 too)
+    # 3:5 lies past 4:4, slower than 5:3: not tried; 6:2, past 5:3 on the side no step measured, is
+    # (the balance naming it or not), once.
+    probe = chooser._measured(sized, (5, 3), 3)
+    assert probe is not None and probe[0] == 6 and "6:2 past it, never measured, is tried once" in probe[1], probe
+    assert chooser._measured(sized, (5, 3), 6) is None  # (the balance's own untried 6:2: the balance moves)
+    assert chooser._measured(stepping(0, (4, 4), 1, 1_000_000, 128), (4, 4), 3)[0] == 6  # (from 4:4 too)
+    chooser.step_times[(6, 2)] = (18.8, (128, "request"))
+    assert chooser._measured(sized, (5, 3), 3) == (
+        5,
+        "this workload's last steps by the split they began at: 4:4 17.1 s, 5:3 16.1 s, 6:2 18.8 s, so 5:3",
+    )
+    # Past a minimum nothing is tried: the fastest is kept.
+    at_least_three = RolePlanner(PlannerConfig(interval_secs=2, min_prefill=1, min_decode=3))
+    at_least_three.step_times = {(5, 3): (16.1, (128, "request")), (4, 4): (17.1, (128, "request"))}
+    assert at_least_three._measured(sized, (5, 3), 3)[0] == 5
 
 
 def test_a_step_is_balanced_on_the_capacities_its_own_workload_showed() -> None:
