@@ -25,13 +25,13 @@ import aiohttp
 from pdctl.cluster.keys import ClusterKeys, load_keys
 from pdctl.cluster.nodes import Events, quiet
 from pdctl.cluster.planner_record import KEEP_DECISIONS, append_decision, recent_decisions
-from pdctl.cluster.sampling import EngineSample, Sample, Sampler
+from pdctl.cluster.sampling import EngineSample, RouterSample, Sample, Sampler
 from pdctl.cluster.state import ClusterState, Phase, StateStore
 from pdctl.cluster.switch import left_behind, settle_half_done, switch_all
 from pdctl.cluster.watch import quantile
 from pdctl.errors import LifecycleError
 from pdctl.role_planner.config import PlannerConfig, PlannerMode
-from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner
+from pdctl.role_planner.decide import Action, ClockedStep, Decision, EngineLoad, Observation, RolePlanner
 from pdctl.roles import Role
 from pdctl.signals import interrupt_where_it_lands
 from pdctl.step_hint import PLANNER_PATH
@@ -96,10 +96,15 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
         steps=router.steps if router is not None else 0.0,
         step_prompt_tokens=router.step_prompt_tokens if router is not None else 0.0,
         step_requests=router.step_requests if router is not None else 0.0,
-        last_step_makespan=router.previous_step_secs
-        if router is not None and not router.previous_step_in_flight
-        else None,
+        last_step_clock=_clocked(router),
     )
+
+
+def _clocked(router: RouterSample | None) -> ClockedStep | None:
+    """The step before the latest announced one as the router timed it, once all of it was answered."""
+    if router is None or router.previous_step_in_flight or router.previous_step_secs <= 0:
+        return None
+    return ClockedStep(router.previous_step_secs, router.previous_step_requests, router.previous_step_age_secs)
 
 
 def with_router_queue(loads: list[EngineLoad], waiting: float, short: tuple[str, ...]) -> list[EngineLoad]:

@@ -86,6 +86,10 @@ class RouterSample:
     """That step's time as its clients saw it: its first request's arrival to its last answer."""
     previous_step_in_flight: float = 0.0
     """That step's requests not yet answered (while any are, ``previous_step_secs`` is not final)."""
+    previous_step_requests: float = 0.0
+    """The requests the router timed in that step (at most what its boundary said)."""
+    previous_step_age_secs: float = 0.0
+    """Seconds since that step's first request arrived, as the router read its clock for this sample."""
     waiting_for_room: float = 0.0
     """PD requests waiting in the router for an engine with room (late pairing: pdctl.router.pair_room)."""
     room_short: tuple[str, ...] = ()
@@ -174,6 +178,10 @@ def parse_router_metrics(text: str, into: RouterSample) -> None:
                 into.previous_step_secs = s.value
             elif s.name == "pdctl_router_previous_step_in_flight":
                 into.previous_step_in_flight = s.value
+            elif s.name == "pdctl_router_previous_step_requests":
+                into.previous_step_requests = s.value
+            elif s.name == "pdctl_router_previous_step_age_seconds":
+                into.previous_step_age_secs = s.value
             elif s.name == "pdctl_router_pd_waiting_for_room":
                 into.waiting_for_room = s.value
             elif s.name == "pdctl_router_pd_room_short" and s.value:

@@ -82,22 +82,23 @@ one, only when that step took no longer than its prefill would at the split now 
 more (else its prefill did not bound it). Either way a move is bounded as any other (``MOVE_SHARE``,
 the minimums); the usual rules take over once the burst is in.
 
-Measured steps outrank the balance, which is a model: the planner keeps, per workload, the busy
-seconds of the last step begun at each split with no switch within it (with pairing on arrival a
-step's requests are bound to their engines when it is sent, so the split it began at sets its time:
+Measured steps outrank the balance, which is a model: the planner keeps, per workload, the time
+of the last step begun at each split with no switch within it (with pairing on arrival a step's
+requests are bound to their engines when it is sent, so the split it began at sets its time:
 benchmarks/step_schedules.py). Once a step was measured at the split the balance names (without a
 balance: once two splits were), of steps of the announced one's size, the next step begins at the
 fastest measured split (the split now, if within ``BETTER_BY`` of it); a balance naming a split
-never measured is tried first, unless a measured split beat the split now or lies between the
-fastest measured and the balance's (a step's time over the split has one lowest point: the
-balance's lies past a rise); and where the steps measured lie on one side of the fastest only,
-the split one engine past it on the other is tried once (the lowest point may lie there). A step
-is timed by the router's clock, as its clients saw it (its
-first request's arrival to its last answer: pdctl.router.planner_api.StepClock), or where that
-is not known (some of its requests unanswered at the next boundary) by the planner's busy
-intervals from the one in which its prefills have computed ``STEP_BEGUN`` of its announced
-prompt tokens. Either way a step whose burst was under way as the boundary's own switch ended
-measures nothing, nor one with a switch within it. A step announced with its size keeps the
+never measured is tried first, unless a measured split beat the split now, or one measured slower
+than the fastest by ``BETTER_BY`` lies between the fastest and the balance's (a step's time over
+the split has one lowest point: the balance's lies past a rise); and where the steps measured lie
+on one side of the fastest only, the split one engine past it on the other is tried once (the
+lowest point may lie there). A step that said its requests and sent that many is timed by the
+router's clock, as its clients saw it (its first request's arrival to its last answer:
+pdctl.router.planner_api.StepClock); any other (requests not said, or some unanswered at the
+next boundary) by the planner's busy intervals from the one in which its prefills have computed
+``STEP_BEGUN`` of its announced prompt tokens; the two clocks are not compared. A step whose burst
+was under way as the boundary's own switch ended measures nothing, nor one with a switch within
+it. A step announced with its size keeps the
 split its boundary set (whatever it decided, unless the donors were still busy), once the fleet is
 there, the first of a workload too: the queues move no engine within it until an idle interval says
 its work is done (or it has run ``OWNED_SPAN`` times the last step), since its burst queues by
@@ -210,6 +211,22 @@ class EngineLoad:
     planner knows only what it saw: restarted, it takes every prefill as not captured."""
 
 
+ROUTER_CLOCK, BUSY_CLOCK = "router", "busy"
+"""What timed a measured step: the router's clock (its clients' view), or the planner's busy intervals."""
+
+
+@dataclass(frozen=True)
+class ClockedStep:
+    """A step as the router's clock timed it (pdctl.router.planner_api.StepClock)."""
+
+    secs: float
+    """From its first request's arrival to its last answer."""
+    requests: float
+    """The requests it timed (at most what its boundary said)."""
+    age_secs: float
+    """Seconds from its first request's arrival to the sample that read it."""
+
+
 @dataclass(frozen=True)
 class Observation:
     """The fleet over one interval, as the planner reads it: each engine's load, any hold, the
@@ -228,10 +245,9 @@ class Observation:
     """The prompt tokens the latest announced step will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step will send (0: not said)."""
-    last_step_makespan: float | None = None
-    """The step before the latest announced one, as its clients saw it (the router's clock: its
-    first request's arrival to its last answer); None or 0: not known, or some of its requests
-    are not answered yet."""
+    last_step_clock: ClockedStep | None = None
+    """The step before the latest announced one as the router's clock timed it; None: not known,
+    none of its requests answered, or some not yet."""
     output_tokens: float | None = None
     """Output tokens the engines made since the last observation, by their counters (a switch's
     drain included, which no interval samples); None: not known (then the interval's rate times
@@ -415,11 +431,11 @@ class RolePlanner:
         another workload (a reasoning step's 216 against an agentic step's 9,000 at 8 engines), whose
         answers the last step's say nothing of."""
         self.last_at: float | None = None
-        self.step_times: dict[tuple[int, int], tuple[float, tuple[float, str]]] = {}
-        """This workload's whole steps: the busy seconds and size (``StepUnderWay.size``) of the last one
-        begun at each split. With pairing on arrival a step's requests are bound to their engines
-        when it is sent, so the split it began at sets its time (benchmarks/step_schedules.py: no
-        move within it changes it)."""
+        self.step_times: dict[tuple[int, int], tuple[float, tuple[float, str], str]] = {}
+        """This workload's whole steps: the seconds, size (``StepUnderWay.size``) and clock
+        (``ROUTER_CLOCK`` or ``BUSY_CLOCK``) of the last one begun at each split. With pairing on
+        arrival a step's requests are bound to their engines when it is sent, so the split it began
+        at sets its time (benchmarks/step_schedules.py: no move within it changes it)."""
         self.last_step_size: tuple[float, str] = (0.0, "")
         """The last whole step's size as announced (``StepUnderWay.size``)."""
         self.last_step_held_back: tuple[Role, int, int] | None = None
@@ -463,7 +479,11 @@ class RolePlanner:
             if isinstance(figures.get("step_times"), Mapping):  # (a boundary's: this workload's steps so far)
                 with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
                     self.step_times = {
-                        _parse_split(split): (float(t["secs"]), (float(t["size"]), str(t["unit"])))
+                        _parse_split(split): (
+                            float(t["secs"]),
+                            (float(t["size"]), str(t["unit"])),
+                            str(t.get("clock", BUSY_CLOCK)),  # (a record from before it said: busy intervals)
+                        )
                         for split, t in figures["step_times"].items()
                     }
             learned = figures.get("step_learned") or {}
@@ -607,8 +627,8 @@ class RolePlanner:
         self.step.target = split if self.step.size[0] > 0 else None
         figures["workload_capacity"] = {r.value: round(v, 1) for r, v in self.workload_capacity.items()}
         figures["step_times"] = {  # (what a restarted planner recalls; the split each step began at)
-            f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit}
-            for (k, d), (t, (size, unit)) in sorted(self.step_times.items())
+            f"{k}:{d}": {"secs": round(t, 2), "size": size, "unit": unit, "clock": clock}
+            for (k, d), (t, (size, unit), clock) in sorted(self.step_times.items())
         }
         why = f"a step boundary ({tokens:.0f} prompt tokens)"
         if tokens <= 0 or not capacity or not prefill.engines:
@@ -718,21 +738,25 @@ class RolePlanner:
         unless the split now was measured within ``BETTER_BY`` of it, or one engine past that split
         on its side no step measured, once (``_past_the_fastest``). Otherwise a balance whose
         split was never measured is tried (the balance is a model; a step is a measurement), unless
-        a measured split lies between it and the fastest measured: one lowest point, past a rise."""
+        a split measured slower than the fastest by ``BETTER_BY`` lies between it and the fastest:
+        one lowest point, past a rise."""
         n = sum(split)
         times = self._times_like(obs, n)
         if not times:
             return None
         fastest = min(times, key=lambda k: (times[k], abs(k - split[0])))
         now = times.get(split[0])
-        beaten = now is not None and now > times[fastest] * (1 + BETTER_BY)
+        rise = times[fastest] * (1 + BETTER_BY)
+        beaten = now is not None and now > rise
         untried = balanced is not None and balanced not in times
-        if balanced is not None and untried and any(min(fastest, balanced) < k < max(fastest, balanced) for k in times):
+        if balanced is not None and untried:
             # (a step's time over its prefill count is the longer of a falling prefill time and a
-            # rising decode time: it has one lowest point. A split measured slower than the fastest
-            # on the way to the balance's says the balance's lies past it; an 8-engine agentic step
-            # tried the balance's 3:5 at 20.2 s after 5:3 and 4:4 were measured: 16.1 and 17.1 s)
-            untried = False
+            # rising decode time: it has one lowest point. A split measured slower than the fastest,
+            # beyond the noise, on the way to the balance's says the balance's lies past it; an
+            # 8-engine agentic step tried the balance's 3:5 at 20.2 s after 5:3 and 4:4 were
+            # measured: 16.1 and 17.1 s)
+            low, high = sorted((fastest, balanced))
+            untried = not any(low < k < high and t > rise for k, t in times.items())
         if not beaten and (untried if balanced is not None else len(times) < 2):
             return None  # (the balance's split untried, which it may try; or, with none, nothing to compare)
         if now is not None and not beaten:
@@ -761,13 +785,16 @@ class RolePlanner:
     def _times_like(self, obs: Observation, n: int) -> dict[int, float]:
         """The measured busy seconds of this workload's steps of the announced one's size (within
         ``SAME_MIX``, in the same unit) on ``n`` engines, by the prefill count they began at, within
-        the minimums."""
+        the minimums; timed by the router's clock only, if any of them was (the two clocks are not
+        compared: the busy intervals read up to a second or two over a step's client time)."""
         size, unit = _size_of(obs)
-        return {
-            k: t
-            for (k, d), (t, (was, was_unit)) in self.step_times.items()
+        like = {
+            k: (t, clock)
+            for (k, d), (t, (was, was_unit), clock) in self.step_times.items()
             if k + d == n and self._within(n, k) and was_unit == unit and _same_mix(was, size)
         }
+        router = any(clock == ROUTER_CLOCK for _, clock in like.values())
+        return {k: t for k, (t, clock) in like.items() if clock == ROUTER_CLOCK or not router}
 
     def _held_back_by(self, split: tuple[int, int], obs: Observation) -> tuple[Role, int, int] | None:
         """The role that held the last whole step back at ``split`` (``last_step_held_back``), when
@@ -868,13 +895,20 @@ class RolePlanner:
             per_request = unit == "request" and ended.prompt_tokens > 0
             self.learned_prompt_per = ended.prompt_tokens / size if per_request else None
             measured = ended.measured()
-            if measured is not None:
-                # (the router's clock, where it has one, times the step as its clients saw it: the
-                # busy intervals counted here miss or add up to a second at each end of it, and an
-                # 8-engine agentic step at 5:3 counted 17.5 s where its client saw 16.1 s, enough
-                # to rank it behind 4:4's 17.1 s: benchmarks/results/planner_8_steps_six_at_1af7ace)
-                secs = obs.last_step_makespan or measured[1]
-                self.step_times[measured[0]] = (secs, ended.size)
+            clock = obs.last_step_clock
+            if measured is not None and clock is not None and unit == "request" and clock.requests == size:
+                # (the router's clock times the step as its clients saw it: the busy intervals
+                # counted here miss or add up to a second at each end of it, and an 8-engine agentic
+                # step at 5:3 counted 17.5 s where its client saw 16.1 s, enough to rank it behind
+                # 4:4's 17.1 s: benchmarks/results/planner_8_steps_six_at_1af7ace)
+                switch_at = ended.boundary_switch_at
+                if switch_at is not None and clock.age_secs > obs.at - switch_at:
+                    measured = None  # (its first request came before the boundary's own switch ended)
+                else:
+                    measured = (measured[0], clock.secs)
+                    self.step_times[measured[0]] = (clock.secs, ended.size, ROUTER_CLOCK)
+            elif measured is not None:
+                self.step_times[measured[0]] = (measured[1], ended.size, BUSY_CLOCK)
             self.last_step_size = ended.size
             self.last_step_held_back = _mostly(ended.held_back) if measured is not None else None
         if self._other_workload(obs):

@@ -39,8 +39,11 @@ grow the metric's series."""
 
 @dataclass
 class _StepTimes:
-    first_at: float
+    said: int
+    """The requests its boundary said it would send (0: not said)."""
+    first_at: float = 0.0
     last_done_at: float | None = None
+    arrived: int = 0
     in_flight: int = 0
 
     def done(self) -> None:
@@ -52,44 +55,52 @@ class StepClock:
     """Each announced step's makespan as its clients see it: from the first generation request that
     arrived after its boundary to the last answer of those requests (failed or cancelled ones
     too), each request counted to the step it arrived in, so a last step's tail answered after
-    the boundary is not the next step's. Exported for the step before the latest announced one
-    (the one a planner learns from at the new boundary): ``pdctl_router_previous_step`` (its
-    number, 0: none), ``pdctl_router_previous_step_seconds`` (0: no request arrived in it) and
-    ``pdctl_router_previous_step_in_flight`` (its requests not yet answered: while any are, the
-    seconds are not its makespan yet). Nothing is counted before the first boundary."""
+    the boundary is not the next step's. A boundary that said its ``requests`` (M) times its
+    first M arrivals only: a request sent after the step's own (an eval, a smoke test while the
+    trainer trains) is not the step's, and a step whose arrivals differ from M is no measure to
+    a planner (``pdctl_router_previous_step_requests``). Exported for the step before the latest
+    announced one (the one a planner learns from at the new boundary): ``pdctl_router_previous_step``
+    (its number, 0: none), ``..._seconds`` (0: none answered), ``..._in_flight`` (its requests not
+    yet answered: while any are, the seconds are not its makespan yet), ``..._requests`` (the
+    requests it timed) and ``..._age_seconds`` (from its first arrival to the scrape: a planner
+    tells by it whether the step's burst came before a switch ended). Nothing is counted before
+    the first boundary."""
 
     def __init__(self, metrics: RouterMetrics):
         r = metrics.registry
         self.step = 0
         self._times: dict[int, _StepTimes] = {}
         """The latest announced step's and the one before's (a request keeps its own step's object)."""
-        Gauge(
-            "pdctl_router_previous_step", "The step before the latest announced one (0: none)", registry=r
-        ).set_function(lambda: max(0, self.step - 1))
-        Gauge(
-            "pdctl_router_previous_step_seconds",
-            "The step before the latest announced one: from its first request's arrival to its last answer",
-            registry=r,
-        ).set_function(lambda: self.seconds(self.step - 1))
-        Gauge(
-            "pdctl_router_previous_step_in_flight",
-            "Requests of the step before the latest announced one not yet answered",
-            registry=r,
-        ).set_function(lambda: self._in_flight(self.step - 1))
+        for name, what, read in (
+            ("", "The step before the latest announced one (0: none)", lambda: max(0, self.step - 1)),
+            (
+                "_seconds",
+                "... from its first request's arrival to its last answer",
+                lambda: self.seconds(self.step - 1),
+            ),
+            ("_in_flight", "... its requests not yet answered", lambda: self._read(self.step - 1, "in_flight")),
+            ("_requests", "... the requests it timed", lambda: self._read(self.step - 1, "arrived")),
+            ("_age_seconds", "... seconds since its first request arrived", lambda: self.age(self.step - 1)),
+        ):
+            help_text = what.replace("...", "The step before the latest announced one:")
+            Gauge(f"pdctl_router_previous_step{name}", help_text, registry=r).set_function(read)
 
-    def boundary(self) -> None:
-        """A step boundary was announced: requests from now on are the new step's."""
+    def boundary(self, requests: int = 0) -> None:
+        """A step boundary was announced, saying it will send ``requests`` (0: not said): requests
+        from now on are the new step's."""
         self.step += 1
         self._times = {s: t for s, t in self._times.items() if s == self.step - 1}
+        self._times[self.step] = _StepTimes(requests)
 
     def arrived(self) -> Callable[[], None] | None:
         """A generation request arrived: counted to the step under way; the callable marks its
-        answer ended. None before the first boundary (nothing to time)."""
-        if not self.step:
-            return None
+        answer ended. None before the first boundary, and past the requests the step said."""
         times = self._times.get(self.step)
-        if times is None:
-            times = self._times[self.step] = _StepTimes(time.monotonic())
+        if times is None or (times.said and times.arrived >= times.said):
+            return None
+        if not times.arrived:
+            times.first_at = time.monotonic()
+        times.arrived += 1
         times.in_flight += 1
         return times.done
 
@@ -101,9 +112,14 @@ class StepClock:
             return 0.0
         return times.last_done_at - times.first_at
 
-    def _in_flight(self, step: int) -> int:
+    def age(self, step: int) -> float:
+        """Seconds since step ``step``'s first request arrived (0: none did, or not kept)."""
         times = self._times.get(step)
-        return times.in_flight if times is not None else 0
+        return time.monotonic() - times.first_at if times is not None and times.arrived else 0.0
+
+    def _read(self, step: int, field: str) -> int:
+        times = self._times.get(step)
+        return getattr(times, field) if times is not None else 0
 
 
 class PlannerApi:
@@ -154,7 +170,7 @@ class PlannerApi:
         if problem is not None:
             return errors.error_response(400, errors.BAD_REQUEST, problem)
         self.steps.inc()
-        self.clock.boundary()
+        self.clock.boundary(said["requests"])
         self.step_count += 1
         self.step_prompt_tokens.set(said["prompt_tokens"])
         self.step_requests.set(said["requests"])

@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.role_planner.config import Objective, PlannerConfig, PlannerMode, reserve
-from pdctl.role_planner.decide import Action, Decision, EngineLoad, Observation, RolePlanner, SplitRecord
+from pdctl.role_planner.decide import (
+    Action,
+    ClockedStep,
+    Decision,
+    EngineLoad,
+    Observation,
+    RolePlanner,
+    SplitRecord,
+)
 from pdctl.roles import Role
 
 P, D = Role.PREFILL, Role.DECODE
@@ -629,7 +637,9 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     ahead = planner.decide(stepping(20, (6, 2), 2, 1_000_000, 128))
     told.append(ahead)
     assert ahead.action is Action.SWITCH and ahead.to_role is D and ahead.figures["step_balanced_prefills"] == 5
-    assert ahead.figures["step_times"] == {"6:2": {"secs": 12.0, "size": 128, "unit": "request"}}, ahead.figures
+    assert ahead.figures["step_times"] == {"6:2": {"secs": 12.0, "size": 128, "unit": "request", "clock": "busy"}}, (
+        ahead.figures
+    )
     # The loop switches; until the fleet is at the chosen split (advise mode, a refusal) the step is
     # not the boundary's and the queues keep their rules.
     said["steps"] = 2
@@ -659,7 +669,7 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     assert "last steps by the split" not in other_size.reason, other_size.reason
     restarted = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
     restarted.recall([d.to_dict() for d in told], now_wall=0, now=0)
-    assert restarted.step_times == {(6, 2): (12.0, (128, "request")), (5, 3): (21.0, (128, "request"))}
+    assert restarted.step_times == {(6, 2): (12.0, (128, "request"), "busy"), (5, 3): (21.0, (128, "request"), "busy")}
     # A boundary that could not move (the donors still busy with the last step) chose nothing: the
     # queues keep their rules within that step.
     busy = one_step_at_6_2()
@@ -692,39 +702,52 @@ def test_measured_steps_choose_the_split_a_step_begins_at_and_the_queues_leave_i
     # The balance may try a split never measured, but not while a measured one beat the split now.
     sized = stepping(0, (6, 2), 1, 1_000_000, 128)
     chooser = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
-    chooser.step_times = {(6, 2): (20.0, (128, "request")), (4, 4): (12.0, (128, "request"))}
+    chooser.step_times = {(6, 2): (20.0, (128, "request"), "router"), (4, 4): (12.0, (128, "request"), "router")}
     # (at 6:2 it goes toward 4:4, the fastest, and past it to 3:5, on the side no step measured)
     assert chooser._measured(sized, (6, 2), 5)[0] == 3
     assert chooser._measured(sized, (4, 4), 5) is None  # (at the fastest: 5:3 may be tried)
 
 
 def test_a_step_is_timed_by_the_routers_clock_and_a_balance_past_a_rise_is_not_tried() -> None:
-    """A step's time is the router's (its clients' view: first arrival to last answer) where the
-    boundary's observation has it, else the planner's busy intervals; and the balance's untried
-    split is not tried when a measured split lies between it and the fastest measured (one lowest
-    point: it lies past a rise). The 8-engine agentic path: 4:4 17.1 s, 5:3 16.1 s, the balance
-    saying 3:5."""
-    planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+    """A step that said its requests and sent them all is timed by the router's clock (its clients'
+    view: first arrival to last answer), else by the planner's busy intervals, and the two are not
+    ranked together; the balance's untried split is not tried when a split measured slower than
+    the fastest (beyond 5%) lies between them (one lowest point: it lies past a rise), and the
+    split past the fastest on the side no step measured is tried once. The 8-engine agentic path:
+    4:4 17.1 s, 5:3 16.1 s, the balance saying 3:5."""
 
-    planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))
-    planner.decide(stepping(2, (6, 2), 1, 1_000_000, 128))
-    planner.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))
-    clocked = planner.decide(replace(stepping(20, (6, 2), 2, 1_000_000, 128), last_step_makespan=9.5))
-    assert planner.step_times == {(6, 2): (9.5, (128, "request"))}, planner.step_times
-    assert clocked.figures["step_times"] == {"6:2": {"secs": 9.5, "size": 128, "unit": "request"}}
+    def one_step(clock: ClockedStep | None) -> tuple[RolePlanner, Decision]:
+        """A step of 128 requests at 6:2, busy 12 s, and the boundary after it with ``clock``."""
+        planner = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+        planner.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))
+        planner.decide(stepping(2, (6, 2), 1, 1_000_000, 128))
+        planner.decide(working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)))
+        return planner, planner.decide(replace(stepping(20, (6, 2), 2, 1_000_000, 128), last_step_clock=clock))
+
+    planner, clocked = one_step(ClockedStep(9.5, 128, 17))
+    assert planner.step_times == {(6, 2): (9.5, (128, "request"), "router")}, planner.step_times
+    assert clocked.figures["step_times"] == {"6:2": {"secs": 9.5, "size": 128, "unit": "request", "clock": "router"}}
     assert planner.last_step_secs == 12  # (the busy intervals still bound a step's ownership)
-    unclocked = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
-    for o in (
-        stepping(0, (6, 2), 0, 0, 0, decode_rate=1000),
-        stepping(2, (6, 2), 1, 1_000_000, 128),
-        working(stepping(14, (6, 2), 1, 1_000_000, 128, output=2000)),
-        stepping(20, (6, 2), 2, 1_000_000, 128),  # (some of its requests unanswered: no clock)
-    ):
-        unclocked.decide(o)
-    assert unclocked.step_times == {(6, 2): (12.0, (128, "request"))}, unclocked.step_times
+    # Some of its requests unanswered (no clock), or fewer timed than it said: its busy intervals.
+    for clock in (None, ClockedStep(9.5, 100, 17)):
+        assert one_step(clock)[0].step_times == {(6, 2): (12.0, (128, "request"), "busy")}, clock
+    # A router-clocked step is ranked among router-clocked ones only (a record's busy one aside).
+    planner.step_times[(5, 3)] = (8.0, (128, "request"), "busy")
+    assert planner._times_like(stepping(0, (6, 2), 3, 1_000_000, 128), 8) == {6: 9.5}
+    # A step whose first request came before the boundary's own switch ended measures nothing, also
+    # when its prefills had not begun in the interval after the switch (which the busy intervals see).
+    for age, measured in ((25.0, False), (15.0, True)):
+        late, switch = one_step(ClockedStep(9.5, 128, 17))
+        assert switch.action is Action.SWITCH, switch
+        late.switched(30)  # (the switch ended 20 s before the next boundary)
+        late.decide(stepping(31, (5, 3), 2, 1_000_000, 128, output=100))
+        late.decide(working(stepping(33, (5, 3), 2, 1_000_000, 128, output=2000)))
+        late.decide(working(stepping(40, (5, 3), 2, 1_000_000, 128, output=2000)))
+        late.decide(replace(stepping(50, (5, 3), 3, 1_000_000, 128), last_step_clock=ClockedStep(11.0, 128, age)))
+        assert ((5, 3) in late.step_times) is measured, (age, late.step_times)
 
     chooser = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
-    chooser.step_times = {(5, 3): (16.1, (128, "request")), (4, 4): (17.1, (128, "request"))}
+    chooser.step_times = {(5, 3): (16.1, (128, "request"), "router"), (4, 4): (17.1, (128, "request"), "router")}
     sized = stepping(0, (5, 3), 1, 1_000_000, 128)
     # 3:5 lies past 4:4, slower than 5:3: not tried; 6:2, past 5:3 on the side no step measured, is
     # (the balance naming it or not), once.
@@ -732,14 +755,19 @@ def test_a_step_is_timed_by_the_routers_clock_and_a_balance_past_a_rise_is_not_t
     assert probe is not None and probe[0] == 6 and "6:2 past it, never measured, is tried once" in probe[1], probe
     assert chooser._measured(sized, (5, 3), 6) is None  # (the balance's own untried 6:2: the balance moves)
     assert chooser._measured(stepping(0, (4, 4), 1, 1_000_000, 128), (4, 4), 3)[0] == 6  # (from 4:4 too)
-    chooser.step_times[(6, 2)] = (18.8, (128, "request"))
+    chooser.step_times[(6, 2)] = (18.8, (128, "request"), "router")
     assert chooser._measured(sized, (5, 3), 3) == (
         5,
         "this workload's last steps by the split they began at: 4:4 17.1 s, 5:3 16.1 s, 6:2 18.8 s, so 5:3",
     )
+    # A split between within the noise of the fastest (5%) rules nothing out: the balance's 3:5 is tried.
+    noisy = RolePlanner(PlannerConfig(interval_secs=2, **ONE_EACH))
+    noisy.step_times = {(5, 3): (16.1, (128, "request"), "router"), (4, 4): (16.5, (128, "request"), "router")}
+    assert noisy._measured(sized, (5, 3), 3) is None
     # Past a minimum nothing is tried: the fastest is kept.
     at_least_three = RolePlanner(PlannerConfig(interval_secs=2, min_prefill=1, min_decode=3))
-    at_least_three.step_times = {(5, 3): (16.1, (128, "request")), (4, 4): (17.1, (128, "request"))}
+    at_least_three.step_times = dict(chooser.step_times)
+    del at_least_three.step_times[(6, 2)]
     assert at_least_three._measured(sized, (5, 3), 3)[0] == 5
 
 

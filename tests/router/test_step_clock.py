@@ -45,7 +45,24 @@ def test_a_request_counts_to_the_step_it_arrived_in_and_the_last_answer_ends_it(
     assert seen.previous_step == 2 and seen.previous_step_secs == clock.seconds(2) > 0
     assert clock.seconds(1) == 0  # (only the latest and the one before are kept)
     clock.boundary()  # a step no request arrived in
-    assert _seen(metrics).previous_step_secs == 0
+    seen = _seen(metrics)
+    assert seen.previous_step_secs == 0 and seen.previous_step_requests == 0 and seen.previous_step_age_secs == 0
+
+
+def test_a_step_that_said_its_requests_times_that_many_only() -> None:
+    """Requests past the ones a boundary said (an eval while the trainer trains) are not the step's."""
+    metrics = RouterMetrics()
+    clock = StepClock(metrics)
+    clock.boundary(requests=2)
+    ends = [clock.arrived(), clock.arrived()]
+    assert clock.arrived() is None  # (the third: not the step's, not timed)
+    for end in ends:
+        assert end is not None
+        end()
+    clock.boundary(requests=2)
+    seen = _seen(metrics)
+    assert seen.previous_step_requests == 2 and seen.previous_step_in_flight == 0
+    assert seen.previous_step_age_secs >= seen.previous_step_secs > 0
 
 
 def test_the_router_times_a_step_its_clients_sent(fleet) -> None:  # noqa: F811 (the fixture)
@@ -59,3 +76,4 @@ def test_the_router_times_a_step_its_clients_sent(fleet) -> None:  # noqa: F811 
     seen = RouterSample("up")
     parse_router_metrics(get(url + "/metrics")[1], seen)
     assert seen.previous_step == 1 and seen.previous_step_in_flight == 0 and seen.previous_step_secs > 0, seen
+    assert seen.previous_step_requests == 2, seen
