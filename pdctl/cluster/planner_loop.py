@@ -96,6 +96,7 @@ def observe(state: ClusterState, samples: list[Sample], decoded: set[tuple[str, 
         steps=router.steps if router is not None else 0.0,
         step_prompt_tokens=router.step_prompt_tokens if router is not None else 0.0,
         step_requests=router.step_requests if router is not None else 0.0,
+        step_arrivals=router.step_arrivals if router is not None else 0.0,
         last_step_clock=_clocked(router),
     )
 

@@ -80,6 +80,8 @@ class RouterSample:
     """The prompt tokens the latest announced step said it will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step said it will send (0: not said)."""
+    step_arrivals: float = 0.0
+    """Requests the router timed for the latest announced step so far (its start)."""
     previous_step: float = 0.0
     """The step before the latest announced one (0: none; pdctl.router.planner_api.StepClock)."""
     previous_step_secs: float = 0.0
@@ -178,6 +180,8 @@ def parse_router_metrics(text: str, into: RouterSample) -> None:
                 into.previous_step_secs = s.value
             elif s.name == "pdctl_router_previous_step_in_flight":
                 into.previous_step_in_flight = s.value
+            elif s.name == "pdctl_router_step_arrivals":
+                into.step_arrivals = s.value
             elif s.name == "pdctl_router_previous_step_requests":
                 into.previous_step_requests = s.value
             elif s.name == "pdctl_router_previous_step_age_seconds":

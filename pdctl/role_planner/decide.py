@@ -96,7 +96,8 @@ lowest point may lie there). A step that said its requests and sent that many is
 router's clock, as its clients saw it (its first request's arrival to its last answer:
 pdctl.router.planner_api.StepClock); any other (requests not said, or some unanswered at the
 next boundary) by the planner's busy intervals from the one in which its prefills have computed
-``STEP_BEGUN`` of its announced prompt tokens; the two clocks are not compared. A step whose burst
+``STEP_BEGUN`` of its announced prompt tokens or the router saw its first request; the two clocks
+are not compared. A step whose burst
 was under way as the boundary's own switch ended measures nothing, nor one with a switch within
 it. A step announced with its size keeps the
 split its boundary set (whatever it decided, unless the donors were still busy), once the fleet is
@@ -245,6 +246,9 @@ class Observation:
     """The prompt tokens the latest announced step will prefill (0: not said)."""
     step_requests: float = 0.0
     """The requests the latest announced step will send (0: not said)."""
+    step_arrivals: float = 0.0
+    """Requests of the latest announced step the router has seen arrive (0: none yet, or a router
+    without its clock)."""
     last_step_clock: ClockedStep | None = None
     """The step before the latest announced one as the router's clock timed it; None: not known,
     none of its requests answered, or some not yet."""
@@ -367,7 +371,8 @@ class StepUnderWay:
     busy_secs: float = 0.0
     """Seconds since it was announced in which the fleet prefilled or decoded."""
     start_split: tuple[int, int] | None = None
-    """The split it had in its first busy interval with prefill work (None: not begun)."""
+    """The split it had in its first busy interval with prefill work or, by the router's clock,
+    one of its requests arrived (None: not begun)."""
     busy_before_start: float = 0.0
     """``busy_secs`` before that interval (a last step's tail after the boundary is not this step's)."""
     moved: bool = False
@@ -866,14 +871,16 @@ class RolePlanner:
             if (output > 0 or loads[Role.PREFILL].tokens_per_s > 0) and held > 0:
                 prefill = loads[Role.PREFILL]
                 step.computed_tokens += prefill.tokens_per_s * prefill.engines * secs
-                if (
-                    step.size[0]
-                    and step.start_split is None
-                    and prefill.running > 0
+                prefilled = (
+                    prefill.running > 0
                     and prefill.tokens_per_s > 0
                     and step.computed_tokens >= STEP_BEGUN * step.prompt_tokens
-                ):
-                    # (a step begins with its prefills at work: a last step's decode tail is not it)
+                )
+                arrived = obs.step_arrivals > 0 and obs.steps == self.steps_seen  # (this step's, not the next's)
+                if step.size[0] and step.start_split is None and (prefilled or arrived):
+                    # (a step begins with its prefills at work, or with its first request at the
+                    # router: a last step's decode tail is not it. A step of short prompts sharing
+                    # a prefix, 2.3 s long, showed no prefill work to any 1 s sample)
                     step.start_split = (prefill.engines, loads[Role.DECODE].engines)
                     step.busy_before_start = step.busy_secs
                     if step.boundary_switch_at is not None and self.last_at == step.boundary_switch_at:

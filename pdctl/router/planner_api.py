@@ -63,8 +63,9 @@ class StepClock:
     (its number, 0: none), ``..._seconds`` (0: none answered), ``..._in_flight`` (its requests not
     yet answered: while any are, the seconds are not its makespan yet), ``..._requests`` (the
     requests it timed) and ``..._age_seconds`` (from its first arrival to the scrape: a planner
-    tells by it whether the step's burst came before a switch ended). Nothing is counted before
-    the first boundary."""
+    tells by it whether the step's burst came before a switch ended); and for the latest
+    announced step ``pdctl_router_step_arrivals`` (its requests so far: a planner tells its start
+    by them). Nothing is counted before the first boundary."""
 
     def __init__(self, metrics: RouterMetrics):
         r = metrics.registry
@@ -84,6 +85,9 @@ class StepClock:
         ):
             help_text = what.replace("...", "The step before the latest announced one:")
             Gauge(f"pdctl_router_previous_step{name}", help_text, registry=r).set_function(read)
+        Gauge(
+            "pdctl_router_step_arrivals", "Requests the latest announced step has timed so far", registry=r
+        ).set_function(lambda: self._read(self.step, "arrived"))
 
     def boundary(self, requests: int = 0) -> None:
         """A step boundary was announced, saying it will send ``requests`` (0: not said): requests

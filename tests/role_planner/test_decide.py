@@ -731,6 +731,15 @@ def test_a_step_is_timed_by_the_routers_clock_and_a_balance_past_a_rise_is_not_t
     # Some of its requests unanswered (no clock), or fewer timed than it said: its busy intervals.
     for clock in (None, ClockedStep(9.5, 100, 17)):
         assert one_step(clock)[0].step_times == {(6, 2): (12.0, (128, "request"), "busy")}, clock
+    # A step no sample saw its prefills work in (short prompts sharing a prefix) begins with its
+    # first request at the router; without the router's count it is never begun, so never measured.
+    for arrivals, measured in ((48.0, True), (0.0, False)):
+        short = RolePlanner(PlannerConfig(interval_secs=2, cooldown_secs=0, sustain=2, **ONE_EACH))
+        short.decide(stepping(0, (6, 2), 0, 0, 0, decode_rate=1000))
+        short.decide(stepping(2, (6, 2), 1, 30_000, 48))
+        short.decide(replace(stepping(4, (6, 2), 1, 30_000, 48, output=2000), step_arrivals=arrivals))
+        short.decide(replace(stepping(8, (6, 2), 2, 30_000, 48), last_step_clock=ClockedStep(2.3, 48, 5)))
+        assert short.step_times == ({(6, 2): (2.3, (48, "request"), "router")} if measured else {}), arrivals
     # A router-clocked step is ranked among router-clocked ones only (a record's busy one aside).
     planner.step_times[(5, 3)] = (8.0, (128, "request"), "busy")
     assert planner._times_like(stepping(0, (6, 2), 3, 1_000_000, 128), 8) == {6: 9.5}

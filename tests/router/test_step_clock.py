@@ -56,6 +56,7 @@ def test_a_step_that_said_its_requests_times_that_many_only() -> None:
     clock.boundary(requests=2)
     ends = [clock.arrived(), clock.arrived()]
     assert clock.arrived() is None  # (the third: not the step's, not timed)
+    assert _seen(metrics).step_arrivals == 2  # (the step under way's, which tells a planner its start)
     for end in ends:
         assert end is not None
         end()
